@@ -1,0 +1,26 @@
+"""Masked diffusion: forward process, objectives and the masked-only loss."""
+
+from unmask.diffusion.config import DiffusionConfig
+from unmask.diffusion.loss import chunked_cross_entropy
+from unmask.diffusion.noise import loss_weight, mask_prob, mask_tokens, sample_t
+from unmask.diffusion.objectives import (
+    MaskedDiffusionObjective,
+    Objective,
+    ObjectiveOutput,
+    build_objective,
+    mdlm_loss_terms,
+)
+
+__all__ = [
+    "DiffusionConfig",
+    "MaskedDiffusionObjective",
+    "Objective",
+    "ObjectiveOutput",
+    "build_objective",
+    "chunked_cross_entropy",
+    "loss_weight",
+    "mask_prob",
+    "mask_tokens",
+    "mdlm_loss_terms",
+    "sample_t",
+]

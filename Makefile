@@ -1,0 +1,41 @@
+# Every target creates .venv when missing: torch==2.13.0 first (a local CPU build; an
+# unpinned torch would pull gigabytes of CUDA wheels), then the package with its extras.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-unmask
+
+.PHONY: quickstart test test-fast lint format bench clean-venv
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e ".[dev,lora,plot]"
+	touch $(STAMP)
+
+quickstart: $(STAMP)
+	$(BIN)/unmask train train.output_dir=runs/quickstart train.overwrite_output_dir=true
+	$(BIN)/unmask generate --model runs/quickstart/final --prompt "rev 90417=" --gen-length 8
+	$(BIN)/unmask generate --model runs/quickstart/final --prompt "add 58+67=" --gen-length 8
+
+test: $(STAMP)
+	$(BIN)/pytest -q tests
+
+test-fast: $(STAMP)
+	$(BIN)/pytest -q tests -m "not slow"
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: $(STAMP)
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/masked_loss_memory.py
+	$(BIN)/python benchmarks/muon.py
+
+clean-venv:
+	rm -rf $(VENV)

@@ -1,0 +1,56 @@
+import pytest
+import yaml
+
+TINY = {
+    "model": {
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "vocab_size": 128,
+    },
+    "data": {
+        "dataset": "synthetic",
+        "packing": False,
+        "packing_length": 20,
+        "synthetic_train_size": 256,
+        "synthetic_eval_size": 32,
+    },
+    "optim": {"learning_rate": 3e-3, "lr_scheduler_type": "linear", "warmup_steps": 2},
+    "train": {
+        "max_steps": 6,
+        "per_device_train_batch_size": 8,
+        "per_device_eval_batch_size": 16,
+        "logging_steps": 1,
+        "eval_steps": 3,
+        "eval_max_batches": 1,
+        "save_steps": 3,
+        "disable_tqdm": True,
+    },
+    "eval": {"generate_accuracy": False},
+}
+
+
+def deep_update(base: dict, extra: dict) -> dict:
+    out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in base.items()}
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = deep_update(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+@pytest.fixture
+def tiny_config(tmp_path):
+    """Write a tiny run config; returns a function (extra dict) -> config path."""
+
+    def make(extra: dict | None = None, name: str = "run.yaml"):
+        tree = deep_update(TINY, {"train": {"output_dir": str(tmp_path / "run")}})
+        tree = deep_update(tree, extra or {})
+        path = tmp_path / name
+        path.write_text(yaml.safe_dump(tree))
+        return path
+
+    return make

@@ -1,0 +1,84 @@
+from pathlib import Path
+
+import pytest
+import yaml
+
+from unmask.config import (
+    RunConfig,
+    dump_config,
+    load_config,
+    parse_override,
+    quickstart_yaml,
+    validate_tree,
+)
+from unmask.errors import InputError
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_quickstart_loads_and_matches_the_shown_copy():
+    cfg = load_config(None)
+    assert isinstance(cfg, RunConfig)
+    assert (REPO / "configs" / "quickstart.yaml").read_text() == quickstart_yaml()
+
+
+def test_overrides_are_yaml_scalars_and_nested():
+    assert parse_override("train.max_steps=10") == (["train", "max_steps"], 10)
+    assert parse_override("optim.learning_rate=3e-4")[1] in ("3e-4", 3e-4)
+    cfg = load_config(None, ["train.max_steps=7", "optim.learning_rate=3e-4", "train.bf16=true"])
+    assert cfg.train.max_steps == 7
+    assert cfg.optim.learning_rate == pytest.approx(3e-4)
+    assert cfg.train.bf16 is True
+
+
+def test_unknown_key_names_nearest_valid_key():
+    with pytest.raises(
+        InputError, match=r"unknown config key 'train.max_step' .*'train.max_steps'"
+    ):
+        load_config(None, ["train.max_step=3"])
+    with pytest.raises(InputError, match=r"'optim.learning_rate'"):
+        validate_tree({"train": {"learning_rate": 1e-3}})
+    with pytest.raises(InputError, match=r"unknown config key 'trian' .*'train'"):
+        validate_tree({"trian": {}})
+
+
+def test_wrong_type_names_key_and_value():
+    with pytest.raises(InputError, match=r"bad value for config key 'train.max_steps'.*'ten'"):
+        load_config(None, ["train.max_steps=ten"])
+
+
+def test_missing_and_malformed_files(tmp_path):
+    with pytest.raises(InputError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train: [unclosed\n")
+    with pytest.raises(InputError, match="not valid YAML"):
+        load_config(bad)
+    listy = tmp_path / "list.yaml"
+    listy.write_text("- a\n- b\n")
+    with pytest.raises(InputError, match="mapping"):
+        load_config(listy)
+
+
+def test_dump_round_trips(tmp_path):
+    cfg = load_config(None, ["train.max_steps=5", "train.report_to=tensorboard"])
+    path = tmp_path / "c.yaml"
+    path.write_text(dump_config(cfg))
+    again = load_config(path)
+    assert again == cfg
+    assert yaml.safe_load(path.read_text())["train"]["report_to"] == ["tensorboard"]
+
+
+def test_fractional_steps_accepted():
+    cfg = load_config(None, ["train.logging_steps=0.25", "optim.warmup_steps=0.1"])
+    assert cfg.train.logging_steps == 0.25
+    assert cfg.optim.warmup_steps == 0.1
+
+
+def test_every_field_documented_and_reference_in_sync():
+    from unmask.config import reference_markdown
+
+    for name, field in RunConfig.model_fields.items():
+        for key, sub in field.annotation.model_fields.items():
+            assert sub.description, f"{name}.{key} has no docstring"
+    assert (REPO / "docs" / "configuration.md").read_text() == reference_markdown()

@@ -1,0 +1,251 @@
+"""Native diffusion transformer: masks, positions, backends, loss path, resize, errors."""
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from unmask.errors import InputError
+from unmask.models import (
+    MODEL_BUILDERS,
+    DiffusionTransformer,
+    ModelConfig,
+    build_model,
+    config_from_hf,
+    from_pretrained,
+    hf_config_dict,
+)
+from unmask.models.transformer import document_positions
+
+VOCAB = 61
+
+
+def _model(**overrides) -> DiffusionTransformer:
+    torch.manual_seed(0)
+    fields = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rope_theta=1e4,
+        initializer_range=0.2,  # large enough that attention patterns matter
+    )
+    return build_model(ModelConfig(**(fields | overrides))).eval()
+
+
+def _ids(batch: int, length: int, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+DOCS = torch.tensor([[0] * 7 + [1] * 9 + [2] * 4, [5] * 12 + [3] * 8])  # (2, 20)
+
+
+def test_parameter_names_are_hf_qwen3_keys():
+    model = _model(num_hidden_layers=1)
+    layer = "model.layers.0."
+    expected = {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"}
+    expected |= {f"{layer}self_attn.{p}_proj.weight" for p in "qkvo"}
+    expected |= {f"{layer}self_attn.{n}_norm.weight" for n in "qk"}
+    expected |= {f"{layer}mlp.{p}_proj.weight" for p in ("gate", "up", "down")}
+    expected |= {f"{layer}input_layernorm.weight", f"{layer}post_attention_layernorm.weight"}
+    assert set(model.state_dict()) == expected
+    assert MODEL_BUILDERS["qwen3_dllm"] is DiffusionTransformer
+
+
+def test_init_statistics():
+    model = _model(initializer_range=0.02, hidden_size=64, intermediate_size=256)
+    std = model.model.layers[0].mlp.up_proj.weight.std().item()
+    assert abs(std - 0.02) < 0.002
+    assert torch.equal(model.model.norm.weight, torch.ones(64))
+
+
+def test_document_positions_restart():
+    expected = list(range(7)) + list(range(9)) + list(range(4))
+    assert document_positions(DOCS)[0].tolist() == expected
+    assert document_positions(DOCS)[1].tolist() == list(range(12)) + list(range(8))
+
+
+def test_default_positions_are_explicit_positions():
+    model, ids = _model(), _ids(2, 20)
+    with torch.no_grad():
+        explicit = model(ids, doc_ids=DOCS, position_ids=document_positions(DOCS))
+        assert torch.equal(model(ids, doc_ids=DOCS), explicit)
+        plain = model(ids, position_ids=torch.arange(20).expand(2, 20))
+        assert torch.equal(model(ids), plain)
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "flex"])
+def test_documents_do_not_see_each_other(backend):
+    model, ids = _model(attn_implementation=backend), _ids(2, 20)
+    changed = ids.clone()
+    changed[0, 7:16] = (changed[0, 7:16] + 5) % VOCAB  # rewrite document 1 of row 0
+    with torch.no_grad():
+        before, after = model(ids, doc_ids=DOCS), model(changed, doc_ids=DOCS)
+    assert (after[0, 7:16] - before[0, 7:16]).abs().max() > 1e-3  # doc 1 itself changed
+    assert (after[0, :7] - before[0, :7]).abs().max() <= 1e-6
+    assert (after[0, 16:] - before[0, 16:]).abs().max() <= 1e-6
+    assert torch.equal(after[1], before[1])
+    with torch.no_grad():  # without doc_ids the same edit reaches every position
+        full_before, full_after = model(ids), model(changed)
+    assert (full_after[0, :7] - full_before[0, :7]).abs().max() > 1e-4
+
+
+def test_packed_row_equals_documents_run_alone():
+    model, ids = _model(), _ids(2, 20)
+    with torch.no_grad():
+        packed = model(ids, doc_ids=DOCS)
+        for row, spans in ((0, [(0, 7), (7, 16), (16, 20)]), (1, [(0, 12), (12, 20)])):
+            for start, end in spans:
+                alone = model(ids[row : row + 1, start:end])[0]
+                assert (packed[row, start:end] - alone).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_sdpa_and_flex_agree(packed):
+    sdpa, flex = _model(attn_implementation="sdpa"), _model(attn_implementation="flex")
+    ids, docs = _ids(2, 20), (DOCS if packed else None)
+    with torch.no_grad():
+        assert (sdpa(ids, doc_ids=docs) - flex(ids, doc_ids=docs)).abs().max() <= 1e-5
+
+
+def test_targets_path_matches_full_cross_entropy_and_grads():
+    ids = _ids(2, 20)
+    targets = _ids(2, 20, seed=7)
+    targets[torch.rand(2, 20, generator=torch.Generator().manual_seed(3)) < 0.5] = -100
+    ours, ref = _model(), _model()
+
+    losses = ours(ids, doc_ids=DOCS, targets=targets, vocab_chunk=16)  # 4 vocab chunks
+    logits = ref(ids, doc_ids=DOCS)
+    selected = targets != -100
+    expected = F.cross_entropy(logits[selected], targets[selected], reduction="none")
+    assert losses.shape == (2, 20) and losses.dtype == torch.float32
+    assert torch.equal(losses[~selected], torch.zeros(int((~selected).sum())))
+    assert (losses[selected] - expected).abs().max() <= 1e-5
+
+    losses.sum().backward()
+    expected.sum().backward()
+    ref_grads = dict(ref.named_parameters())
+    for name, param in ours.named_parameters():
+        assert (param.grad - ref_grads[name].grad).abs().max() <= 1e-5, name
+
+
+def test_all_ignored_targets_give_zero_loss_and_zero_grads():
+    model = _model()
+    losses = model(_ids(1, 8), targets=torch.full((1, 8), -100))
+    assert torch.equal(losses, torch.zeros(1, 8))
+    losses.sum().backward()
+    assert torch.equal(model.lm_head.weight.grad, torch.zeros_like(model.lm_head.weight))
+
+
+def test_gradient_checkpointing_gives_same_grads():
+    plain, ckpt = _model(), _model()
+    ckpt.gradient_checkpointing = True
+    ids, targets = _ids(2, 20), _ids(2, 20, seed=4)
+    plain(ids, doc_ids=DOCS, targets=targets).sum().backward()
+    ckpt(ids, doc_ids=DOCS, targets=targets).sum().backward()
+    ckpt_grads = dict(ckpt.named_parameters())
+    for name, param in plain.named_parameters():
+        assert torch.allclose(param.grad, ckpt_grads[name].grad, atol=1e-6), name
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_resize_token_embeddings_mean_init(tied):
+    model = _model(tie_word_embeddings=tied)
+    old_embed = model.model.embed_tokens.weight.detach().clone()
+    old_head = model.lm_head.weight.detach().clone()
+    model.resize_token_embeddings(VOCAB + 3)
+
+    embed, head = model.model.embed_tokens.weight, model.lm_head.weight
+    assert model.config.vocab_size == VOCAB + 3 and embed.shape == (VOCAB + 3, 32)
+    assert torch.equal(embed[:VOCAB], old_embed)
+    assert torch.allclose(embed[VOCAB:], old_embed.mean(0).expand(3, 32), atol=1e-7)
+    assert torch.equal(head[:VOCAB], old_head)
+    assert torch.allclose(head[VOCAB:], old_head.mean(0).expand(3, 32), atol=1e-7)
+    assert (head is embed) == tied
+    assert model(_ids(1, 5)).shape == (1, 5, VOCAB + 3)
+
+
+def test_tied_embeddings_share_storage():
+    model = _model(tie_word_embeddings=True)
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    names = [name for name, _ in model.named_parameters()]
+    assert "lm_head.weight" not in names and "model.embed_tokens.weight" in names
+    untied = _model()
+    assert model.num_parameters() == untied.num_parameters() - VOCAB * 32
+
+
+def test_bf16_autocast_close_to_fp32():
+    model, ids = _model(), _ids(2, 20)
+    with torch.no_grad():
+        reference = model(ids, doc_ids=DOCS)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            low = model(ids, doc_ids=DOCS)
+            losses = model(ids, doc_ids=DOCS, targets=ids)
+    assert low.dtype == torch.bfloat16 and losses.dtype == torch.float32
+    scale = reference.abs().max()
+    assert (low.float() - reference).abs().max() <= 0.05 * scale
+    assert torch.isfinite(losses).all()
+
+
+def test_save_and_reload_roundtrip(tmp_path):
+    model = _model(tie_word_embeddings=True)
+    model.save_pretrained(tmp_path / "out")
+    cfg = ModelConfig(pretrained=str(tmp_path / "out"), attn_implementation="sdpa")
+    again = build_model(cfg)
+    assert again.config.attn_implementation == "sdpa"
+    for key, tensor in model.state_dict().items():
+        assert torch.equal(tensor, again.state_dict()[key]), key
+    as_bf16 = from_pretrained(tmp_path / "out", dtype=torch.bfloat16)
+    assert as_bf16.model.norm.weight.dtype == torch.bfloat16
+
+
+def test_config_mapping_roundtrip():
+    cfg = ModelConfig(vocab_size=50, head_dim=8, rope_theta=5e5, tie_word_embeddings=True)
+    hf = hf_config_dict(cfg)
+    assert hf["rope_parameters"] == {"rope_type": "default", "rope_theta": 5e5}
+    assert config_from_hf(hf) == cfg
+    legacy = {k: v for k, v in hf.items() if k != "rope_parameters"}
+    assert config_from_hf(legacy).rope_theta == 5e5
+    assert ModelConfig().resolved_head_dim == 32
+
+
+def _write_folder(folder, config=None):
+    folder.mkdir()
+    if config is not None:
+        (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def test_error_messages(tmp_path):
+    with pytest.raises(InputError, match="does not exist; set model.pretrained"):
+        from_pretrained(tmp_path / "nowhere")
+    with pytest.raises(InputError, match="config.json' is missing"):
+        from_pretrained(_write_folder(tmp_path / "empty"))
+    llama = hf_config_dict(ModelConfig()) | {"model_type": "llama"}
+    with pytest.raises(InputError, match="model_type 'llama' is not supported"):
+        from_pretrained(_write_folder(tmp_path / "llama", llama))
+    with pytest.raises(InputError, match="no weights in .*expected model.safetensors"):
+        from_pretrained(_write_folder(tmp_path / "noweights", hf_config_dict(ModelConfig())))
+    yarn = hf_config_dict(ModelConfig()) | {"rope_parameters": {"rope_type": "yarn"}}
+    with pytest.raises(InputError, match="RoPE scaling type 'yarn' is not supported"):
+        config_from_hf(yarn)
+
+
+def test_mismatched_weights_error(tmp_path):
+    _model().save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["num_hidden_layers"] = 3
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(InputError, match="do not match config.json: missing .*layers.2"):
+        from_pretrained(tmp_path)
+
+
+def test_config_rejects_unknown_keys_and_bad_heads():
+    with pytest.raises(ValueError, match="num_hidden_layer"):
+        ModelConfig(num_hidden_layer=2)
+    with pytest.raises(ValueError, match="multiple of num_key_value_heads"):
+        ModelConfig(num_attention_heads=4, num_key_value_heads=3)
+    assert ModelConfig.model_fields["rope_theta"].description.startswith("RoPE base")

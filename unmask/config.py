@@ -1,0 +1,179 @@
+"""One YAML file = one run: the schema, loading, command-line overrides, error messages.
+
+Each component owns its section class (models.ModelConfig, data.DataConfig, ...); this
+module only composes them, applies `section.key=value` overrides and turns validation
+errors into one line that names the key and the nearest valid one.
+"""
+
+import difflib
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from unmask.data.config import DataConfig
+from unmask.diffusion.config import DiffusionConfig
+from unmask.errors import InputError
+from unmask.models.config import ModelConfig
+from unmask.optim.config import OptimConfig
+from unmask.sampling.config import EvalConfig
+from unmask.train.config import TrainConfig
+
+QUICKSTART = "quickstart.yaml"
+
+
+class RunConfig(BaseModel):
+    """A complete run: one section per component."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    """The network: architecture fields or a local pretrained folder."""
+    data: DataConfig = Field(default_factory=DataConfig)
+    """Where the text comes from, the tokenizer, and how rows are built."""
+    diffusion: DiffusionConfig = Field(default_factory=DiffusionConfig)
+    """The forward (noising) process and the training objective."""
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    """Optimizer (AdamW or Muon + AdamW) and learning-rate schedule."""
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    """The training loop, logging and checkpoints."""
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    """Generation-based evaluation after training."""
+
+
+def _model_at(model: type[BaseModel], path: tuple) -> type[BaseModel] | None:
+    """The pydantic class that owns the key at `path` (all but its last element)."""
+    for part in path[:-1]:
+        field = model.model_fields.get(part) if isinstance(part, str) else None
+        if field is None or not isinstance(field.annotation, type):
+            return None
+        if not issubclass(field.annotation, BaseModel):
+            return None
+        model = field.annotation
+    return model
+
+
+def _suggest(model: type[BaseModel], key: str, prefix: str) -> str:
+    """' (did you mean ...?)' from the same section, else from any other section."""
+    close = difflib.get_close_matches(key, list(model.model_fields), n=1, cutoff=0.6)
+    if close:
+        return f" (did you mean '{prefix}{close[0]}'?)"
+    for name, field in RunConfig.model_fields.items():
+        section = field.annotation
+        if key in section.model_fields:
+            return f" (it belongs in section '{name}': '{name}.{key}')"
+    return ""
+
+
+def _describe(err: ValidationError, root: type[BaseModel]) -> str:
+    first = err.errors()[0]
+    loc = tuple(first["loc"])
+    dotted = ".".join(str(p) for p in loc)
+    if first["type"] == "extra_forbidden":
+        owner = _model_at(root, loc) or root
+        prefix = ".".join(str(p) for p in loc[:-1])
+        prefix = prefix + "." if prefix else ""
+        hint = _suggest(owner, str(loc[-1]), prefix)
+        return f"unknown config key '{dotted}'{hint}"
+    got = first.get("input")
+    shown = repr(got) if not isinstance(got, dict) else "a mapping"
+    return f"bad value for config key '{dotted}': {first['msg']} (got {shown})"
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """'train.max_steps=10' -> (['train', 'max_steps'], 10); values are YAML scalars."""
+    if "=" not in text:
+        raise InputError(f"override {text!r} is not of the form section.key=value")
+    key, raw = text.split("=", 1)
+    parts = key.strip().split(".")
+    if not all(parts):
+        raise InputError(f"override {text!r} has an empty key part; write section.key=value")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError:
+        value = raw
+    return parts, value
+
+
+def apply_override(tree: dict, parts: list[str], value: Any) -> None:
+    node = tree
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise InputError(f"cannot set '{'.'.join(parts)}': '{part}' is not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def read_yaml(path: str | Path) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(f"config file {str(path)!r} does not exist; pass a YAML file path")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        line = getattr(getattr(exc, "problem_mark", None), "line", None)
+        where = f" at line {line + 1}" if line is not None else ""
+        raise InputError(f"config file {str(path)!r} is not valid YAML{where}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise InputError(f"config file {str(path)!r} must hold a mapping of sections")
+    return data
+
+
+def quickstart_yaml() -> str:
+    return resources.files("unmask.configs").joinpath(QUICKSTART).read_text()
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
+    """Read YAML (the packaged quickstart when `path` is None), apply overrides, validate."""
+    tree = read_yaml(path) if path is not None else yaml.safe_load(quickstart_yaml())
+    for text in overrides or []:
+        apply_override(tree, *parse_override(text))
+    return validate_tree(tree)
+
+
+def validate_tree(tree: dict) -> RunConfig:
+    try:
+        return RunConfig.model_validate(tree)
+    except ValidationError as err:
+        raise InputError(_describe(err, RunConfig)) from None
+
+
+def dump_config(cfg: RunConfig) -> str:
+    """The resolved config as YAML, readable back by load_config."""
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+
+
+def reference_markdown() -> str:
+    """docs/configuration.md's key tables, generated from the field docstrings."""
+    lines = [
+        "# Configuration reference",
+        "",
+        "One YAML file describes one run. Every key below can be overridden on the command",
+        "line as `section.key=value` (values are YAML scalars: `train.bf16=true`,",
+        "`optim.learning_rate=3e-4`). An unknown key is an error naming the nearest valid",
+        "key. The resolved config is written to `output_dir/config.yaml`.",
+        "",
+        "This page is generated from the code (`python -m unmask.config > docs/configuration.md`);",
+        "a test keeps it in sync.",
+        "",
+    ]
+    for name, field in RunConfig.model_fields.items():
+        section = field.annotation
+        lines += [f"## `{name}`", "", field.description or "", ""]
+        lines += ["| key | default | meaning |", "| --- | --- | --- |"]
+        for key, sub in section.model_fields.items():
+            default = sub.get_default(call_default_factory=True)
+            shown = yaml.safe_dump(default, default_flow_style=True).strip().removesuffix("...")
+            meaning = (sub.description or "").replace("\n", " ").replace("|", "\\|")
+            lines.append(f"| `{key}` | `{shown.strip()}` | {meaning} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(reference_markdown(), end="")

@@ -1,0 +1,84 @@
+"""The `data:` section of a run config: where documents come from and how they become rows."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class DataConfig(BaseModel):
+    """Data source, tokenizer and row layout for one run."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    dataset: str = "synthetic"
+    """"synthetic" (built-in offline tasks) or a local path: a .txt file (one document per
+    non-empty line), .jsonl/.json, .parquet, a folder written by `save_to_disk` (the "train"
+    split of a DatasetDict), or a folder of such files."""
+
+    dataset_format: Literal["auto", "text", "jsonl", "parquet", "hf_dataset"] = "auto"
+    """How to read `dataset`; "auto" guesses from the file extension or folder contents."""
+
+    text_field: str = "text"
+    """Column holding a plain document."""
+
+    prompt_field: str = "prompt"
+    """Column holding the prompt of a prompt/answer pair (kept clean, never masked)."""
+
+    response_field: str = "response"
+    """Column holding the answer of a prompt/answer pair (the part the loss trains)."""
+
+    eval_dataset: str | None = None
+    """Separate local eval data (same formats as `dataset`); None holds out `eval_split`."""
+
+    eval_split: float = Field(default=0.05, ge=0)
+    """Documents held out for eval when `eval_dataset` is None: a fraction < 1, or a count
+    when >= 1. A document is never in both train and eval."""
+
+    tokenizer: str = "char"
+    """"char" (built-in character tokenizer) or a local Hugging Face tokenizer folder."""
+
+    packing_length: int = Field(default=256, ge=2)
+    """Row length in tokens."""
+
+    packing: bool = True
+    """True: concatenate documents (EOS after each) and cut into rows, with per-token document
+    ids. False: one example per row, truncated, then padded with EOS to `packing_length`."""
+
+    supervise_padding: bool = True
+    """Padded rows only: the EOS padding after an answer is maskable (trained, as in LLaDA
+    SFT), which teaches the model where the answer ends. False keeps padding out of the loss."""
+
+    synthetic_tasks: list[Literal["reverse", "sort", "add"]] = ["reverse", "sort", "add"]
+    """Built-in tasks used when `dataset` is "synthetic"."""
+
+    synthetic_min_digits: int = Field(default=2, ge=1)
+    """Shortest digit string (reverse, sort); addition operands scale with it."""
+
+    synthetic_max_digits: int = Field(default=6, ge=1)
+    """Longest digit string (reverse, sort); addition operands scale with it."""
+
+    synthetic_train_size: int = Field(default=50000, ge=1)
+    """Number of synthetic training examples."""
+
+    synthetic_eval_size: int = Field(default=300, ge=1)
+    """Number of held-out synthetic examples (prompts never seen in training)."""
+
+    seed: int = 0
+    """Seed for the eval split, synthetic examples and shuffling."""
+
+    @model_validator(mode="after")
+    def _check_ranges(self) -> DataConfig:
+        if self.synthetic_min_digits > self.synthetic_max_digits:
+            raise ValueError(
+                f"synthetic_min_digits={self.synthetic_min_digits} is above "
+                f"synthetic_max_digits={self.synthetic_max_digits}"
+            )
+        if self.eval_split >= 1 and self.eval_split != int(self.eval_split):
+            raise ValueError(
+                f"eval_split={self.eval_split}: use a fraction below 1 or a whole count of documents"
+            )
+        if not self.synthetic_tasks:
+            raise ValueError("synthetic_tasks is empty; name at least one of reverse, sort, add")
+        return self

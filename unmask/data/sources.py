@@ -1,0 +1,170 @@
+"""Read local data into records: {"text": str} documents or {"prompt": str, "response": str} pairs.
+
+Formats: .txt (one document per non-empty line), .jsonl/.json, .parquet, a folder written by
+`datasets` `save_to_disk` (the "train" split of a DatasetDict), or a folder of such files.
+Everything is local: `datasets` runs offline and its cache goes to a temporary folder, never
+beside the user's data.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from unmask.errors import InputError
+
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+Record = dict[str, str]
+FORMAT_BY_SUFFIX = {".txt": "text", ".text": "text", ".jsonl": "jsonl", ".json": "jsonl"}
+FORMAT_BY_SUFFIX[".parquet"] = "parquet"
+ACCEPTED = (
+    ".txt (one document per line), .jsonl/.json, .parquet, a save_to_disk folder, "
+    "or a folder of such files"
+)
+_HF_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
+
+
+def load_records(
+    path: str | Path,
+    dataset_format: str = "auto",
+    text_field: str = "text",
+    prompt_field: str = "prompt",
+    response_field: str = "response",
+) -> list[Record]:
+    """All records of a local dataset, in file order.
+
+    Rows holding both `prompt_field` and `response_field` become prompt/answer pairs; other
+    rows must hold `text_field`. Empty documents are skipped; zero documents is an error.
+    """
+    source = Path(path).expanduser()
+    if not source.exists():
+        raise InputError(f"data: dataset path {str(path)!r} does not exist; accepted: {ACCEPTED}")
+    rows = list(_read_rows(source, dataset_format))
+    records = _to_records(rows, str(path), text_field, prompt_field, response_field)
+    if not records:
+        raise InputError(
+            f"data: dataset {str(path)!r} holds 0 documents; give a file with at least one "
+            "non-empty document"
+        )
+    return records
+
+
+def detect_format(path: Path) -> str:
+    """ "text", "jsonl", "parquet", "hf_dataset" or "folder" (a folder of data files)."""
+    if path.is_dir():
+        if any((path / marker).is_file() for marker in _HF_MARKERS):
+            return "hf_dataset"
+        return "folder"
+    fmt = FORMAT_BY_SUFFIX.get(path.suffix.lower())
+    if fmt is None:
+        raise InputError(
+            f"data: cannot tell the format of {str(path)!r} (extension {path.suffix!r}); "
+            f"accepted: {ACCEPTED}, or set data.dataset_format"
+        )
+    return fmt
+
+
+def _read_rows(path: Path, dataset_format: str) -> Iterable[dict[str, Any]]:
+    fmt = detect_format(path) if dataset_format == "auto" else dataset_format
+    if path.is_dir() and fmt not in ("hf_dataset", "folder"):
+        return _read_folder(path, only=fmt)
+    if fmt == "folder":
+        return _read_folder(path, only=None)
+    if fmt == "text":
+        return _read_text(path)
+    if fmt in ("jsonl", "parquet"):
+        return _read_with_builder(path, "json" if fmt == "jsonl" else "parquet")
+    if fmt == "hf_dataset":
+        return _read_saved_dataset(path)
+    raise InputError(
+        f"data.dataset_format: unknown format {dataset_format!r}; accepted: {ACCEPTED}"
+    )
+
+
+def _read_folder(folder: Path, only: str | None) -> list[dict[str, Any]]:
+    """Every data file under `folder` (sorted by path), optionally of one format only."""
+    files = sorted(p for p in folder.rglob("*") if p.is_file() and p.suffix in FORMAT_BY_SUFFIX)
+    if only is not None:
+        files = [p for p in files if FORMAT_BY_SUFFIX[p.suffix] == only]
+    if not files:
+        raise InputError(f"data: folder {str(folder)!r} holds no data files; accepted: {ACCEPTED}")
+    rows: list[dict[str, Any]] = []
+    for file in files:
+        rows.extend(_read_rows(file, FORMAT_BY_SUFFIX[file.suffix]))
+    return rows
+
+
+def _read_text(path: Path) -> list[dict[str, Any]]:
+    with open(path, encoding="utf-8") as f:
+        return [{"text": line.rstrip("\r\n")} for line in f if line.strip()]
+
+
+def _read_with_builder(path: Path, builder: str) -> list[dict[str, Any]]:
+    """jsonl/json/parquet through `datasets`, cached in a temporary folder, kept in memory."""
+    import datasets
+
+    if path.stat().st_size == 0:
+        return []
+    with tempfile.TemporaryDirectory(prefix="unmask-datasets-") as cache:
+        try:
+            ds = datasets.load_dataset(
+                builder,
+                data_files=str(path),
+                split="train",
+                cache_dir=cache,
+                keep_in_memory=True,
+            )
+        except Exception as exc:  # datasets raises many types for a malformed file
+            raise InputError(
+                f"data: cannot read {str(path)!r} as {builder}: {_first_line(exc)}"
+            ) from exc
+        return ds.to_list()
+
+
+def _read_saved_dataset(path: Path) -> list[dict[str, Any]]:
+    import datasets
+
+    try:
+        ds = datasets.load_from_disk(str(path), keep_in_memory=True)
+    except Exception as exc:
+        raise InputError(
+            f"data: cannot load dataset folder {str(path)!r}: {_first_line(exc)}"
+        ) from exc
+    if isinstance(ds, datasets.DatasetDict):
+        if "train" not in ds:
+            raise InputError(
+                f"data: dataset folder {str(path)!r} has no 'train' split "
+                f"(splits: {', '.join(ds)}); save the training split as 'train'"
+            )
+        ds = ds["train"]
+    return ds.to_list()
+
+
+def _to_records(
+    rows: list[dict[str, Any]], where: str, text_field: str, prompt_field: str, response_field: str
+) -> list[Record]:
+    records: list[Record] = []
+    for row in rows:
+        prompt, response = row.get(prompt_field), row.get(response_field)
+        if prompt is not None and response is not None:
+            records.append({"prompt": str(prompt), "response": str(response)})
+            continue
+        if text_field not in row:
+            raise InputError(
+                f"data: rows of {where!r} have no {text_field!r} field (fields: "
+                f"{', '.join(map(str, row))}); set data.text_field, or data.prompt_field and "
+                "data.response_field"
+            )
+        text = row[text_field]
+        if text is not None and str(text) != "":
+            records.append({"text": str(text)})
+    return records
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

@@ -1,0 +1,101 @@
+"""The masked-diffusion forward process: noise levels, schedules, weights and masking.
+
+Pure functions of tensors and a torch.Generator, so tests can pin every formula.
+Notation follows design/DIFFUSION.md: alpha(t) is the probability a token stays clean,
+so a token is masked with probability 1 - alpha(t).
+"""
+
+import math
+
+import torch
+
+
+def sample_t(
+    batch_size: int,
+    method: str = "uniform",
+    eps: float = 1e-3,
+    generator: torch.Generator | None = None,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """Noise level per row, (B,) float32 in [eps, 1).
+
+    `uniform`: t = (1 - eps) u + eps with u ~ U[0, 1) i.i.d.
+    `antithetic`: one u, then u_i = (u + i / B) mod 1 (stratified; lower variance).
+    """
+    if method == "uniform":
+        u = torch.rand(batch_size, generator=generator, device=device)
+    elif method == "antithetic":
+        u0 = torch.rand(1, generator=generator, device=device)
+        offsets = torch.arange(batch_size, device=device, dtype=torch.float32) / batch_size
+        u = torch.remainder(u0 + offsets, 1.0)
+    else:
+        raise ValueError(f"unknown t sampling method {method!r}; expected uniform or antithetic")
+    return (1.0 - eps) * u + eps
+
+
+def mask_prob(t: torch.Tensor, schedule: str = "linear") -> torch.Tensor:
+    """Probability 1 - alpha(t) that a token is masked at noise level t (same shape as t)."""
+    if schedule == "linear":
+        return t
+    if schedule == "cosine":
+        return 1.0 - torch.cos(0.5 * math.pi * t)
+    raise ValueError(f"unknown schedule {schedule!r}; expected linear or cosine")
+
+
+def loss_weight(t: torch.Tensor, kind: str = "inverse_t", schedule: str = "linear") -> torch.Tensor:
+    """Weight of a masked token's cross-entropy at noise level t (same shape as t).
+
+    `inverse_t`: 1/t. `scheduler`: -alpha'(t) / (1 - alpha(t)) (1/t for linear;
+    (pi/2) sin(pi t/2) / (1 - cos(pi t/2)) for cosine). `uniform`: 1.
+    """
+    if kind == "inverse_t":
+        return 1.0 / t
+    if kind == "uniform":
+        return torch.ones_like(t)
+    if kind == "scheduler":
+        if schedule == "linear":
+            return 1.0 / t
+        if schedule == "cosine":
+            half_pi = 0.5 * math.pi
+            return half_pi * torch.sin(half_pi * t) / (1.0 - torch.cos(half_pi * t))
+        raise ValueError(f"unknown schedule {schedule!r}; expected linear or cosine")
+    raise ValueError(f"unknown loss weight {kind!r}; expected inverse_t, scheduler or uniform")
+
+
+def mask_tokens(
+    input_ids: torch.Tensor,
+    t: torch.Tensor,
+    maskable: torch.Tensor,
+    mask_id: int,
+    generator: torch.Generator | None = None,
+    schedule: str = "linear",
+    min_masked: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mask each maskable position independently with probability mask_prob(t_row).
+
+    input_ids (B, L) long, t (B,), maskable (B, L) bool.
+    Returns (noisy_ids (B, L) with mask_id at masked positions, masked (B, L) bool).
+    With min_masked >= 1, a row with maskable positions but none masked gets one
+    maskable position, chosen uniformly, masked.
+    """
+    p = mask_prob(t, schedule).to(torch.float32)[:, None]  # (B, 1)
+    u = torch.rand(input_ids.shape, generator=generator, device=input_ids.device)
+    masked = (u < p) & maskable
+    if min_masked > 0:
+        masked = _force_one_masked(masked, maskable, generator)
+    noisy_ids = torch.where(masked, torch.full_like(input_ids, mask_id), input_ids)
+    return noisy_ids, masked
+
+
+def _force_one_masked(
+    masked: torch.Tensor, maskable: torch.Tensor, generator: torch.Generator | None
+) -> torch.Tensor:
+    """Mask one random maskable position in rows that have maskable positions but no mask."""
+    empty = maskable.any(dim=1) & ~masked.any(dim=1)  # (B,)
+    # A random score per position; the argmax over maskable positions is a uniform pick.
+    scores = torch.rand(masked.shape, generator=generator, device=masked.device)
+    scores = scores.masked_fill(~maskable, -1.0)
+    pick = scores.argmax(dim=1)  # (B,)
+    forced = torch.zeros_like(masked)
+    forced[torch.arange(masked.shape[0], device=masked.device), pick] = True
+    return masked | (forced & empty[:, None])

@@ -1,0 +1,130 @@
+"""Training objectives: one call signature for all of them.
+
+`objective(model, batch, generator) -> ObjectiveOutput(loss_sum, count)`. The trainer
+sums both over micro-batches and ranks before dividing, so gradient accumulation gives
+the same gradient as one big batch however many tokens each micro-batch masks.
+"""
+
+from typing import NamedTuple, Protocol
+
+import torch
+from torch import nn
+
+from unmask.diffusion.config import DiffusionConfig
+from unmask.diffusion.noise import loss_weight, mask_tokens, sample_t
+
+IGNORE_INDEX = -100
+_NOISE_KEYS = ("t", "noisy_input_ids", "masked")
+
+
+class ObjectiveOutput(NamedTuple):
+    """What every objective returns; unpacks as `loss_sum, count = objective(...)`."""
+
+    loss_sum: torch.Tensor
+    """0-d float32 with grad: sum of weighted per-token losses."""
+    count: torch.Tensor
+    """0-d float32: the normalizer this objective wants (summed before dividing)."""
+
+
+class Objective(Protocol):
+    """The trainer's single entry point for any objective."""
+
+    def __call__(
+        self, model: nn.Module, batch: dict, generator: torch.Generator | None = None
+    ) -> ObjectiveOutput: ...
+
+
+def mdlm_loss_terms(
+    ce: torch.Tensor, masked: torch.Tensor, weight: torch.Tensor, maskable: torch.Tensor
+) -> ObjectiveOutput:
+    """MDLM/LLaDA ELBO terms from per-token cross-entropy.
+
+    ce (B, L) float, masked (B, L) bool, weight (B,) per-row w(t), maskable (B, L) bool.
+    loss_sum = sum over masked i of ce_i * w(t_row); count = number of maskable tokens
+    (LLaDA divides by B * L when everything is maskable; dividing by the number of
+    *masked* tokens instead is not the ELBO).
+    """
+    terms = ce.float() * weight.float()[:, None]
+    loss_sum = torch.where(masked, terms, torch.zeros_like(terms)).sum()
+    count = maskable.sum().to(torch.float32)
+    return ObjectiveOutput(loss_sum, count)
+
+
+class MaskedDiffusionObjective:
+    """MDLM / LLaDA pretraining: weighted cross-entropy on masked tokens.
+
+    Batch keys: `input_ids` (B, L) long; optional `doc_ids`, `position_ids` (passed to
+    the model), `maskable` (B, L) bool (default all True). If the batch carries
+    precomputed noise (`t` (B,), `noisy_input_ids` (B, L), `masked` (B, L) bool) it is
+    used as is; otherwise it is sampled with `generator`. The model is called as
+    `model(noisy_ids, doc_ids=, position_ids=, targets=, vocab_chunk=)` and returns the
+    per-token cross-entropy (B, L) float32 (0 where targets == -100).
+    After each call `last_stats` holds detached 0-d tensors (no device sync):
+    mean_t, num_masked, num_maskable.
+    """
+
+    def __init__(self, cfg: DiffusionConfig, mask_id: int):
+        self.cfg = cfg
+        self.mask_id = mask_id
+        self.last_stats: dict[str, torch.Tensor] = {}
+
+    def noise(
+        self, batch: dict, generator: torch.Generator | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(t (B,), noisy_input_ids (B, L), masked (B, L)) from the batch or freshly drawn."""
+        present = [k for k in _NOISE_KEYS if k in batch]
+        if present:
+            if len(present) != len(_NOISE_KEYS):
+                missing = sorted(set(_NOISE_KEYS) - set(present))
+                raise ValueError(f"precomputed noise needs {_NOISE_KEYS}; missing {missing}")
+            return batch["t"], batch["noisy_input_ids"], batch["masked"]
+        input_ids = batch["input_ids"]
+        cfg = self.cfg
+        t = sample_t(input_ids.shape[0], cfg.t_sampling, cfg.time_eps, generator, input_ids.device)
+        noisy, masked = mask_tokens(
+            input_ids,
+            t,
+            _maskable(batch),
+            self.mask_id,
+            generator,
+            schedule=cfg.schedule,
+            min_masked=cfg.min_masked,
+        )
+        return t, noisy, masked
+
+    def __call__(
+        self, model: nn.Module, batch: dict, generator: torch.Generator | None = None
+    ) -> ObjectiveOutput:
+        input_ids = batch["input_ids"]
+        maskable = _maskable(batch)
+        t, noisy, masked = self.noise(batch, generator)
+        targets = torch.where(masked, input_ids, torch.full_like(input_ids, IGNORE_INDEX))
+        ce = model(
+            noisy,
+            doc_ids=batch.get("doc_ids"),
+            position_ids=batch.get("position_ids"),
+            targets=targets,
+            vocab_chunk=self.cfg.vocab_chunk_size,
+        )  # (B, L) float32, 0 where targets == -100
+        weight = loss_weight(t, self.cfg.loss_weight, self.cfg.schedule)
+        out = mdlm_loss_terms(ce, masked, weight, maskable)
+        self.last_stats = {
+            "mean_t": t.detach().float().mean(),
+            "num_masked": masked.sum().detach().float(),
+            "num_maskable": out.count.detach(),
+        }
+        return out
+
+
+def _maskable(batch: dict) -> torch.Tensor:
+    maskable = batch.get("maskable")
+    if maskable is None:
+        return torch.ones_like(batch["input_ids"], dtype=torch.bool)
+    return maskable.bool()
+
+
+def build_objective(cfg: DiffusionConfig, mask_id: int) -> Objective:
+    """The objective named by `cfg.objective` (mdlm and llada share the pretraining loss)."""
+    if cfg.objective in ("mdlm", "llada"):
+        return MaskedDiffusionObjective(cfg, mask_id)
+    raise ValueError(f"unknown objective {cfg.objective!r}; expected mdlm or llada")

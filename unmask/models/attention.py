@@ -1,0 +1,99 @@
+"""Bidirectional attention backends with document masks for packed rows.
+
+A packed row holds several documents; a token attends only to tokens with the same
+document id, so attention is block-diagonal per document. Two kernels compute the same
+thing: `sdpa` (scaled_dot_product_attention with a dense boolean mask) and `flex`
+(flex_attention with a sparse block mask). The mask is built once per forward and
+shared by every layer.
+"""
+
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+try:
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+except ImportError:  # torch without flex attention
+    create_block_mask = flex_attention = None
+
+_compiled_flex: Any = None
+
+
+@dataclass
+class AttentionMask:
+    """What every layer needs to attend: the backend and its document mask.
+
+    dense: (B, 1, L, L) bool for sdpa (True = may attend), None = full attention.
+    block: a flex BlockMask, None = full attention.
+    """
+
+    backend: str
+    dense: torch.Tensor | None = None
+    block: Any = None
+
+
+def flex_usable(device: torch.device) -> bool:
+    """True where flex attention runs as a fused compiled kernel (CUDA).
+
+    On CPU flex runs only unfused (it materializes the scores) or after a slow inductor
+    compile, so `auto` picks sdpa there; `flex` still works on CPU for tests.
+    """
+    return flex_attention is not None and device.type == "cuda"
+
+
+def resolve_backend(name: str, doc_ids: torch.Tensor | None, device: torch.device) -> str:
+    """Map "auto" to a concrete backend: flex for packed rows where usable, else sdpa."""
+    if name == "auto":
+        return "flex" if doc_ids is not None and flex_usable(device) else "sdpa"
+    if name == "flex" and flex_attention is None:
+        raise RuntimeError("attn_implementation=flex needs torch>=2.5 (flex_attention)")
+    if name not in ("sdpa", "flex"):
+        raise ValueError(f"unknown attention backend {name!r}; use auto, sdpa or flex")
+    return name
+
+
+def build_attention_mask(doc_ids: torch.Tensor | None, backend: str) -> AttentionMask:
+    """Document mask for one forward. doc_ids: (B, L) long, or None for full attention."""
+    if doc_ids is None:
+        return AttentionMask(backend)
+    if backend == "sdpa":
+        return AttentionMask(backend, dense=(doc_ids[:, :, None] == doc_ids[:, None, :])[:, None])
+    batch, length = doc_ids.shape
+
+    def same_document(b, h, q_idx, kv_idx):
+        return doc_ids[b, q_idx] == doc_ids[b, kv_idx]
+
+    block = create_block_mask(same_document, batch, None, length, length, device=doc_ids.device)
+    return AttentionMask(backend, block=block)
+
+
+def _flex_function(device: torch.device):
+    """Compiled flex on CUDA (compiled once, lazily); the unfused eager path elsewhere."""
+    global _compiled_flex
+    if device.type != "cuda":
+        return flex_attention
+    if _compiled_flex is None:
+        _compiled_flex = torch.compile(flex_attention, dynamic=False)
+    return _compiled_flex
+
+
+def attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask, scale: float
+) -> torch.Tensor:
+    """Non-causal attention. q: (B, Hq, L, D), k/v: (B, Hkv, L, D) -> (B, Hq, L, D)."""
+    if mask.backend == "flex":
+        with warnings.catch_warnings():
+            warnings.filterwarnings(
+                "ignore", message=".*flex_attention called without torch.compile"
+            )
+            return _flex_function(q.device)(
+                q, k, v, block_mask=mask.block, scale=scale, enable_gqa=k.shape[1] != q.shape[1]
+            )
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:  # explicit GQA expansion: every sdpa kernel accepts it with a mask
+        k = k.repeat_interleave(groups, dim=1)
+        v = v.repeat_interleave(groups, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.dense, scale=scale)

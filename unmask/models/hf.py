@@ -1,0 +1,196 @@
+"""Hugging Face folders <-> the native model: config.json mapping and safetensors weights.
+
+Native parameter names equal HF Qwen3ForCausalLM keys, so weights load as a plain
+state dict. Only local folders are read (no hub, no remote code); weights come from
+safetensors only.
+"""
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from unmask.errors import InputError
+from unmask.models.config import ModelConfig
+from unmask.models.transformer import DiffusionTransformer
+
+HF_MODEL_TYPES = ("qwen3", "qwen3_dllm")
+_DIRECT_KEYS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "rms_norm_eps",
+    "max_position_embeddings",
+    "tie_word_embeddings",
+    "attention_bias",
+    "initializer_range",
+)
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def _rope_theta(hf: dict[str, Any]) -> float | None:
+    """rope_theta from a transformers 5 `rope_parameters` dict or the older top-level key."""
+    params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type != "default":
+        raise InputError(
+            f"config.json: RoPE scaling type {rope_type!r} is not supported; only the default "
+            "RoPE is (remove rope_scaling / rope_parameters.rope_type or use a plain Qwen3 model)"
+        )
+    return params.get("rope_theta", hf.get("rope_theta"))
+
+
+def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
+    """ModelConfig from a config.json dict (model_type "qwen3" or unmask's "qwen3_dllm")."""
+    model_type = hf.get("model_type")
+    if model_type not in HF_MODEL_TYPES:
+        raise InputError(
+            f"config.json: model_type {model_type!r} is not supported; expected one of "
+            f"{', '.join(HF_MODEL_TYPES)} (a Qwen3 folder or one saved by unmask)"
+        )
+    if hf.get("hidden_act", "silu") != "silu":
+        raise InputError(
+            f"config.json: hidden_act {hf['hidden_act']!r} is not supported; need silu"
+        )
+    if hf.get("use_sliding_window"):
+        raise InputError("config.json: use_sliding_window=true is not supported; set it to false")
+    fields = {key: hf[key] for key in _DIRECT_KEYS if hf.get(key) is not None}
+    theta = _rope_theta(hf)
+    if theta is not None:
+        fields["rope_theta"] = float(theta)
+    try:
+        return ModelConfig(**fields)
+    except ValueError as err:
+        raise InputError(f"config.json: {err}") from err
+
+
+def hf_config_dict(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+    """A transformers-loadable Qwen3 config.json dict for cfg."""
+    dtype_name = _DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
+    return {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_hidden_layers,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.resolved_head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "attention_bias": cfg.attention_bias,
+        "attention_dropout": 0.0,
+        "initializer_range": cfg.initializer_range,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "layer_types": ["full_attention"] * cfg.num_hidden_layers,
+        "use_cache": False,
+        "torch_dtype": dtype_name,
+        "dtype": dtype_name,
+        "unmask": {"model_type": cfg.model_type},
+    }
+
+
+def _read_config(folder: Path) -> dict[str, Any]:
+    if not folder.is_dir():
+        raise InputError(
+            f"model folder {str(folder)!r} does not exist; set model.pretrained to a local "
+            "folder holding config.json and model.safetensors"
+        )
+    path = folder / "config.json"
+    if not path.is_file():
+        raise InputError(
+            f"{str(path)!r} is missing; model.pretrained must be a Hugging Face model folder "
+            "with config.json and model.safetensors"
+        )
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise InputError(f"{str(path)!r} is not valid JSON ({err}); fix or re-export it") from err
+
+
+def _weight_files(folder: Path) -> list[Path]:
+    single = folder / "model.safetensors"
+    if single.is_file():
+        return [single]
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        files = [folder / name for name in sorted(set(weight_map.values()))]
+        missing = [str(f) for f in files if not f.is_file()]
+        if missing or not files:
+            raise InputError(
+                f"{str(index)!r} names missing shard files {missing}; copy the whole folder"
+            )
+        return files
+    raise InputError(
+        f"no weights in {str(folder)!r}: expected model.safetensors or "
+        "model.safetensors.index.json (convert .bin weights to safetensors first)"
+    )
+
+
+def _read_state_dict(folder: Path) -> dict[str, torch.Tensor]:
+    state: dict[str, torch.Tensor] = {}
+    for path in _weight_files(folder):
+        state.update(load_file(str(path)))
+    if not any(key.startswith("model.") for key in state):  # a bare Qwen3Model checkpoint
+        state = {(k if k == "lm_head.weight" else f"model.{k}"): v for k, v in state.items()}
+    return {k: v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}
+
+
+def _load_weights(model: DiffusionTransformer, state: dict[str, torch.Tensor], folder: Path):
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+        if "model.embed_tokens.weight" in state:
+            state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    expected = set(model.state_dict())
+    missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
+    if missing or unexpected:
+        raise InputError(
+            f"weights in {str(folder)!r} do not match config.json: missing {missing[:4]}, "
+            f"unexpected {unexpected[:4]} (is it a Qwen3 checkpoint with this config?)"
+        )
+    model.load_state_dict(state, strict=True)
+
+
+def from_pretrained(
+    folder: str | Path, dtype: torch.dtype | None = None, attn_implementation: str = "auto"
+) -> DiffusionTransformer:
+    """Load a local HF Qwen3 folder or an unmask-saved one.
+
+    dtype: parameter dtype; None keeps float32 (training master weights).
+    """
+    folder = Path(folder)
+    cfg = config_from_hf(_read_config(folder))
+    cfg = cfg.model_copy(update={"attn_implementation": attn_implementation})
+    state = _read_state_dict(folder)
+    with torch.device("meta"):
+        model = DiffusionTransformer(cfg)
+    model.to_empty(device="cpu")
+    model.tie_weights()
+    model = model.to(dtype or torch.float32)
+    _load_weights(model, state, folder)
+    return model
+
+
+def save_pretrained(model: DiffusionTransformer, folder: str | Path) -> None:
+    """Write config.json and model.safetensors (tied: embed_tokens only, like HF)."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    dtype = next(model.parameters()).dtype
+    (folder / "config.json").write_text(json.dumps(hf_config_dict(model.config, dtype), indent=2))
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})

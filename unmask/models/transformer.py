@@ -1,0 +1,257 @@
+"""One bidirectional decoder in the Qwen3 layout, for masked-diffusion language models.
+
+Pre-norm decoder layers (RMSNorm -> GQA attention with per-head q/k RMSNorm and RoPE ->
+RMSNorm -> SwiGLU MLP), attention without a causal mask. Parameter names equal
+Hugging Face `Qwen3ForCausalLM` state-dict keys, so loading an HF folder is a plain
+state-dict load and optimizers can route parameters by name.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from unmask.diffusion.loss import chunked_cross_entropy
+from unmask.models.attention import AttentionMask, attend, build_attention_mask, resolve_backend
+from unmask.models.config import ModelConfig
+
+IGNORE_INDEX = -100
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm over the last dim; statistics in float32, output in input dtype."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight * xf.to(dtype)).to(dtype)
+
+
+def rotary_cos_sin(
+    position_ids: torch.Tensor, head_dim: int, theta: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE tables for (B, L) positions -> cos, sin: (B, 1, L, head_dim) float32."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.float32, device=position_ids.device)
+    inv_freq = 1.0 / (theta ** (exponents / head_dim))
+    freqs = position_ids[..., None].float() * inv_freq  # (B, L, D/2)
+    angles = torch.cat((freqs, freqs), dim=-1)[:, None]  # rotate-half layout
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate (B, H, L, D) by the RoPE tables, rotate-half convention (as HF Qwen3)."""
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def document_positions(doc_ids: torch.Tensor) -> torch.Tensor:
+    """Positions that restart at 0 where doc_ids changes along a row. (B, L) -> (B, L) long."""
+    length = doc_ids.shape[1]
+    index = torch.arange(length, device=doc_ids.device).expand_as(doc_ids)
+    starts = torch.ones_like(doc_ids, dtype=torch.bool)
+    starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    last_start = torch.where(starts, index, 0).cummax(dim=1).values
+    return index - last_start
+
+
+class Attention(nn.Module):
+    """Grouped-query self-attention with q/k RMSNorm per head and RoPE, no causal mask."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        hidden, head_dim, bias = cfg.hidden_size, cfg.resolved_head_dim, cfg.attention_bias
+        self.head_dim = head_dim
+        self.q_proj = nn.Linear(hidden, cfg.num_attention_heads * head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden, cfg.num_key_value_heads * head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden, cfg.num_key_value_heads * head_dim, bias=bias)
+        self.o_proj = nn.Linear(cfg.num_attention_heads * head_dim, hidden, bias=bias)
+        self.q_norm = RMSNorm(head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(head_dim, cfg.rms_norm_eps)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: AttentionMask
+    ) -> torch.Tensor:
+        batch, length, _ = x.shape
+        shape = (batch, length, -1, self.head_dim)
+        q = self.q_norm(self.q_proj(x).view(shape)).transpose(1, 2)  # (B, Hq, L, D)
+        k = self.k_norm(self.k_proj(x).view(shape)).transpose(1, 2)  # (B, Hkv, L, D)
+        v = self.v_proj(x).view(shape).transpose(1, 2)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = attend(q, k, v.to(q.dtype), mask, scale=self.head_dim**-0.5)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: AttentionMask
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderStack(nn.Module):
+    """Embedding, decoder layers and final norm: the `model.` prefix of HF Qwen3."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class DiffusionTransformer(nn.Module):
+    """Bidirectional Qwen3-layout decoder with an LM head; see `forward` for the call."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.gradient_checkpointing = False
+        self.model = DecoderStack(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tie_weights()
+        self.init_weights()
+
+    def tie_weights(self) -> None:
+        """Make lm_head share the embedding's Parameter when tie_word_embeddings is set."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """normal(0, initializer_range) for linear/embedding weights, zero biases, unit norms."""
+        std = self.config.initializer_range
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                module.weight.normal_(0.0, std)
+                if getattr(module, "bias", None) is not None:
+                    module.bias.zero_()
+            elif isinstance(module, RMSNorm):
+                module.weight.fill_(1.0)
+
+    def hidden_states(
+        self,
+        input_ids: torch.Tensor,
+        doc_ids: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Final-norm hidden states (B, L, H) for input_ids (B, L); see `forward`."""
+        if position_ids is None:
+            if doc_ids is not None:
+                position_ids = document_positions(doc_ids)
+            else:
+                position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)
+                position_ids = position_ids.expand_as(input_ids)
+        backend = resolve_backend(self.config.attn_implementation, doc_ids, input_ids.device)
+        mask = build_attention_mask(doc_ids, backend)
+        cos, sin = rotary_cos_sin(
+            position_ids, self.config.resolved_head_dim, self.config.rope_theta
+        )
+        x = self.model.embed_tokens(input_ids)
+        for layer in self.model.layers:
+            if self.gradient_checkpointing and torch.is_grad_enabled():
+                x = checkpoint(layer, x, cos, sin, mask, use_reentrant=False)
+            else:
+                x = layer(x, cos, sin, mask)
+        return self.model.norm(x)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        doc_ids: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        targets: torch.Tensor | None = None,
+        vocab_chunk: int = 8192,
+    ) -> torch.Tensor:
+        """Logits, or per-token losses when targets are given.
+
+        input_ids: (B, L) long. doc_ids: (B, L) long or None; a token attends only to
+        tokens with the same id (packing); None = full attention. position_ids: (B, L)
+        or None; None restarts positions at 0 at each document start (0..L-1 without
+        doc_ids). targets None -> logits (B, L, V) in the compute dtype. targets (B, L)
+        long, -100 = no loss -> cross-entropy (B, L) float32, 0 at ignored positions; the
+        LM head runs only on the selected rows, chunked over vocab_chunk ids.
+        """
+        hidden = self.hidden_states(input_ids, doc_ids, position_ids)
+        if targets is None:
+            return self.lm_head(hidden)
+        return self._token_losses(hidden, targets, vocab_chunk)
+
+    def _token_losses(
+        self, hidden: torch.Tensor, targets: torch.Tensor, vocab_chunk: int
+    ) -> torch.Tensor:
+        selected = targets != IGNORE_INDEX  # (B, L)
+        rows = chunked_cross_entropy(
+            hidden[selected], self.lm_head.weight, targets[selected], vocab_chunk
+        )
+        losses = torch.zeros(targets.shape, dtype=torch.float32, device=hidden.device)
+        return losses.masked_scatter(selected, rows.float())
+
+    def num_parameters(self, exclude_embeddings: bool = False) -> int:
+        """Number of distinct parameters (a tied matrix counts once)."""
+        total = sum(p.numel() for p in self.parameters())
+        if exclude_embeddings:
+            total -= self.model.embed_tokens.weight.numel()
+        return total
+
+    @torch.no_grad()
+    def resize_token_embeddings(self, new_size: int) -> None:
+        """Grow (or truncate) the vocabulary to new_size; new rows = mean of the old rows."""
+        self.model.embed_tokens = _resized(self.model.embed_tokens, new_size)
+        if self.config.tie_word_embeddings:
+            self.lm_head = nn.Linear(self.config.hidden_size, new_size, bias=False)
+            self.lm_head.weight = self.model.embed_tokens.weight
+        else:
+            self.lm_head = _resized(self.lm_head, new_size)
+        self.config = self.config.model_copy(update={"vocab_size": new_size})
+
+    def save_pretrained(self, folder: str) -> None:
+        """Write an HF-loadable Qwen3 folder (config.json + model.safetensors)."""
+        from unmask.models.hf import save_pretrained
+
+        save_pretrained(self, folder)
+
+
+def _resized(module: nn.Module, new_size: int) -> nn.Module:
+    """Copy of an Embedding or bias-free Linear with new_size rows; new rows = mean row."""
+    old = module.weight
+    keep = min(new_size, old.shape[0])
+    weight = torch.empty(new_size, old.shape[1], dtype=old.dtype, device=old.device)
+    weight[:keep] = old[:keep]
+    weight[keep:] = old.float().mean(0).to(old.dtype)
+    if isinstance(module, nn.Embedding):
+        new = nn.Embedding(new_size, old.shape[1], device=old.device, dtype=old.dtype)
+    else:
+        new = nn.Linear(old.shape[1], new_size, bias=False, device=old.device, dtype=old.dtype)
+    new.weight.data.copy_(weight)
+    new.weight.requires_grad_(old.requires_grad)
+    return new

@@ -1,0 +1,90 @@
+"""Optimizer and learning-rate schedule settings, and the optimizer builder."""
+
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict
+
+
+class OptimConfig(BaseModel):
+    """AdamW, or Muon for hidden matrices + AdamW for everything else."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    name: Literal["adamw", "muon"] = "adamw"
+    """adamw, or muon (Muon on 2-D hidden matrices, AdamW on the rest)."""
+    learning_rate: float = 1e-3
+    """Peak learning rate (AdamW, and Muon unless muon_lr is set)."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay, applied to weight matrices only (never norms or biases)."""
+    adam_beta1: float = 0.9
+    """AdamW beta1."""
+    adam_beta2: float = 0.999
+    """AdamW beta2."""
+    adam_epsilon: float = 1e-8
+    """AdamW epsilon."""
+    max_grad_norm: float = 1.0
+    """Clip the global gradient norm to this value; 0 = no clipping."""
+    lr_scheduler_type: Literal["constant", "linear", "cosine", "constant_with_warmup"] = "constant"
+    """Learning-rate schedule after warmup."""
+    warmup_steps: float = 0
+    """Warmup length: a step count, or a float < 1 = ratio of total steps (wins over warmup_ratio)."""
+    warmup_ratio: float = 0.0
+    """Warmup as a fraction of total steps (used when warmup_steps is 0)."""
+    min_lr_ratio: float = 0.0
+    """Final learning rate of linear/cosine decay, as a fraction of the peak."""
+    muon_lr: float | None = None
+    """Separate peak learning rate for Muon matrices (None = learning_rate)."""
+    momentum: float = 0.95
+    """Muon momentum."""
+    nesterov: bool = True
+    """Muon Nesterov momentum."""
+    ns_steps: int = 5
+    """Newton-Schulz iterations."""
+    ns_coefficients: Literal["jordan", "you", "polar_express", "gram"] = "jordan"
+    """Newton-Schulz coefficient set / variant."""
+    ns_dtype: Literal["bfloat16", "float32", "float16"] = "bfloat16"
+    """Newton-Schulz iteration dtype."""
+    adjust_lr: Literal["match_rms_adamw", "original", "none"] = "match_rms_adamw"
+    """Muon update scaling: 0.2*sqrt(max(A,B)) (Moonlight), sqrt(max(1,A/B)), or none."""
+    momentum_style: Literal["sum", "ema"] = "sum"
+    """Momentum update: sum M = mu M + G, or ema M = lerp(M, G, 1 - mu) (torch.optim.Muon)."""
+    muon_include: list[str] = []
+    """Regexes of parameter names forced to Muon (checked before muon_exclude; first match wins)."""
+    muon_exclude: list[str] = []
+    """Regexes of parameter names forced to AdamW."""
+
+
+def build_optimizer(cfg: OptimConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
+    """AdamW with decay on matrices only, or MuonAdamW."""
+    betas = (cfg.adam_beta1, cfg.adam_beta2)
+    if cfg.name == "muon":
+        from unmask.optim.muon import MuonAdamW
+
+        return MuonAdamW(
+            model,
+            lr=cfg.learning_rate,
+            weight_decay=cfg.weight_decay,
+            betas=betas,
+            eps=cfg.adam_epsilon,
+            muon_lr=cfg.muon_lr,
+            momentum=cfg.momentum,
+            nesterov=cfg.nesterov,
+            ns_steps=cfg.ns_steps,
+            ns_coefficients=cfg.ns_coefficients,
+            ns_dtype=cfg.ns_dtype,
+            adjust_lr=cfg.adjust_lr,
+            momentum_style=cfg.momentum_style,
+            muon_include=tuple(cfg.muon_include),
+            muon_exclude=tuple(cfg.muon_exclude),
+        )
+    decay, no_decay = [], []
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        (decay if param.ndim >= 2 and "norm" not in name else no_decay).append(param)
+    groups = [
+        {"params": decay, "weight_decay": cfg.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=betas, eps=cfg.adam_epsilon)

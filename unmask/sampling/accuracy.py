@@ -1,0 +1,71 @@
+"""Exact-match accuracy of generated answers for held-out prompts (the quickstart's score)."""
+
+from collections import defaultdict
+
+import torch
+
+from unmask.sampling.config import EvalConfig
+from unmask.sampling.generate import generate
+
+
+def decode_answer(tokenizer, ids: list[int]) -> str:
+    """Text of the generated ids up to (not including) the first EOS."""
+    eos = tokenizer.eos_token_id
+    if eos in ids:
+        ids = ids[: ids.index(eos)]
+    return tokenizer.decode(ids, skip_special_tokens=True)
+
+
+@torch.no_grad()
+def heldout_accuracy(
+    model,
+    tokenizer,
+    examples: list[tuple[str, str]],
+    cfg: EvalConfig,
+    row_length: int,
+    device: torch.device,
+) -> tuple[float, list[tuple[str, str, str]]]:
+    """Generate an answer for each prompt so that prompt + answer fills `row_length` tokens
+    (the shape rows had in training) and score exact match.
+
+    Prompts are grouped by token length so each group is one rectangular batch.
+    Returns (accuracy, [(prompt, expected, predicted), ...]).
+    """
+    examples = examples[: cfg.max_examples]
+    groups: dict[int, list[int]] = defaultdict(list)
+    encoded = [tokenizer(p, add_special_tokens=False)["input_ids"] for p, _ in examples]
+    for index, ids in enumerate(encoded):
+        groups[len(ids)].append(index)
+    predictions: dict[int, str] = {}
+    was_training = model.training
+    model.eval()
+    for prompt_len, indices in sorted(groups.items()):
+        gen_length = row_length - prompt_len
+        if gen_length <= 0:
+            raise ValueError(f"prompt of {prompt_len} tokens leaves no room in {row_length}")
+        block = (
+            cfg.block_length
+            if cfg.block_length and gen_length % cfg.block_length == 0
+            else gen_length
+        )
+        blocks = gen_length // block
+        steps = max(blocks, round(gen_length * cfg.steps_per_token / blocks) * blocks)
+        for start in range(0, len(indices), cfg.batch_size):
+            chunk = indices[start : start + cfg.batch_size]
+            prompt = torch.tensor([encoded[i] for i in chunk], device=device)
+            out = generate(
+                model,
+                prompt,
+                steps=steps,
+                gen_length=gen_length,
+                block_length=block,
+                temperature=cfg.temperature,
+                remasking=cfg.remasking,
+                mask_id=tokenizer.mask_token_id,
+            )
+            for row, index in zip(out[:, prompt_len:].tolist(), chunk):
+                predictions[index] = decode_answer(tokenizer, row)
+    model.train(was_training)
+    rows = [(p, a, predictions[i]) for i, (p, a) in enumerate(examples)]
+    correct = sum(expected == got for _, expected, got in rows)
+    return correct / max(1, len(rows)), rows

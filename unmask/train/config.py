@@ -1,0 +1,69 @@
+"""Trainer settings, in the HF TrainingArguments vocabulary users already know."""
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, field_validator
+
+
+class TrainConfig(BaseModel):
+    """The training loop: length, batch, logging, evaluation, checkpoints, precision."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    output_dir: str = "runs/quickstart"
+    """Run directory: config.yaml, metrics.jsonl, checkpoint-N/, final/."""
+    overwrite_output_dir: bool = False
+    """Replace an existing run in output_dir (its checkpoints and metrics are removed)."""
+    resume_from_checkpoint: bool | str | None = None
+    """true: continue from the newest checkpoint in output_dir; a path: from that checkpoint."""
+    max_steps: int = -1
+    """Optimizer steps to run; -1 = derive from num_train_epochs."""
+    num_train_epochs: float = 1.0
+    """Passes over the training rows, used when max_steps is -1."""
+    per_device_train_batch_size: int = 8
+    """Rows per micro-batch on each device."""
+    per_device_eval_batch_size: int = 32
+    """Rows per batch when computing the eval loss."""
+    gradient_accumulation_steps: int = 1
+    """Micro-batches per optimizer step; the loss is normalized over all of them together."""
+    logging_steps: float = 10
+    """Log every N steps (float < 1 = fraction of max_steps)."""
+    eval_steps: float = 0
+    """Eval loss every N steps (float < 1 = fraction of max_steps); 0 = only at the end."""
+    eval_max_batches: int | None = 8
+    """Eval batches per evaluation (None = the whole eval split)."""
+    save_steps: float = 500
+    """Checkpoint every N steps (float < 1 = fraction of max_steps); the last step is always saved."""
+    save_total_limit: int | None = None
+    """Keep only the newest N checkpoints (None = keep all)."""
+    seed: int = 42
+    """Seed for model init, data order and noise."""
+    bf16: bool = False
+    """Run forward/backward under bfloat16 autocast (weights and optimizer stay float32)."""
+    gradient_checkpointing: bool = False
+    """Recompute each layer's activations in backward to save memory."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """auto = cuda when available, else cpu."""
+    report_to: list[str] = []
+    """Extra loggers: "tensorboard" (and "wandb" with the wandb extra); "none" = nothing."""
+    run_name: str | None = None
+    """Name shown by loggers; defaults to the output_dir's name."""
+    disable_tqdm: bool = False
+    """Hide the live progress bar (log lines are still printed)."""
+
+    @field_validator("report_to", mode="before")
+    @classmethod
+    def _report_to_list(cls, value):
+        if value is None or value == "none":
+            return []
+        if isinstance(value, str):
+            return [value]
+        return [v for v in value if v != "none"]
+
+    @field_validator("report_to")
+    @classmethod
+    def _known_reporters(cls, value):
+        for name in value:
+            if name not in ("tensorboard", "wandb"):
+                raise ValueError(f"unknown reporter {name!r}; use tensorboard, wandb or none")
+        return value

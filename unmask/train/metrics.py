@@ -1,0 +1,114 @@
+"""Where training numbers go: the console (progress bar + log lines), metrics.jsonl,
+TensorBoard and W&B. The trainer calls `log(step, values)`; this module owns formats."""
+
+import json
+import sys
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+
+def format_duration(seconds: float) -> str:
+    seconds = max(0, int(seconds))
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"
+
+
+def format_line(step: int, total: int, values: dict, eta_s: float | None) -> str:
+    """'step 40/400 | loss 1.234 | lr 1.00e-03 | 5.1k tok/s | eta 2m10s'."""
+    parts = [f"step {step}/{total}"]
+    if "loss" in values:
+        parts.append(f"loss {values['loss']:.4f}")
+    if "eval_loss" in values:
+        parts.append(f"eval_loss {values['eval_loss']:.4f}")
+    if "learning_rate" in values:
+        parts.append(f"lr {values['learning_rate']:.2e}")
+    if "tokens_per_second" in values:
+        parts.append(f"{values['tokens_per_second'] / 1000:.1f}k tok/s")
+    if eta_s is not None:
+        parts.append(f"eta {format_duration(eta_s)}")
+    return " | ".join(parts)
+
+
+def tensorboard_tag(key: str) -> str:
+    """'loss' -> 'train/loss', 'eval_loss' -> 'eval/loss', 'heldout_exact_match' -> 'eval/...'."""
+    if key.startswith("eval_"):
+        return f"eval/{key[5:]}"
+    if key.startswith("heldout_"):
+        return f"eval/{key}"
+    return f"train/{key}"
+
+
+class MetricsLogger:
+    """Writes one JSON object per logged step; mirrors to TensorBoard/W&B when asked."""
+
+    def __init__(
+        self,
+        output_dir: Path,
+        total_steps: int,
+        start_step: int = 0,
+        report_to: tuple[str, ...] = (),
+        run_name: str | None = None,
+        show_progress: bool = True,
+        config: dict | None = None,
+    ):
+        self.total_steps = total_steps
+        self.start_step = start_step
+        self.jsonl = open(output_dir / "metrics.jsonl", "a")  # noqa: SIM115 - closed in close()
+        self.tensorboard = None
+        self.wandb = None
+        if "tensorboard" in report_to:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tensorboard = SummaryWriter(log_dir=str(output_dir / "tensorboard"))
+        if "wandb" in report_to:
+            import wandb
+
+            self.wandb = wandb.init(name=run_name or output_dir.name, config=config)
+        self.bar = None
+        if show_progress and sys.stderr.isatty():
+            self.bar = tqdm(total=total_steps, initial=start_step, dynamic_ncols=True, unit="step")
+        self.started = time.perf_counter()
+
+    def eta(self, step: int) -> float | None:
+        done = step - self.start_step
+        if done <= 0:
+            return None
+        elapsed = time.perf_counter() - self.started
+        return elapsed / done * (self.total_steps - step)
+
+    def advance(self, step: int, postfix: dict | None = None) -> None:
+        if self.bar is not None:
+            self.bar.update(step - self.bar.n)
+            if postfix:
+                self.bar.set_postfix(postfix, refresh=False)
+
+    def log(self, step: int, values: dict) -> None:
+        record = {"step": step, **values}
+        self.jsonl.write(json.dumps(record) + "\n")
+        self.jsonl.flush()
+        if self.tensorboard is not None:
+            for key, value in values.items():
+                if isinstance(value, (int, float)):
+                    self.tensorboard.add_scalar(tensorboard_tag(key), value, step)
+            self.tensorboard.flush()
+        if self.wandb is not None:
+            self.wandb.log(values, step=step)
+        self.print(format_line(step, self.total_steps, values, self.eta(step)))
+
+    def print(self, text: str) -> None:
+        if self.bar is not None:
+            self.bar.write(text)
+        else:
+            print(text, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        self.jsonl.close()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+        if self.wandb is not None:
+            self.wandb.finish()
