@@ -1,9 +1,14 @@
 """Optimizer and learning-rate schedule settings, and the optimizer builder."""
 
+from __future__ import annotations
+
+import re
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, field_validator
+
+from unmask.optim.muon import MuonAdamW, route_parameters
 
 
 class OptimConfig(BaseModel):
@@ -54,13 +59,67 @@ class OptimConfig(BaseModel):
     muon_exclude: list[str] = []
     """Regexes of parameter names forced to AdamW."""
 
+    @field_validator("learning_rate", "weight_decay", "adam_epsilon", "max_grad_norm")
+    @classmethod
+    def _non_negative(cls, v: float) -> float:
+        if v < 0:
+            raise ValueError(f"must be >= 0, got {v}")
+        return v
+
+    @field_validator("adam_beta1", "adam_beta2", "momentum")
+    @classmethod
+    def _unit_interval(cls, v: float) -> float:
+        if not 0 <= v < 1:
+            raise ValueError(f"must be in [0, 1), got {v}")
+        return v
+
+    @field_validator("warmup_ratio", "min_lr_ratio")
+    @classmethod
+    def _ratio(cls, v: float) -> float:
+        if not 0 <= v <= 1:
+            raise ValueError(f"must be in [0, 1], got {v}")
+        return v
+
+    @field_validator("warmup_steps")
+    @classmethod
+    def _warmup_steps(cls, v: float) -> float:
+        if v < 0 or (v >= 1 and v != int(v)):
+            raise ValueError(f"must be a whole step count or a ratio in [0, 1), got {v}")
+        return v
+
+    @field_validator("muon_lr")
+    @classmethod
+    def _muon_lr(cls, v: float | None) -> float | None:
+        if v is not None and v < 0:
+            raise ValueError(f"must be >= 0 or null, got {v}")
+        return v
+
+    @field_validator("ns_steps")
+    @classmethod
+    def _ns_steps(cls, v: int) -> int:
+        if not 1 <= v < 100:
+            raise ValueError(f"must be in 1..99, got {v}")
+        return v
+
+    @field_validator("muon_include", "muon_exclude")
+    @classmethod
+    def _regexes(cls, v: list[str]) -> list[str]:
+        for pat in v:
+            try:
+                re.compile(pat)
+            except re.error as err:
+                raise ValueError(f"{pat!r} is not a valid regex ({err})") from err
+        return v
+
 
 def build_optimizer(cfg: OptimConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
-    """AdamW with decay on matrices only, or MuonAdamW."""
+    """MuonAdamW, or torch AdamW with the same grouping as MuonAdamW's AdamW side.
+
+    AdamW: weight decay on every matrix (Muon's matrices, embeddings, head, LoRA factors),
+    none on norms, biases and 1-D parameters. Frozen parameters are left out.
+    """
     betas = (cfg.adam_beta1, cfg.adam_beta2)
     if cfg.name == "muon":
-        from unmask.optim.muon import MuonAdamW
-
         return MuonAdamW(
             model,
             lr=cfg.learning_rate,
@@ -78,13 +137,11 @@ def build_optimizer(cfg: OptimConfig, model: torch.nn.Module) -> torch.optim.Opt
             muon_include=tuple(cfg.muon_include),
             muon_exclude=tuple(cfg.muon_exclude),
         )
-    decay, no_decay = [], []
-    for name, param in model.named_parameters():
-        if not param.requires_grad:
-            continue
-        (decay if param.ndim >= 2 and "norm" not in name else no_decay).append(param)
+    routing = route_parameters(model)
+    decay = routing.muon + routing.adamw_decay
     groups = [
-        {"params": decay, "weight_decay": cfg.weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
+        {"params": named, "weight_decay": wd}
+        for named, wd in ((decay, cfg.weight_decay), (routing.adamw_no_decay, 0.0))
+        if named
     ]
     return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=betas, eps=cfg.adam_epsilon)
