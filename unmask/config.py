@@ -78,8 +78,8 @@ def _describe(err: ValidationError, root: type[BaseModel]) -> str:
         hint = _suggest(owner, str(loc[-1]), prefix)
         return f"unknown config key '{dotted}'{hint}"
     got = first.get("input")
-    shown = repr(got) if not isinstance(got, dict) else "a mapping"
-    return f"bad value for config key '{dotted}': {first['msg']} (got {shown})"
+    shown = "" if isinstance(got, dict) else f" (got {got!r})"
+    return f"bad value for config key '{dotted}': {first['msg']}{shown}"
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:

@@ -188,3 +188,13 @@ def test_module_entry_point_and_generate_cli(tiny_config, tmp_path):
     )
     assert gen.returncode == 0, gen.stderr
     assert gen.stdout.startswith("rev 123=")
+
+
+def test_muon_trains_through_the_config_and_prints_its_split(tiny_config, tmp_path, capsys):
+    cfg = tiny_config({"optim": {"use_muon": True, "ns_dtype": "float32"}})
+    assert main(["train", str(cfg)]) == 0
+    out = capsys.readouterr().out
+    assert "MuonAdamW parameter split:" in out and "muon" in out
+    records = [r for r in read_metrics(tmp_path / "run") if "loss" in r]
+    assert all(r["loss"] == r["loss"] and r["loss"] < 20 for r in records)  # finite
+    assert records[-1]["loss"] < records[0]["loss"]

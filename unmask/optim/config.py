@@ -6,7 +6,7 @@ import re
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, field_validator
+from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
 from unmask.optim.muon import MuonAdamW, route_parameters
 
@@ -58,6 +58,15 @@ class OptimConfig(BaseModel):
     """Regexes of parameter names forced to Muon (checked before muon_exclude; first match wins)."""
     muon_exclude: list[str] = []
     """Regexes of parameter names forced to AdamW."""
+
+    use_muon: bool | None = None
+    """Seed spelling (LMMs-Engine): true sets name: muon, false sets name: adamw (wins over name)."""
+
+    @model_validator(mode="after")
+    def _use_muon(self) -> OptimConfig:
+        if self.use_muon is not None:
+            self.name = "muon" if self.use_muon else "adamw"
+        return self
 
     @field_validator("learning_rate", "weight_decay", "adam_epsilon", "max_grad_norm")
     @classmethod

@@ -240,6 +240,9 @@ class Trainer:
             config=cfg.model_dump(mode="json"),
         )
         logger.print(self._summary())
+        routing = getattr(self.optimizer, "routing", None)
+        if routing is not None:
+            logger.print(routing.summary())
         self.model.train()
         window_loss, window_steps, window_tokens = 0.0, 0, 0
         window_start = time.perf_counter()
