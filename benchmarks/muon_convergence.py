@@ -95,16 +95,26 @@ def table(runs: list[dict], best: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=1000)
-    parser.add_argument("--adamw-lrs", default="1e-3,3e-3,1e-2")
+    parser.add_argument("--adamw-lrs", default="3e-4,1e-3,3e-3,1e-2")
     parser.add_argument("--muon-lrs", default="3e-3,1e-2,3e-2")
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument(
+        "--reuse", action="store_true", help="keep runs already in OUT/muon_convergence.json"
+    )
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    saved = args.out / "muon_convergence.json"
+    done = {}
+    if args.reuse and saved.is_file():
+        for run in json.loads(saved.read_text()):
+            if len(run["curve"]) and run["curve"][-1][0] == args.steps:
+                done[(run["optimizer"], run["lr"])] = run
     runs = []
     with tempfile.TemporaryDirectory() as tmp:
         for name, lrs in (("adamw", args.adamw_lrs), ("muon", args.muon_lrs)):
             for lr in (float(x) for x in lrs.split(",")):
-                runs.append(run_one(name, lr, args.steps, Path(tmp)))
+                run = done.get((name, lr)) or run_one(name, lr, args.steps, Path(tmp))
+                runs.append(run)
     best = {}
     for run in runs:
         current = best.get(run["optimizer"])

@@ -1,4 +1,4 @@
-"""The command line: `unmask train | generate`. The only module that reads argv.
+"""The command line: `unmask train | generate | eval | export`. The only module that reads argv.
 
 Bad input (an InputError from anywhere) becomes one line on stderr and exit code 2.
 """
@@ -37,57 +37,103 @@ def cmd_train(ns: argparse.Namespace) -> int:
 
 
 def cmd_generate(ns: argparse.Namespace) -> int:
+    import json
+
     import torch
 
-    from unmask.models import from_pretrained
-    from unmask.sampling.accuracy import decode_answer
-    from unmask.sampling.generate import generate
+    from unmask.sampling.loading import generate_texts, load_for_sampling, sampling_kwargs
+    from unmask.sampling.show import TerminalAnimation
 
-    folder = Path(ns.model)
-    if not folder.is_dir():
-        raise InputError(
-            f"--model {ns.model!r} is not a folder; give a checkpoint-N or exported model folder"
-        )
-    tokenizer = _load_tokenizer(Path(ns.tokenizer) if ns.tokenizer else folder)
-    mask_id = ns.mask_id if ns.mask_id is not None else tokenizer.mask_token_id
-    if mask_id is None:
-        raise InputError("the tokenizer has no mask token; pass --mask-id")
-    device = torch.device(ns.device)
-    model = from_pretrained(folder).to(device).eval()
-    prompt_ids = tokenizer(ns.prompt, add_special_tokens=False)["input_ids"]
-    if not prompt_ids:
-        raise InputError("--prompt is empty; give some text to continue")
-    block = ns.block_length or ns.gen_length
-    steps = ns.steps or ns.gen_length
-    if ns.seed is not None:
-        torch.manual_seed(ns.seed)
-    try:
-        out = generate(
-            model,
-            torch.tensor([prompt_ids], device=device),
-            steps=steps,
-            gen_length=ns.gen_length,
-            block_length=block,
-            temperature=ns.temperature,
-            remasking=ns.remasking,
-            mask_id=mask_id,
-        )
-    except ValueError as exc:
-        raise InputError(str(exc)) from None
-    answer = decode_answer(tokenizer, out[0, len(prompt_ids) :].tolist())
-    print(ns.prompt + answer)
+    prompts = list(ns.prompt or [])
+    if ns.prompts:
+        prompts += _read_prompts(Path(ns.prompts))
+    if not prompts:
+        raise InputError("no prompts; give --prompt TEXT (repeatable) or --prompts FILE.jsonl")
+    sm = load_for_sampling(ns.model, ns.tokenizer, ns.device, ns.mask_id)
+    options = sampling_kwargs(
+        sm.defaults,
+        gen_length=ns.gen_length, steps=ns.steps, block_length=ns.block_length,
+        temperature=ns.temperature, remasking=ns.remasking, cfg_scale=ns.cfg_scale,
+        threshold=ns.threshold, factor=ns.factor, cache=ns.cache, schedule=ns.schedule,
+        top_p=ns.top_p, top_k=ns.top_k,
+    )  # fmt: skip
+    generator = (
+        torch.Generator(device=sm.device).manual_seed(ns.seed) if ns.seed is not None else None
+    )
+    on_step = None
+    if ns.show:
+        skip = {i for i in (sm.pad_id, sm.eos_id) if i is not None}
+        on_step = TerminalAnimation(sm.tokenizer, sm.mask_id, skip, delay=ns.show_delay)
+    records = generate_texts(sm, prompts, options, ns.batch_size, generator, on_step)
+    if ns.out:
+        with open(ns.out, "w") as handle:
+            handle.writelines(json.dumps(r) + "\n" for r in records)
+    elif ns.jsonl or len(records) > 1:
+        sys.stdout.writelines(json.dumps(r) + "\n" for r in records)
+    else:
+        print(records[0]["prompt"] + records[0]["completion"])
     return 0
 
 
-def _load_tokenizer(folder: Path):
-    from transformers import AutoTokenizer
+def _read_prompts(path: Path) -> list[str]:
+    """Prompts from a jsonl file: one {"prompt": ...} object (or JSON string) per line."""
+    import json
 
-    if not any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
-        raise InputError(f"no tokenizer files in {str(folder)!r}; pass --tokenizer FOLDER")
-    return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    if not path.is_file():
+        raise InputError(f"--prompts {str(path)!r} does not exist; give a jsonl file")
+    prompts = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise InputError(f"{path}:{number}: not JSON ({err})") from None
+        text = item.get("prompt") if isinstance(item, dict) else item
+        if not isinstance(text, str):
+            raise InputError(f'{path}:{number}: expected {{"prompt": "..."}} or a JSON string')
+        prompts.append(text)
+    return prompts
+
+
+def cmd_eval(ns: argparse.Namespace) -> int:
+    import json
+
+    import torch
+
+    from unmask.sampling.likelihood import perplexity_bound
+    from unmask.sampling.loading import load_for_sampling
+
+    path = Path(ns.ppl)
+    if not path.is_file():
+        raise InputError(f"--ppl {ns.ppl!r} does not exist; give a text file")
+    sm = load_for_sampling(ns.model, ns.tokenizer, ns.device, ns.mask_id)
+    ids = sm.tokenizer(path.read_text(), add_special_tokens=False)["input_ids"]
+    if not ids:
+        raise InputError(f"--ppl {ns.ppl!r} holds no tokens")
+    bound = perplexity_bound(
+        sm.model, ids, mask_id=sm.mask_id, context=ns.context, mc_num=ns.mc_num,
+        batch_size=ns.batch_size, generator=torch.Generator().manual_seed(ns.seed),
+        device=sm.device,
+    )  # fmt: skip
+    print(json.dumps({"file": str(path), "ppl_upper_bound": bound.perplexity,
+                      "nelbo_per_token": bound.nll_per_token,
+                      "stderr_per_token": bound.stderr_per_token, "tokens": bound.tokens,
+                      "chunks": bound.chunks, "mc_num": ns.mc_num}))  # fmt: skip
+    return 0
+
+
+def cmd_export(ns: argparse.Namespace) -> int:
+    from unmask.eval.export import export_model
+
+    out = export_model(ns.checkpoint, ns.out, dtype=ns.dtype, overwrite=ns.overwrite)
+    print(f"unmask: exported {ns.checkpoint} to {out}", file=sys.stderr)
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from unmask.sampling.transfer import REMASKING
+
     parser = argparse.ArgumentParser(
         prog="unmask", description="Train and sample masked-diffusion language models."
     )
@@ -102,19 +148,57 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--config", help="config file (same as the positional form)")
     train.set_defaults(func=cmd_train)
 
-    gen = sub.add_parser("generate", help="sample a continuation from a trained model")
-    gen.add_argument("--model", required=True, help="checkpoint-N or exported model folder")
-    gen.add_argument("--prompt", required=True, help="text to continue")
+    gen = sub.add_parser("generate", help="sample continuations from a trained model")
+    gen.add_argument(
+        "--model", required=True, help="checkpoint-N, run output_dir or exported folder"
+    )
+    gen.add_argument("--prompt", action="append", help="text to continue (repeatable)")
+    gen.add_argument("--prompts", help='jsonl file, one {"prompt": ...} per line')
+    gen.add_argument("--out", help="write one jsonl record per prompt here")
+    gen.add_argument("--jsonl", action="store_true", help="print jsonl records to stdout")
+    gen.add_argument("--show", action="store_true", help="animate the denoising (stderr)")
+    gen.add_argument("--show-delay", type=float, default=0.05, help="seconds per frame")
     gen.add_argument("--tokenizer", help="tokenizer folder (default: the model folder)")
-    gen.add_argument("--gen-length", type=int, default=32, help="tokens to generate")
+    gen.add_argument("--gen-length", type=int, help="tokens to generate (default 32)")
     gen.add_argument("--steps", type=int, help="denoising steps (default: gen-length)")
     gen.add_argument("--block-length", type=int, help="block length (default: gen-length)")
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    gen.add_argument("--remasking", choices=["low_confidence", "random"], default="low_confidence")
+    gen.add_argument("--temperature", type=float, help="0 = greedy")
+    gen.add_argument("--top-p", type=float, help="nucleus filtering")
+    gen.add_argument("--top-k", type=int, help="top-k filtering")
+    gen.add_argument(
+        "--remasking", choices=list(REMASKING), help="confidence (default low_confidence)"
+    )
+    gen.add_argument("--schedule", choices=["llada", "dream"], help="tokens per step")
+    gen.add_argument("--threshold", type=float, help="parallel decoding: commit conf >= this")
+    gen.add_argument("--factor", type=float, help="parallel decoding, factor rule")
+    gen.add_argument("--cache", choices=["none", "prefix", "dual"], help="K/V cache")
+    gen.add_argument("--cfg-scale", type=float, help="classifier-free guidance scale")
+    gen.add_argument("--batch-size", type=int, default=16, help="prompts decoded together")
     gen.add_argument("--mask-id", type=int, help="mask token id (default: the tokenizer's)")
     gen.add_argument("--device", default="cpu", help="cpu or cuda")
     gen.add_argument("--seed", type=int, help="seed for temperature > 0")
     gen.set_defaults(func=cmd_generate)
+
+    ev = sub.add_parser("eval", help="perplexity upper bound of a text file (Monte Carlo ELBO)")
+    ev.add_argument(
+        "--model", required=True, help="checkpoint-N, run output_dir or exported folder"
+    )
+    ev.add_argument("--ppl", required=True, help="text file to score")
+    ev.add_argument("--tokenizer", help="tokenizer folder (default: the model folder)")
+    ev.add_argument("--context", type=int, default=512, help="tokens per scored chunk")
+    ev.add_argument("--mc-num", type=int, default=32, help="Monte Carlo samples per chunk")
+    ev.add_argument("--batch-size", type=int, default=16, help="samples per forward pass")
+    ev.add_argument("--mask-id", type=int, help="mask token id (default: the tokenizer's)")
+    ev.add_argument("--device", default="cpu", help="cpu or cuda")
+    ev.add_argument("--seed", type=int, default=0, help="seed of the masking draws")
+    ev.set_defaults(func=cmd_eval)
+
+    ex = sub.add_parser("export", help="write an HF folder (weights, tokenizer, defaults)")
+    ex.add_argument("checkpoint", help="checkpoint-N (plain or sharded), final/ or output_dir")
+    ex.add_argument("--out", required=True, help="new folder to write")
+    ex.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
+    ex.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+    ex.set_defaults(func=cmd_export)
     return parser
 
 

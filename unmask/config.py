@@ -130,10 +130,12 @@ def quickstart_yaml() -> str:
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
     """Read YAML (the packaged quickstart when `path` is None), apply overrides, validate."""
+    from unmask.compat import translate
+
     tree = read_yaml(path) if path is not None else yaml.safe_load(quickstart_yaml())
     for text in overrides or []:
         apply_override(tree, *parse_override(text))
-    return validate_tree(tree)
+    return validate_tree(translate(tree))  # seed schemas (LMMs-Engine, Transformer Lab)
 
 
 def validate_tree(tree: dict) -> RunConfig:

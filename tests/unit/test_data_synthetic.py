@@ -5,7 +5,7 @@ from collections import Counter
 import pytest
 
 from unmask.data import DataConfig, answer_for, exact_match, make_synthetic
-from unmask.data.synthetic import TASK_PREFIXES, add_digit_range
+from unmask.data.synthetic import TASK_PREFIXES
 
 CFG = DataConfig(synthetic_train_size=3000, synthetic_eval_size=300)
 
@@ -19,7 +19,7 @@ def _recompute(prompt: str) -> str:
     if task == "sort":
         return "".join(sorted(operand, key=int))
     a, b = operand.split("+")
-    return str(sum(map(int, (a, b))))
+    return f"{int(a) + int(b):0{len(a) + 1}d}"
 
 
 def test_answers_are_correct():
@@ -28,7 +28,9 @@ def test_answers_are_correct():
         assert answer == _recompute(prompt), prompt
     assert answer_for("rev 3917=") == "7193"
     assert answer_for("sort 3917=") == "1379"
-    assert answer_for("add 47+385=") == "432"
+    assert answer_for("add 47+85=") == "132"
+    assert answer_for("add 07+05=") == "012"  # zero-padded to one more digit than the operands
+    assert answer_for("add 047+385=") == "0432"
 
 
 def test_heldout_prompts_never_in_training():
@@ -53,10 +55,12 @@ def test_balanced_over_tasks_and_lengths():
     rev_lengths = Counter(len(p) - len("rev =") for p, _ in train if p.startswith("rev"))
     assert rev_lengths == {n: 200 for n in range(2, 7)}
     assert Counter(p.split(" ")[0] for p, _ in held) == {"rev": 100, "sort": 100, "add": 100}
-    low, high = add_digit_range(2, 6)
-    assert (low, high) == (1, 3)
-    add_lengths = {max(len(x) for x in p[4:-1].split("+")) for p, _ in train if p.startswith("add")}
-    assert add_lengths == {1, 2, 3}
+    add_widths = {
+        tuple(len(x) for x in p[4:-1].split("+")) for p, _ in train if p.startswith("add")
+    }
+    assert add_widths == {(2, 2)}
+    wide = make_synthetic(CFG.model_copy(update={"synthetic_add_digits": 3}))[0]
+    assert {len(a) for p, a in wide if p.startswith("add")} == {4}
 
 
 def test_prefixes_distinct_and_sequences_short():

@@ -224,9 +224,9 @@ def test_error_messages(tmp_path):
         from_pretrained(tmp_path / "nowhere")
     with pytest.raises(InputError, match="config.json' is missing"):
         from_pretrained(_write_folder(tmp_path / "empty"))
-    llama = hf_config_dict(ModelConfig()) | {"model_type": "llama"}
-    with pytest.raises(InputError, match="model_type 'llama' is not supported"):
-        from_pretrained(_write_folder(tmp_path / "llama", llama))
+    mistral = hf_config_dict(ModelConfig()) | {"model_type": "mistral"}  # llama is supported
+    with pytest.raises(InputError, match="model_type 'mistral' is not supported"):
+        from_pretrained(_write_folder(tmp_path / "mistral", mistral))
     with pytest.raises(InputError, match="no weights in .*expected model.safetensors"):
         from_pretrained(_write_folder(tmp_path / "noweights", hf_config_dict(ModelConfig())))
     yarn = hf_config_dict(ModelConfig()) | {"rope_parameters": {"rope_type": "yarn"}}

@@ -13,6 +13,16 @@ from unmask.sampling import add_gumbel_noise, cfg_combine, generate, num_transfe
 V, H, MASK_ID = 23, 16, 22
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models: one thread avoids OpenMP threads spinning against each other on a
+    shared 2-core machine (restored afterwards)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 class StandIn(nn.Module):
     """Tiny random bidirectional model returning (B, L, V) logits."""
 
@@ -72,14 +82,13 @@ def _reference(model, prompt, steps, gen_length, block_length, temperature, rema
                 un_x[:, :p] = MASK_ID
                 un = model(un_x)
                 logits = un + (cfg_scale + 1) * (logits - un)
-            if temperature > 0:
-                u = torch.rand(logits.shape, generator=generator, dtype=torch.float64)
-                noisy = logits.double() / temperature - torch.log(-torch.log(u))
-            else:
-                noisy = logits
-            noisy = noisy.clone()
+            # noise is drawn for the current block only (the other positions are not used)
+            noisy = logits[:, lo:hi].double().clone()
             noisy[..., MASK_ID] = float("-inf")  # the mask token is never a prediction
-            x0 = noisy.argmax(-1)
+            if temperature > 0:
+                u = torch.rand(noisy.shape, generator=generator, dtype=torch.float64)
+                noisy = noisy / temperature - torch.log(-torch.log(u))
+            x0 = noisy.argmax(-1)  # (b, block)
             if remasking == "random":
                 conf = torch.rand(x0.shape, generator=generator, dtype=torch.float64)
             new_x = x.clone()
@@ -88,11 +97,15 @@ def _reference(model, prompt, steps, gen_length, block_length, temperature, rema
                 candidates = []
                 for j in range(lo, hi):
                     if x[row, j] == MASK_ID:
-                        c = conf[row, j] if remasking == "random" else probs[j, x0[row, j]]
+                        c = (
+                            conf[row, j - lo]
+                            if remasking == "random"
+                            else probs[j, x0[row, j - lo]]
+                        )
                         candidates.append((float(c), j))
                 candidates.sort(key=lambda cj: -cj[0])
                 for _, j in candidates[: quotas[row][i]]:
-                    new_x[row, j] = x0[row, j]
+                    new_x[row, j] = x0[row, j - lo]
             x = new_x
     return x
 

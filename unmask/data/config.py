@@ -29,6 +29,12 @@ class DataConfig(BaseModel):
     response_field: str = "response"
     """Column holding the answer of a prompt/answer pair (the part the loss trains)."""
 
+    chat_template: bool = True
+    """Format prompt/response pairs as a user and an assistant turn with the tokenizer's chat
+    template when it has one. Rows with a `messages` list (chat turns, the last one the
+    assistant's answer) are always formatted as a chat (the template, or "role: content"
+    lines without one)."""
+
     eval_dataset: str | None = None
     """Separate local eval data (same formats as `dataset`); None holds out `eval_split`."""
 
@@ -54,10 +60,13 @@ class DataConfig(BaseModel):
     """Built-in tasks used when `dataset` is "synthetic"."""
 
     synthetic_min_digits: int = Field(default=2, ge=1)
-    """Shortest digit string (reverse, sort); addition operands scale with it."""
+    """Shortest digit string of reverse and sort."""
 
     synthetic_max_digits: int = Field(default=6, ge=1)
-    """Longest digit string (reverse, sort); addition operands scale with it."""
+    """Longest digit string of reverse and sort."""
+
+    synthetic_add_digits: int = Field(default=2, ge=1, le=6)
+    """Width of both addition operands, zero-padded ("add 07+45=052")."""
 
     synthetic_train_size: int = Field(default=50000, ge=1)
     """Number of synthetic training examples."""

@@ -76,7 +76,7 @@ def build_datasets(cfg: DataConfig, tokenizer) -> tuple[RowStore, RowStore]:
 
 
 def _rows(cfg: DataConfig, tokenizer, records: list[Record], eos_id: int) -> RowStore:
-    examples = tokenize_records(records, tokenizer, eos_id)
+    examples = tokenize_records(records, tokenizer, eos_id, cfg.chat_template)
     return build_rows(examples, cfg.packing_length, eos_id, cfg.packing, cfg.supervise_padding)
 
 

@@ -63,20 +63,27 @@ class RowStore:
         return {k: v[indices] for k, v in self.tensors.items()}
 
 
-def tokenize_records(records: Sequence[Record], tokenizer, eos_id: int) -> list[TokenizedExample]:
+def tokenize_records(
+    records: Sequence[Record], tokenizer, eos_id: int, chat_template: bool = True
+) -> list[TokenizedExample]:
     """Records to token ids with EOS appended; prompts (if any) are not maskable.
 
-    Prompt and answer are tokenized separately so the clean/maskable border is exact.
+    Prompt and answer are tokenized separately so the clean/maskable border is exact. Chat
+    `messages` records, and pairs when the tokenizer has a chat template and `chat_template`
+    is true, are formatted by data/sft.py first.
     """
-    pairs = [r for r in records if "prompt" in r]
-    docs = [r for r in records if "prompt" not in r]
-    enc = _encode_many(tokenizer, [r["prompt"] for r in pairs] + [r["response"] for r in pairs])
+    from unmask.data.sft import format_pair
+
+    is_pair = [("prompt" in r or "messages" in r) for r in records]
+    pairs = [format_pair(tokenizer, r, chat_template) for r, p in zip(records, is_pair) if p]
+    docs = [r for r, p in zip(records, is_pair) if not p]
+    enc = _encode_many(tokenizer, [p for p, _ in pairs] + [a for _, a in pairs])
     prompts, answers = enc[: len(pairs)], enc[len(pairs) :]
     doc_ids = iter(_encode_many(tokenizer, [r["text"] for r in docs]))
     pair_ids = iter(zip(prompts, answers))
     out = []
-    for record in records:
-        if "prompt" in record:
+    for pair in is_pair:
+        if pair:
             prompt, answer = next(pair_ids)
             ids = prompt + answer + [eos_id]
             out.append(

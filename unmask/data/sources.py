@@ -149,6 +149,11 @@ def _to_records(
 ) -> list[Record]:
     records: list[Record] = []
     for row in rows:
+        if row.get("messages") is not None:  # a chat: prompt/answer split in data/sft.py
+            from unmask.data.sft import check_messages
+
+            records.append({"messages": check_messages(row["messages"], where)})
+            continue
         prompt, response = row.get(prompt_field), row.get(response_field)
         if prompt is not None and response is not None:
             records.append({"prompt": str(prompt), "response": str(response)})

@@ -4,7 +4,7 @@ Each example is a (prompt, answer) pair in a compact form the character tokenize
 
     "rev 3917="   -> "7193"      reverse the digits
     "sort 3917="  -> "1379"      sort the digits ascending
-    "add 47+385=" -> "432"       sum of two numbers
+    "add 47+05="  -> "052"       sum of two zero-padded numbers, zero-padded to one more digit
 
 Answers are always computed from the prompt (`answer_for`). Held-out eval prompts are drawn
 first and never appear in training. Examples are balanced over tasks and digit lengths.
@@ -35,37 +35,22 @@ def answer_for(prompt: str) -> str:
         return "".join(sorted(body[len(TASK_PREFIXES["sort"]) :]))
     if body.startswith(TASK_PREFIXES["add"]):
         left, right = body[len(TASK_PREFIXES["add"]) :].split("+")
-        return str(int(left) + int(right))
+        return str(int(left) + int(right)).zfill(len(left) + 1)
     raise ValueError(f"unknown synthetic task in prompt {prompt!r}")
-
-
-def add_digit_range(min_digits: int, max_digits: int) -> tuple[int, int]:
-    """Operand lengths for `add`: about half the string length, so it is as hard as the others.
-
-    With the default 2..6 digits for reverse/sort, addition uses 1..3-digit operands.
-    """
-    low = max(1, min_digits - 1)
-    return low, max(low, (max_digits + 1) // 2)
 
 
 def _digits(rng: random.Random, n: int) -> str:
     return "".join(rng.choice("0123456789") for _ in range(n))
 
 
-def _number(rng: random.Random, n: int) -> int:
-    """A number with exactly n digits (0..9 for n = 1)."""
-    return rng.randrange(0 if n == 1 else 10 ** (n - 1), 10**n)
-
-
 def _task_lengths(cfg: DataConfig) -> dict[str, list[int]]:
-    """Digit lengths of each task (for add: the longer operand's length)."""
+    """Digit lengths of each task (for add: the fixed operand width)."""
     lengths = {}
     for task in cfg.synthetic_tasks:
         if task == "add":
-            low, high = add_digit_range(cfg.synthetic_min_digits, cfg.synthetic_max_digits)
+            lengths[task] = [cfg.synthetic_add_digits]
         else:
-            low, high = cfg.synthetic_min_digits, cfg.synthetic_max_digits
-        lengths[task] = list(range(low, high + 1))
+            lengths[task] = list(range(cfg.synthetic_min_digits, cfg.synthetic_max_digits + 1))
     return lengths
 
 
@@ -77,31 +62,16 @@ def _balanced_cell(lengths: dict[str, list[int]], i: int) -> tuple[str, int]:
     return task, task_lengths[(i // len(tasks)) % len(task_lengths)]
 
 
-def add_low_for(n: int) -> int:
-    """Shortest second operand when the longer one has n digits."""
-    return 1 if n <= 2 else n - 1
-
-
-def _count_numbers(low: int, high: int) -> int:
-    """How many numbers have low..high digits (0 counts as one digit)."""
-    return 0 if high < low else 10**high - (0 if low == 1 else 10 ** (low - 1))
-
-
 def _cell_size(task: str, n: int) -> int:
-    """How many distinct prompts a (task, n) cell has (add: ordered pairs, longer has n digits)."""
-    if task != "add":
-        return 10**n
-    low = add_low_for(n)
-    return _count_numbers(low, n) ** 2 - _count_numbers(low, n - 1) ** 2
+    """How many distinct prompts a cell has (add: two n-digit operands)."""
+    return 10 ** (2 * n) if task == "add" else 10**n
 
 
 def _draw_prompt(rng: random.Random, task: str, n: int) -> str:
     if task == "add":
-        other = rng.randint(add_low_for(n), n)
-        a, b = _number(rng, n), _number(rng, other)
-        if rng.random() < 0.5:
-            a, b = b, a
-        return f"{TASK_PREFIXES['add']}{a}+{b}="
+        # Fixed-width operands put digits of equal place value at fixed offsets, which
+        # attention with relative positions can learn; the answer has n + 1 digits.
+        return f"{TASK_PREFIXES['add']}{_digits(rng, n)}+{_digits(rng, n)}="
     return f"{TASK_PREFIXES[task]}{_digits(rng, n)}="
 
 

@@ -1,8 +1,26 @@
 """Configuration of the masked-diffusion forward process and training objective."""
 
+import re
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+_CART = re.compile(r"^cart(?:\[geo_p:([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\])?$")
+LOSS_WEIGHTS = ("inverse_t", "scheduler", "uniform", "cart[geo_p:P]")
+
+
+def parse_loss_weight(text: str) -> tuple[str, float | None]:
+    """'cart[geo_p:0.3]' -> ('cart', 0.3); 'cart' -> ('cart', 0.3); 'inverse_t' -> (.., None)."""
+    text = text.strip()
+    if text in ("inverse_t", "scheduler", "uniform"):
+        return text, None
+    match = _CART.match(text)
+    if match is None:
+        raise ValueError(f"unknown loss weight {text!r}; expected one of {', '.join(LOSS_WEIGHTS)}")
+    geo_p = float(match.group(1)) if match.group(1) is not None else 0.3
+    if not 0.0 < geo_p <= 1.0:
+        raise ValueError(f"cart geo_p must be in (0, 1], got {geo_p}")
+    return "cart", geo_p
 
 
 class DiffusionConfig(BaseModel):
@@ -10,9 +28,12 @@ class DiffusionConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
-    objective: Literal["mdlm", "llada"] = "mdlm"
-    """Training objective. `llada` is the same pretraining loss as `mdlm` (sum of weighted
-    masked cross-entropy over the number of maskable tokens)."""
+    objective: Literal["mdlm", "llada", "sft", "dream", "bert", "bd3lm"] = "mdlm"
+    """Training objective. `mdlm`/`llada`: pretraining (sum of weighted masked cross-entropy
+    over the number of maskable tokens). `sft`: LLaDA SFT (prompt never masked, each row
+    normalized by its answer length). `dream`: logit shift + CART/scheduler weights, prompt
+    cutoffs. `bert`: the mdlm loss on an encoder (model_type bert/modernbert). `bd3lm`: block
+    diffusion (x_t + x0 input, block attention mask, t per block)."""
 
     t_sampling: Literal["uniform", "antithetic"] = "uniform"
     """How the noise level t is drawn per sequence: `uniform` i.i.d. per row, or
@@ -25,14 +46,61 @@ class DiffusionConfig(BaseModel):
     """Masking schedule: probability of masking at t is t (`linear`) or 1 - cos(pi t / 2)
     (`cosine`)."""
 
-    loss_weight: Literal["inverse_t", "scheduler", "uniform"] = "inverse_t"
+    loss_weight: str = "inverse_t"
     """Per-token weight of masked cross-entropy: `inverse_t` (1/t, the ELBO for the linear
-    schedule), `scheduler` (-alpha'(t) / (1 - alpha(t)); equals 1/t for linear), or
-    `uniform` (1)."""
+    schedule), `scheduler` (-alpha'(t) / (1 - alpha(t)); equals 1/t for linear), `uniform`
+    (1), or `cart[geo_p:0.3]` (Dream's CART: 0.5 * sum over clean j of p (1-p)^(|i-j|-1);
+    no 1/t factor; dream objective only)."""
 
     min_masked: int = Field(0, ge=0, le=1)
     """1 forces at least one masked token in every row that has a maskable token, so no row
     gives zero signal (MegaDLMs); 0 masks purely at random."""
 
+    random_length_prob: float = Field(0.0, ge=0.0, le=1.0)
+    """Probability (LLaDA: 0.01) that a training step's batch is cut to a random length in
+    [1, L]; drawn from (train.seed, step), so every rank and micro-batch cuts alike."""
+
+    prompt_drop_prob: float = Field(0.0, ge=0.0, le=1.0)
+    """sft: probability that a row's whole prompt is masked (and left out of the loss), for
+    classifier-free guidance (SMDM uses 0.1)."""
+
+    logit_shift: bool | None = None
+    """Predict position i from the output at i-1 (Dream; reuses AR weights). None = true
+    for `dream`, false otherwise. Positions starting a document carry no loss."""
+
+    mask_prompt_loss: bool = True
+    """dream: no loss on prompt positions (they are never masked). False lets prompt tokens
+    be masked and trained like the answer."""
+
+    perbatch_cutoff: bool = False
+    """dream: pick one answer length from the batch and trim every answer to it (trimmed
+    tokens are hidden from attention and carry no loss)."""
+
+    resp_cutoff_ratio: float = Field(0.0, ge=0.0, le=1.0)
+    """dream: probability of chopping a random tail (1 .. shortest answer - 1 tokens) off the
+    whole batch; keep it small (0.0-0.2)."""
+
+    block_size: int = Field(32, ge=1)
+    """bd3lm: tokens per diffusion block; the row length must be a multiple of it."""
+
     vocab_chunk_size: int = Field(8192, gt=0)
     """Vocabulary columns per chunk in the masked-only cross-entropy (memory vs. speed)."""
+
+    @field_validator("loss_weight")
+    @classmethod
+    def _loss_weight(cls, value: str) -> str:
+        parse_loss_weight(value)
+        return value.strip()
+
+    @model_validator(mode="after")
+    def _cart_needs_dream(self) -> "DiffusionConfig":
+        if self.loss_weight.startswith("cart") and self.objective != "dream":
+            raise ValueError(
+                f"loss_weight {self.loss_weight!r} (CART) needs objective: dream, "
+                f"not {self.objective!r}"
+            )
+        if self.logit_shift and self.objective not in ("sft", "dream"):
+            raise ValueError(
+                f"logit_shift: true needs objective sft or dream, not {self.objective!r}"
+            )
+        return self

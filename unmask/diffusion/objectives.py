@@ -124,7 +124,18 @@ def _maskable(batch: dict) -> torch.Tensor:
 
 
 def build_objective(cfg: DiffusionConfig, mask_id: int) -> Objective:
-    """The objective named by `cfg.objective` (mdlm and llada share the pretraining loss)."""
-    if cfg.objective in ("mdlm", "llada"):
+    """The objective named by `cfg.objective` (mdlm, llada and bert share the pretraining
+    loss; sft, dream and bd3lm live in recipes.py)."""
+    if cfg.objective in ("mdlm", "llada", "bert"):
         return MaskedDiffusionObjective(cfg, mask_id)
-    raise ValueError(f"unknown objective {cfg.objective!r}; expected mdlm or llada")
+    from unmask.diffusion import recipes
+
+    if cfg.objective == "sft":
+        return recipes.SFTObjective(cfg, mask_id)
+    if cfg.objective == "dream":
+        return recipes.DreamObjective(cfg, mask_id)
+    if cfg.objective == "bd3lm":
+        return recipes.BlockDiffusionObjective(cfg, mask_id)
+    raise ValueError(
+        f"unknown objective {cfg.objective!r}; expected mdlm, llada, sft, dream, bert or bd3lm"
+    )

@@ -97,3 +97,44 @@ def attend(
         k = k.repeat_interleave(groups, dim=1)
         v = v.repeat_interleave(groups, dim=1)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.dense, scale=scale)
+
+
+@dataclass
+class KVCache:
+    """Per-layer keys/values of a whole canvas, for diffusion sampling with caching.
+
+    A forward with `store=True` must cover the whole canvas (B, L): every layer records its
+    K/V (after RoPE). A later forward feeds only the tokens at [start, start + Lq) of the
+    canvas: each layer computes fresh K/V for them, puts them in place of the cached ones
+    (kept in the cache) and attends over the full length L. Prefix caching feeds
+    [block_start, L); dual caching feeds only the current block.
+    """
+
+    keys: list = None  # per layer (B, Hkv, L, D)
+    values: list = None
+    start: int = 0
+    store: bool = True
+
+    def __post_init__(self) -> None:
+        self.keys = [] if self.keys is None else self.keys
+        self.values = [] if self.values is None else self.values
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        """Record (store) or splice in (use) this layer's fresh k/v; returns full-length k, v."""
+        if self.store:
+            if layer == len(self.keys):
+                self.keys.append(k)
+                self.values.append(v)
+            else:
+                self.keys[layer], self.values[layer] = k, v
+            return k, v
+        stop = self.start + k.shape[2]
+        keys, values = self.keys[layer], self.values[layer]
+        keys[:, :, self.start : stop] = k
+        values[:, :, self.start : stop] = v
+        return keys, values
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Keep only batch rows `rows` (finished rows leave the batch)."""
+        self.keys = [k[rows] for k in self.keys]
+        self.values = [v[rows] for v in self.values]

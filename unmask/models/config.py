@@ -6,7 +6,7 @@ onto this class key for key (see `unmask.models.hf.config_from_hf`).
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class ModelConfig(BaseModel):
@@ -14,9 +14,13 @@ class ModelConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
-    model_type: Literal["qwen3_dllm"] = "qwen3_dllm"
-    """Model family: a key of `unmask.models.MODEL_BUILDERS`. `qwen3_dllm` is a Qwen3
-    decoder with bidirectional (non-causal) attention."""
+    model_type: Literal[
+        "qwen3_dllm", "qwen2_dllm", "llama_dllm", "dream", "llada", "bert", "modernbert"
+    ] = "qwen3_dllm"
+    """Model family: a key of `unmask.models.MODEL_BUILDERS`. `qwen3_dllm`, `qwen2_dllm`,
+    `llama_dllm`, `dream`, `llada`: the native bidirectional decoder with that family's
+    switches and HF layout (see models/families.py); `bert`, `modernbert`: transformers'
+    masked-LM encoders built from the size fields here."""
 
     vocab_size: int = 256
     """Number of token ids (rows of the embedding and of the LM head)."""
@@ -54,6 +58,13 @@ class ModelConfig(BaseModel):
     attention_bias: bool = False
     """Add a bias to the q/k/v/o projections."""
 
+    qkv_bias: bool = False
+    """Add a bias to the q/k/v projections only (Qwen2 / Dream layout)."""
+
+    qk_norm: bool = True
+    """RMSNorm on each head's queries and keys before RoPE (Qwen3); false for Qwen2, Llama,
+    LLaDA and Dream."""
+
     initializer_range: float = 0.02
     """Standard deviation of the normal init of linear and embedding weights."""
 
@@ -66,6 +77,46 @@ class ModelConfig(BaseModel):
     """Local folder to load: a Hugging Face Qwen3 folder or one saved by unmask. When
     set, the architecture comes from the folder's config.json and the fields above
     (except attn_implementation) are ignored."""
+
+    lora: bool = False
+    """Train LoRA adapters (peft) instead of all weights; LoRA factors always use AdamW."""
+
+    lora_r: int = Field(32, ge=1)
+    """LoRA rank."""
+
+    lora_alpha: int = Field(64, ge=1)
+    """LoRA scaling numerator (the update is scaled by lora_alpha / lora_r)."""
+
+    lora_dropout: float = Field(0.05, ge=0.0, lt=1.0)
+    """Dropout on the LoRA input."""
+
+    lora_target_modules: str | list[str] = "all-linear"
+    """Modules that get adapters: "all-linear" (every linear layer of the decoder blocks;
+    transformers' choice for encoders) or a list of module names."""
+
+    adaptor_name: str = "adaptor"
+    """Folder (under output_dir) for the adapter in peft's format."""
+
+    lora_merge: bool = False
+    """Also export the merged model (base + adapter) to output_dir/final."""
+
+    load_in_4bit: bool = False
+    """Load base weights in 4 bits (bitsandbytes, CUDA only); fails at start elsewhere."""
+
+    def to_dict(self) -> dict:
+        """The fields as a dict (peft reads a model's config this way)."""
+        return self.model_dump()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _family_defaults(cls, data):
+        from unmask.models.families import NATIVE_DEFAULTS
+
+        if isinstance(data, dict):
+            for key, value in NATIVE_DEFAULTS.get(data.get("model_type"), {}).items():
+                data = {**data} if key not in data else data
+                data.setdefault(key, value)
+        return data
 
     @model_validator(mode="after")
     def _check_shapes(self) -> "ModelConfig":

@@ -1,8 +1,10 @@
 """Hugging Face folders <-> the native model: config.json mapping and safetensors weights.
 
-Native parameter names equal HF Qwen3ForCausalLM keys, so weights load as a plain
-state dict. Only local folders are read (no hub, no remote code); weights come from
-safetensors only.
+Native parameter names equal HF Qwen3/Qwen2/Llama/Dream keys, so those load as a plain state
+dict; LLaDA folders are renamed through `families.LLADA_KEY_MAP`. Only local folders are read
+(no hub, no remote code); weights come from safetensors only. A loaded folder's config.json is
+kept on the model (`hf_source_config`) and written back on save, so a Dream or LLaDA folder
+round-trips with its own fields (mask_token_id, auto_map, ...).
 """
 
 import json
@@ -14,9 +16,20 @@ from safetensors.torch import load_file, save_file
 
 from unmask.errors import InputError
 from unmask.models.config import ModelConfig
+from unmask.models.families import from_llada_keys, to_llada_keys
 from unmask.models.transformer import DiffusionTransformer
 
-HF_MODEL_TYPES = ("qwen3", "qwen3_dllm")
+# config.json model_type -> unmask family
+HF_FAMILIES = {
+    "qwen3": "qwen3_dllm",
+    "qwen3_dllm": "qwen3_dllm",
+    "qwen2": "qwen2_dllm",
+    "llama": "llama_dllm",
+    "Dream": "dream",
+    "dream": "dream",
+    "llada": "llada",
+}
+HF_MODEL_TYPES = tuple(HF_FAMILIES)
 _DIRECT_KEYS = (
     "vocab_size",
     "hidden_size",
@@ -46,14 +59,55 @@ def _rope_theta(hf: dict[str, Any]) -> float | None:
     return params.get("rope_theta", hf.get("rope_theta"))
 
 
+def _llada_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    """LLaDA's OLMo-style config names -> the HF names the rest of this module reads."""
+    checks = {
+        "block_type": "llama",
+        "activation_type": "silu",
+        "layer_norm_type": "rms",
+        "rope": True,
+        "alibi": False,
+        "attention_layer_norm": False,
+        "include_bias": False,
+    }
+    for key, want in checks.items():
+        if key in hf and hf[key] != want:
+            raise InputError(
+                f"config.json: LLaDA {key}={hf[key]!r} is not supported; need {want!r}"
+            )
+    n_heads = hf["n_heads"]
+    return {
+        "vocab_size": hf.get("embedding_size") or hf["vocab_size"],
+        "hidden_size": hf["d_model"],
+        "intermediate_size": hf.get("mlp_hidden_size") or hf.get("mlp_ratio", 4) * hf["d_model"],
+        "num_hidden_layers": hf["n_layers"],
+        "num_attention_heads": n_heads,
+        "num_key_value_heads": hf.get("n_kv_heads") or n_heads,
+        "rms_norm_eps": hf.get("rms_norm_eps", 1e-5),
+        "rope_theta": hf.get("rope_theta", 10000.0),
+        "max_position_embeddings": hf.get("max_sequence_length", 4096),
+        "tie_word_embeddings": bool(hf.get("weight_tying", False)),
+        "qkv_bias": bool(hf.get("include_qkv_bias", False)),
+        "initializer_range": hf.get("init_std", 0.02),
+    }
+
+
 def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
-    """ModelConfig from a config.json dict (model_type "qwen3" or unmask's "qwen3_dllm")."""
+    """ModelConfig from a config.json dict: Qwen3, Qwen2, Llama, Dream, LLaDA or unmask's."""
     model_type = hf.get("model_type")
-    if model_type not in HF_MODEL_TYPES:
+    if model_type not in HF_FAMILIES:
         raise InputError(
             f"config.json: model_type {model_type!r} is not supported; expected one of "
-            f"{', '.join(HF_MODEL_TYPES)} (a Qwen3 folder or one saved by unmask)"
+            f"{', '.join(HF_MODEL_TYPES)} (or a folder saved by unmask)"
         )
+    family = (hf.get("unmask") or {}).get("model_type") or HF_FAMILIES[model_type]
+    if family == "llada":
+        try:
+            return ModelConfig(model_type="llada", **_llada_fields(hf))
+        except (KeyError, ValueError) as err:
+            raise InputError(f"config.json: LLaDA config is missing or has bad {err}") from err
+    if hf.get("mlp_bias"):
+        raise InputError("config.json: mlp_bias=true is not supported; need false")
     if hf.get("hidden_act", "silu") != "silu":
         raise InputError(
             f"config.json: hidden_act {hf['hidden_act']!r} is not supported; need silu"
@@ -64,16 +118,30 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     theta = _rope_theta(hf)
     if theta is not None:
         fields["rope_theta"] = float(theta)
+    if family == "llama_dllm" and "rope_theta" not in fields:
+        fields["rope_theta"] = 10000.0  # transformers' Llama default
     try:
-        return ModelConfig(**fields)
+        return ModelConfig(model_type=family, **fields)
     except ValueError as err:
         raise InputError(f"config.json: {err}") from err
 
 
+_FAMILY_HF = {  # family -> (config.json model_type, architecture)
+    "qwen3_dllm": ("qwen3", "Qwen3ForCausalLM"),
+    "qwen2_dllm": ("qwen2", "Qwen2ForCausalLM"),
+    "llama_dllm": ("llama", "LlamaForCausalLM"),
+    "dream": ("Dream", "DreamModel"),
+}
+
+
 def hf_config_dict(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
-    """A transformers-loadable Qwen3 config.json dict for cfg."""
+    """A config.json dict for cfg in its family's layout (Qwen3/Qwen2/Llama load in
+    transformers as they are; Dream and LLaDA in their own remote-code layouts)."""
     dtype_name = _DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
-    return {
+    if cfg.model_type == "llada":
+        return _llada_config_dict(cfg, dtype_name)
+    model_type, arch = _FAMILY_HF.get(cfg.model_type, _FAMILY_HF["qwen3_dllm"])
+    out = {
         "architectures": ["Qwen3ForCausalLM"],
         "model_type": "qwen3",
         "vocab_size": cfg.vocab_size,
@@ -99,6 +167,45 @@ def hf_config_dict(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict
         "torch_dtype": dtype_name,
         "dtype": dtype_name,
         "unmask": {"model_type": cfg.model_type},
+    }
+    out["model_type"], out["architectures"] = model_type, [arch]
+    if cfg.model_type != "qwen3_dllm":  # no q/k norm; bias switches by family
+        out["attention_bias"] = cfg.attention_bias
+        if cfg.model_type in ("qwen2_dllm", "dream"):
+            out.pop("attention_bias")
+            out.pop("head_dim")
+        if cfg.model_type == "llama_dllm":
+            out["mlp_bias"] = False
+    return out
+
+
+def _llada_config_dict(cfg: ModelConfig, dtype_name: str) -> dict[str, Any]:
+    return {
+        "architectures": ["LLaDAModelLM"],
+        "model_type": "llada",
+        "activation_type": "silu",
+        "block_type": "llama",
+        "layer_norm_type": "rms",
+        "rope": True,
+        "alibi": False,
+        "attention_layer_norm": False,
+        "include_bias": False,
+        "include_qkv_bias": cfg.qkv_bias,
+        "d_model": cfg.hidden_size,
+        "n_heads": cfg.num_attention_heads,
+        "n_kv_heads": cfg.num_key_value_heads,
+        "n_layers": cfg.num_hidden_layers,
+        "mlp_hidden_size": cfg.intermediate_size,
+        "vocab_size": cfg.vocab_size,
+        "embedding_size": cfg.vocab_size,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "max_sequence_length": cfg.max_position_embeddings,
+        "weight_tying": cfg.tie_word_embeddings,
+        "init_std": cfg.initializer_range,
+        "use_cache": False,
+        "torch_dtype": dtype_name,
+        "unmask": {"model_type": "llada"},
     }
 
 
@@ -144,6 +251,8 @@ def _read_state_dict(folder: Path) -> dict[str, torch.Tensor]:
     state: dict[str, torch.Tensor] = {}
     for path in _weight_files(folder):
         state.update(load_file(str(path)))
+    if any(key.startswith("model.transformer.") for key in state):  # LLaDA layout
+        state = from_llada_keys(state)
     if not any(key.startswith("model.") for key in state):  # a bare Qwen3Model checkpoint
         state = {(k if k == "lm_head.weight" else f"model.{k}"): v for k, v in state.items()}
     return {k: v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}
@@ -172,7 +281,8 @@ def from_pretrained(
     dtype: parameter dtype; None keeps float32 (training master weights).
     """
     folder = Path(folder)
-    cfg = config_from_hf(_read_config(folder))
+    source = _read_config(folder)
+    cfg = config_from_hf(source)
     cfg = cfg.model_copy(update={"attn_implementation": attn_implementation})
     state = _read_state_dict(folder)
     with torch.device("meta"):
@@ -181,6 +291,7 @@ def from_pretrained(
     model.tie_weights()
     model = model.to(dtype or torch.float32)
     _load_weights(model, state, folder)
+    model.hf_source_config = source
     return model
 
 
@@ -191,6 +302,20 @@ def save_pretrained(model: DiffusionTransformer, folder: str | Path) -> None:
     state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
+    if model.config.model_type == "llada":
+        state = to_llada_keys(state)
     dtype = next(model.parameters()).dtype
-    (folder / "config.json").write_text(json.dumps(hf_config_dict(model.config, dtype), indent=2))
+    config = hf_config_dict(model.config, dtype)
+    source = getattr(model, "hf_source_config", None)
+    if source is not None and config_from_hf(source) == _plain(model.config):
+        # unchanged architecture: keep the folder's own config.json; Dream/LLaDA configs
+        # (remote-code layouts) stay byte for byte, transformers-native ones get the tag
+        config = dict(source)
+        if model.config.model_type not in ("dream", "llada"):
+            config["unmask"] = {"model_type": model.config.model_type}
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
     save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+
+
+def _plain(cfg: ModelConfig) -> ModelConfig:
+    return cfg.model_copy(update={"attn_implementation": "auto", "pretrained": None})

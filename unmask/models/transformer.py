@@ -12,7 +12,13 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from unmask.diffusion.loss import chunked_cross_entropy
-from unmask.models.attention import AttentionMask, attend, build_attention_mask, resolve_backend
+from unmask.models.attention import (
+    AttentionMask,
+    KVCache,
+    attend,
+    build_attention_mask,
+    resolve_backend,
+)
 from unmask.models.config import ModelConfig
 
 IGNORE_INDEX = -100
@@ -69,15 +75,22 @@ class Attention(nn.Module):
         super().__init__()
         hidden, head_dim, bias = cfg.hidden_size, cfg.resolved_head_dim, cfg.attention_bias
         self.head_dim = head_dim
-        self.q_proj = nn.Linear(hidden, cfg.num_attention_heads * head_dim, bias=bias)
-        self.k_proj = nn.Linear(hidden, cfg.num_key_value_heads * head_dim, bias=bias)
-        self.v_proj = nn.Linear(hidden, cfg.num_key_value_heads * head_dim, bias=bias)
+        qkv_bias = bias or cfg.qkv_bias  # Qwen2/Dream: bias on q, k, v but not o
+        self.q_proj = nn.Linear(hidden, cfg.num_attention_heads * head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(hidden, cfg.num_key_value_heads * head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(hidden, cfg.num_key_value_heads * head_dim, bias=qkv_bias)
         self.o_proj = nn.Linear(cfg.num_attention_heads * head_dim, hidden, bias=bias)
-        self.q_norm = RMSNorm(head_dim, cfg.rms_norm_eps)
-        self.k_norm = RMSNorm(head_dim, cfg.rms_norm_eps)
+        # Qwen3 normalizes q and k per head; Qwen2 / Llama / LLaDA / Dream do not.
+        self.q_norm = RMSNorm(head_dim, cfg.rms_norm_eps) if cfg.qk_norm else nn.Identity()
+        self.k_norm = RMSNorm(head_dim, cfg.rms_norm_eps) if cfg.qk_norm else nn.Identity()
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: AttentionMask
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: AttentionMask,
+        cache: tuple[KVCache, int] | None = None,
     ) -> torch.Tensor:
         batch, length, _ = x.shape
         shape = (batch, length, -1, self.head_dim)
@@ -85,6 +98,8 @@ class Attention(nn.Module):
         k = self.k_norm(self.k_proj(x).view(shape)).transpose(1, 2)  # (B, Hkv, L, D)
         v = self.v_proj(x).view(shape).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if cache is not None:  # sampling: record, or attend over cached K/V of the canvas
+            k, v = cache[0].update(cache[1], k, v)
         out = attend(q, k, v.to(q.dtype), mask, scale=self.head_dim**-0.5)
         return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
 
@@ -113,9 +128,14 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: AttentionMask
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: AttentionMask,
+        cache: tuple[KVCache, int] | None = None,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -163,6 +183,8 @@ class DiffusionTransformer(nn.Module):
         input_ids: torch.Tensor,
         doc_ids: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        kv_cache: KVCache | None = None,
     ) -> torch.Tensor:
         """Final-norm hidden states (B, L, H) for input_ids (B, L); see `forward`."""
         if position_ids is None:
@@ -172,13 +194,20 @@ class DiffusionTransformer(nn.Module):
                 position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)
                 position_ids = position_ids.expand_as(input_ids)
         backend = resolve_backend(self.config.attn_implementation, doc_ids, input_ids.device)
+        if attention_mask is not None:  # an explicit mask (block diffusion) needs sdpa
+            backend = "sdpa"
         mask = build_attention_mask(doc_ids, backend)
+        if attention_mask is not None:
+            dense = attention_mask if mask.dense is None else mask.dense & attention_mask
+            mask = AttentionMask("sdpa", dense=dense)
         cos, sin = rotary_cos_sin(
             position_ids, self.config.resolved_head_dim, self.config.rope_theta
         )
         x = self.model.embed_tokens(input_ids)
-        for layer in self.model.layers:
-            if self.gradient_checkpointing and torch.is_grad_enabled():
+        for index, layer in enumerate(self.model.layers):
+            if kv_cache is not None:
+                x = layer(x, cos, sin, mask, (kv_cache, index))
+            elif self.gradient_checkpointing and torch.is_grad_enabled():
                 x = checkpoint(layer, x, cos, sin, mask, use_reentrant=False)
             else:
                 x = layer(x, cos, sin, mask)
@@ -191,6 +220,8 @@ class DiffusionTransformer(nn.Module):
         position_ids: torch.Tensor | None = None,
         targets: torch.Tensor | None = None,
         vocab_chunk: int = 8192,
+        attention_mask: torch.Tensor | None = None,
+        kv_cache: KVCache | None = None,
     ) -> torch.Tensor:
         """Logits, or per-token losses when targets are given.
 
@@ -200,8 +231,14 @@ class DiffusionTransformer(nn.Module):
         doc_ids). targets None -> logits (B, L, V) in the compute dtype. targets (B, L)
         long, -100 = no loss -> cross-entropy (B, L) float32, 0 at ignored positions; the
         LM head runs only on the selected rows, chunked over vocab_chunk ids.
+        attention_mask: (B or 1, 1, L, L) bool, True = may attend, or None; combined (and)
+        with the document mask (block diffusion uses it).
+        kv_cache: a `KVCache` for sampling: with store=True the call covers the whole canvas
+        and records each layer's K/V; otherwise input_ids are the canvas tokens from
+        kv_cache.start on, attending over the cached K/V of the rest (position_ids and
+        attention_mask, (B, 1, Lq, L), must then be given for the fed tokens).
         """
-        hidden = self.hidden_states(input_ids, doc_ids, position_ids)
+        hidden = self.hidden_states(input_ids, doc_ids, position_ids, attention_mask, kv_cache)
         if targets is None:
             return self.lm_head(hidden)
         return self._token_losses(hidden, targets, vocab_chunk)

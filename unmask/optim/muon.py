@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from unmask.errors import InputError
 from unmask.optim.newton_schulz import (
@@ -314,6 +315,11 @@ def adamw_update_(
     torch._foreach_addcdiv_(params, exp_avgs, denom, value=-step_size)
 
 
+def _local(t: Tensor) -> Tensor:
+    """The local shard of a DTensor (elementwise math on it is exact), else t itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def _state_dtype(p: Tensor) -> torch.dtype:
     return torch.promote_types(p.dtype, torch.float32)
 
@@ -444,6 +450,11 @@ class MuonAdamW(torch.optim.Optimizer):
         return loss
 
     def _muon_group_step(self, group: dict[str, Any]) -> None:
+        if any(isinstance(p, DTensor) for p in group["params"]):
+            from unmask.optim.distributed import dtensor_muon_step
+
+            dtensor_muon_step(self, group)  # FSDP2/HSDP: the owner all-to-all
+            return
         buckets: dict[tuple, list[Tensor]] = defaultdict(list)
         for p in group["params"]:
             if p.grad is None:
@@ -515,10 +526,10 @@ class MuonAdamW(torch.optim.Optimizer):
         for step, params in by_step.items():
             states = [self.state[p] for p in params]
             adamw_update_(
-                params,
-                [p.grad.to(s["exp_avg"].dtype) for p, s in zip(params, states)],
-                [s["exp_avg"] for s in states],
-                [s["exp_avg_sq"] for s in states],
+                [_local(p) for p in params],
+                [_local(p.grad).to(s["exp_avg"].dtype) for p, s in zip(params, states)],
+                [_local(s["exp_avg"]) for s in states],
+                [_local(s["exp_avg_sq"]) for s in states],
                 step=step,
                 lr=group["lr"],
                 betas=group["betas"],

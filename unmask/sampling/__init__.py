@@ -1,11 +1,17 @@
 """Sampling from masked-diffusion language models."""
 
-from unmask.sampling.generate import (
-    add_gumbel_noise,
-    cfg_combine,
-    generate,
-    num_transfer_tokens,
-    select_top_k,
-)
+from unmask.sampling.generate import GenerationOutput, cfg_combine, generate, left_pad, sample
+from unmask.sampling.schedules import dream_schedule, num_transfer_tokens
+from unmask.sampling.transfer import add_gumbel_noise, select_top_k
 
-__all__ = ["add_gumbel_noise", "cfg_combine", "generate", "num_transfer_tokens", "select_top_k"]
+__all__ = [
+    "GenerationOutput",
+    "add_gumbel_noise",
+    "cfg_combine",
+    "dream_schedule",
+    "generate",
+    "left_pad",
+    "num_transfer_tokens",
+    "sample",
+    "select_top_k",
+]

@@ -114,3 +114,139 @@ def load_checkpoint(path: Path, model, optimizer, scheduler) -> tuple[dict, dict
     rng_state = torch.load(path / "rng_state.pt", weights_only=True)
     trainer_state = json.loads((path / STATE_FILE).read_text())
     return trainer_state, rng_state
+
+
+# ------------------------------------------------------------ sharded (DCP) checkpoints
+
+DCP_DIR = "dcp"
+
+
+def is_distributed_checkpoint(path: Path) -> bool:
+    """True for a checkpoint-N folder written by a multi-process run (DCP shards)."""
+    return (Path(path) / DCP_DIR / ".metadata").is_file()
+
+
+def _fsync_tree(path: Path) -> None:
+    for child in path.rglob("*"):
+        if child.is_file():
+            with open(child, "rb") as handle:
+                os.fsync(handle.fileno())
+
+
+def save_distributed_checkpoint(
+    output_dir: Path,
+    step: int,
+    model,
+    tokenizer,
+    optimizer: torch.optim.Optimizer,
+    scheduler,
+    trainer_state: dict,
+    rng_state: dict,
+    save_total_limit: int | None = None,
+) -> Path:
+    """Every rank writes its shards of model + optimizer with torch.distributed.checkpoint.
+
+    Layout: checkpoint-N/dcp/ (sharded, loadable at any world size), config.json (HF model
+    config, for export), tokenizer files, scheduler.pt, rng_state.pt, trainer_state.json.
+    Written under .tmp-checkpoint-N and renamed by rank 0 after every rank finished, so a
+    rank dying mid-save leaves the previous checkpoint as the newest complete one.
+    """
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from unmask.models.hf import hf_config_dict
+
+    rank = dist.get_rank()
+    final = output_dir / f"checkpoint-{step}"
+    tmp = output_dir / f".tmp-checkpoint-{step}"
+    if rank == 0:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    model_state, optim_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp / DCP_DIR))
+    if rank == 0:
+        (tmp / "config.json").write_text(json.dumps(hf_config_dict(model.config), indent=2))
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(tmp))
+        torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
+        torch.save(rng_state, tmp / "rng_state.pt")
+        state = {**trainer_state, "step": step, "world_size": dist.get_world_size()}
+        (tmp / STATE_FILE).write_text(json.dumps(state, indent=2))
+        _fsync_tree(tmp)
+        if final.exists():
+            stale = output_dir / f".stale-checkpoint-{step}"
+            os.replace(final, stale)
+            os.replace(tmp, final)
+            shutil.rmtree(stale)
+        else:
+            os.replace(tmp, final)
+        if save_total_limit is not None and save_total_limit > 0:
+            for old in list_checkpoints(output_dir)[:-save_total_limit]:
+                shutil.rmtree(old)
+    dist.barrier()
+    return final
+
+
+def load_distributed_checkpoint(path: Path, model, optimizer, scheduler) -> tuple[dict, dict]:
+    """Restore a DCP checkpoint into a model at any world size (FSDP2-sharded or plain).
+
+    Every rank calls it; returns (trainer_state, rng_state) like :func:`load_checkpoint`.
+    """
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optim": optim_state}
+    try:
+        _dcp_load(state, Path(path) / DCP_DIR)
+    except Exception as err:  # DCP raises CheckpointException with every rank's traceback
+        raise InputError(
+            f"checkpoint {str(path)!r} does not match the model and optimizer in the config "
+            f"({type(err).__name__}); resume with the config it was written with"
+        ) from None
+    set_state_dict(
+        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+    )
+    scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
+    rng_state = torch.load(path / "rng_state.pt", weights_only=True)
+    trainer_state = json.loads((path / STATE_FILE).read_text())
+    return trainer_state, rng_state
+
+
+def _dcp_load(state: dict, folder: Path) -> None:
+    """dcp.load; in one process (no process group) that is the intent, so no warning."""
+    import warnings
+
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():
+        if not dist.is_initialized():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=str(folder))
+
+
+def export_distributed_checkpoint(path: Path, out: Path) -> Path:
+    """Gather a DCP checkpoint-N into one HF folder (config.json, model.safetensors,
+    tokenizer); runs in one process, no process group needed."""
+    from unmask.models.hf import config_from_hf
+    from unmask.models.transformer import DiffusionTransformer
+
+    path, out = Path(path), Path(out)
+    if not is_distributed_checkpoint(path):
+        raise InputError(f"{str(path)!r} is not a sharded (DCP) unmask checkpoint")
+    cfg = config_from_hf(json.loads((path / "config.json").read_text()))
+    with torch.device("meta"):
+        model = DiffusionTransformer(cfg)
+    model.to_empty(device="cpu")
+    model.tie_weights()
+    state = {"model": model.state_dict()}
+    _dcp_load(state, path / DCP_DIR)
+    model.load_state_dict(state["model"])
+    model.save_pretrained(str(out))
+    for name in path.iterdir():
+        if name.is_file() and name.name.startswith(("tokenizer", "special_tokens", "vocab")):
+            shutil.copy2(name, out / name.name)
+    return out

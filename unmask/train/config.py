@@ -2,7 +2,16 @@
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, field_validator
+from pydantic import BaseModel, ConfigDict, field_validator, model_validator
+
+
+class AcceleratorConfig(BaseModel):
+    """The HF TrainingArguments ``accelerator_config`` keys unmask reads."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    split_batches: bool | None = None
+    """Same as train.split_batches."""
 
 
 class TrainConfig(BaseModel):
@@ -50,6 +59,27 @@ class TrainConfig(BaseModel):
     """Name shown by loggers; defaults to the output_dir's name."""
     disable_tqdm: bool = False
     """Hide the live progress bar (log lines are still printed)."""
+    fsdp2: bool = True
+    """With several processes: shard params, grads and optimizer state with FSDP2 (false = replicate them on every rank: dp_replicate = world size)."""
+    dp_replicate: int = 1
+    """Replica groups of the device mesh (HSDP when both dp_replicate and dp_shard > 1)."""
+    dp_shard: int = -1
+    """Ranks each parameter is sharded over; -1 = world size / dp_replicate."""
+    reshard_after_forward: bool = True
+    """FSDP2: free gathered layer weights after forward (ZeRO-3-like); false keeps them until backward (ZeRO-2-like)."""
+    split_batches: bool = False
+    """per_device_train_batch_size is the global batch, split over the processes (it must divide by the world size)."""
+    accelerator_config: AcceleratorConfig | None = None
+    """Seed spelling (HF/LMMs-Engine): accelerator_config.split_batches sets split_batches."""
+    ddp_timeout: int = 1800
+    """Seconds a collective may wait for a peer before the run stops with an error."""
+
+    @model_validator(mode="after")
+    def _accelerator_config(self):
+        accelerator = self.accelerator_config
+        if accelerator is not None and accelerator.split_batches is not None:
+            self.split_batches = accelerator.split_batches
+        return self
 
     @field_validator("report_to", mode="before")
     @classmethod

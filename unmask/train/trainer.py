@@ -17,15 +17,22 @@ import torch
 from unmask.config import RunConfig, dump_config
 from unmask.data import BatchLoader, build_datasets, build_tokenizer, ensure_special_tokens
 from unmask.diffusion import build_objective
+from unmask.diffusion.cutoffs import random_length_cut
 from unmask.errors import InputError
 from unmask.models import build_model
+from unmask.models.lora import apply_lora, save_lora
+from unmask.models.lora import check_request as check_lora_request
 from unmask.optim.config import build_optimizer
 from unmask.optim.schedule import build_scheduler, resolve_warmup
+from unmask.parallel import distributed as par
 from unmask.train.checkpoint import (
+    is_distributed_checkpoint,
     list_checkpoints,
     load_checkpoint,
+    load_distributed_checkpoint,
     resolve_resume,
     save_checkpoint,
+    save_distributed_checkpoint,
 )
 from unmask.train.metrics import MetricsLogger
 
@@ -108,13 +115,21 @@ class Trainer:
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg
         t = cfg.train
+        check_lora_request(cfg.model, resume=bool(t.resume_from_checkpoint))
         self.device = resolve_device(t.device)
+        self.dist = par.setup(t, self.device)  # world size 1: no process group, no mesh
+        self.device = self.dist.device
         self.tokenizer = build_tokenizer(cfg.data)
         added_tokens = ensure_special_tokens(self.tokenizer)
+        if added_tokens and cfg.model.lora:
+            raise InputError(
+                "the tokenizer has no mask (or EOS) token and one cannot be added under "
+                "model.lora: true (the embeddings are frozen); use a tokenizer that has one"
+            )
         self.train_rows, self.eval_rows = build_datasets(cfg.data, self.tokenizer)
-        self.plan = make_plan(cfg, len(self.train_rows))
+        self.plan = make_plan(cfg, len(self.train_rows), self.dist.batch_ranks)
         self.output_dir = Path(t.output_dir)
-        self.resume_path = prepare_output_dir(self.output_dir, cfg)
+        self.resume_path = par.share_from_rank0(lambda: prepare_output_dir(self.output_dir, cfg))
 
         torch.manual_seed(t.seed)
         self.model = build_model(cfg.model)
@@ -123,7 +138,11 @@ class Trainer:
                 max(len(self.tokenizer), self.model.config.vocab_size)
             )
         self.model.gradient_checkpointing = t.gradient_checkpointing
+        if cfg.model.lora:  # peft wrapper: base frozen, LoRA factors train (AdamW)
+            self.model = apply_lora(self.model, cfg.model)
         self.model.to(self.device)
+        if self.dist.mesh is not None:
+            par.shard_model(self.model, self.dist, t)
         self.objective = build_objective(cfg.diffusion, self.tokenizer.mask_token_id)
         self.optimizer = build_optimizer(cfg.optim, self.model)
         self.scheduler = build_scheduler(
@@ -133,14 +152,16 @@ class Trainer:
             self.plan.warmup_steps,
             cfg.optim.min_lr_ratio,
         )
-        self.loader = BatchLoader(self.train_rows, t.per_device_train_batch_size, seed=t.seed)
+        # every rank reads the global micro-batch; train_step keeps this rank's rows
+        self.loader = BatchLoader(self.train_rows, self.dist.global_batch_size, seed=t.seed)
         self.noise = torch.Generator(device=self.device)
         self.noise.manual_seed(t.seed + 1)
         self.step = 0
         self.tokens_seen = 0
 
         self.output_dir.mkdir(parents=True, exist_ok=True)
-        (self.output_dir / "config.yaml").write_text(dump_config(cfg))
+        if self.dist.is_main:
+            (self.output_dir / "config.yaml").write_text(dump_config(cfg))
         if self.resume_path is not None:
             self._restore(self.resume_path)
 
@@ -149,7 +170,8 @@ class Trainer:
         return {"torch": torch.get_rng_state(), "noise": self.noise.get_state()}
 
     def _restore(self, path: Path) -> None:
-        state, rng = load_checkpoint(path, self.model, self.optimizer, self.scheduler)
+        load = load_distributed_checkpoint if is_distributed_checkpoint(path) else load_checkpoint
+        state, rng = load(path, self.model, self.optimizer, self.scheduler)
         self.step = state["step"]
         self.tokens_seen = state.get("tokens_seen", 0)
         self.loader.load_state_dict(state["loader"])
@@ -157,7 +179,8 @@ class Trainer:
         self.noise.set_state(rng["noise"])
 
     def save(self) -> Path:
-        return save_checkpoint(
+        save = save_distributed_checkpoint if self.dist.mesh is not None else save_checkpoint
+        return save(
             self.output_dir,
             self.step,
             self.model,
@@ -180,13 +203,25 @@ class Trainer:
         """One optimizer step over micro-batches; the loss is normalized once, globally."""
         loss_sum_total = torch.zeros((), device=self.device)
         count_total = torch.zeros((), device=self.device)
-        for batch in batches:
+        for index, batch in enumerate(batches):
             batch = self._to_device(batch)
+            # LLaDA's random length: seeded by the step, so every rank/micro-batch cuts alike
+            batch = random_length_cut(
+                batch, self.cfg.diffusion.random_length_prob, self.cfg.train.seed, self.step
+            )
+            noise = self.noise
+            if self.dist.mesh is not None:  # this rank's rows (and its noise generator)
+                batch, noise = par.rank_batch(
+                    batch, self.objective, self.noise, self.dist, (self.step, index)
+                )
+                par.sync_gradients(self.model, index == len(batches) - 1)
             with self._autocast():
-                loss_sum, count = self.objective(self.model, batch, self.noise)
+                loss_sum, count = self.objective(self.model, batch, noise)
             loss_sum.backward()
             loss_sum_total += loss_sum.detach().float()
             count_total += count.detach().float()
+        if self.dist.mesh is not None:  # sum over ranks: the normalization stays global
+            loss_sum_total, count_total = par.all_reduce_sum(loss_sum_total, count_total)
         scale = 1.0 / count_total.clamp(min=1.0)
         for param in self.model.parameters():
             if param.grad is not None:
@@ -202,7 +237,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         stats = {"loss": (loss_sum_total * scale).item(), "learning_rate": learning_rate}
         if grad_norm is not None:
-            stats["grad_norm"] = float(grad_norm)
+            stats["grad_norm"] = float(par.full_value(grad_norm))
         return stats
 
     @torch.no_grad()
@@ -230,7 +265,7 @@ class Trainer:
     # -- the loop ------------------------------------------------------------------------
     def train(self) -> dict:
         cfg, plan = self.cfg, self.plan
-        logger = MetricsLogger(
+        logger = (MetricsLogger if self.dist.is_main else par.SilentLogger)(
             self.output_dir,
             plan.total_steps,
             start_step=self.step,
@@ -280,8 +315,14 @@ class Trainer:
                 if (plan.save_every and self.step % plan.save_every == 0) or at_end:
                     self.save()
             final = self.output_dir / "final"
-            self.model.save_pretrained(final)
-            self.tokenizer.save_pretrained(str(final))
+            if self.dist.mesh is not None:
+                par.save_full_model(self.model, final)  # gathers on every rank, rank 0 writes
+            elif cfg.model.lora:
+                self.model = save_lora(self.model, self.output_dir, final, cfg.model)
+            else:
+                self.model.save_pretrained(final)
+            if self.dist.is_main:
+                self.tokenizer.save_pretrained(str(final))
             if cfg.eval.generate_accuracy:
                 last["heldout_exact_match"] = self._heldout_accuracy(logger)
         finally:
@@ -310,7 +351,8 @@ class Trainer:
             f"({time.perf_counter() - started:.0f}s)"
         )
         result = {"heldout_exact_match": accuracy, "num_examples": len(rows), "step": self.step}
-        (self.output_dir / "eval_results.json").write_text(json.dumps(result, indent=2))
+        if self.dist.is_main:
+            (self.output_dir / "eval_results.json").write_text(json.dumps(result, indent=2))
         logger.log(self.step, {"heldout_exact_match": accuracy})
         return accuracy
 
@@ -320,6 +362,6 @@ class Trainer:
         return (
             f"unmask: {n_params / 1e6:.2f}M parameters | {len(self.train_rows)} train rows, "
             f"{len(self.eval_rows)} eval rows of {self.cfg.data.packing_length} tokens | "
-            f"{self.plan.total_steps} steps on {self.device} | {start} | "
+            f"{self.plan.total_steps} steps on {self.device}{self.dist.describe()} | {start} | "
             f"output_dir {self.output_dir}"
         )

@@ -1,0 +1,304 @@
+"""Distributed Muon on FSDP2 (gloo, CPU processes): what one optimizer step sends and computes.
+
+Three ways to run Muon on Shard(0) DTensor parameters, on the same matrices and gradients:
+
+(a) unmask's owner all-to-all (MuonAdamW's DTensor path): each matrix has one owner rank; one
+    bf16 all-to-all brings it the rows, NS runs once there, one all-to-all returns the rows.
+(b) gather every full matrix on every rank (the LlamaFactory v2 approach): all-gather the fp32
+    NS input, every rank runs NS on every matrix and keeps its rows.
+(c) torch.optim.Muon applied to the DTensors directly: DTensor dispatch inserts its own
+    collectives inside Newton-Schulz (counted, not designed).
+
+Per rank and step we report bytes sent to other ranks and NS FLOPs, next to the predictions
+(P_M = Muon elements, W = world size): (a) 2 * 2 B * (W - 1) / W^2 * P_M ~ 4 P_M / W bytes and
+1/W of the NS FLOPs; (b) (W - 1) / W * P_M * 4 B and all NS FLOPs. Bytes sent per collective:
+all-to-all = everything not addressed to oneself, all-gather = (W - 1) x own shard, all-reduce =
+2 (W - 1) / W x tensor (ring), reduce-scatter = (W - 1) / W x input. NS FLOPs use
+``newton_schulz.ns_flops`` on the matrices each rank orthogonalizes; for (c) the matmuls run on
+DTensors and are not split per rank, so only the collective count is shown.
+Wall time: median optimizer step over repeats (max over ranks), ratios (a)/(b) and (a)/(c).
+
+Matrices: the Muon matrices of a small qwen3_dllm (hidden 128, intermediate 384, 4 heads / 2 KV
+heads of 32, 2 layers). bf16 NS for all three (torch.optim.Muon only has bf16).
+
+Run: python benchmarks/distributed_muon.py   (launches torchrun with 2 and 4 processes and
+writes benchmarks/results/distributed_muon.md; ~2 minutes on 2 cores)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+RESULTS = Path(__file__).parent / "results" / "distributed_muon.md"
+REPEATS = 5
+LR, WD = 0.02, 0.1
+
+
+def muon_shapes() -> list[torch.Size]:
+    from unmask.models.config import ModelConfig
+    from unmask.models.transformer import DiffusionTransformer
+    from unmask.optim.muon import route_parameters
+
+    cfg = ModelConfig(
+        hidden_size=128,
+        intermediate_size=384,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        vocab_size=256,
+    )
+    with torch.device("meta"):
+        model = DiffusionTransformer(cfg)
+    return [p.shape for _, p in route_parameters(model).muon]
+
+
+class Matrices(nn.Module):
+    """Only hidden matrices (all routed to Muon), one FSDP unit per matrix."""
+
+    def __init__(self, shapes):
+        super().__init__()
+        self.mats = nn.ModuleList(nn.Linear(s[1], s[0], bias=False) for s in shapes)
+
+
+# ------------------------------------------------------------------ accounting
+
+
+class Counter:
+    bytes_sent = 0
+    collectives = 0
+    ns_flops = 0
+
+    @classmethod
+    def reset(cls):
+        cls.bytes_sent = cls.collectives = cls.ns_flops = 0
+
+
+def _count_ns(original):
+    from unmask.optim.newton_schulz import ns_flops
+
+    def counting(x, *args, **kwargs):
+        n = x.reshape(-1, *x.shape[-2:]).shape[0]
+        Counter.ns_flops += n * ns_flops(x.shape[-2], x.shape[-1])
+        return original(x, *args, **kwargs)
+
+    return counting
+
+
+def _count_all_to_all(original):
+    def counting(output, input, output_split_sizes=None, input_split_sizes=None, group=None):
+        rank = dist.get_rank(group)
+        own = (
+            input_split_sizes[rank] if input_split_sizes else input.numel() // dist.get_world_size()
+        )
+        Counter.bytes_sent += (input.numel() - own) * input.element_size()
+        Counter.collectives += 1
+        return original(output, input, output_split_sizes, input_split_sizes, group=group)
+
+    return counting
+
+
+def count_functional_collectives() -> None:
+    """Wrap the c10d functional collectives DTensor issues, with the byte model above."""
+    import torch.distributed._functional_collectives as funcol
+
+    def wrap(name, original):
+        def counting(tensor, *args, **kwargs):
+            world = dist.get_world_size()
+            size = tensor.numel() * tensor.element_size()
+            if name == "all_reduce":
+                Counter.bytes_sent += 2 * (world - 1) * size // world
+            elif name == "all_gather_tensor":
+                Counter.bytes_sent += (world - 1) * size
+            else:  # reduce_scatter_tensor, all_to_all_single
+                Counter.bytes_sent += (world - 1) * size // world
+            Counter.collectives += 1
+            return original(tensor, *args, **kwargs)
+
+        return counting
+
+    for name in ("all_reduce", "all_gather_tensor", "reduce_scatter_tensor", "all_to_all_single"):
+        setattr(funcol, name, wrap(name, getattr(funcol, name)))
+
+
+# ------------------------------------------------------------------ method (b)
+
+
+class GatherMuon(torch.optim.Optimizer):
+    """Muon by gathering every whole matrix on every rank (fp32 all-gather, NS everywhere)."""
+
+    def __init__(self, params):
+        super().__init__(params, {"lr": LR})
+
+    @torch.no_grad()
+    def step(self):
+        from unmask.optim.muon import apply_muon_update_, lr_scale, muon_ns_input
+        from unmask.optim.newton_schulz import coefficient_schedule
+
+        world, rank = dist.get_world_size(), dist.get_rank()
+        for p in self.param_groups[0]["params"]:
+            state = self.state[p]
+            if "m" not in state:
+                state["m"] = torch.zeros_like(p.to_local())
+            u = muon_ns_input(state["m"], p.grad.to_local(), 0.95, True, "sum")
+            rows = -(-p.shape[0] // world)
+            padded = torch.zeros(rows, p.shape[1])
+            padded[: u.shape[0]] = u
+            full = torch.empty(rows * world, p.shape[1])
+            Counter.bytes_sent += (world - 1) * padded.numel() * padded.element_size()
+            Counter.collectives += 1
+            dist.all_gather_into_tensor(full, padded)
+            full = full[: p.shape[0]]
+            schedule = coefficient_schedule("jordan", 5)
+            update = NEWTON_SCHULZ(full, schedule, dtype=torch.bfloat16)
+            start = min(rank * rows, p.shape[0])
+            mine = update[start : start + u.shape[0]].to(p.dtype)
+            apply_muon_update_([p.to_local()], [mine], LR, WD, lr_scale(p.shape, "match_rms_adamw"))
+
+
+NEWTON_SCHULZ = None
+
+
+# ------------------------------------------------------------------ worker
+
+
+def worker(out: str) -> None:
+    global NEWTON_SCHULZ
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import distribute_tensor
+
+    import unmask.optim.distributed as owner_path
+    from unmask.optim import MuonAdamW
+    from unmask.optim.newton_schulz import newton_schulz
+
+    dist.init_process_group("gloo")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mesh = init_device_mesh("cpu", (world,))
+    shapes = muon_shapes()
+    owner_path.newton_schulz = _count_ns(newton_schulz)
+    NEWTON_SCHULZ = _count_ns(newton_schulz)
+    dist.all_to_all_single = _count_all_to_all(dist.all_to_all_single)
+    count_functional_collectives()
+
+    def build(kind):
+        torch.manual_seed(0)
+        model = Matrices(shapes)
+        for m in model.mats:
+            fully_shard(m, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        gen = torch.Generator().manual_seed(1)
+        for p in model.parameters():
+            p.grad = distribute_tensor(torch.randn(p.shape, generator=gen), mesh, p.placements)
+        if kind == "a":
+            opt = MuonAdamW(model, lr=LR, weight_decay=WD, ns_dtype="bfloat16", verbose=False)
+        elif kind == "b":
+            opt = GatherMuon(model.parameters())
+        else:
+            opt = torch.optim.Muon(
+                model.parameters(), lr=LR, weight_decay=WD, adjust_lr_fn="match_rms_adamw"
+            )
+        return opt
+
+    results = {}
+    for kind in ("a", "b", "c"):
+        opt = build(kind)
+        opt.step()  # warm-up (state allocation, owner plan)
+        Counter.reset()
+        opt.step()
+        counts = (Counter.bytes_sent, Counter.collectives, Counter.ns_flops)
+        times = []
+        for _ in range(REPEATS):
+            dist.barrier()
+            start = time.perf_counter()
+            opt.step()
+            elapsed = torch.tensor([time.perf_counter() - start])
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            times.append(elapsed.item())
+        gathered = [None] * world
+        dist.all_gather_object(gathered, counts)
+        results[kind] = {
+            "bytes": [g[0] for g in gathered],
+            "collectives": [g[1] for g in gathered],
+            "ns_flops": [g[2] for g in gathered],
+            "step_s": statistics.median(times),
+        }
+    if rank == 0:
+        from unmask.optim.newton_schulz import ns_flops
+
+        p_m = sum(s[0] * s[1] for s in shapes)
+        total = sum(ns_flops(s[0], s[1]) for s in shapes)
+        payload = {"world": world, "P_M": p_m, "ns_total": total, "methods": results}
+        Path(out).write_text(json.dumps(payload))
+    dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------ report
+
+
+def table(run: dict) -> list[str]:
+    w, p_m, total = run["world"], run["P_M"], run["ns_total"]
+    predicted = {"a": (4 * (w - 1) / w**2 * p_m, total / w), "b": ((w - 1) / w * p_m * 4, total)}
+    names = {
+        "a": "(a) unmask owner all-to-all",
+        "b": "(b) gather full matrices (LlamaFactory v2)",
+        "c": "(c) torch.optim.Muon on DTensors",
+    }
+    rows = [
+        f"W = {w} processes, P_M = {p_m:,} Muon elements, NS total {total / 1e6:.1f} MFLOP/step",
+        "",
+        "| method | bytes sent / rank (max) | predicted | NS MFLOP / rank (max) | predicted "
+        "| collectives / rank | step time | time (a) / this |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    ta = run["methods"]["a"]["step_s"]
+    for kind, m in run["methods"].items():
+        pb, pf = predicted.get(kind, (None, None))
+        flops = f"{max(m['ns_flops']) / 1e6:.1f}" if kind != "c" else "n/a (DTensor)"
+        rows.append(
+            f"| {names[kind]} | {max(m['bytes']):,} | {f'{pb:,.0f}' if pb else '-'} | {flops} | "
+            f"{f'{pf / 1e6:.1f}' if pf else '-'} | {max(m['collectives'])} | "
+            f"{m['step_s'] * 1e3:.1f} ms | {ta / m['step_s']:.2f} |"
+        )
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--worlds", default="2,4")
+    args = parser.parse_args()
+    if args.worker:
+        worker(args.worker)
+        return
+    lines = [
+        "# Distributed Muon: bytes, NS FLOPs and step time per rank",
+        "",
+        "`python benchmarks/distributed_muon.py` (gloo, CPU processes, one thread each).",
+        "",
+    ]
+    for w in (int(v) for v in args.worlds.split(",")):
+        out = RESULTS.parent / f".distributed_muon_{w}.json"
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={w}"]
+        cmd += [__file__, "--worker", str(out)]
+        subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        lines += table(json.loads(out.read_text())) + [""]
+        out.unlink()
+    text = "\n".join(lines)
+    RESULTS.write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,171 @@
+"""The lm-eval adapter: registered as `unmask`, built from a model_args string, and run by
+lm-eval itself on local multiple-choice and generation tasks written by the test."""
+
+import json
+
+import pytest
+import torch
+
+lm_eval = pytest.importorskip("lm_eval")
+
+from lm_eval.api.instance import Instance  # noqa: E402
+from lm_eval.api.model import LM  # noqa: E402
+from lm_eval.api.registry import get_model  # noqa: E402
+
+from unmask.data.tokenizer import build_char_tokenizer, ensure_special_tokens  # noqa: E402
+from unmask.eval.harness import UnmaskLM  # noqa: E402
+from unmask.models import ModelConfig, build_model, from_pretrained  # noqa: E402
+from unmask.sampling.likelihood import log_likelihood  # noqa: E402
+from unmask.sampling.loading import generate_texts, load_for_sampling  # noqa: E402
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models: one thread avoids OpenMP threads spinning against each other on a
+    shared 2-core machine (restored afterwards)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+QUESTIONS = [
+    {"question": "rev 12=", "choices": ["2", "1", "3"], "label": 0},
+    {"question": "sort 31=", "choices": ["1", "3", "9"], "label": 0},
+    {"question": "add 1+1=", "choices": ["5", "2", "7"], "label": 1},
+    {"question": "rev 45=", "choices": ["4", "6", "5"], "label": 2},
+]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("harness") / "model"
+    tokenizer = build_char_tokenizer()
+    ensure_special_tokens(tokenizer)
+    torch.manual_seed(1)
+    cfg = ModelConfig(vocab_size=max(128, len(tokenizer)), hidden_size=32, intermediate_size=64,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      initializer_range=0.2)  # fmt: skip
+    build_model(cfg).save_pretrained(str(folder))
+    tokenizer.save_pretrained(str(folder))
+    return folder
+
+
+def test_registered_and_built_from_an_arg_string(model_dir):
+    assert get_model("unmask") is UnmaskLM
+    assert issubclass(UnmaskLM, LM) and not UnmaskLM.__abstractmethods__
+    lm = UnmaskLM.create_from_arg_string(f"pretrained={model_dir},mc_num=4,threshold=0.9")
+    assert isinstance(lm, LM)
+    assert lm.mc_num == 4 and lm.sampling == {"threshold": 0.9}
+    with pytest.raises(ValueError, match="unknown model_args"):
+        UnmaskLM.create_from_arg_string(f"pretrained={model_dir},mcnum=4")
+
+
+def exact_choice_logprob(model, tok, question, choice):
+    ids = tok(question, add_special_tokens=False)["input_ids"]
+    (target,) = tok(choice, add_special_tokens=False)["input_ids"]
+    with torch.no_grad():
+        logits = model(torch.tensor([ids + [tok.mask_token_id]]))[0, -1]
+    return torch.log_softmax(logits.double(), -1)[target].item()
+
+
+def test_loglikelihood_requests_are_exact_for_one_token(model_dir):
+    lm = UnmaskLM(pretrained=str(model_dir), mc_num=8)
+    sm = load_for_sampling(model_dir)
+    requests = [Instance("loglikelihood", {}, (q["question"], c), i)
+                for i, q in enumerate(QUESTIONS) for c in q["choices"]]  # fmt: skip
+    got = lm.loglikelihood(requests)
+    for request, (value, greedy) in zip(requests, got):
+        expected = exact_choice_logprob(sm.model, sm.tokenizer, *request.args)
+        assert value == pytest.approx(expected, abs=1e-5) and greedy is False
+    rolling = lm.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, ("ab",), 0)])
+    tok = sm.tokenizer
+    ids = torch.tensor(tok("ab", add_special_tokens=False)["input_ids"])
+    est = log_likelihood(from_pretrained(model_dir).eval(), ids[:0], ids, mask_id=tok.mask_token_id,
+                         mc_num=8, batch_size=16, generator=torch.Generator().manual_seed(0))  # fmt: skip
+    assert rolling[0] == pytest.approx(est.value, abs=1e-6)
+
+
+def write_tasks(folder, data_file):
+    mc = f"""task: unmask_toy_mc
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data_file}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{question}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: label
+target_delimiter: ""
+metric_list:
+  - metric: acc
+"""
+    gen = f"""task: unmask_toy_gen
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data_file}
+test_split: test
+output_type: generate_until
+doc_to_text: "{{{{question}}}}"
+doc_to_target: "{{{{choices[label]}}}}"
+target_delimiter: ""
+generation_kwargs:
+  until: ["\\n"]
+  max_gen_toks: 6
+metric_list:
+  - metric: exact_match
+"""
+    (folder / "mc.yaml").write_text(mc)
+    (folder / "gen.yaml").write_text(gen)
+
+
+@pytest.mark.slow
+def test_lm_eval_runs_local_tasks_offline(model_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    data = tmp_path / "toy.jsonl"
+    data.write_text("".join(json.dumps(q) + "\n" for q in QUESTIONS))
+    write_tasks(tmp_path, data)
+    from lm_eval.tasks import TaskManager
+
+    manager = TaskManager(include_path=str(tmp_path), include_defaults=False)
+    results = lm_eval.simple_evaluate(
+        model="unmask", model_args=f"pretrained={model_dir},mc_num=4,block_length=2",
+        tasks=["unmask_toy_mc", "unmask_toy_gen"], task_manager=manager, log_samples=True,
+        bootstrap_iters=0,
+    )  # fmt: skip
+    sm = load_for_sampling(model_dir)
+    picks = [max(range(3), key=lambda c: exact_choice_logprob(sm.model, sm.tokenizer,
+                                                             q["question"], q["choices"][c]))
+             for q in QUESTIONS]  # fmt: skip
+    expected_acc = sum(p == q["label"] for p, q in zip(picks, QUESTIONS)) / len(QUESTIONS)
+    assert results["results"]["unmask_toy_mc"]["acc,none"] == pytest.approx(expected_acc)
+    # generation: the same completions as unmask's own batched generation
+    options = dict(sm.defaults, gen_length=6, steps=6, block_length=2)
+    ours = generate_texts(sm, [q["question"] for q in QUESTIONS], options)
+    responses = [s["resps"][0][0] for s in results["samples"]["unmask_toy_gen"]]
+    expected = [r["completion"].split("\n")[0] for r in ours]
+    assert sorted(responses) == sorted(expected)
+
+
+@pytest.mark.slow
+def test_unmask_lm_eval_command_line(model_dir, tmp_path, monkeypatch, capsys):
+    """`unmask-lm-eval` = lm-eval's own CLI with the model registered (cuda default -> cpu)."""
+    from unmask.eval.harness import cli
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    data = tmp_path / "toy.jsonl"
+    data.write_text("".join(json.dumps(q) + "\n" for q in QUESTIONS))
+    write_tasks(tmp_path, data)
+    cli(["--model", "unmask", "--model_args", f"pretrained={model_dir},mc_num=2",
+         "--tasks", "unmask_toy_mc", "--include_path", str(tmp_path)])  # fmt: skip
+    sm = load_for_sampling(model_dir)
+    picks = [max(range(3), key=lambda c: exact_choice_logprob(sm.model, sm.tokenizer,
+                                                             q["question"], q["choices"][c]))
+             for q in QUESTIONS]  # fmt: skip
+    acc = sum(p == q["label"] for p, q in zip(picks, QUESTIONS)) / len(QUESTIONS)
+    row = next(line for line in capsys.readouterr().out.splitlines() if "unmask_toy_mc" in line)
+    assert f"|{acc:.2f}|" in row.replace(" ", "").replace("↑", "")

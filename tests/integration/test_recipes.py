@@ -1,0 +1,235 @@
+"""Every recipe trains: each objective/family for 50 CPU steps with eval loss falling >= 20%,
+the LMMs-Engine seed config through every entry point, the Transformer Lab Dream config, and
+the seed-schema errors (one line, exit code 2)."""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from unmask.cli import main
+from unmask.config import load_config
+from unmask.train.trainer import Trainer
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "configs" / "examples"
+
+RECIPES = {
+    "mdlm": {"diffusion": {"objective": "mdlm", "t_sampling": "antithetic"}},
+    "llada_random_length": {"diffusion": {"objective": "llada", "random_length_prob": 0.5}},
+    "sft": {"diffusion": {"objective": "sft", "prompt_drop_prob": 0.1}},
+    "dream_cart": {
+        "model": {"model_type": "dream"},
+        "diffusion": {"objective": "dream", "loss_weight": "cart[geo_p:0.3]"},
+    },
+    "bd3lm": {"diffusion": {"objective": "bd3lm", "block_size": 4}},
+    "bert_modernbert": {"model": {"model_type": "modernbert"}, "diffusion": {"objective": "bert"}},
+    "bert_bert": {"model": {"model_type": "bert"}, "diffusion": {"objective": "bert"}},
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_each_objective_trains_50_steps(tiny_config, name):
+    extra = {
+        "optim": {"learning_rate": 3e-3, "warmup_steps": 5},
+        "train": {"max_steps": 50, "eval_steps": 0, "save_steps": 0, "eval_max_batches": 1},
+        **RECIPES[name],
+    }
+    trainer = Trainer(load_config(tiny_config(extra)))
+    before = trainer.evaluate()
+    after = trainer.train()["eval_loss"]
+    assert after <= 0.8 * before, (name, before, after)
+
+
+def _write_docs(folder: Path, n=200):
+    folder.mkdir(parents=True)
+    words = "the quick brown fox jumps over a lazy dog while seven wise owls watch".split()
+    with open(folder / "part-0.jsonl", "w") as f:
+        for i in range(n):
+            text = " ".join(words[(i * 3 + j) % len(words)] for j in range(12))
+            f.write(json.dumps({"text": text}) + "\n")
+
+
+@pytest.fixture
+def lmms_config(tmp_path):
+    data = tmp_path / "data" / "fineweb_edu_sample"
+    _write_docs(data)
+    tree = yaml.safe_load((EXAMPLES / "lmms_engine_dllm.yaml").read_text())
+    tree["dataset_config"]["dataset_path"] = str(data)
+    path = tmp_path / "dllm_train_muon_single_gpu.yaml"
+    path.write_text(yaml.safe_dump(tree))
+    return path
+
+
+def test_lmms_engine_seed_schema_maps_every_field(lmms_config):
+    cfg = load_config(lmms_config)
+    assert cfg.model.model_type == "qwen3_dllm" and cfg.model.hidden_size == 32
+    assert cfg.optim.name == "muon" and cfg.optim.weight_decay == 0.01
+    assert cfg.optim.adam_epsilon == 1e-8 and cfg.optim.warmup_steps == 1
+    assert cfg.data.packing_length == 64 and cfg.data.dataset.endswith("fineweb_edu_sample")
+    assert cfg.train.per_device_train_batch_size == 4
+    assert cfg.train.gradient_accumulation_steps == 2 and cfg.train.max_steps == 3
+
+
+@pytest.mark.slow
+def test_lmms_engine_seed_config_runs_through_every_entry_point(lmms_config, tmp_path, monkeypatch):
+    for i, argv in enumerate(
+        (["train", str(lmms_config)], ["train", "--config", str(lmms_config)])
+    ):
+        cwd = tmp_path / f"cwd{i}"
+        cwd.mkdir()
+        monkeypatch.chdir(cwd)
+        assert main(argv) == 0
+        assert (cwd / "runs" / "quickstart" / "final" / "model.safetensors").is_file()
+    cwd = tmp_path / "cwd_module"
+    cwd.mkdir()
+    cmd = [sys.executable, "-m", "unmask", "train", "--config", str(lmms_config)]
+    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    metrics = (cwd / "runs" / "quickstart" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(r)["step"] for r in metrics if "loss" in json.loads(r)][-1] == 3
+
+
+@pytest.mark.slow
+def test_transformer_lab_dream_config_runs(tmp_path):
+    tree = yaml.safe_load((EXAMPLES / "transformer_lab_dream.yaml").read_text())
+    tree["train"]["output_dir"] = str(tmp_path / "run")
+    tree["train_steps"] = 12  # the example's 50 steps are covered by dream_cart above
+    path = tmp_path / "tl.yaml"
+    path.write_text(yaml.safe_dump(tree))
+    cfg = load_config(path)
+    assert (cfg.diffusion.objective, cfg.diffusion.loss_weight) == ("dream", "cart[geo_p:0.3]")
+    assert cfg.model.model_type == "dream" and cfg.train.run_name == "dream-tiny"
+    assert cfg.train.logging_steps == 0.2 and cfg.optim.lr_scheduler_type == "cosine"
+    trainer = Trainer(cfg)
+    before = trainer.evaluate()
+    after = trainer.train()["eval_loss"]
+    assert after < before and trainer.step == 12
+    written = json.loads((tmp_path / "run" / "final" / "config.json").read_text())
+    assert written["model_type"] == "Dream"
+
+
+def _run(argv, capsys):
+    code = main(argv)
+    return code, capsys.readouterr().err.strip().splitlines()
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"trainer_args": {"use_moun": True}}, "'trainer_args.use_moun' is not supported"),
+        ({"dataset_config": {"shuffle_buffer": 10}}, "'dataset_config.shuffle_buffer'"),
+        ({"trainer_type": "sft_trainer"}, "trainer_type: sft_trainer"),
+        (
+            {"model_config": {"load_from_config": {"config": {"rope_scaling": {}}}}},
+            "'model_config.load_from_config.config.rope_scaling' is not supported",
+        ),
+    ],
+)
+def test_unsupported_seed_fields_are_one_line_exit_2(
+    lmms_config, tmp_path, capsys, change, message
+):
+    tree = yaml.safe_load(lmms_config.read_text())
+    for key, value in change.items():
+        if isinstance(value, dict):
+            for k, v in value.items():
+                if isinstance(v, dict) and isinstance(tree[key].get(k), dict):
+                    tree[key][k] = {**tree[key][k], **v}
+                else:
+                    tree[key][k] = v
+        else:
+            tree[key] = value
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(tree))
+    code, err = _run(["train", str(path)], capsys)
+    assert code == 2 and len(err) == 1, err
+    assert message in err[0]
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        ({"load_in_4bit": True}, "load_in_4bit: true needs a CUDA GPU and the bitsandbytes"),
+        ({"training_method": "mdm"}, "training_method: 'mdm' is not supported"),
+        ({"train_device": "tpu"}, "train_device: 'tpu' is not supported"),
+        ({"loss_weight_type": "cart[p:0.3]"}, "unknown loss weight 'cart[p:0.3]'"),
+        ({"training_method": "dream", "lora_rank": 8}, "unknown config key 'lora_rank'"),
+    ],
+)
+def test_transformer_lab_errors_are_one_line_exit_2(tiny_config, tmp_path, capsys, extra, message):
+    if shutil.which("nvidia-smi") and "load_in_4bit" in extra:
+        pytest.skip("a CUDA machine may have bitsandbytes")
+    code, err = _run(["train", str(tiny_config(extra))], capsys)
+    assert code == 2 and len(err) == 1, err
+    assert message in err[0]
+    assert not (tmp_path / "run").exists()
+
+
+def test_lora_trains_only_adapters_and_saves_a_peft_adapter(tiny_config, tmp_path):
+    peft = pytest.importorskip("peft")
+    import torch
+
+    from unmask.models import build_model, from_pretrained
+    from unmask.models.lora import save_lora
+
+    extra = {
+        "model": {"lora": True, "lora_r": 4, "lora_alpha": 8},
+        "train": {"max_steps": 4, "save_steps": 0, "eval_steps": 0},
+        "optim": {"name": "muon", "learning_rate": 1e-2},
+    }
+    cfg = load_config(tiny_config(extra))
+    trainer = Trainer(cfg)
+    params = dict(trainer.model.named_parameters())
+    before = {n: p.detach().clone() for n, p in params.items()}
+    trainable = {n for n, p in params.items() if p.requires_grad}
+    assert trainable and all("lora_" in n for n in trainable)
+    assert not trainer.optimizer.routing.muon  # LoRA factors always go to AdamW
+    trainer.train()
+    changed = {n for n, p in params.items() if not torch.equal(p.detach(), before[n])}
+    assert changed == trainable  # every factor moved, no base weight did
+    ids = torch.randint(4, 100, (2, 20), generator=torch.Generator().manual_seed(0))
+    # the adapter loads with peft's own loader on a fresh base model: identical logits
+    torch.manual_seed(cfg.train.seed)
+    base = build_model(cfg.model.model_copy(update={"lora": False}))
+    loaded = peft.PeftModel.from_pretrained(base, str(tmp_path / "run" / "adaptor")).eval()
+    model = trainer.model.eval()
+    with torch.no_grad():
+        reference = model(ids)
+        assert torch.equal(loaded(ids), reference)
+    # merged export on request: a plain HF folder with the same logits
+    merged_cfg = cfg.model.model_copy(update={"lora_merge": True})
+    save_lora(model, tmp_path / "out", tmp_path / "out" / "final", merged_cfg)
+    exported = from_pretrained(tmp_path / "out" / "final").eval()
+    with torch.no_grad():
+        assert (exported(ids) - reference).abs().max().item() < 1e-5
+
+
+def test_lora_4bit_without_cuda_is_one_line_exit_2(tiny_config, tmp_path, capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present")
+    code, err = _run(["train", str(tiny_config({"model": {"load_in_4bit": True}}))], capsys)
+    assert code == 2 and len(err) == 1
+    assert "load_in_4bit: true needs a CUDA GPU and the bitsandbytes package" in err[0]
+    assert not (tmp_path / "run").exists()
+
+
+def test_tokenizer_without_mask_under_lora_is_one_line_exit_2(tiny_config, tmp_path, capsys):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<eos>": 0, "<unk>": 1, **{c: i + 2 for i, c in enumerate("0123456789+=")}}
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<eos>", unk_token="<unk>")
+    tok.save_pretrained(str(tmp_path / "tok"))
+    extra = {"data": {"tokenizer": str(tmp_path / "tok")}, "model": {"lora": True}}
+    code, err = _run(["train", str(tiny_config(extra))], capsys)
+    assert code == 2 and len(err) == 1, err
+    assert "no mask (or EOS) token and one cannot be added under model.lora: true" in err[0]
+    assert not (tmp_path / "run").exists()

@@ -1,0 +1,125 @@
+"""Owner assignment, row blocks and batch/mesh arithmetic of the distributed path (no
+processes needed; the real collectives are in tests/integration/test_distributed_muon.py)."""
+
+import pytest
+import torch
+
+from unmask.errors import InputError
+from unmask.models.config import ModelConfig
+from unmask.models.transformer import DiffusionTransformer
+from unmask.optim.distributed import OwnerPlan, assign_owners, chunk_rows, owner_loads
+from unmask.optim.muon import route_parameters
+from unmask.optim.newton_schulz import ns_flops
+from unmask.parallel.batch import per_rank_batch_size, rank_rows
+from unmask.parallel.mesh import launch_env, resolve_mesh_shape
+
+
+def qwen3_24_layer_muon_shapes() -> list[torch.Size]:
+    """Muon matrices of a 24-layer qwen3_dllm (Qwen3-0.6B widths), built on the meta device."""
+    cfg = ModelConfig(
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=24,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=151936,
+    )
+    with torch.device("meta"):
+        model = DiffusionTransformer(cfg)
+    return [p.shape for _, p in route_parameters(model).muon]
+
+
+def test_the_24_layer_model_has_seven_muon_matrices_per_layer():
+    shapes = qwen3_24_layer_muon_shapes()
+    assert len(shapes) == 24 * 7
+    assert {tuple(s) for s in shapes} == {
+        (2048, 1024),
+        (1024, 1024),
+        (1024, 2048),
+        (3072, 1024),
+        (1024, 3072),
+    }
+
+
+@pytest.mark.parametrize("world", [2, 4, 8, 16])
+@pytest.mark.parametrize("gram", [False, True])
+def test_owner_ns_flops_are_within_10_percent_of_a_perfect_split(world, gram):
+    shapes = qwen3_24_layer_muon_shapes()
+    plan = OwnerPlan(shapes, world, ns_steps=5, gram=gram)
+    loads = owner_loads(plan.costs, plan.owners, world)
+    perfect = sum(plan.costs) / world
+    assert max(loads) <= 1.10 * perfect
+    assert min(loads) >= 0.90 * perfect
+    # every matrix has exactly one owner, so NS runs once per matrix across the group
+    assert sorted(i for r in range(world) for i in plan.owned(r)) == list(range(len(shapes)))
+
+
+def test_owners_balance_flops_not_element_counts():
+    # one big square matrix costs as much NS as many thin ones of the same element count
+    costs = [float(ns_flops(512, 512))] + [float(ns_flops(8, 32768))] * 8
+    owners = assign_owners(costs, 2)
+    loads = owner_loads(costs, owners, 2)
+    assert owners[0] == 0 and all(o == 1 for o in owners[1:])
+    assert loads == [costs[0], 8 * costs[1]]
+
+
+def test_assign_owners_is_deterministic_lpt():
+    assert assign_owners([5, 3, 3, 1], 2) == [0, 1, 1, 0]
+    assert assign_owners([1, 1, 1], 4) == [0, 1, 2]
+
+
+@pytest.mark.parametrize(("rows", "world"), [(7, 2), (18, 4), (3, 4), (16, 4), (1, 3), (0, 2)])
+def test_chunk_rows_matches_torch_chunk(rows, world):
+    expected = [len(c) for c in torch.arange(rows).chunk(world)] if rows else []
+    expected += [0] * (world - len(expected))
+    blocks = chunk_rows(rows, world)
+    assert [stop - start for start, stop in blocks] == expected
+    assert blocks[0][0] == 0 and blocks[-1][1] == rows
+    assert all(a[1] == b[0] for a, b in zip(blocks, blocks[1:]))
+
+
+def test_mesh_shape_and_its_errors():
+    assert resolve_mesh_shape(4, 1, -1) == (1, 4)
+    assert resolve_mesh_shape(4, 2, -1) == (2, 2)
+    assert resolve_mesh_shape(4, 2, 2) == (2, 2)
+    with pytest.raises(InputError, match=r"dp_replicate=2 x train.dp_shard=4 = 8 processes "):
+        resolve_mesh_shape(4, 2, 4)
+    with pytest.raises(InputError, match="does not divide the world size 4"):
+        resolve_mesh_shape(4, 3, -1)
+
+
+def test_split_batches_divides_the_batch_or_says_why():
+    assert per_rank_batch_size(8, 4, split_batches=True) == 2
+    assert per_rank_batch_size(8, 4, split_batches=False) == 8
+    with pytest.raises(InputError) as err:
+        per_rank_batch_size(6, 4, split_batches=True)
+    assert str(err.value) == (
+        "train.split_batches: per_device_train_batch_size=6 does not divide by the world "
+        "size 4; use a multiple of 4 or split_batches=false"
+    )
+
+
+def test_rank_rows_are_disjoint_and_cover_the_global_batch():
+    batch = {"input_ids": torch.arange(12).view(6, 2)}
+    parts = [rank_rows(batch, r, 2)["input_ids"] for r in range(3)]
+    assert torch.equal(torch.cat(parts), batch["input_ids"])
+
+
+def test_launch_env_reads_torchrun_then_slurm():
+    assert launch_env({}).world_size == 1
+    env = launch_env({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1"})
+    assert (env.rank, env.world_size, env.local_rank) == (3, 4, 1)
+    slurm = {"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1", "MASTER_ADDR": "n0"}
+    assert launch_env(slurm) == type(env)(rank=5, world_size=8, local_rank=1)
+    # srun without MASTER_ADDR cannot rendezvous: treated as one process
+    assert launch_env({"SLURM_PROCID": "0", "SLURM_NTASKS": "8"}).world_size == 1
+
+
+def test_seed_spellings_fsdp2_and_accelerator_config_split_batches():
+    from unmask.config import validate_tree
+
+    cfg = validate_tree({"train": {"fsdp2": True, "accelerator_config": {"split_batches": True}}})
+    assert cfg.train.fsdp2 and cfg.train.split_batches
+    with pytest.raises(InputError, match="unknown config key 'train.accelerator_config.dispatch"):
+        validate_tree({"train": {"accelerator_config": {"dispatch_batches": True}}})

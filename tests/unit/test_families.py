@@ -1,0 +1,225 @@
+"""Model families: logit parity with transformers' Qwen2 and Llama, and the Dream and LLaDA
+folder layouts (load, same logits as the equivalent transformers model, byte-for-byte round
+trip). The LLaDA key map is written out by hand below as documentation."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+transformers = pytest.importorskip("transformers")
+
+from unmask.models import ModelConfig, from_pretrained  # noqa: E402
+from unmask.models.families import LLADA_KEY_MAP  # noqa: E402
+
+SIZES = dict(
+    vocab_size=97,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+)
+
+# LLaDA (OLMo-style) names for layer 0 and the top level, as found in LLaDA-8B folders.
+LLADA_LAYOUT = {
+    "model.embed_tokens.weight": "model.transformer.wte.weight",
+    "model.norm.weight": "model.transformer.ln_f.weight",
+    "lm_head.weight": "model.transformer.ff_out.weight",
+    "model.layers.0.input_layernorm.weight": "model.transformer.blocks.0.attn_norm.weight",
+    "model.layers.0.self_attn.q_proj.weight": "model.transformer.blocks.0.q_proj.weight",
+    "model.layers.0.self_attn.k_proj.weight": "model.transformer.blocks.0.k_proj.weight",
+    "model.layers.0.self_attn.v_proj.weight": "model.transformer.blocks.0.v_proj.weight",
+    "model.layers.0.self_attn.o_proj.weight": "model.transformer.blocks.0.attn_out.weight",
+    "model.layers.0.post_attention_layernorm.weight": "model.transformer.blocks.0.ff_norm.weight",
+    "model.layers.0.mlp.gate_proj.weight": "model.transformer.blocks.0.ff_proj.weight",
+    "model.layers.0.mlp.up_proj.weight": "model.transformer.blocks.0.up_proj.weight",
+    "model.layers.0.mlp.down_proj.weight": "model.transformer.blocks.0.ff_out.weight",
+}
+
+
+def _perturb_norms(model):
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.uniform_(0.5, 1.5)
+            if name.endswith("bias"):
+                param.normal_(0, 0.5)
+    return model.eval()
+
+
+def qwen2_model():
+    torch.manual_seed(0)
+    return _perturb_norms(transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**SIZES)))
+
+
+def llama_model(**extra):
+    torch.manual_seed(1)
+    cfg = transformers.LlamaConfig(**SIZES, rope_theta=5e4, rms_norm_eps=1e-5, **extra)
+    return _perturb_norms(transformers.LlamaForCausalLM(cfg))
+
+
+def bidirectional_logits(model, ids):
+    full = torch.ones(ids.shape[0], 1, ids.shape[1], ids.shape[1], dtype=torch.bool)
+    with torch.no_grad():
+        return model(input_ids=ids, attention_mask=full).logits  # a 4-D mask is used as is
+
+
+def ids():
+    return torch.randint(0, 97, (2, 11), generator=torch.Generator().manual_seed(3))
+
+
+@pytest.mark.parametrize(
+    "make, family",
+    [
+        (qwen2_model, "qwen2_dllm"),
+        (llama_model, "llama_dllm"),
+        (lambda: llama_model(attention_bias=True), "llama_dllm"),
+    ],
+)
+def test_logit_parity_with_transformers(tmp_path, make, family):
+    hf = make()
+    hf.save_pretrained(tmp_path / "hf")
+    ours = from_pretrained(tmp_path / "hf").eval()
+    assert ours.config.model_type == family and not ours.config.qk_norm
+    x = ids()
+    reference = bidirectional_logits(hf, x)
+    changed = x.clone()
+    changed[:, -1] = (changed[:, -1] + 1) % 97  # the reference is non-causal
+    assert (bidirectional_logits(hf, changed)[:, 0] - reference[:, 0]).abs().max() > 1e-4
+    with torch.no_grad():
+        diff = (ours(x) - reference).abs().max().item()
+    assert diff <= 1e-4
+    # and back into transformers, weights identical
+    ours.save_pretrained(tmp_path / "ours")
+    again = type(hf).from_pretrained(tmp_path / "ours")
+    for key, tensor in hf.state_dict().items():
+        assert torch.equal(tensor, again.state_dict()[key]), key
+
+
+def _write(folder, config, state):
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+
+
+def _same_bytes(a, b):
+    for name in ("config.json", "model.safetensors"):
+        assert (a / name).read_bytes() == (b / name).read_bytes(), name
+
+
+def test_dream_layout_loads_and_round_trips(tmp_path):
+    hf = qwen2_model()  # Dream = Qwen2 weights under model_type "Dream"
+    config = {
+        "architectures": ["DreamModel"],
+        "auto_map": {"AutoModel": "modeling_dream.DreamModel"},
+        "model_type": "Dream",
+        "hidden_act": "silu",
+        "mask_token_id": 151666,
+        "rope_theta": 10000.0,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False,
+        **SIZES,
+    }
+    state = {k: v.contiguous() for k, v in hf.state_dict().items()}
+    _write(tmp_path / "dream", config, state)
+    ours = from_pretrained(tmp_path / "dream").eval()
+    assert ours.config.model_type == "dream" and ours.config.qkv_bias
+    with torch.no_grad():
+        assert (ours(ids()) - bidirectional_logits(hf, ids())).abs().max().item() <= 1e-4
+    ours.save_pretrained(tmp_path / "again")
+    _same_bytes(tmp_path / "dream", tmp_path / "again")
+
+
+def test_llada_layout_key_map_loads_and_round_trips(tmp_path):
+    hf = llama_model()  # LLaDA = Llama blocks under OLMo-style names
+    for ours_key, llada_key in LLADA_LAYOUT.items():  # the module's map says the same
+        generic = ours_key.replace(".0.", ".N.")
+        assert LLADA_KEY_MAP[generic] == llada_key.replace(".0.", ".N.")
+    state = {}
+    for key, value in hf.state_dict().items():
+        generic = key.replace(".0.", ".N.").replace(".1.", ".N.")
+        layer = ".1." if ".1." in key else ".0."
+        state[LLADA_KEY_MAP[generic].replace(".N.", layer)] = value.contiguous()
+    config = {
+        "architectures": ["LLaDAModelLM"],
+        "model_type": "llada",
+        "activation_type": "silu",
+        "block_type": "llama",
+        "d_model": 64,
+        "n_heads": 4,
+        "n_kv_heads": 2,
+        "n_layers": 2,
+        "mlp_hidden_size": 96,
+        "vocab_size": 97,
+        "embedding_size": 97,
+        "rope_theta": 5e4,
+        "rms_norm_eps": 1e-5,
+        "max_sequence_length": 128,
+        "weight_tying": False,
+        "include_bias": False,
+        "mask_token_id": 126336,
+    }
+    _write(tmp_path / "llada", config, state)
+    ours = from_pretrained(tmp_path / "llada").eval()
+    assert ours.config.model_type == "llada"
+    with torch.no_grad():
+        assert (ours(ids()) - bidirectional_logits(hf, ids())).abs().max().item() <= 1e-4
+    ours.save_pretrained(tmp_path / "again")
+    _same_bytes(tmp_path / "llada", tmp_path / "again")
+
+
+def test_family_defaults_and_fresh_family_folders(tmp_path):
+    assert ModelConfig(model_type="dream").qkv_bias and not ModelConfig(model_type="llada").qk_norm
+    assert ModelConfig().qk_norm and not ModelConfig().qkv_bias
+    from unmask.models import build_model
+
+    for family in ("qwen2_dllm", "llama_dllm", "dream", "llada"):
+        torch.manual_seed(0)
+        model = build_model(ModelConfig(model_type=family, **SIZES)).eval()
+        model.save_pretrained(tmp_path / family)
+        again = from_pretrained(tmp_path / family).eval()
+        assert again.config.model_type == family
+        with torch.no_grad():
+            assert torch.equal(model(ids()), again(ids()))
+
+
+@pytest.mark.parametrize("family", ["bert", "modernbert"])
+def test_encoder_wrapper_matches_transformers_and_isolates_documents(tmp_path, family):
+    import torch.nn.functional as F
+
+    from unmask.models import build_model
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(
+        model_type=family,
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    model = build_model(cfg).eval()
+    x = ids()
+    targets = torch.where(x % 3 == 0, x, -100)
+    with torch.no_grad():
+        logits = model.hf_model(input_ids=x).logits
+        ce = model(x, targets=targets)
+        expected = F.cross_entropy(logits.transpose(1, 2), targets, reduction="none")
+        assert torch.allclose(ce, expected, atol=1e-6) and torch.equal(model(x), logits)
+        # two packed documents see only themselves
+        docs = torch.tensor([[0] * 5 + [1] * 6] * 2)
+        pos = torch.tensor([list(range(5)) + list(range(6))] * 2)
+        packed = model(x, doc_ids=docs, position_ids=pos)
+        alone = model(x[:, 5:])
+        assert (packed[:, 5:] - alone).abs().max().item() < 1e-5
+    model.save_pretrained(tmp_path / family)
+    from unmask.models.hf_wrapped import load_encoder
+
+    again = load_encoder(tmp_path / family).eval()
+    with torch.no_grad():
+        assert torch.equal(again(x), model(x))

@@ -1,0 +1,244 @@
+"""The objectives beyond MDLM pretraining: LLaDA SFT, Dream, and BD3LM block diffusion.
+
+Each has the one signature `(model, batch, generator) -> ObjectiveOutput(loss_sum, count)`
+(see objectives.py); formulas and sources are in design/DIFFUSION.md.
+"""
+
+import math
+
+import torch
+from torch import nn
+
+from unmask.diffusion.config import DiffusionConfig, parse_loss_weight
+from unmask.diffusion.cutoffs import (
+    document_starts,
+    perbatch_cutoff,
+    prompt_positions,
+    resp_cutoff,
+)
+from unmask.diffusion.noise import _force_one_masked, loss_weight, mask_prob, sample_t
+from unmask.diffusion.objectives import (
+    IGNORE_INDEX,
+    MaskedDiffusionObjective,
+    ObjectiveOutput,
+    _maskable,
+)
+
+# -- pure pieces ---------------------------------------------------------------------------
+
+
+def shift_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Dream's shift: logits'[:, 0] = logits[:, 0], logits'[:, i] = logits[:, i - 1]."""
+    return torch.cat([logits[:, :1], logits[:, :-1]], dim=1)
+
+
+def shifted_token_losses(
+    model: nn.Module, noisy: torch.Tensor, batch: dict, targets: torch.Tensor, vocab_chunk: int
+) -> torch.Tensor:
+    """Per-token CE (B, L) where position i is scored by the model's output at i - 1.
+
+    Equivalent to `shift_logits` followed by CE, but the model still only runs its LM head on
+    rows with a target: output j gets target j + 1. Position 0 gets no loss (callers make
+    document starts unmaskable), so the shift never needs two targets at one output.
+    """
+    ahead = torch.full_like(targets, IGNORE_INDEX)
+    ahead[:, :-1] = targets[:, 1:]
+    ce = model(
+        noisy,
+        doc_ids=batch.get("doc_ids"),
+        position_ids=batch.get("position_ids"),
+        targets=ahead,
+        vocab_chunk=vocab_chunk,
+    )
+    out = torch.zeros_like(ce)
+    out[:, 1:] = ce[:, :-1]
+    return out
+
+
+def cart_weights(masked: torch.Tensor, geo_p: float, doc_ids: torch.Tensor | None = None):
+    """Dream's CART weight per position: 0.5 * sum over clean j != i of p (1 - p)^(|i-j| - 1).
+
+    masked (B, L) bool -> (B, L) float32 (only masked positions are used by the loss). With
+    doc_ids, only clean tokens of the same document count.
+    """
+    length = masked.shape[1]
+    idx = torch.arange(length, device=masked.device)
+    dist = (idx[:, None] - idx[None, :]).abs().float()
+    kernel = geo_p * (1.0 - geo_p) ** (dist - 1.0)
+    kernel.fill_diagonal_(0.0)  # (L, L)
+    clean = (~masked).float()
+    if doc_ids is None or bool((doc_ids == doc_ids[:, :1]).all()):
+        return 0.5 * clean @ kernel  # kernel is symmetric
+    same = doc_ids[:, :, None] == doc_ids[:, None, :]  # (B, L, L)
+    return 0.5 * torch.einsum("bij,bj->bi", kernel * same, clean)
+
+
+def bd3lm_attention_mask(length: int, block_size: int, device=None) -> torch.Tensor:
+    """(2L, 2L) bool mask for the x_t (first L) + x0 (last L) input; True = may attend.
+
+    x_t block b sees its own x_t block and x0 blocks < b; x0 block b sees x0 blocks <= b.
+    """
+    block = torch.arange(length, device=device) // block_size
+    same = block[:, None] == block[None, :]
+    before = block[:, None] > block[None, :]
+    upto = block[:, None] >= block[None, :]
+    top = torch.cat([same, before], dim=1)
+    bottom = torch.cat([torch.zeros_like(same), upto], dim=1)
+    return torch.cat([top, bottom], dim=0)
+
+
+# -- objectives ----------------------------------------------------------------------------
+
+
+class SFTObjective(MaskedDiffusionObjective):
+    """LLaDA SFT: loss = (1/B) sum_b [sum over masked answer i of CE_i w(t_b)] / answer_len_b.
+
+    Only `maskable` tokens (the answer, its EOS, and padding when `data.supervise_padding`)
+    are ever masked; the prompt stays clean. Returns loss_sum = sum over rows of the row term
+    and count = rows with an answer, so the trainer's global division gives the batch mean.
+    `prompt_drop_prob` masks a row's whole prompt (no loss on it) for classifier-free guidance.
+    """
+
+    def __call__(
+        self, model: nn.Module, batch: dict, generator: torch.Generator | None = None
+    ) -> ObjectiveOutput:
+        cfg = self.cfg
+        input_ids = batch["input_ids"]
+        maskable = _maskable(batch)
+        if cfg.logit_shift:
+            maskable = maskable & ~document_starts(batch)
+            batch = {**batch, "maskable": maskable}
+        t, noisy, masked = self.noise(batch, generator)
+        if cfg.prompt_drop_prob > 0 and "noisy_input_ids" not in batch:
+            prompt = prompt_positions(maskable, batch.get("doc_ids"))
+            drop = torch.rand(t.shape, generator=generator, device=t.device) < cfg.prompt_drop_prob
+            noisy = noisy.masked_fill(prompt & drop[:, None], self.mask_id)
+        targets = torch.where(masked, input_ids, torch.full_like(input_ids, IGNORE_INDEX))
+        ce = _token_losses(model, noisy, batch, targets, cfg)
+        weight = loss_weight(t, cfg.loss_weight, cfg.schedule).float()
+        answer_len = maskable.sum(1).float()  # (B,)
+        per_row = torch.where(masked, ce.float(), 0.0).sum(1) * weight / answer_len.clamp(min=1)
+        has_answer = answer_len > 0
+        self.last_stats = {
+            "mean_t": t.detach().float().mean(),
+            "num_masked": masked.sum().detach().float(),
+            "num_maskable": maskable.sum().detach().float(),
+        }
+        return ObjectiveOutput(per_row[has_answer].sum(), has_answer.sum().float())
+
+
+class DreamObjective(MaskedDiffusionObjective):
+    """Dream: logit shift, CART (or scheduler) weights, prompt handling and answer cutoffs.
+
+    loss_sum = sum over masked i of CE_i * w_i, count = maskable tokens (token
+    normalization). `mask_prompt_loss: false` makes prompt tokens maskable too. In training
+    mode `perbatch_cutoff` / `resp_cutoff_ratio` reshape the batch first.
+    """
+
+    def __init__(self, cfg: DiffusionConfig, mask_id: int):
+        super().__init__(cfg, mask_id)
+        self.weight_kind, self.geo_p = parse_loss_weight(cfg.loss_weight)
+
+    def prepare(self, batch: dict, generator: torch.Generator | None, training: bool) -> dict:
+        """Cutoffs (training only), prompt policy and the shift's unmaskable doc starts."""
+        cfg = self.cfg
+        batch = {**batch, "maskable": _maskable(batch)}
+        if training and cfg.perbatch_cutoff:
+            batch = perbatch_cutoff(batch, generator)
+        if training and cfg.resp_cutoff_ratio > 0:
+            batch = resp_cutoff(batch, cfg.resp_cutoff_ratio, generator)
+        maskable = batch["maskable"]
+        if not cfg.mask_prompt_loss:
+            maskable = maskable | prompt_positions(maskable, batch.get("doc_ids"))
+        if cfg.logit_shift is not False:
+            maskable = maskable & ~document_starts(batch)
+        return {**batch, "maskable": maskable}
+
+    def __call__(
+        self, model: nn.Module, batch: dict, generator: torch.Generator | None = None
+    ) -> ObjectiveOutput:
+        cfg = self.cfg
+        # cutoffs only when drawing fresh noise (precomputed noise fixes the layout)
+        training = model.training and "noisy_input_ids" not in batch
+        batch = self.prepare(batch, generator, training=training)
+        input_ids, maskable = batch["input_ids"], _maskable(batch)
+        t, noisy, masked = self.noise(batch, generator)
+        targets = torch.where(masked, input_ids, torch.full_like(input_ids, IGNORE_INDEX))
+        if cfg.logit_shift is not False:
+            ce = shifted_token_losses(model, noisy, batch, targets, cfg.vocab_chunk_size)
+        else:
+            ce = _token_losses(model, noisy, batch, targets, cfg)
+        if self.weight_kind == "cart":
+            weight = cart_weights(masked, self.geo_p, batch.get("doc_ids"))
+        else:
+            weight = loss_weight(t, self.weight_kind, cfg.schedule).float()[:, None]
+        loss_sum = torch.where(masked, ce.float() * weight, 0.0).sum()
+        self.last_stats = {
+            "mean_t": t.detach().float().mean(),
+            "num_masked": masked.sum().detach().float(),
+            "num_maskable": maskable.sum().detach().float(),
+        }
+        return ObjectiveOutput(loss_sum, maskable.sum().float())
+
+
+class BlockDiffusionObjective(MaskedDiffusionObjective):
+    """BD3LM: the model reads x_t + x0 (2L tokens, positions repeated) under
+    `bd3lm_attention_mask`; t is drawn per block of `block_size` tokens (the last block may
+    be shorter); loss on the first L outputs, sum of CE_i w(t_block(i)) over masked i,
+    count = maskable tokens.
+    """
+
+    def __call__(
+        self, model: nn.Module, batch: dict, generator: torch.Generator | None = None
+    ) -> ObjectiveOutput:
+        cfg = self.cfg
+        x0 = batch["input_ids"]
+        maskable = _maskable(batch)
+        b, length = x0.shape
+        block = torch.arange(length, device=x0.device) // cfg.block_size
+        n_blocks = math.ceil(length / cfg.block_size)
+        t_blocks = sample_t(b * n_blocks, cfg.t_sampling, cfg.time_eps, generator, x0.device)
+        t = t_blocks.view(b, n_blocks)[:, block]  # (B, L) per-token t of its block
+        u = torch.rand(x0.shape, generator=generator, device=x0.device)
+        masked = (u < mask_prob(t, cfg.schedule)) & maskable
+        if cfg.min_masked > 0:
+            masked = _force_one_masked(masked, maskable, generator)
+        noisy = torch.where(masked, torch.full_like(x0, self.mask_id), x0)
+        position_ids = batch.get("position_ids")
+        if position_ids is None:
+            position_ids = torch.arange(length, device=x0.device).expand(b, length)
+        doc_ids = batch.get("doc_ids")
+        attn = bd3lm_attention_mask(length, cfg.block_size, x0.device)[None, None]
+        if doc_ids is not None:
+            doc2 = torch.cat([doc_ids, doc_ids], dim=1)
+            attn = attn & (doc2[:, :, None] == doc2[:, None, :])[:, None]
+        targets = torch.where(masked, x0, torch.full_like(x0, IGNORE_INDEX))
+        ce = model(
+            torch.cat([noisy, x0], dim=1),
+            position_ids=torch.cat([position_ids, position_ids], dim=1),
+            targets=torch.cat([targets, torch.full_like(targets, IGNORE_INDEX)], dim=1),
+            vocab_chunk=cfg.vocab_chunk_size,
+            attention_mask=attn,
+        )[:, :length]
+        weight = loss_weight(t, cfg.loss_weight, cfg.schedule).float()
+        loss_sum = torch.where(masked, ce.float() * weight, 0.0).sum()
+        self.last_stats = {
+            "mean_t": t.detach().float().mean(),
+            "num_masked": masked.sum().detach().float(),
+            "num_maskable": maskable.sum().detach().float(),
+        }
+        return ObjectiveOutput(loss_sum, maskable.sum().float())
+
+
+def _token_losses(
+    model: nn.Module, noisy: torch.Tensor, batch: dict, targets: torch.Tensor, cfg
+) -> torch.Tensor:
+    if cfg.logit_shift:
+        return shifted_token_losses(model, noisy, batch, targets, cfg.vocab_chunk_size)
+    return model(
+        noisy,
+        doc_ids=batch.get("doc_ids"),
+        position_ids=batch.get("position_ids"),
+        targets=targets,
+        vocab_chunk=cfg.vocab_chunk_size,
+    )

@@ -1,0 +1,176 @@
+"""lm-evaluation-harness model `unmask`: Monte Carlo log-likelihoods and diffusion generation.
+
+    pip install 'unmask[eval]'
+    unmask-lm-eval --model unmask --model_args pretrained=DIR,mc_num=128,cfg_scale=0.5 \
+        --tasks arc_challenge
+
+lm-eval (0.4.x) has no plugin discovery for models: `unmask-lm-eval` (or
+`python -m unmask.eval.harness`) imports this module, which registers the model, and then
+runs lm-eval's own command line with the same arguments. In Python, importing the module
+is enough: `lm_eval.simple_evaluate(model="unmask", model_args=...)`.
+
+- loglikelihood: LLaDA's MC ELBO (`unmask.sampling.likelihood`), exact for one-token
+  continuations (mc_num is not spent there); `is_greedy` is checked only with
+  check_greedy=True (greedy decoding of the continuation's length).
+- loglikelihood_rolling: minus the NELBO of the text, in chunks of max_length tokens.
+- generate_until: `unmask.sampling.sample` with the folder's generation defaults
+  (generation_config.json) overridden by model_args; max_gen_toks rounded up to a multiple
+  of block_length; the text is cut at the first stop string.
+"""
+
+import sys
+from typing import Any
+
+import torch
+
+try:
+    from lm_eval.api.model import LM
+    from lm_eval.api.registry import register_model
+except ImportError as err:  # pragma: no cover - only without the eval extra
+    raise ImportError("the lm-eval adapter needs lm-eval: pip install 'unmask[eval]'") from err
+
+from unmask.sampling.generate import sample
+from unmask.sampling.likelihood import log_likelihood
+from unmask.sampling.loading import generate_texts, load_for_sampling, sampling_kwargs
+
+_SAMPLING_ARGS = ("gen_length", "steps", "block_length", "temperature", "remasking",
+                  "threshold", "factor", "cache", "schedule", "top_p", "top_k")  # fmt: skip
+_DEFAULT_CFG = 0.0
+
+
+@register_model("unmask")
+class UnmaskLM(LM):
+    """An unmask checkpoint or exported folder behind lm-eval's LM interface."""
+
+    def __init__(
+        self,
+        pretrained: str,
+        tokenizer: str | None = None,
+        device: str = "cpu",
+        mc_num: int = 128,
+        mc_batch_size: int = 16,
+        cfg_scale: float = _DEFAULT_CFG,
+        max_length: int = 4096,
+        batch_size: int | str = 16,
+        check_greedy: bool = False,
+        seed: int = 0,
+        **sampling: Any,
+    ) -> None:
+        super().__init__()
+        unknown = set(sampling) - set(_SAMPLING_ARGS) - {"max_batch_size", "dtype"}
+        if unknown:
+            raise ValueError(f"unknown model_args {sorted(unknown)} for model 'unmask'")
+        if str(device).startswith("cuda") and not torch.cuda.is_available():
+            device = "cpu"  # lm-eval's command line defaults to cuda
+        self.sm = load_for_sampling(pretrained, tokenizer, str(device or "cpu"))
+        self.mc_num, self.mc_batch_size = int(mc_num), int(mc_batch_size)
+        self.cfg_scale, self.max_length = float(cfg_scale), int(max_length)
+        self.gen_batch_size = int(batch_size) if str(batch_size).isdigit() else 16
+        self.check_greedy = str(check_greedy).lower() in ("true", "1")
+        self.generator = torch.Generator().manual_seed(int(seed))
+        self.sampling = {k: v for k, v in sampling.items() if k in _SAMPLING_ARGS}
+
+    @property
+    def tokenizer_name(self) -> str:
+        return type(self.sm.tokenizer).__name__
+
+    def _encode(self, text: str) -> list[int]:
+        return self.sm.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def _pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
+        """Token ids of context and continuation, split as the whole text tokenizes."""
+        whole, ctx = self._encode(context + continuation), self._encode(context)
+        cont = whole[len(ctx) :] if whole[: len(ctx)] == ctx else self._encode(continuation)
+        if not cont:
+            cont = self._encode(continuation)
+        ctx = ctx[-max(1, self.max_length - len(cont)) :] if ctx else ctx
+        return ctx, cont
+
+    def _is_greedy(self, ctx: list[int], cont: list[int]) -> bool:
+        prompt = torch.tensor([ctx], device=self.sm.device)
+        out = sample(self.sm.model, prompt, mask_id=self.sm.mask_id, steps=len(cont),
+                     gen_length=len(cont), cfg_scale=self.cfg_scale)  # fmt: skip
+        return out.answers[0].tolist() == cont
+
+    def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        results = []
+        for request in requests:
+            context, continuation = request.args
+            ctx, cont = self._pair(context, continuation)
+            device = self.sm.device
+            est = log_likelihood(
+                self.sm.model, torch.tensor(ctx, dtype=torch.long, device=device),
+                torch.tensor(cont, dtype=torch.long, device=device), mask_id=self.sm.mask_id,
+                mc_num=self.mc_num, batch_size=self.mc_batch_size, cfg_scale=self.cfg_scale,
+                generator=self.generator,
+            )  # fmt: skip
+            greedy = self._is_greedy(ctx, cont) if self.check_greedy and ctx else False
+            results.append((est.value, greedy))
+            self.cache_hook.add_partial("loglikelihood", request.args, (est.value, greedy))
+        return results
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        results = []
+        for request in requests:
+            ids = torch.tensor(self._encode(request.args[0]), device=self.sm.device)
+            total = 0.0
+            for start in range(0, len(ids), self.max_length):
+                est = log_likelihood(self.sm.model, ids[:0], ids[start : start + self.max_length],
+                                     mask_id=self.sm.mask_id, mc_num=self.mc_num,
+                                     batch_size=self.mc_batch_size, generator=self.generator)  # fmt: skip
+                total += est.value
+            results.append(total)
+        return results
+
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        groups: dict[tuple, list[int]] = {}
+        for index, request in enumerate(requests):
+            kwargs = dict(request.args[1] or {})
+            until = kwargs.get("until") or []
+            until = (until,) if isinstance(until, str) else tuple(until)
+            key = (until, kwargs.get("max_gen_toks"), kwargs.get("temperature"))
+            groups.setdefault(key, []).append(index)
+        results: list[str] = [""] * len(requests)
+        for (until, max_gen_toks, temperature), indices in groups.items():
+            options = self._generation_options(max_gen_toks, temperature)
+            contexts = [requests[i].args[0] for i in indices]
+            records = generate_texts(self.sm, contexts, options, self.gen_batch_size,
+                                     self.generator)  # fmt: skip
+            for index, record in zip(indices, records):
+                text = record["completion"]
+                for stop in until:
+                    if stop and stop in text:
+                        text = text[: text.index(stop)]
+                results[index] = text
+                self.cache_hook.add_partial("generate_until", requests[index].args, text)
+        return results
+
+    def _generation_options(self, max_gen_toks, temperature) -> dict[str, Any]:
+        """`sample` keywords: model_args over the task's gen_kwargs over the folder's
+        defaults; gen_length rounded up to whole blocks, steps to whole steps per block."""
+        chosen = {**self.sm.defaults, "cfg_scale": self.cfg_scale}
+        if max_gen_toks is not None:
+            chosen["gen_length"] = int(max_gen_toks)
+        if temperature is not None:
+            chosen["temperature"] = float(temperature)
+        chosen.update(self.sampling)
+        gen = int(chosen["gen_length"])
+        block = min(int(chosen["block_length"] or gen), gen)
+        gen = -(-gen // block) * block
+        blocks = gen // block
+        steps = int(chosen["steps"] or gen)
+        return sampling_kwargs(chosen, gen_length=gen, block_length=block,
+                               steps=-(-steps // blocks) * blocks)  # fmt: skip
+
+
+def cli(argv: list[str] | None = None) -> None:
+    """`unmask-lm-eval ...`: lm-eval's command line with the `unmask` model registered."""
+    from lm_eval.__main__ import cli_evaluate
+
+    if argv is not None:
+        sys.argv = ["lm_eval", *argv]
+    cli_evaluate()
+
+
+if __name__ == "__main__":
+    cli()

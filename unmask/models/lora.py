@@ -1,0 +1,81 @@
+"""LoRA through peft: wrap the model, save the adapter in peft's format, merged export.
+
+Only the LoRA factors train (the base weights are frozen), and the optimizer routes every
+parameter whose name holds `lora` to AdamW (never Muon). The adapter is saved with peft's own
+`save_pretrained`, so `peft.PeftModel.from_pretrained(base_model, folder)` loads it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+from torch import nn
+
+from unmask.errors import InputError
+from unmask.models.config import ModelConfig
+
+# Every linear layer of the decoder blocks (the LM head stays frozen: the masked-only loss
+# reads its weight directly).
+NATIVE_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def check_request(cfg: ModelConfig, resume: bool = False) -> None:
+    """Reject what cannot run here before anything is written: one clear line each."""
+    if cfg.load_in_4bit:
+        import torch
+
+        if not torch.cuda.is_available() or importlib.util.find_spec("bitsandbytes") is None:
+            raise InputError(
+                "model.load_in_4bit: true needs a CUDA GPU and the bitsandbytes package; "
+                "set load_in_4bit: false"
+            )
+        raise InputError("model.load_in_4bit: true is not supported by this unmask build yet")
+    if not cfg.lora:
+        return
+    if importlib.util.find_spec("peft") is None:
+        raise InputError("model.lora: true needs the peft package (pip install 'unmask[lora]')")
+    if resume:
+        raise InputError(
+            "resuming a LoRA run is not supported yet; start a fresh run (lora checkpoints hold "
+            "the adapter only)"
+        )
+
+
+def peft_config(cfg: ModelConfig, model: nn.Module):
+    import peft
+
+    targets = cfg.lora_target_modules
+    if targets in (None, "all-linear"):
+        targets = "all-linear" if not _is_native(model) else list(NATIVE_LINEAR)
+    return peft.LoraConfig(
+        r=cfg.lora_r,
+        lora_alpha=cfg.lora_alpha,
+        lora_dropout=cfg.lora_dropout,
+        target_modules=targets,
+    )
+
+
+def _is_native(model: nn.Module) -> bool:
+    from unmask.models.transformer import DiffusionTransformer
+
+    return isinstance(model, DiffusionTransformer)
+
+
+def apply_lora(model: nn.Module, cfg: ModelConfig) -> nn.Module:
+    """A peft `PeftModel` around model: base weights frozen, LoRA factors trainable."""
+    import peft
+
+    return peft.get_peft_model(model, peft_config(cfg, model))
+
+
+def save_lora(model: nn.Module, output_dir: Path, final: Path, cfg: ModelConfig) -> nn.Module:
+    """Adapter (peft format) in output_dir/adaptor_name; final/ holds the merged model when
+    `lora_merge` is set (returned, to use from then on), else the adapter too."""
+    model.save_pretrained(str(output_dir / cfg.adaptor_name))
+    if not cfg.lora_merge:
+        model.save_pretrained(str(final))
+        return model
+    merged = model.merge_and_unload()
+    merged.save_pretrained(str(final))
+    return merged

@@ -1,0 +1,252 @@
+"""Exact Muon for DTensor (FSDP2 / HSDP) parameters: the owner all-to-all (MUON.md).
+
+FSDP2 keeps every parameter, gradient and momentum buffer as a ``Shard(0)`` DTensor: each rank
+of the shard group holds a block of rows (``torch.chunk`` sizes, so the last ranks may hold
+fewer rows or none). Newton-Schulz needs the whole matrix, so one step of a Muon group is:
+
+1. momentum and the Nesterov input on the local rows (elementwise, exact);
+2. each matrix gets one owner rank, by longest-processing-time on NS FLOPs (:func:`assign_owners`);
+3. one ``all_to_all_single``: every rank sends its rows of matrix i to owner(i), in the NS
+   dtype (NS casts to it first, so nothing is lost; float16 NS normalizes in float32 first, so
+   its input travels as float32);
+4. each owner runs NS once per owned matrix, batched by shape;
+5. a second ``all_to_all_single`` returns each rank its rows of every update;
+6. weight decay and the update, scaled by the *global* shape, on the local rows.
+
+Per rank and step that sends about 2 * 2 (W - 1) / W^2 * P_M bytes in bf16 (P_M = Muon
+elements) and runs 1/W of the NS FLOPs. Under HSDP the all-to-all stays inside the shard
+group; replicas compute the same result without talking. 3-D expert stacks sharded on the
+expert dim hold whole experts locally and need no communication.
+
+Not done yet: overlapping the collectives of one shape group with the NS of another.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from unmask.optim.newton_schulz import (
+    coefficient_schedule,
+    newton_schulz,
+    ns_flops,
+    resolve_dtype,
+)
+
+
+def assign_owners(costs: Sequence[float], world_size: int) -> list[int]:
+    """Owner rank of each item by greedy LPT: largest cost first, onto the least-loaded rank.
+
+    Deterministic (ties broken by item index, then by rank), so every rank computes the same
+    assignment without talking.
+    """
+    loads = [0.0] * world_size
+    owners = [0] * len(costs)
+    for index in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        rank = min(range(world_size), key=lambda r: (loads[r], r))
+        owners[index] = rank
+        loads[rank] += costs[index]
+    return owners
+
+
+def owner_loads(costs: Sequence[float], owners: Sequence[int], world_size: int) -> list[float]:
+    """Total cost per rank for an assignment."""
+    loads = [0.0] * world_size
+    for cost, owner in zip(costs, owners):
+        loads[owner] += cost
+    return loads
+
+
+def chunk_rows(rows: int, world_size: int) -> list[tuple[int, int]]:
+    """(start, stop) rows of each rank under ``torch.chunk`` (FSDP2's Shard(0) layout)."""
+    size = -(-rows // world_size) if rows else 0
+    out = []
+    for rank in range(world_size):
+        start = min(rank * size, rows)
+        out.append((start, min(start + size, rows)))
+    return out
+
+
+def shard_dim_of(p: DTensor) -> int | None:
+    """Mesh dim along which p is Shard(0), or None if it is replicated on every dim."""
+    found = None
+    for mesh_dim, placement in enumerate(p.placements):
+        if isinstance(placement, Shard):
+            if placement.dim != 0 or found is not None:
+                raise NotImplementedError(
+                    f"MuonAdamW supports Shard(0) on one mesh dim (FSDP2/HSDP), got {p.placements}"
+                )
+            found = mesh_dim
+        elif not isinstance(placement, Replicate):
+            raise NotImplementedError(f"MuonAdamW: unsupported placement {placement}")
+    return found
+
+
+def comm_dtype(ns_dtype: torch.dtype) -> torch.dtype:
+    """The dtype NS inputs travel in: NS casts to ns_dtype first, except float16 (see module)."""
+    return torch.float32 if ns_dtype == torch.float16 else ns_dtype
+
+
+def _schedule(group: dict[str, Any]) -> tuple[list, bool]:
+    coeffs = group["ns_coefficients"]
+    if isinstance(coeffs, str):
+        return coefficient_schedule(coeffs, group["ns_steps"]), coeffs == "gram"
+    return [tuple(coeffs)] * group["ns_steps"], False
+
+
+def orthogonalize_local(matrices: list[Tensor], group: dict[str, Any]) -> list[Tensor]:
+    """NS once per matrix, batched by shape (the same call the one-process optimizer makes)."""
+    schedule, gram = _schedule(group)
+    dtype = resolve_dtype(group["ns_dtype"])
+    out: list[Tensor | None] = [None] * len(matrices)
+    by_shape: dict[tuple, list[int]] = defaultdict(list)
+    for index, m in enumerate(matrices):
+        by_shape[tuple(m.shape)].append(index)
+    for indices in by_shape.values():
+        # one matrix goes in as 2-D, like MuonAdamW's one-process path (same memory layout
+        # after the transpose of a tall matrix, so the same GEMM kernel and the same bits)
+        if len(indices) == 1:
+            batch = matrices[indices[0]]
+        else:
+            batch = torch.stack([matrices[i] for i in indices])
+        result = newton_schulz(batch, schedule, dtype=dtype, gram=gram, out_dtype=dtype)
+        for i, r in zip(indices, result.unbind(0) if len(indices) > 1 else [result]):
+            out[i] = r
+    return out  # type: ignore[return-value]
+
+
+class OwnerPlan:
+    """Who owns which matrix of one Muon group, and the row blocks every rank holds.
+
+    Built from global shapes only, so every rank of the shard group builds the same plan.
+    """
+
+    def __init__(self, shapes: Sequence[torch.Size], world_size: int, ns_steps: int, gram: bool):
+        self.shapes = [tuple(s) for s in shapes]
+        self.world_size = world_size
+        self.costs = [float(ns_flops(s[-2], s[-1], ns_steps, gram=gram)) for s in self.shapes]
+        self.owners = assign_owners(self.costs, world_size)
+        self.rows = [chunk_rows(s[0], world_size) for s in self.shapes]
+
+    def numel(self, index: int, rank: int) -> int:
+        start, stop = self.rows[index][rank]
+        return (stop - start) * self.shapes[index][1]
+
+    def owned(self, rank: int) -> list[int]:
+        return [i for i, owner in enumerate(self.owners) if owner == rank]
+
+
+def owner_all_to_all(
+    local_inputs: list[Tensor], plan: OwnerPlan, group: dict[str, Any], pg, rank: int
+) -> list[Tensor]:
+    """Rows of each full NS update for this rank, given this rank's rows of each NS input.
+
+    local_inputs[i]: (rows_i, B) on this rank, any float dtype. Returns (rows_i, B) in the
+    NS dtype. Exactly one NS per matrix across the group (on its owner).
+    """
+    world = plan.world_size
+    ns_dtype = resolve_dtype(group["ns_dtype"])
+    send_dtype = comm_dtype(ns_dtype)
+    device = local_inputs[0].device if local_inputs else torch.device("cpu")
+    # 1. my rows of every matrix, grouped by owner (owner-major, matrix order inside)
+    send_parts = [[] for _ in range(world)]
+    for i, u in enumerate(local_inputs):
+        send_parts[plan.owners[i]].append(u.reshape(-1).to(send_dtype))
+    send_sizes = [sum(t.numel() for t in parts) for parts in send_parts]
+    mine = plan.owned(rank)
+    recv_sizes = [sum(plan.numel(i, src) for i in mine) for src in range(world)]
+    send = torch.cat([t for parts in send_parts for t in parts]) if sum(send_sizes) else None
+    send = send if send is not None else torch.empty(0, dtype=send_dtype, device=device)
+    recv = torch.empty(sum(recv_sizes), dtype=send_dtype, device=device)
+    dist.all_to_all_single(recv, send, recv_sizes, send_sizes, group=pg)
+    # 2. assemble my owned matrices (source-major in the buffer) and orthogonalize them
+    pieces: dict[int, list[Tensor]] = {i: [] for i in mine}
+    offset = 0
+    for src in range(world):
+        for i in mine:
+            n = plan.numel(i, src)
+            pieces[i].append(recv[offset : offset + n].view(-1, plan.shapes[i][1]))
+            offset += n
+    full = [torch.cat(pieces[i]) for i in mine]
+    updates = orthogonalize_local(full, group) if full else []
+    # 3. send every rank its rows of my updates; receive my rows from every owner
+    back_parts = []
+    for dst in range(world):
+        for i, update in zip(mine, updates):
+            start, stop = plan.rows[i][dst]
+            back_parts.append(update[start:stop].reshape(-1).to(send_dtype))
+    back = torch.cat(back_parts) if back_parts else torch.empty(0, dtype=send_dtype, device=device)
+    got = torch.empty(sum(send_sizes), dtype=send_dtype, device=device)
+    dist.all_to_all_single(got, back, send_sizes, recv_sizes, group=pg)
+    # 4. unpack: owner-major, matrix order inside, exactly as sent in step 1
+    out: list[Tensor | None] = [None] * len(local_inputs)
+    offset = 0
+    for owner in range(world):
+        for i, u in enumerate(local_inputs):
+            if plan.owners[i] != owner:
+                continue
+            n = u.numel()
+            out[i] = got[offset : offset + n].view(u.shape).to(ns_dtype)
+            offset += n
+    return out  # type: ignore[return-value]
+
+
+def dtensor_muon_step(optimizer, group: dict[str, Any]) -> None:
+    """One Muon step for a group of DTensor parameters (called by MuonAdamW.step)."""
+    from unmask.optim.muon import apply_muon_update_, lr_scale, muon_ns_input
+
+    params = [p for p in group["params"] if p.grad is not None]
+    if not params:
+        return
+    by_layout: dict[tuple, list[DTensor]] = defaultdict(list)
+    for p in params:
+        if not isinstance(p, DTensor):
+            raise TypeError("MuonAdamW: a Muon group mixes DTensor and plain parameters")
+        dim = shard_dim_of(p)
+        by_layout[(id(p.device_mesh), dim, p.ndim)].append(p)
+    for (_, dim, ndim), layout_params in by_layout.items():
+        inputs = []
+        for p in layout_params:
+            state = optimizer.state[p]
+            if "momentum_buffer" not in state:
+                dtype = torch.promote_types(p.dtype, torch.float32)
+                state["momentum_buffer"] = torch.zeros_like(p, dtype=dtype)
+            inputs.append(
+                muon_ns_input(
+                    state["momentum_buffer"].to_local(),
+                    p.grad.to_local(),
+                    group["momentum"],
+                    group["nesterov"],
+                    group["momentum_style"],
+                )
+            )
+        if dim is None or ndim == 3:
+            # replicated (every rank holds whole matrices) or expert stacks sharded on the
+            # expert dim: NS on what is here, no communication.
+            updates = [orthogonalize_local([u], group)[0] if u.numel() else u for u in inputs]
+        else:
+            mesh = layout_params[0].device_mesh
+            pg = mesh.get_group(dim)
+            key = ("owner_plan", id(mesh), dim, tuple(id(p) for p in layout_params))
+            plan = optimizer.__dict__.setdefault("_owner_plans", {}).get(key)
+            if plan is None:
+                _, gram = _schedule(group)
+                plan = OwnerPlan(
+                    [p.shape for p in layout_params], mesh.size(dim), group["ns_steps"], gram
+                )
+                optimizer._owner_plans[key] = plan
+            updates = owner_all_to_all(inputs, plan, group, pg, mesh.get_local_rank(dim))
+        by_shape: dict[tuple, list[int]] = defaultdict(list)
+        for index, p in enumerate(layout_params):
+            by_shape[tuple(p.shape)].append(index)
+        for shape, indices in by_shape.items():
+            local = [layout_params[i].to_local() for i in indices]
+            ups = [updates[i].to(local[0].dtype) for i in indices]
+            scale = lr_scale(shape, group["adjust_lr"])
+            apply_muon_update_(local, ups, group["lr"], group["weight_decay"], scale)
