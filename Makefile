@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e ".[dev,lora,plot]"
+	$(BIN)/pip install -q -e ".[dev,lora,plot,eval]"
 	touch $(STAMP)
 
 quickstart: $(STAMP)
@@ -36,6 +36,8 @@ format: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python benchmarks/masked_loss_memory.py
 	$(BIN)/python benchmarks/muon.py
+	$(BIN)/python benchmarks/distributed_muon.py
+	$(BIN)/python benchmarks/muon_convergence.py
 
 clean-venv:
 	rm -rf $(VENV)

@@ -23,6 +23,8 @@ def format_line(step: int, total: int, values: dict, eta_s: float | None) -> str
         parts.append(f"loss {values['loss']:.4f}")
     if "eval_loss" in values:
         parts.append(f"eval_loss {values['eval_loss']:.4f}")
+    if "heldout_exact_match" in values:
+        parts.append(f"held-out exact match {values['heldout_exact_match']:.1%}")
     if "learning_rate" in values:
         parts.append(f"lr {values['learning_rate']:.2e}")
     if "tokens_per_second" in values:
