@@ -61,7 +61,7 @@ def test_killed_rank_stops_the_run_and_the_last_checkpoint_resumes(tmp_path):
     )
     cfg_path = tmp_path / "run.yaml"
     cfg_path.write_text(yaml.safe_dump(tree))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     launcher = subprocess.Popen(
         cmd + ["-m", "unmask", "train", str(cfg_path)],
         stdout=subprocess.DEVNULL,

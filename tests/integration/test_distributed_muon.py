@@ -24,7 +24,13 @@ SPECS = ["2", "4", "2x2", "4:bfloat16"]
 
 
 def torchrun(nproc: int, *args: str, timeout: float = 240) -> None:
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+    ]
     proc = subprocess.run(
         cmd + [*args], capture_output=True, text=True, timeout=timeout, cwd=WORKERS.parent
     )

@@ -44,7 +44,13 @@ def write_config(root: Path, name: str, extra: dict) -> Path:
 
 def launch(nproc: int, root: Path, configs: list[Path]) -> dict:
     results = root / f"results-{nproc}.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+    ]
     cmd += [str(WORKER), str(results)] + [str(c) for c in configs]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]

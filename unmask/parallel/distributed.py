@@ -91,6 +91,7 @@ def shard_model(model: torch.nn.Module, state: DistState, train_cfg) -> None:
         bf16=train_cfg.bf16,
         reshard_after_forward=train_cfg.reshard_after_forward,
         gradient_checkpointing=train_cfg.gradient_checkpointing,
+        torch_compile=train_cfg.torch_compile,
     )
 
 

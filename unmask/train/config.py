@@ -51,6 +51,8 @@ class TrainConfig(BaseModel):
     """Run forward/backward under bfloat16 autocast (weights and optimizer stay float32)."""
     gradient_checkpointing: bool = False
     """Recompute each layer's activations in backward to save memory."""
+    torch_compile: bool = False
+    """torch.compile each transformer block (after activation checkpointing, before FSDP2)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """auto = cuda when available, else cpu."""
     report_to: list[str] = []

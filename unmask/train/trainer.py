@@ -25,6 +25,7 @@ from unmask.models.lora import check_request as check_lora_request
 from unmask.optim.config import build_optimizer
 from unmask.optim.schedule import build_scheduler, resolve_warmup
 from unmask.parallel import distributed as par
+from unmask.parallel.fsdp import compile_blocks
 from unmask.train.checkpoint import (
     is_distributed_checkpoint,
     list_checkpoints,
@@ -138,6 +139,8 @@ class Trainer:
                 max(len(self.tokenizer), self.model.config.vocab_size)
             )
         self.model.gradient_checkpointing = t.gradient_checkpointing
+        if t.torch_compile and self.dist.mesh is None:  # FSDP2 compiles inside apply_fsdp
+            compile_blocks(self.model)
         if cfg.model.lora:  # peft wrapper: base frozen, LoRA factors train (AdamW)
             self.model = apply_lora(self.model, cfg.model)
         self.model.to(self.device)
