@@ -1,4 +1,5 @@
 import pytest
+import torch
 import yaml
 
 TINY = {
@@ -54,3 +55,19 @@ def tiny_config(tmp_path):
         return path
 
     return make
+
+
+def save_tiny_model(folder, seed: int = 0):
+    """A random tiny qwen3_dllm + the char tokenizer saved as an HF folder; returns folder."""
+    from unmask.data.tokenizer import build_char_tokenizer, ensure_special_tokens
+    from unmask.models import ModelConfig, build_model
+
+    tokenizer = build_char_tokenizer()
+    ensure_special_tokens(tokenizer)
+    torch.manual_seed(seed)
+    cfg = ModelConfig(vocab_size=max(128, len(tokenizer)), hidden_size=32, intermediate_size=64,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      initializer_range=0.2)  # fmt: skip
+    build_model(cfg).save_pretrained(str(folder))
+    tokenizer.save_pretrained(str(folder))
+    return folder

@@ -6,10 +6,11 @@ import json
 
 import pytest
 import torch
+from conftest import save_tiny_model
 
 from unmask.cli import main
 from unmask.data.tokenizer import build_char_tokenizer, ensure_special_tokens
-from unmask.models import ModelConfig, build_model, from_pretrained
+from unmask.models import from_pretrained
 from unmask.sampling import left_pad, sample
 from unmask.sampling.show import MASK_GLYPH, render_row
 
@@ -26,16 +27,7 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("ckpt") / "checkpoint-3"
-    tokenizer = build_char_tokenizer()
-    ensure_special_tokens(tokenizer)
-    torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=max(128, len(tokenizer)), hidden_size=32, intermediate_size=64,
-                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                      initializer_range=0.2)  # fmt: skip
-    build_model(cfg).save_pretrained(str(folder))
-    tokenizer.save_pretrained(str(folder))
-    return folder
+    return save_tiny_model(tmp_path_factory.mktemp("ckpt") / "checkpoint-3", seed=0)
 
 
 def expected_completions(folder, prompts, **kw):

@@ -5,6 +5,7 @@ import json
 
 import pytest
 import torch
+from conftest import save_tiny_model
 
 lm_eval = pytest.importorskip("lm_eval")
 
@@ -12,9 +13,8 @@ from lm_eval.api.instance import Instance  # noqa: E402
 from lm_eval.api.model import LM  # noqa: E402
 from lm_eval.api.registry import get_model  # noqa: E402
 
-from unmask.data.tokenizer import build_char_tokenizer, ensure_special_tokens  # noqa: E402
 from unmask.eval.harness import UnmaskLM  # noqa: E402
-from unmask.models import ModelConfig, build_model, from_pretrained  # noqa: E402
+from unmask.models import from_pretrained  # noqa: E402
 from unmask.sampling.likelihood import log_likelihood  # noqa: E402
 from unmask.sampling.loading import generate_texts, load_for_sampling  # noqa: E402
 
@@ -39,16 +39,7 @@ QUESTIONS = [
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("harness") / "model"
-    tokenizer = build_char_tokenizer()
-    ensure_special_tokens(tokenizer)
-    torch.manual_seed(1)
-    cfg = ModelConfig(vocab_size=max(128, len(tokenizer)), hidden_size=32, intermediate_size=64,
-                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                      initializer_range=0.2)  # fmt: skip
-    build_model(cfg).save_pretrained(str(folder))
-    tokenizer.save_pretrained(str(folder))
-    return folder
+    return save_tiny_model(tmp_path_factory.mktemp("harness") / "model", seed=1)
 
 
 def test_registered_and_built_from_an_arg_string(model_dir):
