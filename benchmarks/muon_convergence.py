@@ -124,7 +124,9 @@ def main() -> None:
     text = (
         f"# AdamW vs Muon on the quickstart task ({args.steps} steps, same config)\n\n"
         + table(runs, best)
-        + "\n\n![eval loss curves](muon_convergence.png)\n"
+        + "\n\nThe comparison is per optimizer step; `wall s` is only indicative (runs may share"
+        + " the CPU with other work), see benchmarks/muon.py for the cost of a Muon step.\n"
+        + "\n![eval loss curves](muon_convergence.png)\n"
     )
     (args.out / "muon_convergence.md").write_text(text)
     (args.out / "muon_convergence.json").write_text(json.dumps(runs, indent=1))
