@@ -131,6 +131,7 @@ def build_optimizer(cfg: OptimConfig, model: torch.nn.Module) -> torch.optim.Opt
     if cfg.name == "muon":
         return MuonAdamW(
             model,
+            verbose=False,  # the trainer prints the split through its own logger
             lr=cfg.learning_rate,
             weight_decay=cfg.weight_decay,
             betas=betas,

@@ -25,7 +25,6 @@ bf16) the result equals ``torch.optim.Muon`` bit for bit on CPU.
 
 from __future__ import annotations
 
-import logging
 import math
 import re
 from collections import defaultdict
@@ -46,8 +45,6 @@ from unmask.optim.newton_schulz import (
     newton_schulz,
     resolve_dtype,
 )
-
-logger = logging.getLogger(__name__)
 
 ADJUST_LR = ("match_rms_adamw", "original", "none")
 MOMENTUM_STYLES = ("sum", "ema")
@@ -86,6 +83,11 @@ class Routing:
         if self.frozen:
             lines.append(f"  {'frozen (skipped)':<17}{len(self.frozen):>5} tensors")
         return "\n".join(lines)
+
+
+def _is_rank_zero() -> bool:
+    dist = torch.distributed
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
 
 
 def _human(n: int) -> str:
@@ -362,7 +364,7 @@ class MuonAdamW(torch.optim.Optimizer):
         momentum_style: ``sum`` (M <- mu M + G, MUON.md/Moonlight) or ``ema``
             (M <- lerp(M, G, 1 - mu), ``torch.optim.Muon``/Keller Jordan).
         muon_include, muon_exclude: name regexes overriding the routing (include first).
-        verbose: log the split (INFO on ``unmask.optim.muon``) once at construction.
+        verbose: print the split once at construction (rank 0 only under torch.distributed).
 
     Param groups carry ``use_muon`` and ``param_names``; ``self.routing`` keeps the split
     with a reason per parameter.
@@ -430,8 +432,8 @@ class MuonAdamW(torch.optim.Optimizer):
         if not groups:
             raise InputError("MuonAdamW got no trainable parameters (all frozen or none given)")
         super().__init__(groups, defaults)
-        if verbose:
-            logger.info(self.routing.summary())
+        if verbose and _is_rank_zero():
+            print(self.routing.summary(), flush=True)
 
     # ------------------------------------------------------------------------ step
 
