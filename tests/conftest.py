@@ -33,6 +33,17 @@ TINY = {
 }
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models: one thread avoids OpenMP threads spinning against each other on a
+    shared 2-core machine (restored afterwards). Use with
+    `pytestmark = pytest.mark.usefixtures("one_thread")`."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def deep_update(base: dict, extra: dict) -> dict:
     out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in base.items()}
     for key, value in extra.items():

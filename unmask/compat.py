@@ -21,6 +21,7 @@ perbatch_cutoff, resp_cutoff_ratio, loss_weight_type, adaptor_name, log_to_wandb
 from typing import Any
 
 from unmask.errors import InputError
+from unmask.models.hf import HF_DIRECT_KEYS
 
 LMMS_KEYS = ("trainer_type", "model_config", "dataset_config", "trainer_args")
 
@@ -66,21 +67,7 @@ _TRAINER_ARGS = {
     "disable_tqdm": ("train", "disable_tqdm"),
 }
 # Model config fields of LMMs-Engine's qwen3_dllm that unmask spells the same way.
-_MODEL_FIELDS = (
-    "vocab_size",
-    "hidden_size",
-    "intermediate_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "head_dim",
-    "rms_norm_eps",
-    "rope_theta",
-    "max_position_embeddings",
-    "tie_word_embeddings",
-    "attention_bias",
-    "initializer_range",
-)
+_MODEL_FIELDS = (*HF_DIRECT_KEYS, "rope_theta")
 _INFERENCE_ONLY = ("use_cache",)  # accepted: no effect on training
 
 _TL_DIRECT = {

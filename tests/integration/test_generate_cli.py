@@ -14,15 +14,7 @@ from unmask.models import from_pretrained
 from unmask.sampling import left_pad, sample
 from unmask.sampling.show import MASK_GLYPH, render_row
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models: one thread avoids OpenMP threads spinning against each other on a
-    shared 2-core machine (restored afterwards)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

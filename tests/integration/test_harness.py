@@ -18,15 +18,7 @@ from unmask.models import from_pretrained  # noqa: E402
 from unmask.sampling.likelihood import log_likelihood  # noqa: E402
 from unmask.sampling.loading import generate_texts, load_for_sampling  # noqa: E402
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models: one thread avoids OpenMP threads spinning against each other on a
-    shared 2-core machine (restored afterwards)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 QUESTIONS = [

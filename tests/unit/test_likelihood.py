@@ -13,14 +13,7 @@ from unmask.sampling.likelihood import log_likelihood, mask_counts, perplexity_b
 V, MASK_ID = 31, 30
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models: one thread avoids OpenMP threads spinning against each other on a
-    shared 2-core machine (restored afterwards)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny():

@@ -13,14 +13,7 @@ from unmask.sampling import add_gumbel_noise, cfg_combine, generate, num_transfe
 V, H, MASK_ID = 23, 16, 22
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models: one thread avoids OpenMP threads spinning against each other on a
-    shared 2-core machine (restored afterwards)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class StandIn(nn.Module):

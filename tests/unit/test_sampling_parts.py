@@ -20,14 +20,7 @@ from unmask.sampling.transfer import (
 V, MASK_ID, EOS = 29, 28, 27
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models: one thread avoids OpenMP threads spinning against each other on a
-    shared 2-core machine (restored afterwards)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny(layers: int = 2, seed: int = 0):

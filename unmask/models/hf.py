@@ -30,7 +30,7 @@ HF_FAMILIES = {
     "llada": "llada",
 }
 HF_MODEL_TYPES = tuple(HF_FAMILIES)
-_DIRECT_KEYS = (
+HF_DIRECT_KEYS = (
     "vocab_size",
     "hidden_size",
     "intermediate_size",
@@ -114,7 +114,7 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
         )
     if hf.get("use_sliding_window"):
         raise InputError("config.json: use_sliding_window=true is not supported; set it to false")
-    fields = {key: hf[key] for key in _DIRECT_KEYS if hf.get(key) is not None}
+    fields = {key: hf[key] for key in HF_DIRECT_KEYS if hf.get(key) is not None}
     theta = _rope_theta(hf)
     if theta is not None:
         fields["rope_theta"] = float(theta)
