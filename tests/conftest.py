@@ -1,3 +1,5 @@
+import json
+
 import pytest
 import torch
 import yaml
@@ -82,3 +84,13 @@ def save_tiny_model(folder, seed: int = 0):
     build_model(cfg).save_pretrained(str(folder))
     tokenizer.save_pretrained(str(folder))
     return folder
+
+
+def read_metrics(run_dir) -> list[dict]:
+    """The records of a run's metrics.jsonl."""
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def losses(run_dir) -> dict[int, float]:
+    """{step: training loss} from a run's metrics.jsonl."""
+    return {r["step"]: r["loss"] for r in read_metrics(run_dir) if "loss" in r}

@@ -55,7 +55,8 @@ def cmd_generate(ns: argparse.Namespace) -> int:
         gen_length=ns.gen_length, steps=ns.steps, block_length=ns.block_length,
         temperature=ns.temperature, remasking=ns.remasking, cfg_scale=ns.cfg_scale,
         threshold=ns.threshold, factor=ns.factor, cache=ns.cache, schedule=ns.schedule,
-        top_p=ns.top_p, top_k=ns.top_k,
+        top_p=ns.top_p, top_k=ns.top_k, shift_logits=ns.shift_logits,
+        block_causal=ns.block_causal,
     )  # fmt: skip
     generator = (
         torch.Generator(device=sm.device).manual_seed(ns.seed) if ns.seed is not None else None
@@ -114,7 +115,7 @@ def cmd_eval(ns: argparse.Namespace) -> int:
     bound = perplexity_bound(
         sm.model, ids, mask_id=sm.mask_id, context=ns.context, mc_num=ns.mc_num,
         batch_size=ns.batch_size, generator=torch.Generator().manual_seed(ns.seed),
-        device=sm.device,
+        device=sm.device, shift_logits=bool(sm.defaults["shift_logits"]),
     )  # fmt: skip
     print(json.dumps({"file": str(path), "ppl_upper_bound": bound.perplexity,
                       "nelbo_per_token": bound.nll_per_token,
@@ -173,6 +174,16 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--factor", type=float, help="parallel decoding, factor rule")
     gen.add_argument("--cache", choices=["none", "prefix", "dual"], help="K/V cache")
     gen.add_argument("--cfg-scale", type=float, help="classifier-free guidance scale")
+    gen.add_argument(
+        "--shift-logits",
+        action=argparse.BooleanOptionalAction,
+        help="Dream's logit shift (default: from the folder; on for Dream models)",
+    )
+    gen.add_argument(
+        "--block-causal",
+        action=argparse.BooleanOptionalAction,
+        help="block-diffusion attention (default: from the folder; on for bd3lm models)",
+    )
     gen.add_argument("--batch-size", type=int, default=16, help="prompts decoded together")
     gen.add_argument("--mask-id", type=int, help="mask token id (default: the tokenizer's)")
     gen.add_argument("--device", default="cpu", help="cpu or cuda")

@@ -30,6 +30,11 @@ RECIPES = {
     "bert_bert": {"model": {"model_type": "bert"}, "diffusion": {"objective": "bert"}},
 }
 
+SAMPLED_AS = {
+    "dream_cart": {"shift_logits": True},
+    "bd3lm": {"block_causal": True, "block_length": 4},
+}
+
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(RECIPES))
@@ -43,6 +48,20 @@ def test_each_objective_trains_50_steps(tiny_config, name):
     before = trainer.evaluate()
     after = trainer.train()["eval_loss"]
     assert after <= 0.8 * before, (name, before, after)
+    # final/ says how the model must be sampled; `unmask generate` and export pick it up
+    if "bert" in name:
+        return
+    from unmask.eval.export import export_model
+    from unmask.sampling.loading import read_generation_defaults
+
+    run = Path(trainer.cfg.train.output_dir)
+    expected = SAMPLED_AS.get(name, {})
+    for folder in (run / "final", export_model(run / "final", run / "exported")):
+        defaults = read_generation_defaults(folder)
+        assert defaults["shift_logits"] == expected.get("shift_logits", False), folder
+        assert defaults["block_causal"] == expected.get("block_causal", False), folder
+        if "block_length" in expected:
+            assert defaults["block_length"] == expected["block_length"]
 
 
 def _write_docs(folder: Path, n=200):
@@ -213,10 +232,87 @@ def test_lora_4bit_without_cuda_is_one_line_exit_2(tiny_config, tmp_path, capsys
 
     if torch.cuda.is_available():
         pytest.skip("CUDA present")
-    code, err = _run(["train", str(tiny_config({"model": {"load_in_4bit": True}}))], capsys)
+    extra = {"model": {"load_in_4bit": True, "lora": True}}
+    code, err = _run(["train", str(tiny_config(extra))], capsys)
     assert code == 2 and len(err) == 1
     assert "load_in_4bit: true needs a CUDA GPU and the bitsandbytes package" in err[0]
+    assert "(training device here: cpu)" in err[0]
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(
+    "model, message",
+    [
+        ({}, "trains LoRA adapters on a frozen 4-bit base; set model.lora: true"),
+        ({"lora": True, "lora_merge": True}, "lora_merge: true cannot merge into 4-bit weights"),
+        ({"lora": True, "model_type": "bert"}, "is for the decoder families, not 'bert'"),
+    ],
+)
+def test_4bit_requests_that_cannot_run_are_one_line(
+    tiny_config, tmp_path, capsys, monkeypatch, model, message
+):
+    import unmask.models.quant as quant
+
+    monkeypatch.setattr(quant, "cuda_ready", lambda device: True)  # as on a CUDA machine
+    extra = {"model": {"load_in_4bit": True, **model}}
+    code, err = _run(["train", str(tiny_config(extra))], capsys)
+    assert code == 2 and len(err) == 1, err
+    assert message in err[0]
+    assert not (tmp_path / "run").exists()
+
+
+def test_qlora_trains_adapters_on_a_4bit_base(tiny_config, tmp_path, monkeypatch):
+    """The whole 4-bit path through the trainer, on bitsandbytes' CPU backend: only the
+    device check is told it is on a CUDA machine."""
+    peft = pytest.importorskip("peft")
+    bnb = pytest.importorskip("bitsandbytes")
+    import torch
+
+    import unmask.models.quant as quant
+    from unmask.models import build_model
+
+    monkeypatch.setattr(quant, "cuda_ready", lambda device: True)
+    model = {"load_in_4bit": True, "lora": True, "lora_r": 4, "lora_alpha": 8}
+    extra = {
+        "model": {**model, "hidden_size": 64, "intermediate_size": 128},
+        "train": {"max_steps": 30, "save_steps": 15, "eval_steps": 15, "eval_max_batches": 2},
+        "optim": {"learning_rate": 1e-2},
+    }
+    cfg = load_config(tiny_config(extra))
+    trainer = Trainer(cfg)
+    layers = [m for m in trainer.model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    assert len(layers) == 7 * 2  # q k v o gate up down in both blocks
+    assert all(m.weight.dtype == torch.uint8 and m.weight.bnb_quantized for m in layers)
+    params = dict(trainer.model.named_parameters())
+    trainable = {n for n, p in params.items() if p.requires_grad}
+    assert trainable and all("lora_" in n for n in trainable)
+    # the 4-bit base computes what the full-precision model does, up to NF4 rounding
+    torch.manual_seed(cfg.train.seed)
+    full = build_model(cfg.model.model_copy(update={"lora": False, "load_in_4bit": False}))
+    ids = torch.randint(4, 100, (2, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), trainer.model.disable_adapter():
+        reference = full(ids)
+        error = (trainer.model(ids) - reference).norm() / reference.norm()
+    assert error.item() < 0.2
+    before = {n: p.detach().clone() for n, p in params.items()}
+    first = trainer.evaluate()
+    last = trainer.train()["eval_loss"]
+    assert last < 0.9 * first  # rank-4 adapters on a random base: a modest fall
+    changed = {n for n, p in params.items() if not torch.equal(p.detach(), before[n])}
+    assert changed == trainable
+    # the adapter (peft format) loads with peft onto a freshly quantized base: same logits
+    torch.manual_seed(cfg.train.seed)
+    base = build_model(cfg.model.model_copy(update={"lora": False}))
+    quant.quantize_4bit(base, list(quant_targets()), "cpu", torch.float32)
+    loaded = peft.PeftModel.from_pretrained(base, str(tmp_path / "run" / "adaptor")).eval()
+    with torch.no_grad():
+        assert torch.equal(loaded(ids), trainer.model.eval()(ids))
+
+
+def quant_targets():
+    from unmask.models.lora import NATIVE_LINEAR
+
+    return NATIVE_LINEAR
 
 
 def test_tokenizer_without_mask_under_lora_is_one_line_exit_2(tiny_config, tmp_path, capsys):
@@ -233,3 +329,81 @@ def test_tokenizer_without_mask_under_lora_is_one_line_exit_2(tiny_config, tmp_p
     assert code == 2 and len(err) == 1, err
     assert "no mask (or EOS) token and one cannot be added under model.lora: true" in err[0]
     assert not (tmp_path / "run").exists()
+
+
+def test_lora_run_resumes_with_the_same_losses(tiny_config, tmp_path):
+    pytest.importorskip("peft")
+    from conftest import losses
+
+    lora = {"lora": True, "lora_r": 4, "lora_alpha": 8}  # lora_dropout 0.05: RNG restored
+    cfg = load_config(
+        tiny_config(
+            {"model": lora, "train": {"max_steps": 6, "save_steps": 3}, "optim": {"name": "muon"}}
+        )
+    )
+    Trainer(cfg).train()
+    full = losses(tmp_path / "run")
+    stopped = tmp_path / "stopped"
+    stopped.mkdir()
+    shutil.copytree(tmp_path / "run" / "checkpoint-3", stopped / "checkpoint-3")
+    assert (stopped / "checkpoint-3" / "adapter_model.safetensors").is_file()
+    resume = {"output_dir": str(stopped), "resume_from_checkpoint": True}
+    cfg2 = load_config(
+        tiny_config(
+            {
+                "model": lora,
+                "train": {"max_steps": 6, "save_steps": 3, **resume},
+                "optim": {"name": "muon"},
+            },
+            name="resume.yaml",
+        )
+    )
+    trainer = Trainer(cfg2)
+    assert trainer.step == 3
+    trainer.train()
+    resumed = losses(stopped)
+    assert sorted(resumed) == [4, 5, 6]
+    assert all(resumed[step] == full[step] for step in (4, 5, 6))  # exactly, on CPU
+    name = "adaptor/adapter_model.safetensors"
+    assert (tmp_path / "run" / name).read_bytes() == (stopped / name).read_bytes()
+
+
+def test_lora_resume_on_other_base_weights_or_without_lora_is_one_line(
+    tiny_config, tmp_path, capsys
+):
+    pytest.importorskip("peft")
+    lora = {"lora": True, "lora_r": 4, "lora_alpha": 8}
+    run = {"max_steps": 2, "save_steps": 2}
+    Trainer(load_config(tiny_config({"model": lora, "train": run}))).train()
+    (tmp_path / "run" / "final").rename(tmp_path / "kept-final")  # a run dir without final/
+    before = sorted(p.name for p in (tmp_path / "run").iterdir())
+    resume = {**run, "max_steps": 4, "resume_from_checkpoint": True}
+    other_seed = {"model": lora, "train": {**resume, "seed": 7}}
+    code, err = _run(["train", str(tiny_config(other_seed, name="b.yaml"))], capsys)
+    assert code == 2 and len(err) == 1, err
+    assert "was trained on other base weights than this config's model" in err[0]
+    code, err = _run(["train", str(tiny_config({"train": resume}, name="c.yaml"))], capsys)
+    assert code == 2 and len(err) == 1, err
+    assert "it was written by a LoRA run: set model.lora: true" in err[0]
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == before  # nothing lost
+
+
+def test_mask_token_id_comes_from_the_model_folders_config(tiny_config, tmp_path, capsys):
+    from conftest import save_tiny_model
+
+    from unmask.sampling.loading import load_for_sampling
+
+    folder = save_tiny_model(tmp_path / "llada_like")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "mask_token_id": 10}))
+    extra = {"model": {"pretrained": str(folder)}, "data": {"tokenizer": str(folder)}}
+    trainer = Trainer(load_config(tiny_config({**extra, "train": {"max_steps": 1}})))
+    assert trainer.tokenizer.mask_token_id == 10 and trainer.objective.mask_id == 10
+    assert len(trainer.tokenizer) == len(load_for_sampling(folder).tokenizer)  # none added
+    assert load_for_sampling(folder).mask_id == 10  # config.json wins over the tokenizer
+    assert load_for_sampling(folder, mask_id=5).mask_id == 5  # --mask-id wins over both
+    (folder / "config.json").write_text(json.dumps({**config, "mask_token_id": 10_000}))
+    extra["train"] = {"output_dir": str(tmp_path / "other")}
+    code, err = _run(["train", str(tiny_config(extra, name="bad.yaml"))], capsys)
+    assert code == 2 and len(err) == 1, err
+    assert "mask_token_id 10000 is outside the tokenizer's" in err[0]

@@ -1,25 +1,17 @@
 """End-to-end training runs on a tiny model: metrics, resume, accumulation, TensorBoard."""
 
-import json
 import shutil
 import subprocess
 import sys
 
 import pytest
 import torch
+from conftest import losses, read_metrics
 
 from unmask.cli import main
 from unmask.config import load_config
 from unmask.train.checkpoint import list_checkpoints
 from unmask.train.trainer import Trainer
-
-
-def read_metrics(run_dir):
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def losses(run_dir):
-    return {r["step"]: r["loss"] for r in read_metrics(run_dir) if "loss" in r}
 
 
 def test_train_writes_metrics_config_checkpoints(tiny_config, tmp_path, capsys):

@@ -97,3 +97,21 @@ def test_perplexity_bound_of_single_token_chunks_is_exact():
     assert bound.nll_per_token == pytest.approx(nll, abs=1e-5)
     assert bound.perplexity == pytest.approx(math.exp(nll), rel=1e-5)
     assert bound.tokens == 5 and bound.chunks == 5
+
+
+def test_logit_shift_one_token_answer_reads_the_output_before_it():
+    # Dream: the answer token at position P is predicted by the output at P - 1
+    model = tiny()
+    x = torch.cat([PROMPT, torch.tensor([MASK_ID])])[None]
+    with torch.no_grad():
+        expected = torch.log_softmax(model(x)[0, -2].double(), -1)
+    for token in (0, 7, 29):
+        est = log_likelihood(model, PROMPT, torch.tensor([token]), mask_id=MASK_ID,
+                             shift_logits=True, generator=gen())  # fmt: skip
+        assert est.value == pytest.approx(expected[token].item(), abs=1e-5)
+    with pytest.raises(ValueError, match="needs a prompt token before the answer"):
+        log_likelihood(model, PROMPT[:0], torch.tensor([1]), mask_id=MASK_ID, shift_logits=True)
+    # perplexity: each chunk's first token conditions the rest and is not scored
+    bound = perplexity_bound(model, [4, 8, 15, 16], mask_id=MASK_ID, context=2,
+                             shift_logits=True, generator=gen())  # fmt: skip
+    assert bound.tokens == 2 and bound.chunks == 2

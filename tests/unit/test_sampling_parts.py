@@ -9,6 +9,7 @@ import torch
 from unmask.models import ModelConfig, build_model
 from unmask.models.attention import KVCache
 from unmask.sampling import dream_schedule, left_pad, sample
+from unmask.sampling.generate import canvas_blocks
 from unmask.sampling.transfer import (
     filter_top_k_top_p,
     neg_entropy,
@@ -124,6 +125,74 @@ def test_cache_exact_for_one_layer(cache, block_length):
     plain = sample(model, PROMPT, mask_id=MASK_ID, **kw)
     cached = sample(model, PROMPT, mask_id=MASK_ID, cache=cache, **kw)
     assert torch.equal(plain.sequences, cached.sequences)
+
+
+def test_prefix_cache_is_approximate_for_a_bidirectional_multilayer_model():
+    # Why "prefix cache with one block equals no cache" cannot hold for a bidirectional
+    # model with more than one layer: the prompt's layer-2 keys/values depend on the answer
+    # positions, which change inside the block, while the cache keeps those of the block
+    # start. One layer: exact (test above); block-causal attention: exact (tests below).
+    kw = dict(steps=12, gen_length=12, block_length=12, threshold=0.0001)
+    canvases = []
+    for cache in ("none", "prefix"):
+        seen = []
+        sample(tiny(), PROMPT[:1], mask_id=MASK_ID, cache=cache, on_step=seen.append, **kw)
+        canvases.append(seen)
+    assert torch.equal(canvases[0][0], canvases[1][0])  # the block start is a full pass
+    model = tiny()
+    x = canvases[0][0]  # the canvas after the first commit
+    cache = KVCache()
+    with torch.no_grad():
+        positions = torch.arange(x.shape[1]).expand_as(x)
+        start = torch.full_like(x, MASK_ID)
+        start[:, :5] = x[:, :5]
+        model(start, position_ids=positions, kv_cache=cache)  # K/V at the block start
+        cache.store, cache.start = False, 5
+        cached = model(x[:, 5:], position_ids=positions[:, 5:], kv_cache=cache)
+        full = model(x)[:, 5:]
+    assert (cached - full).abs().max().item() > 1e-4
+
+
+def test_canvas_blocks_hand_values():
+    # prompt of 5, answer of 8 in blocks of 4: the prompt is cut from its end
+    assert canvas_blocks(5, 8, 4).tolist() == [-2, -1, -1, -1, -1, 0, 0, 0, 0, 1, 1, 1, 1]
+
+
+@pytest.mark.parametrize("cache", ["prefix", "dual"])
+@pytest.mark.parametrize("block_length", [12, 4])
+@pytest.mark.parametrize("kw", [{}, {"threshold": 0.3}, {"cfg_scale": 0.5}])
+def test_block_causal_caches_equal_no_cache(cache, block_length, kw):
+    # Block-causal attention (block diffusion): K/V of the prompt and finished blocks never
+    # depend on later positions, so prefix and dual caches are exact on a 2-layer model,
+    # one block (block_length 12) included; ragged prompts with left padding too.
+    prompts, valid = left_pad([[3, 4, 5, 6, 7], [8, 9], [10, 11, 12, 13]], pad_id=0)
+    opts = dict(steps=12, gen_length=12, block_length=block_length, block_causal=True, **kw)
+    model = tiny()
+    plain = sample(model, prompts, mask_id=MASK_ID, attention_mask=valid, **opts)
+    cached = sample(model, prompts, mask_id=MASK_ID, attention_mask=valid, cache=cache, **opts)
+    assert torch.equal(plain.sequences, cached.sequences)
+    assert cached.nfe == plain.nfe
+
+
+def test_block_causal_blocks_do_not_see_later_blocks():
+    model = tiny()
+    opts = dict(block_length=4, block_causal=True)
+    long = sample(model, PROMPT, mask_id=MASK_ID, steps=12, gen_length=12, **opts)
+    short = sample(model, PROMPT, mask_id=MASK_ID, steps=8, gen_length=8, **opts)
+    grown = sample(model, PROMPT, mask_id=MASK_ID, steps=12, gen_length=12, growing_canvas=True,
+                   **opts)  # fmt: skip
+    assert torch.equal(long.sequences[:, :13], short.sequences)
+    assert torch.equal(long.sequences, grown.sequences)
+    # bidirectional attention: the masks of the third block change the first two
+    both = sample(model, PROMPT, mask_id=MASK_ID, steps=12, gen_length=12, block_length=4)
+    cut = sample(model, PROMPT, mask_id=MASK_ID, steps=8, gen_length=8, block_length=4)
+    assert not torch.equal(both.sequences[:, :13], cut.sequences)
+
+
+def test_block_causal_refuses_the_logit_shift():
+    with pytest.raises(ValueError, match="block_causal attention cannot use the logit shift"):
+        sample(tiny(), PROMPT, mask_id=MASK_ID, steps=4, gen_length=4, block_causal=True,
+               shift_logits=True)  # fmt: skip
 
 
 def test_cached_forward_equals_full_forward():

@@ -12,6 +12,7 @@ from unmask.data.packing import ROW_KEYS, RowStore, build_rows, tokenize_records
 from unmask.data.sources import load_records
 from unmask.data.synthetic import answer_for, exact_match, make_synthetic, make_synthetic_heldout
 from unmask.data.tokenizer import (
+    adopt_mask_token,
     build_char_tokenizer,
     build_tokenizer,
     ensure_special_tokens,
@@ -23,6 +24,7 @@ __all__ = [
     "BatchLoader",
     "DataConfig",
     "RowStore",
+    "adopt_mask_token",
     "answer_for",
     "build_char_tokenizer",
     "build_datasets",

@@ -92,6 +92,19 @@ def load_local_tokenizer(path: str) -> PreTrainedTokenizerFast:
     return tok
 
 
+def adopt_mask_token(tokenizer: PreTrainedTokenizerFast, token_id: int, source: str) -> None:
+    """Make `token_id` (a model folder's config.json `mask_token_id`) the tokenizer's mask
+    token: the model was trained with that id, so it wins over whatever the tokenizer says."""
+    if tokenizer.mask_token_id == token_id:
+        return
+    if not 0 <= token_id < len(tokenizer):
+        raise InputError(
+            f"{source}: mask_token_id {token_id} is outside the tokenizer's {len(tokenizer)} "
+            "tokens; use the tokenizer saved with that model (data.tokenizer)"
+        )
+    tokenizer.mask_token = tokenizer.convert_ids_to_tokens(token_id)
+
+
 def ensure_special_tokens(tokenizer: PreTrainedTokenizerFast) -> int:
     """Give the tokenizer a mask and an EOS token (pad defaults to EOS); return #tokens added.
 

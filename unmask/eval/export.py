@@ -13,7 +13,12 @@ from typing import Any
 import torch
 
 from unmask.errors import InputError
-from unmask.sampling.loading import GENERATION_FILE, SAMPLING_DEFAULTS, resolve_model_folder
+from unmask.sampling.loading import (
+    GENERATION_FILE,
+    SAMPLING_DEFAULTS,
+    read_generation_defaults,
+    resolve_model_folder,
+)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -70,6 +75,8 @@ def export_model(
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(out))
     tokenizer.save_pretrained(str(out))
-    config = generation_config(tokenizer, sampling or {})
+    saved = read_generation_defaults(folder)  # the checkpoint's own (from training)
+    changed = {k: v for k, v in saved.items() if SAMPLING_DEFAULTS[k] != v}
+    config = generation_config(tokenizer, {**changed, **(sampling or {})})
     (out / GENERATION_FILE).write_text(json.dumps(config, indent=2))
     return out

@@ -34,7 +34,8 @@ from unmask.sampling.likelihood import log_likelihood
 from unmask.sampling.loading import generate_texts, load_for_sampling, sampling_kwargs
 
 _SAMPLING_ARGS = ("gen_length", "steps", "block_length", "temperature", "remasking",
-                  "threshold", "factor", "cache", "schedule", "top_p", "top_k")  # fmt: skip
+                  "threshold", "factor", "cache", "schedule", "top_p", "top_k",
+                  "shift_logits", "block_causal")  # fmt: skip
 _DEFAULT_CFG = 0.0
 
 
@@ -69,6 +70,8 @@ class UnmaskLM(LM):
         self.check_greedy = str(check_greedy).lower() in ("true", "1")
         self.generator = torch.Generator().manual_seed(int(seed))
         self.sampling = {k: v for k, v in sampling.items() if k in _SAMPLING_ARGS}
+        shift = self.sampling.get("shift_logits", self.sm.defaults["shift_logits"])
+        self.shift_logits = str(shift).lower() in ("true", "1")  # Dream: likelihoods too
 
     @property
     def tokenizer_name(self) -> str:
@@ -89,7 +92,8 @@ class UnmaskLM(LM):
     def _is_greedy(self, ctx: list[int], cont: list[int]) -> bool:
         prompt = torch.tensor([ctx], device=self.sm.device)
         out = sample(self.sm.model, prompt, mask_id=self.sm.mask_id, steps=len(cont),
-                     gen_length=len(cont), cfg_scale=self.cfg_scale)  # fmt: skip
+                     gen_length=len(cont), cfg_scale=self.cfg_scale,
+                     shift_logits=self.shift_logits)  # fmt: skip
         return out.answers[0].tolist() == cont
 
     def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
@@ -102,7 +106,7 @@ class UnmaskLM(LM):
                 self.sm.model, torch.tensor(ctx, dtype=torch.long, device=device),
                 torch.tensor(cont, dtype=torch.long, device=device), mask_id=self.sm.mask_id,
                 mc_num=self.mc_num, batch_size=self.mc_batch_size, cfg_scale=self.cfg_scale,
-                generator=self.generator,
+                generator=self.generator, shift_logits=self.shift_logits,
             )  # fmt: skip
             greedy = self._is_greedy(ctx, cont) if self.check_greedy and ctx else False
             results.append((est.value, greedy))
@@ -114,10 +118,15 @@ class UnmaskLM(LM):
         for request in requests:
             ids = torch.tensor(self._encode(request.args[0]), device=self.sm.device)
             total = 0.0
-            for start in range(0, len(ids), self.max_length):
-                est = log_likelihood(self.sm.model, ids[:0], ids[start : start + self.max_length],
+            # a logit-shift model scores each token from the one before it: a chunk's
+            # context is the token before the chunk (the text's first token is not scored)
+            shift = 1 if self.shift_logits else 0
+            for start in range(shift, len(ids), self.max_length):
+                est = log_likelihood(self.sm.model, ids[start - shift : start],
+                                     ids[start : start + self.max_length],
                                      mask_id=self.sm.mask_id, mc_num=self.mc_num,
-                                     batch_size=self.mc_batch_size, generator=self.generator)  # fmt: skip
+                                     batch_size=self.mc_batch_size, generator=self.generator,
+                                     shift_logits=self.shift_logits)  # fmt: skip
                 total += est.value
             results.append(total)
         return results

@@ -101,7 +101,9 @@ class ModelConfig(BaseModel):
     """Also export the merged model (base + adapter) to output_dir/final."""
 
     load_in_4bit: bool = False
-    """Load base weights in 4 bits (bitsandbytes, CUDA only); fails at start elsewhere."""
+    """QLoRA: with `lora: true`, the linear layers LoRA targets are quantized to 4-bit NF4
+    (bitsandbytes, double quantization) and frozen; embeddings, norms and the LM head stay
+    full precision. Needs a CUDA device and the `qlora` extra; fails at start elsewhere."""
 
     def to_dict(self) -> dict:
         """The fields as a dict (peft reads a model's config this way)."""

@@ -273,6 +273,23 @@ def _load_weights(model: DiffusionTransformer, state: dict[str, torch.Tensor], f
     model.load_state_dict(state, strict=True)
 
 
+def folder_mask_token_id(folder: str | Path) -> int | None:
+    """`mask_token_id` from a model folder's config.json (LLaDA and Dream folders carry it),
+    or None when the folder has no config.json or the key."""
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        return None
+    try:
+        value = json.loads(path.read_text()).get("mask_token_id")
+    except json.JSONDecodeError:
+        return None  # the model loader reports the broken file
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InputError(f"{str(path)!r}: mask_token_id {value!r} is not an integer token id")
+    return value
+
+
 def from_pretrained(
     folder: str | Path, dtype: torch.dtype | None = None, attn_implementation: str = "auto"
 ) -> DiffusionTransformer:

@@ -20,39 +20,30 @@ from unmask.models.config import ModelConfig
 NATIVE_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def check_request(cfg: ModelConfig, resume: bool = False) -> None:
-    """Reject what cannot run here before anything is written: one clear line each."""
-    if cfg.load_in_4bit:
-        import torch
-
-        if not torch.cuda.is_available() or importlib.util.find_spec("bitsandbytes") is None:
-            raise InputError(
-                "model.load_in_4bit: true needs a CUDA GPU and the bitsandbytes package; "
-                "set load_in_4bit: false"
-            )
-        raise InputError("model.load_in_4bit: true is not supported by this unmask build yet")
-    if not cfg.lora:
-        return
-    if importlib.util.find_spec("peft") is None:
+def check_request(cfg: ModelConfig) -> None:
+    """Reject what cannot run here before anything is written: one clear line each.
+    (4-bit requests are checked by `unmask.models.quant.check_4bit` once the device is known.)"""
+    if cfg.lora and importlib.util.find_spec("peft") is None:
         raise InputError("model.lora: true needs the peft package (pip install 'unmask[lora]')")
-    if resume:
-        raise InputError(
-            "resuming a LoRA run is not supported yet; start a fresh run (lora checkpoints hold "
-            "the adapter only)"
-        )
+
+
+def lora_targets(cfg: ModelConfig, model: nn.Module) -> str | list[str]:
+    """Module names that get adapters: every decoder-block linear layer of the native model
+    for "all-linear", transformers' own "all-linear" choice for encoders."""
+    targets = cfg.lora_target_modules
+    if targets in (None, "all-linear"):
+        return list(NATIVE_LINEAR) if _is_native(model) else "all-linear"
+    return [targets] if isinstance(targets, str) else list(targets)
 
 
 def peft_config(cfg: ModelConfig, model: nn.Module):
     import peft
 
-    targets = cfg.lora_target_modules
-    if targets in (None, "all-linear"):
-        targets = "all-linear" if not _is_native(model) else list(NATIVE_LINEAR)
     return peft.LoraConfig(
         r=cfg.lora_r,
         lora_alpha=cfg.lora_alpha,
         lora_dropout=cfg.lora_dropout,
-        target_modules=targets,
+        target_modules=lora_targets(cfg, model),
     )
 
 

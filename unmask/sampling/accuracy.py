@@ -24,14 +24,20 @@ def heldout_accuracy(
     cfg: EvalConfig,
     row_length: int,
     device: torch.device,
+    sampling: dict | None = None,
 ) -> tuple[float, list[tuple[str, str, str]]]:
     """Generate an answer for each prompt so that prompt + answer fills `row_length` tokens
     (the shape rows had in training) and score exact match.
+
+    sampling: what the training objective fixes (`training_sampling_defaults`): Dream's
+    `shift_logits`; BD3LM's `block_causal` with its `block_length`, where the answer is
+    rounded up to whole blocks (later blocks cannot change earlier ones).
 
     Prompts are grouped by token length so each group is one rectangular batch.
     Returns (accuracy, [(prompt, expected, predicted), ...]).
     """
     examples = examples[: cfg.max_examples]
+    fixed = dict(sampling or {})
     groups: dict[int, list[int]] = defaultdict(list)
     encoded = [tokenizer(p, add_special_tokens=False)["input_ids"] for p, _ in examples]
     for index, ids in enumerate(encoded):
@@ -48,6 +54,9 @@ def heldout_accuracy(
             if cfg.block_length and gen_length % cfg.block_length == 0
             else gen_length
         )
+        if fixed.get("block_causal"):
+            block = fixed["block_length"]
+            gen_length = -(-gen_length // block) * block
         blocks = gen_length // block
         steps = max(blocks, round(gen_length * cfg.steps_per_token / blocks) * blocks)
         for start in range(0, len(indices), cfg.batch_size):
@@ -62,6 +71,8 @@ def heldout_accuracy(
                 temperature=cfg.temperature,
                 remasking=cfg.remasking,
                 mask_id=tokenizer.mask_token_id,
+                shift_logits=fixed.get("shift_logits", False),
+                block_causal=fixed.get("block_causal", False),
             )
             for row, index in zip(out[:, prompt_len:].tolist(), chunk):
                 predictions[index] = decode_answer(tokenizer, row)

@@ -9,6 +9,10 @@ Swappable parts (design/DIFFUSION.md, Sampling):
     block fed); both refreshed by a full forward at each block start (or every
     `cache_refresh` steps). Cached K/V are approximate for a bidirectional model with
     more than one layer (as in Fast-dLLM); `cache_refresh=1` is exact;
+  - attention: bidirectional over the canvas, or `block_causal` (block diffusion, BD3LM:
+    a position sees its own block and the blocks before it; the prompt is cut into blocks
+    of block_length from its end). Block-causal K/V of finished blocks never change, so
+    both caches are exact there;
   - the model call: classifier-free guidance, Dream's logit shift.
 Batches of prompts of different lengths are left-padded (attention mask + position ids);
 with `eos_id` a row stops once a finished block holds EOS, and everything after its
@@ -132,14 +136,22 @@ def _check_options(remasking, schedule, cache, threshold, factor, ddpm_cache) ->
         raise ValueError("ddpm_cache needs remasking='origin' and cache='none'")
 
 
+def canvas_blocks(prompt_len: int, gen_length: int, block_length: int, device=None):
+    """Block index of every canvas position (P + G,): answer blocks 0, 1, ... and the
+    prompt cut from its end into blocks -1, -2, ... of block_length."""
+    offset = torch.arange(prompt_len + gen_length, device=device) - prompt_len
+    return torch.div(offset, block_length, rounding_mode="floor")
+
+
 class _Canvas:
     """The rows still being decoded: tokens, positions, attention mask and K/V cache."""
 
-    def __init__(self, x, valid, prompt_valid, mask_id, cfg_scale, cache):
+    def __init__(self, x, valid, prompt_valid, mask_id, cfg_scale, cache, blocks=None):
         self.x = x  # (B, L)
         self.padded = not bool(valid.all())
         self.valid = valid  # (B, L) bool, False = left padding
         self.prompt_valid = prompt_valid  # (B, L) bool, True on real prompt tokens
+        self.blocks = blocks  # (L,) block index per position for block-causal attention
         self.mask_id, self.cfg_scale = mask_id, cfg_scale
         self.cache = None
         if cache != "none":
@@ -167,9 +179,15 @@ class _Canvas:
         kwargs = {}
         if self.padded or self.cache is not None:
             kwargs["position_ids"] = ((valid.long().cumsum(1) - 1).clamp_min(0))[:, lo:hi]
+        allowed = None
         if self.padded:  # real tokens see real tokens, padding sees padding
-            same = valid[:, lo:hi, None] == valid[:, None, :]
-            kwargs["attention_mask"] = same[:, None]  # (B, 1, hi - lo, L)
+            allowed = valid[:, lo:hi, None] == valid[:, None, :]  # (B, hi - lo, L)
+        if self.blocks is not None:  # a query sees its own block and earlier ones
+            blocks = self.blocks[:visible]
+            causal = (blocks[None, :] <= blocks[lo:hi, None])[None]  # (1, hi - lo, L)
+            allowed = causal if allowed is None else allowed & causal
+        if allowed is not None:
+            kwargs["attention_mask"] = allowed[:, None]  # (B or 1, 1, hi - lo, L)
         if self.cache is not None:
             self.cache.store, self.cache.start = store, lo
             kwargs["kv_cache"] = self.cache
@@ -212,6 +230,7 @@ def sample(
     shift_logits: bool = False,
     ddpm_cache: bool = False,
     growing_canvas: bool = False,
+    block_causal: bool = False,
     eos_id: int | None = None,
     on_step: Callable[[torch.Tensor], None] | None = None,
 ) -> GenerationOutput:
@@ -225,8 +244,10 @@ def sample(
     growing_canvas: the model sees only the prompt, finished blocks and the current block
     (masks of later blocks are not yet on the canvas), so a long gen_length with EOS
     stopping costs no more than the blocks a row needs and keeps the canvas close to the
-    lengths the model was trained on (Dual cache then equals prefix cache). on_step
-    receives the full (B, P + G) canvas after every step.
+    lengths the model was trained on (Dual cache then equals prefix cache).
+    block_causal: block-diffusion attention (see `canvas_blocks`), for models trained with
+    the `bd3lm` objective; block_length should be their block_size. on_step receives the
+    full (B, P + G) canvas after every step.
     """
     block_length = block_length or gen_length
     _check_options(remasking, schedule, cache, threshold, factor, ddpm_cache)
@@ -246,7 +267,15 @@ def sample(
     x_all = torch.cat([prompt_ids, masks], dim=1)  # (B, P + G)
     valid = torch.cat([prompt_valid, torch.ones_like(masks, dtype=torch.bool)], dim=1)
     in_prompt = torch.cat([prompt_valid, torch.zeros_like(masks, dtype=torch.bool)], dim=1)
-    canvas = _Canvas(x_all.clone(), valid, in_prompt, mask_id, cfg_scale, cache)
+    blocks = None
+    if block_causal:
+        if shift_logits:
+            raise ValueError(
+                "block_causal attention cannot use the logit shift (the first position of "
+                "a block would be predicted from the block before, which cannot see it)"
+            )
+        blocks = canvas_blocks(prompt_len, gen_length, block_length, device)
+    canvas = _Canvas(x_all.clone(), valid, in_prompt, mask_id, cfg_scale, cache, blocks)
     rows = torch.arange(batch, device=device)  # rows of x_all still being decoded
     out = GenerationOutput(x_all, prompt_len)
     length = x_all.shape[1]
@@ -342,6 +371,7 @@ __all__ = [
     "CACHES",
     "GenerationOutput",
     "add_gumbel_noise",
+    "canvas_blocks",
     "cfg_combine",
     "forbid_token",
     "generate",

@@ -52,14 +52,20 @@ def log_likelihood(
     batch_size: int = 16,
     cfg_scale: float = 0.0,
     generator: torch.Generator | None = None,
+    shift_logits: bool = False,
 ) -> Estimate:
     """ELBO estimate of log p(answer | prompt) in nats; prompt (P,), answer (A,) long.
 
     mc_num rows in total, batch_size per forward pass (mc_num is rounded up to a
     multiple of batch_size). One-token answers need mc_num = batch_size = 1 (exact).
+    shift_logits: Dream models predict position i from the output at i - 1 (the prompt
+    must then hold at least one token).
     """
     if answer.numel() == 0:
         raise ValueError("the answer is empty")
+    shift = 1 if shift_logits else 0
+    if shift and prompt.numel() == 0:
+        raise ValueError("a logit-shift (Dream) model needs a prompt token before the answer")
     if answer.numel() == 1:  # every row masks the single token: one row is exact
         mc_num = batch_size = 1
     batch_size = max(1, min(batch_size, mc_num))
@@ -74,7 +80,8 @@ def log_likelihood(
         masked = order < counts[:, None]  # exactly counts[j] random positions, (b, A)
         x = seq.repeat(batch_size, 1)
         x[:, prompt_len:] = torch.where(masked, mask_id, x[:, prompt_len:])
-        logits = _answer_logits(model, x, prompt_len, mask_id, cfg_scale)[:, prompt_len:]
+        logits = _answer_logits(model, x, prompt_len, mask_id, cfg_scale)
+        logits = logits[:, prompt_len - shift : prompt_len - shift + length]
         ce = torch.nn.functional.cross_entropy(
             logits.float().transpose(1, 2), seq[:, prompt_len:].expand(batch_size, -1),
             reduction="none",
@@ -108,22 +115,30 @@ def perplexity_bound(
     batch_size: int = 16,
     generator: torch.Generator | None = None,
     device: torch.device | str = "cpu",
+    shift_logits: bool = False,
 ) -> PerplexityBound:
     """Split token_ids into chunks of `context` tokens and sum each chunk's NELBO (no
-    prompt, every token maskable): PPL <= exp(sum NELBO / tokens)."""
-    if not token_ids:
+    prompt, every token maskable): PPL <= exp(sum NELBO / tokens).
+
+    shift_logits (Dream): a chunk's first token has no output before it, so it conditions
+    the rest of the chunk and is not scored (`tokens` counts the scored ones)."""
+    shift = 1 if shift_logits else 0
+    if len(token_ids) <= shift:
         raise ValueError("no tokens to score")
-    total, variance, chunks = 0.0, 0.0, 0
+    total, variance, chunks, scored = 0.0, 0.0, 0, 0
     ids = torch.tensor(token_ids, dtype=torch.long, device=device)
-    empty = ids[:0]
     for start in range(0, len(token_ids), context):
         chunk = ids[start : start + context]
-        est = log_likelihood(model, empty, chunk, mask_id=mask_id, mc_num=mc_num,
-                             batch_size=batch_size, generator=generator)  # fmt: skip
+        if chunk.numel() <= shift:
+            break
+        est = log_likelihood(model, chunk[:shift], chunk[shift:], mask_id=mask_id,
+                             mc_num=mc_num, batch_size=batch_size, generator=generator,
+                             shift_logits=shift_logits)  # fmt: skip
         total -= est.value
         variance += est.stderr**2
         chunks += 1
-    per_token = total / len(token_ids)
+        scored += chunk.numel() - shift
+    per_token = total / scored
     return PerplexityBound(
-        per_token, math.exp(per_token), len(token_ids), chunks, math.sqrt(variance) / len(token_ids)
+        per_token, math.exp(per_token), scored, chunks, math.sqrt(variance) / scored
     )

@@ -27,7 +27,21 @@ SAMPLING_DEFAULTS: dict[str, Any] = {
     "schedule": "llada",
     "top_p": None,
     "top_k": None,
+    "shift_logits": False,  # Dream: position i is predicted from hidden state i - 1
+    "block_causal": False,  # block diffusion (bd3lm): block-causal attention
 }
+
+
+def training_sampling_defaults(diffusion) -> dict[str, Any]:
+    """What sampling must match of how a model was trained (a DiffusionConfig): Dream's
+    logit shift, BD3LM's block-causal attention and block size. The trainer writes these
+    into every checkpoint's generation_config.json."""
+    shift = diffusion.logit_shift
+    if shift if shift is not None else diffusion.objective == "dream":
+        return {"shift_logits": True}
+    if diffusion.objective == "bd3lm":
+        return {"block_causal": True, "block_length": diffusion.block_size}
+    return {}
 
 
 @dataclass
@@ -76,9 +90,11 @@ def read_generation_defaults(folder: Path) -> dict[str, Any]:
     """SAMPLING_DEFAULTS updated with the folder's generation_config.json "unmask" entry."""
     defaults = dict(SAMPLING_DEFAULTS)
     path = folder / GENERATION_FILE
-    if path.is_file():
-        saved = json.loads(path.read_text()).get("unmask", {})
-        defaults.update({k: v for k, v in saved.items() if k in SAMPLING_DEFAULTS})
+    saved = json.loads(path.read_text()).get("unmask", {}) if path.is_file() else {}
+    if not saved and (folder / "config.json").is_file():  # a Dream folder from elsewhere
+        model_type = json.loads((folder / "config.json").read_text()).get("model_type")
+        defaults["shift_logits"] = model_type in ("Dream", "dream")
+    defaults.update({k: v for k, v in saved.items() if k in SAMPLING_DEFAULTS})
     return defaults
 
 
@@ -91,10 +107,14 @@ def load_for_sampling(
 ) -> SamplingModel:
     """Load weights + tokenizer of a checkpoint or exported folder for generation."""
     from unmask.models import from_pretrained
+    from unmask.models.hf import folder_mask_token_id
 
     folder = resolve_model_folder(model_path)
     tokenizer = load_tokenizer(Path(tokenizer_path) if tokenizer_path else folder)
-    mask_id = mask_id if mask_id is not None else tokenizer.mask_token_id
+    if mask_id is None:  # --mask-id, else config.json's mask_token_id, else the tokenizer's
+        mask_id = folder_mask_token_id(folder)
+    if mask_id is None:
+        mask_id = tokenizer.mask_token_id
     if mask_id is None:
         raise InputError("the tokenizer has no mask token; pass --mask-id")
     eos_id = tokenizer.eos_token_id

@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 from unmask.errors import InputError
 
 STATE_FILE = "trainer_state.json"
+ADAPTER_FILE = "adapter_model.safetensors"  # peft's file name: what a LoRA run saves
 _NAME = re.compile(r"^checkpoint-(\d+)$")
 
 
@@ -100,20 +101,75 @@ def resolve_resume(output_dir: Path, resume: bool | str | None) -> Path | None:
 
 def load_checkpoint(path: Path, model, optimizer, scheduler) -> tuple[dict, dict]:
     """Restore model, optimizer and scheduler in place; returns (trainer_state, rng_state)."""
-    weights = load_file(str(path / "model.safetensors"))
-    missing, unexpected = model.load_state_dict(weights, strict=False)
-    allowed_missing = {"lm_head.weight"} if model.config.tie_word_embeddings else set()
-    if set(missing) - allowed_missing or unexpected:
-        raise InputError(
-            f"checkpoint {str(path)!r} does not match the model in the config "
-            f"(missing {sorted(set(missing) - allowed_missing)[:3]}, "
-            f"unexpected {sorted(unexpected)[:3]}); resume with the config it was written with"
-        )
+    if hasattr(model, "peft_config"):
+        _load_adapter(path, model)
+    else:
+        if not (path / "model.safetensors").is_file():
+            lora = (path / ADAPTER_FILE).is_file()
+            raise InputError(
+                f"checkpoint {str(path)!r} holds no model.safetensors"
+                + ("; it was written by a LoRA run: set model.lora: true" if lora else "")
+                + "; resume with the config it was written with"
+            )
+        weights = load_file(str(path / "model.safetensors"))
+        missing, unexpected = model.load_state_dict(weights, strict=False)
+        allowed_missing = {"lm_head.weight"} if model.config.tie_word_embeddings else set()
+        if set(missing) - allowed_missing or unexpected:
+            raise InputError(
+                f"checkpoint {str(path)!r} does not match the model in the config "
+                f"(missing {sorted(set(missing) - allowed_missing)[:3]}, unexpected "
+                f"{sorted(unexpected)[:3]}); resume with the config it was written with"
+            )
     optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
     scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
     rng_state = torch.load(path / "rng_state.pt", weights_only=True)
     trainer_state = json.loads((path / STATE_FILE).read_text())
     return trainer_state, rng_state
+
+
+def _load_adapter(path: Path, model) -> None:
+    """A LoRA run's checkpoint holds the adapter in peft's format (the base weights are
+    frozen and come from model.pretrained / the seed): load it into the PeftModel."""
+    from peft import set_peft_model_state_dict
+
+    file = path / ADAPTER_FILE
+    if not file.is_file():
+        raise InputError(
+            f"checkpoint {str(path)!r} holds no LoRA adapter ({ADAPTER_FILE}); it was written "
+            "by a run without model.lora: true, so resume it with that run's config"
+        )
+    result = set_peft_model_state_dict(model, load_file(str(file)))
+    expected = {name for name, p in model.named_parameters() if p.requires_grad}
+    missing = sorted(name for name in result.missing_keys if name in expected)
+    if missing or result.unexpected_keys:
+        raise InputError(
+            f"LoRA checkpoint {str(path)!r} does not match model.lora_* in the config (missing "
+            f"{missing[:3]}, unexpected {sorted(result.unexpected_keys)[:3]}); resume with the "
+            "config it was written with"
+        )
+
+
+def base_fingerprint(model) -> list[float]:
+    """[sum, sum of squares] of the frozen (base) weights in float64: a LoRA checkpoint
+    stores it, so resuming on a different base model fails instead of training on."""
+    total, squares = 0.0, 0.0
+    for param in model.parameters():
+        if not param.requires_grad:
+            value = param.detach().double()
+            total += float(value.sum())
+            squares += float((value * value).sum())
+    return [total, squares]
+
+
+def check_base_fingerprint(saved: list[float] | None, model, path: Path) -> None:
+    if saved is None:
+        return
+    now = base_fingerprint(model)
+    if any(abs(a - b) > 1e-6 * max(1.0, abs(a)) for a, b in zip(saved, now)):
+        raise InputError(
+            f"LoRA checkpoint {str(path)!r} was trained on other base weights than this "
+            "config's model; resume with the model.pretrained (and seed) it was written with"
+        )
 
 
 # ------------------------------------------------------------ sharded (DCP) checkpoints

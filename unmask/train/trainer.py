@@ -15,18 +15,28 @@ from pathlib import Path
 import torch
 
 from unmask.config import RunConfig, dump_config
-from unmask.data import BatchLoader, build_datasets, build_tokenizer, ensure_special_tokens
+from unmask.data import (
+    BatchLoader,
+    adopt_mask_token,
+    build_datasets,
+    build_tokenizer,
+    ensure_special_tokens,
+)
 from unmask.diffusion import build_objective
 from unmask.diffusion.cutoffs import random_length_cut
 from unmask.errors import InputError
 from unmask.models import build_model
-from unmask.models.lora import apply_lora, save_lora
+from unmask.models.hf import folder_mask_token_id
+from unmask.models.lora import apply_lora, lora_targets, save_lora
 from unmask.models.lora import check_request as check_lora_request
+from unmask.models.quant import check_4bit, quantize_4bit
 from unmask.optim.config import build_optimizer
 from unmask.optim.schedule import build_scheduler, resolve_warmup
 from unmask.parallel import distributed as par
 from unmask.parallel.fsdp import compile_blocks
 from unmask.train.checkpoint import (
+    base_fingerprint,
+    check_base_fingerprint,
     is_distributed_checkpoint,
     list_checkpoints,
     load_checkpoint,
@@ -116,11 +126,17 @@ class Trainer:
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg
         t = cfg.train
-        check_lora_request(cfg.model, resume=bool(t.resume_from_checkpoint))
+        check_lora_request(cfg.model)
         self.device = resolve_device(t.device)
         self.dist = par.setup(t, self.device)  # world size 1: no process group, no mesh
         self.device = self.dist.device
+        check_4bit(cfg.model, self.device, self.dist.world_size)
         self.tokenizer = build_tokenizer(cfg.data)
+        if cfg.model.pretrained is not None:  # LLaDA / Dream folders name their mask id
+            folder_mask = folder_mask_token_id(cfg.model.pretrained)
+            if folder_mask is not None:
+                source = f"{cfg.model.pretrained}/config.json"
+                adopt_mask_token(self.tokenizer, folder_mask, source)
         added_tokens = ensure_special_tokens(self.tokenizer)
         if added_tokens and cfg.model.lora:
             raise InputError(
@@ -138,6 +154,10 @@ class Trainer:
             self.model.resize_token_embeddings(
                 max(len(self.tokenizer), self.model.config.vocab_size)
             )
+        if cfg.model.load_in_4bit:  # QLoRA: frozen NF4 base, quantized onto the device
+            compute = torch.bfloat16 if t.bf16 else torch.float32
+            targets = lora_targets(cfg.model, self.model)
+            quantize_4bit(self.model, targets, self.device, compute)
         self.model.gradient_checkpointing = t.gradient_checkpointing
         if t.torch_compile and self.dist.mesh is None:  # FSDP2 compiles inside apply_fsdp
             compile_blocks(self.model)
@@ -161,6 +181,7 @@ class Trainer:
         self.noise.manual_seed(t.seed + 1)
         self.step = 0
         self.tokens_seen = 0
+        self._lora_base: list[float] | None = None
 
         self.output_dir.mkdir(parents=True, exist_ok=True)
         if self.dist.is_main:
@@ -175,14 +196,39 @@ class Trainer:
     def _restore(self, path: Path) -> None:
         load = load_distributed_checkpoint if is_distributed_checkpoint(path) else load_checkpoint
         state, rng = load(path, self.model, self.optimizer, self.scheduler)
+        check_base_fingerprint(state.get("lora_base_fingerprint"), self.model, path)
         self.step = state["step"]
         self.tokens_seen = state.get("tokens_seen", 0)
         self.loader.load_state_dict(state["loader"])
         torch.set_rng_state(rng["torch"])
         self.noise.set_state(rng["noise"])
 
+    def _trainer_state(self) -> dict:
+        state = {"loader": self.loader.state_dict(), "tokens_seen": self.tokens_seen}
+        if self.cfg.model.lora and self.dist.mesh is None:  # adapter-only checkpoints
+            if self._lora_base is None:
+                self._lora_base = base_fingerprint(self.model)
+            state["lora_base_fingerprint"] = self._lora_base
+        return state
+
+    def _write_sampling_defaults(self, folder: Path) -> None:
+        """generation_config.json: how this model must be sampled (Dream's shift, BD3LM's
+        block-causal attention), so `unmask generate` / export / lm-eval need no flags."""
+        from unmask.eval.export import generation_config
+        from unmask.sampling.loading import GENERATION_FILE, training_sampling_defaults
+
+        if self.dist.is_main:
+            sampling = training_sampling_defaults(self.cfg.diffusion)
+            config = generation_config(self.tokenizer, sampling)
+            (folder / GENERATION_FILE).write_text(json.dumps(config, indent=2))
+
     def save(self) -> Path:
         save = save_distributed_checkpoint if self.dist.mesh is not None else save_checkpoint
+        folder = self._save_with(save)
+        self._write_sampling_defaults(folder)
+        return folder
+
+    def _save_with(self, save) -> Path:
         return save(
             self.output_dir,
             self.step,
@@ -190,7 +236,7 @@ class Trainer:
             self.tokenizer,
             self.optimizer,
             self.scheduler,
-            {"loader": self.loader.state_dict(), "tokens_seen": self.tokens_seen},
+            self._trainer_state(),
             self._rng_state(),
             self.cfg.train.save_total_limit,
         )
@@ -326,6 +372,7 @@ class Trainer:
                 self.model.save_pretrained(final)
             if self.dist.is_main:
                 self.tokenizer.save_pretrained(str(final))
+            self._write_sampling_defaults(final)
             if cfg.eval.generate_accuracy:
                 last["heldout_exact_match"] = self._heldout_accuracy(logger)
         finally:
@@ -335,6 +382,7 @@ class Trainer:
     def _heldout_accuracy(self, logger: MetricsLogger) -> float:
         from unmask.data import heldout_examples
         from unmask.sampling.accuracy import heldout_accuracy
+        from unmask.sampling.loading import training_sampling_defaults
 
         examples = heldout_examples(self.cfg.data)
         started = time.perf_counter()
@@ -345,6 +393,7 @@ class Trainer:
             self.cfg.eval,
             self.cfg.data.packing_length,
             self.device,
+            training_sampling_defaults(self.cfg.diffusion),
         )
         for prompt, expected, got in rows[:5]:
             mark = "ok " if expected == got else "bad"
