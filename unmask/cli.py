@@ -109,6 +109,11 @@ def cmd_eval(ns: argparse.Namespace) -> int:
     if not path.is_file():
         raise InputError(f"--ppl {ns.ppl!r} does not exist; give a text file")
     sm = load_for_sampling(ns.model, ns.tokenizer, ns.device, ns.mask_id)
+    if sm.defaults["block_causal"]:
+        raise InputError(
+            "--ppl: likelihoods of block-causal (bd3lm) models are not implemented yet "
+            "(the MC estimator is the bidirectional one)"
+        )
     ids = sm.tokenizer(path.read_text(), add_special_tokens=False)["input_ids"]
     if not ids:
         raise InputError(f"--ppl {ns.ppl!r} holds no tokens")

@@ -69,6 +69,28 @@ def test_loglikelihood_requests_are_exact_for_one_token(model_dir):
     assert rolling[0] == pytest.approx(est.value, abs=1e-6)
 
 
+def test_logit_shift_models_score_from_the_output_before(model_dir):
+    # a Dream-style model (shift_logits): an empty context reads the first answer token
+    # from an EOS in front; rolling scores each token from the one before it
+    lm = UnmaskLM(pretrained=str(model_dir), mc_num=8, shift_logits=True)
+    sm = load_for_sampling(model_dir)
+    tok, eos = sm.tokenizer, sm.tokenizer.eos_token_id
+    (token,) = tok("7", add_special_tokens=False)["input_ids"]
+    ((value, _),) = lm.loglikelihood([Instance("loglikelihood", {}, ("", "7"), 0)])
+    with torch.no_grad():
+        logits = sm.model(torch.tensor([[eos, tok.mask_token_id]]))[0, 0]
+    assert value == pytest.approx(torch.log_softmax(logits.double(), -1)[token].item(), abs=1e-5)
+    lm.max_length = 2  # chunks of one token after the one before: every term exact
+    (rolling,) = lm.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, ("123",), 0)])
+    ids = tok("123", add_special_tokens=False)["input_ids"]
+    expected = 0.0
+    for before, after in zip(ids, ids[1:]):
+        with torch.no_grad():
+            logits = sm.model(torch.tensor([[before, tok.mask_token_id]]))[0, 0]
+        expected += torch.log_softmax(logits.double(), -1)[after].item()
+    assert rolling == pytest.approx(expected, abs=1e-5)
+
+
 def write_tasks(folder, data_file):
     mc = f"""task: unmask_toy_mc
 dataset_path: json

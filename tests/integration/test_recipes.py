@@ -377,6 +377,7 @@ def test_lora_resume_on_other_base_weights_or_without_lora_is_one_line(
     Trainer(load_config(tiny_config({"model": lora, "train": run}))).train()
     (tmp_path / "run" / "final").rename(tmp_path / "kept-final")  # a run dir without final/
     before = sorted(p.name for p in (tmp_path / "run").iterdir())
+    config_before = (tmp_path / "run" / "config.yaml").read_text()
     resume = {**run, "max_steps": 4, "resume_from_checkpoint": True}
     other_seed = {"model": lora, "train": {**resume, "seed": 7}}
     code, err = _run(["train", str(tiny_config(other_seed, name="b.yaml"))], capsys)
@@ -385,7 +386,12 @@ def test_lora_resume_on_other_base_weights_or_without_lora_is_one_line(
     code, err = _run(["train", str(tiny_config({"train": resume}, name="c.yaml"))], capsys)
     assert code == 2 and len(err) == 1, err
     assert "it was written by a LoRA run: set model.lora: true" in err[0]
+    other_rank = {"model": {**lora, "lora_r": 8}, "train": resume}
+    code, err = _run(["train", str(tiny_config(other_rank, name="d.yaml"))], capsys)
+    assert code == 2 and len(err) == 1, err
+    assert "was written with other settings (lora_r: 4 -> 8)" in err[0]
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == before  # nothing lost
+    assert (tmp_path / "run" / "config.yaml").read_text() == config_before
 
 
 def test_mask_token_id_comes_from_the_model_folders_config(tiny_config, tmp_path, capsys):

@@ -111,7 +111,15 @@ def test_logit_shift_one_token_answer_reads_the_output_before_it():
         assert est.value == pytest.approx(expected[token].item(), abs=1e-5)
     with pytest.raises(ValueError, match="needs a prompt token before the answer"):
         log_likelihood(model, PROMPT[:0], torch.tensor([1]), mask_id=MASK_ID, shift_logits=True)
-    # perplexity: each chunk's first token conditions the rest and is not scored
-    bound = perplexity_bound(model, [4, 8, 15, 16], mask_id=MASK_ID, context=2,
+    # perplexity: each token is read from the one before it (the text's first is not
+    # scored); context 2 = one token before + one scored: every chunk is exact
+    tokens = [4, 8, 15, 16]
+    bound = perplexity_bound(model, tokens, mask_id=MASK_ID, context=2,
                              shift_logits=True, generator=gen())  # fmt: skip
-    assert bound.tokens == 2 and bound.chunks == 2
+    assert bound.tokens == 3 and bound.chunks == 3
+    nll = 0.0
+    for before, after in zip(tokens, tokens[1:]):
+        with torch.no_grad():
+            logits = model(torch.tensor([[before, MASK_ID]]))[0, 0]
+        nll -= torch.log_softmax(logits.double(), -1)[after].item()
+    assert bound.nll_per_token == pytest.approx(nll / 3, abs=1e-5)

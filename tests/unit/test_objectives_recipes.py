@@ -16,7 +16,13 @@ from unmask.diffusion.cutoffs import (
     resp_cutoff,
 )
 from unmask.diffusion.noise import sample_t
-from unmask.diffusion.recipes import bd3lm_attention_mask, cart_weights, shift_logits
+from unmask.diffusion.recipes import (
+    bd3lm_attention_mask,
+    bd3lm_block_mask,
+    bd3lm_blocks,
+    cart_weights,
+    shift_logits,
+)
 from unmask.models import DiffusionTransformer, ModelConfig
 
 MASK = 1
@@ -195,6 +201,36 @@ def test_bd3lm_block_zero_does_not_see_later_clean_blocks():
     assert a.loss_sum.item() > 0
     assert a.loss_sum.item() == pytest.approx(b.loss_sum.item(), rel=1e-6)
     assert a.count.item() == 4
+
+
+def test_bd3lm_blocks_start_at_each_answer_and_match_the_sampler():
+    from unmask.sampling.generate import _Canvas, canvas_blocks
+
+    # two packed documents: prompt 6 + answer 8, then a plain 5-token document
+    maskable = torch.tensor([[False] * 6 + [True] * 8 + [True] * 5])
+    position_ids = torch.tensor([list(range(14)) + list(range(5))])
+    doc_ids = torch.tensor([[0] * 14 + [1] * 5])
+    blocks = bd3lm_blocks(position_ids, maskable, doc_ids, 4)
+    assert blocks.tolist() == [[-2, -2, -1, -1, -1, -1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1]]
+    assert torch.equal(blocks[0, :14], canvas_blocks(6, 8, 4))
+    # the training forward (x_t + x0 under the block mask) gives the sampler's logits for
+    # the block being decoded: answer block 0 final, block 1 with two masks left
+    model = tiny_model().eval()
+    x0 = torch.randint(3, 40, (1, 14), generator=gen(7))
+    state = x0.clone()
+    state[0, [10, 12]] = MASK
+    noisy = state.clone()
+    noisy[0, 6:10] = MASK  # x_t of block 0: block 1 reads block 0 from x0, not from x_t
+    positions = torch.arange(14)[None]
+    attn = bd3lm_block_mask(bd3lm_blocks(positions, maskable[:, :14], None, 4))[:, None]
+    valid = torch.ones(1, 14, dtype=torch.bool)
+    canvas = _Canvas(state, valid, valid & (positions < 6), MASK, 0.0, "none",
+                     canvas_blocks(6, 8, 4))  # fmt: skip
+    with torch.no_grad():
+        training = model(torch.cat([noisy, x0], 1), position_ids=positions.repeat(1, 2),
+                         attention_mask=attn)[:, 10:14]  # fmt: skip
+        sampling = canvas.forward(model, 0, 14, False, 14)[:, 10:14]
+    assert (training - sampling).abs().max().item() < 1e-5
 
 
 # ---- prompts, padding, cutoffs -------------------------------------------------------------

@@ -77,14 +77,39 @@ def bd3lm_attention_mask(length: int, block_size: int, device=None) -> torch.Ten
     """(2L, 2L) bool mask for the x_t (first L) + x0 (last L) input; True = may attend.
 
     x_t block b sees its own x_t block and x0 blocks < b; x0 block b sees x0 blocks <= b.
+    Blocks of block_size from position 0 (see `bd3lm_block_mask` for per-row blocks).
     """
     block = torch.arange(length, device=device) // block_size
-    same = block[:, None] == block[None, :]
-    before = block[:, None] > block[None, :]
-    upto = block[:, None] >= block[None, :]
-    top = torch.cat([same, before], dim=1)
-    bottom = torch.cat([torch.zeros_like(same), upto], dim=1)
-    return torch.cat([top, bottom], dim=0)
+    return bd3lm_block_mask(block[None])[0]
+
+
+def bd3lm_block_mask(block: torch.Tensor) -> torch.Tensor:
+    """(B, 2L, 2L) the same rule for per-row block indices block (B, L)."""
+    same = block[:, :, None] == block[:, None, :]
+    before = block[:, :, None] > block[:, None, :]
+    upto = block[:, :, None] >= block[:, None, :]
+    top = torch.cat([same, before], dim=2)
+    bottom = torch.cat([torch.zeros_like(same), upto], dim=2)
+    return torch.cat([top, bottom], dim=1)
+
+
+def bd3lm_blocks(
+    position_ids: torch.Tensor, maskable: torch.Tensor, doc_ids: torch.Tensor | None,
+    block_size: int,
+) -> torch.Tensor:  # fmt: skip
+    """(B, L) block index of every token: blocks of block_size start where each document's
+    maskable part starts (its answer; position 0 for a plain document), and the prompt
+    before it is cut into blocks -1, -2, ... from its end: the layout the block-causal
+    sampler (`unmask.sampling.generate.canvas_blocks`) decodes with."""
+    docs = torch.zeros_like(position_ids) if doc_ids is None else doc_ids.long()
+    docs = docs - docs.min(dim=1, keepdim=True).values  # 0-based per row, for scatter
+    big = int(position_ids.max()) + 1
+    first = torch.full((docs.shape[0], int(docs.max()) + 1), big, device=docs.device)
+    candidates = torch.where(maskable, position_ids, torch.full_like(position_ids, big))
+    first = first.scatter_reduce(1, docs, candidates, reduce="amin")
+    first = torch.where(first == big, torch.zeros_like(first), first)  # nothing maskable
+    start = first.gather(1, docs)  # (B, L) answer start of each token's document
+    return torch.div(position_ids - start, block_size, rounding_mode="floor")
 
 
 # -- objectives ----------------------------------------------------------------------------
@@ -182,10 +207,11 @@ class DreamObjective(MaskedDiffusionObjective):
 
 
 class BlockDiffusionObjective(MaskedDiffusionObjective):
-    """BD3LM: the model reads x_t + x0 (2L tokens, positions repeated) under
-    `bd3lm_attention_mask`; t is drawn per block of `block_size` tokens (the last block may
-    be shorter); loss on the first L outputs, sum of CE_i w(t_block(i)) over masked i,
-    count = maskable tokens.
+    """BD3LM: the model reads x_t + x0 (2L tokens, positions repeated) under the block
+    mask (`bd3lm_block_mask`) of `bd3lm_blocks`: blocks of `block_size` from each
+    document's answer start (a plain document: its first token), the prompt cut into
+    blocks from its end, as the block-causal sampler decodes; t is drawn per block; loss
+    on the first L outputs, sum of CE_i w(t_block(i)) over masked i, count = maskable.
     """
 
     def __call__(
@@ -195,20 +221,21 @@ class BlockDiffusionObjective(MaskedDiffusionObjective):
         x0 = batch["input_ids"]
         maskable = _maskable(batch)
         b, length = x0.shape
-        block = torch.arange(length, device=x0.device) // cfg.block_size
+        position_ids = batch.get("position_ids")
+        if position_ids is None:
+            position_ids = torch.arange(length, device=x0.device).expand(b, length)
+        doc_ids = batch.get("doc_ids")
+        block = bd3lm_blocks(position_ids, maskable, doc_ids, cfg.block_size)  # (B, L)
         n_blocks = math.ceil(length / cfg.block_size)
         t_blocks = sample_t(b * n_blocks, cfg.t_sampling, cfg.time_eps, generator, x0.device)
-        t = t_blocks.view(b, n_blocks)[:, block]  # (B, L) per-token t of its block
+        # prompt blocks (< 0) are never masked; the t they read does not matter
+        t = t_blocks.view(b, n_blocks).gather(1, block.clamp(0, n_blocks - 1))  # (B, L)
         u = torch.rand(x0.shape, generator=generator, device=x0.device)
         masked = (u < mask_prob(t, cfg.schedule)) & maskable
         if cfg.min_masked > 0:
             masked = _force_one_masked(masked, maskable, generator)
         noisy = torch.where(masked, torch.full_like(x0, self.mask_id), x0)
-        position_ids = batch.get("position_ids")
-        if position_ids is None:
-            position_ids = torch.arange(length, device=x0.device).expand(b, length)
-        doc_ids = batch.get("doc_ids")
-        attn = bd3lm_attention_mask(length, cfg.block_size, x0.device)[None, None]
+        attn = bd3lm_block_mask(block)[:, None]  # (B, 1, 2L, 2L)
         if doc_ids is not None:
             doc2 = torch.cat([doc_ids, doc_ids], dim=1)
             attn = attn & (doc2[:, :, None] == doc2[:, None, :])[:, None]

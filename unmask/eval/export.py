@@ -23,14 +23,15 @@ from unmask.sampling.loading import (
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def generation_config(tokenizer, sampling: dict[str, Any]) -> dict[str, Any]:
-    """generation_config.json: HF special-token keys plus an "unmask" sampling entry."""
+def generation_config(tokenizer, sampling: dict[str, Any], complete: bool = True) -> dict[str, Any]:
+    """generation_config.json: HF special-token keys plus an "unmask" sampling entry
+    (every default when complete, else only the given keys)."""
     return {
         "bos_token_id": tokenizer.bos_token_id,
         "eos_token_id": tokenizer.eos_token_id,
         "pad_token_id": tokenizer.pad_token_id,
         "mask_token_id": tokenizer.mask_token_id,
-        "unmask": {**SAMPLING_DEFAULTS, **sampling},
+        "unmask": {**SAMPLING_DEFAULTS, **sampling} if complete else dict(sampling),
     }
 
 

@@ -72,6 +72,10 @@ class UnmaskLM(LM):
         self.sampling = {k: v for k, v in sampling.items() if k in _SAMPLING_ARGS}
         shift = self.sampling.get("shift_logits", self.sm.defaults["shift_logits"])
         self.shift_logits = str(shift).lower() in ("true", "1")  # Dream: likelihoods too
+        causal = self.sampling.get("block_causal", self.sm.defaults["block_causal"])
+        self.block_causal = str(causal).lower() in ("true", "1")
+        tok = self.sm.tokenizer
+        self._start_id = tok.bos_token_id if tok.bos_token_id is not None else self.sm.eos_id
 
     @property
     def tokenizer_name(self) -> str:
@@ -96,11 +100,21 @@ class UnmaskLM(LM):
                      shift_logits=self.shift_logits)  # fmt: skip
         return out.answers[0].tolist() == cont
 
+    def _check_likelihood(self) -> None:
+        if self.block_causal:
+            raise ValueError(
+                "likelihoods of block-causal (bd3lm) models are not implemented (the MC "
+                "estimator is the bidirectional one); use generate_until tasks"
+            )
+
     def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        self._check_likelihood()
         results = []
         for request in requests:
             context, continuation = request.args
             ctx, cont = self._pair(context, continuation)
+            if not ctx and self.shift_logits:  # the first token is read from the one before
+                ctx = [self._start_id]
             device = self.sm.device
             est = log_likelihood(
                 self.sm.model, torch.tensor(ctx, dtype=torch.long, device=device),
@@ -114,6 +128,7 @@ class UnmaskLM(LM):
         return results
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        self._check_likelihood()
         results = []
         for request in requests:
             ids = torch.tensor(self._encode(request.args[0]), device=self.sm.device)
@@ -121,9 +136,10 @@ class UnmaskLM(LM):
             # a logit-shift model scores each token from the one before it: a chunk's
             # context is the token before the chunk (the text's first token is not scored)
             shift = 1 if self.shift_logits else 0
-            for start in range(shift, len(ids), self.max_length):
+            width = max(1, self.max_length - shift)
+            for start in range(shift, len(ids), width):
                 est = log_likelihood(self.sm.model, ids[start - shift : start],
-                                     ids[start : start + self.max_length],
+                                     ids[start : start + width],
                                      mask_id=self.sm.mask_id, mc_num=self.mc_num,
                                      batch_size=self.mc_batch_size, generator=self.generator,
                                      shift_logits=self.shift_logits)  # fmt: skip
@@ -164,7 +180,9 @@ class UnmaskLM(LM):
             chosen["temperature"] = float(temperature)
         chosen.update(self.sampling)
         gen = int(chosen["gen_length"])
-        block = min(int(chosen["block_length"] or gen), gen)
+        block = int(chosen["block_length"] or gen)
+        if not self.block_causal:  # block-causal models keep the block size they trained on
+            block = min(block, gen)
         gen = -(-gen // block) * block
         blocks = gen // block
         steps = int(chosen["steps"] or gen)

@@ -92,7 +92,8 @@ class ModelConfig(BaseModel):
 
     lora_target_modules: str | list[str] = "all-linear"
     """Modules that get adapters: "all-linear" (every linear layer of the decoder blocks;
-    transformers' choice for encoders) or a list of module names."""
+    transformers' choice for encoders), a list of module names (a name matches a module
+    whose dotted name ends with it) or a regex over full module names, as peft reads them."""
 
     adaptor_name: str = "adaptor"
     """Folder (under output_dir) for the adapter in peft's format."""

@@ -33,7 +33,32 @@ def lora_targets(cfg: ModelConfig, model: nn.Module) -> str | list[str]:
     targets = cfg.lora_target_modules
     if targets in (None, "all-linear"):
         return list(NATIVE_LINEAR) if _is_native(model) else "all-linear"
-    return [targets] if isinstance(targets, str) else list(targets)
+    return targets if isinstance(targets, str) else list(targets)  # a str: peft's regex
+
+
+# what a LoRA checkpoint must be resumed with (lora_alpha is not in the adapter's shapes)
+LORA_SETTINGS = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "load_in_4bit")
+
+
+def lora_settings(cfg: ModelConfig) -> dict:
+    return {name: getattr(cfg, name) for name in LORA_SETTINGS}
+
+
+def check_lora_settings(saved: dict | None, cfg: ModelConfig, path) -> None:
+    if saved is None:
+        return
+    if not cfg.lora:
+        raise InputError(
+            f"checkpoint {str(path)!r} holds a LoRA adapter; it was written by a LoRA run: set "
+            "model.lora: true (resume with the config it was written with)"
+        )
+    now = lora_settings(cfg)
+    changed = [f"{k}: {saved[k]!r} -> {now[k]!r}" for k in now if k in saved and saved[k] != now[k]]
+    if changed:
+        raise InputError(
+            f"LoRA checkpoint {str(path)!r} was written with other settings ({'; '.join(changed)}); "
+            "resume with the config it was written with"
+        )
 
 
 def peft_config(cfg: ModelConfig, model: nn.Module):

@@ -15,6 +15,7 @@ exercise it on machines without a GPU.
 from __future__ import annotations
 
 import importlib.util
+import re
 
 import torch
 from torch import nn
@@ -63,20 +64,29 @@ def check_4bit(cfg: ModelConfig, device: torch.device, world_size: int) -> None:
         )
 
 
+def _targeted(name: str, targets: str | list[str] | tuple[str, ...]) -> bool:
+    """peft's matching: a string is a regex over the full module name; a list entry matches
+    the full name or its last dotted parts."""
+    if isinstance(targets, str):
+        return re.fullmatch(targets, name) is not None
+    return any(name == t or name.endswith("." + t) for t in targets)
+
+
 def quantize_4bit(
     model: nn.Module,
-    targets: tuple[str, ...] | list[str],
+    targets: str | list[str] | tuple[str, ...],
     device: torch.device | str,
     compute_dtype: torch.dtype = torch.bfloat16,
 ) -> int:
-    """Replace the nn.Linear children named in targets by quantized Linear4bit layers on
-    device (in place); returns how many were replaced."""
+    """Replace the nn.Linear layers that targets name (as peft matches them) by quantized
+    Linear4bit layers on device (in place); the LM head never. Returns how many."""
     import bitsandbytes as bnb
 
     replaced = 0
-    for parent in list(model.modules()):
+    for parent_name, parent in list(model.named_modules()):
         for name, child in list(parent.named_children()):
-            if type(child) is not nn.Linear or name not in targets:
+            full = f"{parent_name}.{name}" if parent_name else name
+            if type(child) is not nn.Linear or name == "lm_head" or not _targeted(full, targets):
                 continue
             layer = bnb.nn.Linear4bit(
                 child.in_features,
@@ -100,7 +110,7 @@ def quantize_4bit(
             replaced += 1
     if not replaced:
         raise InputError(
-            f"model.load_in_4bit: none of {list(targets)} is a linear layer of this model; "
+            f"model.load_in_4bit: none of {targets!r} is a linear layer of this model; "
             "set model.lora_target_modules to its linear layer names"
         )
     return replaced

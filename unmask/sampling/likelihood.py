@@ -120,24 +120,24 @@ def perplexity_bound(
     """Split token_ids into chunks of `context` tokens and sum each chunk's NELBO (no
     prompt, every token maskable): PPL <= exp(sum NELBO / tokens).
 
-    shift_logits (Dream): a chunk's first token has no output before it, so it conditions
-    the rest of the chunk and is not scored (`tokens` counts the scored ones)."""
+    shift_logits (Dream): each token is scored from the output before it, so a chunk's
+    context is the one token before it and the text's first token is not scored (`tokens`
+    counts the scored ones); a chunk is then context - 1 tokens plus that one."""
     shift = 1 if shift_logits else 0
     if len(token_ids) <= shift:
         raise ValueError("no tokens to score")
     total, variance, chunks, scored = 0.0, 0.0, 0, 0
     ids = torch.tensor(token_ids, dtype=torch.long, device=device)
-    for start in range(0, len(token_ids), context):
-        chunk = ids[start : start + context]
-        if chunk.numel() <= shift:
-            break
-        est = log_likelihood(model, chunk[:shift], chunk[shift:], mask_id=mask_id,
+    width = max(1, context - shift)
+    for start in range(shift, len(token_ids), width):
+        chunk = ids[start : start + width]
+        est = log_likelihood(model, ids[start - shift : start], chunk, mask_id=mask_id,
                              mc_num=mc_num, batch_size=batch_size, generator=generator,
                              shift_logits=shift_logits)  # fmt: skip
         total -= est.value
         variance += est.stderr**2
         chunks += 1
-        scored += chunk.numel() - shift
+        scored += chunk.numel()
     per_token = total / scored
     return PerplexityBound(
         per_token, math.exp(per_token), scored, chunks, math.sqrt(variance) / scored

@@ -91,7 +91,7 @@ def read_generation_defaults(folder: Path) -> dict[str, Any]:
     defaults = dict(SAMPLING_DEFAULTS)
     path = folder / GENERATION_FILE
     saved = json.loads(path.read_text()).get("unmask", {}) if path.is_file() else {}
-    if not saved and (folder / "config.json").is_file():  # a Dream folder from elsewhere
+    if "shift_logits" not in saved and (folder / "config.json").is_file():  # Dream folders
         model_type = json.loads((folder / "config.json").read_text()).get("model_type")
         defaults["shift_logits"] = model_type in ("Dream", "dream")
     defaults.update({k: v for k, v in saved.items() if k in SAMPLING_DEFAULTS})

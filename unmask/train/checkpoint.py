@@ -45,6 +45,7 @@ def save_checkpoint(
     trainer_state: dict,
     rng_state: dict,
     save_total_limit: int | None = None,
+    extra_files: dict[str, str] | None = None,
 ) -> Path:
     final = output_dir / f"checkpoint-{step}"
     tmp = output_dir / f".tmp-checkpoint-{step}-{os.getpid()}"
@@ -58,6 +59,8 @@ def save_checkpoint(
     torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
     torch.save(rng_state, tmp / "rng_state.pt")
     (tmp / STATE_FILE).write_text(json.dumps({**trainer_state, "step": step}, indent=2))
+    for name, text in (extra_files or {}).items():
+        (tmp / name).write_text(text)
     _fsync_dir(tmp)
     if final.exists():  # a resumed run passing a step it had saved before: replace it
         stale = output_dir / f".stale-checkpoint-{step}-{os.getpid()}"
@@ -138,7 +141,14 @@ def _load_adapter(path: Path, model) -> None:
             f"checkpoint {str(path)!r} holds no LoRA adapter ({ADAPTER_FILE}); it was written "
             "by a run without model.lora: true, so resume it with that run's config"
         )
-    result = set_peft_model_state_dict(model, load_file(str(file)))
+    try:
+        result = set_peft_model_state_dict(model, load_file(str(file)))
+    except RuntimeError as err:  # shapes differ: another lora_r or target modules
+        first = str(err).strip().splitlines()[-1].strip()
+        raise InputError(
+            f"LoRA checkpoint {str(path)!r} does not match model.lora_* in the config "
+            f"({first[:160]}); resume with the config it was written with"
+        ) from None
     expected = {name for name, p in model.named_parameters() if p.requires_grad}
     missing = sorted(name for name in result.missing_keys if name in expected)
     if missing or result.unexpected_keys:
@@ -154,10 +164,13 @@ def base_fingerprint(model) -> list[float]:
     stores it, so resuming on a different base model fails instead of training on."""
     total, squares = 0.0, 0.0
     for param in model.parameters():
-        if not param.requires_grad:
-            value = param.detach().double()
-            total += float(value.sum())
-            squares += float((value * value).sum())
+        if param.requires_grad:
+            continue
+        value = param.detach()
+        if not value.is_floating_point():  # packed 4-bit weights (uint8)
+            value = value.to(torch.float32)
+        total += float(value.sum(dtype=torch.float64))
+        squares += float(torch.linalg.vector_norm(value, dtype=torch.float64) ** 2)
     return [total, squares]
 
 
@@ -199,6 +212,7 @@ def save_distributed_checkpoint(
     trainer_state: dict,
     rng_state: dict,
     save_total_limit: int | None = None,
+    extra_files: dict[str, str] | None = None,
 ) -> Path:
     """Every rank writes its shards of model + optimizer with torch.distributed.checkpoint.
 
@@ -231,6 +245,8 @@ def save_distributed_checkpoint(
         torch.save(rng_state, tmp / "rng_state.pt")
         state = {**trainer_state, "step": step, "world_size": dist.get_world_size()}
         (tmp / STATE_FILE).write_text(json.dumps(state, indent=2))
+        for name, text in (extra_files or {}).items():
+            (tmp / name).write_text(text)
         _fsync_tree(tmp)
         if final.exists():
             stale = output_dir / f".stale-checkpoint-{step}"

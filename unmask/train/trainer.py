@@ -27,7 +27,13 @@ from unmask.diffusion.cutoffs import random_length_cut
 from unmask.errors import InputError
 from unmask.models import build_model
 from unmask.models.hf import folder_mask_token_id
-from unmask.models.lora import apply_lora, lora_targets, save_lora
+from unmask.models.lora import (
+    apply_lora,
+    check_lora_settings,
+    lora_settings,
+    lora_targets,
+    save_lora,
+)
 from unmask.models.lora import check_request as check_lora_request
 from unmask.models.quant import check_4bit, quantize_4bit
 from unmask.optim.config import build_optimizer
@@ -35,6 +41,7 @@ from unmask.optim.schedule import build_scheduler, resolve_warmup
 from unmask.parallel import distributed as par
 from unmask.parallel.fsdp import compile_blocks
 from unmask.train.checkpoint import (
+    STATE_FILE,
     base_fingerprint,
     check_base_fingerprint,
     is_distributed_checkpoint,
@@ -183,17 +190,19 @@ class Trainer:
         self.tokens_seen = 0
         self._lora_base: list[float] | None = None
 
+        if self.resume_path is not None:  # before config.yaml: a mismatch changes nothing
+            self._restore(self.resume_path)
         self.output_dir.mkdir(parents=True, exist_ok=True)
         if self.dist.is_main:
             (self.output_dir / "config.yaml").write_text(dump_config(cfg))
-        if self.resume_path is not None:
-            self._restore(self.resume_path)
 
     # -- state ---------------------------------------------------------------------------
     def _rng_state(self) -> dict:
         return {"torch": torch.get_rng_state(), "noise": self.noise.get_state()}
 
     def _restore(self, path: Path) -> None:
+        saved = json.loads((path / STATE_FILE).read_text())  # settings first, then tensors
+        check_lora_settings(saved.get("lora"), self.cfg.model, path)
         load = load_distributed_checkpoint if is_distributed_checkpoint(path) else load_checkpoint
         state, rng = load(path, self.model, self.optimizer, self.scheduler)
         check_base_fingerprint(state.get("lora_base_fingerprint"), self.model, path)
@@ -205,30 +214,27 @@ class Trainer:
 
     def _trainer_state(self) -> dict:
         state = {"loader": self.loader.state_dict(), "tokens_seen": self.tokens_seen}
+        if self.cfg.model.lora:
+            state["lora"] = lora_settings(self.cfg.model)
         if self.cfg.model.lora and self.dist.mesh is None:  # adapter-only checkpoints
             if self._lora_base is None:
                 self._lora_base = base_fingerprint(self.model)
             state["lora_base_fingerprint"] = self._lora_base
         return state
 
-    def _write_sampling_defaults(self, folder: Path) -> None:
+    def _sampling_file(self) -> dict[str, str]:
         """generation_config.json: how this model must be sampled (Dream's shift, BD3LM's
-        block-causal attention), so `unmask generate` / export / lm-eval need no flags."""
+        block-causal attention; only what the objective fixes), so `unmask generate`,
+        export and lm-eval need no flags."""
         from unmask.eval.export import generation_config
         from unmask.sampling.loading import GENERATION_FILE, training_sampling_defaults
 
-        if self.dist.is_main:
-            sampling = training_sampling_defaults(self.cfg.diffusion)
-            config = generation_config(self.tokenizer, sampling)
-            (folder / GENERATION_FILE).write_text(json.dumps(config, indent=2))
+        sampling = training_sampling_defaults(self.cfg.diffusion)
+        config = generation_config(self.tokenizer, sampling, complete=False)
+        return {GENERATION_FILE: json.dumps(config, indent=2)}
 
     def save(self) -> Path:
         save = save_distributed_checkpoint if self.dist.mesh is not None else save_checkpoint
-        folder = self._save_with(save)
-        self._write_sampling_defaults(folder)
-        return folder
-
-    def _save_with(self, save) -> Path:
         return save(
             self.output_dir,
             self.step,
@@ -239,6 +245,7 @@ class Trainer:
             self._trainer_state(),
             self._rng_state(),
             self.cfg.train.save_total_limit,
+            self._sampling_file(),
         )
 
     # -- one step ------------------------------------------------------------------------
@@ -372,7 +379,8 @@ class Trainer:
                 self.model.save_pretrained(final)
             if self.dist.is_main:
                 self.tokenizer.save_pretrained(str(final))
-            self._write_sampling_defaults(final)
+                for name, text in self._sampling_file().items():
+                    (final / name).write_text(text)
             if cfg.eval.generate_accuracy:
                 last["heldout_exact_match"] = self._heldout_accuracy(logger)
         finally:
