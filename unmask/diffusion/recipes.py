@@ -144,11 +144,7 @@ class SFTObjective(MaskedDiffusionObjective):
         answer_len = maskable.sum(1).float()  # (B,)
         per_row = torch.where(masked, ce.float(), 0.0).sum(1) * weight / answer_len.clamp(min=1)
         has_answer = answer_len > 0
-        self.last_stats = {
-            "mean_t": t.detach().float().mean(),
-            "num_masked": masked.sum().detach().float(),
-            "num_maskable": maskable.sum().detach().float(),
-        }
+        self.last_stats = _stats(t, masked, maskable)
         return ObjectiveOutput(per_row[has_answer].sum(), has_answer.sum().float())
 
 
@@ -198,11 +194,7 @@ class DreamObjective(MaskedDiffusionObjective):
         else:
             weight = loss_weight(t, self.weight_kind, cfg.schedule).float()[:, None]
         loss_sum = torch.where(masked, ce.float() * weight, 0.0).sum()
-        self.last_stats = {
-            "mean_t": t.detach().float().mean(),
-            "num_masked": masked.sum().detach().float(),
-            "num_maskable": maskable.sum().detach().float(),
-        }
+        self.last_stats = _stats(t, masked, maskable)
         return ObjectiveOutput(loss_sum, maskable.sum().float())
 
 
@@ -249,12 +241,17 @@ class BlockDiffusionObjective(MaskedDiffusionObjective):
         )[:, :length]
         weight = loss_weight(t, cfg.loss_weight, cfg.schedule).float()
         loss_sum = torch.where(masked, ce.float() * weight, 0.0).sum()
-        self.last_stats = {
-            "mean_t": t.detach().float().mean(),
-            "num_masked": masked.sum().detach().float(),
-            "num_maskable": maskable.sum().detach().float(),
-        }
+        self.last_stats = _stats(t, masked, maskable)
         return ObjectiveOutput(loss_sum, maskable.sum().float())
+
+
+def _stats(t: torch.Tensor, masked: torch.Tensor, maskable: torch.Tensor) -> dict:
+    """`last_stats` of an objective: mean t, masked and maskable token counts."""
+    return {
+        "mean_t": t.detach().float().mean(),
+        "num_masked": masked.sum().detach().float(),
+        "num_maskable": maskable.sum().detach().float(),
+    }
 
 
 def _token_losses(

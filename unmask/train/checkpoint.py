@@ -53,32 +53,36 @@ def save_checkpoint(
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
     model.save_pretrained(tmp)
+    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+    state = {**trainer_state, "step": step}
+    _publish(tmp, final, tokenizer, scheduler, rng_state, state, extra_files, save_total_limit)
+    return final
+
+
+def _publish(
+    tmp: Path, final: Path, tokenizer, scheduler, rng_state: dict, state: dict,
+    extra_files: dict[str, str] | None, save_total_limit: int | None,
+) -> None:  # fmt: skip
+    """Write what both checkpoint kinds share into tmp, fsync it, rename it to final
+    (replacing an older folder of that step) and prune to save_total_limit."""
     if tokenizer is not None:
         tokenizer.save_pretrained(str(tmp))
-    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
     torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
     torch.save(rng_state, tmp / "rng_state.pt")
-    (tmp / STATE_FILE).write_text(json.dumps({**trainer_state, "step": step}, indent=2))
+    (tmp / STATE_FILE).write_text(json.dumps(state, indent=2))
     for name, text in (extra_files or {}).items():
         (tmp / name).write_text(text)
-    _fsync_dir(tmp)
+    _fsync_tree(tmp)
     if final.exists():  # a resumed run passing a step it had saved before: replace it
-        stale = output_dir / f".stale-checkpoint-{step}-{os.getpid()}"
+        stale = final.with_name(f".stale-{final.name}-{os.getpid()}")
         os.replace(final, stale)
         os.replace(tmp, final)
         shutil.rmtree(stale)
     else:
         os.replace(tmp, final)
     if save_total_limit is not None and save_total_limit > 0:
-        for old in list_checkpoints(output_dir)[:-save_total_limit]:
+        for old in list_checkpoints(final.parent)[:-save_total_limit]:
             shutil.rmtree(old)
-    return final
-
-
-def _fsync_dir(path: Path) -> None:
-    for child in path.iterdir():
-        with open(child, "rb") as handle:
-            os.fsync(handle.fileno())
 
 
 def resolve_resume(output_dir: Path, resume: bool | str | None) -> Path | None:
@@ -239,25 +243,8 @@ def save_distributed_checkpoint(
     dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp / DCP_DIR))
     if rank == 0:
         (tmp / "config.json").write_text(json.dumps(hf_config_dict(model.config), indent=2))
-        if tokenizer is not None:
-            tokenizer.save_pretrained(str(tmp))
-        torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
-        torch.save(rng_state, tmp / "rng_state.pt")
         state = {**trainer_state, "step": step, "world_size": dist.get_world_size()}
-        (tmp / STATE_FILE).write_text(json.dumps(state, indent=2))
-        for name, text in (extra_files or {}).items():
-            (tmp / name).write_text(text)
-        _fsync_tree(tmp)
-        if final.exists():
-            stale = output_dir / f".stale-checkpoint-{step}"
-            os.replace(final, stale)
-            os.replace(tmp, final)
-            shutil.rmtree(stale)
-        else:
-            os.replace(tmp, final)
-        if save_total_limit is not None and save_total_limit > 0:
-            for old in list_checkpoints(output_dir)[:-save_total_limit]:
-                shutil.rmtree(old)
+        _publish(tmp, final, tokenizer, scheduler, rng_state, state, extra_files, save_total_limit)
     dist.barrier()
     return final
 
