@@ -33,10 +33,10 @@ from pathlib import Path
 
 import torch
 
+from unmask.checkpoint import load_for_sampling
 from unmask.config import load_config
 from unmask.data.synthetic import make_synthetic_heldout
-from unmask.sampling import left_pad, sample
-from unmask.sampling.loading import load_for_sampling
+from unmask.sampling import SamplingConfig, left_pad, sample
 
 METHODS = {
     "quota": dict(),
@@ -53,10 +53,15 @@ def run(sm, examples, gen_length, block, options, repeats, full_canvas=False) ->
     best = None
     for _ in range(repeats):
         start = time.perf_counter()
-        out = sample(sm.model, ids, attention_mask=attention_mask, mask_id=sm.mask_id,
-                     eos_id=None if full_canvas else sm.eos_id, growing_canvas=not full_canvas,
-                     steps=gen_length, gen_length=gen_length, block_length=block,
-                     **options)  # fmt: skip
+        config = SamplingConfig(
+            growing_canvas=not full_canvas,
+            steps=gen_length,
+            gen_length=gen_length,
+            block_length=block,
+            **options,
+        )
+        out = sample(sm.model, ids, config, attention_mask=attention_mask, mask_id=sm.mask_id,
+                     eos_id=None if full_canvas else sm.eos_id)  # fmt: skip
         seconds = time.perf_counter() - start
         best = seconds if best is None else min(best, seconds)
     correct, answer_tokens = 0, 0

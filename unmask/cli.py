@@ -1,13 +1,19 @@
 """The command line: `unmask train | generate | eval | export`. The only module that reads argv.
 
 Bad input (an InputError from anywhere) becomes one line on stderr and exit code 2.
+The commands import torch and the rest of unmask inside their functions, so `unmask --help`
+and argument errors answer at once (start-up time, not import cycles).
 """
 
 import argparse
+import json
 import sys
+import types
 from pathlib import Path
+from typing import Literal, get_args, get_origin
 
 from unmask.errors import InputError
+from unmask.sampling.config import SamplingConfig
 
 
 def _split_train_args(args: list[str], config_flag: str | None) -> tuple[str | None, list[str]]:
@@ -37,12 +43,12 @@ def cmd_train(ns: argparse.Namespace) -> int:
 
 
 def cmd_generate(ns: argparse.Namespace) -> int:
-    import json
-
     import torch
 
-    from unmask.sampling.loading import generate_texts, load_for_sampling, sampling_kwargs
+    from unmask.checkpoint import load_for_sampling
+    from unmask.sampling.config import resolve_sampling
     from unmask.sampling.show import TerminalAnimation
+    from unmask.sampling.texts import generate_texts
 
     prompts = list(ns.prompt or [])
     if ns.prompts:
@@ -50,14 +56,7 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     if not prompts:
         raise InputError("no prompts; give --prompt TEXT (repeatable) or --prompts FILE.jsonl")
     sm = load_for_sampling(ns.model, ns.tokenizer, ns.device, ns.mask_id)
-    options = sampling_kwargs(
-        sm.defaults,
-        gen_length=ns.gen_length, steps=ns.steps, block_length=ns.block_length,
-        temperature=ns.temperature, remasking=ns.remasking, cfg_scale=ns.cfg_scale,
-        threshold=ns.threshold, factor=ns.factor, cache=ns.cache, schedule=ns.schedule,
-        top_p=ns.top_p, top_k=ns.top_k, shift_logits=ns.shift_logits,
-        block_causal=ns.block_causal,
-    )  # fmt: skip
+    config = resolve_sampling(sm.saved, sampling_flags(ns))
     generator = (
         torch.Generator(device=sm.device).manual_seed(ns.seed) if ns.seed is not None else None
     )
@@ -65,7 +64,7 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     if ns.show:
         skip = {i for i in (sm.pad_id, sm.eos_id) if i is not None}
         on_step = TerminalAnimation(sm.tokenizer, sm.mask_id, skip, delay=ns.show_delay)
-    records = generate_texts(sm, prompts, options, ns.batch_size, generator, on_step)
+    records = generate_texts(sm, prompts, config, ns.batch_size, generator, on_step)
     if ns.out:
         with open(ns.out, "w") as handle:
             handle.writelines(json.dumps(r) + "\n" for r in records)
@@ -78,8 +77,6 @@ def cmd_generate(ns: argparse.Namespace) -> int:
 
 def _read_prompts(path: Path) -> list[str]:
     """Prompts from a jsonl file: one {"prompt": ...} object (or JSON string) per line."""
-    import json
-
     if not path.is_file():
         raise InputError(f"--prompts {str(path)!r} does not exist; give a jsonl file")
     prompts = []
@@ -98,18 +95,18 @@ def _read_prompts(path: Path) -> list[str]:
 
 
 def cmd_eval(ns: argparse.Namespace) -> int:
-    import json
-
     import torch
 
+    from unmask.checkpoint import load_for_sampling
+    from unmask.sampling.config import resolve_sampling
     from unmask.sampling.likelihood import perplexity_bound
-    from unmask.sampling.loading import load_for_sampling
 
     path = Path(ns.ppl)
     if not path.is_file():
         raise InputError(f"--ppl {ns.ppl!r} does not exist; give a text file")
     sm = load_for_sampling(ns.model, ns.tokenizer, ns.device, ns.mask_id)
-    if sm.defaults["block_causal"]:
+    config = resolve_sampling(sm.saved)
+    if config.block_causal:
         raise InputError(
             "--ppl: likelihoods of block-causal (bd3lm) models are not implemented yet "
             "(the MC estimator is the bidirectional one)"
@@ -120,7 +117,7 @@ def cmd_eval(ns: argparse.Namespace) -> int:
     bound = perplexity_bound(
         sm.model, ids, mask_id=sm.mask_id, context=ns.context, mc_num=ns.mc_num,
         batch_size=ns.batch_size, generator=torch.Generator().manual_seed(ns.seed),
-        device=sm.device, shift_logits=bool(sm.defaults["shift_logits"]),
+        device=sm.device, shift_logits=config.shift_logits,
     )  # fmt: skip
     print(json.dumps({"file": str(path), "ppl_upper_bound": bound.perplexity,
                       "nelbo_per_token": bound.nll_per_token,
@@ -130,16 +127,49 @@ def cmd_eval(ns: argparse.Namespace) -> int:
 
 
 def cmd_export(ns: argparse.Namespace) -> int:
-    from unmask.eval.export import export_model
+    from unmask.checkpoint import export_model
 
     out = export_model(ns.checkpoint, ns.out, dtype=ns.dtype, overwrite=ns.overwrite)
     print(f"unmask: exported {ns.checkpoint} to {out}", file=sys.stderr)
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from unmask.sampling.transfer import REMASKING
+SAMPLING_GROUP = "sampling options (default: the model folder's generation_config.json)"
 
+
+def add_sampling_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per SamplingConfig field (--gen-length, --cache, --shift-logits/--no-...),
+    typed and documented from the field; every default is None = "not given"."""
+    group = parser.add_argument_group(SAMPLING_GROUP)
+    for name, field in SamplingConfig.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        doc = (field.description or "").split(". ")[0].rstrip(".")
+        default = field.get_default()
+        kind = _flag_type(field.annotation)
+        if kind is bool:
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, dest=name,
+                               help=f"{doc} (default {default})")  # fmt: skip
+        elif isinstance(kind, tuple):
+            group.add_argument(flag, choices=kind, dest=name, help=f"{doc} (default {default})")
+        else:
+            group.add_argument(flag, type=kind, dest=name, help=f"{doc} (default {default})")
+
+
+def _flag_type(annotation):
+    """bool, a tuple of choices (Literal), or the scalar type of an `X | None` annotation."""
+    if get_origin(annotation) is Literal:
+        return get_args(annotation)
+    if get_origin(annotation) in (types.UnionType,):
+        annotation = next(a for a in get_args(annotation) if a is not type(None))
+    return annotation
+
+
+def sampling_flags(ns: argparse.Namespace) -> dict:
+    """The sampling options given on the command line (None = not given)."""
+    return {name: getattr(ns, name) for name in SamplingConfig.model_fields}
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="unmask", description="Train and sample masked-diffusion language models."
     )
@@ -165,30 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--show", action="store_true", help="animate the denoising (stderr)")
     gen.add_argument("--show-delay", type=float, default=0.05, help="seconds per frame")
     gen.add_argument("--tokenizer", help="tokenizer folder (default: the model folder)")
-    gen.add_argument("--gen-length", type=int, help="tokens to generate (default 32)")
-    gen.add_argument("--steps", type=int, help="denoising steps (default: gen-length)")
-    gen.add_argument("--block-length", type=int, help="block length (default: gen-length)")
-    gen.add_argument("--temperature", type=float, help="0 = greedy")
-    gen.add_argument("--top-p", type=float, help="nucleus filtering")
-    gen.add_argument("--top-k", type=int, help="top-k filtering")
-    gen.add_argument(
-        "--remasking", choices=list(REMASKING), help="confidence (default low_confidence)"
-    )
-    gen.add_argument("--schedule", choices=["llada", "dream"], help="tokens per step")
-    gen.add_argument("--threshold", type=float, help="parallel decoding: commit conf >= this")
-    gen.add_argument("--factor", type=float, help="parallel decoding, factor rule")
-    gen.add_argument("--cache", choices=["none", "prefix", "dual"], help="K/V cache")
-    gen.add_argument("--cfg-scale", type=float, help="classifier-free guidance scale")
-    gen.add_argument(
-        "--shift-logits",
-        action=argparse.BooleanOptionalAction,
-        help="Dream's logit shift (default: from the folder; on for Dream models)",
-    )
-    gen.add_argument(
-        "--block-causal",
-        action=argparse.BooleanOptionalAction,
-        help="block-diffusion attention (default: from the folder; on for bd3lm models)",
-    )
+    add_sampling_flags(gen)
     gen.add_argument("--batch-size", type=int, default=16, help="prompts decoded together")
     gen.add_argument("--mask-id", type=int, help="mask token id (default: the tokenizer's)")
     gen.add_argument("--device", default="cpu", help="cpu or cuda")

@@ -1,9 +1,40 @@
-"""The one exception type for bad user input (config, data, checkpoint, CLI).
+"""The one exception type for bad user input (config, data, checkpoint, CLI), and the one
+way a schema's validation error becomes its message.
 
-The CLI turns it into one line on stderr and exit code 2; nothing else catches it.
-Messages say what is wrong and how to fix it: the key, the path, the expected form.
+The CLI turns an InputError into one line on stderr and exit code 2; nothing else catches
+it. Messages say what is wrong and how to fix it: the key, the path, the expected form.
 """
+
+import difflib
+from collections.abc import Callable, Iterable
+
+from pydantic import ValidationError
 
 
 class InputError(Exception):
     """Bad input from the user: a config key, a path, a data file, a checkpoint."""
+
+
+def did_you_mean(key: str, known: Iterable[str], prefix: str = "") -> str:
+    """' (did you mean 'PREFIX+closest'?)' for a misspelled key, or ''."""
+    close = difflib.get_close_matches(key, list(known), n=1, cutoff=0.6)
+    return f" (did you mean '{prefix}{close[0]}'?)" if close else ""
+
+
+def describe_validation_error(
+    err: ValidationError,
+    what: str = "config key",
+    hint: Callable[[tuple[str, ...]], str] | None = None,
+) -> str:
+    """One line for the first problem of a pydantic ValidationError: an unknown key (with
+    `hint(location)` appended, e.g. a did-you-mean) or a bad value and what was given."""
+    first = err.errors()[0]
+    loc = tuple(str(part) for part in first["loc"])
+    dotted = ".".join(loc)
+    if first["type"] == "extra_forbidden":
+        return f"unknown {what} '{dotted}'" + (hint(loc) if hint else "")
+    if not dotted:
+        return f"bad {what}s: {first['msg']}"
+    got = first.get("input")
+    shown = "" if isinstance(got, dict) else f" (got {got!r})"
+    return f"bad value for {what} '{dotted}': {first['msg']}{shown}"

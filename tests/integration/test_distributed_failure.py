@@ -13,8 +13,8 @@ import pytest
 import yaml
 from conftest import TINY, deep_update
 
+from unmask.checkpoint import is_distributed_checkpoint, list_checkpoints
 from unmask.config import load_config
-from unmask.train.checkpoint import is_distributed_checkpoint, list_checkpoints
 from unmask.train.trainer import Trainer
 
 pytestmark = pytest.mark.slow

@@ -12,7 +12,7 @@ import pytest
 import yaml
 from conftest import TINY, deep_update
 
-from unmask.train.checkpoint import is_distributed_checkpoint, list_checkpoints
+from unmask.checkpoint import is_distributed_checkpoint, list_checkpoints
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]

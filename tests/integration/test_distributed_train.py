@@ -17,12 +17,12 @@ import yaml
 from conftest import TINY, deep_update
 from safetensors.torch import load_file
 
-from unmask.config import load_config
-from unmask.train.checkpoint import (
+from unmask.checkpoint import (
     export_distributed_checkpoint,
     is_distributed_checkpoint,
     list_checkpoints,
 )
+from unmask.config import load_config
 from unmask.train.trainer import Trainer
 
 pytestmark = pytest.mark.slow

@@ -11,7 +11,7 @@ from conftest import save_tiny_model
 from unmask.cli import main
 from unmask.data.tokenizer import build_char_tokenizer, ensure_special_tokens
 from unmask.models import from_pretrained
-from unmask.sampling import left_pad, sample
+from unmask.sampling import SamplingConfig, left_pad, sample
 from unmask.sampling.show import MASK_GLYPH, render_row
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -24,14 +24,15 @@ def model_dir(tmp_path_factory):
 
 def expected_completions(folder, prompts, **kw):
     """The same generation through the Python API, one prompt at a time."""
-    from unmask.sampling.loading import load_tokenizer
+    from unmask.data.tokenizer import load_local_tokenizer as load_tokenizer
 
     tok = load_tokenizer(folder)
     model = from_pretrained(folder).eval()
     out = []
     for p in prompts:
         ids, _ = left_pad([tok(p, add_special_tokens=False)["input_ids"]], 0)
-        ans = sample(model, ids, mask_id=tok.mask_token_id, eos_id=tok.eos_token_id, **kw)
+        ans = sample(model, ids, SamplingConfig(**kw), mask_id=tok.mask_token_id,
+                     eos_id=tok.eos_token_id)  # fmt: skip
         ans = ans.answers[0].tolist()
         ans = ans[: ans.index(tok.eos_token_id)] if tok.eos_token_id in ans else ans
         out.append(tok.decode(ans, skip_special_tokens=True))
@@ -87,7 +88,7 @@ def test_eval_ppl_prints_the_bound(model_dir, tmp_path, capsys):
                  "--mc-num", "1"]) == 0  # fmt: skip
     result = json.loads(capsys.readouterr().out)
     # context 1: each token scored alone, masked -> the bound is exact: check it by hand
-    from unmask.sampling.loading import load_tokenizer
+    from unmask.data.tokenizer import load_local_tokenizer as load_tokenizer
 
     tok, model = load_tokenizer(model_dir), from_pretrained(model_dir).eval()
     ids = tok("rev 123=321\n", add_special_tokens=False)["input_ids"]

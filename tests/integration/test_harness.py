@@ -13,10 +13,12 @@ from lm_eval.api.instance import Instance  # noqa: E402
 from lm_eval.api.model import LM  # noqa: E402
 from lm_eval.api.registry import get_model  # noqa: E402
 
+from unmask.checkpoint import load_for_sampling  # noqa: E402
 from unmask.eval.harness import UnmaskLM  # noqa: E402
 from unmask.models import from_pretrained  # noqa: E402
+from unmask.sampling.config import resolve_sampling  # noqa: E402
 from unmask.sampling.likelihood import log_likelihood  # noqa: E402
-from unmask.sampling.loading import generate_texts, load_for_sampling  # noqa: E402
+from unmask.sampling.texts import generate_texts  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -148,7 +150,7 @@ def test_lm_eval_runs_local_tasks_offline(model_dir, tmp_path, monkeypatch):
     expected_acc = sum(p == q["label"] for p, q in zip(picks, QUESTIONS)) / len(QUESTIONS)
     assert results["results"]["unmask_toy_mc"]["acc,none"] == pytest.approx(expected_acc)
     # generation: the same completions as unmask's own batched generation
-    options = dict(sm.defaults, gen_length=6, steps=6, block_length=2)
+    options = resolve_sampling(sm.saved, dict(gen_length=6, steps=6, block_length=2))
     ours = generate_texts(sm, [q["question"] for q in QUESTIONS], options)
     responses = [s["resps"][0][0] for s in results["samples"]["unmask_toy_gen"]]
     expected = [r["completion"].split("\n")[0] for r in ours]

@@ -51,17 +51,17 @@ def test_each_objective_trains_50_steps(tiny_config, name):
     # final/ says how the model must be sampled; `unmask generate` and export pick it up
     if "bert" in name:
         return
-    from unmask.eval.export import export_model
-    from unmask.sampling.loading import read_generation_defaults
+    from unmask.checkpoint import export_model
+    from unmask.sampling.config import resolve_sampling, saved_sampling
 
     run = Path(trainer.cfg.train.output_dir)
     expected = SAMPLED_AS.get(name, {})
     for folder in (run / "final", export_model(run / "final", run / "exported")):
-        defaults = read_generation_defaults(folder)
-        assert defaults["shift_logits"] == expected.get("shift_logits", False), folder
-        assert defaults["block_causal"] == expected.get("block_causal", False), folder
+        defaults = resolve_sampling(saved_sampling(folder))
+        assert defaults.shift_logits == expected.get("shift_logits", False), folder
+        assert defaults.block_causal == expected.get("block_causal", False), folder
         if "block_length" in expected:
-            assert defaults["block_length"] == expected["block_length"]
+            assert defaults.block_length == expected["block_length"]
 
 
 def _write_docs(folder: Path, n=200):
@@ -410,7 +410,7 @@ def test_lora_resume_on_other_base_weights_or_without_lora_is_one_line(
 def test_mask_token_id_comes_from_the_model_folders_config(tiny_config, tmp_path, capsys):
     from conftest import save_tiny_model
 
-    from unmask.sampling.loading import load_for_sampling
+    from unmask.checkpoint import load_for_sampling
 
     folder = save_tiny_model(tmp_path / "llada_like")
     config = json.loads((folder / "config.json").read_text())

@@ -8,9 +8,9 @@ import pytest
 import torch
 from conftest import losses, read_metrics
 
+from unmask.checkpoint import list_checkpoints
 from unmask.cli import main
 from unmask.config import load_config
-from unmask.train.checkpoint import list_checkpoints
 from unmask.train.trainer import Trainer
 
 

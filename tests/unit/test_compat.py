@@ -3,8 +3,8 @@ unsupported ones are errors naming them, native trees pass through unchanged."""
 
 import pytest
 
-from unmask.compat import translate
 from unmask.config import validate_tree
+from unmask.config.compat import translate
 from unmask.errors import InputError
 
 

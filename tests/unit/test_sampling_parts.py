@@ -8,7 +8,7 @@ import torch
 
 from unmask.models import ModelConfig, build_model
 from unmask.models.attention import KVCache
-from unmask.sampling import dream_schedule, left_pad, sample
+from unmask.sampling import SamplingConfig, dream_schedule, left_pad, sample
 from unmask.sampling.generate import canvas_blocks
 from unmask.sampling.transfer import (
     filter_top_k_top_p,
@@ -36,6 +36,13 @@ def tiny(layers: int = 2, seed: int = 0):
         initializer_range=0.2,  # peaked predictions, so confidences differ visibly
     )
     return build_model(cfg).eval()
+
+
+def run(model, prompts, **kw):
+    """`sample` with the sampling options among kw given as a SamplingConfig."""
+    call = {k: kw.pop(k) for k in ("mask_id", "eos_id", "attention_mask", "generator",
+                                   "on_step") if k in kw}  # fmt: skip
+    return sample(model, prompts, SamplingConfig(**kw), **call)
 
 
 def gen(seed: int = 0) -> torch.Generator:
@@ -84,7 +91,7 @@ def test_threshold_and_factor_selection():
 def _steps_of(**kw):
     """Outputs and the canvas after every step."""
     history = []
-    out = sample(tiny(), PROMPT, mask_id=MASK_ID, on_step=history.append, **kw)
+    out = run(tiny(), PROMPT, mask_id=MASK_ID, on_step=history.append, **kw)
     return out, history
 
 
@@ -96,7 +103,7 @@ def test_threshold_one_commits_one_token_per_step_and_equals_quota_decoding():
         assert newly.max() <= 1  # confidences of a random model stay below 1.0
         before = canvas
     assert out.nfe == 12 and out.decoded == 36
-    quota = sample(tiny(), PROMPT, mask_id=MASK_ID, steps=12, gen_length=12, block_length=4)
+    quota = run(tiny(), PROMPT, mask_id=MASK_ID, steps=12, gen_length=12, block_length=4)
     assert torch.equal(out.sequences, quota.sequences)
 
 
@@ -110,8 +117,8 @@ def test_threshold_decodes_in_fewer_forwards():
 @pytest.mark.parametrize("shift", [False, True])
 def test_cache_refreshed_every_step_equals_no_cache(cache, shift):
     kw = dict(steps=12, gen_length=12, block_length=4, shift_logits=shift, cfg_scale=0.5)
-    plain = sample(tiny(), PROMPT, mask_id=MASK_ID, **kw)
-    cached = sample(tiny(), PROMPT, mask_id=MASK_ID, cache=cache, cache_refresh=1, **kw)
+    plain = run(tiny(), PROMPT, mask_id=MASK_ID, **kw)
+    cached = run(tiny(), PROMPT, mask_id=MASK_ID, cache=cache, cache_refresh=1, **kw)
     assert torch.equal(plain.sequences, cached.sequences)
 
 
@@ -122,8 +129,8 @@ def test_cache_exact_for_one_layer(cache, block_length):
     # (the prompt, finished blocks, masks after the block), so caching is exact.
     model = tiny(layers=1)
     kw = dict(steps=12, gen_length=12, block_length=block_length)
-    plain = sample(model, PROMPT, mask_id=MASK_ID, **kw)
-    cached = sample(model, PROMPT, mask_id=MASK_ID, cache=cache, **kw)
+    plain = run(model, PROMPT, mask_id=MASK_ID, **kw)
+    cached = run(model, PROMPT, mask_id=MASK_ID, cache=cache, **kw)
     assert torch.equal(plain.sequences, cached.sequences)
 
 
@@ -136,7 +143,7 @@ def test_prefix_cache_is_approximate_for_a_bidirectional_multilayer_model():
     canvases = []
     for cache in ("none", "prefix"):
         seen = []
-        sample(tiny(), PROMPT[:1], mask_id=MASK_ID, cache=cache, on_step=seen.append, **kw)
+        run(tiny(), PROMPT[:1], mask_id=MASK_ID, cache=cache, on_step=seen.append, **kw)
         canvases.append(seen)
     assert torch.equal(canvases[0][0], canvases[1][0])  # the block start is a full pass
     model = tiny()
@@ -168,8 +175,8 @@ def test_block_causal_caches_equal_no_cache(cache, block_length, kw):
     prompts, valid = left_pad([[3, 4, 5, 6, 7], [8, 9], [10, 11, 12, 13]], pad_id=0)
     opts = dict(steps=12, gen_length=12, block_length=block_length, block_causal=True, **kw)
     model = tiny()
-    plain = sample(model, prompts, mask_id=MASK_ID, attention_mask=valid, **opts)
-    cached = sample(model, prompts, mask_id=MASK_ID, attention_mask=valid, cache=cache, **opts)
+    plain = run(model, prompts, mask_id=MASK_ID, attention_mask=valid, **opts)
+    cached = run(model, prompts, mask_id=MASK_ID, attention_mask=valid, cache=cache, **opts)
     assert torch.equal(plain.sequences, cached.sequences)
     assert cached.nfe == plain.nfe
 
@@ -177,21 +184,21 @@ def test_block_causal_caches_equal_no_cache(cache, block_length, kw):
 def test_block_causal_blocks_do_not_see_later_blocks():
     model = tiny()
     opts = dict(block_length=4, block_causal=True)
-    long = sample(model, PROMPT, mask_id=MASK_ID, steps=12, gen_length=12, **opts)
-    short = sample(model, PROMPT, mask_id=MASK_ID, steps=8, gen_length=8, **opts)
-    grown = sample(model, PROMPT, mask_id=MASK_ID, steps=12, gen_length=12, growing_canvas=True,
+    long = run(model, PROMPT, mask_id=MASK_ID, steps=12, gen_length=12, **opts)
+    short = run(model, PROMPT, mask_id=MASK_ID, steps=8, gen_length=8, **opts)
+    grown = run(model, PROMPT, mask_id=MASK_ID, steps=12, gen_length=12, growing_canvas=True,
                    **opts)  # fmt: skip
     assert torch.equal(long.sequences[:, :13], short.sequences)
     assert torch.equal(long.sequences, grown.sequences)
     # bidirectional attention: the masks of the third block change the first two
-    both = sample(model, PROMPT, mask_id=MASK_ID, steps=12, gen_length=12, block_length=4)
-    cut = sample(model, PROMPT, mask_id=MASK_ID, steps=8, gen_length=8, block_length=4)
+    both = run(model, PROMPT, mask_id=MASK_ID, steps=12, gen_length=12, block_length=4)
+    cut = run(model, PROMPT, mask_id=MASK_ID, steps=8, gen_length=8, block_length=4)
     assert not torch.equal(both.sequences[:, :13], cut.sequences)
 
 
 def test_block_causal_refuses_the_logit_shift():
     with pytest.raises(ValueError, match="block_causal attention cannot use the logit shift"):
-        sample(tiny(), PROMPT, mask_id=MASK_ID, steps=4, gen_length=4, block_causal=True,
+        run(tiny(), PROMPT, mask_id=MASK_ID, steps=4, gen_length=4, block_causal=True,
                shift_logits=True)  # fmt: skip
 
 
@@ -223,9 +230,9 @@ def test_ragged_batch_equals_one_prompt_at_a_time(kw):
     prompts = [[3, 1, 4, 1, 5, 9, 2], [6], [5, 3, 5]]
     ids, attention_mask = left_pad(prompts, pad_id=EOS)
     assert attention_mask.sum(1).tolist() == [7, 1, 3]
-    batched = sample(model, ids, attention_mask=attention_mask, mask_id=MASK_ID, **kw)
+    batched = run(model, ids, attention_mask=attention_mask, mask_id=MASK_ID, **kw)
     for row, prompt in enumerate(prompts):
-        alone = sample(model, torch.tensor([prompt]), mask_id=MASK_ID, **kw)
+        alone = run(model, torch.tensor([prompt]), mask_id=MASK_ID, **kw)
         assert torch.equal(batched.answers[row], alone.answers[0]), row
 
 
@@ -247,7 +254,7 @@ class EosAfter(torch.nn.Module):
 def test_rows_stop_at_eos_after_their_block():
     prompt = torch.tensor([[3, 0], [0, 0]])
     model = EosAfter()  # row 0: EOS from canvas position 5 (answer index 3)
-    out = sample(model, prompt, mask_id=MASK_ID, steps=16, gen_length=16, block_length=4,
+    out = run(model, prompt, mask_id=MASK_ID, steps=16, gen_length=16, block_length=4,
                  eos_id=EOS)  # fmt: skip
     assert out.answers[0].tolist() == [1, 1, 1] + [EOS] * 13
     assert out.answers[1].tolist() == [1] * 16
@@ -260,8 +267,8 @@ def test_rows_stop_at_eos_after_their_block():
 
 def test_origin_ddpm_cache_skips_forwards_without_changing_tokens():
     kw = dict(steps=24, gen_length=8, remasking="origin", temperature=1.0)
-    plain = sample(tiny(), PROMPT, mask_id=MASK_ID, generator=gen(4), **kw)
-    cached = sample(tiny(), PROMPT, mask_id=MASK_ID, generator=gen(4), ddpm_cache=True, **kw)
+    plain = run(tiny(), PROMPT, mask_id=MASK_ID, generator=gen(4), **kw)
+    cached = run(tiny(), PROMPT, mask_id=MASK_ID, generator=gen(4), ddpm_cache=True, **kw)
     assert torch.equal(plain.sequences, cached.sequences)
     assert not (plain.sequences == MASK_ID).any()
     assert plain.nfe == 24 and cached.nfe < 24
@@ -269,7 +276,7 @@ def test_origin_ddpm_cache_skips_forwards_without_changing_tokens():
 
 @pytest.mark.parametrize("remasking", ["maskgit_plus", "topk_margin", "entropy", "random"])
 def test_dream_schedule_and_confidences_fill_every_mask(remasking):
-    out = sample(tiny(), PROMPT, mask_id=MASK_ID, steps=8, gen_length=8, schedule="dream",
+    out = run(tiny(), PROMPT, mask_id=MASK_ID, steps=8, gen_length=8, schedule="dream",
                  remasking=remasking, alg_temp=0.5 if remasking == "entropy" else None,
                  temperature=0.5, top_p=0.9, top_k=10, generator=gen(1))  # fmt: skip
     assert not (out.sequences == MASK_ID).any() and out.nfe == 8
@@ -278,9 +285,9 @@ def test_dream_schedule_and_confidences_fill_every_mask(remasking):
 
 def test_bad_options_raise():
     with pytest.raises(ValueError, match="unknown cache"):
-        sample(tiny(), PROMPT, mask_id=MASK_ID, steps=4, gen_length=4, cache="full")
+        run(tiny(), PROMPT, mask_id=MASK_ID, steps=4, gen_length=4, cache="full")
     with pytest.raises(ValueError, match="ddpm_cache needs"):
-        sample(tiny(), PROMPT, mask_id=MASK_ID, steps=4, gen_length=4, ddpm_cache=True)
+        run(tiny(), PROMPT, mask_id=MASK_ID, steps=4, gen_length=4, ddpm_cache=True)
 
 
 class LengthProbe(torch.nn.Module):
@@ -300,7 +307,7 @@ class LengthProbe(torch.nn.Module):
 
 def test_growing_canvas_shows_only_finished_and_current_blocks():
     probe = LengthProbe()
-    out = sample(probe, PROMPT, mask_id=MASK_ID, steps=6, gen_length=12, block_length=4,
+    out = run(probe, PROMPT, mask_id=MASK_ID, steps=6, gen_length=12, block_length=4,
                  growing_canvas=True)  # fmt: skip
     assert probe.lengths == [9, 9, 13, 13, 17, 17]
     assert not (out.sequences == MASK_ID).any()
@@ -308,6 +315,6 @@ def test_growing_canvas_shows_only_finished_and_current_blocks():
     model = tiny()
     kw = dict(steps=8, gen_length=8, block_length=8)
     assert torch.equal(
-        sample(model, PROMPT, mask_id=MASK_ID, growing_canvas=True, **kw).sequences,
-        sample(model, PROMPT, mask_id=MASK_ID, **kw).sequences,
+        run(model, PROMPT, mask_id=MASK_ID, growing_canvas=True, **kw).sequences,
+        run(model, PROMPT, mask_id=MASK_ID, **kw).sequences,
     )

@@ -63,17 +63,19 @@ def build_char_tokenizer() -> PreTrainedTokenizerFast:
     )
 
 
-def load_local_tokenizer(path: str) -> PreTrainedTokenizerFast:
-    """A tokenizer saved in a local folder; never remote code, never the network."""
+def load_local_tokenizer(path: str, setting: str = "data.tokenizer") -> PreTrainedTokenizerFast:
+    """A tokenizer saved in a local folder; never remote code, never the network. `setting`
+    names where the path came from in error messages (a config key or a CLI flag)."""
     folder = Path(path).expanduser()
     if not folder.is_dir():
+        char = '"char" or ' if setting == "data.tokenizer" else ""
         raise InputError(
-            f"data.tokenizer: folder {path!r} does not exist; "
-            'use "char" or a local folder holding tokenizer.json / tokenizer_config.json'
+            f"{setting}: folder {path!r} does not exist; use {char}a local folder holding "
+            "tokenizer.json / tokenizer_config.json"
         )
     if not any((folder / name).is_file() for name in _TOKENIZER_FILES):
         raise InputError(
-            f"data.tokenizer: folder {path!r} holds no tokenizer files "
+            f"{setting}: folder {path!r} holds no tokenizer files "
             f"(expected one of {', '.join(_TOKENIZER_FILES)}); "
             "save one there with tokenizer.save_pretrained(folder)"
         )
@@ -83,10 +85,10 @@ def load_local_tokenizer(path: str) -> PreTrainedTokenizerFast:
         )
     except (OSError, ValueError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise InputError(f"data.tokenizer: cannot load {path!r}: {first}") from exc
+        raise InputError(f"{setting}: cannot load {path!r}: {first}") from exc
     if not isinstance(tok, PreTrainedTokenizerFast):
         raise InputError(
-            f"data.tokenizer: {path!r} loads as a slow tokenizer ({type(tok).__name__}); "
+            f"{setting}: {path!r} loads as a slow tokenizer ({type(tok).__name__}); "
             "save it with a tokenizer.json (a fast tokenizer)"
         )
     return tok

@@ -7,11 +7,12 @@ from unmask.diffusion.objectives import (
     MaskedDiffusionObjective,
     Objective,
     ObjectiveOutput,
-    build_objective,
     mdlm_loss_terms,
 )
+from unmask.diffusion.registry import OBJECTIVES, build_objective
 
 __all__ = [
+    "OBJECTIVES",
     "DiffusionConfig",
     "MaskedDiffusionObjective",
     "Objective",

@@ -7,6 +7,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 _CART = re.compile(r"^cart(?:\[geo_p:([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\])?$")
 LOSS_WEIGHTS = ("inverse_t", "scheduler", "uniform", "cart[geo_p:P]")
+OBJECTIVE_NAMES = ("mdlm", "llada", "sft", "dream", "bert", "bd3lm")  # see registry.py
 
 
 def parse_loss_weight(text: str) -> tuple[str, float | None]:
@@ -28,7 +29,7 @@ class DiffusionConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
-    objective: Literal["mdlm", "llada", "sft", "dream", "bert", "bd3lm"] = "mdlm"
+    objective: Literal[OBJECTIVE_NAMES] = "mdlm"
     """Training objective. `mdlm`/`llada`: pretraining (sum of weighted masked cross-entropy
     over the number of maskable tokens). `sft`: LLaDA SFT (prompt never masked, each row
     normalized by its answer length). `dream`: logit shift + CART/scheduler weights, prompt

@@ -82,12 +82,12 @@ def mask_tokens(
     u = torch.rand(input_ids.shape, generator=generator, device=input_ids.device)
     masked = (u < p) & maskable
     if min_masked > 0:
-        masked = _force_one_masked(masked, maskable, generator)
+        masked = force_one_masked(masked, maskable, generator)
     noisy_ids = torch.where(masked, torch.full_like(input_ids, mask_id), input_ids)
     return noisy_ids, masked
 
 
-def _force_one_masked(
+def force_one_masked(
     masked: torch.Tensor, maskable: torch.Tensor, generator: torch.Generator | None
 ) -> torch.Tensor:
     """Mask one random maskable position in rows that have maskable positions but no mask."""

@@ -63,6 +63,12 @@ class MaskedDiffusionObjective:
     mean_t, num_masked, num_maskable.
     """
 
+    #: Each row's noise is drawn on its own, so a multi-process run can draw the noise of
+    #: the whole global batch first (`with_noise`) and give each rank its rows: losses then
+    #: do not depend on the world size. Objectives that draw more per batch (cutoffs,
+    #: prompt drops, per-block t) set False and draw on their own rows.
+    global_noise = True
+
     def __init__(self, cfg: DiffusionConfig, mask_id: int):
         self.cfg = cfg
         self.mask_id = mask_id
@@ -84,7 +90,7 @@ class MaskedDiffusionObjective:
         noisy, masked = mask_tokens(
             input_ids,
             t,
-            _maskable(batch),
+            maskable_of(batch),
             self.mask_id,
             generator,
             schedule=cfg.schedule,
@@ -92,50 +98,50 @@ class MaskedDiffusionObjective:
         )
         return t, noisy, masked
 
+    def with_noise(self, batch: dict, generator: torch.Generator | None = None) -> dict:
+        """The batch with its noise drawn (`t`, `noisy_input_ids`, `masked`)."""
+        t, noisy, masked = self.noise(batch, generator)
+        return {**batch, "t": t, "noisy_input_ids": noisy, "masked": masked}
+
     def __call__(
         self, model: nn.Module, batch: dict, generator: torch.Generator | None = None
     ) -> ObjectiveOutput:
         input_ids = batch["input_ids"]
-        maskable = _maskable(batch)
+        maskable = maskable_of(batch)
         t, noisy, masked = self.noise(batch, generator)
         targets = torch.where(masked, input_ids, torch.full_like(input_ids, IGNORE_INDEX))
-        ce = model(
-            noisy,
-            doc_ids=batch.get("doc_ids"),
-            position_ids=batch.get("position_ids"),
-            targets=targets,
-            vocab_chunk=self.cfg.vocab_chunk_size,
-        )  # (B, L) float32, 0 where targets == -100
+        ce = token_losses(model, noisy, batch, targets, self.cfg.vocab_chunk_size)
         weight = loss_weight(t, self.cfg.loss_weight, self.cfg.schedule)
-        out = mdlm_loss_terms(ce, masked, weight, maskable)
-        self.last_stats = {
-            "mean_t": t.detach().float().mean(),
-            "num_masked": masked.sum().detach().float(),
-            "num_maskable": out.count.detach(),
-        }
-        return out
+        self.last_stats = objective_stats(t, masked, maskable)
+        return mdlm_loss_terms(ce, masked, weight, maskable)
 
 
-def _maskable(batch: dict) -> torch.Tensor:
+def maskable_of(batch: dict) -> torch.Tensor:
+    """(B, L) bool: the batch's `maskable`, or every position when it has none."""
     maskable = batch.get("maskable")
     if maskable is None:
         return torch.ones_like(batch["input_ids"], dtype=torch.bool)
     return maskable.bool()
 
 
-def build_objective(cfg: DiffusionConfig, mask_id: int) -> Objective:
-    """The objective named by `cfg.objective` (mdlm, llada and bert share the pretraining
-    loss; sft, dream and bd3lm live in recipes.py)."""
-    if cfg.objective in ("mdlm", "llada", "bert"):
-        return MaskedDiffusionObjective(cfg, mask_id)
-    from unmask.diffusion import recipes
-
-    if cfg.objective == "sft":
-        return recipes.SFTObjective(cfg, mask_id)
-    if cfg.objective == "dream":
-        return recipes.DreamObjective(cfg, mask_id)
-    if cfg.objective == "bd3lm":
-        return recipes.BlockDiffusionObjective(cfg, mask_id)
-    raise ValueError(
-        f"unknown objective {cfg.objective!r}; expected mdlm, llada, sft, dream, bert or bd3lm"
+def token_losses(
+    model: nn.Module, noisy: torch.Tensor, batch: dict, targets: torch.Tensor, vocab_chunk: int
+) -> torch.Tensor:
+    """Per-token cross-entropy (B, L) float32 of the model on noisy ids (0 where targets is
+    -100; the LM head runs only on target rows)."""
+    return model(
+        noisy,
+        doc_ids=batch.get("doc_ids"),
+        position_ids=batch.get("position_ids"),
+        targets=targets,
+        vocab_chunk=vocab_chunk,
     )
+
+
+def objective_stats(t: torch.Tensor, masked: torch.Tensor, maskable: torch.Tensor) -> dict:
+    """An objective's `last_stats`: mean t, masked and maskable token counts (detached)."""
+    return {
+        "mean_t": t.detach().float().mean(),
+        "num_masked": masked.sum().detach().float(),
+        "num_maskable": maskable.sum().detach().float(),
+    }

@@ -16,12 +16,14 @@ from unmask.diffusion.cutoffs import (
     prompt_positions,
     resp_cutoff,
 )
-from unmask.diffusion.noise import _force_one_masked, loss_weight, mask_prob, sample_t
+from unmask.diffusion.noise import force_one_masked, loss_weight, mask_prob, sample_t
 from unmask.diffusion.objectives import (
     IGNORE_INDEX,
     MaskedDiffusionObjective,
     ObjectiveOutput,
-    _maskable,
+    maskable_of,
+    objective_stats,
+    token_losses,
 )
 
 # -- pure pieces ---------------------------------------------------------------------------
@@ -43,13 +45,7 @@ def shifted_token_losses(
     """
     ahead = torch.full_like(targets, IGNORE_INDEX)
     ahead[:, :-1] = targets[:, 1:]
-    ce = model(
-        noisy,
-        doc_ids=batch.get("doc_ids"),
-        position_ids=batch.get("position_ids"),
-        targets=ahead,
-        vocab_chunk=vocab_chunk,
-    )
+    ce = token_losses(model, noisy, batch, ahead, vocab_chunk)
     out = torch.zeros_like(ce)
     out[:, 1:] = ce[:, :-1]
     return out
@@ -124,12 +120,14 @@ class SFTObjective(MaskedDiffusionObjective):
     `prompt_drop_prob` masks a row's whole prompt (no loss on it) for classifier-free guidance.
     """
 
+    global_noise = False
+
     def __call__(
         self, model: nn.Module, batch: dict, generator: torch.Generator | None = None
     ) -> ObjectiveOutput:
         cfg = self.cfg
         input_ids = batch["input_ids"]
-        maskable = _maskable(batch)
+        maskable = maskable_of(batch)
         if cfg.logit_shift:
             maskable = maskable & ~document_starts(batch)
             batch = {**batch, "maskable": maskable}
@@ -144,7 +142,7 @@ class SFTObjective(MaskedDiffusionObjective):
         answer_len = maskable.sum(1).float()  # (B,)
         per_row = torch.where(masked, ce.float(), 0.0).sum(1) * weight / answer_len.clamp(min=1)
         has_answer = answer_len > 0
-        self.last_stats = _stats(t, masked, maskable)
+        self.last_stats = objective_stats(t, masked, maskable)
         return ObjectiveOutput(per_row[has_answer].sum(), has_answer.sum().float())
 
 
@@ -156,6 +154,8 @@ class DreamObjective(MaskedDiffusionObjective):
     mode `perbatch_cutoff` / `resp_cutoff_ratio` reshape the batch first.
     """
 
+    global_noise = False
+
     def __init__(self, cfg: DiffusionConfig, mask_id: int):
         super().__init__(cfg, mask_id)
         self.weight_kind, self.geo_p = parse_loss_weight(cfg.loss_weight)
@@ -163,7 +163,7 @@ class DreamObjective(MaskedDiffusionObjective):
     def prepare(self, batch: dict, generator: torch.Generator | None, training: bool) -> dict:
         """Cutoffs (training only), prompt policy and the shift's unmaskable doc starts."""
         cfg = self.cfg
-        batch = {**batch, "maskable": _maskable(batch)}
+        batch = {**batch, "maskable": maskable_of(batch)}
         if training and cfg.perbatch_cutoff:
             batch = perbatch_cutoff(batch, generator)
         if training and cfg.resp_cutoff_ratio > 0:
@@ -182,19 +182,19 @@ class DreamObjective(MaskedDiffusionObjective):
         # cutoffs only when drawing fresh noise (precomputed noise fixes the layout)
         training = model.training and "noisy_input_ids" not in batch
         batch = self.prepare(batch, generator, training=training)
-        input_ids, maskable = batch["input_ids"], _maskable(batch)
+        input_ids, maskable = batch["input_ids"], maskable_of(batch)
         t, noisy, masked = self.noise(batch, generator)
         targets = torch.where(masked, input_ids, torch.full_like(input_ids, IGNORE_INDEX))
         if cfg.logit_shift is not False:
             ce = shifted_token_losses(model, noisy, batch, targets, cfg.vocab_chunk_size)
         else:
-            ce = _token_losses(model, noisy, batch, targets, cfg)
+            ce = token_losses(model, noisy, batch, targets, cfg.vocab_chunk_size)
         if self.weight_kind == "cart":
             weight = cart_weights(masked, self.geo_p, batch.get("doc_ids"))
         else:
             weight = loss_weight(t, self.weight_kind, cfg.schedule).float()[:, None]
         loss_sum = torch.where(masked, ce.float() * weight, 0.0).sum()
-        self.last_stats = _stats(t, masked, maskable)
+        self.last_stats = objective_stats(t, masked, maskable)
         return ObjectiveOutput(loss_sum, maskable.sum().float())
 
 
@@ -206,12 +206,14 @@ class BlockDiffusionObjective(MaskedDiffusionObjective):
     on the first L outputs, sum of CE_i w(t_block(i)) over masked i, count = maskable.
     """
 
+    global_noise = False
+
     def __call__(
         self, model: nn.Module, batch: dict, generator: torch.Generator | None = None
     ) -> ObjectiveOutput:
         cfg = self.cfg
         x0 = batch["input_ids"]
-        maskable = _maskable(batch)
+        maskable = maskable_of(batch)
         b, length = x0.shape
         position_ids = batch.get("position_ids")
         if position_ids is None:
@@ -225,7 +227,7 @@ class BlockDiffusionObjective(MaskedDiffusionObjective):
         u = torch.rand(x0.shape, generator=generator, device=x0.device)
         masked = (u < mask_prob(t, cfg.schedule)) & maskable
         if cfg.min_masked > 0:
-            masked = _force_one_masked(masked, maskable, generator)
+            masked = force_one_masked(masked, maskable, generator)
         noisy = torch.where(masked, torch.full_like(x0, self.mask_id), x0)
         attn = bd3lm_block_mask(block)[:, None]  # (B, 1, 2L, 2L)
         if doc_ids is not None:
@@ -241,17 +243,8 @@ class BlockDiffusionObjective(MaskedDiffusionObjective):
         )[:, :length]
         weight = loss_weight(t, cfg.loss_weight, cfg.schedule).float()
         loss_sum = torch.where(masked, ce.float() * weight, 0.0).sum()
-        self.last_stats = _stats(t, masked, maskable)
+        self.last_stats = objective_stats(t, masked, maskable)
         return ObjectiveOutput(loss_sum, maskable.sum().float())
-
-
-def _stats(t: torch.Tensor, masked: torch.Tensor, maskable: torch.Tensor) -> dict:
-    """`last_stats` of an objective: mean t, masked and maskable token counts."""
-    return {
-        "mean_t": t.detach().float().mean(),
-        "num_masked": masked.sum().detach().float(),
-        "num_maskable": maskable.sum().detach().float(),
-    }
 
 
 def _token_losses(
@@ -259,10 +252,4 @@ def _token_losses(
 ) -> torch.Tensor:
     if cfg.logit_shift:
         return shifted_token_losses(model, noisy, batch, targets, cfg.vocab_chunk_size)
-    return model(
-        noisy,
-        doc_ids=batch.get("doc_ids"),
-        position_ids=batch.get("position_ids"),
-        targets=targets,
-        vocab_chunk=cfg.vocab_chunk_size,
-    )
+    return token_losses(model, noisy, batch, targets, cfg.vocab_chunk_size)

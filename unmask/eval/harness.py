@@ -13,9 +13,10 @@ is enough: `lm_eval.simple_evaluate(model="unmask", model_args=...)`.
   continuations (mc_num is not spent there); `is_greedy` is checked only with
   check_greedy=True (greedy decoding of the continuation's length).
 - loglikelihood_rolling: minus the NELBO of the text, in chunks of max_length tokens.
-- generate_until: `unmask.sampling.sample` with the folder's generation defaults
-  (generation_config.json) overridden by model_args; max_gen_toks rounded up to a multiple
-  of block_length; the text is cut at the first stop string.
+- generate_until: `unmask.sampling.sample` with the folder's sampling options
+  (generation_config.json), then the task's (max_gen_toks, temperature), then model_args:
+  every SamplingConfig field is a model_arg; gen_length rounded up to whole blocks, steps to
+  whole steps per block; the text is cut at the first stop string.
 """
 
 import sys
@@ -29,14 +30,14 @@ try:
 except ImportError as err:  # pragma: no cover - only without the eval extra
     raise ImportError("the lm-eval adapter needs lm-eval: pip install 'unmask[eval]'") from err
 
+from unmask.checkpoint import load_for_sampling
+from unmask.sampling.config import SamplingConfig, resolve_sampling
 from unmask.sampling.generate import sample
 from unmask.sampling.likelihood import log_likelihood
-from unmask.sampling.loading import generate_texts, load_for_sampling, sampling_kwargs
+from unmask.sampling.texts import generate_texts
 
-_SAMPLING_ARGS = ("gen_length", "steps", "block_length", "temperature", "remasking",
-                  "threshold", "factor", "cache", "schedule", "top_p", "top_k",
-                  "shift_logits", "block_causal")  # fmt: skip
-_DEFAULT_CFG = 0.0
+#: model_args lm-eval passes that the adapter accepts without use
+_IGNORED_ARGS = ("max_batch_size", "dtype")
 
 
 @register_model("unmask")
@@ -50,30 +51,28 @@ class UnmaskLM(LM):
         device: str = "cpu",
         mc_num: int = 128,
         mc_batch_size: int = 16,
-        cfg_scale: float = _DEFAULT_CFG,
         max_length: int = 4096,
         batch_size: int | str = 16,
         check_greedy: bool = False,
         seed: int = 0,
         **sampling: Any,
     ) -> None:
+        """model_args: the adapter's own (above) and every SamplingConfig field."""
         super().__init__()
-        unknown = set(sampling) - set(_SAMPLING_ARGS) - {"max_batch_size", "dtype"}
+        unknown = set(sampling) - set(SamplingConfig.model_fields) - set(_IGNORED_ARGS)
         if unknown:
             raise ValueError(f"unknown model_args {sorted(unknown)} for model 'unmask'")
         if str(device).startswith("cuda") and not torch.cuda.is_available():
             device = "cpu"  # lm-eval's command line defaults to cuda
         self.sm = load_for_sampling(pretrained, tokenizer, str(device or "cpu"))
         self.mc_num, self.mc_batch_size = int(mc_num), int(mc_batch_size)
-        self.cfg_scale, self.max_length = float(cfg_scale), int(max_length)
+        self.max_length = int(max_length)
         self.gen_batch_size = int(batch_size) if str(batch_size).isdigit() else 16
         self.check_greedy = str(check_greedy).lower() in ("true", "1")
         self.generator = torch.Generator().manual_seed(int(seed))
-        self.sampling = {k: v for k, v in sampling.items() if k in _SAMPLING_ARGS}
-        shift = self.sampling.get("shift_logits", self.sm.defaults["shift_logits"])
-        self.shift_logits = str(shift).lower() in ("true", "1")  # Dream: likelihoods too
-        causal = self.sampling.get("block_causal", self.sm.defaults["block_causal"])
-        self.block_causal = str(causal).lower() in ("true", "1")
+        self.sampling = {k: v for k, v in sampling.items() if k in SamplingConfig.model_fields}
+        # what likelihoods share with generation: guidance, Dream's shift, block-causal
+        self.options = resolve_sampling(self.sm.saved, self.sampling)
         tok = self.sm.tokenizer
         self._start_id = tok.bos_token_id if tok.bos_token_id is not None else self.sm.eos_id
 
@@ -95,13 +94,14 @@ class UnmaskLM(LM):
 
     def _is_greedy(self, ctx: list[int], cont: list[int]) -> bool:
         prompt = torch.tensor([ctx], device=self.sm.device)
-        out = sample(self.sm.model, prompt, mask_id=self.sm.mask_id, steps=len(cont),
-                     gen_length=len(cont), cfg_scale=self.cfg_scale,
-                     shift_logits=self.shift_logits)  # fmt: skip
+        greedy = SamplingConfig(steps=len(cont), gen_length=len(cont),
+                                cfg_scale=self.options.cfg_scale,
+                                shift_logits=self.options.shift_logits)  # fmt: skip
+        out = sample(self.sm.model, prompt, greedy, mask_id=self.sm.mask_id)
         return out.answers[0].tolist() == cont
 
     def _check_likelihood(self) -> None:
-        if self.block_causal:
+        if self.options.block_causal:
             raise ValueError(
                 "likelihoods of block-causal (bd3lm) models are not implemented (the MC "
                 "estimator is the bidirectional one); use generate_until tasks"
@@ -113,14 +113,15 @@ class UnmaskLM(LM):
         for request in requests:
             context, continuation = request.args
             ctx, cont = self._pair(context, continuation)
-            if not ctx and self.shift_logits:  # the first token is read from the one before
+            if not ctx and self.options.shift_logits:  # the first token is read from the one before
                 ctx = [self._start_id]
             device = self.sm.device
             est = log_likelihood(
                 self.sm.model, torch.tensor(ctx, dtype=torch.long, device=device),
                 torch.tensor(cont, dtype=torch.long, device=device), mask_id=self.sm.mask_id,
-                mc_num=self.mc_num, batch_size=self.mc_batch_size, cfg_scale=self.cfg_scale,
-                generator=self.generator, shift_logits=self.shift_logits,
+                mc_num=self.mc_num, batch_size=self.mc_batch_size,
+                cfg_scale=self.options.cfg_scale, generator=self.generator,
+                shift_logits=self.options.shift_logits,
             )  # fmt: skip
             greedy = self._is_greedy(ctx, cont) if self.check_greedy and ctx else False
             results.append((est.value, greedy))
@@ -135,14 +136,14 @@ class UnmaskLM(LM):
             total = 0.0
             # a logit-shift model scores each token from the one before it: a chunk's
             # context is the token before the chunk (the text's first token is not scored)
-            shift = 1 if self.shift_logits else 0
+            shift = 1 if self.options.shift_logits else 0
             width = max(1, self.max_length - shift)
             for start in range(shift, len(ids), width):
                 est = log_likelihood(self.sm.model, ids[start - shift : start],
                                      ids[start : start + width],
                                      mask_id=self.sm.mask_id, mc_num=self.mc_num,
                                      batch_size=self.mc_batch_size, generator=self.generator,
-                                     shift_logits=self.shift_logits)  # fmt: skip
+                                     shift_logits=self.options.shift_logits)  # fmt: skip
                 total += est.value
             results.append(total)
         return results
@@ -157,7 +158,7 @@ class UnmaskLM(LM):
             groups.setdefault(key, []).append(index)
         results: list[str] = [""] * len(requests)
         for (until, max_gen_toks, temperature), indices in groups.items():
-            options = self._generation_options(max_gen_toks, temperature)
+            options = self._generation_config(max_gen_toks, temperature)
             contexts = [requests[i].args[0] for i in indices]
             records = generate_texts(self.sm, contexts, options, self.gen_batch_size,
                                      self.generator)  # fmt: skip
@@ -170,24 +171,18 @@ class UnmaskLM(LM):
                 self.cache_hook.add_partial("generate_until", requests[index].args, text)
         return results
 
-    def _generation_options(self, max_gen_toks, temperature) -> dict[str, Any]:
-        """`sample` keywords: model_args over the task's gen_kwargs over the folder's
-        defaults; gen_length rounded up to whole blocks, steps to whole steps per block."""
-        chosen = {**self.sm.defaults, "cfg_scale": self.cfg_scale}
-        if max_gen_toks is not None:
-            chosen["gen_length"] = int(max_gen_toks)
-        if temperature is not None:
-            chosen["temperature"] = float(temperature)
-        chosen.update(self.sampling)
-        gen = int(chosen["gen_length"])
-        block = int(chosen["block_length"] or gen)
-        if not self.block_causal:  # block-causal models keep the block size they trained on
+    def _generation_config(self, max_gen_toks, temperature) -> SamplingConfig:
+        """model_args over the task's gen_kwargs over the folder's options; gen_length
+        rounded up to whole blocks, steps to whole steps per block."""
+        task = {"gen_length": max_gen_toks, "temperature": temperature}
+        chosen = resolve_sampling(self.sm.saved, task, self.sampling)
+        gen, block = chosen.gen_length, chosen.resolved_block_length
+        if not chosen.block_causal:  # block-causal models keep the block size they trained on
             block = min(block, gen)
         gen = -(-gen // block) * block
         blocks = gen // block
-        steps = int(chosen["steps"] or gen)
-        return sampling_kwargs(chosen, gen_length=gen, block_length=block,
-                               steps=-(-steps // blocks) * blocks)  # fmt: skip
+        steps = -(-(chosen.steps or gen) // blocks) * blocks
+        return chosen.updated(gen_length=gen, block_length=block, steps=steps)
 
 
 def cli(argv: list[str] | None = None) -> None:

@@ -10,11 +10,14 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+import torch
+from safetensors.torch import load_file
 from torch import nn
 
 from unmask.errors import InputError
 from unmask.models.config import ModelConfig
 
+ADAPTER_FILE = "adapter_model.safetensors"  # peft's file name: what a LoRA run saves
 # Every linear layer of the decoder blocks (the LM head stays frozen: the masked-only loss
 # reads its weight directly).
 NATIVE_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -95,3 +98,59 @@ def save_lora(model: nn.Module, output_dir: Path, final: Path, cfg: ModelConfig)
     merged = model.merge_and_unload()
     merged.save_pretrained(str(final))
     return merged
+
+
+def load_adapter(folder: Path, model: nn.Module) -> None:
+    """The adapter a LoRA run saved in folder (peft's format) into the PeftModel `model`
+    (the frozen base weights come from model.pretrained / the seed)."""
+    from peft import set_peft_model_state_dict  # the lora extra
+
+    file = Path(folder) / ADAPTER_FILE
+    if not file.is_file():
+        raise InputError(
+            f"checkpoint {str(folder)!r} holds no LoRA adapter ({ADAPTER_FILE}); it was "
+            "written by a run without model.lora: true, so resume it with that run's config"
+        )
+    try:
+        result = set_peft_model_state_dict(model, load_file(str(file)))
+    except RuntimeError as err:  # shapes differ: another lora_r or target modules
+        first = str(err).strip().splitlines()[-1].strip()
+        raise InputError(
+            f"LoRA checkpoint {str(folder)!r} does not match model.lora_* in the config "
+            f"({first[:160]}); resume with the config it was written with"
+        ) from None
+    expected = {name for name, p in model.named_parameters() if p.requires_grad}
+    missing = sorted(name for name in result.missing_keys if name in expected)
+    if missing or result.unexpected_keys:
+        raise InputError(
+            f"LoRA checkpoint {str(folder)!r} does not match model.lora_* in the config "
+            f"(missing {missing[:3]}, unexpected {sorted(result.unexpected_keys)[:3]}); "
+            "resume with the config it was written with"
+        )
+
+
+def base_fingerprint(model: nn.Module) -> list[float]:
+    """[sum, sum of squares] of the frozen (base) weights in float64: a LoRA checkpoint
+    stores it, so resuming on a different base model fails instead of training on."""
+    total, squares = 0.0, 0.0
+    for param in model.parameters():
+        if param.requires_grad:
+            continue
+        value = param.detach()
+        if not value.is_floating_point():  # packed 4-bit weights (uint8)
+            value = value.to(torch.float32)
+        total += float(value.sum(dtype=torch.float64))
+        squares += float(torch.linalg.vector_norm(value, dtype=torch.float64) ** 2)
+    return [total, squares]
+
+
+def check_base_fingerprint(saved: list[float] | None, model: nn.Module, path) -> None:
+    """InputError when a LoRA checkpoint's base fingerprint differs from model's."""
+    if saved is None:
+        return
+    now = base_fingerprint(model)
+    if any(abs(a - b) > 1e-6 * max(1.0, abs(a)) for a, b in zip(saved, now)):
+        raise InputError(
+            f"LoRA checkpoint {str(path)!r} was trained on other base weights than this "
+            "config's model; resume with the model.pretrained (and seed) it was written with"
+        )

@@ -1,4 +1,5 @@
-"""Data-parallel batch sizes and each rank's rows of a global micro-batch."""
+"""Data-parallel batch sizes, each rank's rows of a global micro-batch, and the random
+generator a rank draws its own rows' noise from."""
 
 from __future__ import annotations
 
@@ -26,3 +27,14 @@ def per_rank_batch_size(per_device: int, world_size: int, split_batches: bool) -
 def rank_rows(batch: dict[str, torch.Tensor], rank: int, rows: int) -> dict[str, torch.Tensor]:
     """Rows [rank * rows, (rank + 1) * rows) of every (B, ...) tensor of a global batch."""
     return {k: v[rank * rows : (rank + 1) * rows] for k, v in batch.items()}
+
+
+def rank_generator(base: torch.Generator, where: tuple[int, int], rank: int) -> torch.Generator:
+    """A generator for this rank's own draws at `where` = (step, micro-batch): seeded by
+    (base's seed, where, rank), so draws are independent across ranks and identical after a
+    resume, whatever state `base` is in."""
+    step, micro = where
+    seed = base.initial_seed() * 1_000_003 + (step * 4099 + micro) * 65_537 + rank
+    own = torch.Generator(device=base.device)
+    own.manual_seed(seed % (2**63))
+    return own

@@ -1,66 +1,69 @@
-"""Wrap a model for FSDP2: activation checkpointing, then optional per-block torch.compile,
-then fully_shard per block and root.
+"""FSDP2 on given modules: per-block torch.compile, fully_shard per block and root, gradient
+sync across micro-batches, and the full (gathered) state dict.
 
-Activation checkpointing is the model's own ``gradient_checkpointing`` flag (applied inside
-its forward, per decoder layer), so it composes with FSDP2 without wrappers.
+Activation checkpointing is the model's own concern (a flag its forward reads per block), so
+it composes with FSDP2 without wrappers; the caller sets it before compiling and sharding
+(torchtitan's order: activation checkpointing, then compile, then FSDP2).
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 
-def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """The transformer blocks (``model.model.layers``), or none for other models."""
-    layers = getattr(getattr(model, "model", None), "layers", None)
-    return list(layers) if layers is not None else []
-
-
-def compile_blocks(model: nn.Module) -> int:
-    """torch.compile each transformer block in place (one graph per block, reused by every
-    layer of the same shape); returns how many blocks were compiled. Per-block rather than
-    whole-model compilation keeps compile time flat in depth and composes with FSDP2."""
-    layers = decoder_layers(model)
-    for layer in layers:
-        layer.compile()
-    return len(layers)
+def compile_blocks(blocks: list[nn.Module]) -> int:
+    """torch.compile each block in place (one graph per block, reused by every block of the
+    same shape); returns how many. Per-block rather than whole-model compilation keeps
+    compile time flat in depth and composes with FSDP2."""
+    for block in blocks:
+        block.compile()
+    return len(blocks)
 
 
 def apply_fsdp(
     model: nn.Module,
     mesh: DeviceMesh,
+    blocks: list[nn.Module],
     *,
     bf16: bool = False,
     reshard_after_forward: bool = True,
-    gradient_checkpointing: bool = False,
-    torch_compile: bool = False,
 ) -> nn.Module:
     """Shard ``model`` in place over ``mesh`` (1-D: FSDP2; 2-D replicate x shard: HSDP).
 
-    Each decoder layer (``model.model.layers``) is one FSDP unit, the root holds the
-    embedding, final norm and head. ``bf16``: parameters are cast to bfloat16 for compute,
+    Each of ``blocks`` (the transformer layers) is one FSDP unit; the root holds the rest
+    (embedding, final norm, head). ``bf16``: parameters are cast to bfloat16 for compute,
     gradients are reduced in float32 (the sharded master weights stay float32).
-    ``reshard_after_forward``: True frees each layer's gathered weights after its forward
+    ``reshard_after_forward``: True frees each block's gathered weights after its forward
     (ZeRO-3-like, least memory); False keeps them until backward (ZeRO-2-like, one
-    all-gather fewer per layer). Gradients are summed over ranks (no averaging): the
-    trainer normalizes by the global token count itself.
+    all-gather fewer per block). Gradients are summed over ranks (no averaging): the caller
+    normalizes by the global token count itself.
     """
-    if gradient_checkpointing:
-        model.gradient_checkpointing = True
-    if torch_compile:
-        compile_blocks(model)
     policy = MixedPrecisionPolicy(
         param_dtype=torch.bfloat16 if bf16 else None,
         reduce_dtype=torch.float32 if bf16 else None,
     )
-    for layer in decoder_layers(model):
-        fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    for block in blocks:
+        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     for module in model.modules():  # per FSDP unit (these setters do not recurse)
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)  # plain SUM: gloo has no PREMUL_SUM
     return model
+
+
+def sync_gradients(model: nn.Module, sync: bool) -> None:
+    """Reduce-scatter gradients only on the last micro-batch of a step (FSDP2 models)."""
+    setter = getattr(model, "set_requires_gradient_sync", None)
+    if setter is not None:
+        setter(sync)
+
+
+def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Gather the full (unsharded) state dict to CPU; collective, every rank calls it."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_model_state_dict(model, options=options)

@@ -1,17 +1,21 @@
-"""Sampling from masked-diffusion language models."""
+"""Sampling from masked-diffusion language models: one sampler configured by one
+`SamplingConfig`, likelihoods, held-out accuracy."""
 
+from unmask.sampling.config import SamplingConfig, resolve_sampling
 from unmask.sampling.generate import GenerationOutput, cfg_combine, generate, left_pad, sample
 from unmask.sampling.schedules import dream_schedule, num_transfer_tokens
 from unmask.sampling.transfer import add_gumbel_noise, select_top_k
 
 __all__ = [
     "GenerationOutput",
+    "SamplingConfig",
     "add_gumbel_noise",
     "cfg_combine",
     "dream_schedule",
     "generate",
     "left_pad",
     "num_transfer_tokens",
+    "resolve_sampling",
     "sample",
     "select_top_k",
 ]

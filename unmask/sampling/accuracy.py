@@ -4,7 +4,7 @@ from collections import defaultdict
 
 import torch
 
-from unmask.sampling.config import EvalConfig
+from unmask.sampling.config import EvalConfig, SamplingConfig
 from unmask.sampling.generate import generate
 
 
@@ -29,7 +29,7 @@ def heldout_accuracy(
     """Generate an answer for each prompt so that prompt + answer fills `row_length` tokens
     (the shape rows had in training) and score exact match.
 
-    sampling: what the training objective fixes (`training_sampling_defaults`): Dream's
+    sampling: what the training objective fixes (`fixed_by_training`): Dream's
     `shift_logits`; BD3LM's `block_causal` with its `block_length`, where the answer is
     rounded up to whole blocks (later blocks cannot change earlier ones).
 
@@ -59,21 +59,14 @@ def heldout_accuracy(
             gen_length = -(-gen_length // block) * block
         blocks = gen_length // block
         steps = max(blocks, round(gen_length * cfg.steps_per_token / blocks) * blocks)
+        config = SamplingConfig.model_validate(
+            {**fixed, "steps": steps, "gen_length": gen_length, "block_length": block,
+             "temperature": cfg.temperature, "remasking": cfg.remasking}
+        )  # fmt: skip
         for start in range(0, len(indices), cfg.batch_size):
             chunk = indices[start : start + cfg.batch_size]
             prompt = torch.tensor([encoded[i] for i in chunk], device=device)
-            out = generate(
-                model,
-                prompt,
-                steps=steps,
-                gen_length=gen_length,
-                block_length=block,
-                temperature=cfg.temperature,
-                remasking=cfg.remasking,
-                mask_id=tokenizer.mask_token_id,
-                shift_logits=fixed.get("shift_logits", False),
-                block_causal=fixed.get("block_causal", False),
-            )
+            out = generate(model, prompt, config, mask_id=tokenizer.mask_token_id)
             for row, index in zip(out[:, prompt_len:].tolist(), chunk):
                 predictions[index] = decode_answer(tokenizer, row)
     model.train(was_training)

@@ -1,8 +1,206 @@
-"""Settings for generation-based evaluation at the end of training."""
+"""Sampling settings, declared once: `SamplingConfig`, and its file, generation_config.json.
 
-from typing import Literal
+Every sampling option lives in `SamplingConfig` and nowhere else: `sample` reads it, the
+`unmask generate` flags and the lm-eval adapter's model_args are its fields, and a model
+folder's generation_config.json carries them in its "unmask" entry (written by the trainer
+and by `unmask export`, read here). `EvalConfig` is the run config's `eval:` section, the
+held-out generation at the end of training.
+"""
 
-from pydantic import BaseModel, ConfigDict
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from unmask.diffusion.config import DiffusionConfig
+from unmask.errors import InputError, describe_validation_error, did_you_mean
+from unmask.sampling.schedules import SCHEDULES
+from unmask.sampling.transfer import REMASKING
+
+CACHES = ("none", "prefix", "dual")
+GENERATION_FILE = "generation_config.json"
+_CHOICES = {"remasking": REMASKING, "schedule": SCHEDULES, "cache": CACHES}
+
+
+class SamplingConfig(BaseModel):
+    """How `sample` fills a masked canvas (design/DIFFUSION.md, Sampling).
+
+    Each option is checked on its own here; whether the lengths fit together (blocks, steps
+    per block) is checked by `check_lengths`, which `sample` calls, so callers may adjust
+    lengths after reading a folder's defaults.
+    """
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    gen_length: int = Field(32, gt=0)
+    """Tokens to generate after each prompt (the canvas of masks)."""
+    steps: int | None = Field(None, gt=0)
+    """Denoising steps over the whole answer; None = gen_length (one token per step)."""
+    block_length: int | None = Field(None, gt=0)
+    """Semi-autoregressive block length, decoded left to right; None = gen_length."""
+    temperature: float = Field(0.0, ge=0.0)
+    """Sampling temperature of the proposed tokens; 0 = greedy (argmax)."""
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    """Nucleus filtering of the proposals (None = off)."""
+    top_k: int | None = Field(None, gt=0)
+    """Top-k filtering of the proposals (None = off)."""
+    remasking: Literal[REMASKING] = "low_confidence"
+    """Which proposals to commit: `low_confidence` (LLaDA), `random`, Dream's `maskgit_plus`,
+    `topk_margin`, `entropy`, or `origin` (each mask revealed at random, MDLM ddpm)."""
+    schedule: Literal[SCHEDULES] = "llada"
+    """Tokens committed per step: `llada` per-block quotas or `dream` timesteps."""
+    eps: float = Field(1e-3, gt=0.0, lt=1.0)
+    """Final noise level of the `dream` timesteps and `origin` reveal fractions."""
+    alg_temp: float | None = Field(None, gt=0.0)
+    """Dream: draw the committed positions from softmax(confidence / alg_temp) instead of
+    taking the top ones (None = top ones)."""
+    threshold: float | None = None
+    """Fast-dLLM parallel decoding: commit every proposal with confidence >= threshold (and
+    at least the top one) each step."""
+    factor: float | None = Field(None, gt=0.0)
+    """Fast-dLLM parallel decoding, factor rule: accept ranks while conf_r >= 1 - factor /
+    (r + 1)."""
+    cfg_scale: float = Field(0.0, ge=0.0)
+    """Classifier-free guidance scale (0 = off): un + (scale + 1) (cond - un)."""
+    cache: Literal[CACHES] = "none"
+    """K/V cache: `none`, `prefix` (everything before the block reused) or `dual` (prefix
+    and suffix reused); refreshed at each block start."""
+    cache_refresh: int = Field(0, ge=0)
+    """Also refresh the cache every N steps inside a block (0 = only at block starts; 1 =
+    every step, exact)."""
+    shift_logits: bool = False
+    """Dream's logit shift: position i is predicted from the output at i - 1 (default:
+    from the model folder; on for Dream models)."""
+    block_causal: bool = False
+    """Block-diffusion attention: a position sees its own block and earlier ones (default:
+    from the model folder; on for bd3lm models)."""
+    ddpm_cache: bool = False
+    """With `origin` remasking: reuse the last logits while no token changed (MDLM)."""
+    growing_canvas: bool = False
+    """Show the model only the prompt, finished blocks and the current block, so a long
+    gen_length with EOS stopping costs only the blocks a row needs."""
+
+    @field_validator(*_CHOICES, mode="before")
+    @classmethod
+    def _known_choice(cls, value, info):
+        choices = _CHOICES[info.field_name]
+        if value not in choices:
+            raise ValueError(
+                f"unknown {info.field_name} {value!r}; expected one of {list(choices)}"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _compatible_options(self) -> "SamplingConfig":
+        if self.threshold is not None and self.factor is not None:
+            raise ValueError("give threshold or factor, not both")
+        if self.remasking == "origin" and (self.threshold is not None or self.factor is not None):
+            raise ValueError("remasking='origin' reveals masks at random; it takes no threshold")
+        if self.ddpm_cache and (self.remasking != "origin" or self.cache != "none"):
+            raise ValueError("ddpm_cache needs remasking='origin' and cache='none'")
+        if self.block_causal and self.shift_logits:
+            raise ValueError(
+                "block_causal attention cannot use the logit shift (the first position of "
+                "a block would be predicted from the block before, which cannot see it)"
+            )
+        return self
+
+    @property
+    def resolved_steps(self) -> int:
+        """steps, or gen_length when None."""
+        return self.steps or self.gen_length
+
+    @property
+    def resolved_block_length(self) -> int:
+        """block_length, or gen_length when None."""
+        return self.block_length or self.gen_length
+
+    def check_lengths(self) -> int:
+        """The number of blocks; ValueError when the lengths do not split into blocks."""
+        steps, gen, block = self.resolved_steps, self.gen_length, self.resolved_block_length
+        if gen % block != 0:
+            raise ValueError(f"gen_length ({gen}) must be a multiple of block_length ({block})")
+        num_blocks = gen // block
+        if steps % num_blocks != 0:
+            raise ValueError(
+                f"steps ({steps}) must be a multiple of the number of blocks "
+                f"gen_length / block_length = {num_blocks}"
+            )
+        return num_blocks
+
+    def updated(self, **options: Any) -> "SamplingConfig":
+        """A validated copy with every option that is not None replaced."""
+        return self.model_validate({**self.model_dump(), **without_none(options)})
+
+
+def without_none(options: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in options.items() if v is not None}
+
+
+def resolve_sampling(*layers: dict[str, Any]) -> SamplingConfig:
+    """One SamplingConfig from layered settings (a folder's defaults, then a task's, then
+    the user's); later layers win, None means "not set". Bad values: one-line InputError."""
+    merged: dict[str, Any] = {}
+    for layer in layers:
+        merged.update(without_none(layer))
+    try:
+        return SamplingConfig.model_validate(merged)
+    except ValidationError as err:
+        hint = lambda loc: did_you_mean(loc[-1], SamplingConfig.model_fields)  # noqa: E731
+        raise InputError(describe_validation_error(err, "sampling option", hint)) from None
+
+
+def fixed_by_training(diffusion: DiffusionConfig) -> dict[str, Any]:
+    """What sampling must match of how a model was trained: Dream's logit shift, BD3LM's
+    block-causal attention and block size. Every checkpoint's generation_config.json
+    carries these, so generate, export and lm-eval need no flags."""
+    shift = diffusion.logit_shift
+    if shift if shift is not None else diffusion.objective == "dream":
+        return {"shift_logits": True}
+    if diffusion.objective == "bd3lm":
+        return {"block_causal": True, "block_length": diffusion.block_size}
+    return {}
+
+
+# ------------------------------------------------------------ generation_config.json
+
+
+def generation_config_text(tokenizer, sampling: dict[str, Any], complete: bool) -> str:
+    """generation_config.json: the HF special-token keys plus an "unmask" entry holding the
+    sampling options (every option when `complete`, else only those given)."""
+    entry = {**SamplingConfig().model_dump(), **sampling} if complete else dict(sampling)
+    unknown = sorted(set(entry) - set(SamplingConfig.model_fields))
+    if unknown:
+        raise InputError(f"unknown sampling options {unknown}")
+    config = {
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+        "mask_token_id": tokenizer.mask_token_id,
+        "unmask": entry,
+    }
+    return json.dumps(config, indent=2)
+
+
+def saved_sampling(folder: str | Path) -> dict[str, Any]:
+    """The sampling options a model folder carries: its generation_config.json "unmask"
+    entry, and the logit shift where the file does not say but the folder's model family
+    samples with it (Dream). An unknown option is an InputError naming the file."""
+    path = Path(folder) / GENERATION_FILE
+    saved: dict[str, Any] = {}
+    if path.is_file():
+        try:
+            saved = json.loads(path.read_text()).get("unmask") or {}
+        except (json.JSONDecodeError, AttributeError):
+            raise InputError(f"{str(path)!r} is not a JSON object; fix or delete it") from None
+    for key in saved:
+        if key not in SamplingConfig.model_fields:
+            hint = did_you_mean(key, SamplingConfig.model_fields)
+            raise InputError(f"{str(path)!r}: unknown sampling option '{key}'{hint}")
+    if "shift_logits" not in saved and _family_shifts(Path(folder)):
+        saved = {**saved, "shift_logits": True}
+    return dict(saved)
 
 
 class EvalConfig(BaseModel):
@@ -24,3 +222,10 @@ class EvalConfig(BaseModel):
     """Gumbel temperature; 0 = greedy, deterministic."""
     remasking: Literal["low_confidence", "random"] = "low_confidence"
     """Which predicted tokens to commit each step."""
+
+
+def _family_shifts(folder: Path) -> bool:
+    config = folder / "config.json"
+    if not config.is_file():
+        return False
+    return json.loads(config.read_text()).get("model_type") in ("Dream", "dream")

@@ -26,17 +26,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from unmask.sampling.schedules import (
-    SCHEDULES,
-    dream_transfer_count,
-    num_transfer_tokens,
-    unmask_fraction,
-)
+from unmask.models.attention import KVCache
+from unmask.sampling.config import SamplingConfig
+from unmask.sampling.schedules import dream_transfer_count, num_transfer_tokens, unmask_fraction
 from unmask.sampling.transfer import (
     CONFIDENCE_FNS,
-    REMASKING,
-    add_gumbel_noise,
-    forbid_token,
     propose_tokens,
     sampling_probs,
     select_factor,
@@ -45,8 +39,6 @@ from unmask.sampling.transfer import (
     select_threshold,
     select_top_k,
 )
-
-CACHES = ("none", "prefix", "dual")
 
 
 @dataclass
@@ -101,41 +93,6 @@ def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch
     return ids, mask
 
 
-def _check_lengths(steps: int, gen_length: int, block_length: int) -> int:
-    """Number of blocks; raises ValueError for lengths the block schedule cannot split."""
-    if gen_length <= 0 or block_length <= 0 or steps <= 0:
-        raise ValueError(
-            f"steps, gen_length and block_length must be positive; got steps={steps}, "
-            f"gen_length={gen_length}, block_length={block_length}"
-        )
-    if gen_length % block_length != 0:
-        raise ValueError(
-            f"gen_length ({gen_length}) must be a multiple of block_length ({block_length})"
-        )
-    num_blocks = gen_length // block_length
-    if steps % num_blocks != 0:
-        raise ValueError(
-            f"steps ({steps}) must be a multiple of the number of blocks "
-            f"gen_length / block_length = {num_blocks}"
-        )
-    return num_blocks
-
-
-def _check_options(remasking, schedule, cache, threshold, factor, ddpm_cache) -> None:
-    if remasking not in REMASKING:
-        raise ValueError(f"unknown remasking {remasking!r}; expected one of {list(REMASKING)}")
-    if schedule not in SCHEDULES:
-        raise ValueError(f"unknown schedule {schedule!r}; expected one of {list(SCHEDULES)}")
-    if cache not in CACHES:
-        raise ValueError(f"unknown cache {cache!r}; expected one of {list(CACHES)}")
-    if threshold is not None and factor is not None:
-        raise ValueError("give threshold or factor, not both")
-    if remasking == "origin" and (threshold is not None or factor is not None):
-        raise ValueError("remasking='origin' reveals masks at random; it takes no threshold")
-    if ddpm_cache and (remasking != "origin" or cache != "none"):
-        raise ValueError("ddpm_cache needs remasking='origin' and cache='none'")
-
-
 def canvas_blocks(prompt_len: int, gen_length: int, block_length: int, device=None):
     """Block index of every canvas position (P + G,): answer blocks 0, 1, ... and the
     prompt cut from its end into blocks -1, -2, ... of block_length."""
@@ -153,11 +110,7 @@ class _Canvas:
         self.prompt_valid = prompt_valid  # (B, L) bool, True on real prompt tokens
         self.blocks = blocks  # (L,) block index per position for block-causal attention
         self.mask_id, self.cfg_scale = mask_id, cfg_scale
-        self.cache = None
-        if cache != "none":
-            from unmask.models.attention import KVCache
-
-            self.cache = KVCache()
+        self.cache = KVCache() if cache != "none" else None
 
     def select(self, rows: torch.Tensor) -> None:
         """Keep only rows `rows` (indices into the current rows)."""
@@ -208,51 +161,25 @@ def _first_eos_fill(answers: torch.Tensor, eos_id: int) -> torch.Tensor:
 def sample(
     model: nn.Module,
     prompt_ids: torch.Tensor,
+    config: SamplingConfig,
     *,
     mask_id: int,
-    steps: int = 128,
-    gen_length: int = 128,
-    block_length: int | None = None,
-    temperature: float = 0.0,
-    remasking: str = "low_confidence",
-    cfg_scale: float = 0.0,
-    generator: torch.Generator | None = None,
-    attention_mask: torch.Tensor | None = None,
-    schedule: str = "llada",
-    eps: float = 1e-3,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    alg_temp: float | None = None,
-    threshold: float | None = None,
-    factor: float | None = None,
-    cache: str = "none",
-    cache_refresh: int = 0,
-    shift_logits: bool = False,
-    ddpm_cache: bool = False,
-    growing_canvas: bool = False,
-    block_causal: bool = False,
     eos_id: int | None = None,
+    attention_mask: torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
     on_step: Callable[[torch.Tensor], None] | None = None,
 ) -> GenerationOutput:
-    """Decode gen_length masked positions after each prompt; see the module docstring.
+    """Decode config.gen_length masked positions after each prompt (see the module doc).
 
     prompt_ids (B, P) long; attention_mask (B, P) bool/int, 0 = left padding (None: no
-    padding). Blocks of block_length (None = gen_length) are decoded left to right with
-    steps / num_blocks steps each (`threshold` / `factor`: as many steps as the block
-    needs). `model(ids, position_ids=, attention_mask=, kv_cache=)` returns (B, L, V)
-    logits; the keywords are passed only when padding or a cache needs them.
-    growing_canvas: the model sees only the prompt, finished blocks and the current block
-    (masks of later blocks are not yet on the canvas), so a long gen_length with EOS
-    stopping costs no more than the blocks a row needs and keeps the canvas close to the
-    lengths the model was trained on (Dual cache then equals prefix cache).
-    block_causal: block-diffusion attention (see `canvas_blocks`), for models trained with
-    the `bd3lm` objective; block_length should be their block_size. on_step receives the
-    full (B, P + G) canvas after every step.
+    padding). Blocks of config.block_length are decoded left to right, steps / num_blocks
+    steps each (`threshold` / `factor`: as many steps as the block needs).
+    `model(ids, position_ids=, attention_mask=, kv_cache=)` returns (B, L, V) logits; the
+    keywords are passed only when padding or a cache needs them. With eos_id a row leaves
+    the batch once a finished block holds EOS. on_step receives the full (B, P + G) canvas
+    after every step. ValueError when the lengths do not split into blocks.
     """
-    block_length = block_length or gen_length
-    _check_options(remasking, schedule, cache, threshold, factor, ddpm_cache)
-    num_blocks = _check_lengths(steps, gen_length, block_length)
-    steps_per_block = steps // num_blocks
+    num_blocks = config.check_lengths()
     started = time.perf_counter()
     batch, prompt_len = prompt_ids.shape
     if prompt_len == 0:
@@ -263,75 +190,26 @@ def sample(
         if attention_mask is None
         else attention_mask.to(device=device, dtype=torch.bool)
     )
+    gen_length, block_length = config.gen_length, config.resolved_block_length
     masks = torch.full((batch, gen_length), mask_id, dtype=prompt_ids.dtype, device=device)
     x_all = torch.cat([prompt_ids, masks], dim=1)  # (B, P + G)
     valid = torch.cat([prompt_valid, torch.ones_like(masks, dtype=torch.bool)], dim=1)
     in_prompt = torch.cat([prompt_valid, torch.zeros_like(masks, dtype=torch.bool)], dim=1)
     blocks = None
-    if block_causal:
-        if shift_logits:
-            raise ValueError(
-                "block_causal attention cannot use the logit shift (the first position of "
-                "a block would be predicted from the block before, which cannot see it)"
-            )
+    if config.block_causal:
         blocks = canvas_blocks(prompt_len, gen_length, block_length, device)
-    canvas = _Canvas(x_all.clone(), valid, in_prompt, mask_id, cfg_scale, cache, blocks)
+    canvas = _Canvas(x_all.clone(), valid, in_prompt, mask_id, config.cfg_scale, config.cache,
+                     blocks)  # fmt: skip
     rows = torch.arange(batch, device=device)  # rows of x_all still being decoded
     out = GenerationOutput(x_all, prompt_len)
-    length = x_all.shape[1]
-    shift = 1 if shift_logits else 0
+    steps_per_block = config.resolved_steps // num_blocks
 
     for block in range(num_blocks):
         start, stop = prompt_len + block * block_length, prompt_len + (block + 1) * block_length
-        quota = num_transfer_tokens((canvas.x[:, start:stop] == mask_id).sum(1), steps_per_block)
-        parallel = threshold is not None or factor is not None
-        max_steps = block_length if parallel else steps_per_block
-        visible = stop if growing_canvas else length
-        logits, last_x = None, None
-        for step in range(max_steps):
-            x_block = canvas.x[:, start:stop]
-            is_mask = x_block == mask_id  # (B, Lb)
-            if not is_mask.any():
+        decoder = _BlockDecoder(config, model, canvas, start, stop, steps_per_block, mask_id)
+        for step in range(decoder.max_steps):
+            if not decoder.step(step, generator, out):
                 break
-            reuse = ddpm_cache and last_x is not None and torch.equal(last_x, canvas.x)
-            if not reuse:
-                refresh = step == 0 or (cache_refresh > 0 and step % cache_refresh == 0)
-                if cache == "none" or refresh:
-                    lo, hi, store = 0, visible, cache != "none"
-                else:
-                    lo, hi, store = start - shift, (visible if cache == "prefix" else stop), False
-                full = canvas.forward(model, lo, hi, store, visible)  # (B, hi - lo, V)
-                # Dream shift: position i is predicted from hidden state i - 1 (start >= 1)
-                logits = full[:, start - shift - lo : stop - shift - lo]  # (B, Lb, V)
-                last_x = canvas.x.clone()
-                out.nfe += 1
-                out.row_forwards += canvas.x.shape[0]
-            x0, filtered = propose_tokens(logits, mask_id, temperature, top_k, top_p, generator)
-            x0 = torch.where(is_mask, x0, x_block)
-            if remasking == "origin":
-                fraction = unmask_fraction(step, steps_per_block, eps)
-                commit = select_origin(is_mask, fraction, generator)
-            else:
-                probs = None
-                if remasking not in ("low_confidence", "random"):
-                    probs = sampling_probs(filtered, temperature)
-                conf = CONFIDENCE_FNS[remasking](logits, probs, x0, generator)
-                conf = conf.masked_fill(~is_mask, float("-inf"))
-                if threshold is not None:
-                    commit = select_threshold(conf, threshold)
-                elif factor is not None:
-                    commit = select_factor(conf, factor)
-                else:
-                    if schedule == "llada":
-                        k = quota[:, step]
-                    else:
-                        k = dream_transfer_count(is_mask.sum(1), step, steps_per_block, eps)
-                    if alg_temp:
-                        commit = select_sampled(conf, k, alg_temp, generator)
-                    else:
-                        commit = select_top_k(conf, k)
-            out.decoded += int(commit.sum())
-            canvas.x[:, start:stop] = torch.where(commit, x0, x_block)
             if on_step is not None:
                 x_all[rows] = canvas.x
                 on_step(x_all.clone())
@@ -344,39 +222,130 @@ def sample(
                 rows = rows[keep]
                 if rows.numel() == 0:
                     break
+    _finish(out, x_all, mask_id, eos_id)
+    out.seconds = time.perf_counter() - started
+    return out
+
+
+class _BlockDecoder:
+    """The steps of one block: a forward (or a cache / ddpm reuse), proposals, commits."""
+
+    def __init__(self, config, model, canvas, start, stop, steps_per_block, mask_id):
+        self.config, self.model, self.canvas = config, model, canvas
+        self.start, self.stop, self.mask_id = start, stop, mask_id
+        self.steps_per_block = steps_per_block
+        parallel = config.threshold is not None or config.factor is not None
+        self.max_steps = (stop - start) if parallel else steps_per_block
+        masked = (canvas.x[:, start:stop] == mask_id).sum(1)
+        self.quota = num_transfer_tokens(masked, steps_per_block)  # (B, steps_per_block)
+        self.visible = stop if config.growing_canvas else canvas.x.shape[1]
+        self.logits: torch.Tensor | None = None
+        self.last_x: torch.Tensor | None = None
+
+    def step(self, step: int, generator, out: GenerationOutput) -> bool:
+        """Commit this step's tokens; False when the block has no mask left."""
+        x_block = self.canvas.x[:, self.start : self.stop]
+        is_mask = x_block == self.mask_id  # (B, Lb)
+        if not is_mask.any():
+            return False
+        reuse = (
+            self.config.ddpm_cache
+            and self.last_x is not None
+            and torch.equal(self.last_x, self.canvas.x)
+        )
+        if not reuse:
+            self.logits = self._forward(step)
+            self.last_x = self.canvas.x.clone()
+            out.nfe += 1
+            out.row_forwards += self.canvas.x.shape[0]
+        cfg = self.config
+        x0, filtered = propose_tokens(self.logits, self.mask_id, cfg.temperature, cfg.top_k,
+                                      cfg.top_p, generator)  # fmt: skip
+        x0 = torch.where(is_mask, x0, x_block)
+        commit = self._commits(step, is_mask, x0, filtered, generator)
+        out.decoded += int(commit.sum())
+        self.canvas.x[:, self.start : self.stop] = torch.where(commit, x0, x_block)
+        return True
+
+    def _forward(self, step: int) -> torch.Tensor:
+        """Logits (B, Lb, V) of the block's positions: a full forward (which refreshes the
+        cache) at the block start, every cache_refresh steps and without a cache; else
+        only what the cache does not hold."""
+        cfg, start, stop = self.config, self.start, self.stop
+        shift = 1 if cfg.shift_logits else 0
+        refresh = step == 0 or (cfg.cache_refresh > 0 and step % cfg.cache_refresh == 0)
+        if cfg.cache == "none" or refresh:
+            lo, hi, store = 0, self.visible, cfg.cache != "none"
+        else:
+            lo, hi, store = start - shift, (self.visible if cfg.cache == "prefix" else stop), False
+        full = self.canvas.forward(self.model, lo, hi, store, self.visible)  # (B, hi - lo, V)
+        # Dream shift: position i is predicted from hidden state i - 1 (start >= 1)
+        return full[:, start - shift - lo : stop - shift - lo]
+
+    def _commits(self, step, is_mask, x0, filtered, generator) -> torch.Tensor:
+        """Bool (B, Lb): the masked positions this step fills."""
+        cfg = self.config
+        if cfg.remasking == "origin":
+            fraction = unmask_fraction(step, self.steps_per_block, cfg.eps)
+            return select_origin(is_mask, fraction, generator)
+        probs = None
+        if cfg.remasking not in ("low_confidence", "random"):
+            probs = sampling_probs(filtered, cfg.temperature)
+        conf = CONFIDENCE_FNS[cfg.remasking](self.logits, probs, x0, generator)
+        conf = conf.masked_fill(~is_mask, float("-inf"))
+        if cfg.threshold is not None:
+            return select_threshold(conf, cfg.threshold)
+        if cfg.factor is not None:
+            return select_factor(conf, cfg.factor)
+        if cfg.schedule == "llada":
+            k = self.quota[:, step]
+        else:
+            k = dream_transfer_count(is_mask.sum(1), step, self.steps_per_block, cfg.eps)
+        if cfg.alg_temp:
+            return select_sampled(conf, k, cfg.alg_temp, generator)
+        return select_top_k(conf, k)
+
+
+def _finish(out: GenerationOutput, x_all: torch.Tensor, mask_id: int, eos_id: int | None):
+    """Final canvases and answer-token count: with eos_id, masks left in rows that stopped
+    early and everything after a row's first EOS become EOS."""
+    prompt_len = out.prompt_length
     if eos_id is not None:
         answers = x_all[:, prompt_len:]
-        # rows that stopped early still hold masks after their EOS: fill them
         answers = answers.masked_fill(answers == mask_id, eos_id)
         answers = _first_eos_fill(answers, eos_id)
         x_all[:, prompt_len:] = answers
         out.tokens = int((answers != eos_id).sum())
     else:
-        out.tokens = batch * gen_length
+        out.tokens = x_all.shape[0] * (x_all.shape[1] - prompt_len)
     out.sequences = x_all
-    out.seconds = time.perf_counter() - started
-    return out
 
 
-def generate(model: nn.Module, prompt_ids: torch.Tensor, *, mask_id: int, **kwargs) -> torch.Tensor:
-    """`sample(...)` returning only the tokens (B, P + G): prompt unchanged, no masks left.
-
-    The LLaDA defaults (steps = gen_length = block_length = 128, T = 0, low_confidence)
-    reproduce LLaDA's `generate`; see `sample` for every option.
-    """
-    return sample(model, prompt_ids, mask_id=mask_id, **kwargs).sequences
+def generate(
+    model: nn.Module,
+    prompt_ids: torch.Tensor,
+    config: SamplingConfig | None = None,
+    *,
+    mask_id: int,
+    eos_id: int | None = None,
+    attention_mask: torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
+    **options,
+) -> torch.Tensor:
+    """LLaDA-style front end: `sample` returning only the tokens (B, P + G), prompt
+    unchanged, no masks left. Sampling options may be given as keywords (they update
+    `config`); with steps = gen_length = block_length = 128, temperature 0 and
+    low_confidence it reproduces LLaDA's `generate`."""
+    config = (config or SamplingConfig()).updated(**options)
+    return sample(model, prompt_ids, config, mask_id=mask_id, eos_id=eos_id,
+                  attention_mask=attention_mask, generator=generator).sequences  # fmt: skip
 
 
 __all__ = [
-    "CACHES",
     "GenerationOutput",
-    "add_gumbel_noise",
     "canvas_blocks",
     "cfg_combine",
-    "forbid_token",
     "generate",
     "left_pad",
-    "num_transfer_tokens",
     "sample",
-    "select_top_k",
 ]

@@ -114,3 +114,22 @@ class MetricsLogger:
             self.tensorboard.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+class SilentLogger:
+    """The MetricsLogger interface, doing nothing: ranks other than 0 log nothing."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        pass
+
+    def print(self, *args, **kwargs) -> None:
+        pass
+
+    def advance(self, *args, **kwargs) -> None:
+        pass
+
+    def log(self, *args, **kwargs) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

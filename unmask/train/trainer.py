@@ -6,14 +6,13 @@ path) runs before anything is written, so bad input never leaves a half-made run
 """
 
 import json
-import math
 import shutil
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from unmask.checkpoint import STATE_FILE, Checkpointer, list_checkpoints, resolve_resume
 from unmask.config import RunConfig, dump_config
 from unmask.data import (
     BatchLoader,
@@ -21,38 +20,33 @@ from unmask.data import (
     build_datasets,
     build_tokenizer,
     ensure_special_tokens,
+    eval_batches,
+    heldout_examples,
 )
 from unmask.diffusion import build_objective
 from unmask.diffusion.cutoffs import random_length_cut
 from unmask.errors import InputError
-from unmask.models import build_model
-from unmask.models.hf import folder_mask_token_id
+from unmask.models import build_model, decoder_layers, folder_mask_token_id
 from unmask.models.lora import (
     apply_lora,
+    base_fingerprint,
+    check_base_fingerprint,
     check_lora_settings,
     lora_settings,
     lora_targets,
-    save_lora,
 )
 from unmask.models.lora import check_request as check_lora_request
 from unmask.models.quant import check_4bit, quantize_4bit
 from unmask.optim.config import build_optimizer
-from unmask.optim.schedule import build_scheduler, resolve_warmup
-from unmask.parallel import distributed as par
-from unmask.parallel.fsdp import compile_blocks
-from unmask.train.checkpoint import (
-    STATE_FILE,
-    base_fingerprint,
-    check_base_fingerprint,
-    is_distributed_checkpoint,
-    list_checkpoints,
-    load_checkpoint,
-    load_distributed_checkpoint,
-    resolve_resume,
-    save_checkpoint,
-    save_distributed_checkpoint,
-)
-from unmask.train.metrics import MetricsLogger
+from unmask.optim.schedule import build_scheduler
+from unmask.parallel.batch import per_rank_batch_size, rank_generator, rank_rows
+from unmask.parallel.distributed import all_reduce_sum, full_value, setup
+from unmask.parallel.fsdp import apply_fsdp, compile_blocks, sync_gradients
+from unmask.parallel.mesh import launch_env, share_from_rank0
+from unmask.sampling.accuracy import heldout_accuracy
+from unmask.sampling.config import GENERATION_FILE, fixed_by_training, generation_config_text
+from unmask.train.metrics import MetricsLogger, SilentLogger
+from unmask.train.plan import make_plan
 
 RUN_ARTIFACTS = ("config.yaml", "metrics.jsonl", "tensorboard", "final", "eval_results.json")
 
@@ -63,46 +57,6 @@ def resolve_device(name: str) -> torch.device:
     if name == "cuda" and not torch.cuda.is_available():
         raise InputError("train.device is 'cuda' but no CUDA device is visible; use auto or cpu")
     return torch.device(name)
-
-
-def every(value: float, total: int) -> int:
-    """An interval in steps from an int count or a fraction (< 1) of the total; 0 = never."""
-    if value <= 0:
-        return 0
-    if value < 1:
-        return max(1, math.ceil(value * total))
-    return int(value)
-
-
-@dataclass
-class Plan:
-    """Step counts derived once from the config and the data size."""
-
-    total_steps: int
-    warmup_steps: int
-    logging_every: int
-    eval_every: int
-    save_every: int
-    tokens_per_step: int
-
-
-def make_plan(cfg: RunConfig, num_rows: int, world_size: int = 1) -> Plan:
-    t = cfg.train
-    rows_per_step = t.per_device_train_batch_size * t.gradient_accumulation_steps * world_size
-    if t.max_steps > 0:
-        total = t.max_steps
-    else:
-        total = math.ceil(t.num_train_epochs * num_rows / rows_per_step)
-    if total <= 0:
-        raise InputError("nothing to train: set train.max_steps > 0 or train.num_train_epochs > 0")
-    return Plan(
-        total_steps=total,
-        warmup_steps=resolve_warmup(cfg.optim.warmup_steps, cfg.optim.warmup_ratio, total),
-        logging_every=every(t.logging_steps, total) or total,
-        eval_every=every(t.eval_steps, total),
-        save_every=every(t.save_steps, total),
-        tokens_per_step=rows_per_step * cfg.data.packing_length,
-    )
 
 
 def prepare_output_dir(out: Path, cfg: RunConfig) -> Path | None:
@@ -134,9 +88,17 @@ class Trainer:
         self.cfg = cfg
         t = cfg.train
         check_lora_request(cfg.model)
-        self.device = resolve_device(t.device)
-        self.dist = par.setup(t, self.device)  # world size 1: no process group, no mesh
+        env = launch_env()
+        # rows per micro-batch on this rank; the global batch grows with the world size
+        # unless split_batches (then per_device_train_batch_size is the global batch)
+        self.local_batch_size = per_rank_batch_size(
+            t.per_device_train_batch_size, env.world_size, t.split_batches
+        )
+        batch_ranks = 1 if t.split_batches else env.world_size
+        self.dist = setup(resolve_device(t.device), shard=t.fsdp2, dp_replicate=t.dp_replicate,
+                          dp_shard=t.dp_shard, timeout_s=t.ddp_timeout, env=env)  # fmt: skip
         self.device = self.dist.device
+        self.sharded = self.dist.mesh is not None  # world size 1: no process group, no mesh
         check_4bit(cfg.model, self.device, self.dist.world_size)
         self.tokenizer = build_tokenizer(cfg.data)
         if cfg.model.pretrained is not None:  # LLaDA / Dream folders name their mask id
@@ -151,28 +113,12 @@ class Trainer:
                 "model.lora: true (the embeddings are frozen); use a tokenizer that has one"
             )
         self.train_rows, self.eval_rows = build_datasets(cfg.data, self.tokenizer)
-        self.plan = make_plan(cfg, len(self.train_rows), self.dist.batch_ranks)
+        self.plan = make_plan(cfg, len(self.train_rows), batch_ranks)
         self.output_dir = Path(t.output_dir)
-        self.resume_path = par.share_from_rank0(lambda: prepare_output_dir(self.output_dir, cfg))
+        self.resume_path = share_from_rank0(lambda: prepare_output_dir(self.output_dir, cfg))
 
         torch.manual_seed(t.seed)
-        self.model = build_model(cfg.model)
-        if added_tokens or self.model.config.vocab_size < len(self.tokenizer):
-            self.model.resize_token_embeddings(
-                max(len(self.tokenizer), self.model.config.vocab_size)
-            )
-        if cfg.model.load_in_4bit:  # QLoRA: frozen NF4 base, quantized onto the device
-            compute = torch.bfloat16 if t.bf16 else torch.float32
-            targets = lora_targets(cfg.model, self.model)
-            quantize_4bit(self.model, targets, self.device, compute)
-        self.model.gradient_checkpointing = t.gradient_checkpointing
-        if t.torch_compile and self.dist.mesh is None:  # FSDP2 compiles inside apply_fsdp
-            compile_blocks(self.model)
-        if cfg.model.lora:  # peft wrapper: base frozen, LoRA factors train (AdamW)
-            self.model = apply_lora(self.model, cfg.model)
-        self.model.to(self.device)
-        if self.dist.mesh is not None:
-            par.shard_model(self.model, self.dist, t)
+        self.model = self._build_model(added_tokens)
         self.objective = build_objective(cfg.diffusion, self.tokenizer.mask_token_id)
         self.optimizer = build_optimizer(cfg.optim, self.model)
         self.scheduler = build_scheduler(
@@ -183,18 +129,53 @@ class Trainer:
             cfg.optim.min_lr_ratio,
         )
         # every rank reads the global micro-batch; train_step keeps this rank's rows
-        self.loader = BatchLoader(self.train_rows, self.dist.global_batch_size, seed=t.seed)
+        global_batch = self.local_batch_size * self.dist.world_size
+        self.loader = BatchLoader(self.train_rows, global_batch, seed=t.seed)
         self.noise = torch.Generator(device=self.device)
         self.noise.manual_seed(t.seed + 1)
         self.step = 0
         self.tokens_seen = 0
         self._lora_base: list[float] | None = None
+        # generation_config.json: how this model must be sampled (Dream's shift, BD3LM's
+        # block-causal attention; only what the objective fixes), so `unmask generate`,
+        # export and lm-eval need no flags
+        sampling = generation_config_text(
+            self.tokenizer, fixed_by_training(cfg.diffusion), complete=False
+        )
+        self.checkpointer = Checkpointer(
+            self.output_dir,
+            sharded=self.sharded,
+            tokenizer=self.tokenizer,
+            files={GENERATION_FILE: sampling},
+            save_total_limit=t.save_total_limit,
+        )
 
         if self.resume_path is not None:  # before config.yaml: a mismatch changes nothing
             self._restore(self.resume_path)
         self.output_dir.mkdir(parents=True, exist_ok=True)
         if self.dist.is_main:
             (self.output_dir / "config.yaml").write_text(dump_config(cfg))
+
+    def _build_model(self, added_tokens: int) -> torch.nn.Module:
+        """The model on its device, in torchtitan's order: vocabulary resize, 4-bit base,
+        activation checkpointing, per-block compile, LoRA, then FSDP2 over the mesh."""
+        cfg, t = self.cfg, self.cfg.train
+        model = build_model(cfg.model)
+        if added_tokens or model.config.vocab_size < len(self.tokenizer):
+            model.resize_token_embeddings(max(len(self.tokenizer), model.config.vocab_size))
+        if cfg.model.load_in_4bit:  # QLoRA: frozen NF4 base, quantized onto the device
+            compute = torch.bfloat16 if t.bf16 else torch.float32
+            quantize_4bit(model, lora_targets(cfg.model, model), self.device, compute)
+        model.gradient_checkpointing = t.gradient_checkpointing
+        if t.torch_compile:
+            compile_blocks(decoder_layers(model))
+        if cfg.model.lora:  # peft wrapper: base frozen, LoRA factors train (AdamW)
+            model = apply_lora(model, cfg.model)
+        model.to(self.device)
+        if self.sharded:
+            apply_fsdp(model, self.dist.mesh, decoder_layers(model), bf16=t.bf16,
+                       reshard_after_forward=t.reshard_after_forward)  # fmt: skip
+        return model
 
     # -- state ---------------------------------------------------------------------------
     def _rng_state(self) -> dict:
@@ -203,8 +184,7 @@ class Trainer:
     def _restore(self, path: Path) -> None:
         saved = json.loads((path / STATE_FILE).read_text())  # settings first, then tensors
         check_lora_settings(saved.get("lora"), self.cfg.model, path)
-        load = load_distributed_checkpoint if is_distributed_checkpoint(path) else load_checkpoint
-        state, rng = load(path, self.model, self.optimizer, self.scheduler)
+        state, rng = self.checkpointer.load(path, self.model, self.optimizer, self.scheduler)
         check_base_fingerprint(state.get("lora_base_fingerprint"), self.model, path)
         self.step = state["step"]
         self.tokens_seen = state.get("tokens_seen", 0)
@@ -216,37 +196,15 @@ class Trainer:
         state = {"loader": self.loader.state_dict(), "tokens_seen": self.tokens_seen}
         if self.cfg.model.lora:
             state["lora"] = lora_settings(self.cfg.model)
-        if self.cfg.model.lora and self.dist.mesh is None:  # adapter-only checkpoints
+        if self.cfg.model.lora and not self.sharded:  # adapter-only checkpoints
             if self._lora_base is None:
                 self._lora_base = base_fingerprint(self.model)
             state["lora_base_fingerprint"] = self._lora_base
         return state
 
-    def _sampling_file(self) -> dict[str, str]:
-        """generation_config.json: how this model must be sampled (Dream's shift, BD3LM's
-        block-causal attention; only what the objective fixes), so `unmask generate`,
-        export and lm-eval need no flags."""
-        from unmask.eval.export import generation_config
-        from unmask.sampling.loading import GENERATION_FILE, training_sampling_defaults
-
-        sampling = training_sampling_defaults(self.cfg.diffusion)
-        config = generation_config(self.tokenizer, sampling, complete=False)
-        return {GENERATION_FILE: json.dumps(config, indent=2)}
-
     def save(self) -> Path:
-        save = save_distributed_checkpoint if self.dist.mesh is not None else save_checkpoint
-        return save(
-            self.output_dir,
-            self.step,
-            self.model,
-            self.tokenizer,
-            self.optimizer,
-            self.scheduler,
-            self._trainer_state(),
-            self._rng_state(),
-            self.cfg.train.save_total_limit,
-            self._sampling_file(),
-        )
+        return self.checkpointer.save(self.step, self.model, self.optimizer, self.scheduler,
+                                      self._trainer_state(), self._rng_state())  # fmt: skip
 
     # -- one step ------------------------------------------------------------------------
     def _to_device(self, batch: dict) -> dict:
@@ -254,6 +212,19 @@ class Trainer:
 
     def _autocast(self):
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.train.bf16)
+
+    def _rank_share(self, batch: dict, where: tuple[int, int]) -> tuple[dict, torch.Generator]:
+        """This rank's rows of a global micro-batch, and the generator its objective draws
+        from. An objective with `global_noise` draws the noise of the whole global batch
+        from the generator every rank holds in the same state, and each rank keeps its
+        rows: a row gets the noise it would get in a one-process run of the same global
+        batch, so losses do not depend on the world size. Other objectives draw on their
+        own rows from a generator seeded by (seed, where = (step, micro-batch), rank)."""
+        if self.objective.global_noise:
+            batch, noise = self.objective.with_noise(batch, self.noise), self.noise
+        else:
+            noise = rank_generator(self.noise, where, self.dist.rank)
+        return rank_rows(batch, self.dist.rank, self.local_batch_size), noise
 
     def train_step(self, batches: list[dict]) -> dict:
         """One optimizer step over micro-batches; the loss is normalized once, globally."""
@@ -266,18 +237,16 @@ class Trainer:
                 batch, self.cfg.diffusion.random_length_prob, self.cfg.train.seed, self.step
             )
             noise = self.noise
-            if self.dist.mesh is not None:  # this rank's rows (and its noise generator)
-                batch, noise = par.rank_batch(
-                    batch, self.objective, self.noise, self.dist, (self.step, index)
-                )
-                par.sync_gradients(self.model, index == len(batches) - 1)
+            if self.sharded:
+                batch, noise = self._rank_share(batch, (self.step, index))
+                sync_gradients(self.model, index == len(batches) - 1)
             with self._autocast():
                 loss_sum, count = self.objective(self.model, batch, noise)
             loss_sum.backward()
             loss_sum_total += loss_sum.detach().float()
             count_total += count.detach().float()
-        if self.dist.mesh is not None:  # sum over ranks: the normalization stays global
-            loss_sum_total, count_total = par.all_reduce_sum(loss_sum_total, count_total)
+        if self.sharded:  # sum over ranks: the normalization stays global
+            loss_sum_total, count_total = all_reduce_sum(loss_sum_total, count_total)
         scale = 1.0 / count_total.clamp(min=1.0)
         for param in self.model.parameters():
             if param.grad is not None:
@@ -293,14 +262,12 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         stats = {"loss": (loss_sum_total * scale).item(), "learning_rate": learning_rate}
         if grad_norm is not None:
-            stats["grad_norm"] = float(par.full_value(grad_norm))
+            stats["grad_norm"] = float(full_value(grad_norm))
         return stats
 
     @torch.no_grad()
     def evaluate(self) -> float:
         """Eval loss on held-out rows with fixed noise, so evaluations are comparable."""
-        from unmask.data import eval_batches
-
         was_training = self.model.training
         self.model.eval()
         noise = torch.Generator(device=self.device)
@@ -321,7 +288,7 @@ class Trainer:
     # -- the loop ------------------------------------------------------------------------
     def train(self) -> dict:
         cfg, plan = self.cfg, self.plan
-        logger = (MetricsLogger if self.dist.is_main else par.SilentLogger)(
+        logger = (MetricsLogger if self.dist.is_main else SilentLogger)(
             self.output_dir,
             plan.total_steps,
             start_step=self.step,
@@ -370,17 +337,7 @@ class Trainer:
                     last.update(values)
                 if (plan.save_every and self.step % plan.save_every == 0) or at_end:
                     self.save()
-            final = self.output_dir / "final"
-            if self.dist.mesh is not None:
-                par.save_full_model(self.model, final)  # gathers on every rank, rank 0 writes
-            elif cfg.model.lora:
-                self.model = save_lora(self.model, self.output_dir, final, cfg.model)
-            else:
-                self.model.save_pretrained(final)
-            if self.dist.is_main:
-                self.tokenizer.save_pretrained(str(final))
-                for name, text in self._sampling_file().items():
-                    (final / name).write_text(text)
+            self.model = self.checkpointer.save_final(self.model, cfg.model)
             if cfg.eval.generate_accuracy:
                 last["heldout_exact_match"] = self._heldout_accuracy(logger)
         finally:
@@ -388,10 +345,6 @@ class Trainer:
         return last
 
     def _heldout_accuracy(self, logger: MetricsLogger) -> float:
-        from unmask.data import heldout_examples
-        from unmask.sampling.accuracy import heldout_accuracy
-        from unmask.sampling.loading import training_sampling_defaults
-
         examples = heldout_examples(self.cfg.data)
         started = time.perf_counter()
         accuracy, rows = heldout_accuracy(
@@ -401,7 +354,7 @@ class Trainer:
             self.cfg.eval,
             self.cfg.data.packing_length,
             self.device,
-            training_sampling_defaults(self.cfg.diffusion),
+            fixed_by_training(self.cfg.diffusion),
         )
         for prompt, expected, got in rows[:5]:
             mark = "ok " if expected == got else "bad"

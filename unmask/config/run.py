@@ -1,11 +1,11 @@
 """One YAML file = one run: the schema, loading, command-line overrides, error messages.
 
-Each component owns its section class (models.ModelConfig, data.DataConfig, ...); this
-module only composes them, applies `section.key=value` overrides and turns validation
-errors into one line that names the key and the nearest valid one.
+Each component owns its section class (models.ModelConfig, data.DataConfig, ...; the
+training loop's is config/train.py); this module composes them, translates seed schemas
+(compat.py), applies `section.key=value` overrides and turns validation errors into one
+line that names the key and the nearest valid one.
 """
 
-import difflib
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -13,13 +13,14 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from unmask.config.compat import translate
+from unmask.config.train import TrainConfig
 from unmask.data.config import DataConfig
 from unmask.diffusion.config import DiffusionConfig
-from unmask.errors import InputError
+from unmask.errors import InputError, describe_validation_error, did_you_mean
 from unmask.models.config import ModelConfig
 from unmask.optim.config import OptimConfig
 from unmask.sampling.config import EvalConfig
-from unmask.train.config import TrainConfig
 
 QUICKSTART = "quickstart.yaml"
 
@@ -55,31 +56,18 @@ def _model_at(model: type[BaseModel], path: tuple) -> type[BaseModel] | None:
     return model
 
 
-def _suggest(model: type[BaseModel], key: str, prefix: str) -> str:
-    """' (did you mean ...?)' from the same section, else from any other section."""
-    close = difflib.get_close_matches(key, list(model.model_fields), n=1, cutoff=0.6)
-    if close:
-        return f" (did you mean '{prefix}{close[0]}'?)"
+def _suggest(loc: tuple[str, ...]) -> str:
+    """' (did you mean ...?)' for an unknown key at loc: the nearest key of its own section,
+    else the section that has it."""
+    owner = _model_at(RunConfig, loc) or RunConfig
+    prefix = ".".join(loc[:-1])
+    hint = did_you_mean(loc[-1], owner.model_fields, prefix + "." if prefix else "")
+    if hint:
+        return hint
     for name, field in RunConfig.model_fields.items():
-        section = field.annotation
-        if key in section.model_fields:
-            return f" (it belongs in section '{name}': '{name}.{key}')"
+        if loc[-1] in field.annotation.model_fields:
+            return f" (it belongs in section '{name}': '{name}.{loc[-1]}')"
     return ""
-
-
-def _describe(err: ValidationError, root: type[BaseModel]) -> str:
-    first = err.errors()[0]
-    loc = tuple(first["loc"])
-    dotted = ".".join(str(p) for p in loc)
-    if first["type"] == "extra_forbidden":
-        owner = _model_at(root, loc) or root
-        prefix = ".".join(str(p) for p in loc[:-1])
-        prefix = prefix + "." if prefix else ""
-        hint = _suggest(owner, str(loc[-1]), prefix)
-        return f"unknown config key '{dotted}'{hint}"
-    got = first.get("input")
-    shown = "" if isinstance(got, dict) else f" (got {got!r})"
-    return f"bad value for config key '{dotted}': {first['msg']}{shown}"
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
@@ -125,13 +113,11 @@ def read_yaml(path: str | Path) -> dict:
 
 
 def quickstart_yaml() -> str:
-    return resources.files("unmask.configs").joinpath(QUICKSTART).read_text()
+    return resources.files("unmask.config").joinpath(QUICKSTART).read_text()
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
     """Read YAML (the packaged quickstart when `path` is None), apply overrides, validate."""
-    from unmask.compat import translate
-
     tree = read_yaml(path) if path is not None else yaml.safe_load(quickstart_yaml())
     for text in overrides or []:
         apply_override(tree, *parse_override(text))
@@ -142,7 +128,7 @@ def validate_tree(tree: dict) -> RunConfig:
     try:
         return RunConfig.model_validate(tree)
     except ValidationError as err:
-        raise InputError(_describe(err, RunConfig)) from None
+        raise InputError(describe_validation_error(err, "config key", _suggest)) from None
 
 
 def dump_config(cfg: RunConfig) -> str:
@@ -175,7 +161,3 @@ def reference_markdown() -> str:
             lines.append(f"| `{key}` | `{shown.strip()}` | {meaning} |")
         lines.append("")
     return "\n".join(lines)
-
-
-if __name__ == "__main__":
-    print(reference_markdown(), end="")

@@ -20,7 +20,7 @@ perbatch_cutoff, resp_cutoff_ratio, loss_weight_type, adaptor_name, log_to_wandb
 
 from typing import Any
 
-from unmask.errors import InputError
+from unmask.errors import InputError, did_you_mean
 from unmask.models.hf import HF_DIRECT_KEYS
 
 LMMS_KEYS = ("trainer_type", "model_config", "dataset_config", "trainer_args")
@@ -65,6 +65,9 @@ _TRAINER_ARGS = {
     "run_name": ("train", "run_name"),
     "resume_from_checkpoint": ("train", "resume_from_checkpoint"),
     "disable_tqdm": ("train", "disable_tqdm"),
+    # accepted as they are; train.fsdp2 and train.accelerator_config read them
+    "fsdp2": ("train", "fsdp2"),
+    "accelerator_config": ("train", "accelerator_config"),
 }
 # Model config fields of LMMs-Engine's qwen3_dllm that unmask spells the same way.
 _MODEL_FIELDS = (*HF_DIRECT_KEYS, "rope_theta")
@@ -133,10 +136,7 @@ def _put(out: dict, section: str, key: str, value: Any) -> None:
 
 
 def _unsupported(where: str, key: str, known) -> InputError:
-    import difflib
-
-    close = difflib.get_close_matches(key, list(known), n=1, cutoff=0.6)
-    hint = f" (did you mean '{close[0]}'?)" if close else ""
+    hint = did_you_mean(key, known)
     return InputError(f"seed config field '{where}{key}' is not supported by unmask{hint}")
 
 
@@ -218,29 +218,10 @@ def _lmms_dataset(cfg: dict, out: dict) -> None:
 
 
 def _lmms_trainer_args(cfg: dict, out: dict) -> None:
-    from unmask.train.config import TrainConfig
-
-    train_fields = TrainConfig.model_fields
     for key, value in cfg.items():
-        if key in _TRAINER_ARGS:
-            _put(out, *_TRAINER_ARGS[key], value)
-        elif key == "fsdp2":
-            if "fsdp2" in train_fields:
-                _put(out, "train", "fsdp2", value)
-            # otherwise: accepted; sharding follows the launch (torchrun world size)
-        elif key == "accelerator_config":
-            for k, v in _mapping(value, "trainer_args.accelerator_config").items():
-                if k != "split_batches":
-                    raise _unsupported("trainer_args.accelerator_config.", k, ("split_batches",))
-                if "split_batches" in train_fields:
-                    _put(out, "train", "split_batches", v)
-                elif v:
-                    raise InputError(
-                        "seed config field 'trainer_args.accelerator_config.split_batches: true' "
-                        "is not supported by this unmask build; remove it"
-                    )
-        else:
-            raise _unsupported("trainer_args.", key, [*_TRAINER_ARGS, "fsdp2"])
+        if key not in _TRAINER_ARGS:
+            raise _unsupported("trainer_args.", key, _TRAINER_ARGS)
+        _put(out, *_TRAINER_ARGS[key], value)
 
 
 # -- Transformer Lab -------------------------------------------------------------------------
@@ -286,12 +267,12 @@ def _training_method(method: str, tree: dict, out: dict) -> None:
             f"training_method: {method!r} is not supported; use one of "
             f"{', '.join(TRAINING_METHODS)}"
         )
-    native = tree
     for section, key, value in TRAINING_METHODS[method]:
-        if key in _mapping(native.get(section), section) or key in out.get(section, {}):
+        native = _mapping(tree.get(section), section)
+        if key in native or key in out.get(section, {}):
             continue
-        if section == "model" and _mapping(native.get("model"), "model").get("pretrained"):
+        if section == "model" and native.get("pretrained"):
             continue  # the folder's config.json names its family
-        if key == "loss_weight" and "objective" in _mapping(native.get(section), section):
+        if key == "loss_weight" and "objective" in native:
             continue
         _put(out, section, key, value)

@@ -1,0 +1,106 @@
+"""Sampling options are declared once (SamplingConfig): the `unmask generate` flags, the
+generation_config.json "unmask" entry and the lm-eval model_args accept exactly its fields,
+and each reaches the sampler unchanged."""
+
+import json
+
+import pytest
+
+from unmask.cli import SAMPLING_GROUP, build_parser, sampling_flags
+from unmask.data.tokenizer import build_char_tokenizer, ensure_special_tokens
+from unmask.errors import InputError
+from unmask.sampling.config import (
+    GENERATION_FILE,
+    SamplingConfig,
+    generation_config_text,
+    resolve_sampling,
+    saved_sampling,
+)
+
+FIELDS = set(SamplingConfig.model_fields)
+# Three valid settings that together give every option a value other than its default.
+SETTINGS = [
+    dict(gen_length=8, steps=4, block_length=4, temperature=0.5, top_p=0.9, top_k=5,
+         remasking="entropy", schedule="dream", eps=0.01, alg_temp=0.5, threshold=0.8,
+         cfg_scale=0.5, cache="prefix", cache_refresh=2, shift_logits=True,
+         growing_canvas=True),
+    dict(factor=1.0, block_causal=True, cache="dual"),
+    dict(remasking="origin", ddpm_cache=True),
+]  # fmt: skip
+
+
+def test_settings_cover_every_option_with_a_non_default_value():
+    defaults = SamplingConfig()
+    changed = {k for s in SETTINGS for k, v in s.items() if getattr(defaults, k) != v}
+    assert changed == FIELDS
+
+
+def _generate_parser():
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command")
+    return sub.choices["generate"]
+
+
+def _flags(options: dict) -> list[str]:
+    args = []
+    for name, value in options.items():
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            args.append(flag if value else "--no-" + flag[2:])
+        else:
+            args += [flag, str(value)]
+    return args
+
+
+def test_cli_flags_are_exactly_the_options():
+    group = next(g for g in _generate_parser()._action_groups if g.title == SAMPLING_GROUP)
+    assert {action.dest for action in group._group_actions} == FIELDS
+    parser = build_parser()
+    for options in SETTINGS:
+        ns = parser.parse_args(["generate", "--model", "m", *_flags(options)])
+        given = {k: v for k, v in sampling_flags(ns).items() if v is not None}
+        assert given == options
+        assert resolve_sampling(given) == SamplingConfig(**options)
+    ns = parser.parse_args(["generate", "--model", "m"])
+    assert set(sampling_flags(ns)) == FIELDS and not any(sampling_flags(ns).values())
+
+
+def test_generation_config_file_round_trips_every_option_and_refuses_others(tmp_path):
+    tok = build_char_tokenizer()
+    ensure_special_tokens(tok)
+    full = json.loads(generation_config_text(tok, {}, complete=True))
+    assert set(full["unmask"]) == FIELDS and full["mask_token_id"] == tok.mask_token_id
+    for options in SETTINGS:
+        (tmp_path / GENERATION_FILE).write_text(generation_config_text(tok, options, True))
+        assert resolve_sampling(saved_sampling(tmp_path)) == SamplingConfig(**options)
+        (tmp_path / GENERATION_FILE).write_text(generation_config_text(tok, options, False))
+        assert saved_sampling(tmp_path) == options
+    with pytest.raises(InputError, match="unknown sampling options"):
+        generation_config_text(tok, {"gen_lenght": 8}, complete=False)
+    (tmp_path / GENERATION_FILE).write_text(json.dumps({"unmask": {"gen_lenght": 8}}))
+    with pytest.raises(InputError, match="unknown sampling option 'gen_lenght'.*'gen_length'"):
+        saved_sampling(tmp_path)
+
+
+def test_lm_eval_model_args_are_exactly_the_options(tmp_path):
+    pytest.importorskip("lm_eval")
+    from conftest import save_tiny_model
+
+    from unmask.eval.harness import UnmaskLM
+
+    folder = save_tiny_model(tmp_path / "model")
+    for options in SETTINGS:
+        args = ",".join(f"{k}={v}" for k, v in options.items())
+        lm = UnmaskLM.create_from_arg_string(f"pretrained={folder},{args}")
+        assert lm.options == SamplingConfig(**options)
+    with pytest.raises(ValueError, match="unknown model_args"):
+        UnmaskLM.create_from_arg_string(f"pretrained={folder},gen_lenght=8")
+
+
+def test_bad_values_are_one_line_errors():
+    with pytest.raises(InputError, match="bad value for sampling option 'top_p'"):
+        resolve_sampling({"top_p": 1.5})
+    with pytest.raises(InputError, match="unknown sampling option 'gen_lenght'.*'gen_length'"):
+        resolve_sampling({"gen_lenght": 8})
+    with pytest.raises(InputError, match="bad sampling options: .*threshold or factor"):
+        resolve_sampling({"threshold": 0.9, "factor": 1.0})

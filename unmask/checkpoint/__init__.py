@@ -1,0 +1,30 @@
+"""Model and run folders on disk: checkpoints written, found, restored and exported, and
+saved models opened for sampling."""
+
+from unmask.checkpoint.checkpointer import Checkpointer
+from unmask.checkpoint.export import (
+    export_distributed_checkpoint,
+    export_model,
+    gather_distributed_checkpoint,
+)
+from unmask.checkpoint.layout import (
+    STATE_FILE,
+    is_distributed_checkpoint,
+    list_checkpoints,
+    resolve_model_folder,
+    resolve_resume,
+)
+from unmask.checkpoint.open import load_for_sampling
+
+__all__ = [
+    "STATE_FILE",
+    "Checkpointer",
+    "export_distributed_checkpoint",
+    "export_model",
+    "gather_distributed_checkpoint",
+    "is_distributed_checkpoint",
+    "list_checkpoints",
+    "load_for_sampling",
+    "resolve_model_folder",
+    "resolve_resume",
+]

@@ -1,0 +1,192 @@
+"""Save and restore a training run's state: one Checkpointer for one process and for many.
+
+A checkpoint-N/ folder holds, for both kinds:
+  - the model: one process writes an HF folder (config.json + model.safetensors, or a LoRA
+    run's peft adapter), so `unmask generate --model checkpoint-N` works; several processes
+    write their shards of model and optimizer with torch.distributed.checkpoint (DCP) into
+    dcp/, loadable at any world size, plus config.json for export;
+  - optimizer.pt (one process), scheduler.pt, rng_state.pt (loaded with weights_only=True),
+    trainer_state.json (step, data-loader position, ...), the tokenizer and the run's extra
+    files (generation_config.json).
+Written into a temporary folder and published atomically (layout.py); under DCP, rank 0
+renames after every rank finished, so a rank dying mid-save leaves the previous checkpoint
+as the newest complete one.
+"""
+
+import json
+import os
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import load_file
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from unmask.checkpoint.layout import (
+    CONFIG_FILE,
+    DCP_DIR,
+    STATE_FILE,
+    is_distributed_checkpoint,
+    publish,
+    temporary_folder,
+)
+from unmask.errors import InputError
+from unmask.models import ModelConfig, build_empty, hf_config_dict
+from unmask.models.lora import ADAPTER_FILE, load_adapter, save_lora
+from unmask.parallel.fsdp import full_model_state
+
+OPTIMIZER_FILE, SCHEDULER_FILE, RNG_FILE = "optimizer.pt", "scheduler.pt", "rng_state.pt"
+
+
+class Checkpointer:
+    """Writes checkpoint-N/ folders of one run and restores a run from one.
+
+    sharded: the model and optimizer are FSDP2-sharded over a process group (every rank
+    calls save/load; DCP). tokenizer and files (name -> text) are written into every
+    checkpoint; save_total_limit keeps the newest N.
+    """
+
+    def __init__(
+        self,
+        output_dir: Path,
+        *,
+        sharded: bool = False,
+        tokenizer=None,
+        files: dict[str, str] | None = None,
+        save_total_limit: int | None = None,
+    ) -> None:
+        self.output_dir = Path(output_dir)
+        self.sharded = sharded
+        self.tokenizer = tokenizer
+        self.files = dict(files or {})
+        self.save_total_limit = save_total_limit
+
+    @property
+    def _is_writer(self) -> bool:
+        return not self.sharded or dist.get_rank() == 0
+
+    def save(
+        self, step: int, model: nn.Module, optimizer, scheduler, trainer_state: dict,
+        rng_state: dict,
+    ) -> Path:  # fmt: skip
+        """Write checkpoint-{step}; every rank calls it when sharded."""
+        state = {**trainer_state, "step": step}
+        if self.sharded:
+            tmp = self.output_dir / f".tmp-checkpoint-{step}"
+            if dist.get_rank() == 0:
+                temporary_folder(self.output_dir, step)
+            dist.barrier()
+            model_state, optim_state = get_state_dict(model, optimizer)
+            dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp / DCP_DIR))
+            state["world_size"] = dist.get_world_size()
+        else:
+            tmp = temporary_folder(self.output_dir, step, f"-{os.getpid()}")
+            model.save_pretrained(tmp)
+            torch.save(optimizer.state_dict(), tmp / OPTIMIZER_FILE)
+        final = self.output_dir / f"checkpoint-{step}"
+        if self._is_writer:
+            if self.sharded:
+                config = hf_config_dict(model.config)
+                (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2))
+            self._write_common(tmp, scheduler, rng_state, state)
+            publish(tmp, step, self.save_total_limit)
+        if self.sharded:
+            dist.barrier()
+        return final
+
+    def _write_common(self, folder: Path, scheduler, rng_state: dict, state: dict) -> None:
+        if self.tokenizer is not None:
+            self.tokenizer.save_pretrained(str(folder))
+        torch.save(scheduler.state_dict(), folder / SCHEDULER_FILE)
+        torch.save(rng_state, folder / RNG_FILE)
+        (folder / STATE_FILE).write_text(json.dumps(state, indent=2))
+        for name, text in self.files.items():
+            (folder / name).write_text(text)
+
+    def load(self, path: Path, model: nn.Module, optimizer, scheduler) -> tuple[dict, dict]:
+        """Restore model, optimizer and scheduler in place from checkpoint `path` (either
+        kind, at any world size); returns (trainer_state, rng_state)."""
+        path = Path(path)
+        if is_distributed_checkpoint(path):
+            _load_sharded(path, model, optimizer)
+        else:
+            _load_model(path, model)
+            optimizer.load_state_dict(torch.load(path / OPTIMIZER_FILE, weights_only=True))
+        scheduler.load_state_dict(torch.load(path / SCHEDULER_FILE, weights_only=True))
+        rng_state = torch.load(path / RNG_FILE, weights_only=True)
+        trainer_state = json.loads((path / STATE_FILE).read_text())
+        return trainer_state, rng_state
+
+    def save_final(self, model: nn.Module, lora: ModelConfig | None = None) -> nn.Module:
+        """output_dir/final: the trained model as one HF folder with the tokenizer and the
+        run's files. Sharded: every rank gathers the full state, rank 0 writes it through an
+        unsharded model of the same architecture. A LoRA run (`lora` = its model section):
+        the peft adapter, or the merged model with lora_merge (returned, to use from then
+        on; otherwise `model` itself)."""
+        folder = self.output_dir / "final"
+        if self.sharded:
+            state = full_model_state(model)  # collective: every rank
+            if dist.get_rank() == 0:
+                plain = build_empty(model.config)
+                plain.load_state_dict(state)
+                plain.save_pretrained(str(folder))
+            dist.barrier()
+        elif lora is not None and lora.lora:
+            model = save_lora(model, self.output_dir, folder, lora)
+        else:
+            model.save_pretrained(str(folder))
+        if self._is_writer:
+            if self.tokenizer is not None:
+                self.tokenizer.save_pretrained(str(folder))
+            for name, text in self.files.items():
+                (folder / name).write_text(text)
+        return model
+
+
+def _load_model(path: Path, model: nn.Module) -> None:
+    """The weights of a one-process checkpoint into model (the adapter of a LoRA run)."""
+    if hasattr(model, "peft_config"):
+        load_adapter(path, model)
+        return
+    if not (path / "model.safetensors").is_file():
+        lora = (path / ADAPTER_FILE).is_file()
+        raise InputError(
+            f"checkpoint {str(path)!r} holds no model.safetensors"
+            + ("; it was written by a LoRA run: set model.lora: true" if lora else "")
+            + "; resume with the config it was written with"
+        )
+    weights = load_file(str(path / "model.safetensors"))
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    allowed_missing = {"lm_head.weight"} if model.config.tie_word_embeddings else set()
+    if set(missing) - allowed_missing or unexpected:
+        raise InputError(
+            f"checkpoint {str(path)!r} does not match the model in the config "
+            f"(missing {sorted(set(missing) - allowed_missing)[:3]}, unexpected "
+            f"{sorted(unexpected)[:3]}); resume with the config it was written with"
+        )
+
+
+def _load_sharded(path: Path, model: nn.Module, optimizer) -> None:
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optim": optim_state}
+    try:
+        dcp_load(state, path / DCP_DIR)
+    except Exception as err:  # DCP raises CheckpointException with every rank's traceback
+        raise InputError(
+            f"checkpoint {str(path)!r} does not match the model and optimizer in the config "
+            f"({type(err).__name__}); resume with the config it was written with"
+        ) from None
+    set_state_dict(
+        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+    )
+
+
+def dcp_load(state: dict, folder: Path) -> None:
+    """dcp.load in place; in one process (no process group) that is the intent: no warning."""
+    with warnings.catch_warnings():
+        if not dist.is_initialized():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=str(folder))

@@ -1,0 +1,41 @@
+"""Open a saved model for sampling: a checkpoint-N, final/, exported folder or run
+output_dir -> weights on a device, tokenizer, special ids and the folder's sampling
+options (generation_config.json)."""
+
+from pathlib import Path
+
+import torch
+
+from unmask.checkpoint.layout import resolve_model_folder
+from unmask.data.tokenizer import load_local_tokenizer
+from unmask.errors import InputError
+from unmask.models import folder_mask_token_id, from_pretrained
+from unmask.sampling.config import saved_sampling
+from unmask.sampling.texts import SamplingModel
+
+
+def load_for_sampling(
+    model_path: str | Path,
+    tokenizer_path: str | Path | None = None,
+    device: str = "cpu",
+    mask_id: int | None = None,
+    dtype: torch.dtype | None = None,
+) -> SamplingModel:
+    """The model at model_path in eval mode on `device`, with its tokenizer (or the one at
+    tokenizer_path). The mask id: `mask_id`, else config.json's, else the tokenizer's."""
+    folder = resolve_model_folder(model_path)
+    if tokenizer_path:
+        tokenizer = load_local_tokenizer(str(tokenizer_path), "--tokenizer")
+    else:
+        tokenizer = load_local_tokenizer(str(folder), "--model")
+    if mask_id is None:
+        mask_id = folder_mask_token_id(folder)
+    if mask_id is None:
+        mask_id = tokenizer.mask_token_id
+    if mask_id is None:
+        raise InputError("the tokenizer has no mask token; pass --mask-id")
+    eos_id = tokenizer.eos_token_id
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos_id or 0)
+    model = from_pretrained(folder, dtype=dtype).to(device).eval()
+    return SamplingModel(model, tokenizer, mask_id, eos_id, pad_id, torch.device(device),
+                         saved_sampling(folder))  # fmt: skip

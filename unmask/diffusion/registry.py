@@ -1,0 +1,27 @@
+"""Objective names -> objective classes: the one place `diffusion.objective` is looked up.
+
+To add an objective: write a class with the `Objective` call signature
+(`objective(model, batch, generator) -> ObjectiveOutput(loss_sum, count)`, see
+objectives.py; subclass `MaskedDiffusionObjective` to reuse its noise), add its name to
+`DiffusionConfig.objective` and to `OBJECTIVES` below, and its formula to docs/diffusion.md.
+"""
+
+from unmask.diffusion.config import DiffusionConfig
+from unmask.diffusion.objectives import MaskedDiffusionObjective, Objective
+from unmask.diffusion.recipes import BlockDiffusionObjective, DreamObjective, SFTObjective
+
+OBJECTIVES: dict[str, type[MaskedDiffusionObjective]] = {
+    "mdlm": MaskedDiffusionObjective,
+    "llada": MaskedDiffusionObjective,
+    "bert": MaskedDiffusionObjective,  # the mdlm loss on a transformers encoder
+    "sft": SFTObjective,
+    "dream": DreamObjective,
+    "bd3lm": BlockDiffusionObjective,
+}
+
+
+def build_objective(cfg: DiffusionConfig, mask_id: int) -> Objective:
+    """The objective named by `cfg.objective`, masking with token `mask_id`."""
+    if cfg.objective not in OBJECTIVES:
+        raise ValueError(f"unknown objective {cfg.objective!r}; expected one of {list(OBJECTIVES)}")
+    return OBJECTIVES[cfg.objective](cfg, mask_id)

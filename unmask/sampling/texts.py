@@ -1,0 +1,68 @@
+"""Text in, text out: tokenize prompts, decode them in left-padded batches with `sample`,
+cut each answer at its first EOS. Used by `unmask generate` and the lm-eval adapter."""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from unmask.errors import InputError
+from unmask.sampling.config import SamplingConfig
+from unmask.sampling.generate import left_pad, sample
+
+
+@dataclass
+class SamplingModel:
+    """A model ready to sample: eval mode on `device`, its tokenizer, special ids, and the
+    sampling options its folder carries (`saved`, generation_config.json)."""
+
+    model: nn.Module
+    tokenizer: Any
+    mask_id: int
+    eos_id: int | None
+    pad_id: int
+    device: torch.device
+    saved: dict[str, Any]
+
+
+def generate_texts(
+    sm: SamplingModel,
+    prompts: list[str],
+    config: SamplingConfig,
+    batch_size: int = 16,
+    generator: torch.Generator | None = None,
+    on_step: Callable[[torch.Tensor], None] | None = None,
+) -> list[dict[str, Any]]:
+    """Generate for each prompt (batched, left-padded); returns one record per prompt:
+    prompt, completion (text before the first EOS), tokens, nfe, seconds of its batch."""
+    try:
+        config.check_lengths()
+    except ValueError as err:
+        raise InputError(str(err)) from None
+    encoded = [sm.tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    for text, ids in zip(prompts, encoded):
+        if not ids:
+            raise InputError(f"prompt {text!r} is empty after tokenization; give some text")
+    records: list[dict[str, Any]] = []
+    for start in range(0, len(prompts), batch_size):
+        ids, attention_mask = left_pad(encoded[start : start + batch_size], sm.pad_id)
+        ids, attention_mask = ids.to(sm.device), attention_mask.to(sm.device)
+        if bool(attention_mask.all()):
+            attention_mask = None
+        out = sample(sm.model, ids, config, mask_id=sm.mask_id, eos_id=sm.eos_id,
+                     attention_mask=attention_mask, generator=generator, on_step=on_step)  # fmt: skip
+        for row, answer in enumerate(out.answers.tolist()):
+            if sm.eos_id is not None and sm.eos_id in answer:
+                answer = answer[: answer.index(sm.eos_id)]
+            records.append(
+                {
+                    "prompt": prompts[start + row],
+                    "completion": sm.tokenizer.decode(answer, skip_special_tokens=True),
+                    "tokens": len(answer),
+                    "nfe": out.nfe,
+                    "seconds": round(out.seconds, 4),
+                }
+            )
+    return records
