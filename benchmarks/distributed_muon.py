@@ -48,7 +48,7 @@ LR, WD = 0.02, 0.1
 def muon_shapes() -> list[torch.Size]:
     from unmask.models.config import ModelConfig
     from unmask.models.transformer import DiffusionTransformer
-    from unmask.optim.muon import route_parameters
+    from unmask.optim.routing import route_parameters
 
     cfg = ModelConfig(
         hidden_size=128,
@@ -143,8 +143,8 @@ class GatherMuon(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self):
-        from unmask.optim.muon import apply_muon_update_, lr_scale, muon_ns_input
         from unmask.optim.newton_schulz import coefficient_schedule
+        from unmask.optim.updates import apply_muon_update_, lr_scale, muon_ns_input
 
         world, rank = dist.get_world_size(), dist.get_rank()
         for p in self.param_groups[0]["params"]:
@@ -179,7 +179,7 @@ def worker(out: str) -> None:
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import distribute_tensor
 
-    import unmask.optim.distributed as owner_path
+    import unmask.optim.updates as muon_updates
     from unmask.optim import MuonAdamW
     from unmask.optim.newton_schulz import newton_schulz
 
@@ -187,7 +187,7 @@ def worker(out: str) -> None:
     world, rank = dist.get_world_size(), dist.get_rank()
     mesh = init_device_mesh("cpu", (world,))
     shapes = muon_shapes()
-    owner_path.newton_schulz = _count_ns(newton_schulz)
+    muon_updates.newton_schulz = _count_ns(newton_schulz)
     NEWTON_SCHULZ = _count_ns(newton_schulz)
     dist.all_to_all_single = _count_all_to_all(dist.all_to_all_single)
     count_functional_collectives()

@@ -8,8 +8,8 @@ from unmask.errors import InputError
 from unmask.models.config import ModelConfig
 from unmask.models.transformer import DiffusionTransformer
 from unmask.optim.distributed import OwnerPlan, assign_owners, chunk_rows, owner_loads
-from unmask.optim.muon import route_parameters
 from unmask.optim.newton_schulz import ns_flops
+from unmask.optim.routing import route_parameters
 from unmask.parallel.batch import per_rank_batch_size, rank_rows
 from unmask.parallel.mesh import launch_env, resolve_mesh_shape
 

@@ -8,7 +8,8 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
-from unmask.optim.muon import MuonAdamW, route_parameters
+from unmask.optim.muon import MuonAdamW
+from unmask.optim.routing import route_parameters
 
 
 class OptimConfig(BaseModel):

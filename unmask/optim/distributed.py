@@ -1,4 +1,7 @@
-"""Exact Muon for DTensor (FSDP2 / HSDP) parameters: the owner all-to-all (MUON.md).
+"""Muon for DTensor (FSDP2 / HSDP) parameters: the owner all-to-all (MUON.md).
+
+Exact: the result is bit-identical to MuonAdamW on the unsharded module (asserted with
+``torch.equal`` by tests/integration/test_distributed_muon.py, float32 and bfloat16 NS).
 
 FSDP2 keeps every parameter, gradient and momentum buffer as a ``Shard(0)`` DTensor: each rank
 of the shard group holds a block of rows (``torch.chunk`` sizes, so the last ranks may hold
@@ -9,7 +12,8 @@ fewer rows or none). Newton-Schulz needs the whole matrix, so one step of a Muon
 3. one ``all_to_all_single``: every rank sends its rows of matrix i to owner(i), in the NS
    dtype (NS casts to it first, so nothing is lost; float16 NS normalizes in float32 first, so
    its input travels as float32);
-4. each owner runs NS once per owned matrix, batched by shape;
+4. each owner runs NS once per owned matrix, batched by shape, with the call the
+   one-process step makes (:func:`~unmask.optim.updates.orthogonalize_inputs`);
 5. a second ``all_to_all_single`` returns each rank its rows of every update;
 6. weight decay and the update, scaled by the *global* shape, on the local rows.
 
@@ -32,11 +36,14 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from unmask.optim.newton_schulz import (
-    coefficient_schedule,
-    newton_schulz,
-    ns_flops,
-    resolve_dtype,
+from unmask.optim.newton_schulz import ns_flops
+from unmask.optim.updates import (
+    apply_muon_update_,
+    lr_scale,
+    momentum_buffer,
+    muon_ns_input,
+    ns_settings,
+    orthogonalize_inputs,
 )
 
 
@@ -93,34 +100,6 @@ def comm_dtype(ns_dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if ns_dtype == torch.float16 else ns_dtype
 
 
-def _schedule(group: dict[str, Any]) -> tuple[list, bool]:
-    coeffs = group["ns_coefficients"]
-    if isinstance(coeffs, str):
-        return coefficient_schedule(coeffs, group["ns_steps"]), coeffs == "gram"
-    return [tuple(coeffs)] * group["ns_steps"], False
-
-
-def orthogonalize_local(matrices: list[Tensor], group: dict[str, Any]) -> list[Tensor]:
-    """NS once per matrix, batched by shape (the same call the one-process optimizer makes)."""
-    schedule, gram = _schedule(group)
-    dtype = resolve_dtype(group["ns_dtype"])
-    out: list[Tensor | None] = [None] * len(matrices)
-    by_shape: dict[tuple, list[int]] = defaultdict(list)
-    for index, m in enumerate(matrices):
-        by_shape[tuple(m.shape)].append(index)
-    for indices in by_shape.values():
-        # one matrix goes in as 2-D, like MuonAdamW's one-process path (same memory layout
-        # after the transpose of a tall matrix, so the same GEMM kernel and the same bits)
-        if len(indices) == 1:
-            batch = matrices[indices[0]]
-        else:
-            batch = torch.stack([matrices[i] for i in indices])
-        result = newton_schulz(batch, schedule, dtype=dtype, gram=gram, out_dtype=dtype)
-        for i, r in zip(indices, result.unbind(0) if len(indices) > 1 else [result]):
-            out[i] = r
-    return out  # type: ignore[return-value]
-
-
 class OwnerPlan:
     """Who owns which matrix of one Muon group, and the row blocks every rank holds.
 
@@ -151,7 +130,7 @@ def owner_all_to_all(
     NS dtype. Exactly one NS per matrix across the group (on its owner).
     """
     world = plan.world_size
-    ns_dtype = resolve_dtype(group["ns_dtype"])
+    ns_dtype = ns_settings(group).dtype
     send_dtype = comm_dtype(ns_dtype)
     device = local_inputs[0].device if local_inputs else torch.device("cpu")
     # 1. my rows of every matrix, grouped by owner (owner-major, matrix order inside)
@@ -174,7 +153,7 @@ def owner_all_to_all(
             pieces[i].append(recv[offset : offset + n].view(-1, plan.shapes[i][1]))
             offset += n
     full = [torch.cat(pieces[i]) for i in mine]
-    updates = orthogonalize_local(full, group) if full else []
+    updates = orthogonalize_inputs(full, group) if full else []
     # 3. send every rank its rows of my updates; receive my rows from every owner
     back_parts = []
     for dst in range(world):
@@ -197,10 +176,23 @@ def owner_all_to_all(
     return out  # type: ignore[return-value]
 
 
-def dtensor_muon_step(optimizer, group: dict[str, Any]) -> None:
-    """One Muon step for a group of DTensor parameters (called by MuonAdamW.step)."""
-    from unmask.optim.muon import apply_muon_update_, lr_scale, muon_ns_input
+#: Owner plans of the DTensor Muon groups, by (mesh, shard mesh dim, ids of the parameters).
+OwnerPlans = dict[tuple, OwnerPlan]
 
+
+def dtensor_muon_step(
+    group: dict[str, Any], state: defaultdict[Tensor, dict[str, Any]], owner_plans: OwnerPlans
+) -> None:
+    """One Muon step for a param group of DTensor parameters (called by MuonAdamW.step).
+
+    Args:
+        group: the Muon param group (its params, lr, weight decay and NS settings).
+        state: per-parameter optimizer state (``Optimizer.state``: a parameter seen for
+            the first time gets an empty dict); momentum buffers are created in it on the
+            first step.
+        owner_plans: cache of :class:`OwnerPlan`; a plan is built on the first step of a
+            group and reused (it depends only on global shapes and the mesh).
+    """
     params = [p for p in group["params"] if p.grad is not None]
     if not params:
         return
@@ -211,36 +203,30 @@ def dtensor_muon_step(optimizer, group: dict[str, Any]) -> None:
         dim = shard_dim_of(p)
         by_layout[(id(p.device_mesh), dim, p.ndim)].append(p)
     for (_, dim, ndim), layout_params in by_layout.items():
-        inputs = []
-        for p in layout_params:
-            state = optimizer.state[p]
-            if "momentum_buffer" not in state:
-                dtype = torch.promote_types(p.dtype, torch.float32)
-                state["momentum_buffer"] = torch.zeros_like(p, dtype=dtype)
-            inputs.append(
-                muon_ns_input(
-                    state["momentum_buffer"].to_local(),
-                    p.grad.to_local(),
-                    group["momentum"],
-                    group["nesterov"],
-                    group["momentum_style"],
-                )
+        inputs = [
+            muon_ns_input(
+                momentum_buffer(state[p], p).to_local(),
+                p.grad.to_local(),
+                group["momentum"],
+                group["nesterov"],
+                group["momentum_style"],
             )
+            for p in layout_params
+        ]
         if dim is None or ndim == 3:
             # replicated (every rank holds whole matrices) or expert stacks sharded on the
-            # expert dim: NS on what is here, no communication.
-            updates = [orthogonalize_local([u], group)[0] if u.numel() else u for u in inputs]
+            # expert dim: NS on what is here, one input at a time, no communication.
+            updates = [orthogonalize_inputs([u], group)[0] if u.numel() else u for u in inputs]
         else:
             mesh = layout_params[0].device_mesh
-            pg = mesh.get_group(dim)
-            key = ("owner_plan", id(mesh), dim, tuple(id(p) for p in layout_params))
-            plan = optimizer.__dict__.setdefault("_owner_plans", {}).get(key)
+            key = (id(mesh), dim, tuple(id(p) for p in layout_params))
+            plan = owner_plans.get(key)
             if plan is None:
-                _, gram = _schedule(group)
-                plan = OwnerPlan(
-                    [p.shape for p in layout_params], mesh.size(dim), group["ns_steps"], gram
-                )
-                optimizer._owner_plans[key] = plan
+                shapes = [p.shape for p in layout_params]
+                gram = ns_settings(group).gram
+                plan = OwnerPlan(shapes, mesh.size(dim), group["ns_steps"], gram)
+                owner_plans[key] = plan
+            pg = mesh.get_group(dim)
             updates = owner_all_to_all(inputs, plan, group, pg, mesh.get_local_rank(dim))
         by_shape: dict[tuple, list[int]] = defaultdict(list)
         for index, p in enumerate(layout_params):

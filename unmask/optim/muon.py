@@ -1,35 +1,23 @@
 """MuonAdamW: Muon for 2-D hidden matrices, AdamW for everything else, in one optimizer.
 
-Routing (``route_parameters``) decides per parameter by module role first, then by name and
-shape, following MUON.md:
+Which parameters get Muon is decided by :func:`~unmask.optim.routing.route_parameters`; the
+per-matrix arithmetic lives in :mod:`unmask.optim.updates`; DTensor (FSDP2/HSDP) Muon groups
+go through the owner all-to-all of :mod:`unmask.optim.distributed`. This module holds the
+optimizer: param groups, state, and the order of the steps.
 
-* AdamW without weight decay: 1-D and scalar parameters, biases, the weights of norm layers.
-* AdamW with weight decay: embeddings (``nn.Embedding`` weights and anything tied to them),
-  the output head (``get_output_embeddings()``), LoRA factors, names containing ``embed``,
-  ``lm_head``, ``wte``, ``wpe`` or ``lora``, and parameters with more than three dims.
-  Embeddings and the head are decayed like the other matrices, as nanoGPT and the HF
-  Trainer do; only norms, biases and 1-D parameters are exempt.
-* Muon: the remaining 2-D matrices (and 3-D expert stacks, orthogonalized per expert).
-* Frozen parameters (``requires_grad=False``) are left out of the optimizer.
-
-``muon_include`` and then ``muon_exclude`` regexes (``re.search`` on the parameter name or
-any tied alias) override the rules; the first matching pattern wins.
-
-One Muon step per matrix W (A x B), see :func:`muon_ns_input` and
-:func:`apply_muon_update_`: fp32 momentum, Nesterov input, batched Newton-Schulz on every
-matrix of one shape, result cast back to the parameter dtype, then
-``W <- W (1 - lr wd) - lr s O`` with ``s`` from ``adjust_lr``. Like ``torch.optim.Muon``,
-weight decay uses the unscaled lr. Configured like torch (``momentum_style="ema"``, jordan,
-bf16) the result equals ``torch.optim.Muon`` bit for bit on CPU.
+One Muon step batches Newton-Schulz over every matrix of one shape (up to
+``NS_BATCH_NUMEL`` elements per call) and casts the result back to the parameter dtype.
+Configured like torch (``momentum_style="ema"``, ``ns_coefficients="jordan"``,
+``ns_dtype="bfloat16"``, Nesterov) the parameters equal those of ``torch.optim.Muon`` on
+the Muon matrices plus ``torch.optim.AdamW`` on the rest bit for bit on CPU:
+tests/unit/test_muon.py asserts ``torch.equal`` on every parameter after five steps, for
+``adjust_lr="original"`` and ``"match_rms_adamw"``.
 """
 
 from __future__ import annotations
 
-import math
-import re
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -37,52 +25,23 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from unmask.errors import InputError
-from unmask.optim.newton_schulz import (
-    NS_DTYPES,
-    NS_METHODS,
-    Coefficients,
-    coefficient_schedule,
-    newton_schulz,
-    resolve_dtype,
+from unmask.optim.distributed import OwnerPlans, dtensor_muon_step
+from unmask.optim.newton_schulz import NS_DTYPES, NS_METHODS, Coefficients
+from unmask.optim.routing import NamedParams, route_parameters
+from unmask.optim.updates import (
+    ADJUST_LR,
+    MOMENTUM_STYLES,
+    adamw_update_,
+    apply_muon_update_,
+    lr_scale,
+    momentum_buffer,
+    muon_ns_input,
+    orthogonalize_inputs,
+    state_dtype,
 )
 
-ADJUST_LR = ("match_rms_adamw", "original", "none")
-MOMENTUM_STYLES = ("sum", "ema")
-#: Name fragments that always mean AdamW (the LlamaFactory review list).
-ADAMW_NAME_PARTS = ("embed", "lm_head", "wte", "wpe", "lora")
 #: Most matrix elements stacked into one batched NS call (bounds the transient memory).
 NS_BATCH_NUMEL = 1 << 26
-
-NamedParams = Iterable[tuple[str, nn.Parameter]]
-
-
-# ----------------------------------------------------------------------------- routing
-
-
-@dataclass
-class Routing:
-    """Which optimizer each trainable parameter gets, with the reason, by canonical name."""
-
-    muon: list[tuple[str, nn.Parameter]] = field(default_factory=list)
-    adamw_decay: list[tuple[str, nn.Parameter]] = field(default_factory=list)
-    adamw_no_decay: list[tuple[str, nn.Parameter]] = field(default_factory=list)
-    frozen: list[str] = field(default_factory=list)
-    reasons: dict[str, str] = field(default_factory=dict)
-
-    def summary(self) -> str:
-        """Tensor counts and parameter totals per group, one line each."""
-        rows = [
-            ("muon", self.muon),
-            ("adamw (decay)", self.adamw_decay),
-            ("adamw (no decay)", self.adamw_no_decay),
-        ]
-        lines = ["MuonAdamW parameter split:"]
-        for label, named in rows:
-            total = sum(p.numel() for _, p in named)
-            lines.append(f"  {label:<17}{len(named):>5} tensors {_human(total):>9} params")
-        if self.frozen:
-            lines.append(f"  {'frozen (skipped)':<17}{len(self.frozen):>5} tensors")
-        return "\n".join(lines)
 
 
 def _is_rank_zero() -> bool:
@@ -90,240 +49,9 @@ def _is_rank_zero() -> bool:
     return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
 
 
-def _human(n: int) -> str:
-    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if n >= size:
-            return f"{n / size:.2f}{unit}"
-    return str(n)
-
-
-def _is_norm(module: nn.Module) -> bool:
-    norm_types: tuple[type, ...] = (
-        nn.LayerNorm,
-        nn.GroupNorm,
-        nn.LocalResponseNorm,
-        nn.modules.batchnorm._NormBase,
-    )
-    if hasattr(nn, "RMSNorm"):
-        norm_types += (nn.RMSNorm,)
-    return isinstance(module, norm_types) or type(module).__name__.endswith("Norm")
-
-
-def _module_of(model: nn.Module, getter: str) -> nn.Module | None:
-    fn = getattr(model, getter, None)
-    if not callable(fn):
-        return None
-    try:
-        module = fn()
-    except (NotImplementedError, AttributeError):
-        return None
-    return module if isinstance(module, nn.Module) else None
-
-
-def _roles(model: nn.Module) -> tuple[dict[int, set[str]], dict[int, list[str]]]:
-    """Per parameter (by id): the roles of the modules owning it, and all its names."""
-    roles: dict[int, set[str]] = defaultdict(set)
-    aliases: dict[int, list[str]] = defaultdict(list)
-    head = _module_of(model, "get_output_embeddings")
-    embed = _module_of(model, "get_input_embeddings")
-    for mod_name, module in model.named_modules(remove_duplicate=False):
-        for leaf, p in module.named_parameters(recurse=False):
-            full = f"{mod_name}.{leaf}" if mod_name else leaf
-            if full not in aliases[id(p)]:
-                aliases[id(p)].append(full)
-            if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) or module is embed:
-                roles[id(p)].add("embedding")
-            if module is head:
-                roles[id(p)].add("output head")
-            if _is_norm(module):
-                roles[id(p)].add("norm")
-    return roles, aliases
-
-
-def _first_match(patterns: Sequence[re.Pattern[str]], names: Sequence[str]) -> str | None:
-    for pat in patterns:
-        if any(pat.search(n) for n in names):
-            return pat.pattern
-    return None
-
-
-def _compile(patterns: Iterable[str], what: str) -> list[re.Pattern[str]]:
-    compiled = []
-    for pat in patterns:
-        try:
-            compiled.append(re.compile(pat))
-        except re.error as err:
-            raise InputError(f"{what}: {pat!r} is not a valid regex ({err})") from err
-    return compiled
-
-
-def _default_route(p: Tensor, names: Sequence[str], roles: set[str]) -> tuple[str, str]:
-    """(destination, reason) by the MUON.md rules; destination in muon/decay/no_decay."""
-    leaf = names[0].rsplit(".", 1)[-1]
-    lowered = [n.lower() for n in names]
-    if p.ndim < 2:
-        return "no_decay", f"{p.ndim}-D"
-    if leaf == "bias" or leaf.endswith("_bias"):
-        return "no_decay", "bias"
-    if "norm" in roles:
-        return "no_decay", "norm"
-    if "embedding" in roles:
-        tied = " (tied)" if len(names) > 1 else ""
-        return "decay", "embedding" + tied
-    if "output head" in roles:
-        return "decay", "output head"
-    if len(names) > 1:
-        return "decay", "shared by several modules (tied)"
-    for part in ADAMW_NAME_PARTS:
-        if any(part in n for n in lowered):
-            return "decay", f"name contains {part!r}"
-    if p.ndim > 3:
-        return "decay", f"{p.ndim}-D tensor"
-    return "muon", "hidden matrix" if p.ndim == 2 else "expert stack (3-D)"
-
-
-def route_parameters(
-    model_or_named_params: nn.Module | NamedParams,
-    muon_include: Iterable[str] = (),
-    muon_exclude: Iterable[str] = (),
-) -> Routing:
-    """Split trainable parameters into Muon, AdamW-with-decay and AdamW-without-decay.
-
-    Args:
-        model_or_named_params: a module (module roles are used: embeddings, norms, the
-            output head, weights tied between them), or ``(name, param)`` pairs (then only
-            names and shapes; pass ``named_parameters(remove_duplicate=False)`` so tied
-            weights show every name).
-        muon_include: regexes forcing matching 2-D/3-D parameters to Muon; checked first.
-        muon_exclude: regexes forcing matching parameters to AdamW.
-
-    Returns:
-        A :class:`Routing` in parameter order, each parameter once under its first name.
-    """
-    include = _compile(muon_include, "muon_include")
-    exclude = _compile(muon_exclude, "muon_exclude")
-    if isinstance(model_or_named_params, nn.Module):
-        model = model_or_named_params
-        roles, aliases = _roles(model)
-        named = list(model.named_parameters())
-    else:
-        roles, aliases = defaultdict(set), defaultdict(list)
-        named = []
-        for name, p in model_or_named_params:
-            if not aliases[id(p)]:
-                named.append((name, p))
-            aliases[id(p)].append(name)
-    routing = Routing()
-    for name, p in named:
-        names = aliases[id(p)] or [name]
-        if not p.requires_grad:
-            routing.frozen.append(name)
-            continue
-        dest, reason = _default_route(p, names, roles[id(p)])
-        if (pat := _first_match(include, names)) is not None:
-            if p.ndim not in (2, 3):
-                raise InputError(
-                    f"muon_include {pat!r} matches {name!r} of shape {tuple(p.shape)}; Muon "
-                    "takes 2-D matrices (or 3-D expert stacks): narrow the pattern"
-                )
-            dest, reason = "muon", f"muon_include {pat!r}"
-        elif (pat := _first_match(exclude, names)) is not None:
-            dest = "no_decay" if dest == "no_decay" else "decay"
-            reason = f"muon_exclude {pat!r}"
-        target = {
-            "muon": routing.muon,
-            "decay": routing.adamw_decay,
-            "no_decay": routing.adamw_no_decay,
-        }[dest]
-        target.append((name, p))
-        routing.reasons[name] = reason
-    return routing
-
-
-# ------------------------------------------------------------------ per-matrix pieces
-
-
-def lr_scale(shape: Sequence[int], adjust_lr: str) -> float:
-    """Muon update scale s for a matrix of global shape (..., A, B).
-
-    ``match_rms_adamw``: 0.2 sqrt(max(A, B)) (Moonlight; reuse AdamW's lr and wd);
-    ``original``: sqrt(max(1, A / B)) (Keller Jordan); ``none``: 1. Written with the same
-    float operations as ``torch.optim.Muon`` so the adjusted lr agrees to the last bit.
-    """
-    a, b = shape[-2], shape[-1]
-    if adjust_lr == "match_rms_adamw":
-        return 0.2 * math.sqrt(max(a, b))
-    if adjust_lr == "original":
-        return math.sqrt(max(1, a / b))
-    if adjust_lr == "none":
-        return 1.0
-    raise ValueError(f"adjust_lr must be one of {ADJUST_LR}, got {adjust_lr!r}")
-
-
-def muon_ns_input(buf: Tensor, grad: Tensor, momentum: float, nesterov: bool, style: str) -> Tensor:
-    """Update the fp32 momentum ``buf`` in place and return the NS input (same shape, fp32).
-
-    ``sum``: M <- mu M + G; input G + mu M (Nesterov) or M.
-    ``ema``: M <- lerp(M, G, 1 - mu); input lerp(G, M, mu) or M (``torch.optim.Muon``).
-    The two differ by the factor (1 - mu), which NS normalizes away.
-    """
-    g = grad.to(buf.dtype)
-    if style == "ema":
-        buf.lerp_(g, 1 - momentum)
-        return g.lerp(buf, momentum) if nesterov else buf
-    if style == "sum":
-        buf.mul_(momentum).add_(g)
-        return g.add(buf, alpha=momentum) if nesterov else buf
-    raise ValueError(f"momentum_style must be one of {MOMENTUM_STYLES}, got {style!r}")
-
-
-def apply_muon_update_(
-    params: list[Tensor], updates: list[Tensor], lr: float, weight_decay: float, scale: float
-) -> None:
-    """W <- W (1 - lr wd) - lr s O for same-shape params (decay with the unscaled lr)."""
-    if weight_decay != 0:
-        torch._foreach_mul_(params, 1 - lr * weight_decay)
-    torch._foreach_add_(params, updates, alpha=-(lr * scale))
-
-
-def adamw_update_(
-    params: list[Tensor],
-    grads: list[Tensor],
-    exp_avgs: list[Tensor],
-    exp_avg_sqs: list[Tensor],
-    *,
-    step: float,
-    lr: float,
-    betas: tuple[float, float],
-    eps: float,
-    weight_decay: float,
-) -> None:
-    """One AdamW step for params sharing a step count (the count after this step).
-
-    Same operations as ``torch.optim.AdamW`` (single-tensor path): decoupled decay, lerp
-    for the first moment, bias corrections in Python floats.
-    """
-    beta1, beta2 = betas
-    if weight_decay != 0:
-        torch._foreach_mul_(params, 1 - lr * weight_decay)
-    torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
-    torch._foreach_mul_(exp_avg_sqs, beta2)
-    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
-    step_size = lr / (1 - beta1**step)
-    bias_correction2_sqrt = (1 - beta2**step) ** 0.5
-    denom = torch._foreach_sqrt(exp_avg_sqs)
-    torch._foreach_div_(denom, bias_correction2_sqrt)
-    torch._foreach_add_(denom, eps)
-    torch._foreach_addcdiv_(params, exp_avgs, denom, value=-step_size)
-
-
 def _local(t: Tensor) -> Tensor:
     """The local shard of a DTensor (elementwise math on it is exact), else t itself."""
     return t.to_local() if isinstance(t, DTensor) else t
-
-
-def _state_dtype(p: Tensor) -> torch.dtype:
-    return torch.promote_types(p.dtype, torch.float32)
 
 
 def _chunks(items: list[Tensor], max_numel: int) -> list[list[Tensor]]:
@@ -366,8 +94,15 @@ class MuonAdamW(torch.optim.Optimizer):
         muon_include, muon_exclude: name regexes overriding the routing (include first).
         verbose: print the split once at construction (rank 0 only under torch.distributed).
 
-    Param groups carry ``use_muon`` and ``param_names``; ``self.routing`` keeps the split
-    with a reason per parameter.
+    Param groups carry ``use_muon`` and ``param_names``. Attributes besides the base
+    class's:
+
+    * ``routing``: the :class:`~unmask.optim.routing.Routing` split, with a reason per
+      parameter.
+    * ``owner_plans``: the DTensor path's cache of owner plans (which rank orthogonalizes
+      which matrix), filled on the first step of each sharded Muon group and reused. A
+      plan depends only on global shapes and the mesh, so it is not saved in
+      ``state_dict()``, and a pickled or deep-copied optimizer starts with an empty cache.
     """
 
     def __init__(
@@ -432,6 +167,7 @@ class MuonAdamW(torch.optim.Optimizer):
         if not groups:
             raise InputError("MuonAdamW got no trainable parameters (all frozen or none given)")
         super().__init__(groups, defaults)
+        self.owner_plans: OwnerPlans = {}
         if verbose and _is_rank_zero():
             print(self.routing.summary(), flush=True)
 
@@ -453,9 +189,8 @@ class MuonAdamW(torch.optim.Optimizer):
 
     def _muon_group_step(self, group: dict[str, Any]) -> None:
         if any(isinstance(p, DTensor) for p in group["params"]):
-            from unmask.optim.distributed import dtensor_muon_step
-
-            dtensor_muon_step(self, group)  # FSDP2/HSDP: the owner all-to-all
+            # FSDP2/HSDP: the owner all-to-all
+            dtensor_muon_step(group, self.state, self.owner_plans)
             return
         buckets: dict[tuple, list[Tensor]] = defaultdict(list)
         for p in group["params"]:
@@ -466,50 +201,20 @@ class MuonAdamW(torch.optim.Optimizer):
             buckets[(p.shape[-2], p.shape[-1], p.device)].append(p)
         for params in buckets.values():
             for chunk in _chunks(params, NS_BATCH_NUMEL):
-                inputs = [self._ns_input(p, group) for p in chunk]
-                updates = self._orthogonalize(inputs, group)
+                inputs = [
+                    muon_ns_input(
+                        momentum_buffer(self.state[p], p),
+                        p.grad,
+                        group["momentum"],
+                        group["nesterov"],
+                        group["momentum_style"],
+                    )
+                    for p in chunk
+                ]
+                updates = orthogonalize_inputs(inputs, group)
                 updates = [u.to(p.dtype) for u, p in zip(updates, chunk)]
                 scale = lr_scale(chunk[0].shape, group["adjust_lr"])
                 apply_muon_update_(chunk, updates, group["lr"], group["weight_decay"], scale)
-
-    def _ns_input(self, p: Tensor, group: dict[str, Any]) -> Tensor:
-        state = self.state[p]
-        if "momentum_buffer" not in state:
-            state["momentum_buffer"] = torch.zeros_like(
-                p, dtype=_state_dtype(p), memory_format=torch.preserve_format
-            )
-        return muon_ns_input(
-            state["momentum_buffer"],
-            p.grad,
-            group["momentum"],
-            group["nesterov"],
-            group["momentum_style"],
-        )
-
-    def _orthogonalize(self, inputs: list[Tensor], group: dict[str, Any]) -> list[Tensor]:
-        """Batched NS on same-shape (..., A, B) inputs; returns one update per input.
-
-        The seam for a sharded implementation: everything before is elementwise on the
-        local shard, everything after needs only the update for that shard.
-        """
-        a, b = inputs[0].shape[-2:]
-        batch = torch.cat([u.reshape(-1, a, b) for u in inputs]) if len(inputs) > 1 else inputs[0]
-        coeffs = group["ns_coefficients"]
-        if isinstance(coeffs, str):
-            schedule = coefficient_schedule(coeffs, group["ns_steps"])
-        else:
-            schedule = [tuple(coeffs)] * group["ns_steps"]
-        out = newton_schulz(
-            batch,
-            schedule,
-            dtype=resolve_dtype(group["ns_dtype"]),
-            gram=coeffs == "gram",
-            out_dtype=resolve_dtype(group["ns_dtype"]),
-        )
-        if len(inputs) == 1:
-            return [out]
-        sizes = [u.numel() // (a * b) for u in inputs]
-        return [o.reshape(u.shape) for o, u in zip(out.split(sizes), inputs)]
 
     def _adamw_group_step(self, group: dict[str, Any]) -> None:
         by_step: dict[float, list[Tensor]] = defaultdict(list)
@@ -521,8 +226,8 @@ class MuonAdamW(torch.optim.Optimizer):
             state = self.state[p]
             if "step" not in state:
                 state["step"] = torch.tensor(0.0, dtype=torch.float32)
-                state["exp_avg"] = torch.zeros_like(p, dtype=_state_dtype(p))
-                state["exp_avg_sq"] = torch.zeros_like(p, dtype=_state_dtype(p))
+                state["exp_avg"] = torch.zeros_like(p, dtype=state_dtype(p))
+                state["exp_avg_sq"] = torch.zeros_like(p, dtype=state_dtype(p))
             state["step"] += 1
             by_step[state["step"].item()].append(p)
         for step, params in by_step.items():
@@ -540,6 +245,12 @@ class MuonAdamW(torch.optim.Optimizer):
             )
 
     # ------------------------------------------------------------------ checkpoints
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Unpickling and ``copy.deepcopy`` restore only the base class's attributes
+        (defaults, state, param_groups); start with an empty owner plan cache."""
+        super().__setstate__(state)
+        self.owner_plans = {}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Like ``Optimizer.load_state_dict``, but fp32 state of low-precision params stays

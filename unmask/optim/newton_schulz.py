@@ -16,10 +16,13 @@ Two iterations are implemented:
   the same map as standard NS with the same coefficients, so it only pays off for non-square
   matrices; square ones fall back to standard NS.
 
-Numerics follow ``torch.optim.Muon`` so that the two agree bit for bit on CPU: cast to the
-iteration dtype first, transpose tall matrices, then divide by ``max(||X||_F, eps)`` in that
-dtype. The one exception is float16, whose range (65504) a large momentum could overflow, so
-the norm is divided out in float32 before the cast (as Gram NS and dmuon do).
+Numerics follow ``torch.optim.Muon``: cast to the iteration dtype first, transpose tall
+matrices, then divide by ``max(||X||_F, eps)`` in that dtype. With torch's settings (jordan,
+bfloat16, the only dtype it has) the two agree bit for bit on CPU: the tests assert
+``torch.equal`` against torch's kernel for wide, tall and square matrices, and between a
+batched call and one call per matrix. The one exception is float16, whose range (65504) a
+large momentum could overflow, so the norm is divided out in float32 before the cast (as
+Gram NS and dmuon do).
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import distribute_tensor
 
-import unmask.optim.distributed as dist_muon
+import unmask.optim.updates as muon_updates
 from unmask.optim import MuonAdamW
 
 STEPS = 5
@@ -64,13 +64,13 @@ def run(mesh_shape: tuple[int, ...], ns_dtype: str) -> tuple[dict[str, torch.Ten
     fully_shard(net, mesh=mesh)
     opt = MuonAdamW(net, **{**OPTIM, "ns_dtype": ns_dtype})
     counted = [0]
-    original = dist_muon.newton_schulz
+    original = muon_updates.newton_schulz
 
     def counting(x, *args, **kwargs):
         counted[0] += x.reshape(-1, *x.shape[-2:]).shape[0]
         return original(x, *args, **kwargs)
 
-    dist_muon.newton_schulz = counting
+    muon_updates.newton_schulz = counting
     try:
         for step in range(STEPS):
             grads = full_grads(net, step)
@@ -79,7 +79,7 @@ def run(mesh_shape: tuple[int, ...], ns_dtype: str) -> tuple[dict[str, torch.Ten
             opt.step()
             opt.zero_grad()
     finally:
-        dist_muon.newton_schulz = original
+        muon_updates.newton_schulz = original
     # NS calls inside one shard group; replicas repeat them without talking
     total = torch.tensor([counted[0]])
     dist.all_reduce(total)
