@@ -1,8 +1,10 @@
 """Model families: logit parity with transformers' Qwen2 and Llama, and the Dream and LLaDA
 folder layouts (load, same logits as the equivalent transformers model, byte-for-byte round
-trip). The LLaDA key map is written out by hand below as documentation."""
+trip). The LLaDA key map is written out by hand below as documentation. Then the registry
+itself: ModelConfig's choices, config.json round trips, released mask ids, the logit shift."""
 
 import json
+import typing
 
 import pytest
 import torch
@@ -10,8 +12,22 @@ from safetensors.torch import save_file
 
 transformers = pytest.importorskip("transformers")
 
-from unmask.models import ModelConfig, from_pretrained  # noqa: E402
-from unmask.models.families import LLADA_KEY_MAP  # noqa: E402
+from unmask.models import (  # noqa: E402
+    FAMILIES,
+    MODEL_BUILDERS,
+    DiffusionTransformer,
+    ModelConfig,
+    build_empty,
+    config_from_hf,
+    decoder_layers,
+    family_of_config,
+    folder_mask_token_id,
+    from_pretrained,
+    hf_config_dict,
+    samples_with_logit_shift,
+)
+from unmask.models.families import LLADA_KEY_MAP, family_for_hf_type  # noqa: E402
+from unmask.models.hf_wrapped import build_encoder  # noqa: E402
 
 SIZES = dict(
     vocab_size=97,
@@ -223,3 +239,86 @@ def test_encoder_wrapper_matches_transformers_and_isolates_documents(tmp_path, f
     again = load_encoder(tmp_path / family).eval()
     with torch.no_grad():
         assert torch.equal(again(x), model(x))
+
+
+# --- the family registry ------------------------------------------------------------------
+
+
+def test_registry_and_model_config_choices_agree():
+    choices = typing.get_args(ModelConfig.model_fields["model_type"].annotation)
+    assert set(choices) == set(FAMILIES) and len(choices) == len(FAMILIES)
+    for name, family in FAMILIES.items():
+        assert family.name == name
+        assert MODEL_BUILDERS[name] is (DiffusionTransformer if family.native else build_encoder)
+        for key, value in family.config_defaults.items():  # switches the family implies
+            assert getattr(ModelConfig(model_type=name), key) == value
+
+
+@pytest.mark.parametrize("name", [n for n, f in FAMILIES.items() if f.native])
+def test_native_family_config_json_round_trip(name):
+    family = FAMILIES[name]
+    cfg = ModelConfig(model_type=name, rope_theta=5e4, tie_word_embeddings=True, **SIZES)
+    written = hf_config_dict(cfg)
+    assert written["model_type"] == family.hf_model_type
+    assert written["architectures"] == [family.architecture]
+    assert family_for_hf_type(written["model_type"]) is family
+
+    def same(back):  # head_dim may come back resolved (16) or absent (None): same shapes
+        assert back.resolved_head_dim == cfg.resolved_head_dim
+        assert back.model_dump(exclude={"head_dim"}) == cfg.model_dump(exclude={"head_dim"})
+
+    same(config_from_hf(written))
+    released = {k: v for k, v in written.items() if k != "unmask"}  # as the family's own folder
+    assert family_of_config(released) is family
+    same(config_from_hf(released))
+
+
+def _folder(folder, config):
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def test_mask_token_id_falls_back_to_the_familys_released_id(tmp_path):
+    llada = hf_config_dict(ModelConfig(model_type="llada", **SIZES))
+    assert llada["model_type"] == "llada" and "mask_token_id" not in llada
+    released = {k: v for k, v in llada.items() if k != "unmask"}
+    assert folder_mask_token_id(_folder(tmp_path / "a", released)) == 126336
+    own = {**released, "mask_token_id": 7}
+    assert folder_mask_token_id(_folder(tmp_path / "b", own)) == 7  # config.json wins
+    assert folder_mask_token_id(_folder(tmp_path / "c", llada)) is None  # written by unmask
+    dream = {"model_type": "Dream", "architectures": ["DreamModel"], **SIZES}
+    assert folder_mask_token_id(_folder(tmp_path / "d", dream)) == 151666
+    qwen2 = hf_config_dict(ModelConfig(model_type="qwen2_dllm", **SIZES))
+    qwen2.pop("unmask")
+    assert folder_mask_token_id(_folder(tmp_path / "e", qwen2)) is None  # no released id
+    assert folder_mask_token_id(tmp_path) is None  # no config.json
+
+
+def test_logit_shift_helper():
+    dream = {"model_type": "Dream", "architectures": ["DreamModel"], "mask_token_id": 151666}
+    assert samples_with_logit_shift(dream)
+    assert samples_with_logit_shift(hf_config_dict(ModelConfig(model_type="dream", **SIZES)))
+    qwen2 = hf_config_dict(ModelConfig(model_type="qwen2_dllm", **SIZES))
+    assert not samples_with_logit_shift(qwen2)
+    assert not samples_with_logit_shift({"model_type": "qwen2"})
+    assert not samples_with_logit_shift({"model_type": "mistral"})
+
+
+def test_build_empty_is_the_meta_path_from_pretrained_uses(tmp_path):
+    torch.manual_seed(0)
+    cfg = ModelConfig(model_type="llada", tie_word_embeddings=True, **SIZES)
+    model = DiffusionTransformer(cfg).eval()
+    empty = build_empty(cfg)
+    assert empty.lm_head.weight is empty.model.embed_tokens.weight  # tied again
+    assert all(p.device.type == "cpu" and p.dtype == torch.float32 for p in empty.parameters())
+    empty.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        assert torch.equal(empty.eval()(ids()), model(ids()))
+    half = build_empty(cfg, dtype=torch.bfloat16)
+    assert {p.dtype for p in half.parameters()} == {torch.bfloat16}
+    assert half.lm_head.weight is half.model.embed_tokens.weight
+    assert decoder_layers(model) == list(model.model.layers) and len(decoder_layers(model)) == 2
+    assert decoder_layers(torch.nn.Linear(2, 2)) == []
+    with pytest.raises(ValueError, match="encoder"):
+        build_empty(ModelConfig(model_type="bert", **SIZES))

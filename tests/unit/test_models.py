@@ -1,11 +1,14 @@
 """Native diffusion transformer: masks, positions, backends, loss path, resize, errors."""
 
+import ast
 import json
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+import unmask.models
 from unmask.errors import InputError
 from unmask.models import (
     MODEL_BUILDERS,
@@ -249,3 +252,33 @@ def test_config_rejects_unknown_keys_and_bad_heads():
     with pytest.raises(ValueError, match="multiple of num_key_value_heads"):
         ModelConfig(num_attention_heads=4, num_key_value_heads=3)
     assert ModelConfig.model_fields["rope_theta"].description.startswith("RoPE base")
+
+
+def test_models_package_imports_form_no_cycle():
+    """Every unmask import in unmask/models is at module level, and the module graph is a
+    DAG (hf.py below transformer.py, build.py above both)."""
+    package = Path(unmask.models.__file__).parent
+    graph: dict[str, set[str]] = {}
+    for path in sorted(package.glob("*.py")):
+        tree = ast.parse(path.read_text())
+        top = set(tree.body)
+        graph[path.stem] = set()
+        for node in ast.walk(tree):
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            names += [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            for name in (n for n in names if n.startswith("unmask")):
+                assert node in top, f"{path.name}:{node.lineno} imports {name} in a function"
+                if name.startswith("unmask.models.") and path.stem != "__init__":
+                    graph[path.stem].add(name.split(".")[2])
+    assert "transformer" not in graph["hf"] and "build" not in graph["transformer"]
+    done: set[str] = set()
+
+    def visit(module: str, stack: tuple[str, ...]) -> None:
+        assert module not in stack, f"import cycle: {' -> '.join((*stack, module))}"
+        if module not in done:
+            for dep in graph.get(module, ()):
+                visit(dep, (*stack, module))
+            done.add(module)
+
+    for module in graph:
+        visit(module, ())

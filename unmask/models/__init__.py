@@ -1,43 +1,48 @@
-"""Model registry: family name -> builder, plus loading and saving HF folders.
+"""Models: the family registry, the native diffusion transformer, HF folders, LoRA and QLoRA.
 
 `build_model(cfg)` is the one entry point the trainer uses: a fresh random model of
 `cfg.model_type` (seed torch before calling), or the weights in `cfg.pretrained`.
+
+Modules, bottom to top (each imports only those above it in this list):
+families (the registry), config (ModelConfig), attention, hf (config.json, safetensors,
+saving), transformer (DiffusionTransformer), hf_wrapped (transformers encoders), build
+(build_model, build_empty, from_pretrained), lora, quant.
 """
 
-from collections.abc import Callable
-
+from unmask.models.attention import KVCache
+from unmask.models.build import MODEL_BUILDERS, build_empty, build_model, from_pretrained
 from unmask.models.config import ModelConfig
-from unmask.models.hf import config_from_hf, from_pretrained, hf_config_dict, save_pretrained
-from unmask.models.hf_wrapped import build_encoder, is_encoder_folder, load_encoder
-from unmask.models.transformer import DiffusionTransformer
-
-MODEL_BUILDERS: dict[str, Callable[[ModelConfig], DiffusionTransformer]] = {
-    "qwen3_dllm": DiffusionTransformer,
-    "qwen2_dllm": DiffusionTransformer,
-    "llama_dllm": DiffusionTransformer,
-    "dream": DiffusionTransformer,
-    "llada": DiffusionTransformer,
-    "bert": build_encoder,
-    "modernbert": build_encoder,
-}
-
-
-def build_model(cfg: ModelConfig) -> DiffusionTransformer:
-    """Random-init model for cfg (call torch.manual_seed first), or load cfg.pretrained."""
-    if cfg.pretrained is not None:
-        if is_encoder_folder(cfg.pretrained):
-            return load_encoder(cfg.pretrained)
-        return from_pretrained(cfg.pretrained, attn_implementation=cfg.attn_implementation)
-    return MODEL_BUILDERS[cfg.model_type](cfg)
-
+from unmask.models.families import (
+    FAMILIES,
+    Family,
+    family_of_config,
+    samples_with_logit_shift,
+)
+from unmask.models.hf import (
+    HF_DIRECT_KEYS,
+    config_from_hf,
+    folder_mask_token_id,
+    hf_config_dict,
+    save_pretrained,
+)
+from unmask.models.transformer import DiffusionTransformer, decoder_layers
 
 __all__ = [
+    "FAMILIES",
+    "HF_DIRECT_KEYS",
     "MODEL_BUILDERS",
     "DiffusionTransformer",
+    "Family",
+    "KVCache",
     "ModelConfig",
+    "build_empty",
     "build_model",
     "config_from_hf",
+    "decoder_layers",
+    "family_of_config",
+    "folder_mask_token_id",
     "from_pretrained",
     "hf_config_dict",
+    "samples_with_logit_shift",
     "save_pretrained",
 ]

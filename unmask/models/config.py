@@ -8,15 +8,15 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from unmask.models.families import DEFAULT_FAMILY, FAMILIES, FAMILY_NAMES
+
 
 class ModelConfig(BaseModel):
     """Architecture of the native diffusion transformer, or a local folder to load."""
 
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
-    model_type: Literal[
-        "qwen3_dllm", "qwen2_dllm", "llama_dllm", "dream", "llada", "bert", "modernbert"
-    ] = "qwen3_dllm"
+    model_type: Literal[FAMILY_NAMES] = DEFAULT_FAMILY  # the names in models/families.py
     """Model family: a key of `unmask.models.MODEL_BUILDERS`. `qwen3_dllm`, `qwen2_dllm`,
     `llama_dllm`, `dream`, `llada`: the native bidirectional decoder with that family's
     switches and HF layout (see models/families.py); `bert`, `modernbert`: transformers'
@@ -113,10 +113,9 @@ class ModelConfig(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _family_defaults(cls, data):
-        from unmask.models.families import NATIVE_DEFAULTS
-
-        if isinstance(data, dict):
-            for key, value in NATIVE_DEFAULTS.get(data.get("model_type"), {}).items():
+        name = data.get("model_type") if isinstance(data, dict) else None
+        if isinstance(name, str) and name in FAMILIES:
+            for key, value in FAMILIES[name].config_defaults.items():
                 data = {**data} if key not in data else data
                 data.setdefault(key, value)
         return data

@@ -1,31 +1,40 @@
-"""Model families: which architecture switches each name implies, and HF key layouts.
+"""Model families: the one registry of what each `model.model_type` means.
 
-Native families all run `DiffusionTransformer` (one bidirectional decoder); they differ in
-config switches and in how a Hugging Face folder names things:
+Every family is one frozen `Family` entry in `FAMILIES`; nothing else in unmask spells out a
+family's names, switches or folder layout. Native families all run `DiffusionTransformer`
+(one bidirectional decoder) and differ in config switches and in how a Hugging Face folder
+names things; encoder families run transformers' own masked-LM classes (models/hf_wrapped.py).
 
-| family (model_type) | HF model_type | q/k norm | q/k/v bias | key layout |
-| --- | --- | --- | --- | --- |
-| qwen3_dllm | qwen3 | yes | no | HF (model.layers.N.self_attn.q_proj ...) |
-| qwen2_dllm | qwen2 | no | yes | HF |
-| dream | Dream (DreamModel) | no | yes | HF (Qwen2 names) |
-| llama_dllm | llama | no | attention_bias | HF |
-| llada | llada (LLaDAModelLM) | no | include_qkv_bias | LLaDA (`LLADA_KEY_MAP`) |
+| family (model_type) | config.json model_type | q/k norm | q/k/v bias | keys | mask id |
+| --- | --- | --- | --- | --- | --- |
+| qwen3_dllm | qwen3 | yes | no | HF | - |
+| qwen2_dllm | qwen2 | no | yes | HF | - |
+| llama_dllm | llama | no | attention_bias | HF | - |
+| dream | Dream (DreamModel, remote code) | no | yes | HF (Qwen2) | 151666 |
+| llada | llada (LLaDAModelLM, remote code) | no | include_qkv_bias | `LLADA_KEY_MAP` | 126336 |
+| bert, modernbert | bert, modernbert (transformers encoders) | | | HF | - |
 
-Encoder families (`bert`, `modernbert`) run transformers' own masked-LM classes
-(models/hf_wrapped.py). AR checkpoints converted to diffusion (A2D) keep their weights and
-simply run with full (bidirectional) attention.
+AR checkpoints converted to diffusion (A2D) keep their weights and simply run with full
+(bidirectional) attention. Dream was trained to predict position i from the output at i - 1,
+so it samples with the logit shift (`samples_with_logit_shift`).
+
+To add a family: append one `Family(...)` to `_ENTRIES` below. Name it (that name becomes a
+valid `model.model_type`), list the config.json `model_type` values it loads from (the first
+is the one it writes) and its architecture, and set only the fields that differ from the
+defaults: `config_defaults` for the ModelConfig switches it implies, `key_map` if its folders
+name weights differently from HF Llama, `config_style` if its config.json is not HF
+Llama-style (a new style also needs a reader and writer in models/hf.py), `hf_absent_keys` /
+`hf_extra` for keys its transformers config lacks or adds, `keeps_source_config`,
+`mask_token_id` and `logit_shift` for remote-code releases. Then add a round-trip case to
+tests/unit/test_families.py; ModelConfig, the builder, loading and saving read the rest from
+here.
 """
 
 import re
-
-NATIVE_DEFAULTS: dict[str, dict] = {
-    "qwen3_dllm": {},
-    "qwen2_dllm": {"qk_norm": False, "qkv_bias": True},
-    "dream": {"qk_norm": False, "qkv_bias": True},
-    "llama_dllm": {"qk_norm": False},
-    "llada": {"qk_norm": False},
-}
-ENCODER_FAMILIES = ("bert", "modernbert")
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Literal
 
 # Native (HF Llama-style) key -> LLaDA key; N is the layer index.
 LLADA_KEY_MAP = {
@@ -47,7 +56,158 @@ LLADA_KEY_MAP = {
 }
 
 
-def _compile(mapping: dict[str, str]) -> list[tuple[re.Pattern, str]]:
+@dataclass(frozen=True)
+class Family:
+    """Everything unmask knows about one model family (see the module docstring)."""
+
+    name: str
+    """The `model.model_type` users write."""
+    kind: Literal["native", "encoder"]
+    """native: unmask's bidirectional decoder; encoder: a transformers masked-LM class."""
+    hf_model_types: tuple[str, ...]
+    """config.json `model_type` values that load as this family; the first is written."""
+    architecture: str
+    """config.json `architectures[0]` written (for encoders: the transformers class built)."""
+    config_defaults: Mapping[str, Any] = field(default_factory=dict)
+    """ModelConfig fields this family implies unless the config sets them."""
+    key_map: Mapping[str, str] = field(default_factory=dict)
+    """Native state-dict key -> the key in this family's folders (N = layer index);
+    empty = HF Llama names, which are the native names."""
+    config_style: Literal["hf", "llada"] = "hf"
+    """How config.json fields convert: "hf" (Llama/Qwen names) or "llada" (OLMo-style)."""
+    hf_absent_keys: tuple[str, ...] = ()
+    """HF-style keys this family's transformers config lacks (not written)."""
+    hf_extra: Mapping[str, Any] = field(default_factory=dict)
+    """Extra config keys written for this family (for encoders: transformers config kwargs)."""
+    hf_rope_theta_default: float | None = None
+    """rope_theta for a config.json that names none (the family's own default);
+    None = ModelConfig's default."""
+    encoder_rope_key: str | None = None
+    """Encoders: the transformers config kwarg that takes ModelConfig.rope_theta (None: not
+    passed). Native families always write `rope_theta`."""
+    keeps_source_config: bool = False
+    """Folders carry a remote-code config.json, written back byte for byte on save when the
+    architecture is unchanged (no "unmask" tag is added to it)."""
+    mask_token_id: int | None = None
+    """Mask token id of the family's released checkpoints (used when a folder in the
+    released layout names none)."""
+    logit_shift: bool = False
+    """Position i is predicted from the output at i - 1 (Dream); sampled with the shift."""
+
+    def __post_init__(self) -> None:
+        for name in ("config_defaults", "key_map", "hf_extra"):  # read-only views
+            object.__setattr__(self, name, MappingProxyType(dict(getattr(self, name))))
+
+    @property
+    def native(self) -> bool:
+        return self.kind == "native"
+
+    @property
+    def hf_model_type(self) -> str:
+        """The config.json `model_type` this family writes."""
+        return self.hf_model_types[0]
+
+
+_ENTRIES = (
+    Family("qwen3_dllm", "native", ("qwen3", "qwen3_dllm"), "Qwen3ForCausalLM"),
+    Family(
+        "qwen2_dllm",
+        "native",
+        ("qwen2",),
+        "Qwen2ForCausalLM",
+        config_defaults={"qk_norm": False, "qkv_bias": True},
+        hf_absent_keys=("attention_bias", "head_dim"),
+    ),
+    Family(
+        "llama_dllm",
+        "native",
+        ("llama",),
+        "LlamaForCausalLM",
+        config_defaults={"qk_norm": False},
+        hf_extra={"mlp_bias": False},
+        hf_rope_theta_default=10000.0,  # transformers' Llama default
+    ),
+    Family(
+        "dream",
+        "native",
+        ("Dream", "dream"),
+        "DreamModel",
+        config_defaults={"qk_norm": False, "qkv_bias": True},
+        hf_absent_keys=("attention_bias", "head_dim"),
+        keeps_source_config=True,
+        mask_token_id=151666,
+        logit_shift=True,
+    ),
+    Family(
+        "llada",
+        "native",
+        ("llada",),
+        "LLaDAModelLM",
+        config_defaults={"qk_norm": False},
+        key_map=LLADA_KEY_MAP,
+        config_style="llada",
+        hf_rope_theta_default=10000.0,  # LLaDA / OLMo default
+        keeps_source_config=True,
+        mask_token_id=126336,
+    ),
+    Family("bert", "encoder", ("bert",), "BertForMaskedLM"),
+    Family(
+        "modernbert",
+        "encoder",
+        ("modernbert",),
+        "ModernBertForMaskedLM",
+        hf_extra={"bos_token_id": 1, "eos_token_id": 1, "cls_token_id": 1, "sep_token_id": 1},
+        encoder_rope_key="global_rope_theta",
+    ),
+)
+
+FAMILIES: dict[str, Family] = {fam.name: fam for fam in _ENTRIES}
+"""family name (`model.model_type`) -> Family, in the order the docs list them."""
+FAMILY_NAMES: tuple[str, ...] = tuple(FAMILIES)
+DEFAULT_FAMILY = "qwen3_dllm"
+
+_BY_HF_TYPE: dict[str, Family] = {}
+for _fam in _ENTRIES:
+    for _hf_type in _fam.hf_model_types:
+        if _hf_type in _BY_HF_TYPE:
+            raise RuntimeError(f"config.json model_type {_hf_type!r} names two families")
+        _BY_HF_TYPE[_hf_type] = _fam
+
+NATIVE_HF_MODEL_TYPES: tuple[str, ...] = tuple(t for t, f in _BY_HF_TYPE.items() if f.native)
+"""config.json `model_type` values the native loader reads, in registry order."""
+
+
+def family_for_hf_type(model_type: Any) -> Family | None:
+    """The family a config.json `model_type` value loads as, or None."""
+    return _BY_HF_TYPE.get(model_type) if isinstance(model_type, str) else None
+
+
+def family_of_config(config: Mapping[str, Any]) -> Family | None:
+    """The family a config.json dict describes: unmask's own tag first ("unmask":
+    {"model_type": ...}, written on save), else its `model_type`; None when unknown."""
+    tagged = (config.get("unmask") or {}).get("model_type")
+    if tagged in FAMILIES:
+        return FAMILIES[tagged]
+    return family_for_hf_type(config.get("model_type"))
+
+
+def released_mask_token_id(config: Mapping[str, Any]) -> int | None:
+    """The family's released mask id for a config.json in that family's own layout (not
+    written by unmask, i.e. without an "unmask" entry); None otherwise."""
+    if "unmask" in config:
+        return None
+    fam = family_for_hf_type(config.get("model_type"))
+    return fam.mask_token_id if fam is not None else None
+
+
+def samples_with_logit_shift(config: Mapping[str, Any]) -> bool:
+    """True when a config.json dict is a family that predicts position i from the output at
+    i - 1 (Dream), so sampling and likelihoods read logits shifted by one."""
+    fam = family_of_config(config)
+    return fam is not None and fam.logit_shift
+
+
+def _compile(mapping: Mapping[str, str]) -> list[tuple[re.Pattern, str]]:
     out = []
     for src, dst in mapping.items():
         pattern = re.escape(src).replace(r"\.N\.", r"\.(\d+)\.")
@@ -55,8 +215,8 @@ def _compile(mapping: dict[str, str]) -> list[tuple[re.Pattern, str]]:
     return out
 
 
-_TO_LLADA = _compile(LLADA_KEY_MAP)
-_FROM_LLADA = _compile({v: k for k, v in LLADA_KEY_MAP.items()})
+_TO_FOLDER = {fam.name: _compile(fam.key_map) for fam in _ENTRIES}
+_FROM_FOLDER = {fam.name: _compile({v: k for k, v in fam.key_map.items()}) for fam in _ENTRIES}
 
 
 def _rename(key: str, rules: list[tuple[re.Pattern, str]]) -> str:
@@ -66,17 +226,23 @@ def _rename(key: str, rules: list[tuple[re.Pattern, str]]) -> str:
     raise KeyError(key)
 
 
-def to_llada_keys(state: dict) -> dict:
-    """Native state dict -> LLaDA key names (unknown keys raise KeyError)."""
-    return {_rename(k, _TO_LLADA): v for k, v in state.items()}
+def to_folder_keys(state: dict, family: str) -> dict:
+    """Native state dict -> the family's folder key names (with a key map, unknown keys
+    raise KeyError; without one the dict comes back as it is)."""
+    if not FAMILIES[family].key_map:
+        return state
+    rules = _TO_FOLDER[family]
+    return {_rename(k, rules): v for k, v in state.items()}
 
 
-def from_llada_keys(state: dict) -> dict:
-    """LLaDA state dict -> native key names; keys outside the map are kept (reported later)."""
+def from_folder_keys(state: dict, family: str) -> dict:
+    """A family folder's state dict -> native key names; keys outside the map are kept (the
+    loader reports them)."""
+    rules = _FROM_FOLDER[family]
     out = {}
     for key, value in state.items():
         try:
-            out[_rename(key, _FROM_LLADA)] = value
+            out[_rename(key, rules)] = value
         except KeyError:
             out[key] = value
     return out

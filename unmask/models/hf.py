@@ -1,10 +1,15 @@
-"""Hugging Face folders <-> the native model: config.json mapping and safetensors weights.
+"""Hugging Face folders: config.json <-> ModelConfig, safetensors weights, and saving.
 
 Native parameter names equal HF Qwen3/Qwen2/Llama/Dream keys, so those load as a plain state
-dict; LLaDA folders are renamed through `families.LLADA_KEY_MAP`. Only local folders are read
-(no hub, no remote code); weights come from safetensors only. A loaded folder's config.json is
-kept on the model (`hf_source_config`) and written back on save, so a Dream or LLaDA folder
-round-trips with its own fields (mask_token_id, auto_map, ...).
+dict; a family with a key map (LLaDA) is renamed through it. Which config.json `model_type`
+is which family, each family's config style and its key map come from models/families.py.
+Only local folders are read (no hub, no remote code); weights come from safetensors only. A
+loaded folder's config.json is kept on the model (`hf_source_config`) and written back on
+save, so a Dream or LLaDA folder round-trips with its own fields (mask_token_id, auto_map...).
+
+This module never builds a model: `save_pretrained` needs only a model's `state_dict()`,
+`config` and `hf_source_config`, and loading into a new model (`from_pretrained`) lives in
+models/build.py, above both this module and models/transformer.py.
 """
 
 import json
@@ -13,23 +18,21 @@ from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
+from torch import nn
 
 from unmask.errors import InputError
 from unmask.models.config import ModelConfig
-from unmask.models.families import from_llada_keys, to_llada_keys
-from unmask.models.transformer import DiffusionTransformer
+from unmask.models.families import (
+    DEFAULT_FAMILY,
+    FAMILIES,
+    NATIVE_HF_MODEL_TYPES,
+    Family,
+    family_for_hf_type,
+    from_folder_keys,
+    released_mask_token_id,
+    to_folder_keys,
+)
 
-# config.json model_type -> unmask family
-HF_FAMILIES = {
-    "qwen3": "qwen3_dllm",
-    "qwen3_dllm": "qwen3_dllm",
-    "qwen2": "qwen2_dllm",
-    "llama": "llama_dllm",
-    "Dream": "dream",
-    "dream": "dream",
-    "llada": "llada",
-}
-HF_MODEL_TYPES = tuple(HF_FAMILIES)
 HF_DIRECT_KEYS = (
     "vocab_size",
     "hidden_size",
@@ -44,7 +47,11 @@ HF_DIRECT_KEYS = (
     "attention_bias",
     "initializer_range",
 )
+"""HF-style config.json keys that are ModelConfig fields of the same name."""
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+# --- config.json -> ModelConfig ------------------------------------------------------------
 
 
 def _rope_theta(hf: dict[str, Any]) -> float | None:
@@ -59,8 +66,27 @@ def _rope_theta(hf: dict[str, Any]) -> float | None:
     return params.get("rope_theta", hf.get("rope_theta"))
 
 
-def _llada_fields(hf: dict[str, Any]) -> dict[str, Any]:
-    """LLaDA's OLMo-style config names -> the HF names the rest of this module reads."""
+def _hf_fields(hf: dict[str, Any], family: Family) -> dict[str, Any]:
+    """ModelConfig fields from an HF Llama/Qwen-style config.json."""
+    if hf.get("mlp_bias"):
+        raise InputError("config.json: mlp_bias=true is not supported; need false")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise InputError(
+            f"config.json: hidden_act {hf['hidden_act']!r} is not supported; need silu"
+        )
+    if hf.get("use_sliding_window"):
+        raise InputError("config.json: use_sliding_window=true is not supported; set it to false")
+    fields = {key: hf[key] for key in HF_DIRECT_KEYS if hf.get(key) is not None}
+    theta = _rope_theta(hf)
+    if theta is not None:
+        fields["rope_theta"] = float(theta)
+    elif family.hf_rope_theta_default is not None:
+        fields["rope_theta"] = family.hf_rope_theta_default
+    return fields
+
+
+def _llada_fields(hf: dict[str, Any], family: Family) -> dict[str, Any]:
+    """ModelConfig fields from LLaDA's OLMo-style config.json names."""
     checks = {
         "block_type": "llama",
         "activation_type": "silu",
@@ -76,7 +102,7 @@ def _llada_fields(hf: dict[str, Any]) -> dict[str, Any]:
                 f"config.json: LLaDA {key}={hf[key]!r} is not supported; need {want!r}"
             )
     n_heads = hf["n_heads"]
-    return {
+    fields = {
         "vocab_size": hf.get("embedding_size") or hf["vocab_size"],
         "hidden_size": hf["d_model"],
         "intermediate_size": hf.get("mlp_hidden_size") or hf.get("mlp_ratio", 4) * hf["d_model"],
@@ -84,66 +110,69 @@ def _llada_fields(hf: dict[str, Any]) -> dict[str, Any]:
         "num_attention_heads": n_heads,
         "num_key_value_heads": hf.get("n_kv_heads") or n_heads,
         "rms_norm_eps": hf.get("rms_norm_eps", 1e-5),
-        "rope_theta": hf.get("rope_theta", 10000.0),
         "max_position_embeddings": hf.get("max_sequence_length", 4096),
         "tie_word_embeddings": bool(hf.get("weight_tying", False)),
         "qkv_bias": bool(hf.get("include_qkv_bias", False)),
         "initializer_range": hf.get("init_std", 0.02),
     }
+    if "rope_theta" in hf or family.hf_rope_theta_default is not None:
+        fields["rope_theta"] = hf.get("rope_theta", family.hf_rope_theta_default)
+    return fields
 
 
 def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
-    """ModelConfig from a config.json dict: Qwen3, Qwen2, Llama, Dream, LLaDA or unmask's."""
+    """ModelConfig from a config.json dict of a native family (Qwen3, Qwen2, Llama, Dream,
+    LLaDA) or one written by unmask (its "unmask" tag names the family)."""
     model_type = hf.get("model_type")
-    if model_type not in HF_FAMILIES:
+    if model_type not in NATIVE_HF_MODEL_TYPES:
         raise InputError(
             f"config.json: model_type {model_type!r} is not supported; expected one of "
-            f"{', '.join(HF_MODEL_TYPES)} (or a folder saved by unmask)"
+            f"{', '.join(NATIVE_HF_MODEL_TYPES)} (or a folder saved by unmask)"
         )
-    family = (hf.get("unmask") or {}).get("model_type") or HF_FAMILIES[model_type]
-    if family == "llada":
+    name = (hf.get("unmask") or {}).get("model_type") or family_for_hf_type(model_type).name
+    family = FAMILIES.get(name) if isinstance(name, str) else None
+    if family is None:
+        raise InputError(
+            f"config.json: unmask.model_type {name!r} is not a model family; expected one of "
+            f"{', '.join(FAMILIES)}"
+        )
+    if family.config_style == "llada":
         try:
-            return ModelConfig(model_type="llada", **_llada_fields(hf))
+            return ModelConfig(model_type=family.name, **_llada_fields(hf, family))
         except (KeyError, ValueError) as err:
             raise InputError(f"config.json: LLaDA config is missing or has bad {err}") from err
-    if hf.get("mlp_bias"):
-        raise InputError("config.json: mlp_bias=true is not supported; need false")
-    if hf.get("hidden_act", "silu") != "silu":
-        raise InputError(
-            f"config.json: hidden_act {hf['hidden_act']!r} is not supported; need silu"
-        )
-    if hf.get("use_sliding_window"):
-        raise InputError("config.json: use_sliding_window=true is not supported; set it to false")
-    fields = {key: hf[key] for key in HF_DIRECT_KEYS if hf.get(key) is not None}
-    theta = _rope_theta(hf)
-    if theta is not None:
-        fields["rope_theta"] = float(theta)
-    if family == "llama_dllm" and "rope_theta" not in fields:
-        fields["rope_theta"] = 10000.0  # transformers' Llama default
+    fields = _hf_fields(hf, family)
     try:
-        return ModelConfig(model_type=family, **fields)
+        return ModelConfig(model_type=family.name, **fields)
     except ValueError as err:
         raise InputError(f"config.json: {err}") from err
 
 
-_FAMILY_HF = {  # family -> (config.json model_type, architecture)
-    "qwen3_dllm": ("qwen3", "Qwen3ForCausalLM"),
-    "qwen2_dllm": ("qwen2", "Qwen2ForCausalLM"),
-    "llama_dllm": ("llama", "LlamaForCausalLM"),
-    "dream": ("Dream", "DreamModel"),
-}
+# --- ModelConfig -> config.json ------------------------------------------------------------
 
 
 def hf_config_dict(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
     """A config.json dict for cfg in its family's layout (Qwen3/Qwen2/Llama load in
-    transformers as they are; Dream and LLaDA in their own remote-code layouts)."""
+    transformers as they are; Dream and LLaDA in their own remote-code layouts). Encoder
+    families have no native layout: their fields ride in the default family's, tagged."""
     dtype_name = _DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
-    if cfg.model_type == "llada":
-        return _llada_config_dict(cfg, dtype_name)
-    model_type, arch = _FAMILY_HF.get(cfg.model_type, _FAMILY_HF["qwen3_dllm"])
-    out = {
-        "architectures": ["Qwen3ForCausalLM"],
-        "model_type": "qwen3",
+    family = FAMILIES[cfg.model_type]
+    if not family.native:
+        family = FAMILIES[DEFAULT_FAMILY]
+    if family.config_style == "llada":
+        out = _llada_config_dict(cfg, family, dtype_name)
+    else:
+        out = _hf_config_dict(cfg, family, dtype_name)
+    for key in family.hf_absent_keys:
+        out.pop(key, None)
+    out.update(family.hf_extra)
+    return out
+
+
+def _hf_config_dict(cfg: ModelConfig, family: Family, dtype_name: str) -> dict[str, Any]:
+    return {
+        "architectures": [family.architecture],
+        "model_type": family.hf_model_type,
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.hidden_size,
         "intermediate_size": cfg.intermediate_size,
@@ -168,21 +197,12 @@ def hf_config_dict(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict
         "dtype": dtype_name,
         "unmask": {"model_type": cfg.model_type},
     }
-    out["model_type"], out["architectures"] = model_type, [arch]
-    if cfg.model_type != "qwen3_dllm":  # no q/k norm; bias switches by family
-        out["attention_bias"] = cfg.attention_bias
-        if cfg.model_type in ("qwen2_dllm", "dream"):
-            out.pop("attention_bias")
-            out.pop("head_dim")
-        if cfg.model_type == "llama_dllm":
-            out["mlp_bias"] = False
-    return out
 
 
-def _llada_config_dict(cfg: ModelConfig, dtype_name: str) -> dict[str, Any]:
+def _llada_config_dict(cfg: ModelConfig, family: Family, dtype_name: str) -> dict[str, Any]:
     return {
-        "architectures": ["LLaDAModelLM"],
-        "model_type": "llada",
+        "architectures": [family.architecture],
+        "model_type": family.hf_model_type,
         "activation_type": "silu",
         "block_type": "llama",
         "layer_norm_type": "rms",
@@ -205,11 +225,15 @@ def _llada_config_dict(cfg: ModelConfig, dtype_name: str) -> dict[str, Any]:
         "init_std": cfg.initializer_range,
         "use_cache": False,
         "torch_dtype": dtype_name,
-        "unmask": {"model_type": "llada"},
+        "unmask": {"model_type": cfg.model_type},
     }
 
 
-def _read_config(folder: Path) -> dict[str, Any]:
+# --- folders: config.json, weights, mask id ------------------------------------------------
+
+
+def read_config(folder: Path) -> dict[str, Any]:
+    """A model folder's config.json as a dict; one clear error when it cannot be read."""
     if not folder.is_dir():
         raise InputError(
             f"model folder {str(folder)!r} does not exist; set model.pretrained to a local "
@@ -247,18 +271,21 @@ def _weight_files(folder: Path) -> list[Path]:
     )
 
 
-def _read_state_dict(folder: Path) -> dict[str, torch.Tensor]:
+def read_state_dict(folder: Path, family: str) -> dict[str, torch.Tensor]:
+    """The folder's safetensors weights under native key names (family: its key map)."""
     state: dict[str, torch.Tensor] = {}
     for path in _weight_files(folder):
         state.update(load_file(str(path)))
-    if any(key.startswith("model.transformer.") for key in state):  # LLaDA layout
-        state = from_llada_keys(state)
+    if FAMILIES[family].key_map:
+        state = from_folder_keys(state, family)
     if not any(key.startswith("model.") for key in state):  # a bare Qwen3Model checkpoint
         state = {(k if k == "lm_head.weight" else f"model.{k}"): v for k, v in state.items()}
     return {k: v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}
 
 
-def _load_weights(model: DiffusionTransformer, state: dict[str, torch.Tensor], folder: Path):
+def load_weights(model: nn.Module, state: dict[str, torch.Tensor], folder: Path) -> None:
+    """Load a folder's (native-named) state into model, strictly; tied heads share the
+    embedding. One clear error naming what is missing or unexpected."""
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
         if "model.embed_tokens.weight" in state:
@@ -274,62 +301,47 @@ def _load_weights(model: DiffusionTransformer, state: dict[str, torch.Tensor], f
 
 
 def folder_mask_token_id(folder: str | Path) -> int | None:
-    """`mask_token_id` from a model folder's config.json (LLaDA and Dream folders carry it),
-    or None when the folder has no config.json or the key."""
+    """The mask token id a model folder names: config.json's `mask_token_id` (LLaDA and Dream
+    folders carry it); else, for a folder in a family's own released layout (config.json not
+    written by unmask), that family's released id (LLaDA 126336, Dream 151666); else None
+    (also when the folder has no readable config.json)."""
     path = Path(folder) / "config.json"
     if not path.is_file():
         return None
     try:
-        value = json.loads(path.read_text()).get("mask_token_id")
+        config = json.loads(path.read_text())
     except json.JSONDecodeError:
         return None  # the model loader reports the broken file
+    value = config.get("mask_token_id")
     if value is None:
-        return None
+        return released_mask_token_id(config)
     if isinstance(value, bool) or not isinstance(value, int):
         raise InputError(f"{str(path)!r}: mask_token_id {value!r} is not an integer token id")
     return value
 
 
-def from_pretrained(
-    folder: str | Path, dtype: torch.dtype | None = None, attn_implementation: str = "auto"
-) -> DiffusionTransformer:
-    """Load a local HF Qwen3 folder or an unmask-saved one.
-
-    dtype: parameter dtype; None keeps float32 (training master weights).
-    """
-    folder = Path(folder)
-    source = _read_config(folder)
-    cfg = config_from_hf(source)
-    cfg = cfg.model_copy(update={"attn_implementation": attn_implementation})
-    state = _read_state_dict(folder)
-    with torch.device("meta"):
-        model = DiffusionTransformer(cfg)
-    model.to_empty(device="cpu")
-    model.tie_weights()
-    model = model.to(dtype or torch.float32)
-    _load_weights(model, state, folder)
-    model.hf_source_config = source
-    return model
+# --- saving --------------------------------------------------------------------------------
 
 
-def save_pretrained(model: DiffusionTransformer, folder: str | Path) -> None:
-    """Write config.json and model.safetensors (tied: embed_tokens only, like HF)."""
+def save_pretrained(model: nn.Module, folder: str | Path) -> None:
+    """Write config.json and model.safetensors (tied: embed_tokens only, like HF) for a native
+    model: uses only `model.state_dict()`, `model.config` and `model.hf_source_config`."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
+    family = FAMILIES[model.config.model_type]
     state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    dtype = state["model.embed_tokens.weight"].dtype  # the first parameter's
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
-    if model.config.model_type == "llada":
-        state = to_llada_keys(state)
-    dtype = next(model.parameters()).dtype
+    state = to_folder_keys(state, family.name)
     config = hf_config_dict(model.config, dtype)
     source = getattr(model, "hf_source_config", None)
     if source is not None and config_from_hf(source) == _plain(model.config):
-        # unchanged architecture: keep the folder's own config.json; Dream/LLaDA configs
-        # (remote-code layouts) stay byte for byte, transformers-native ones get the tag
+        # unchanged architecture: keep the folder's own config.json; remote-code configs
+        # (Dream, LLaDA) stay byte for byte, transformers-native ones get the tag
         config = dict(source)
-        if model.config.model_type not in ("dream", "llada"):
-            config["unmask"] = {"model_type": model.config.model_type}
+        if not family.keeps_source_config:
+            config["unmask"] = {"model_type": family.name}
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
 

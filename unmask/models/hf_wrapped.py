@@ -15,15 +15,16 @@ from torch import nn
 
 from unmask.errors import InputError
 from unmask.models.config import ModelConfig
+from unmask.models.families import FAMILIES, family_for_hf_type
 
 IGNORE_INDEX = -100
-ENCODER_MODEL_TYPES = {"bert": "bert", "modernbert": "modernbert"}
 
 
 def _hf_config(cfg: ModelConfig):
-    import transformers
+    import transformers  # at call time: importing transformers costs seconds of start-up
 
-    common = dict(
+    family = FAMILIES[cfg.model_type]
+    kwargs = dict(
         vocab_size=cfg.vocab_size,
         hidden_size=cfg.hidden_size,
         intermediate_size=cfg.intermediate_size,
@@ -33,11 +34,11 @@ def _hf_config(cfg: ModelConfig):
         initializer_range=cfg.initializer_range,
         tie_word_embeddings=cfg.tie_word_embeddings,
         pad_token_id=0,
+        **family.hf_extra,
     )
-    if cfg.model_type == "bert":
-        return transformers.BertConfig(**common)
-    special = dict(bos_token_id=1, eos_token_id=1, cls_token_id=1, sep_token_id=1)
-    return transformers.ModernBertConfig(**common, **special, global_rope_theta=cfg.rope_theta)
+    if family.encoder_rope_key is not None:
+        kwargs[family.encoder_rope_key] = cfg.rope_theta
+    return transformers.AutoConfig.for_model(family.hf_model_type, **kwargs)
 
 
 class MaskedLMEncoder(nn.Module):
@@ -112,33 +113,35 @@ class MaskedLMEncoder(nn.Module):
 
 
 def build_encoder(cfg: ModelConfig) -> MaskedLMEncoder:
-    """A fresh BertForMaskedLM / ModernBertForMaskedLM from the size fields of cfg."""
-    import transformers
+    """A fresh masked-LM of cfg's encoder family (its registry `architecture`: BertForMaskedLM,
+    ModernBertForMaskedLM) from the size fields of cfg."""
+    import transformers  # at call time: importing transformers costs seconds of start-up
 
     hf_cfg = _hf_config(cfg)
-    cls = transformers.BertForMaskedLM if cfg.model_type == "bert" else None
-    cls = cls or transformers.ModernBertForMaskedLM
+    cls = getattr(transformers, FAMILIES[cfg.model_type].architecture)
     hf_cfg._attn_implementation = "sdpa"
     return MaskedLMEncoder(cls(hf_cfg), cfg)
 
 
 def is_encoder_folder(folder: str | Path) -> bool:
+    """True when folder's config.json names an encoder family's model_type."""
     path = Path(folder) / "config.json"
     if not path.is_file():
         return False
-    return json.loads(path.read_text()).get("model_type") in ENCODER_MODEL_TYPES
+    family = family_for_hf_type(json.loads(path.read_text()).get("model_type"))
+    return family is not None and not family.native
 
 
 def load_encoder(folder: str | Path) -> MaskedLMEncoder:
     """A local BERT / ModernBERT masked-LM folder (no hub, no remote code)."""
-    import transformers
+    import transformers  # at call time: importing transformers costs seconds of start-up
 
     hf = transformers.AutoModelForMaskedLM.from_pretrained(
         str(folder), local_files_only=True, trust_remote_code=False, dtype=torch.float32
     )
     c = hf.config
     cfg = ModelConfig(
-        model_type=ENCODER_MODEL_TYPES[c.model_type],
+        model_type=family_for_hf_type(c.model_type).name,
         vocab_size=c.vocab_size,
         hidden_size=c.hidden_size,
         intermediate_size=c.intermediate_size,

@@ -16,6 +16,7 @@ from torch import nn
 
 from unmask.errors import InputError
 from unmask.models.config import ModelConfig
+from unmask.models.transformer import DiffusionTransformer
 
 ADAPTER_FILE = "adapter_model.safetensors"  # peft's file name: what a LoRA run saves
 # Every linear layer of the decoder blocks (the LM head stays frozen: the masked-only loss
@@ -65,7 +66,7 @@ def check_lora_settings(saved: dict | None, cfg: ModelConfig, path) -> None:
 
 
 def peft_config(cfg: ModelConfig, model: nn.Module):
-    import peft
+    import peft  # optional extra (lora): imported only when LoRA is used
 
     return peft.LoraConfig(
         r=cfg.lora_r,
@@ -76,14 +77,12 @@ def peft_config(cfg: ModelConfig, model: nn.Module):
 
 
 def _is_native(model: nn.Module) -> bool:
-    from unmask.models.transformer import DiffusionTransformer
-
     return isinstance(model, DiffusionTransformer)
 
 
 def apply_lora(model: nn.Module, cfg: ModelConfig) -> nn.Module:
     """A peft `PeftModel` around model: base weights frozen, LoRA factors trainable."""
-    import peft
+    import peft  # optional extra (lora): imported only when LoRA is used
 
     return peft.get_peft_model(model, peft_config(cfg, model))
 

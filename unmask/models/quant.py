@@ -22,6 +22,7 @@ from torch import nn
 
 from unmask.errors import InputError
 from unmask.models.config import ModelConfig
+from unmask.models.families import FAMILIES
 
 QUANT_TYPE = "nf4"
 DOUBLE_QUANT = True
@@ -52,7 +53,7 @@ def check_4bit(cfg: ModelConfig, device: torch.device, world_size: int) -> None:
             "model.lora_merge: true cannot merge into 4-bit weights; train with "
             "lora_merge: false and merge the saved adapter into the full-precision model"
         )
-    if cfg.model_type in ("bert", "modernbert"):
+    if not FAMILIES[cfg.model_type].native:
         raise InputError(
             f"model.load_in_4bit: true is for the decoder families, not {cfg.model_type!r}; "
             "set load_in_4bit: false"
@@ -80,7 +81,7 @@ def quantize_4bit(
 ) -> int:
     """Replace the nn.Linear layers that targets name (as peft matches them) by quantized
     Linear4bit layers on device (in place); the LM head never. Returns how many."""
-    import bitsandbytes as bnb
+    import bitsandbytes as bnb  # optional extra (qlora): imported only when quantizing
 
     replaced = 0
     for parent_name, parent in list(model.named_modules()):

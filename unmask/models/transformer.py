@@ -20,6 +20,7 @@ from unmask.models.attention import (
     resolve_backend,
 )
 from unmask.models.config import ModelConfig
+from unmask.models.hf import save_pretrained
 
 IGNORE_INDEX = -100
 
@@ -272,10 +273,14 @@ class DiffusionTransformer(nn.Module):
         self.config = self.config.model_copy(update={"vocab_size": new_size})
 
     def save_pretrained(self, folder: str) -> None:
-        """Write an HF-loadable Qwen3 folder (config.json + model.safetensors)."""
-        from unmask.models.hf import save_pretrained
-
+        """Write an HF folder in this family's layout (config.json + model.safetensors)."""
         save_pretrained(self, folder)
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The transformer blocks (``model.model.layers``), or none for other models."""
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    return list(layers) if layers is not None else []
 
 
 def _resized(module: nn.Module, new_size: int) -> nn.Module:

@@ -1,0 +1,73 @@
+"""Model construction: a fresh model per family, an empty one to load into, or a local folder.
+
+This module sits above models/transformer.py and models/hf.py (neither imports it):
+`build_model(cfg)` is the one entry point the trainer uses, `from_pretrained(folder)` loads a
+native HF folder, and `build_empty(cfg)` is the one meta-device construction path for callers
+that fill a model from a state dict (checkpoint export, full-state gathers).
+"""
+
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from unmask.models.config import ModelConfig
+from unmask.models.families import FAMILIES
+from unmask.models.hf import config_from_hf, load_weights, read_config, read_state_dict
+from unmask.models.hf_wrapped import build_encoder, is_encoder_folder, load_encoder
+from unmask.models.transformer import DiffusionTransformer
+
+MODEL_BUILDERS: dict[str, Callable[[ModelConfig], nn.Module]] = {
+    name: DiffusionTransformer if family.native else build_encoder
+    for name, family in FAMILIES.items()
+}
+"""family name -> random-init builder (native families: DiffusionTransformer)."""
+
+
+def build_model(cfg: ModelConfig) -> nn.Module:
+    """Random-init model for cfg (call torch.manual_seed first), or load cfg.pretrained."""
+    if cfg.pretrained is not None:
+        if is_encoder_folder(cfg.pretrained):
+            return load_encoder(cfg.pretrained)
+        return from_pretrained(cfg.pretrained, attn_implementation=cfg.attn_implementation)
+    return MODEL_BUILDERS[cfg.model_type](cfg)
+
+
+def build_empty(
+    cfg: ModelConfig, device: torch.device | str = "cpu", dtype: torch.dtype | None = None
+) -> DiffusionTransformer:
+    """A native model for cfg with uninitialized storage on device, to load a state dict into.
+
+    Built on the meta device (no init, no memory), then `to_empty(device)`, `tie_weights()`
+    (a tied head shares the embedding again) and cast to dtype (None: keep float32). Every
+    tensor of the model is in its state dict, so a full `load_state_dict` fills it all.
+    """
+    if not FAMILIES[cfg.model_type].native:
+        raise ValueError(f"build_empty builds native decoders; {cfg.model_type!r} is an encoder")
+    with torch.device("meta"):
+        model = DiffusionTransformer(cfg)
+    model.to_empty(device=device)
+    model.tie_weights()
+    if dtype is not None:
+        model = model.to(dtype)
+    return model
+
+
+def from_pretrained(
+    folder: str | Path, dtype: torch.dtype | None = None, attn_implementation: str = "auto"
+) -> DiffusionTransformer:
+    """Load a local HF folder of a native family (Qwen3, Qwen2, Llama, Dream, LLaDA) or an
+    unmask-saved one; its config.json is kept as `model.hf_source_config` for saving.
+
+    dtype: parameter dtype; None keeps float32 (training master weights).
+    """
+    folder = Path(folder)
+    source = read_config(folder)
+    cfg = config_from_hf(source)
+    cfg = cfg.model_copy(update={"attn_implementation": attn_implementation})
+    state = read_state_dict(folder, cfg.model_type)
+    model = build_empty(cfg, dtype=dtype or torch.float32)
+    load_weights(model, state, folder)
+    model.hf_source_config = source
+    return model
