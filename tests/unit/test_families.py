@@ -8,11 +8,10 @@ import typing
 
 import pytest
 import torch
+import transformers
 from safetensors.torch import save_file
 
-transformers = pytest.importorskip("transformers")
-
-from unmask.models import (  # noqa: E402
+from unmask.models import (
     FAMILIES,
     MODEL_BUILDERS,
     DiffusionTransformer,
@@ -26,8 +25,8 @@ from unmask.models import (  # noqa: E402
     hf_config_dict,
     samples_with_logit_shift,
 )
-from unmask.models.families import LLADA_KEY_MAP, family_for_hf_type  # noqa: E402
-from unmask.models.hf_wrapped import build_encoder  # noqa: E402
+from unmask.models.families import LLADA_KEY_MAP, family_for_hf_type
+from unmask.models.hf_wrapped import build_encoder
 
 SIZES = dict(
     vocab_size=97,

@@ -4,10 +4,9 @@ import json
 
 import pytest
 import torch
+import transformers
 
-transformers = pytest.importorskip("transformers")
-
-from unmask.models import from_pretrained  # noqa: E402
+from unmask.models import from_pretrained
 
 
 def _tiny_hf_model(tied: bool) -> "transformers.Qwen3ForCausalLM":

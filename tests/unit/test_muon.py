@@ -175,7 +175,8 @@ def test_routing_tied_embeddings():
 
 
 def test_routing_gpt2_conv1d():
-    transformers = pytest.importorskip("transformers")
+    import transformers
+
     cfg = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=100, n_positions=16)
     model = transformers.GPT2LMHeadModel(cfg)
     assert model.lm_head.weight is model.transformer.wte.weight
@@ -194,7 +195,8 @@ def test_routing_gpt2_conv1d():
 
 def test_routing_peft_lora():
     peft = pytest.importorskip("peft")
-    transformers = pytest.importorskip("transformers")
+    import transformers
+
     cfg = transformers.Qwen3Config(
         vocab_size=VOCAB,
         hidden_size=32,

@@ -329,3 +329,14 @@ def test_random_length_cut_is_a_function_of_seed_and_step():
     cut = [n for n in lengths if n != 50]
     assert 35 <= len(cut) <= 85 and all(1 <= n <= 50 for n in cut)
     assert random_length_cut(batch, 0.0, 7, 3) is batch
+
+
+def test_every_objective_name_has_one_class():
+    from typing import get_args
+
+    from unmask.diffusion import OBJECTIVES
+
+    names = get_args(DiffusionConfig.model_fields["objective"].annotation)
+    assert set(OBJECTIVES) == set(names)
+    for name in names:
+        assert type(build_objective(DiffusionConfig(objective=name), MASK)) is OBJECTIVES[name]

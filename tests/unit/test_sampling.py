@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 
+from unmask.models import ModelConfig, build_model
 from unmask.sampling import add_gumbel_noise, cfg_combine, generate, num_transfer_tokens
 
 V, H, MASK_ID = 23, 16, 22
@@ -34,11 +35,7 @@ class StandIn(nn.Module):
 
 
 def real_model():
-    """unmask's own model at a tiny size, or None while it is not importable."""
-    try:
-        from unmask.models import ModelConfig, build_model
-    except ImportError:
-        return None
+    """unmask's own model at a tiny size."""
     torch.manual_seed(0)
     cfg = ModelConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2)
     return build_model(cfg).eval()
@@ -155,8 +152,6 @@ def test_generate_matches_reference(steps, gen_length, block_length, temperature
 @pytest.mark.parametrize("temperature,cfg_scale", [(0.0, 0.0), (1.0, 0.0), (0.0, 1.0)])
 def test_generate_matches_reference_with_unmask_model(temperature, cfg_scale):
     model = real_model()
-    if model is None:
-        pytest.skip("unmask.models.build_model not available")
     kw = dict(steps=6, gen_length=12, block_length=4, temperature=temperature,
               remasking="low_confidence", cfg_scale=cfg_scale)  # fmt: skip
     out = generate(model, PROMPT, mask_id=MASK_ID, generator=gen(3), **kw)

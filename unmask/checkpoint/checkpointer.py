@@ -74,35 +74,41 @@ class Checkpointer:
     ) -> Path:  # fmt: skip
         """Write checkpoint-{step}; every rank calls it when sharded."""
         state = {**trainer_state, "step": step}
+        tmp = self._temporary_folder(step)
         if self.sharded:
-            tmp = self.output_dir / f".tmp-checkpoint-{step}"
-            if dist.get_rank() == 0:
-                temporary_folder(self.output_dir, step)
-            dist.barrier()
             model_state, optim_state = get_state_dict(model, optimizer)
             dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp / DCP_DIR))
             state["world_size"] = dist.get_world_size()
         else:
-            tmp = temporary_folder(self.output_dir, step, f"-{os.getpid()}")
             model.save_pretrained(tmp)
             torch.save(optimizer.state_dict(), tmp / OPTIMIZER_FILE)
-        final = self.output_dir / f"checkpoint-{step}"
         if self._is_writer:
-            if self.sharded:
+            if self.sharded:  # the architecture, for export and sampling
                 config = hf_config_dict(model.config)
                 (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2))
-            self._write_common(tmp, scheduler, rng_state, state)
+            torch.save(scheduler.state_dict(), tmp / SCHEDULER_FILE)
+            torch.save(rng_state, tmp / RNG_FILE)
+            (tmp / STATE_FILE).write_text(json.dumps(state, indent=2))
+            self._write_run_files(tmp)
             publish(tmp, step, self.save_total_limit)
         if self.sharded:
             dist.barrier()
-        return final
+        return self.output_dir / f"checkpoint-{step}"
 
-    def _write_common(self, folder: Path, scheduler, rng_state: dict, state: dict) -> None:
+    def _temporary_folder(self, step: int) -> Path:
+        """Where checkpoint N is written before it is published: one folder per writer
+        process, or one that rank 0 makes for every rank of a sharded run."""
+        if not self.sharded:
+            return temporary_folder(self.output_dir, step, f"-{os.getpid()}")
+        if dist.get_rank() == 0:
+            temporary_folder(self.output_dir, step)
+        dist.barrier()
+        return self.output_dir / f".tmp-checkpoint-{step}"
+
+    def _write_run_files(self, folder: Path) -> None:
+        """The tokenizer and the run's files (generation_config.json)."""
         if self.tokenizer is not None:
             self.tokenizer.save_pretrained(str(folder))
-        torch.save(scheduler.state_dict(), folder / SCHEDULER_FILE)
-        torch.save(rng_state, folder / RNG_FILE)
-        (folder / STATE_FILE).write_text(json.dumps(state, indent=2))
         for name, text in self.files.items():
             (folder / name).write_text(text)
 
@@ -139,10 +145,7 @@ class Checkpointer:
         else:
             model.save_pretrained(str(folder))
         if self._is_writer:
-            if self.tokenizer is not None:
-                self.tokenizer.save_pretrained(str(folder))
-            for name, text in self.files.items():
-                (folder / name).write_text(text)
+            self._write_run_files(folder)
         return model
 
 

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from unmask.data.sft import format_pair
 from unmask.data.sources import Record
 
 ROW_KEYS = ("input_ids", "doc_ids", "position_ids", "maskable")
@@ -72,8 +73,6 @@ def tokenize_records(
     `messages` records, and pairs when the tokenizer has a chat template and `chat_template`
     is true, are formatted by data/sft.py first.
     """
-    from unmask.data.sft import format_pair
-
     is_pair = [("prompt" in r or "messages" in r) for r in records]
     pairs = [format_pair(tokenizer, r, chat_template) for r, p in zip(records, is_pair) if p]
     docs = [r for r, p in zip(records, is_pair) if not p]

@@ -14,6 +14,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from unmask.data.sft import check_messages
 from unmask.errors import InputError
 
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -105,7 +106,7 @@ def _read_text(path: Path) -> list[dict[str, Any]]:
 
 def _read_with_builder(path: Path, builder: str) -> list[dict[str, Any]]:
     """jsonl/json/parquet through `datasets`, cached in a temporary folder, kept in memory."""
-    import datasets
+    import datasets  # at call time: importing datasets costs a second of start-up
 
     if path.stat().st_size == 0:
         return []
@@ -126,7 +127,7 @@ def _read_with_builder(path: Path, builder: str) -> list[dict[str, Any]]:
 
 
 def _read_saved_dataset(path: Path) -> list[dict[str, Any]]:
-    import datasets
+    import datasets  # at call time: importing datasets costs a second of start-up
 
     try:
         ds = datasets.load_from_disk(str(path), keep_in_memory=True)
@@ -150,8 +151,6 @@ def _to_records(
     records: list[Record] = []
     for row in rows:
         if row.get("messages") is not None:  # a chat: prompt/answer split in data/sft.py
-            from unmask.data.sft import check_messages
-
             records.append({"messages": check_messages(row["messages"], where)})
             continue
         prompt, response = row.get(prompt_field), row.get(response_field)

@@ -14,10 +14,8 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from unmask.data.config import DataConfig
+from unmask.data.config import DataConfig
 
 Example = tuple[str, str]
 TASK_PREFIXES = {"reverse": "rev ", "sort": "sort ", "add": "add "}

@@ -8,15 +8,12 @@ from __future__ import annotations
 
 import string
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+from unmask.data.config import DataConfig
 from unmask.errors import InputError
-
-if TYPE_CHECKING:
-    from unmask.data.config import DataConfig
 
 PAD, EOS, MASK, UNK = "<pad>", "<eos>", "<mask>", "<unk>"
 CHAR_SPECIAL_TOKENS = (PAD, EOS, MASK, UNK)

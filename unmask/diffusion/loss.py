@@ -8,6 +8,10 @@ backward pass recomputes each chunk's logits instead of storing them.
 
 import torch
 
+#: A target of -100 means "no loss here" (the masked-only loss reads only the other rows);
+#: the same value torch's cross_entropy ignores by default.
+IGNORE_INDEX = -100
+
 
 def _chunks(n: int, size: int):
     for start in range(0, n, size):

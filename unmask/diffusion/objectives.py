@@ -11,9 +11,9 @@ import torch
 from torch import nn
 
 from unmask.diffusion.config import DiffusionConfig
+from unmask.diffusion.loss import IGNORE_INDEX
 from unmask.diffusion.noise import loss_weight, mask_tokens, sample_t
 
-IGNORE_INDEX = -100
 _NOISE_KEYS = ("t", "noisy_input_ids", "masked")
 
 

@@ -16,9 +16,9 @@ from unmask.diffusion.cutoffs import (
     prompt_positions,
     resp_cutoff,
 )
+from unmask.diffusion.loss import IGNORE_INDEX
 from unmask.diffusion.noise import force_one_masked, loss_weight, mask_prob, sample_t
 from unmask.diffusion.objectives import (
-    IGNORE_INDEX,
     MaskedDiffusionObjective,
     ObjectiveOutput,
     maskable_of,

@@ -17,10 +17,10 @@ class ModelConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     model_type: Literal[FAMILY_NAMES] = DEFAULT_FAMILY  # the names in models/families.py
-    """Model family: a key of `unmask.models.MODEL_BUILDERS`. `qwen3_dllm`, `qwen2_dllm`,
+    """Model family, a name in the registry models/families.py. `qwen3_dllm`, `qwen2_dllm`,
     `llama_dllm`, `dream`, `llada`: the native bidirectional decoder with that family's
-    switches and HF layout (see models/families.py); `bert`, `modernbert`: transformers'
-    masked-LM encoders built from the size fields here."""
+    switches and HF layout; `bert`, `modernbert`: transformers' masked-LM encoders built
+    from the size fields here."""
 
     vocab_size: int = 256
     """Number of token ids (rows of the embedding and of the LM head)."""

@@ -13,11 +13,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from unmask.diffusion.loss import IGNORE_INDEX
 from unmask.errors import InputError
 from unmask.models.config import ModelConfig
 from unmask.models.families import FAMILIES, family_for_hf_type
-
-IGNORE_INDEX = -100
 
 
 def _hf_config(cfg: ModelConfig):

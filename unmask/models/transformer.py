@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from unmask.diffusion.loss import chunked_cross_entropy
+from unmask.diffusion.loss import IGNORE_INDEX, chunked_cross_entropy
 from unmask.models.attention import (
     AttentionMask,
     KVCache,
@@ -21,8 +21,6 @@ from unmask.models.attention import (
 )
 from unmask.models.config import ModelConfig
 from unmask.models.hf import save_pretrained
-
-IGNORE_INDEX = -100
 
 
 class RMSNorm(nn.Module):

@@ -6,7 +6,7 @@ import re
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from unmask.optim.muon import MuonAdamW
 from unmask.optim.routing import route_parameters
@@ -19,33 +19,33 @@ class OptimConfig(BaseModel):
 
     name: Literal["adamw", "muon"] = "adamw"
     """adamw, or muon (Muon on 2-D hidden matrices, AdamW on the rest)."""
-    learning_rate: float = 1e-3
+    learning_rate: float = Field(1e-3, ge=0)
     """Peak learning rate (AdamW, and Muon unless muon_lr is set)."""
-    weight_decay: float = 0.0
+    weight_decay: float = Field(0.0, ge=0)
     """Decoupled weight decay, applied to weight matrices only (never norms or biases)."""
-    adam_beta1: float = 0.9
+    adam_beta1: float = Field(0.9, ge=0, lt=1)
     """AdamW beta1."""
-    adam_beta2: float = 0.999
+    adam_beta2: float = Field(0.999, ge=0, lt=1)
     """AdamW beta2."""
-    adam_epsilon: float = 1e-8
+    adam_epsilon: float = Field(1e-8, ge=0)
     """AdamW epsilon."""
-    max_grad_norm: float = 1.0
+    max_grad_norm: float = Field(1.0, ge=0)
     """Clip the global gradient norm to this value; 0 = no clipping."""
     lr_scheduler_type: Literal["constant", "linear", "cosine", "constant_with_warmup"] = "constant"
     """Learning-rate schedule after warmup."""
     warmup_steps: float = 0
     """Warmup length: a step count, or a float < 1 = ratio of total steps (wins over warmup_ratio)."""
-    warmup_ratio: float = 0.0
+    warmup_ratio: float = Field(0.0, ge=0, le=1)
     """Warmup as a fraction of total steps (used when warmup_steps is 0)."""
-    min_lr_ratio: float = 0.0
+    min_lr_ratio: float = Field(0.0, ge=0, le=1)
     """Final learning rate of linear/cosine decay, as a fraction of the peak."""
-    muon_lr: float | None = None
+    muon_lr: float | None = Field(None, ge=0)
     """Separate peak learning rate for Muon matrices (None = learning_rate)."""
-    momentum: float = 0.95
+    momentum: float = Field(0.95, ge=0, lt=1)
     """Muon momentum."""
     nesterov: bool = True
     """Muon Nesterov momentum."""
-    ns_steps: int = 5
+    ns_steps: int = Field(5, ge=1, lt=100)
     """Newton-Schulz iterations."""
     ns_coefficients: Literal["jordan", "you", "polar_express", "gram"] = "jordan"
     """Newton-Schulz coefficient set / variant."""
@@ -69,46 +69,11 @@ class OptimConfig(BaseModel):
             self.name = "muon" if self.use_muon else "adamw"
         return self
 
-    @field_validator("learning_rate", "weight_decay", "adam_epsilon", "max_grad_norm")
-    @classmethod
-    def _non_negative(cls, v: float) -> float:
-        if v < 0:
-            raise ValueError(f"must be >= 0, got {v}")
-        return v
-
-    @field_validator("adam_beta1", "adam_beta2", "momentum")
-    @classmethod
-    def _unit_interval(cls, v: float) -> float:
-        if not 0 <= v < 1:
-            raise ValueError(f"must be in [0, 1), got {v}")
-        return v
-
-    @field_validator("warmup_ratio", "min_lr_ratio")
-    @classmethod
-    def _ratio(cls, v: float) -> float:
-        if not 0 <= v <= 1:
-            raise ValueError(f"must be in [0, 1], got {v}")
-        return v
-
     @field_validator("warmup_steps")
     @classmethod
     def _warmup_steps(cls, v: float) -> float:
         if v < 0 or (v >= 1 and v != int(v)):
             raise ValueError(f"must be a whole step count or a ratio in [0, 1), got {v}")
-        return v
-
-    @field_validator("muon_lr")
-    @classmethod
-    def _muon_lr(cls, v: float | None) -> float | None:
-        if v is not None and v < 0:
-            raise ValueError(f"must be >= 0 or null, got {v}")
-        return v
-
-    @field_validator("ns_steps")
-    @classmethod
-    def _ns_steps(cls, v: int) -> int:
-        if not 1 <= v < 100:
-            raise ValueError(f"must be in 1..99, got {v}")
         return v
 
     @field_validator("muon_include", "muon_exclude")

@@ -54,6 +54,13 @@ def _local(t: Tensor) -> Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def _with_grad(params: list[Tensor]) -> list[Tensor]:
+    """The parameters that received a gradient this step (sparse gradients are refused)."""
+    if any(p.grad is not None and p.grad.is_sparse for p in params):
+        raise RuntimeError("MuonAdamW does not support sparse gradients")
+    return [p for p in params if p.grad is not None]
+
+
 def _chunks(items: list[Tensor], max_numel: int) -> list[list[Tensor]]:
     """Split same-shape tensors into runs of at most max_numel elements (at least one)."""
     out: list[list[Tensor]] = [[]]
@@ -193,11 +200,7 @@ class MuonAdamW(torch.optim.Optimizer):
             dtensor_muon_step(group, self.state, self.owner_plans)
             return
         buckets: dict[tuple, list[Tensor]] = defaultdict(list)
-        for p in group["params"]:
-            if p.grad is None:
-                continue
-            if p.grad.is_sparse:
-                raise RuntimeError("MuonAdamW does not support sparse gradients")
+        for p in _with_grad(group["params"]):
             buckets[(p.shape[-2], p.shape[-1], p.device)].append(p)
         for params in buckets.values():
             for chunk in _chunks(params, NS_BATCH_NUMEL):
@@ -218,11 +221,7 @@ class MuonAdamW(torch.optim.Optimizer):
 
     def _adamw_group_step(self, group: dict[str, Any]) -> None:
         by_step: dict[float, list[Tensor]] = defaultdict(list)
-        for p in group["params"]:
-            if p.grad is None:
-                continue
-            if p.grad.is_sparse:
-                raise RuntimeError("MuonAdamW does not support sparse gradients")
+        for p in _with_grad(group["params"]):
             state = self.state[p]
             if "step" not in state:
                 state["step"] = torch.tensor(0.0, dtype=torch.float32)

@@ -6,14 +6,12 @@ import torch
 
 from unmask.sampling.config import EvalConfig, SamplingConfig
 from unmask.sampling.generate import generate
+from unmask.sampling.texts import before_eos
 
 
 def decode_answer(tokenizer, ids: list[int]) -> str:
     """Text of the generated ids up to (not including) the first EOS."""
-    eos = tokenizer.eos_token_id
-    if eos in ids:
-        ids = ids[: ids.index(eos)]
-    return tokenizer.decode(ids, skip_special_tokens=True)
+    return tokenizer.decode(before_eos(ids, tokenizer.eos_token_id), skip_special_tokens=True)
 
 
 @torch.no_grad()

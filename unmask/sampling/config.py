@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from unmask.diffusion.config import DiffusionConfig
 from unmask.errors import InputError, describe_validation_error, did_you_mean
+from unmask.models.families import samples_with_logit_shift
 from unmask.sampling.schedules import SCHEDULES
 from unmask.sampling.transfer import REMASKING
 
@@ -198,7 +199,9 @@ def saved_sampling(folder: str | Path) -> dict[str, Any]:
         if key not in SamplingConfig.model_fields:
             hint = did_you_mean(key, SamplingConfig.model_fields)
             raise InputError(f"{str(path)!r}: unknown sampling option '{key}'{hint}")
-    if "shift_logits" not in saved and _family_shifts(Path(folder)):
+    config = Path(folder) / "config.json"
+    family_shift = config.is_file() and samples_with_logit_shift(json.loads(config.read_text()))
+    if "shift_logits" not in saved and family_shift:
         saved = {**saved, "shift_logits": True}
     return dict(saved)
 
@@ -222,10 +225,3 @@ class EvalConfig(BaseModel):
     """Gumbel temperature; 0 = greedy, deterministic."""
     remasking: Literal["low_confidence", "random"] = "low_confidence"
     """Which predicted tokens to commit each step."""
-
-
-def _family_shifts(folder: Path) -> bool:
-    config = folder / "config.json"
-    if not config.is_file():
-        return False
-    return json.loads(config.read_text()).get("model_type") in ("Dream", "dream")

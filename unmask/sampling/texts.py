@@ -27,6 +27,11 @@ class SamplingModel:
     saved: dict[str, Any]
 
 
+def before_eos(ids: list[int], eos_id: int | None) -> list[int]:
+    """The answer ids up to (not including) the first EOS."""
+    return ids[: ids.index(eos_id)] if eos_id is not None and eos_id in ids else ids
+
+
 def generate_texts(
     sm: SamplingModel,
     prompts: list[str],
@@ -54,8 +59,7 @@ def generate_texts(
         out = sample(sm.model, ids, config, mask_id=sm.mask_id, eos_id=sm.eos_id,
                      attention_mask=attention_mask, generator=generator, on_step=on_step)  # fmt: skip
         for row, answer in enumerate(out.answers.tolist()):
-            if sm.eos_id is not None and sm.eos_id in answer:
-                answer = answer[: answer.index(sm.eos_id)]
+            answer = before_eos(answer, sm.eos_id)
             records.append(
                 {
                     "prompt": prompts[start + row],

@@ -62,11 +62,11 @@ class MetricsLogger:
         self.tensorboard = None
         self.wandb = None
         if "tensorboard" in report_to:
-            from torch.utils.tensorboard import SummaryWriter
+            from torch.utils.tensorboard import SummaryWriter  # only when asked: slow import
 
             self.tensorboard = SummaryWriter(log_dir=str(output_dir / "tensorboard"))
         if "wandb" in report_to:
-            import wandb
+            import wandb  # optional extra (wandb)
 
             self.wandb = wandb.init(name=run_name or output_dir.name, config=config)
         self.bar = None
