@@ -143,16 +143,17 @@ def add_sampling_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group(SAMPLING_GROUP)
     for name, field in SamplingConfig.model_fields.items():
         flag = "--" + name.replace("_", "-")
-        doc = (field.description or "").split(". ")[0].rstrip(".")
         default = field.get_default()
+        doc = (field.description or "").split(". ")[0].rstrip(".")
+        help_text = doc if default is None else f"{doc} (built-in default: {default})"
         kind = _flag_type(field.annotation)
         if kind is bool:
             group.add_argument(flag, action=argparse.BooleanOptionalAction, dest=name,
-                               help=f"{doc} (default {default})")  # fmt: skip
+                               help=help_text)  # fmt: skip
         elif isinstance(kind, tuple):
-            group.add_argument(flag, choices=kind, dest=name, help=f"{doc} (default {default})")
+            group.add_argument(flag, choices=kind, dest=name, help=help_text)
         else:
-            group.add_argument(flag, type=kind, dest=name, help=f"{doc} (default {default})")
+            group.add_argument(flag, type=kind, dest=name, help=help_text)
 
 
 def _flag_type(annotation):
