@@ -1,8 +1,8 @@
 """The command line: `unmask train | generate | eval | export`. The only module that reads argv.
 
 Bad input (an InputError from anywhere) becomes one line on stderr and exit code 2.
-The commands import torch and the rest of unmask inside their functions, so `unmask --help`
-and argument errors answer at once (start-up time, not import cycles).
+Each command imports what it needs inside its function (start-up time: `unmask generate`
+does not load the trainer, `unmask train` not lm-eval); the layering needs none of it.
 """
 
 import argparse

@@ -1,0 +1,2 @@
+"""Evaluation with other tools: the lm-evaluation-harness model `unmask` (harness.py; needs
+the eval extra, so it is not imported here)."""

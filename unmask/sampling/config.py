@@ -148,8 +148,11 @@ def resolve_sampling(*layers: dict[str, Any]) -> SamplingConfig:
     try:
         return SamplingConfig.model_validate(merged)
     except ValidationError as err:
-        hint = lambda loc: did_you_mean(loc[-1], SamplingConfig.model_fields)  # noqa: E731
-        raise InputError(describe_validation_error(err, "sampling option", hint)) from None
+        raise InputError(describe_validation_error(err, "sampling option", _hint)) from None
+
+
+def _hint(loc: tuple[str, ...]) -> str:
+    return did_you_mean(loc[-1], SamplingConfig.model_fields)
 
 
 def fixed_by_training(diffusion: DiffusionConfig) -> dict[str, Any]:
@@ -169,11 +172,13 @@ def fixed_by_training(diffusion: DiffusionConfig) -> dict[str, Any]:
 
 def generation_config_text(tokenizer, sampling: dict[str, Any], complete: bool) -> str:
     """generation_config.json: the HF special-token keys plus an "unmask" entry holding the
-    sampling options (every option when `complete`, else only those given)."""
-    entry = {**SamplingConfig().model_dump(), **sampling} if complete else dict(sampling)
-    unknown = sorted(set(entry) - set(SamplingConfig.model_fields))
+    sampling options (every option when `complete`, else only those given; either way
+    checked against SamplingConfig first)."""
+    unknown = sorted(set(sampling) - set(SamplingConfig.model_fields))
     if unknown:
         raise InputError(f"unknown sampling options {unknown}")
+    checked = resolve_sampling(sampling).model_dump()
+    entry = checked if complete else {k: checked[k] for k in sampling}
     config = {
         "bos_token_id": tokenizer.bos_token_id,
         "eos_token_id": tokenizer.eos_token_id,
@@ -195,6 +200,8 @@ def saved_sampling(folder: str | Path) -> dict[str, Any]:
             saved = json.loads(path.read_text()).get("unmask") or {}
         except (json.JSONDecodeError, AttributeError):
             raise InputError(f"{str(path)!r} is not a JSON object; fix or delete it") from None
+        if not isinstance(saved, dict):
+            raise InputError(f'{str(path)!r}: "unmask" must map sampling options to values')
     for key in saved:
         if key not in SamplingConfig.model_fields:
             hint = did_you_mean(key, SamplingConfig.model_fields)
