@@ -107,3 +107,15 @@ def test_unsupported_fields_name_themselves(tree, message):
     with pytest.raises(InputError, match=None) as info:
         translate(tree)
     assert message in str(info.value)
+
+
+def test_native_keys_win_over_seed_spellings():
+    seed = {"trainer_args": {"use_muon": True, "accelerator_config": {"split_batches": True}}}
+    cfg = validate_tree(translate(seed))
+    assert cfg.optim.name == "muon" and cfg.train.split_batches is True
+    native = {**seed, "optim": {"name": "adamw"}, "train": {"split_batches": False}}
+    cfg = validate_tree(translate(native))
+    assert cfg.optim.name == "adamw" and cfg.train.split_batches is False
+    with pytest.raises(InputError, match=r"accelerator_config.split_batch' is not supported by "
+                       r"unmask \(did you mean 'split_batches'\?\)"):  # fmt: skip
+        translate({"trainer_args": {"accelerator_config": {"split_batch": True}}})

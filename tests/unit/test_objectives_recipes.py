@@ -1,5 +1,5 @@
 """Hand-computed checks of the SFT, Dream (CART, logit shift, cutoffs), BD3LM and
-random-length pieces (formulas in design/DIFFUSION.md)."""
+random-length pieces (formulas in docs/diffusion.md)."""
 
 import pytest
 import torch

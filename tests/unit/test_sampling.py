@@ -1,5 +1,5 @@
 """LLaDA generate: quotas, Gumbel sampling, and token-for-token agreement with a
-straightforward per-row re-implementation of the algorithm in design/DIFFUSION.md."""
+straightforward per-row re-implementation of the algorithm in docs/diffusion.md."""
 
 import math
 
@@ -47,7 +47,7 @@ def gen(seed: int = 0) -> torch.Generator:
 
 def reference_generate(model, prompt, steps, gen_length, block_length, temperature, remasking,
                        cfg_scale, generator):  # fmt: skip
-    """Plain Python loops over rows and steps, following DIFFUSION.md literally."""
+    """Plain Python loops over rows and steps, following docs/diffusion.md literally."""
     with torch.no_grad():
         return _reference(model, prompt, steps, gen_length, block_length, temperature,
                           remasking, cfg_scale, generator)  # fmt: skip

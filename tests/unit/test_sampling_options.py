@@ -104,3 +104,9 @@ def test_bad_values_are_one_line_errors():
         resolve_sampling({"gen_lenght": 8})
     with pytest.raises(InputError, match="bad sampling options: .*threshold or factor"):
         resolve_sampling({"threshold": 0.9, "factor": 1.0})
+
+
+def test_zero_means_off_where_the_reference_code_says_so():
+    # Dream passes alg_temp=0. and top_k=0 for "off"; Fast-dLLM's factor rule takes 0
+    config = SamplingConfig(top_k=0, alg_temp=0.0, factor=0.0)
+    assert (config.top_k, config.alg_temp, config.factor) == (0, 0.0, 0.0)

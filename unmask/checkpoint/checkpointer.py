@@ -126,11 +126,11 @@ class Checkpointer:
         trainer_state = json.loads((path / STATE_FILE).read_text())
         return trainer_state, rng_state
 
-    def save_final(self, model: nn.Module, lora: ModelConfig | None = None) -> nn.Module:
+    def save_final(self, model: nn.Module, model_cfg: ModelConfig | None = None) -> nn.Module:
         """output_dir/final: the trained model as one HF folder with the tokenizer and the
         run's files. Sharded: every rank gathers the full state, rank 0 writes it through an
-        unsharded model of the same architecture. A LoRA run (`lora` = its model section):
-        the peft adapter, or the merged model with lora_merge (returned, to use from then
+        unsharded model of the same architecture. A LoRA run (model_cfg.lora): the peft
+        adapter, or the merged model with model_cfg.lora_merge (returned, to use from then
         on; otherwise `model` itself)."""
         folder = self.output_dir / "final"
         if self.sharded:
@@ -140,8 +140,8 @@ class Checkpointer:
                 plain.load_state_dict(state)
                 plain.save_pretrained(str(folder))
             dist.barrier()
-        elif lora is not None and lora.lora:
-            model = save_lora(model, self.output_dir, folder, lora)
+        elif model_cfg is not None and model_cfg.lora:
+            model = save_lora(model, self.output_dir, folder, model_cfg)
         else:
             model.save_pretrained(str(folder))
         if self._is_writer:

@@ -51,7 +51,8 @@ def export_model(
             raise InputError(f"--out {str(out)!r} is not empty; pick a new folder or --overwrite")
         shutil.rmtree(out)
     folder = source if is_distributed_checkpoint(source) else resolve_model_folder(source)
-    tokenizer = load_local_tokenizer(str(folder), "checkpoint")
+    fix = "checkpoints written by unmask train hold one; copy its tokenizer files there"
+    tokenizer = load_local_tokenizer(str(folder), "checkpoint", fix)
     own = saved_sampling(folder)  # the checkpoint's own options (from training)
     text = generation_config_text(tokenizer, {**own, **(sampling or {})}, complete=True)
     if is_distributed_checkpoint(folder):

@@ -22,12 +22,14 @@ def load_for_sampling(
     dtype: torch.dtype | None = None,
 ) -> SamplingModel:
     """The model at model_path in eval mode on `device`, with its tokenizer (or the one at
-    tokenizer_path). The mask id: `mask_id`, else config.json's, else the tokenizer's."""
+    tokenizer_path). The mask id: `mask_id`, else the folder's (`folder_mask_token_id`:
+    config.json's, or its family's released id), else the tokenizer's."""
     folder = resolve_model_folder(model_path)
     if tokenizer_path:
-        tokenizer = load_local_tokenizer(str(tokenizer_path), "--tokenizer")
+        tokenizer = load_local_tokenizer(str(tokenizer_path), "tokenizer")
     else:
-        tokenizer = load_local_tokenizer(str(folder), "--model")
+        fix = "pass --tokenizer FOLDER (lm-eval: tokenizer=FOLDER in model_args)"
+        tokenizer = load_local_tokenizer(str(folder), "model folder", fix)
     if mask_id is None:
         mask_id = folder_mask_token_id(folder)
     if mask_id is None:
@@ -37,5 +39,11 @@ def load_for_sampling(
     eos_id = tokenizer.eos_token_id
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos_id or 0)
     model = from_pretrained(folder, dtype=dtype).to(device).eval()
+    vocab = model.config.vocab_size
+    if not 0 <= mask_id < vocab:
+        raise InputError(
+            f"mask token id {mask_id} is outside the vocabulary of the model in "
+            f"{str(folder)!r} ({vocab} tokens); pass --mask-id"
+        )
     return SamplingModel(model, tokenizer, mask_id, eos_id, pad_id, torch.device(device),
                          saved_sampling(folder))  # fmt: skip

@@ -37,7 +37,6 @@ TRAINING_METHODS = {
 }
 
 _TRAINER_ARGS = {
-    "use_muon": ("optim", "use_muon"),
     "adam_beta1": ("optim", "adam_beta1"),
     "adam_beta2": ("optim", "adam_beta2"),
     "adam_epsilon": ("optim", "adam_epsilon"),
@@ -65,10 +64,9 @@ _TRAINER_ARGS = {
     "run_name": ("train", "run_name"),
     "resume_from_checkpoint": ("train", "resume_from_checkpoint"),
     "disable_tqdm": ("train", "disable_tqdm"),
-    # accepted as they are; train.fsdp2 and train.accelerator_config read them
     "fsdp2": ("train", "fsdp2"),
-    "accelerator_config": ("train", "accelerator_config"),
 }
+_SEED_SPELLINGS = ("use_muon", "accelerator_config")
 # Model config fields of LMMs-Engine's qwen3_dllm that unmask spells the same way.
 _MODEL_FIELDS = (*HF_DIRECT_KEYS, "rope_theta")
 _INFERENCE_ONLY = ("use_cache",)  # accepted: no effect on training
@@ -218,10 +216,21 @@ def _lmms_dataset(cfg: dict, out: dict) -> None:
 
 
 def _lmms_trainer_args(cfg: dict, out: dict) -> None:
+    """HF TrainingArguments names onto unmask keys; the two seed spellings become the keys
+    they mean (use_muon -> optim.name, accelerator_config.split_batches ->
+    train.split_batches), so a native key the user also wrote wins, as for every field."""
     for key, value in cfg.items():
-        if key not in _TRAINER_ARGS:
-            raise _unsupported("trainer_args.", key, _TRAINER_ARGS)
-        _put(out, *_TRAINER_ARGS[key], value)
+        if key in _TRAINER_ARGS:
+            _put(out, *_TRAINER_ARGS[key], value)
+        elif key == "use_muon":
+            _put(out, "optim", "name", "muon" if value else "adamw")
+        elif key == "accelerator_config":
+            for k, v in _mapping(value, "trainer_args.accelerator_config").items():
+                if k != "split_batches":
+                    raise _unsupported("trainer_args.accelerator_config.", k, ("split_batches",))
+                _put(out, "train", "split_batches", v)
+        else:
+            raise _unsupported("trainer_args.", key, [*_TRAINER_ARGS, *_SEED_SPELLINGS])
 
 
 # -- Transformer Lab -------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """Tokenizers: the built-in character tokenizer, local HF folders, and the mask-token policy.
 
-Policy (DIFFUSION.md): use the tokenizer's mask token; when it has none, add one and let the
+Policy (docs/diffusion.md): use the tokenizer's mask token; when it has none, add one and let the
 caller resize the model's embeddings (`ensure_special_tokens` returns how many were added).
 """
 
@@ -60,9 +60,12 @@ def build_char_tokenizer() -> PreTrainedTokenizerFast:
     )
 
 
-def load_local_tokenizer(path: str, setting: str = "data.tokenizer") -> PreTrainedTokenizerFast:
+def load_local_tokenizer(
+    path: str, setting: str = "data.tokenizer", fix: str | None = None
+) -> PreTrainedTokenizerFast:
     """A tokenizer saved in a local folder; never remote code, never the network. `setting`
-    names where the path came from in error messages (a config key or a CLI flag)."""
+    names where the path came from in error messages (a config key or a CLI flag); `fix`
+    replaces the advice when the folder holds no tokenizer files."""
     folder = Path(path).expanduser()
     if not folder.is_dir():
         char = '"char" or ' if setting == "data.tokenizer" else ""
@@ -74,7 +77,7 @@ def load_local_tokenizer(path: str, setting: str = "data.tokenizer") -> PreTrain
         raise InputError(
             f"{setting}: folder {path!r} holds no tokenizer files "
             f"(expected one of {', '.join(_TOKENIZER_FILES)}); "
-            "save one there with tokenizer.save_pretrained(folder)"
+            + (fix or "save one there with tokenizer.save_pretrained(folder)")
         )
     try:
         tok = AutoTokenizer.from_pretrained(
@@ -92,8 +95,9 @@ def load_local_tokenizer(path: str, setting: str = "data.tokenizer") -> PreTrain
 
 
 def adopt_mask_token(tokenizer: PreTrainedTokenizerFast, token_id: int, source: str) -> None:
-    """Make `token_id` (a model folder's config.json `mask_token_id`) the tokenizer's mask
-    token: the model was trained with that id, so it wins over whatever the tokenizer says."""
+    """Make `token_id` (the mask id a model folder names, `unmask.models.folder_mask_token_id`)
+    the tokenizer's mask token: the model was trained with that id, so it wins over whatever
+    the tokenizer says. `source` names the folder in the error message."""
     if tokenizer.mask_token_id == token_id:
         return
     if not 0 <= token_id < len(tokenizer):

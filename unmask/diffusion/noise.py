@@ -1,7 +1,7 @@
 """The masked-diffusion forward process: noise levels, schedules, weights and masking.
 
 Pure functions of tensors and a torch.Generator, so tests can pin every formula.
-Notation follows design/DIFFUSION.md: alpha(t) is the probability a token stays clean,
+Notation follows docs/diffusion.md: alpha(t) is the probability a token stays clean,
 so a token is masked with probability 1 - alpha(t).
 """
 

@@ -27,11 +27,21 @@ class ObjectiveOutput(NamedTuple):
 
 
 class Objective(Protocol):
-    """The trainer's single entry point for any objective."""
+    """The trainer's single entry point for any objective.
+
+    global_noise: True when each row's noise is drawn on its own, so a multi-process run may
+    draw the noise of the whole global batch with `with_noise(batch, generator)` and give
+    each rank its rows (losses then do not depend on the world size); False (or absent):
+    each rank draws for its own rows from its own generator and `with_noise` is not needed.
+    """
+
+    global_noise: bool
 
     def __call__(
         self, model: nn.Module, batch: dict, generator: torch.Generator | None = None
     ) -> ObjectiveOutput: ...
+
+    def with_noise(self, batch: dict, generator: torch.Generator | None = None) -> dict: ...
 
 
 def mdlm_loss_terms(

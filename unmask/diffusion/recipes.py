@@ -1,7 +1,7 @@
 """The objectives beyond MDLM pretraining: LLaDA SFT, Dream, and BD3LM block diffusion.
 
 Each has the one signature `(model, batch, generator) -> ObjectiveOutput(loss_sum, count)`
-(see objectives.py); formulas and sources are in design/DIFFUSION.md.
+(see objectives.py); formulas and sources are in docs/diffusion.md.
 """
 
 import math

@@ -3,7 +3,8 @@
 To add an objective: write a class with the `Objective` call signature
 (`objective(model, batch, generator) -> ObjectiveOutput(loss_sum, count)`, see
 objectives.py; subclass `MaskedDiffusionObjective` to reuse its noise), add its name to
-`DiffusionConfig.objective` and to `OBJECTIVES` below, and its formula to docs/diffusion.md.
+`OBJECTIVE_NAMES` (config.py) and to `OBJECTIVES` below, and its formula to
+docs/diffusion.md.
 """
 
 from unmask.diffusion.config import DiffusionConfig

@@ -25,7 +25,6 @@ from typing import Any
 import torch
 
 try:
-    from lm_eval.__main__ import cli_evaluate
     from lm_eval.api.model import LM
     from lm_eval.api.registry import register_model
 except ImportError as err:  # pragma: no cover - only without the eval extra
@@ -188,6 +187,8 @@ class UnmaskLM(LM):
 
 def cli(argv: list[str] | None = None) -> None:
     """`unmask-lm-eval ...`: lm-eval's command line with the `unmask` model registered."""
+    from lm_eval.__main__ import cli_evaluate  # only the command needs lm-eval's CLI module
+
     if argv is not None:
         sys.argv = ["lm_eval", *argv]
     cli_evaluate()

@@ -1,4 +1,4 @@
-"""Muon for DTensor (FSDP2 / HSDP) parameters: the owner all-to-all (MUON.md).
+"""Muon for DTensor (FSDP2 / HSDP) parameters: the owner all-to-all (docs/distributed.md).
 
 Exact: the result is bit-identical to MuonAdamW on the unsharded module (asserted with
 ``torch.equal`` by tests/integration/test_distributed_muon.py, float32 and bfloat16 NS).

@@ -96,7 +96,7 @@ class MuonAdamW(torch.optim.Optimizer):
         ns_dtype: ``bfloat16``, ``float32`` or ``float16`` NS iteration dtype.
         adjust_lr: ``match_rms_adamw`` (0.2 sqrt(max(A, B))), ``original``
             (sqrt(max(1, A/B))) or ``none``.
-        momentum_style: ``sum`` (M <- mu M + G, MUON.md/Moonlight) or ``ema``
+        momentum_style: ``sum`` (M <- mu M + G, Moonlight) or ``ema``
             (M <- lerp(M, G, 1 - mu), ``torch.optim.Muon``/Keller Jordan).
         muon_include, muon_exclude: name regexes overriding the routing (include first).
         verbose: print the split once at construction (rank 0 only under torch.distributed).

@@ -1,7 +1,7 @@
 """Which optimizer each trainable parameter gets: Muon, AdamW with decay, AdamW without.
 
 :func:`route_parameters` decides per parameter by module role first, then by name and
-shape, following MUON.md:
+shape:
 
 * AdamW without weight decay: 1-D and scalar parameters, biases, the weights of norm layers.
 * AdamW with weight decay: embeddings (``nn.Embedding`` weights and anything tied to them),
@@ -127,7 +127,7 @@ def _compile(patterns: Iterable[str], what: str) -> list[re.Pattern[str]]:
 
 
 def _default_route(p: Tensor, names: Sequence[str], roles: set[str]) -> tuple[str, str]:
-    """(destination, reason) by the MUON.md rules; destination in muon/decay/no_decay."""
+    """(destination, reason) by the rules of the module docstring; destination in muon/decay/no_decay."""
     leaf = names[0].rsplit(".", 1)[-1]
     lowered = [n.lower() for n in names]
     if p.ndim < 2:

@@ -25,7 +25,7 @@ _CHOICES = {"remasking": REMASKING, "schedule": SCHEDULES, "cache": CACHES}
 
 
 class SamplingConfig(BaseModel):
-    """How `sample` fills a masked canvas (design/DIFFUSION.md, Sampling).
+    """How `sample` fills a masked canvas (docs/diffusion.md, Sampling).
 
     Each option is checked on its own here; whether the lengths fit together (blocks, steps
     per block) is checked by `check_lengths`, which `sample` calls, so callers may adjust
@@ -44,8 +44,8 @@ class SamplingConfig(BaseModel):
     """Sampling temperature of the proposed tokens; 0 = greedy (argmax)."""
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     """Nucleus filtering of the proposals (None = off)."""
-    top_k: int | None = Field(None, gt=0)
-    """Top-k filtering of the proposals (None = off)."""
+    top_k: int | None = Field(None, ge=0)
+    """Top-k filtering of the proposals (None or 0 = off)."""
     remasking: Literal[REMASKING] = "low_confidence"
     """Which proposals to commit: `low_confidence` (LLaDA), `random`, Dream's `maskgit_plus`,
     `topk_margin`, `entropy`, or `origin` (each mask revealed at random, MDLM ddpm)."""
@@ -53,13 +53,13 @@ class SamplingConfig(BaseModel):
     """Tokens committed per step: `llada` per-block quotas or `dream` timesteps."""
     eps: float = Field(1e-3, gt=0.0, lt=1.0)
     """Final noise level of the `dream` timesteps and `origin` reveal fractions."""
-    alg_temp: float | None = Field(None, gt=0.0)
+    alg_temp: float | None = Field(None, ge=0.0)
     """Dream: draw the committed positions from softmax(confidence / alg_temp) instead of
-    taking the top ones (None = top ones)."""
+    taking the top ones (None or 0 = top ones)."""
     threshold: float | None = None
     """Fast-dLLM parallel decoding: commit every proposal with confidence >= threshold (and
     at least the top one) each step."""
-    factor: float | None = Field(None, gt=0.0)
+    factor: float | None = Field(None, ge=0.0)
     """Fast-dLLM parallel decoding, factor rule: accept ranks while conf_r >= 1 - factor /
     (r + 1)."""
     cfg_scale: float = Field(0.0, ge=0.0)
@@ -206,11 +206,18 @@ def saved_sampling(folder: str | Path) -> dict[str, Any]:
         if key not in SamplingConfig.model_fields:
             hint = did_you_mean(key, SamplingConfig.model_fields)
             raise InputError(f"{str(path)!r}: unknown sampling option '{key}'{hint}")
-    config = Path(folder) / "config.json"
-    family_shift = config.is_file() and samples_with_logit_shift(json.loads(config.read_text()))
-    if "shift_logits" not in saved and family_shift:
+    if "shift_logits" not in saved and _family_shifts(Path(folder)):
         saved = {**saved, "shift_logits": True}
     return dict(saved)
+
+
+def _family_shifts(folder: Path) -> bool:
+    """The folder's model family samples with the logit shift (an unreadable config.json:
+    no; the model loader reports it)."""
+    try:
+        return samples_with_logit_shift(json.loads((folder / "config.json").read_text()))
+    except (OSError, json.JSONDecodeError, AttributeError):
+        return False
 
 
 class EvalConfig(BaseModel):
@@ -228,7 +235,7 @@ class EvalConfig(BaseModel):
     """Denoising steps per generated token (1.0 = one token committed per step)."""
     block_length: int | None = None
     """Semi-autoregressive block length; None = the whole answer is one block."""
-    temperature: float = 0.0
+    temperature: float = Field(0.0, ge=0.0)
     """Gumbel temperature; 0 = greedy, deterministic."""
     remasking: Literal["low_confidence", "random"] = "low_confidence"
     """Which predicted tokens to commit each step."""

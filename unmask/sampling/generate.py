@@ -1,6 +1,6 @@
 """One sampler for masked-diffusion LMs: fill a masked canvas block by block.
 
-Swappable parts (design/DIFFUSION.md, Sampling):
+Swappable parts (docs/diffusion.md, Sampling):
   - schedule (`schedules.py`): LLaDA per-block quotas or Dream timesteps;
   - confidence and transfer (`transfer.py`): which positions to commit: top-k, sampled
     with `alg_temp`, Fast-dLLM `threshold` / `factor`, Dream `origin` / MDLM ddpm;
@@ -330,15 +330,17 @@ def generate(
     eos_id: int | None = None,
     attention_mask: torch.Tensor | None = None,
     generator: torch.Generator | None = None,
+    on_step: Callable[[torch.Tensor], None] | None = None,
     **options,
 ) -> torch.Tensor:
     """LLaDA-style front end: `sample` returning only the tokens (B, P + G), prompt
     unchanged, no masks left. Sampling options may be given as keywords (they update
-    `config`); with steps = gen_length = block_length = 128, temperature 0 and
-    low_confidence it reproduces LLaDA's `generate`."""
+    `config`, else SamplingConfig's defaults); steps = gen_length = block_length = 128,
+    temperature 0 and low_confidence reproduce LLaDA's `generate` with its defaults."""
     config = (config or SamplingConfig()).updated(**options)
     return sample(model, prompt_ids, config, mask_id=mask_id, eos_id=eos_id,
-                  attention_mask=attention_mask, generator=generator).sequences  # fmt: skip
+                  attention_mask=attention_mask, generator=generator,
+                  on_step=on_step).sequences  # fmt: skip
 
 
 __all__ = [

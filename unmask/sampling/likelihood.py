@@ -1,6 +1,6 @@
 """Monte Carlo log-likelihood (an ELBO) of an answer given a prompt, and a perplexity bound.
 
-LLaDA's estimator (design/DIFFUSION.md, Likelihood): per mini-batch of b rows draw
+LLaDA's estimator (docs/diffusion.md, Likelihood): per mini-batch of b rows draw
 k ~ U{1..L}; row j masks exactly m_j = ((round(linspace(k, k + (b - 1) L / b, b)) - 1)
 mod L) + 1 of the L answer tokens (the prompt is never masked); its loss is the masked
 cross-entropy sum / (m_j / L). The log-likelihood bound is minus the mean over rows and

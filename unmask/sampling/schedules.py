@@ -1,10 +1,10 @@
 """Unmasking schedules: how many masked positions a step commits.
 
-Two families (design/DIFFUSION.md, Sampling):
+Two families (docs/diffusion.md, Sampling):
   - `llada`: per-block quotas fixed when the block starts, k_i = n // S + (i < n % S).
   - `dream`: timesteps linspace(1, eps, S + 1); between t and s commit int(M (1 - s / t))
     of the M positions still masked, everything on the last step.
-Pure functions, so the hand-computed vectors in DIFFUSION.md are tests.
+Pure functions, so the hand-computed vectors in docs/diffusion.md are tests.
 """
 
 import torch

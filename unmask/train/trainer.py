@@ -104,7 +104,7 @@ class Trainer:
         if cfg.model.pretrained is not None:  # LLaDA / Dream folders name their mask id
             folder_mask = folder_mask_token_id(cfg.model.pretrained)
             if folder_mask is not None:
-                source = f"{cfg.model.pretrained}/config.json"
+                source = f"model.pretrained {cfg.model.pretrained!r}"
                 adopt_mask_token(self.tokenizer, folder_mask, source)
         added_tokens = ensure_special_tokens(self.tokenizer)
         if added_tokens and cfg.model.lora:
@@ -220,7 +220,7 @@ class Trainer:
         rows: a row gets the noise it would get in a one-process run of the same global
         batch, so losses do not depend on the world size. Other objectives draw on their
         own rows from a generator seeded by (seed, where = (step, micro-batch), rank)."""
-        if self.objective.global_noise:
+        if getattr(self.objective, "global_noise", False):
             batch, noise = self.objective.with_noise(batch, self.noise), self.noise
         else:
             noise = rank_generator(self.noise, where, self.dist.rank)
