@@ -14,7 +14,7 @@ from unmask.data import (
     make_synthetic,
     split_records,
 )
-from unmask.data.loader import eval_count
+from unmask.data.build import eval_count
 from unmask.errors import InputError
 
 
@@ -39,9 +39,9 @@ def test_epoch_is_a_permutation_and_epochs_differ():
     loader = BatchLoader(_rows(12), batch_size=4, seed=5)
     epoch0 = [i for _ in range(3) for i in _taken(next(loader))]
     assert sorted(epoch0) == list(range(12))
-    assert loader.state_dict() == {"epoch": 0, "position": 3}
+    assert loader.state_dict() == {"epoch": 0, "position": 3, "global_batch": 4}
     epoch1 = [i for _ in range(3) for i in _taken(next(loader))]
-    assert loader.state_dict() == {"epoch": 1, "position": 3}
+    assert loader.state_dict() == {"epoch": 1, "position": 3, "global_batch": 4}
     assert sorted(epoch1) == list(range(12)) and epoch1 != epoch0
     batch = next(loader)
     assert {k: v.shape for k, v in batch.items()} == {k: (4, 3) for k in batch}
@@ -55,7 +55,7 @@ def test_resume_continues_with_the_same_batches():
     for _ in range(4):
         next(first)
     state = first.state_dict()
-    assert state == {"epoch": 1, "position": 1}
+    assert state == {"epoch": 1, "position": 1, "global_batch": 3}
     resumed = BatchLoader(rows, batch_size=3, seed=1)
     resumed.load_state_dict(dict(state))
     assert [_taken(next(resumed)) for _ in range(7)] == reference[4:]
@@ -83,6 +83,10 @@ def test_dataset_smaller_than_a_batch_repeats():
         BatchLoader(_rows(0), batch_size=4, seed=0)
 
 
+def _pair(data):
+    return data.train, data.eval
+
+
 def test_eval_batches_in_order():
     batches = list(eval_batches(_rows(7), batch_size=3))
     assert [_taken(b) for b in batches] == [[0, 1, 2], [3, 4, 5], [6]]
@@ -93,7 +97,7 @@ SMALL = DataConfig(synthetic_train_size=600, synthetic_eval_size=30, packing_len
 
 def test_build_datasets_synthetic():
     tok = build_tokenizer(SMALL)
-    train, evals = build_datasets(SMALL, tok)
+    train, evals = _pair(build_datasets(SMALL, tok))
     examples, held = make_synthetic(SMALL)
     train_docs = [d for d in tok.decode(train.tensors["input_ids"].flatten()).split("<eos>") if d]
     assert train_docs == [p + a for p, a in examples]  # the rows hold the stream, in order
@@ -106,7 +110,7 @@ def test_build_datasets_synthetic():
 
 def test_build_datasets_padded_rows_one_per_example():
     cfg = SMALL.model_copy(update={"packing": False, "packing_length": 20})
-    train, evals = build_datasets(cfg, build_tokenizer(cfg))
+    train, evals = _pair(build_datasets(cfg, build_tokenizer(cfg)))
     assert (len(train), len(evals)) == (600, 30)
     assert (train.tensors["input_ids"][:, -1] == 1).all()  # every row ends in EOS padding
 
@@ -122,7 +126,7 @@ def test_text_dataset_split_is_disjoint_and_seeded(tmp_path):
     assert sorted(r["text"] for r in train + held) == sorted(docs)
     assert split_records(cfg) == (train, held)
     assert split_records(cfg.model_copy(update={"eval_split": 5}))[1].__len__() == 5
-    train_rows, eval_rows = build_datasets(cfg, build_tokenizer(cfg))
+    train_rows, eval_rows = _pair(build_datasets(cfg, build_tokenizer(cfg)))
     eval_text = build_tokenizer(cfg).decode(eval_rows.tensors["input_ids"].flatten())
     assert [d for d in eval_text.split("<eos>") if d] == [r["text"] for r in held]
 

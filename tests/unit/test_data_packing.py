@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from unmask.data import ROW_KEYS, build_char_tokenizer, build_rows, tokenize_records
-from unmask.data.packing import segment_layout
+from unmask.data.rows import segment_layout
 
 TOK = build_char_tokenizer()
 EOS = TOK.eos_token_id

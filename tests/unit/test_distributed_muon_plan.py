@@ -10,7 +10,7 @@ from unmask.models.transformer import DiffusionTransformer
 from unmask.optim.distributed import OwnerPlan, assign_owners, chunk_rows, owner_loads
 from unmask.optim.newton_schulz import ns_flops
 from unmask.optim.routing import route_parameters
-from unmask.parallel.batch import per_rank_batch_size, rank_rows
+from unmask.parallel.batch import per_rank_batch_size
 from unmask.parallel.mesh import launch_env, resolve_mesh_shape
 
 
@@ -98,12 +98,6 @@ def test_split_batches_divides_the_batch_or_says_why():
         "train.split_batches: per_device_train_batch_size=6 does not divide by the world "
         "size 4; use a multiple of 4 or split_batches=false"
     )
-
-
-def test_rank_rows_are_disjoint_and_cover_the_global_batch():
-    batch = {"input_ids": torch.arange(12).view(6, 2)}
-    parts = [rank_rows(batch, r, 2)["input_ids"] for r in range(3)]
-    assert torch.equal(torch.cat(parts), batch["input_ids"])
 
 
 def test_launch_env_reads_torchrun_then_slurm():

@@ -63,7 +63,7 @@ def test_border_survives_packing_and_padding(tmp_path, packing):
     tok = build_char_tokenizer()
     tok.chat_template = TEMPLATE
     cfg = DataConfig(dataset=str(_rows(tmp_path)), packing=packing, packing_length=64, eval_split=0)
-    train, _ = build_datasets(cfg, tok)
+    train = build_datasets(cfg, tok).train
     ids, maskable = train.tensors["input_ids"], train.tensors["maskable"]
     text = tok.decode(ids[maskable].tolist())
     assert "4\n<eos>" in text and "yo\n<eos>" in text

@@ -2,7 +2,7 @@
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class AcceleratorConfig(BaseModel):
@@ -33,6 +33,9 @@ class TrainConfig(BaseModel):
     """Rows per micro-batch on each device."""
     per_device_eval_batch_size: int = 32
     """Rows per batch when computing the eval loss."""
+    dataloader_num_workers: int = Field(0, ge=0)
+    """Worker processes that read and build the next batches while the model trains (0 = in
+    the training process). Each rank reads only its own rows either way."""
     gradient_accumulation_steps: int = 1
     """Micro-batches per optimizer step; the loss is normalized over all of them together."""
     logging_steps: float = 10

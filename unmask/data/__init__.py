@@ -1,15 +1,13 @@
-"""Data: sources, tokenizers, packed rows with document ids, and the resumable loader."""
+"""Data: sources (files, token stores, blends), tokenizers, rows with document ids, and the
+resumable per-rank loaders."""
 
-from unmask.data.config import DataConfig
-from unmask.data.loader import (
-    BatchLoader,
-    build_datasets,
-    eval_batches,
-    heldout_examples,
-    split_records,
-)
-from unmask.data.packing import ROW_KEYS, RowStore, build_rows, tokenize_records
+from unmask.data.build import Blend, Datasets, build_datasets, heldout_examples, split_records
+from unmask.data.config import DataConfig, SourceConfig
+from unmask.data.loader import BatchLoader, MixedLoader, eval_batches, make_loader
+from unmask.data.packing import build_rows, tokenize_records
+from unmask.data.rows import ROW_KEYS, RowSource, RowStore, TokenStoreRows
 from unmask.data.sources import load_records
+from unmask.data.streaming import StreamLoader, StreamSpec
 from unmask.data.synthetic import answer_for, exact_match, make_synthetic, make_synthetic_heldout
 from unmask.data.tokenizer import (
     adopt_mask_token,
@@ -22,8 +20,16 @@ from unmask.data.tokenizer import (
 __all__ = [
     "ROW_KEYS",
     "BatchLoader",
+    "Blend",
     "DataConfig",
+    "Datasets",
+    "MixedLoader",
+    "RowSource",
     "RowStore",
+    "SourceConfig",
+    "StreamLoader",
+    "StreamSpec",
+    "TokenStoreRows",
     "adopt_mask_token",
     "answer_for",
     "build_char_tokenizer",
@@ -35,6 +41,7 @@ __all__ = [
     "exact_match",
     "heldout_examples",
     "load_records",
+    "make_loader",
     "make_synthetic",
     "make_synthetic_heldout",
     "mask_token_id",

@@ -6,6 +6,27 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+DatasetFormat = Literal["auto", "text", "jsonl", "parquet", "hf_dataset", "indexed"]
+
+
+class SourceConfig(BaseModel):
+    """One source of a blend (`data.sources`): where its documents are and its share."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    path: str
+    """Anything `data.dataset` accepts except "synthetic": a local file or folder, or a
+    token store prefix (PREFIX.bin + PREFIX.idx)."""
+
+    weight: float = Field(default=1.0, gt=0)
+    """This source's share of the training rows (weights are normalized to sum to 1)."""
+
+    dataset_format: DatasetFormat = "auto"
+    """How to read `path` (as data.dataset_format)."""
+
+    text_field: str | None = None
+    """Column holding a plain document (None = data.text_field)."""
+
 
 class DataConfig(BaseModel):
     """Data source, tokenizer and row layout for one run."""
@@ -15,10 +36,26 @@ class DataConfig(BaseModel):
     dataset: str = "synthetic"
     """"synthetic" (built-in offline tasks) or a local path: a .txt file (one document per
     non-empty line), .jsonl/.json, .parquet, a folder written by `save_to_disk` (the "train"
-    split of a DatasetDict), or a folder of such files."""
+    split of a DatasetDict), a folder of such files, or the prefix of a token store written by
+    `unmask preprocess` or Megatron (PREFIX.bin + PREFIX.idx, memory-mapped: start-up reads
+    only the index)."""
 
-    dataset_format: Literal["auto", "text", "jsonl", "parquet", "hf_dataset"] = "auto"
-    """How to read `dataset`; "auto" guesses from the file extension or folder contents."""
+    dataset_format: DatasetFormat = "auto"
+    """How to read `dataset`; "auto" guesses from the file extension or folder contents
+    ("indexed" when PREFIX.idx and PREFIX.bin exist)."""
+
+    streaming: bool = False
+    """Read `dataset` (or each of `sources`) as a stream: documents are read, tokenized and
+    packed as training needs them, in DataLoader workers, each rank reading its own share;
+    start-up and memory do not depend on the corpus size. `dataset` is then a local file or
+    folder of jsonl / parquet / text shards, or a hub dataset id (where the hub is
+    reachable). Needs train.max_steps. The first eval_split documents (a count; a fraction
+    means 100) are held out for the eval loss unless eval_dataset is set."""
+
+    sources: list[SourceConfig] = []
+    """Blend several sources instead of one `dataset`: a list of {path, weight,
+    dataset_format, text_field}. Rows are drawn from each in proportion to its weight,
+    deterministically from the seed; each source holds out its own eval documents."""
 
     text_field: str = "text"
     """Column holding a plain document."""
@@ -79,6 +116,8 @@ class DataConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check_ranges(self) -> DataConfig:
+        if self.sources and self.dataset != "synthetic":
+            raise ValueError("set data.dataset or data.sources, not both")
         if self.synthetic_min_digits > self.synthetic_max_digits:
             raise ValueError(
                 f"synthetic_min_digits={self.synthetic_min_digits} is above "

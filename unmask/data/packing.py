@@ -1,11 +1,4 @@
-"""Fixed-length rows from tokenized examples.
-
-A row is four tensors of length L (`packing_length`):
-
-- `input_ids`    long: token ids.
-- `doc_ids`      long: 0, 1, 2, ... per document in the row (attention is block-diagonal on it).
-- `position_ids` long: restart at 0 at each document start (and at the row start).
-- `maskable`     bool: positions the diffusion loss may mask.
+"""Fixed-length rows (rows.py) from tokenized examples, built in memory.
 
 An example is a document (all tokens maskable) or a prompt/answer pair (prompt kept clean:
 not maskable; answer and its EOS maskable); every example ends with EOS.
@@ -26,10 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
+from unmask.data.rows import RowStore, segment_layout
 from unmask.data.sft import format_pair
 from unmask.data.sources import Record
-
-ROW_KEYS = ("input_ids", "doc_ids", "position_ids", "maskable")
 
 
 @dataclass
@@ -38,30 +30,6 @@ class TokenizedExample:
 
     ids: list[int]
     maskable: list[bool]
-
-
-class RowStore:
-    """Rows stacked in four (N, L) tensors; `rows[i]` is a dict of (L,) tensors."""
-
-    def __init__(self, tensors: dict[str, torch.Tensor]):
-        shapes = {t.shape for t in tensors.values()}
-        if set(tensors) != set(ROW_KEYS) or len(shapes) != 1:
-            raise ValueError(f"a RowStore needs {ROW_KEYS} of one shape, got {shapes}")
-        self.tensors = tensors
-
-    def __len__(self) -> int:
-        return self.tensors["input_ids"].shape[0]
-
-    @property
-    def row_length(self) -> int:
-        return self.tensors["input_ids"].shape[1]
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {k: v[i] for k, v in self.tensors.items()}
-
-    def gather(self, indices: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Rows at `indices` as (len(indices), L) tensors."""
-        return {k: v[indices] for k, v in self.tensors.items()}
 
 
 def tokenize_records(
@@ -114,22 +82,6 @@ def _flatten(
     lengths = torch.tensor([len(e.ids) for e in examples], dtype=torch.long)
     owner = torch.repeat_interleave(torch.arange(len(examples)), lengths)
     return ids, maskable, owner
-
-
-def segment_layout(owner: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row doc ids and positions from any per-token segment labels.
-
-    owner: (N, L) labels, equal on consecutive tokens of one segment. Returns (doc_ids,
-    position_ids), both (N, L): segments numbered from 0 in each row, positions restarting
-    at each segment start and at column 0.
-    """
-    n, length = owner.shape
-    starts = torch.ones_like(owner, dtype=torch.bool)
-    starts[:, 1:] = owner[:, 1:] != owner[:, :-1]
-    doc_ids = starts.long().cumsum(dim=1) - 1
-    cols = torch.arange(length).expand(n, length)
-    start_col = torch.where(starts, cols, torch.zeros_like(cols)).cummax(dim=1).values
-    return doc_ids, cols - start_col
 
 
 def pack_examples(examples: Sequence[TokenizedExample], length: int, eos_id: int) -> RowStore:

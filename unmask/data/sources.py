@@ -148,25 +148,32 @@ def _read_saved_dataset(path: Path) -> list[dict[str, Any]]:
 def _to_records(
     rows: list[dict[str, Any]], where: str, text_field: str, prompt_field: str, response_field: str
 ) -> list[Record]:
-    records: list[Record] = []
-    for row in rows:
-        if row.get("messages") is not None:  # a chat: prompt/answer split in data/sft.py
-            records.append({"messages": check_messages(row["messages"], where)})
-            continue
-        prompt, response = row.get(prompt_field), row.get(response_field)
-        if prompt is not None and response is not None:
-            records.append({"prompt": str(prompt), "response": str(response)})
-            continue
-        if text_field not in row:
-            raise InputError(
-                f"data: rows of {where!r} have no {text_field!r} field (fields: "
-                f"{', '.join(map(str, row))}); set data.text_field, or data.prompt_field and "
-                "data.response_field"
-            )
-        text = row[text_field]
-        if text is not None and str(text) != "":
-            records.append({"text": str(text)})
-    return records
+    records = [to_record(row, where, text_field, prompt_field, response_field) for row in rows]
+    return [r for r in records if r is not None]
+
+
+def to_record(
+    row: dict[str, Any],
+    where: str,
+    text_field: str = "text",
+    prompt_field: str = "prompt",
+    response_field: str = "response",
+) -> Record | None:
+    """One data row as a record: a chat (`messages`), a prompt/response pair, or a
+    document (`text_field`); None for an empty document."""
+    if row.get("messages") is not None:  # a chat: prompt/answer split in data/sft.py
+        return {"messages": check_messages(row["messages"], where)}
+    prompt, response = row.get(prompt_field), row.get(response_field)
+    if prompt is not None and response is not None:
+        return {"prompt": str(prompt), "response": str(response)}
+    if text_field not in row:
+        raise InputError(
+            f"data: rows of {where!r} have no {text_field!r} field (fields: "
+            f"{', '.join(map(str, row))}); set data.text_field, or data.prompt_field and "
+            "data.response_field"
+        )
+    text = row[text_field]
+    return {"text": str(text)} if text is not None and str(text) != "" else None
 
 
 def _first_line(exc: BaseException) -> str:

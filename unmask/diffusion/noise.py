@@ -9,6 +9,26 @@ import math
 
 import torch
 
+#: (offset, total): these B rows are rows [offset, offset + B) of a batch of `total` rows.
+#: The draws are made for all `total` rows and sliced, so a row's noise is the same whichever
+#: process draws it (each rank of a data-parallel run holds only its slice).
+RowSlice = tuple[int, int]
+
+
+def rand_rows(
+    shape: tuple[int, ...],
+    rows: RowSlice | None = None,
+    generator: torch.Generator | None = None,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """U[0, 1) float32 of `shape`; with rows = (offset, total), rows [offset, offset +
+    shape[0]) of a (total, *shape[1:]) draw."""
+    if rows is None:
+        return torch.rand(shape, generator=generator, device=device)
+    offset, total = rows
+    full = torch.rand((total, *shape[1:]), generator=generator, device=device)
+    return full[offset : offset + shape[0]]
+
 
 def sample_t(
     batch_size: int,
@@ -16,18 +36,21 @@ def sample_t(
     eps: float = 1e-3,
     generator: torch.Generator | None = None,
     device: torch.device | str | None = None,
+    rows: RowSlice | None = None,
 ) -> torch.Tensor:
     """Noise level per row, (B,) float32 in [eps, 1).
 
     `uniform`: t = (1 - eps) u + eps with u ~ U[0, 1) i.i.d.
-    `antithetic`: one u, then u_i = (u + i / B) mod 1 (stratified; lower variance).
+    `antithetic`: one u, then u_i = (u + i / B) mod 1 (stratified; lower variance); B is
+    the whole batch's row count when `rows` says this is a slice of it.
     """
     if method == "uniform":
-        u = torch.rand(batch_size, generator=generator, device=device)
+        u = rand_rows((batch_size,), rows, generator, device)
     elif method == "antithetic":
         u0 = torch.rand(1, generator=generator, device=device)
-        offsets = torch.arange(batch_size, device=device, dtype=torch.float32) / batch_size
-        u = torch.remainder(u0 + offsets, 1.0)
+        offset, total = rows if rows is not None else (0, batch_size)
+        offsets = torch.arange(total, device=device, dtype=torch.float32) / total
+        u = torch.remainder(u0 + offsets, 1.0)[offset : offset + batch_size]
     else:
         raise ValueError(f"unknown t sampling method {method!r}; expected uniform or antithetic")
     return (1.0 - eps) * u + eps
@@ -70,30 +93,34 @@ def mask_tokens(
     generator: torch.Generator | None = None,
     schedule: str = "linear",
     min_masked: int = 0,
+    rows: RowSlice | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Mask each maskable position independently with probability mask_prob(t_row).
 
-    input_ids (B, L) long, t (B,), maskable (B, L) bool.
+    input_ids (B, L) long, t (B,), maskable (B, L) bool; rows: see `RowSlice`.
     Returns (noisy_ids (B, L) with mask_id at masked positions, masked (B, L) bool).
     With min_masked >= 1, a row with maskable positions but none masked gets one
     maskable position, chosen uniformly, masked.
     """
     p = mask_prob(t, schedule).to(torch.float32)[:, None]  # (B, 1)
-    u = torch.rand(input_ids.shape, generator=generator, device=input_ids.device)
+    u = rand_rows(tuple(input_ids.shape), rows, generator, input_ids.device)
     masked = (u < p) & maskable
     if min_masked > 0:
-        masked = force_one_masked(masked, maskable, generator)
+        masked = force_one_masked(masked, maskable, generator, rows)
     noisy_ids = torch.where(masked, torch.full_like(input_ids, mask_id), input_ids)
     return noisy_ids, masked
 
 
 def force_one_masked(
-    masked: torch.Tensor, maskable: torch.Tensor, generator: torch.Generator | None
+    masked: torch.Tensor,
+    maskable: torch.Tensor,
+    generator: torch.Generator | None,
+    rows: RowSlice | None = None,
 ) -> torch.Tensor:
     """Mask one random maskable position in rows that have maskable positions but no mask."""
     empty = maskable.any(dim=1) & ~masked.any(dim=1)  # (B,)
     # A random score per position; the argmax over maskable positions is a uniform pick.
-    scores = torch.rand(masked.shape, generator=generator, device=masked.device)
+    scores = rand_rows(tuple(masked.shape), rows, generator, masked.device)
     scores = scores.masked_fill(~maskable, -1.0)
     pick = scores.argmax(dim=1)  # (B,)
     forced = torch.zeros_like(masked)

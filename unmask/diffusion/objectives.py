@@ -12,7 +12,7 @@ from torch import nn
 
 from unmask.diffusion.config import DiffusionConfig
 from unmask.diffusion.loss import IGNORE_INDEX
-from unmask.diffusion.noise import loss_weight, mask_tokens, sample_t
+from unmask.diffusion.noise import RowSlice, loss_weight, mask_tokens, sample_t
 
 _NOISE_KEYS = ("t", "noisy_input_ids", "masked")
 
@@ -29,10 +29,11 @@ class ObjectiveOutput(NamedTuple):
 class Objective(Protocol):
     """The trainer's single entry point for any objective.
 
-    global_noise: True when each row's noise is drawn on its own, so a multi-process run may
-    draw the noise of the whole global batch with `with_noise(batch, generator)` and give
-    each rank its rows (losses then do not depend on the world size); False (or absent):
-    each rank draws for its own rows from its own generator and `with_noise` is not needed.
+    global_noise: True when each row's noise is drawn on its own, so each rank of a
+    multi-process run draws the randomness of the whole global batch and keeps its rows'
+    (`with_noise(batch, generator, rows=(offset, total))`): losses then do not depend on the
+    world size. False (or absent): each rank draws for its own rows from its own generator
+    and `with_noise` is not needed.
     """
 
     global_noise: bool
@@ -41,7 +42,9 @@ class Objective(Protocol):
         self, model: nn.Module, batch: dict, generator: torch.Generator | None = None
     ) -> ObjectiveOutput: ...
 
-    def with_noise(self, batch: dict, generator: torch.Generator | None = None) -> dict: ...
+    def with_noise(
+        self, batch: dict, generator: torch.Generator | None = None, rows: RowSlice | None = None
+    ) -> dict: ...
 
 
 def mdlm_loss_terms(
@@ -85,9 +88,10 @@ class MaskedDiffusionObjective:
         self.last_stats: dict[str, torch.Tensor] = {}
 
     def noise(
-        self, batch: dict, generator: torch.Generator | None = None
+        self, batch: dict, generator: torch.Generator | None = None, rows: RowSlice | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(t (B,), noisy_input_ids (B, L), masked (B, L)) from the batch or freshly drawn."""
+        """(t (B,), noisy_input_ids (B, L), masked (B, L)) from the batch or freshly drawn;
+        rows: the batch is that slice of a larger one (`RowSlice`)."""
         present = [k for k in _NOISE_KEYS if k in batch]
         if present:
             if len(present) != len(_NOISE_KEYS):
@@ -96,7 +100,8 @@ class MaskedDiffusionObjective:
             return batch["t"], batch["noisy_input_ids"], batch["masked"]
         input_ids = batch["input_ids"]
         cfg = self.cfg
-        t = sample_t(input_ids.shape[0], cfg.t_sampling, cfg.time_eps, generator, input_ids.device)
+        t = sample_t(input_ids.shape[0], cfg.t_sampling, cfg.time_eps, generator,
+                     input_ids.device, rows)  # fmt: skip
         noisy, masked = mask_tokens(
             input_ids,
             t,
@@ -105,12 +110,16 @@ class MaskedDiffusionObjective:
             generator,
             schedule=cfg.schedule,
             min_masked=cfg.min_masked,
+            rows=rows,
         )
         return t, noisy, masked
 
-    def with_noise(self, batch: dict, generator: torch.Generator | None = None) -> dict:
-        """The batch with its noise drawn (`t`, `noisy_input_ids`, `masked`)."""
-        t, noisy, masked = self.noise(batch, generator)
+    def with_noise(
+        self, batch: dict, generator: torch.Generator | None = None, rows: RowSlice | None = None
+    ) -> dict:
+        """The batch with its noise drawn (`t`, `noisy_input_ids`, `masked`); rows: the batch
+        is that slice of a larger one, whose noise is drawn whole (`RowSlice`)."""
+        t, noisy, masked = self.noise(batch, generator, rows)
         return {**batch, "t": t, "noisy_input_ids": noisy, "masked": masked}
 
     def __call__(

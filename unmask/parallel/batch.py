@@ -1,5 +1,5 @@
-"""Data-parallel batch sizes, each rank's rows of a global micro-batch, and the random
-generator a rank draws its own rows' noise from."""
+"""Data-parallel batch sizes, and the random generator a rank draws its own rows' noise
+from."""
 
 from __future__ import annotations
 
@@ -22,11 +22,6 @@ def per_rank_batch_size(per_device: int, world_size: int, split_batches: bool) -
             f"the world size {world_size}; use a multiple of {world_size} or split_batches=false"
         )
     return per_device // world_size
-
-
-def rank_rows(batch: dict[str, torch.Tensor], rank: int, rows: int) -> dict[str, torch.Tensor]:
-    """Rows [rank * rows, (rank + 1) * rows) of every (B, ...) tensor of a global batch."""
-    return {k: v[rank * rows : (rank + 1) * rows] for k, v in batch.items()}
 
 
 def rank_generator(base: torch.Generator, where: tuple[int, int], rank: int) -> torch.Generator:

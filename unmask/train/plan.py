@@ -30,11 +30,17 @@ class Plan:
     tokens_per_step: int
 
 
-def make_plan(cfg: RunConfig, num_rows: int, world_size: int = 1) -> Plan:
+def make_plan(cfg: RunConfig, num_rows: int | None, world_size: int = 1) -> Plan:
+    """num_rows: training rows per epoch, None for a stream (then max_steps is needed)."""
     t = cfg.train
     rows_per_step = t.per_device_train_batch_size * t.gradient_accumulation_steps * world_size
     if t.max_steps > 0:
         total = t.max_steps
+    elif num_rows is None:
+        raise InputError(
+            "data.streaming: the stream's length is unknown, so num_train_epochs cannot size "
+            "the run; set train.max_steps"
+        )
     else:
         total = math.ceil(t.num_train_epochs * num_rows / rows_per_step)
     if total <= 0:

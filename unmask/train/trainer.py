@@ -15,14 +15,15 @@ import torch
 from unmask.checkpoint import STATE_FILE, Checkpointer, list_checkpoints, resolve_resume
 from unmask.config import RunConfig, dump_config
 from unmask.data import (
-    BatchLoader,
     adopt_mask_token,
     build_datasets,
     build_tokenizer,
     ensure_special_tokens,
     eval_batches,
     heldout_examples,
+    make_loader,
 )
+from unmask.data.streaming import StreamSpec
 from unmask.diffusion import build_objective
 from unmask.diffusion.cutoffs import random_length_cut
 from unmask.errors import InputError
@@ -39,7 +40,7 @@ from unmask.models.lora import check_request as check_lora_request
 from unmask.models.quant import check_4bit, quantize_4bit
 from unmask.optim.config import build_optimizer
 from unmask.optim.schedule import build_scheduler
-from unmask.parallel.batch import per_rank_batch_size, rank_generator, rank_rows
+from unmask.parallel.batch import per_rank_batch_size, rank_generator
 from unmask.parallel.distributed import all_reduce_sum, full_value, setup
 from unmask.parallel.fsdp import apply_fsdp, compile_blocks, sync_gradients
 from unmask.parallel.mesh import launch_env, share_from_rank0
@@ -112,8 +113,10 @@ class Trainer:
                 "the tokenizer has no mask (or EOS) token and one cannot be added under "
                 "model.lora: true (the embeddings are frozen); use a tokenizer that has one"
             )
-        self.train_rows, self.eval_rows = build_datasets(cfg.data, self.tokenizer)
-        self.plan = make_plan(cfg, len(self.train_rows), batch_ranks)
+        data = build_datasets(cfg.data, self.tokenizer)
+        self.train_rows, self.eval_rows, self.notices = data.train, data.eval, data.notices
+        self.num_rows = None if isinstance(data.train, StreamSpec) else len(data.train)
+        self.plan = make_plan(cfg, self.num_rows, batch_ranks)
         self.output_dir = Path(t.output_dir)
         self.resume_path = share_from_rank0(lambda: prepare_output_dir(self.output_dir, cfg))
 
@@ -128,9 +131,12 @@ class Trainer:
             self.plan.warmup_steps,
             cfg.optim.min_lr_ratio,
         )
-        # every rank reads the global micro-batch; train_step keeps this rank's rows
-        global_batch = self.local_batch_size * self.dist.world_size
-        self.loader = BatchLoader(self.train_rows, global_batch, seed=t.seed)
+        # each rank reads only its rows of every global micro-batch, in worker processes
+        # ahead of the step when asked
+        self.loader = make_loader(
+            self.train_rows, self.local_batch_size, t.seed, self.dist.rank,
+            self.dist.world_size, t.dataloader_num_workers, self.device.type == "cuda",
+        )  # fmt: skip
         self.noise = torch.Generator(device=self.device)
         self.noise.manual_seed(t.seed + 1)
         self.step = 0
@@ -213,18 +219,18 @@ class Trainer:
     def _autocast(self):
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.train.bf16)
 
-    def _rank_share(self, batch: dict, where: tuple[int, int]) -> tuple[dict, torch.Generator]:
-        """This rank's rows of a global micro-batch, and the generator its objective draws
-        from. An objective with `global_noise` draws the noise of the whole global batch
-        from the generator every rank holds in the same state, and each rank keeps its
-        rows: a row gets the noise it would get in a one-process run of the same global
-        batch, so losses do not depend on the world size. Other objectives draw on their
-        own rows from a generator seeded by (seed, where = (step, micro-batch), rank)."""
+    def _rank_noise(self, batch: dict, where: tuple[int, int]) -> tuple[dict, torch.Generator]:
+        """This rank's micro-batch with the noise its objective uses, and the generator.
+        An objective with `global_noise` draws the randomness of the whole global batch
+        from the generator every rank holds in the same state and keeps this rank's rows:
+        a row gets the noise it would get in a one-process run of the same global batch,
+        so losses do not depend on the world size. Other objectives draw on their own rows
+        from a generator seeded by (seed, where = (step, micro-batch), rank)."""
         if getattr(self.objective, "global_noise", False):
-            batch, noise = self.objective.with_noise(batch, self.noise), self.noise
-        else:
-            noise = rank_generator(self.noise, where, self.dist.rank)
-        return rank_rows(batch, self.dist.rank, self.local_batch_size), noise
+            b = self.local_batch_size
+            rows = (self.dist.rank * b, self.dist.world_size * b)
+            return self.objective.with_noise(batch, self.noise, rows), self.noise
+        return batch, rank_generator(self.noise, where, self.dist.rank)
 
     def train_step(self, batches: list[dict]) -> dict:
         """One optimizer step over micro-batches; the loss is normalized once, globally."""
@@ -238,7 +244,7 @@ class Trainer:
             )
             noise = self.noise
             if self.sharded:
-                batch, noise = self._rank_share(batch, (self.step, index))
+                batch, noise = self._rank_noise(batch, (self.step, index))
                 sync_gradients(self.model, index == len(batches) - 1)
             with self._autocast():
                 loss_sum, count = self.objective(self.model, batch, noise)
@@ -298,6 +304,8 @@ class Trainer:
             config=cfg.model_dump(mode="json"),
         )
         logger.print(self._summary())
+        for notice in self.notices:
+            logger.print(notice)
         routing = getattr(self.optimizer, "routing", None)
         if routing is not None:
             logger.print(routing.summary())
@@ -342,6 +350,7 @@ class Trainer:
                 last["heldout_exact_match"] = self._heldout_accuracy(logger)
         finally:
             logger.close()
+            self.loader.close()
         return last
 
     def _heldout_accuracy(self, logger: MetricsLogger) -> float:
@@ -371,9 +380,10 @@ class Trainer:
 
     def _summary(self) -> str:
         n_params = sum(p.numel() for p in self.model.parameters())
+        rows = "streamed" if self.num_rows is None else self.num_rows
         start = f"resuming from {self.resume_path} at step {self.step}" if self.step else "fresh"
         return (
-            f"unmask: {n_params / 1e6:.2f}M parameters | {len(self.train_rows)} train rows, "
+            f"unmask: {n_params / 1e6:.2f}M parameters | {rows} train rows, "
             f"{len(self.eval_rows)} eval rows of {self.cfg.data.packing_length} tokens | "
             f"{self.plan.total_steps} steps on {self.device}{self.dist.describe()} | {start} | "
             f"output_dir {self.output_dir}"

@@ -1,0 +1,282 @@
+"""Streaming: documents read as they are needed from a datasets IterableDataset (local
+parquet / jsonl shard folders, or a hub id where the hub is reachable), tokenized and packed
+into rows on the fly, in DataLoader worker processes.
+
+Sharding: `split_dataset_by_node` gives each rank its share (whole shards when the shard
+count divides by the world size, else every world_size-th document), and datasets gives
+each worker of a rank its own shards. Resume: torchdata's StatefulDataLoader keeps, per
+worker, the datasets stream's `state_dict` (its position in its shards) plus the packer's
+carried-over tokens, so a resumed run continues with exactly the rows an uninterrupted run
+would see, without reading the earlier data again. Documents come in file order (a
+shuffle buffer could not be restored exactly). The global batch then depends on the world
+size and the number of workers; resume with the same ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import IterableDataset
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from unmask.data.mixing import BlockMixer
+from unmask.data.packing import tokenize_records
+from unmask.data.rows import segment_layout
+from unmask.data.sources import FORMAT_BY_SUFFIX, Record, to_record
+from unmask.errors import InputError
+
+_BUILDERS = {"jsonl": "json", "parquet": "parquet", "text": "text"}
+
+
+def open_stream(path: str, dataset_format: str = "auto"):
+    """A datasets IterableDataset over a local file or folder of shards, or a hub id."""
+    import datasets  # at call time: importing datasets costs a second of start-up
+
+    local = Path(path).expanduser()
+    try:
+        if local.exists():
+            files = sorted(p for p in local.rglob("*") if p.suffix in FORMAT_BY_SUFFIX)
+            files = [local] if local.is_file() else files
+            if not files:
+                raise InputError(
+                    f"data: folder {path!r} holds no data files to stream "
+                    "(.jsonl, .json, .parquet or .txt shards)"
+                )
+            fmt = dataset_format if dataset_format != "auto" else FORMAT_BY_SUFFIX[files[0].suffix]
+            builder = _BUILDERS.get(fmt)
+            if builder is None:
+                raise InputError(f"data.streaming reads jsonl, parquet or text shards, not {fmt}")
+            return datasets.load_dataset(builder, data_files=[str(f) for f in files],
+                                         split="train", streaming=True)  # fmt: skip
+        return datasets.load_dataset(path, split="train", streaming=True)
+    except InputError:
+        raise
+    except Exception as exc:  # datasets raises many types for an unreachable or bad source
+        if local.exists():
+            raise InputError(f"data: cannot stream {path!r}: {_first_line(exc)}") from None
+        raise InputError(
+            f"data.dataset {path!r} is not a local path and the Hugging Face hub cannot be "
+            f"reached from here ({_first_line(exc)}); download its parquet or jsonl shards and "
+            "set data.dataset to that local folder (data.streaming: true reads it as it is)"
+        ) from None
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0][:200] if text else type(exc).__name__
+
+
+class PackedStream(IterableDataset):
+    """Rows of length L from a stream of documents (see the module docstring).
+
+    Packed: examples (tokens + EOS) are concatenated and cut into rows; a document cut by a
+    row end continues in the next row under a new doc id. Padded (packing=False): one
+    example per row, truncated, filled with EOS. `state_dict` / `load_state_dict` hold the
+    stream's position and the tokens carried over to the next row.
+    """
+
+    def __init__(
+        self, make_stream, tokenizer, fields: dict[str, str], row_length: int, eos_id: int,
+        packing: bool = True, supervise_padding: bool = True, chat_template: bool = True,
+        rank: int = 0, world_size: int = 1, skip: int = 0,
+    ):  # fmt: skip
+        from datasets.distributed import split_dataset_by_node  # with datasets, at call time
+
+        stream = make_stream()
+        if skip:
+            stream = stream.skip(skip)  # held out for eval
+        self.stream = split_dataset_by_node(stream, rank=rank, world_size=world_size)
+        self.tokenizer, self.fields, self.eos_id = tokenizer, fields, eos_id
+        self.row_length, self.packing = row_length, packing
+        self.supervise_padding, self.chat_template = supervise_padding, chat_template
+        self._carry: list[tuple[int, bool, int]] = []  # (token, maskable, document)
+        self._documents = 0
+
+    def _examples(self) -> Iterator[tuple[list[int], list[bool]]]:
+        for row in self.stream:
+            record = to_record(row, "stream", **self.fields)
+            if record is None:
+                continue
+            example = tokenize_records([record], self.tokenizer, self.eos_id,
+                                       self.chat_template)[0]  # fmt: skip
+            yield example.ids, example.maskable
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        length = self.row_length
+        for ids, maskable in self._examples():
+            self._documents += 1
+            if not self.packing:
+                yield self._padded(ids, maskable)
+                continue
+            self._carry.extend(zip(ids, maskable, [self._documents] * len(ids)))
+            while len(self._carry) >= length:
+                row, self._carry = self._carry[:length], self._carry[length:]
+                yield _packed_row(row)
+
+    def _padded(self, ids: list[int], maskable: list[bool]) -> dict[str, torch.Tensor]:
+        length = self.row_length
+        kept = min(len(ids), length)
+        out = np.full(length, self.eos_id, dtype=np.int64)
+        out[:kept] = ids[:kept]
+        mask = np.full(length, self.supervise_padding, dtype=bool)
+        mask[:kept] = maskable[:kept]
+        return {"input_ids": torch.from_numpy(out), "doc_ids": torch.zeros(length, dtype=torch.long),
+                "position_ids": torch.arange(length), "maskable": torch.from_numpy(mask)}  # fmt: skip
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"stream": self.stream.state_dict(), "carry": list(self._carry),
+                "documents": self._documents}  # fmt: skip
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.stream.load_state_dict(state["stream"])
+        self._carry = [tuple(t) for t in state["carry"]]
+        self._documents = int(state["documents"])
+
+
+def _packed_row(row: list[tuple[int, bool, int]]) -> dict[str, torch.Tensor]:
+    ids = torch.tensor([t for t, _, _ in row], dtype=torch.long)
+    maskable = torch.tensor([m for _, m, _ in row], dtype=torch.bool)
+    owner = torch.tensor([d for _, _, d in row], dtype=torch.long)[None]
+    doc_ids, position_ids = segment_layout(owner)
+    return {"input_ids": ids, "doc_ids": doc_ids[0], "position_ids": position_ids[0],
+            "maskable": maskable}  # fmt: skip
+
+
+class BlendedStream(IterableDataset):
+    """Rows drawn from several PackedStreams with weights: row p comes from the stream the
+    mixer assigns to p (mixing.py); each stream keeps its own position."""
+
+    def __init__(self, streams: list[PackedStream], weights: list[float], seed: int):
+        self.streams, self.mixer = streams, BlockMixer(weights, seed)
+        self._rows = 0
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        iterators = [iter(s) for s in self.streams]
+        while True:
+            source, _ = self.mixer.assign(torch.tensor([self._rows]))
+            try:
+                row = next(iterators[int(source)])
+            except StopIteration:
+                return  # the epoch ends with the first exhausted source
+            self._rows += 1
+            yield row
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"rows": self._rows, "streams": [s.state_dict() for s in self.streams]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._rows = int(state["rows"])
+        for stream, saved in zip(self.streams, state["streams"]):
+            stream.load_state_dict(saved)
+
+
+def _stack(rows: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    return {key: torch.stack([r[key] for r in rows]) for key in rows[0]}
+
+
+@dataclass
+class StreamSpec:
+    """How to build a run's training stream on any rank: one or several sources (path,
+    dataset_format, text_field), their weights and the row layout. `skips[i]` documents at
+    the start of source i are held out for eval."""
+
+    sources: list[tuple[str, str, str]]
+    weights: list[float]
+    skips: list[int]
+    tokenizer: Any
+    fields: dict[str, str]
+    row_length: int
+    eos_id: int
+    packing: bool
+    supervise_padding: bool
+    chat_template: bool
+    seed: int
+
+    def dataset(self, rank: int = 0, world_size: int = 1) -> IterableDataset:
+        streams = [
+            PackedStream(
+                _opener(path, fmt),
+                self.tokenizer,
+                {**self.fields, "text_field": field},
+                self.row_length,
+                self.eos_id,
+                self.packing,
+                self.supervise_padding,
+                self.chat_template,
+                rank,
+                world_size,
+                skip,
+            )  # fmt: skip
+            for (path, fmt, field), skip in zip(self.sources, self.skips)
+        ]
+        if len(streams) == 1:
+            return streams[0]
+        return BlendedStream(streams, self.weights, self.seed)
+
+
+def _opener(path: str, fmt: str) -> Callable[[], Any]:
+    return lambda: open_stream(path, fmt)
+
+
+def first_records(path: str, fmt: str, count: int, fields: dict[str, str]) -> list[Record]:
+    """The first `count` documents of a stream (the eval hold-out), as records."""
+    records = []
+    for row in open_stream(path, fmt).take(count):
+        record = to_record(row, path, **fields)
+        if record is not None:
+            records.append(record)
+    return records
+
+
+class StreamLoader:
+    """Endless micro-batches of batch_size rows from a stream, in num_workers processes.
+
+    `make_dataset()` builds the stream afresh (PackedStream or BlendedStream); when it ends,
+    the next epoch starts a new one. State: the epoch and StatefulDataLoader's state (each
+    worker's stream position and carried tokens)."""
+
+    def __init__(
+        self, make_dataset, batch_size: int, num_workers: int = 0, pin_memory: bool = False
+    ):
+        self.make_dataset, self.batch_size = make_dataset, batch_size
+        self.num_workers, self.pin_memory = num_workers, pin_memory
+        self.epoch = 0
+        self._loader = self._new_loader()
+        self._iter: Iterator | None = None
+
+    def _new_loader(self) -> StatefulDataLoader:
+        return StatefulDataLoader(self.make_dataset(), batch_size=self.batch_size,
+                                  num_workers=self.num_workers, collate_fn=_stack,
+                                  pin_memory=self.pin_memory, drop_last=True)  # fmt: skip
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict[str, torch.Tensor]:
+        for _ in range(2):
+            if self._iter is None:
+                self._iter = iter(self._loader)
+            try:
+                return next(self._iter)
+            except StopIteration:
+                self.epoch += 1
+                self._iter = None
+                self._loader = self._new_loader()
+        raise InputError("data: the stream yields no rows of a whole batch; give it more documents")
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "loader": self._loader.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.epoch = int(state["epoch"])
+        self._loader = self._new_loader()
+        self._loader.load_state_dict(state["loader"])
+        self._iter = None
+
+    def close(self) -> None:
+        self._iter = None
