@@ -1,6 +1,8 @@
-"""Data: sources, tokenizers, packed rows with document ids, and the resumable loader."""
+"""Data: sources, tokenizers, token stores, packed rows with document ids, and the resumable
+loader."""
 
 from unmask.data.config import DataConfig
+from unmask.data.indexed import IndexedStore, IndexedWriter, check_store_tokenizer
 from unmask.data.loader import (
     BatchLoader,
     build_datasets,
@@ -23,6 +25,8 @@ __all__ = [
     "ROW_KEYS",
     "BatchLoader",
     "DataConfig",
+    "IndexedStore",
+    "IndexedWriter",
     "RowStore",
     "adopt_mask_token",
     "answer_for",
@@ -30,6 +34,7 @@ __all__ = [
     "build_datasets",
     "build_rows",
     "build_tokenizer",
+    "check_store_tokenizer",
     "ensure_special_tokens",
     "eval_batches",
     "exact_match",
