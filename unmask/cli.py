@@ -1,4 +1,4 @@
-"""The command line: `unmask train | generate | eval | export`. The only module that reads argv.
+"""The command line: `unmask train | generate | eval | export | preprocess`. The only module that reads argv.
 
 Bad input (an InputError from anywhere) becomes one line on stderr and exit code 2.
 Each command imports what it needs inside its function (start-up time: `unmask generate`
@@ -134,6 +134,18 @@ def cmd_export(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_preprocess(ns: argparse.Namespace) -> int:
+    from unmask.data.preprocess import preprocess
+
+    summary = preprocess(
+        ns.input, ns.output_prefix, ns.tokenizer, workers=ns.workers, json_key=ns.json_key,
+        append_eod=ns.append_eod, on_bad_record=ns.on_bad_record, overwrite=ns.overwrite,
+        command=ns.command_line,
+    )  # fmt: skip
+    print(summary.line(), file=sys.stderr)
+    return 0
+
+
 SAMPLING_GROUP = "sampling options (default: the model folder's generation_config.json)"
 
 
@@ -223,19 +235,42 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
     ex.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
     ex.set_defaults(func=cmd_export)
+
+    pre = sub.add_parser(
+        "preprocess",
+        help="tokenize raw text into a Megatron-compatible token store (PREFIX.bin/.idx)",
+        description="Tokenize jsonl(.gz/.zst), txt, parquet or save_to_disk inputs into "
+        "PREFIX.bin + PREFIX.idx (Megatron MMIDIDX) and a PREFIX.json sidecar (docs/data.md).",
+    )
+    pre.add_argument("--input", required=True, nargs="+", action="extend", metavar="PATH",
+                     help="files, save_to_disk folders or quoted globs, in this order")  # fmt: skip
+    pre.add_argument(
+        "--output-prefix", required=True, metavar="PREFIX", help="writes PREFIX.bin/.idx/.json"
+    )
+    pre.add_argument("--tokenizer", required=True, metavar="DIR", help="local tokenizer folder")
+    pre.add_argument("--workers", type=int, default=1, metavar="N", help="tokenizing processes")
+    pre.add_argument("--json-key", default="text", metavar="KEY",
+                     help="field holding the text (jsonl, parquet, save_to_disk)")  # fmt: skip
+    pre.add_argument("--append-eod", action="store_true", help="end each document with EOS")
+    pre.add_argument("--on-bad-record", choices=("error", "skip"), default="error",
+                     help="a bad jsonl line or record: stop, or skip and count it")  # fmt: skip
+    pre.add_argument("--overwrite", action="store_true", help="replace an existing store")
+    pre.set_defaults(func=cmd_preprocess)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     ns = parser.parse_args(argv)
+    ns.command_line = ["unmask", *(sys.argv[1:] if argv is None else argv)]
     try:
         return ns.func(ns)
     except InputError as exc:
         print(f"unmask: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("unmask: interrupted; resume with train.resume_from_checkpoint=true", file=sys.stderr)
+        hint = "; resume with train.resume_from_checkpoint=true" if ns.command == "train" else ""
+        print(f"unmask: interrupted{hint}", file=sys.stderr)
         return 130
 
 

@@ -1,8 +1,9 @@
-"""Data: sources (files, token stores, blends), tokenizers, rows with document ids, and the
-resumable per-rank loaders."""
+"""Data: sources (files, token stores, streams, blends), tokenizers, rows with document ids,
+and the resumable per-rank loaders."""
 
 from unmask.data.build import Blend, Datasets, build_datasets, heldout_examples, split_records
 from unmask.data.config import DataConfig, SourceConfig
+from unmask.data.indexed import IndexedStore, IndexedWriter, check_store_tokenizer
 from unmask.data.loader import BatchLoader, MixedLoader, eval_batches, make_loader
 from unmask.data.packing import build_rows, tokenize_records
 from unmask.data.rows import ROW_KEYS, RowSource, RowStore, TokenStoreRows
@@ -23,6 +24,8 @@ __all__ = [
     "Blend",
     "DataConfig",
     "Datasets",
+    "IndexedStore",
+    "IndexedWriter",
     "MixedLoader",
     "RowSource",
     "RowStore",
@@ -36,6 +39,7 @@ __all__ = [
     "build_datasets",
     "build_rows",
     "build_tokenizer",
+    "check_store_tokenizer",
     "ensure_special_tokens",
     "eval_batches",
     "exact_match",
