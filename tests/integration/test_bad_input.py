@@ -101,3 +101,47 @@ def test_exit_code_from_a_real_process(tiny_config, tmp_path):
     lines = proc.stderr.strip().splitlines()
     assert lines == ["unmask: error: unknown config key 'trainn' (did you mean 'train'?)"]
     assert not (tmp_path / "run").exists()
+
+
+def _store(tmp_path):
+    """A tiny token store (char tokenizer ids) and its tokenizer folder."""
+    import numpy as np
+
+    from unmask.data import IndexedWriter
+    from unmask.data.indexed import tokenizer_fingerprint, vocab_size
+    from unmask.data.tokenizer import build_char_tokenizer
+
+    tok = build_char_tokenizer()
+    tok.save_pretrained(str(tmp_path / "tok"))
+    with IndexedWriter(tmp_path / "store", np.uint16) as writer:
+        for i in range(20):
+            writer.add_document(tok(f"document {i}", add_special_tokens=False)["input_ids"])
+        writer.finish({"tokenizer_fingerprint": tokenizer_fingerprint(tok),
+                       "vocab_size": vocab_size(tok)})  # fmt: skip
+    return tmp_path / "store", tmp_path / "tok"
+
+
+def test_data_at_scale_bad_inputs(tiny_config, tmp_path, capsys):
+    prefix, tok = _store(tmp_path)
+    (tmp_path / "empty_shards").mkdir()
+    truncated = tmp_path / "cut"
+    (tmp_path / "cut.idx").write_bytes((tmp_path / "store.idx").read_bytes())
+    (tmp_path / "cut.bin").write_bytes((tmp_path / "store.bin").read_bytes()[:-6])
+    other = tmp_path / "other"
+    (tmp_path / "other.idx").write_bytes(b"NOTANIDX" + b"\0" * 40)
+    (tmp_path / "other.bin").write_bytes(b"")
+    cases = [
+        ({"sources": [{"path": str(prefix), "weight": 0}]}, "data.sources.0.weight"),
+        ({"dataset": str(tmp_path / "empty_shards"), "streaming": True}, "holds no data files"),
+        ({"dataset": str(truncated), "tokenizer": str(tok)}, "holds 414 bytes but"),
+        ({"dataset": str(other), "tokenizer": str(tok)}, "MMIDIDX"),
+        ({"dataset": str(prefix), "sources": [{"path": str(prefix)}]}, "not both"),
+    ]
+    for index, (data, message) in enumerate(cases):
+        out = tmp_path / f"run{index}"
+        cfg = tiny_config({"data": data, "train": {"output_dir": str(out), "max_steps": 2}},
+                          name=f"bad{index}.yaml")  # fmt: skip
+        code, err = run_main(["train", str(cfg)], capsys)
+        assert code == 2 and len(err) == 1, (data, err)
+        assert message in err[0], (message, err[0])
+        assert not out.exists()

@@ -79,13 +79,20 @@ def test_ranks_read_disjoint_shares_whose_union_is_the_stream(shards):
     assert parts[0] | parts[1] == whole == {d for docs in DOCS for d in docs}
 
 
-def test_held_out_documents_are_not_streamed(shards):
+def test_held_out_documents_are_not_streamed_on_any_rank(shards):
     cfg = _cfg(shards, packing=False).model_copy(update={"eval_split": 3})
     data = build_datasets(cfg, _tokenizer())
     assert len(data.eval) == 3
     tok = _tokenizer()
     first = next(make_loader(data.train, 2, 0))["input_ids"][0]
     assert tok.decode(first[first != tok.eos_token_id]) == DOCS[0][3]
+    seen = set()
+    for rank in range(2):
+        loader = make_loader(data.train, 3, 0, rank, 2)
+        rows = torch.cat([next(loader)["input_ids"] for _ in range(20)])  # an epoch or more
+        seen |= {tok.decode(r[r != tok.eos_token_id]) for r in rows}
+    everything = {d for docs in DOCS for d in docs}
+    assert seen == everything - set(DOCS[0][:3])
 
 
 def test_hub_id_without_a_hub_is_one_line(tmp_path):

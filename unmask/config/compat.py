@@ -9,7 +9,8 @@ LMMs-Engine (`trainer_type: dllm_trainer`):
   model_config.load_from_config.{model_type, config.*} -> model.*
   model_config.load_from_pretrained_path -> model.pretrained
   dataset_config.{dataset_path, dataset_format, packing_length, dataset_type,
-                  extra_kwargs.collator_type} -> data.*
+                  extra_kwargs.collator_type} -> data.* (a dataset_path that is not a local
+                  path is a hub id: data.streaming)
   trainer_args.* -> optim.* / train.* (HF TrainingArguments names)
 
 Transformer Lab plugin (flat keys): training_method, train_device, gpu_ids, max_length,
@@ -18,6 +19,7 @@ gradient_accumulation_steps, logging/eval/save_steps, lora*, load_in_4bit, mask_
 perbatch_cutoff, resp_cutoff_ratio, loss_weight_type, adaptor_name, log_to_wandb.
 """
 
+from pathlib import Path
 from typing import Any
 
 from unmask.errors import InputError, did_you_mean
@@ -197,6 +199,8 @@ def _lmms_dataset(cfg: dict, out: dict) -> None:
     for key, value in cfg.items():
         if key == "dataset_path":
             _put(out, "data", "dataset", value)
+            if not Path(str(value)).expanduser().exists():  # a hub id: stream it
+                _put(out, "data", "streaming", True)
         elif key == "dataset_format":
             # LMMs-Engine's hf_dataset is a hub id; unmask reads local folders (save_to_disk
             # folders or folders of jsonl/parquet/txt), which `auto` tells apart.

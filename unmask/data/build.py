@@ -19,7 +19,7 @@ from unmask.data.indexed import IndexedStore, check_store_tokenizer
 from unmask.data.packing import build_rows, tokenize_records
 from unmask.data.rows import RowSource, TokenStoreRows
 from unmask.data.sources import Record, load_records
-from unmask.data.streaming import StreamSpec, first_records
+from unmask.data.streaming import StreamSpec, first_records, record_key
 from unmask.data.synthetic import Example, make_synthetic, make_synthetic_heldout
 from unmask.errors import InputError
 
@@ -55,10 +55,13 @@ def token_store_prefix(path: str, dataset_format: str = "auto") -> str | None:
     return None
 
 
-def build_datasets(cfg: DataConfig, tokenizer) -> Datasets:
-    """Training rows (a RowSource, or a Blend for data.sources), eval rows and notices.
+def build_datasets(cfg: DataConfig, tokenizer, saved_tokenizer=None) -> Datasets:
+    """Training rows (a RowSource, a Blend for data.sources, a StreamSpec for
+    data.streaming), eval rows and notices.
 
-    The tokenizer needs an EOS token (call `ensure_special_tokens` first).
+    The tokenizer needs an EOS token (call `ensure_special_tokens` first); token stores are
+    checked against `saved_tokenizer`, the tokenizer as loaded before tokens were added to it
+    (default: the tokenizer).
     """
     eos_id = tokenizer.eos_token_id
     if eos_id is None:
@@ -67,25 +70,37 @@ def build_datasets(cfg: DataConfig, tokenizer) -> Datasets:
         )
     if cfg.streaming:
         return _streaming(cfg, tokenizer, eos_id)
+    check = _StoreCheck(saved_tokenizer or tokenizer)
     if not cfg.sources:
         source = SourceConfig(path=cfg.dataset, dataset_format=cfg.dataset_format)
-        return _one_source(cfg, source, tokenizer, eos_id, cfg.eval_dataset)
-    parts = [_one_source(cfg, s, tokenizer, eos_id, None) for s in cfg.sources]
+        return _one_source(cfg, source, tokenizer, eos_id, cfg.eval_dataset, check)
+    parts = [_one_source(cfg, s, tokenizer, eos_id, None, check) for s in cfg.sources]
     evals = _concatenated([p.eval for p in parts])
     if cfg.eval_dataset is not None:
         eval_source = SourceConfig(path=cfg.eval_dataset)
-        evals = _one_source(cfg, eval_source, tokenizer, eos_id, None, eval_only=True).eval
+        evals = _one_source(cfg, eval_source, tokenizer, eos_id, None, check, True).eval
     blend = Blend([p.train for p in parts], [s.weight for s in cfg.sources])
     return Datasets(blend, evals, [n for p in parts for n in p.notices])
 
 
+class _StoreCheck:
+    """Checks each token store against the saved tokenizer (once per store)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def __call__(self, store: IndexedStore) -> list[str]:
+        notice = check_store_tokenizer(store, self.tokenizer)
+        return [notice] if notice else []
+
+
 def _one_source(
     cfg: DataConfig, source: SourceConfig, tokenizer, eos_id: int, eval_path: str | None,
-    eval_only: bool = False,
+    check: _StoreCheck, eval_only: bool = False,
 ) -> Datasets:  # fmt: skip
     prefix = token_store_prefix(source.path, source.dataset_format)
     if prefix is not None:
-        return _token_store(cfg, prefix, tokenizer, eos_id, eval_path, eval_only)
+        return _token_store(cfg, prefix, tokenizer, eos_id, eval_path, check, eval_only)
     train, evals = _split_records(cfg, source, eval_path)
     if eval_only:
         train, evals = [], train
@@ -94,11 +109,10 @@ def _one_source(
 
 def _token_store(
     cfg: DataConfig, prefix: str, tokenizer, eos_id: int, eval_path: str | None,
-    eval_only: bool,
+    check: _StoreCheck, eval_only: bool,
 ) -> Datasets:  # fmt: skip
     store = IndexedStore(prefix)
-    notice = check_store_tokenizer(store, tokenizer)
-    notices = [notice] if notice else []
+    notices = check(store)
 
     def rows(first: int, last: int) -> TokenStoreRows:
         return TokenStoreRows(store, cfg.packing_length, eos_id, cfg.packing,
@@ -108,7 +122,8 @@ def _token_store(
     if eval_only:
         return Datasets(rows(0, 0), rows(0, n), notices)
     if eval_path is not None:
-        evals = _one_source(cfg, SourceConfig(path=eval_path), tokenizer, eos_id, None, True)
+        evals = _one_source(cfg, SourceConfig(path=eval_path), tokenizer, eos_id, None, check,
+                            True)  # fmt: skip
         return Datasets(rows(0, n), evals.eval, notices + evals.notices)
     # the last k documents are held out: one contiguous token range, O(1) memory
     k = _held_out_count(n, cfg.eval_split, prefix)
@@ -135,12 +150,13 @@ def _streaming(cfg: DataConfig, tokenizer, eos_id: int) -> Datasets:
                                           {**fields, "text_field": text_field})  # fmt: skip
     if cfg.eval_dataset is not None:
         evals = _one_source(cfg, SourceConfig(path=cfg.eval_dataset), tokenizer, eos_id, None,
-                            eval_only=True).eval  # fmt: skip
+                            _StoreCheck(tokenizer), True).eval  # fmt: skip
     else:
         evals = _rows(cfg, tokenizer, held_records, eos_id)
     spec = StreamSpec(
         sources=[(s.path, s.dataset_format, s.text_field or cfg.text_field) for s in sources],
-        weights=[s.weight for s in sources], skips=[held] * len(sources), tokenizer=tokenizer,
+        weights=[s.weight for s in sources],
+        held_out=frozenset(record_key(r) for r in held_records), tokenizer=tokenizer,
         fields=fields, row_length=cfg.packing_length, eos_id=eos_id, packing=cfg.packing,
         supervise_padding=cfg.supervise_padding, chat_template=cfg.chat_template, seed=cfg.seed,
     )  # fmt: skip

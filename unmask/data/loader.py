@@ -28,6 +28,7 @@ from torch.utils.data import DataLoader, Dataset
 from unmask.data.build import Blend
 from unmask.data.mixing import BlockMixer
 from unmask.data.rows import RowSource
+from unmask.data.streaming import StreamLoader, StreamSpec
 from unmask.errors import InputError
 
 Batch = dict[str, torch.Tensor]
@@ -229,16 +230,20 @@ def eval_batches(rows: RowSource, batch_size: int) -> Iterator[Batch]:
 
 
 def make_loader(
-    train: RowSource | Blend,
+    train: RowSource | Blend | StreamSpec,
     batch_size: int,
     seed: int,
     rank: int = 0,
     world_size: int = 1,
     num_workers: int = 0,
     pin_memory: bool = False,
-) -> BatchLoader | MixedLoader:
+) -> BatchLoader | MixedLoader | StreamLoader:
     """The loader for a run's training rows: BatchLoader for one source, MixedLoader for a
-    blend; this rank's batch_size rows of every global micro-batch."""
+    blend (this rank's batch_size rows of every global micro-batch), StreamLoader for a
+    stream (this rank's share of the stream)."""
+    if isinstance(train, StreamSpec):
+        return StreamLoader(lambda: train.dataset(rank, world_size), batch_size, num_workers,
+                            pin_memory)  # fmt: skip
     if isinstance(train, Blend):
         return MixedLoader(train.sources, train.weights, batch_size, seed, rank, world_size,
                            num_workers, pin_memory)  # fmt: skip

@@ -2,13 +2,12 @@
 
 Formats: .txt (one document per non-empty line), .jsonl/.json, .parquet, a folder written by
 `datasets` `save_to_disk` (the "train" split of a DatasetDict), or a folder of such files.
-Everything is local: `datasets` runs offline and its cache goes to a temporary folder, never
-beside the user's data.
+Everything here is local (hub datasets are streamed, see streaming.py); `datasets`' cache goes
+to a temporary folder, never beside the user's data.
 """
 
 from __future__ import annotations
 
-import os
 import tempfile
 from collections.abc import Iterable
 from pathlib import Path
@@ -16,8 +15,6 @@ from typing import Any
 
 from unmask.data.sft import check_messages
 from unmask.errors import InputError
-
-os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 Record = dict[str, str]
 FORMAT_BY_SUFFIX = {".txt": "text", ".text": "text", ".jsonl": "jsonl", ".json": "jsonl"}

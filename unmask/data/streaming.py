@@ -14,6 +14,12 @@ size and the number of workers; resume with the same ones.
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import urllib.error
+import urllib.request
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +36,8 @@ from unmask.data.rows import segment_layout
 from unmask.data.sources import FORMAT_BY_SUFFIX, Record, to_record
 from unmask.errors import InputError
 
+# torchdata 0.11 calls a torch API that torch deprecated; nothing for users to act on
+warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
 _BUILDERS = {"jsonl": "json", "parquet": "parquet", "text": "text"}
 
 
@@ -53,6 +61,7 @@ def open_stream(path: str, dataset_format: str = "auto"):
                 raise InputError(f"data.streaming reads jsonl, parquet or text shards, not {fmt}")
             return datasets.load_dataset(builder, data_files=[str(f) for f in files],
                                          split="train", streaming=True)  # fmt: skip
+        _check_hub_reachable()
         return datasets.load_dataset(path, split="train", streaming=True)
     except InputError:
         raise
@@ -64,6 +73,21 @@ def open_stream(path: str, dataset_format: str = "auto"):
             f"reached from here ({_first_line(exc)}); download its parquet or jsonl shards and "
             "set data.dataset to that local folder (data.streaming: true reads it as it is)"
         ) from None
+
+
+def _check_hub_reachable(timeout_s: float = 5.0) -> None:
+    """Fail at once, rather than after datasets' retries, where the hub cannot be reached:
+    offline mode set, or no answer from HF_ENDPOINT within timeout_s."""
+    for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
+        if os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on"):
+            raise ConnectionError(f"{name} is set")
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+    try:
+        urllib.request.urlopen(urllib.request.Request(endpoint, method="HEAD"), timeout=timeout_s)
+    except urllib.error.HTTPError:
+        return  # the endpoint answered
+    except OSError as exc:
+        raise ConnectionError(f"no answer from {endpoint}: {exc}") from None
 
 
 def _first_line(exc: BaseException) -> str:
@@ -83,14 +107,12 @@ class PackedStream(IterableDataset):
     def __init__(
         self, make_stream, tokenizer, fields: dict[str, str], row_length: int, eos_id: int,
         packing: bool = True, supervise_padding: bool = True, chat_template: bool = True,
-        rank: int = 0, world_size: int = 1, skip: int = 0,
+        rank: int = 0, world_size: int = 1, held_out: frozenset[str] = frozenset(),
     ):  # fmt: skip
         from datasets.distributed import split_dataset_by_node  # with datasets, at call time
 
-        stream = make_stream()
-        if skip:
-            stream = stream.skip(skip)  # held out for eval
-        self.stream = split_dataset_by_node(stream, rank=rank, world_size=world_size)
+        self.stream = split_dataset_by_node(make_stream(), rank=rank, world_size=world_size)
+        self.held_out = held_out  # record_key of the eval documents: never trained on
         self.tokenizer, self.fields, self.eos_id = tokenizer, fields, eos_id
         self.row_length, self.packing = row_length, packing
         self.supervise_padding, self.chat_template = supervise_padding, chat_template
@@ -100,7 +122,7 @@ class PackedStream(IterableDataset):
     def _examples(self) -> Iterator[tuple[list[int], list[bool]]]:
         for row in self.stream:
             record = to_record(row, "stream", **self.fields)
-            if record is None:
+            if record is None or (self.held_out and record_key(record) in self.held_out):
                 continue
             example = tokenize_records([record], self.tokenizer, self.eos_id,
                                        self.chat_template)[0]  # fmt: skip
@@ -136,6 +158,12 @@ class PackedStream(IterableDataset):
         self.stream.load_state_dict(state["stream"])
         self._carry = [tuple(t) for t in state["carry"]]
         self._documents = int(state["documents"])
+
+
+def record_key(record: Record) -> str:
+    """A short content hash of a record: how held-out eval documents are recognised in a
+    stream, whichever rank and worker reads them."""
+    return hashlib.sha1(json.dumps(record, sort_keys=True).encode()).hexdigest()[:20]
 
 
 def _packed_row(row: list[tuple[int, bool, int]]) -> dict[str, torch.Tensor]:
@@ -182,12 +210,12 @@ def _stack(rows: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
 @dataclass
 class StreamSpec:
     """How to build a run's training stream on any rank: one or several sources (path,
-    dataset_format, text_field), their weights and the row layout. `skips[i]` documents at
-    the start of source i are held out for eval."""
+    dataset_format, text_field), their weights and the row layout. Documents whose
+    record_key is in `held_out` (the eval hold-out) are skipped."""
 
     sources: list[tuple[str, str, str]]
     weights: list[float]
-    skips: list[int]
+    held_out: frozenset[str]
     tokenizer: Any
     fields: dict[str, str]
     row_length: int
@@ -198,11 +226,12 @@ class StreamSpec:
     seed: int
 
     def dataset(self, rank: int = 0, world_size: int = 1) -> IterableDataset:
+        fields = [{**self.fields, "text_field": field} for _, _, field in self.sources]
         streams = [
             PackedStream(
                 _opener(path, fmt),
                 self.tokenizer,
-                {**self.fields, "text_field": field},
+                own_fields,
                 self.row_length,
                 self.eos_id,
                 self.packing,
@@ -210,9 +239,9 @@ class StreamSpec:
                 self.chat_template,
                 rank,
                 world_size,
-                skip,
+                self.held_out,
             )  # fmt: skip
-            for (path, fmt, field), skip in zip(self.sources, self.skips)
+            for (path, fmt, _), own_fields in zip(self.sources, fields)
         ]
         if len(streams) == 1:
             return streams[0]
@@ -273,6 +302,14 @@ class StreamLoader:
         return {"epoch": self.epoch, "loader": self._loader.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        saved = state["loader"].get("_snapshot", {}).get("_main_snapshot", {})
+        workers = int(saved.get("_num_workers", 0))
+        if workers != self.num_workers:
+            raise InputError(
+                f"the checkpoint's data stream was read by {workers} worker processes (each "
+                "holds its own position in the stream); resume with "
+                f"train.dataloader_num_workers={workers}"
+            )
         self.epoch = int(state["epoch"])
         self._loader = self._new_loader()
         self._loader.load_state_dict(state["loader"])

@@ -5,6 +5,7 @@ Everything that can reject user input (config, tokenizer, data, output_dir, resu
 path) runs before anything is written, so bad input never leaves a half-made run.
 """
 
+import copy
 import json
 import shutil
 import time
@@ -102,6 +103,7 @@ class Trainer:
         self.sharded = self.dist.mesh is not None  # world size 1: no process group, no mesh
         check_4bit(cfg.model, self.device, self.dist.world_size)
         self.tokenizer = build_tokenizer(cfg.data)
+        saved_tokenizer = copy.deepcopy(self.tokenizer)  # token stores were made with this
         if cfg.model.pretrained is not None:  # LLaDA / Dream folders name their mask id
             folder_mask = folder_mask_token_id(cfg.model.pretrained)
             if folder_mask is not None:
@@ -113,7 +115,7 @@ class Trainer:
                 "the tokenizer has no mask (or EOS) token and one cannot be added under "
                 "model.lora: true (the embeddings are frozen); use a tokenizer that has one"
             )
-        data = build_datasets(cfg.data, self.tokenizer)
+        data = build_datasets(cfg.data, self.tokenizer, saved_tokenizer)
         self.train_rows, self.eval_rows, self.notices = data.train, data.eval, data.notices
         self.num_rows = None if isinstance(data.train, StreamSpec) else len(data.train)
         self.plan = make_plan(cfg, self.num_rows, batch_ranks)
