@@ -94,3 +94,24 @@ def read_metrics(run_dir) -> list[dict]:
 def losses(run_dir) -> dict[int, float]:
     """{step: training loss} from a run's metrics.jsonl."""
     return {r["step"]: r["loss"] for r in read_metrics(run_dir) if "loss" in r}
+
+
+def value_rows(n: int, base: int = 0, length: int = 3):
+    """A RowStore whose row i holds base + i everywhere, so a batch shows which rows it took
+    (`taken`)."""
+    from unmask.data import RowStore
+
+    ids = (base + torch.arange(n)).unsqueeze(1).expand(n, length).clone()
+    return RowStore(
+        {
+            "input_ids": ids,
+            "doc_ids": torch.zeros(n, length, dtype=torch.long),
+            "position_ids": torch.arange(length).expand(n, length).clone(),
+            "maskable": torch.ones(n, length, dtype=torch.bool),
+        }
+    )
+
+
+def taken(batch) -> list[int]:
+    """The row values of a batch of `value_rows`."""
+    return batch["input_ids"][:, 0].tolist()

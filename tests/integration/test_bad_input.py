@@ -145,3 +145,27 @@ def test_data_at_scale_bad_inputs(tiny_config, tmp_path, capsys):
         assert code == 2 and len(err) == 1, (data, err)
         assert message in err[0], (message, err[0])
         assert not out.exists()
+
+
+def test_lmms_engine_hub_dataset_offline_is_one_line_with_the_local_alternative(
+    tmp_path, capsys, monkeypatch
+):
+    import yaml
+    from conftest import TINY
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # as on a cluster node without the hub
+    tree = {
+        "trainer_type": "dllm_trainer",
+        "model_config": {"load_from_config": {"model_type": "qwen3_dllm",
+                                              "config": TINY["model"]}},
+        "dataset_config": {"dataset_type": "fineweb_edu", "dataset_format": "hf_dataset",
+                           "dataset_path": "HuggingFaceFW/fineweb-edu", "packing_length": 64},
+        "trainer_args": {"max_steps": 2, "output_dir": str(tmp_path / "run")},
+    }  # fmt: skip
+    path = tmp_path / "lmms.yaml"
+    path.write_text(yaml.safe_dump(tree))
+    code, err = run_main(["train", str(path)], capsys)
+    assert code == 2 and len(err) == 1, err
+    assert "'HuggingFaceFW/fineweb-edu' is not a local path" in err[0]
+    assert "set data.dataset to that local folder" in err[0]
+    assert not (tmp_path / "run").exists()

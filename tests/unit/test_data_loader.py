@@ -1,12 +1,11 @@
 """Datasets from config, and the loader: resume equals uninterrupted, ranks disjoint."""
 
 import pytest
-import torch
+from conftest import taken, value_rows
 
 from unmask.data import (
     BatchLoader,
     DataConfig,
-    RowStore,
     build_datasets,
     build_tokenizer,
     eval_batches,
@@ -18,29 +17,12 @@ from unmask.data.build import eval_count
 from unmask.errors import InputError
 
 
-def _rows(n: int, length: int = 3) -> RowStore:
-    """Row i holds the value i everywhere, so a batch shows which rows it took."""
-    ids = torch.arange(n).unsqueeze(1).expand(n, length).clone()
-    return RowStore(
-        {
-            "input_ids": ids,
-            "doc_ids": torch.zeros(n, length, dtype=torch.long),
-            "position_ids": torch.arange(length).expand(n, length).clone(),
-            "maskable": torch.ones(n, length, dtype=torch.bool),
-        }
-    )
-
-
-def _taken(batch) -> list[int]:
-    return batch["input_ids"][:, 0].tolist()
-
-
 def test_epoch_is_a_permutation_and_epochs_differ():
-    loader = BatchLoader(_rows(12), batch_size=4, seed=5)
-    epoch0 = [i for _ in range(3) for i in _taken(next(loader))]
+    loader = BatchLoader(value_rows(12), batch_size=4, seed=5)
+    epoch0 = [i for _ in range(3) for i in taken(next(loader))]
     assert sorted(epoch0) == list(range(12))
     assert loader.state_dict() == {"epoch": 0, "position": 3, "global_batch": 4}
-    epoch1 = [i for _ in range(3) for i in _taken(next(loader))]
+    epoch1 = [i for _ in range(3) for i in taken(next(loader))]
     assert loader.state_dict() == {"epoch": 1, "position": 3, "global_batch": 4}
     assert sorted(epoch1) == list(range(12)) and epoch1 != epoch0
     batch = next(loader)
@@ -48,9 +30,9 @@ def test_epoch_is_a_permutation_and_epochs_differ():
 
 
 def test_resume_continues_with_the_same_batches():
-    rows = _rows(10)  # 3 batches of 3 per epoch, one row dropped each epoch
+    rows = value_rows(10)  # 3 batches of 3 per epoch, one row dropped each epoch
     straight = BatchLoader(rows, batch_size=3, seed=1)
-    reference = [_taken(next(straight)) for _ in range(11)]
+    reference = [taken(next(straight)) for _ in range(11)]
     first = BatchLoader(rows, batch_size=3, seed=1)
     for _ in range(4):
         next(first)
@@ -58,29 +40,29 @@ def test_resume_continues_with_the_same_batches():
     assert state == {"epoch": 1, "position": 1, "global_batch": 3}
     resumed = BatchLoader(rows, batch_size=3, seed=1)
     resumed.load_state_dict(dict(state))
-    assert [_taken(next(resumed)) for _ in range(7)] == reference[4:]
+    assert [taken(next(resumed)) for _ in range(7)] == reference[4:]
     # Resuming at an epoch end rolls over the same way.
     at_end = BatchLoader(rows, batch_size=3, seed=1)
     at_end.load_state_dict({"epoch": 0, "position": 3})
-    assert _taken(next(at_end)) == reference[3]
+    assert taken(next(at_end)) == reference[3]
 
 
 def test_ranks_take_disjoint_slices_of_the_global_batch():
-    rows = _rows(30)
+    rows = value_rows(30)
     single = BatchLoader(rows, batch_size=6, seed=2)
     ranks = [BatchLoader(rows, batch_size=2, seed=2, rank=r, world_size=3) for r in range(3)]
     for _ in range(12):  # crosses epochs
-        parts = [_taken(next(loader)) for loader in ranks]
-        assert sum(parts, []) == _taken(next(single))
+        parts = [taken(next(loader)) for loader in ranks]
+        assert sum(parts, []) == taken(next(single))
         assert len(set(sum(parts, []))) == 6
 
 
 def test_dataset_smaller_than_a_batch_repeats():
-    loader = BatchLoader(_rows(3), batch_size=4, seed=0, rank=1, world_size=2)
+    loader = BatchLoader(value_rows(3), batch_size=4, seed=0, rank=1, world_size=2)
     assert loader.batches_per_epoch() == 1
-    assert len(_taken(next(loader))) == 4
+    assert len(taken(next(loader))) == 4
     with pytest.raises(InputError, match="no training rows"):
-        BatchLoader(_rows(0), batch_size=4, seed=0)
+        BatchLoader(value_rows(0), batch_size=4, seed=0)
 
 
 def _pair(data):
@@ -88,8 +70,8 @@ def _pair(data):
 
 
 def test_eval_batches_in_order():
-    batches = list(eval_batches(_rows(7), batch_size=3))
-    assert [_taken(b) for b in batches] == [[0, 1, 2], [3, 4, 5], [6]]
+    batches = list(eval_batches(value_rows(7), batch_size=3))
+    assert [taken(b) for b in batches] == [[0, 1, 2], [3, 4, 5], [6]]
 
 
 SMALL = DataConfig(synthetic_train_size=600, synthetic_eval_size=30, packing_length=64)

@@ -4,28 +4,12 @@ a rank's slice equals the same rows of the whole batch's noise."""
 
 import pytest
 import torch
+from conftest import taken, value_rows
 
-from unmask.data import MixedLoader, RowStore
+from unmask.data import MixedLoader
 from unmask.data.mixing import BlockMixer, block_counts
 from unmask.diffusion import DiffusionConfig, build_objective
 from unmask.errors import InputError
-
-
-def _rows(n: int, base: int, length: int = 3) -> RowStore:
-    """Rows holding base + i everywhere, so a batch shows which source and row it took."""
-    ids = (base + torch.arange(n)).unsqueeze(1).expand(n, length).clone()
-    return RowStore(
-        {
-            "input_ids": ids,
-            "doc_ids": torch.zeros(n, length, dtype=torch.long),
-            "position_ids": torch.arange(length).expand(n, length).clone(),
-            "maskable": torch.ones(n, length, dtype=torch.bool),
-        }
-    )
-
-
-def _taken(batch) -> list[int]:
-    return batch["input_ids"][:, 0].tolist()
 
 
 def test_block_counts_sum_to_the_block_and_follow_the_weights():
@@ -48,10 +32,10 @@ def test_proportions_over_10000_rows_are_within_2_points():
 
 
 def test_mixed_loader_resumes_and_ranks_split_the_global_batch():
-    sources = [_rows(7, 0), _rows(11, 100), _rows(5, 1000)]
+    sources = [value_rows(7, 0), value_rows(11, 100), value_rows(5, 1000)]
     weights = [2.0, 1.0, 1.0]
     straight = MixedLoader(sources, weights, batch_size=6, seed=4)
-    reference = [_taken(next(straight)) for _ in range(12)]
+    reference = [taken(next(straight)) for _ in range(12)]
     seen = [r for batch in reference for r in batch]
     assert {r // 100 for r in seen} == {0, 1, 10}  # every source appears
     first = MixedLoader(sources, weights, batch_size=6, seed=4)
@@ -59,10 +43,10 @@ def test_mixed_loader_resumes_and_ranks_split_the_global_batch():
         next(first)
     resumed = MixedLoader(sources, weights, batch_size=6, seed=4)
     resumed.load_state_dict(first.state_dict())
-    assert [_taken(next(resumed)) for _ in range(7)] == reference[5:]
+    assert [taken(next(resumed)) for _ in range(7)] == reference[5:]
     ranks = [MixedLoader(sources, weights, 2, 4, rank=r, world_size=3) for r in range(3)]
     for batch in reference[:4]:
-        assert sum((_taken(next(loader)) for loader in ranks), []) == batch
+        assert sum((taken(next(loader)) for loader in ranks), []) == batch
     # each source's rows come in its own permutation: the first 7 rows of source 0 are a
     # permutation of it
     zeros = [r for r in seen if r < 100][:7]
@@ -70,10 +54,10 @@ def test_mixed_loader_resumes_and_ranks_split_the_global_batch():
 
 
 def test_workers_give_the_same_batches():
-    sources = [_rows(9, 0), _rows(4, 100)]
+    sources = [value_rows(9, 0), value_rows(4, 100)]
     inline = MixedLoader(sources, [1, 1], batch_size=3, seed=1)
     workers = MixedLoader(sources, [1, 1], batch_size=3, seed=1, num_workers=2)
-    assert [_taken(next(inline)) for _ in range(8)] == [_taken(next(workers)) for _ in range(8)]
+    assert [taken(next(inline)) for _ in range(8)] == [taken(next(workers)) for _ in range(8)]
     workers.close()
 
 
