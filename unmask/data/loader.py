@@ -51,38 +51,30 @@ def _one_thread(_: int) -> None:
     torch.set_num_threads(1)  # workers gather rows; the training step owns the cores
 
 
-class _PrefetchingLoader:
+class Prefetcher:
     """Micro-batches k = next, next + 1, ... from `batch_at(k)`, computed in `num_workers`
-    DataLoader processes ahead of use (0 = in this process, when asked)."""
+    DataLoader processes ahead of use (0 = in this process, when asked). `restart` forgets
+    what was computed ahead (after a jump: a loader's load_state_dict)."""
 
-    def __init__(self, num_workers: int = 0, pin_memory: bool = False):
-        self.num_workers, self.pin_memory = num_workers, pin_memory
+    def __init__(self, batch_at: Callable[[int], Batch], num_workers: int, pin_memory: bool):
+        self.batch_at, self.num_workers, self.pin_memory = batch_at, num_workers, pin_memory
         self._stream: Iterator[Batch] | None = None
 
-    def batch_at(self, k: int) -> Batch:  # pragma: no cover - defined by subclasses
-        raise NotImplementedError
-
-    def _fetch(self, k: int) -> Batch:
+    def fetch(self, k: int) -> Batch:
+        """Micro-batch k; consecutive calls must ask for k, k + 1, ... unless restarted."""
         if self.num_workers == 0:
             return self.batch_at(k)
         if self._stream is None:
             loader = DataLoader(
                 _MicroBatches(self.batch_at), batch_size=None, sampler=range(k, 2**62),
                 num_workers=self.num_workers, pin_memory=self.pin_memory,
-                worker_init_fn=_one_thread, persistent_workers=False,
+                worker_init_fn=_one_thread,
             )  # fmt: skip
             self._stream = iter(loader)
         return next(self._stream)
 
-    def _restart(self) -> None:
-        """Forget prefetched batches (after a jump: load_state_dict)."""
+    def restart(self) -> None:
         self._stream = None
-
-    def close(self) -> None:
-        self._restart()
-
-    def __iter__(self) -> Iterator[Batch]:
-        return self
 
 
 def _check_shape(batch_size: int, rank: int, world_size: int) -> None:
@@ -95,7 +87,7 @@ def _resharded(position: int, old_global: int, new_global: int) -> int:
     return math.ceil(position * old_global / new_global)
 
 
-class BatchLoader(_PrefetchingLoader):
+class BatchLoader:
     """Endless batches of rows: a fresh seeded shuffle each epoch, a disjoint slice per rank.
 
     The permutation of epoch e comes from a generator seeded with seed + e, so the order
@@ -109,13 +101,13 @@ class BatchLoader(_PrefetchingLoader):
         self, rows: RowSource, batch_size: int, seed: int, rank: int = 0, world_size: int = 1,
         num_workers: int = 0, pin_memory: bool = False,
     ):  # fmt: skip
-        super().__init__(num_workers, pin_memory)
         if len(rows) == 0:
             raise InputError("data: no training rows; give a dataset with at least one document")
         _check_shape(batch_size, rank, world_size)
         self.rows, self.batch_size, self.seed = rows, batch_size, seed
         self.rank, self.world_size = rank, world_size
         self.epoch, self.position = 0, 0
+        self.prefetcher = Prefetcher(self.batch_at, num_workers, pin_memory)
 
     @property
     def global_batch_size(self) -> int:
@@ -143,9 +135,15 @@ class BatchLoader(_PrefetchingLoader):
     def __next__(self) -> Batch:
         if self.position >= self.batches_per_epoch():
             self.epoch, self.position = self.epoch + 1, 0
-        batch = self._fetch(self.epoch * self.batches_per_epoch() + self.position)
+        batch = self.prefetcher.fetch(self.epoch * self.batches_per_epoch() + self.position)
         self.position += 1
         return batch
+
+    def __iter__(self) -> Iterator[Batch]:
+        return self
+
+    def close(self) -> None:
+        self.prefetcher.restart()
 
     def state_dict(self) -> dict[str, int]:
         """Where the next batch comes from: {"epoch", "position"} (global batches done in
@@ -158,10 +156,10 @@ class BatchLoader(_PrefetchingLoader):
         old = int(state.get("global_batch", self.global_batch_size))
         if old != self.global_batch_size:
             self.position = _resharded(self.position, old, self.global_batch_size)
-        self._restart()
+        self.prefetcher.restart()
 
 
-class MixedLoader(_PrefetchingLoader):
+class MixedLoader:
     """Endless batches blended from several row sources with the given weights.
 
     Row p of the run (p = 0, 1, ... over global micro-batches) comes from the source the
@@ -174,7 +172,6 @@ class MixedLoader(_PrefetchingLoader):
         self, sources: list[RowSource], weights: list[float], batch_size: int, seed: int,
         rank: int = 0, world_size: int = 1, num_workers: int = 0, pin_memory: bool = False,
     ):  # fmt: skip
-        super().__init__(num_workers, pin_memory)
         for index, rows in enumerate(sources):
             if len(rows) == 0:
                 raise InputError(f"data.sources[{index}]: no rows; give it at least one document")
@@ -183,6 +180,7 @@ class MixedLoader(_PrefetchingLoader):
         self.batch_size, self.rank, self.world_size = batch_size, rank, world_size
         self.mixer = BlockMixer(weights, seed)
         self.batches = 0
+        self.prefetcher = Prefetcher(self.batch_at, num_workers, pin_memory)
 
     @property
     def global_batch_size(self) -> int:
@@ -211,16 +209,22 @@ class MixedLoader(_PrefetchingLoader):
         return {key: torch.cat([p[key] for p in parts])[order] for key in parts[0]}
 
     def __next__(self) -> Batch:
-        batch = self._fetch(self.batches)
+        batch = self.prefetcher.fetch(self.batches)
         self.batches += 1
         return batch
+
+    def __iter__(self) -> Iterator[Batch]:
+        return self
+
+    def close(self) -> None:
+        self.prefetcher.restart()
 
     def state_dict(self) -> dict[str, int]:
         return {"rows": self.batches * self.global_batch_size}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.batches = math.ceil(int(state["rows"]) / self.global_batch_size)
-        self._restart()
+        self.prefetcher.restart()
 
 
 def eval_batches(rows: RowSource, batch_size: int) -> Iterator[Batch]:
