@@ -12,7 +12,7 @@ import types
 from pathlib import Path
 from typing import Literal, get_args, get_origin
 
-from unmask.errors import InputError
+from unmask.errors import InputError, RunStopped
 from unmask.sampling.config import SamplingConfig
 
 
@@ -39,7 +39,7 @@ def cmd_train(ns: argparse.Namespace) -> int:
     cfg = load_config(path, overrides)
     trainer = Trainer(cfg)
     trainer.train()
-    return 0
+    return trainer.exit_code  # 0, or 130 after a Ctrl-C stop (SIGTERM / SIGUSR1 stop: 0)
 
 
 def cmd_generate(ns: argparse.Namespace) -> int:
@@ -268,6 +268,9 @@ def main(argv: list[str] | None = None) -> int:
     except InputError as exc:
         print(f"unmask: error: {exc}", file=sys.stderr)
         return 2
+    except RunStopped as exc:
+        print(f"unmask: stopped: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         hint = "; resume with train.resume_from_checkpoint=true" if ns.command == "train" else ""
         print(f"unmask: interrupted{hint}", file=sys.stderr)

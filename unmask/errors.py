@@ -1,8 +1,8 @@
 """The one exception type for bad user input (config, data, checkpoint, CLI), and the one
 way a schema's validation error becomes its message.
 
-The CLI turns an InputError into one line on stderr and exit code 2; nothing else catches
-it. Messages say what is wrong and how to fix it: the key, the path, the expected form.
+The CLI turns an InputError into one line on stderr and exit code 2, a RunStopped into one
+line and exit code 1; nothing else catches them. Messages say what is wrong and how to fix it: the key, the path, the expected form.
 """
 
 import difflib
@@ -13,6 +13,11 @@ from pydantic import ValidationError
 
 class InputError(Exception):
     """Bad input from the user: a config key, a path, a data file, a checkpoint."""
+
+
+class RunStopped(Exception):
+    """A run that cannot go on (non-finite losses, a full disk): the CLI prints its one line,
+    which names the last good checkpoint and what to try, and exits with code 1."""
 
 
 def did_you_mean(key: str, known: Iterable[str], prefix: str = "") -> str:

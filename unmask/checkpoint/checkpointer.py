@@ -30,6 +30,7 @@ from unmask.checkpoint.layout import (
     DCP_DIR,
     STATE_FILE,
     is_distributed_checkpoint,
+    list_checkpoints,
     publish,
     temporary_folder,
 )
@@ -46,7 +47,8 @@ class Checkpointer:
 
     sharded: the model and optimizer are FSDP2-sharded over a process group (every rank
     calls save/load; DCP). tokenizer and files (name -> text) are written into every
-    checkpoint; save_total_limit keeps the newest N.
+    checkpoint; save_total_limit keeps the newest N, and also the one with the lowest eval
+    loss with keep_best (the trainer states record it as `eval_loss`).
     """
 
     def __init__(
@@ -57,12 +59,14 @@ class Checkpointer:
         tokenizer=None,
         files: dict[str, str] | None = None,
         save_total_limit: int | None = None,
+        keep_best: bool = False,
     ) -> None:
         self.output_dir = Path(output_dir)
         self.sharded = sharded
         self.tokenizer = tokenizer
         self.files = dict(files or {})
         self.save_total_limit = save_total_limit
+        self.keep_best = keep_best
 
     @property
     def _is_writer(self) -> bool:
@@ -90,10 +94,24 @@ class Checkpointer:
             torch.save(rng_state, tmp / RNG_FILE)
             (tmp / STATE_FILE).write_text(json.dumps(state, indent=2))
             self._write_run_files(tmp)
-            publish(tmp, step, self.save_total_limit)
+            keep = best_checkpoint(self.output_dir, tmp) if self.keep_best else None
+            publish(tmp, step, self.save_total_limit, keep)
         if self.sharded:
             dist.barrier()
         return self.output_dir / f"checkpoint-{step}"
+
+    def bytes_needed(self, model: nn.Module, optimizer) -> int:
+        """About what the next checkpoint takes on disk: the newest one's size, else the
+        model and optimizer state (global sizes, also when sharded), plus 10%."""
+        existing = list_checkpoints(self.output_dir)
+        if existing:
+            size = sum(f.stat().st_size for f in existing[-1].rglob("*") if f.is_file())
+        else:
+            tensors = list(model.state_dict().values())
+            tensors += [v for state in optimizer.state.values() for v in state.values()
+                        if isinstance(v, torch.Tensor)]  # fmt: skip
+            size = sum(t.numel() * t.element_size() for t in tensors)
+        return int(size * 1.1)
 
     def _temporary_folder(self, step: int) -> Path:
         """Where checkpoint N is written before it is published: one folder per writer
@@ -147,6 +165,21 @@ class Checkpointer:
         if self._is_writer:
             self._write_run_files(folder)
         return model
+
+
+def best_checkpoint(output_dir: Path, new: Path | None = None) -> Path | None:
+    """The checkpoint with the lowest eval_loss in its trainer_state.json, among those in
+    output_dir and `new` (the one being written); None when that is `new` or none recorded
+    one."""
+    best, best_loss = None, float("inf")
+    for path in [*list_checkpoints(output_dir), *([new] if new else [])]:
+        try:
+            loss = json.loads((path / STATE_FILE).read_text()).get("eval_loss")
+        except (OSError, json.JSONDecodeError):
+            continue
+        if loss is not None and loss < best_loss:
+            best, best_loss = path, loss
+    return None if best == new else best  # the new one is the newest: never pruned
 
 
 def _load_model(path: Path, model: nn.Module) -> None:

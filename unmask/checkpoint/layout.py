@@ -1,19 +1,24 @@
-"""Checkpoint folders on disk: their names, how they are found again, and how one is
-published atomically.
+"""Checkpoint folders on disk: their names, how they are found again, how one is published
+atomically, and how a damaged one is told apart.
 
-A run directory holds `checkpoint-N/` folders (N = optimizer steps done). A folder counts
-only once it holds trainer_state.json: every checkpoint is written into a temporary
-`.tmp-checkpoint-N` folder, fsynced and renamed into place when complete, so a crash
-mid-save never leaves a folder that looks like a checkpoint.
+A run directory holds `checkpoint-N/` folders (N = optimizer steps done). Every checkpoint
+is written into a temporary `.tmp-checkpoint-N...` folder; its manifest.json (every file
+with its size and CRC-32) is written last, the folder is fsynced and renamed into place, so
+a crash mid-save never leaves a folder that looks like a checkpoint, and a checkpoint
+damaged later (a truncated copy, a full disk on another machine) is found by `verify`.
+Checkpoints written before manifests existed count when they hold trainer_state.json.
 """
 
+import json
 import os
 import re
 import shutil
+import zlib
 from pathlib import Path
 
 from unmask.errors import InputError
 
+MANIFEST = "manifest.json"
 STATE_FILE = "trainer_state.json"
 DCP_DIR = "dcp"  # the sharded model + optimizer of a multi-process run
 CONFIG_FILE = "config.json"
@@ -21,16 +26,80 @@ _NAME = re.compile(r"^checkpoint-(\d+)$")
 
 
 def list_checkpoints(output_dir: Path) -> list[Path]:
-    """Complete checkpoints in output_dir, oldest first."""
+    """Checkpoint folders in output_dir that look complete (a manifest, or the state file of
+    one written before manifests), oldest first; `verify` says whether one is intact."""
     output_dir = Path(output_dir)
     if not output_dir.is_dir():
         return []
     found = []
     for child in output_dir.iterdir():
         match = _NAME.match(child.name)
-        if match and (child / STATE_FILE).is_file():
+        if match and ((child / MANIFEST).is_file() or (child / STATE_FILE).is_file()):
             found.append((int(match.group(1)), child))
     return [path for _, path in sorted(found)]
+
+
+def _crc32(path: Path) -> str:
+    crc = 0
+    with open(path, "rb") as handle:
+        while chunk := handle.read(1 << 22):
+            crc = zlib.crc32(chunk, crc)
+    return f"{crc:08x}"
+
+
+def write_manifest(folder: Path) -> None:
+    """manifest.json: every other file of the folder with its size and CRC-32, written last."""
+    files = {}
+    for child in sorted(folder.rglob("*")):
+        if child.is_file() and child.name != MANIFEST:
+            name = child.relative_to(folder).as_posix()
+            files[name] = {"size": child.stat().st_size, "crc32": _crc32(child)}
+    (folder / MANIFEST).write_text(json.dumps({"format": 1, "files": files}, indent=1))
+
+
+def verify(folder: Path, checksums: bool = True) -> str | None:
+    """None when the checkpoint is intact, else what is wrong with it (a missing, shorter or
+    changed file). A checkpoint without a manifest (written before them) is taken as is."""
+    path = Path(folder) / MANIFEST
+    if not path.is_file():
+        return None if (Path(folder) / STATE_FILE).is_file() else "no manifest.json"
+    try:
+        files = json.loads(path.read_text())["files"]
+    except (json.JSONDecodeError, KeyError, TypeError):
+        return "manifest.json is not readable"
+    for name, want in files.items():
+        child = Path(folder) / name
+        if not child.is_file():
+            return f"{name} is missing"
+        size = child.stat().st_size
+        if size != want["size"]:
+            return f"{name} holds {size} bytes, the manifest says {want['size']}"
+        if checksums and _crc32(child) != want["crc32"]:
+            return f"{name} does not match its checksum"
+    return None
+
+
+def newest_intact(output_dir: Path) -> tuple[Path | None, list[str]]:
+    """The newest checkpoint that verifies, and one line per newer one that did not."""
+    skipped = []
+    for path in reversed(list_checkpoints(output_dir)):
+        problem = verify(path)
+        if problem is None:
+            return path, skipped
+        skipped.append(f"{path.name} is damaged ({problem})")
+    return None, skipped
+
+
+def remove_temporaries(output_dir: Path) -> list[str]:
+    """Delete the temporary folders of saves that did not finish (killed writers); returns
+    their names. Call only when no other process writes to output_dir."""
+    removed = []
+    if Path(output_dir).is_dir():
+        for child in Path(output_dir).iterdir():
+            if child.is_dir() and child.name.startswith((".tmp-checkpoint-", ".stale-checkpoint-")):
+                shutil.rmtree(child, ignore_errors=True)
+                removed.append(child.name)
+    return sorted(removed)
 
 
 def is_distributed_checkpoint(path: Path) -> bool:
@@ -39,22 +108,29 @@ def is_distributed_checkpoint(path: Path) -> bool:
 
 
 def resolve_resume(output_dir: Path, resume: bool | str | None) -> Path | None:
-    """The checkpoint to resume from (train.resume_from_checkpoint), or None to start fresh."""
+    """The checkpoint to resume from (train.resume_from_checkpoint), or None to start fresh:
+    `true` = the newest intact one in output_dir (damaged newer ones are passed over, see
+    `newest_intact`); a path = that one, which must be intact."""
     if resume in (None, False):
         return None
     if resume is True:
-        found = list_checkpoints(output_dir)
-        return found[-1] if found else None
+        return newest_intact(output_dir)[0]
     path = Path(resume)
     if not path.is_dir():
         raise InputError(
             f"resume_from_checkpoint {str(path)!r} does not exist; "
             "give a checkpoint-N folder or true for the newest one in output_dir"
         )
-    if not (path / STATE_FILE).is_file():
+    if not (path / STATE_FILE).is_file() and not (path / MANIFEST).is_file():
         raise InputError(
             f"{str(path)!r} is not a complete unmask checkpoint (no {STATE_FILE}); "
             "give a checkpoint-N folder written by unmask train"
+        )
+    problem = verify(path)
+    if problem is not None:
+        raise InputError(
+            f"checkpoint {str(path)!r} is damaged ({problem}); resume from an older one "
+            "(train.resume_from_checkpoint=true picks the newest intact one)"
         )
     return path
 
@@ -87,11 +163,12 @@ def temporary_folder(output_dir: Path, step: int, suffix: str = "") -> Path:
     return tmp
 
 
-def publish(tmp: Path, step: int, save_total_limit: int | None) -> Path:
+def publish(tmp: Path, step: int, save_total_limit: int | None, keep: Path | None = None) -> Path:
     """fsync tmp, rename it to checkpoint-N (replacing an older folder of that step, as a
     resumed run passing a step it had saved before does) and keep the newest
     save_total_limit checkpoints. Returns the checkpoint folder."""
     final = tmp.parent / f"checkpoint-{step}"
+    write_manifest(tmp)
     for child in tmp.rglob("*"):
         if child.is_file():
             with open(child, "rb") as handle:
@@ -103,7 +180,15 @@ def publish(tmp: Path, step: int, save_total_limit: int | None) -> Path:
         shutil.rmtree(stale)
     else:
         os.replace(tmp, final)
-    if save_total_limit is not None and save_total_limit > 0:
-        for old in list_checkpoints(final.parent)[:-save_total_limit]:
-            shutil.rmtree(old)
+    prune(final.parent, save_total_limit, keep)
     return final
+
+
+def prune(output_dir: Path, save_total_limit: int | None, keep: Path | None = None) -> None:
+    """Delete all but the newest save_total_limit checkpoints; never the newest one, nor
+    `keep` (the best eval-loss checkpoint with train.keep_best)."""
+    if save_total_limit is None or save_total_limit <= 0:
+        return
+    for old in list_checkpoints(output_dir)[:-save_total_limit]:
+        if keep is None or old.name != Path(keep).name:
+            shutil.rmtree(old)

@@ -47,7 +47,20 @@ class TrainConfig(BaseModel):
     save_steps: float = 500
     """Checkpoint every N steps (float < 1 = fraction of max_steps); the last step is always saved."""
     save_total_limit: int | None = None
-    """Keep only the newest N checkpoints (None = keep all)."""
+    """Keep only the newest N checkpoints (None = keep all); the newest is never deleted."""
+    keep_best: bool = False
+    """With save_total_limit: also keep the checkpoint with the lowest eval loss."""
+    on_disk_full: Literal["stop", "continue"] = "stop"
+    """When the disk cannot hold the next checkpoint (checked before writing it): stop with
+    a message naming the last checkpoint, or skip this save and train on to the next."""
+    max_bad_steps: int = Field(5, ge=1)
+    """Steps in a row with a non-finite loss or gradient norm before the run stops (each
+    such step is skipped: no update, schedule unchanged, counted in metrics.jsonl)."""
+    nan_rollback: bool = False
+    """After max_bad_steps bad steps in a row, go back to the last checkpoint and continue
+    with the learning rate scaled by lr_backoff, instead of stopping."""
+    lr_backoff: float = Field(0.5, gt=0.0, le=1.0)
+    """Learning-rate factor applied at each nan_rollback (they multiply)."""
     seed: int = 42
     """Seed for model init, data order and noise."""
     bf16: bool = False

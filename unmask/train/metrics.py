@@ -2,11 +2,14 @@
 TensorBoard and W&B. The trainer calls `log(step, values)`; this module owns formats."""
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
 
 from tqdm import tqdm
+
+METRICS_FILE = "metrics.jsonl"
 
 
 def format_duration(seconds: float) -> str:
@@ -29,6 +32,8 @@ def format_line(step: int, total: int, values: dict, eta_s: float | None) -> str
         parts.append(f"lr {values['learning_rate']:.2e}")
     if "tokens_per_second" in values:
         parts.append(f"{values['tokens_per_second'] / 1000:.1f}k tok/s")
+    if values.get("skipped_steps"):
+        parts.append(f"skipped {values['skipped_steps']}")
     if eta_s is not None:
         parts.append(f"eta {format_duration(eta_s)}")
     return " | ".join(parts)
@@ -58,7 +63,8 @@ class MetricsLogger:
     ):
         self.total_steps = total_steps
         self.start_step = start_step
-        self.jsonl = open(output_dir / "metrics.jsonl", "a")  # noqa: SIM115 - closed in close()
+        self.path = output_dir / METRICS_FILE
+        self.jsonl = open(self.path, "a")  # noqa: SIM115 - closed in close()
         self.tensorboard = None
         self.wandb = None
         if "tensorboard" in report_to:
@@ -100,6 +106,12 @@ class MetricsLogger:
             self.wandb.log(values, step=step)
         self.print(format_line(step, self.total_steps, values, self.eta(step)))
 
+    def rewind(self, step: int) -> None:
+        """Forget the records after `step` (the run goes back there and logs them again)."""
+        self.jsonl.close()
+        truncate_metrics(self.path.parent, step)
+        self.jsonl = open(self.path, "a")  # noqa: SIM115 - closed in close()
+
     def print(self, text: str) -> None:
         if self.bar is not None:
             self.bar.write(text)
@@ -116,6 +128,30 @@ class MetricsLogger:
             self.wandb.finish()
 
 
+def truncate_metrics(out: Path, step: int) -> int:
+    """Keep only the metrics.jsonl records of steps <= step (a resumed run logs the later
+    ones again); returns how many were dropped. Rewritten atomically."""
+    path = Path(out) / METRICS_FILE
+    if not path.is_file():
+        return 0
+    kept, dropped = [], 0
+    for line in path.read_text().splitlines():
+        try:
+            record_step = json.loads(line).get("step", 0)
+        except (json.JSONDecodeError, AttributeError):
+            dropped += 1  # a line cut by a kill mid-write
+            continue
+        if record_step > step:
+            dropped += 1
+        else:
+            kept.append(line + "\n")
+    if dropped:
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(kept))
+        os.replace(tmp, path)
+    return dropped
+
+
 class SilentLogger:
     """The MetricsLogger interface, doing nothing: ranks other than 0 log nothing."""
 
@@ -129,6 +165,9 @@ class SilentLogger:
         pass
 
     def log(self, *args, **kwargs) -> None:
+        pass
+
+    def rewind(self, *args, **kwargs) -> None:
         pass
 
     def close(self) -> None:

@@ -7,13 +7,15 @@ path) runs before anything is written, so bad input never leaves a half-made run
 
 import copy
 import json
+import math
 import shutil
 import time
 from pathlib import Path
 
 import torch
 
-from unmask.checkpoint import STATE_FILE, Checkpointer, list_checkpoints, resolve_resume
+from unmask.checkpoint import STATE_FILE, Checkpointer
+from unmask.checkpoint.layout import newest_intact
 from unmask.config import RunConfig, dump_config
 from unmask.data import (
     adopt_mask_token,
@@ -27,7 +29,7 @@ from unmask.data import (
 from unmask.data.streaming import StreamSpec
 from unmask.diffusion import build_objective
 from unmask.diffusion.cutoffs import random_length_cut
-from unmask.errors import InputError
+from unmask.errors import InputError, RunStopped
 from unmask.models import build_model, decoder_layers, folder_mask_token_id
 from unmask.models.lora import (
     apply_lora,
@@ -47,10 +49,11 @@ from unmask.parallel.fsdp import apply_fsdp, compile_blocks, sync_gradients
 from unmask.parallel.mesh import launch_env, share_from_rank0
 from unmask.sampling.accuracy import heldout_accuracy
 from unmask.sampling.config import GENERATION_FILE, fixed_by_training, generation_config_text
-from unmask.train.metrics import MetricsLogger, SilentLogger
+from unmask.train.guard import NonFiniteGuard
+from unmask.train.metrics import MetricsLogger, SilentLogger, truncate_metrics
 from unmask.train.plan import make_plan
-
-RUN_ARTIFACTS = ("config.yaml", "metrics.jsonl", "tensorboard", "final", "eval_results.json")
+from unmask.train.run_dir import prepare_output_dir
+from unmask.train.signals import StopSignals
 
 
 def resolve_device(name: str) -> torch.device:
@@ -61,26 +64,27 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def prepare_output_dir(out: Path, cfg: RunConfig) -> Path | None:
-    """Check output_dir before anything is written; returns the checkpoint to resume from."""
-    t = cfg.train
-    resume = resolve_resume(out, t.resume_from_checkpoint)
-    holds_run = out.is_dir() and any(out.iterdir())
-    if out.exists() and not out.is_dir():
-        raise InputError(f"output_dir {str(out)!r} is a file; choose a folder path")
-    if resume is None and holds_run:
-        if not t.overwrite_output_dir:
-            raise InputError(
-                f"output_dir {str(out)!r} already holds a run; set "
-                "train.resume_from_checkpoint=true to continue it, "
-                "train.overwrite_output_dir=true to replace it, or choose another output_dir"
-            )
-        for path in list_checkpoints(out) + [out / name for name in RUN_ARTIFACTS]:
-            if path.is_dir():
-                shutil.rmtree(path)
-            elif path.exists():
-                path.unlink()
-    return resume
+class _Window:
+    """Loss and throughput since the last logging step (skipped steps left out)."""
+
+    def __init__(self) -> None:
+        self.loss, self.steps, self.tokens = 0.0, 0, 0
+        self.started = time.perf_counter()
+
+    def add(self, stats: dict, tokens: int) -> None:
+        self.loss += stats["loss"]
+        self.steps += 1
+        self.tokens += tokens
+
+    def values(self, stats: dict) -> dict:
+        """The window's logged values, and a new window."""
+        elapsed = time.perf_counter() - self.started
+        values = {"loss": self.loss / max(self.steps, 1), "learning_rate": stats["learning_rate"],
+                  "tokens_per_second": self.tokens / max(elapsed, 1e-9)}  # fmt: skip
+        if "grad_norm" in stats:
+            values["grad_norm"] = stats["grad_norm"]
+        self.__init__()
+        return values
 
 
 class Trainer:
@@ -120,7 +124,10 @@ class Trainer:
         self.num_rows = None if isinstance(data.train, StreamSpec) else len(data.train)
         self.plan = make_plan(cfg, self.num_rows, batch_ranks)
         self.output_dir = Path(t.output_dir)
-        self.resume_path = share_from_rank0(lambda: prepare_output_dir(self.output_dir, cfg))
+        self.resume_path, run_notices = share_from_rank0(
+            lambda: prepare_output_dir(self.output_dir, cfg)
+        )
+        self.notices += run_notices
 
         torch.manual_seed(t.seed)
         self.model = self._build_model(added_tokens)
@@ -133,6 +140,7 @@ class Trainer:
             self.plan.warmup_steps,
             cfg.optim.min_lr_ratio,
         )
+        self._unscaled_base_lrs = list(self.scheduler.base_lrs)  # the config's peak lrs
         # each rank reads only its rows of every global micro-batch, in worker processes
         # ahead of the step when asked
         self.loader = make_loader(
@@ -143,6 +151,10 @@ class Trainer:
         self.noise.manual_seed(t.seed + 1)
         self.step = 0
         self.tokens_seen = 0
+        self.last_eval_loss: float | None = None
+        self.guard = NonFiniteGuard(t.max_bad_steps, t.nan_rollback, t.lr_backoff)
+        self.stopped_by = ""  # the signal that stopped the run, if one did
+        self.exit_code = 0
         self._lora_base: list[float] | None = None
         # generation_config.json: how this model must be sampled (Dream's shift, BD3LM's
         # block-causal attention; only what the objective fixes), so `unmask generate`,
@@ -156,6 +168,7 @@ class Trainer:
             tokenizer=self.tokenizer,
             files={GENERATION_FILE: sampling},
             save_total_limit=t.save_total_limit,
+            keep_best=t.keep_best,
         )
 
         if self.resume_path is not None:  # before config.yaml: a mismatch changes nothing
@@ -163,6 +176,8 @@ class Trainer:
         self.output_dir.mkdir(parents=True, exist_ok=True)
         if self.dist.is_main:
             (self.output_dir / "config.yaml").write_text(dump_config(cfg))
+            if self.resume_path is not None:  # the steps after the checkpoint: logged again
+                truncate_metrics(self.output_dir, self.step)
 
     def _build_model(self, added_tokens: int) -> torch.nn.Module:
         """The model on its device, in torchtitan's order: vocabulary resize, 4-bit base,
@@ -196,12 +211,23 @@ class Trainer:
         check_base_fingerprint(state.get("lora_base_fingerprint"), self.model, path)
         self.step = state["step"]
         self.tokens_seen = state.get("tokens_seen", 0)
+        self.last_eval_loss = state.get("eval_loss")
         self.loader.load_state_dict(state["loader"])
+        self.guard.load(state.get("guard"))
+        self._scale_lr(self.guard.state.lr_scale)
         torch.set_rng_state(rng["torch"])
         self.noise.set_state(rng["noise"])
 
+    def _scale_lr(self, scale: float) -> None:
+        """Learning rates = the schedule's times `scale` (the non-finite guard's backoff)."""
+        sched = self.scheduler  # a LambdaLR: lr = base_lr * lambda(step)
+        sched.base_lrs = [lr * scale for lr in self._unscaled_base_lrs]
+        for group, lr, factor in zip(self.optimizer.param_groups, sched.base_lrs, sched.lr_lambdas):
+            group["lr"] = lr * factor(sched.last_epoch)
+
     def _trainer_state(self) -> dict:
-        state = {"loader": self.loader.state_dict(), "tokens_seen": self.tokens_seen}
+        state = {"loader": self.loader.state_dict(), "tokens_seen": self.tokens_seen,
+                 "guard": self.guard.state.to_dict(), "eval_loss": self.last_eval_loss}  # fmt: skip
         if self.cfg.model.lora:
             state["lora"] = lora_settings(self.cfg.model)
         if self.cfg.model.lora and not self.sharded:  # adapter-only checkpoints
@@ -210,9 +236,35 @@ class Trainer:
             state["lora_base_fingerprint"] = self._lora_base
         return state
 
-    def save(self) -> Path:
+    def save(self) -> Path | None:
+        """checkpoint-{step}; None when the disk cannot hold it and train.on_disk_full is
+        continue (else RunStopped)."""
+        if not self._disk_has_room():
+            return None
         return self.checkpointer.save(self.step, self.model, self.optimizer, self.scheduler,
                                       self._trainer_state(), self._rng_state())  # fmt: skip
+
+    def _disk_has_room(self) -> bool:
+        """Whether the output_dir's disk has room for one more checkpoint (the size of the
+        newest one, else the model and optimizer state in memory, plus 10%)."""
+        need, free = share_from_rank0(
+            lambda: (self.checkpointer.bytes_needed(self.model, self.optimizer),
+                     shutil.disk_usage(self.output_dir).free)
+        )  # fmt: skip
+        if free >= need:
+            return True
+        message = (
+            f"not enough free space in {str(self.output_dir)!r} for checkpoint-{self.step} "
+            f"(needs about {need / 1e9:.2f} GB, {free / 1e9:.2f} GB free)"
+        )
+        if self.cfg.train.on_disk_full == "continue":
+            self.notices.append(message + "; training on to the next save")
+            return False
+        newest = newest_intact(self.output_dir)[0]
+        raise RunStopped(
+            f"{message}; free space and resume from {newest or 'the start'} "
+            "(train.resume_from_checkpoint=true), or set train.on_disk_full=continue"
+        )
 
     # -- one step ------------------------------------------------------------------------
     def _to_device(self, batch: dict) -> dict:
@@ -259,18 +311,19 @@ class Trainer:
         for param in self.model.parameters():
             if param.grad is not None:
                 param.grad.mul_(scale.to(param.grad.dtype))
-        grad_norm = None
+        # the global gradient norm (clipped to max_grad_norm when set): also the guard's
+        max_norm = self.cfg.optim.max_grad_norm if self.cfg.optim.max_grad_norm > 0 else math.inf
+        grad_norm = full_value(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
+        loss = loss_sum_total * scale
+        learning_rate = self.optimizer.param_groups[0]["lr"]  # the lr this step uses
+        stats = {"loss": loss.item(), "learning_rate": learning_rate}
         if self.cfg.optim.max_grad_norm > 0:
-            grad_norm = torch.nn.utils.clip_grad_norm_(
-                self.model.parameters(), self.cfg.optim.max_grad_norm
-            )
-        learning_rate = self.scheduler.get_last_lr()[0]
-        self.optimizer.step()
-        self.scheduler.step()
+            stats["grad_norm"] = float(grad_norm)
+        stats["finite"] = math.isfinite(stats["loss"]) and bool(torch.isfinite(grad_norm))
+        if stats["finite"]:  # a non-finite step changes nothing: no update, same schedule
+            self.optimizer.step()
+            self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        stats = {"loss": (loss_sum_total * scale).item(), "learning_rate": learning_rate}
-        if grad_norm is not None:
-            stats["grad_norm"] = float(full_value(grad_norm))
         return stats
 
     @torch.no_grad()
@@ -295,6 +348,8 @@ class Trainer:
 
     # -- the loop ------------------------------------------------------------------------
     def train(self) -> dict:
+        """Run to train.max_steps (or until a stop signal: see signals.py); returns the last
+        logged values."""
         cfg, plan = self.cfg, self.plan
         logger = (MetricsLogger if self.dist.is_main else SilentLogger)(
             self.output_dir,
@@ -312,41 +367,44 @@ class Trainer:
         if routing is not None:
             logger.print(routing.summary())
         self.model.train()
-        window_loss, window_steps, window_tokens = 0.0, 0, 0
-        window_start = time.perf_counter()
+        started = time.perf_counter()
+        window = _Window()
         last: dict = {}
         try:
-            while self.step < plan.total_steps:
-                batches = [next(self.loader) for _ in range(cfg.train.gradient_accumulation_steps)]
-                stats = self.train_step(batches)
-                self.step += 1
-                self.tokens_seen += plan.tokens_per_step
-                window_loss += stats["loss"]
-                window_steps += 1
-                window_tokens += plan.tokens_per_step
-                logger.advance(self.step, {"loss": f"{stats['loss']:.3f}"})
-                at_end = self.step == plan.total_steps
-                values: dict = {}
-                if self.step % plan.logging_every == 0 or at_end:
-                    elapsed = time.perf_counter() - window_start
-                    values.update(
-                        loss=window_loss / window_steps,
-                        learning_rate=stats["learning_rate"],
-                        tokens_per_second=window_tokens / max(elapsed, 1e-9),
-                        tokens_seen=self.tokens_seen,
-                    )
-                    if "grad_norm" in stats:
-                        values["grad_norm"] = stats["grad_norm"]
-                    window_loss, window_steps, window_tokens = 0.0, 0, 0
-                    window_start = time.perf_counter()
-                if (plan.eval_every and self.step % plan.eval_every == 0) or at_end:
-                    if len(self.eval_rows):
-                        values["eval_loss"] = self.evaluate()
-                if values:
-                    logger.log(self.step, values)
-                    last.update(values)
-                if (plan.save_every and self.step % plan.save_every == 0) or at_end:
-                    self.save()
+            with StopSignals() as stop:
+                while self.step < plan.total_steps:
+                    batches = [
+                        next(self.loader) for _ in range(cfg.train.gradient_accumulation_steps)
+                    ]
+                    stats = self.train_step(batches)
+                    self.step += 1
+                    self.tokens_seen += plan.tokens_per_step
+                    if not self._guard_step(stats, logger):
+                        continue
+                    window.add(stats, plan.tokens_per_step)
+                    logger.advance(self.step, {"loss": f"{stats['loss']:.3f}"})
+                    at_end = self.step == plan.total_steps
+                    values: dict = {}
+                    if self.step % plan.logging_every == 0 or at_end:
+                        values.update(
+                            window.values(stats),
+                            tokens_seen=self.tokens_seen,
+                            elapsed_seconds=round(time.perf_counter() - started, 3),
+                        )
+                        if self.guard.state.skipped_steps:
+                            values["skipped_steps"] = self.guard.state.skipped_steps
+                    if (plan.eval_every and self.step % plan.eval_every == 0) or at_end:
+                        if len(self.eval_rows):
+                            values["eval_loss"] = self.last_eval_loss = self.evaluate()
+                    if values:
+                        logger.log(self.step, values)
+                        last.update(values)
+                    saved = (plan.save_every and self.step % plan.save_every == 0) or at_end
+                    if saved:
+                        self.save()
+                    if self._stop_requested(stop):
+                        self._stop(stop, logger, saved)
+                        return last
             self.model = self.checkpointer.save_final(self.model, cfg.model)
             if cfg.eval.generate_accuracy:
                 last["heldout_exact_match"] = self._heldout_accuracy(logger)
@@ -354,6 +412,59 @@ class Trainer:
             logger.close()
             self.loader.close()
         return last
+
+    def _guard_step(self, stats: dict, logger) -> bool:
+        """True when the step counted; for a non-finite one: skip it, roll back to the last
+        checkpoint or stop (guard.py)."""
+        action = self.guard.record(self.step, stats["finite"])
+        if action == "ok":
+            return True
+        state = self.guard.state
+        logger.log(self.step, {"skipped_steps": state.skipped_steps,
+                               "skipped_in_a_row": state.in_a_row})  # fmt: skip
+        logger.print(
+            f"step {self.step}: non-finite loss or gradient norm (loss {stats['loss']}); the "
+            f"step was skipped ({state.in_a_row} in a row, {state.skipped_steps} in all)"
+        )
+        if action == "skip":
+            return False
+        newest = newest_intact(self.output_dir)[0] if self.dist.is_main else None
+        newest = share_from_rank0(lambda: newest)
+        streak = f"steps {state.first_bad_step}-{self.step}"
+        if action == "rollback" and newest is not None:
+            scale = self.guard.rolled_back()
+            self._restore(newest)
+            self.guard.state.lr_scale = scale  # the restore brought back the older scale
+            self._scale_lr(scale)
+            logger.rewind(self.step)
+            logger.print(f"{streak} were non-finite: back to {newest.name}, learning rate "
+                         f"x {scale:g} (train.lr_backoff)")  # fmt: skip
+            return False
+        raise RunStopped(
+            f"{streak} had a non-finite loss or gradient norm ({self.cfg.train.max_bad_steps} in "
+            f"a row, train.max_bad_steps); the last good checkpoint is "
+            f"{newest or 'none (no checkpoint yet)'}: resume from it with a lower "
+            "optim.learning_rate, or set train.nan_rollback=true"
+        )
+
+    def _stop_requested(self, stop: StopSignals) -> bool:
+        """A stop signal reached any rank (every rank decides the same, at the same step)."""
+        if not self.sharded:
+            return stop.requested
+        flag = torch.tensor([1.0 if stop.requested else 0.0], device=self.device)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def _stop(self, stop: StopSignals, logger, saved: bool) -> None:
+        if not saved:
+            self.save()
+        self.stopped_by = stop.name or "a signal on another rank"
+        self.exit_code = stop.exit_code
+        logger.print(
+            f"stopped by {self.stopped_by} at step {self.step}; checkpoint-{self.step} is saved. "
+            f"Resume with: unmask train CONFIG train.output_dir={self.output_dir} "
+            "train.resume_from_checkpoint=true"
+        )
 
     def _heldout_accuracy(self, logger: MetricsLogger) -> float:
         examples = heldout_examples(self.cfg.data)

@@ -1,0 +1,261 @@
+"""Week-long runs: SIGKILLs at random moments (during checkpoint writes too), SIGTERM and
+SIGINT, non-finite steps, damaged checkpoints, a full disk. Each ends with the parameters
+and logged losses of an uninterrupted run, or one line saying what to do."""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import losses, read_metrics
+from safetensors.torch import load_file
+
+from unmask.checkpoint import list_checkpoints
+from unmask.cli import main
+from unmask.config import load_config
+from unmask.errors import RunStopped
+from unmask.train import trainer as trainer_module
+from unmask.train.trainer import Trainer
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _weights(run: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(run / "final" / "model.safetensors"))
+
+
+def _same_weights(a: Path, b: Path) -> bool:
+    wa, wb = _weights(a), _weights(b)
+    return wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def _start(cfg: Path, *overrides: str, stdout=subprocess.DEVNULL) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "unmask", "train", str(cfg), *overrides],
+        stdout=stdout, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+
+
+def _logged_steps(run: Path) -> int:
+    path = run / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.is_file() else 0
+
+
+@pytest.mark.slow
+def test_repeated_sigkills_end_bit_equal_to_an_uninterrupted_run(tiny_config, tmp_path):
+    train = {"max_steps": 60, "save_steps": 1, "save_total_limit": 2, "eval_steps": 0,
+             "logging_steps": 1}  # fmt: skip
+    reference = tiny_config({"train": {**train, "output_dir": str(tmp_path / "ref")}}, "ref.yaml")
+    assert main(["train", str(reference)]) == 0
+    cfg = tiny_config({"train": {**train, "output_dir": str(tmp_path / "run")}}, "run.yaml")
+    run, rng = tmp_path / "run", random.Random(0)
+    kills, during_writes = 0, 0
+    while kills < 8 or during_writes < 3:
+        proc = _start(cfg, "train.resume_from_checkpoint=true")
+        started = _logged_steps(run)
+        target_write = during_writes < 3 and rng.random() < 0.6
+        deadline = time.monotonic() + 60
+        while proc.poll() is None and time.monotonic() < deadline:
+            if _logged_steps(run) > started:  # past start-up: training
+                writing = any(p.name.startswith(".tmp-checkpoint-") for p in run.iterdir())
+                if (target_write and writing) or (not target_write and rng.random() < 0.02):
+                    proc.send_signal(signal.SIGKILL)
+                    proc.wait()
+                    kills += 1
+                    during_writes += writing
+                    break
+            time.sleep(0.002)
+        assert proc.poll() is not None, "a run did not get killed or finish within 60 s"
+        assert proc.returncode in (0, -signal.SIGKILL), proc.stderr.read()[-2000:]
+        if proc.returncode == 0:
+            pytest.fail(f"the run finished after {kills} kills; give it more steps")
+    proc = _start(cfg, "train.resume_from_checkpoint=true")
+    assert proc.wait(timeout=120) == 0, proc.stderr.read()[-2000:]
+    assert _same_weights(tmp_path / "ref", run)
+    assert losses(run) == losses(tmp_path / "ref")
+    steps = [r["step"] for r in read_metrics(run) if "loss" in r]
+    assert steps == sorted(set(steps)) == list(range(1, 61))  # each step logged once
+    assert not [p.name for p in run.iterdir() if p.name.startswith(".")]  # no temporaries
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 0), (signal.SIGINT, 130)])
+def test_signal_saves_a_checkpoint_and_the_resumed_run_is_the_same(tiny_config, tmp_path, sig,
+                                                                   code):  # fmt: skip
+    train = {"max_steps": 400, "save_steps": 1000, "eval_steps": 0, "logging_steps": 1}
+    optim = {"lr_scheduler_type": "constant", "warmup_steps": 0}  # the same at any length
+    cfg = tiny_config({"train": train, "optim": optim})
+    run = tmp_path / "run"
+    proc = _start(cfg, stdout=subprocess.PIPE)
+    deadline = time.monotonic() + 60
+    while _logged_steps(run) < 5:
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-2000:]
+        time.sleep(0.01)
+    proc.send_signal(sig)
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == code, stderr[-2000:]
+    (checkpoint,) = list_checkpoints(run)
+    step = int(checkpoint.name.split("-")[1])
+    assert 5 <= step < 400 and not (run / "final").exists()
+    assert f"stopped by {signal.Signals(sig).name} at step {step}" in stdout
+    assert "train.resume_from_checkpoint=true" in stdout
+    # resume to step + 3 and compare with an uninterrupted run of the same length
+    short = ["train.max_steps=" + str(step + 3)]
+    assert main(["train", str(cfg), *short, "train.resume_from_checkpoint=true"]) == 0
+    ref = tiny_config({"train": {**train, "output_dir": str(tmp_path / "ref")}, "optim": optim},
+                      "ref.yaml")  # fmt: skip
+    assert main(["train", str(ref), *short]) == 0
+    assert _same_weights(run, tmp_path / "ref")
+
+
+class _NonFiniteAt:
+    """The objective, with a NaN loss at the given steps (the trainer's step counter); with
+    once=True only the first time a step is computed (a rollback computes it again)."""
+
+    def __init__(self, trainer: Trainer, steps: set[int], once: bool = False):
+        self.trainer, self.inner, self.steps = trainer, trainer.objective, set(steps)
+        self.once = once
+        self.global_noise = self.inner.global_noise
+
+    def __call__(self, model, batch, generator=None):
+        loss_sum, count = self.inner(model, batch, generator)
+        step = self.trainer.step + 1  # the step being computed
+        if step in self.steps:
+            loss_sum = loss_sum * float("nan")
+            if self.once:
+                self.steps.discard(step)
+        return loss_sum, count
+
+    def with_noise(self, *args, **kwargs):
+        return self.inner.with_noise(*args, **kwargs)
+
+
+def _skipping_reference(trainer: Trainer, steps: set[int]) -> None:
+    """The oracle: a run whose optimizer and schedule do not move at `steps` (the batches
+    and the noise are drawn as usual)."""
+    real = trainer.train_step
+
+    def train_step(batches):
+        if trainer.step + 1 not in steps:
+            return real(batches)
+        trainer.optimizer.step = trainer.scheduler.step = lambda *args, **kwargs: None
+        try:
+            return real(batches)
+        finally:
+            del trainer.optimizer.step, trainer.scheduler.step
+
+    trainer.train_step = train_step
+
+
+def test_non_finite_steps_are_skipped_counted_and_equal_skipping_those_batches(
+    tiny_config, tmp_path
+):
+    train = {"max_steps": 8, "save_steps": 100, "eval_steps": 0, "logging_steps": 1}
+    bad = {3, 5}
+    trainer = Trainer(load_config(tiny_config({"train": train})))
+    trainer.objective = _NonFiniteAt(trainer, bad)
+    trainer.train()
+    ref = Trainer(load_config(tiny_config({"train": {**train, "output_dir": str(
+        tmp_path / "ref")}}, "ref.yaml")))  # fmt: skip
+    _skipping_reference(ref, bad)
+    ref.train()
+    assert _same_weights(tmp_path / "run", tmp_path / "ref")
+    records = read_metrics(tmp_path / "run")
+    assert [r["step"] for r in records if "skipped_in_a_row" in r] == [3, 5]
+    assert records[-1]["skipped_steps"] == 2
+    assert [r["step"] for r in records if "loss" in r] == [1, 2, 4, 6, 7, 8]
+
+
+def test_persistent_non_finite_loss_stops_naming_the_last_checkpoint(tiny_config, tmp_path):
+    train = {"max_steps": 20, "save_steps": 2, "eval_steps": 0, "max_bad_steps": 3}
+    trainer = Trainer(load_config(tiny_config({"train": train})))
+    trainer.objective = _NonFiniteAt(trainer, set(range(5, 21)))
+    with pytest.raises(RunStopped) as info:
+        trainer.train()
+    message = str(info.value)
+    assert "steps 5-7 had a non-finite loss or gradient norm (3 in a row" in message
+    assert "checkpoint-4" in message and "train.nan_rollback=true" in message
+
+
+def test_nan_rollback_goes_back_with_a_lower_learning_rate(tiny_config, tmp_path):
+    train = {"max_steps": 12, "save_steps": 4, "eval_steps": 0, "max_bad_steps": 2,
+             "nan_rollback": True, "lr_backoff": 0.25, "logging_steps": 1}  # fmt: skip
+    cfg = tiny_config({"train": train, "optim": {"lr_scheduler_type": "constant",
+                                                 "warmup_steps": 0}})  # fmt: skip
+    trainer = Trainer(load_config(cfg))
+    trainer.objective = _NonFiniteAt(trainer, {6, 7}, once=True)
+    trainer.train()
+    records = read_metrics(tmp_path / "run")
+    lrs = [r["learning_rate"] for r in records if "loss" in r]
+    assert lrs[:4] == [3e-3] * 4 and lrs[-1] == pytest.approx(3e-3 * 0.25)
+    assert json.loads((tmp_path / "run" / "checkpoint-12" / "trainer_state.json").read_text())[
+        "guard"]["lr_scale"] == 0.25  # fmt: skip
+    steps = [r["step"] for r in records if "loss" in r]
+    assert steps == sorted(set(steps)) and steps[-1] == 12  # rolled back: logged once
+
+
+def test_damaged_newest_checkpoint_is_passed_over_and_named(tiny_config, tmp_path, capsys):
+    cfg = tiny_config({"train": {"max_steps": 6, "save_steps": 2}})
+    assert main(["train", str(cfg)]) == 0
+    run = tmp_path / "run"
+    weights = run / "checkpoint-6" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-10])  # a truncated copy
+    capsys.readouterr()
+    bad = ["train", str(cfg), f"train.resume_from_checkpoint={run / 'checkpoint-6'}"]
+    assert main(bad) == 2
+    assert "is damaged (model.safetensors holds" in capsys.readouterr().err
+    assert main(["train", str(cfg), "train.resume_from_checkpoint=true",
+                 "train.max_steps=7"]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    assert "checkpoint-6 is damaged (model.safetensors holds" in out
+    assert "resuming from" in out and "checkpoint-4" in out
+
+
+def test_resume_true_without_a_checkpoint_starts_fresh(tiny_config, tmp_path, capsys):
+    cfg = tiny_config({"train": {"max_steps": 3, "save_steps": 100}})
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 9.0}) + "\n")
+    (run / "config.yaml").write_text("a run killed before its first checkpoint\n")
+    (run / ".tmp-checkpoint-1-999").mkdir()
+    assert main(["train", str(cfg), "train.resume_from_checkpoint=true"]) == 0
+    out = capsys.readouterr().out
+    assert "no intact checkpoint" in out and "starting fresh" in out
+    assert [r["step"] for r in read_metrics(run) if "loss" in r][0] == 1
+    assert read_metrics(run)[0]["loss"] != 9.0
+    assert not (run / ".tmp-checkpoint-1-999").exists()
+
+
+def test_full_disk_stops_or_trains_on(tiny_config, tmp_path, monkeypatch, capsys):
+    full = type("Usage", (), {"free": 1000, "total": 10**9, "used": 10**9 - 1000})
+    monkeypatch.setattr(trainer_module.shutil, "disk_usage", lambda path: full)
+    cfg = tiny_config({"train": {"max_steps": 4, "save_steps": 2}})
+    assert main(["train", str(cfg)]) == 1
+    err = capsys.readouterr().err
+    assert "not enough free space" in err and "checkpoint-2" in err
+    assert "train.on_disk_full=continue" in err
+    assert not list_checkpoints(tmp_path / "run")
+    cfg = tiny_config({"train": {"max_steps": 4, "save_steps": 2, "on_disk_full": "continue",
+                                 "output_dir": str(tmp_path / "on")}}, "on.yaml")  # fmt: skip
+    assert main(["train", str(cfg)]) == 0
+    assert not list_checkpoints(tmp_path / "on") and (tmp_path / "on" / "final").is_dir()
+
+
+def test_keep_best_keeps_the_lowest_eval_loss_checkpoint(tiny_config, tmp_path):
+    train = {"max_steps": 8, "save_steps": 2, "eval_steps": 2, "save_total_limit": 1,
+             "keep_best": True}  # fmt: skip
+    Trainer(load_config(tiny_config({"train": train}))).train()
+    run = tmp_path / "run"
+    states = {p.name: json.loads((p / "trainer_state.json").read_text())
+              for p in list_checkpoints(run)}  # fmt: skip
+    assert "checkpoint-8" in states  # the newest is never deleted
+    evals = {r["step"]: r["eval_loss"] for r in read_metrics(run) if "eval_loss" in r}
+    best = min(evals, key=evals.get)
+    assert f"checkpoint-{best}" in states and len(states) <= 2
+    assert os.listdir(run)  # sanity

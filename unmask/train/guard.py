@@ -1,0 +1,57 @@
+"""The non-finite guard: a step whose loss or gradient norm is NaN or infinite is skipped
+(parameters, optimizer state and learning-rate schedule unchanged), logged and counted;
+after `max_bad_steps` such steps in a row the run stops, or, with `nan_rollback`, goes back
+to its last checkpoint with the learning rate scaled by `lr_backoff` (LLaDA's own run was
+saved that way at 1.2T tokens). Every rank sees the same loss sum and gradient norm (both
+are reduced over ranks), so every rank takes the same decision.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class GuardState:
+    """What the guard has seen, saved in every checkpoint's trainer_state.json."""
+
+    skipped_steps: int = 0  # in the whole run
+    in_a_row: int = 0
+    first_bad_step: int = 0  # of the current streak
+    lr_scale: float = 1.0  # the product of lr_backoff over rollbacks
+
+    def to_dict(self) -> dict:
+        return dict(vars(self))
+
+
+class NonFiniteGuard:
+    """Decides, after each step, whether it counted, and what to do after bad ones."""
+
+    def __init__(self, max_bad_steps: int, nan_rollback: bool, lr_backoff: float):
+        self.max_bad_steps, self.nan_rollback = max_bad_steps, nan_rollback
+        self.lr_backoff = lr_backoff
+        self.state = GuardState()
+
+    def load(self, saved: dict | None) -> None:
+        self.state = GuardState(**(saved or {}))
+
+    def record(self, step: int, finite: bool) -> str:
+        """'ok', 'skip' (this step did not count), or, after max_bad_steps bad steps in a
+        row, 'rollback' (nan_rollback) or 'stop'."""
+        if finite:
+            self.state.in_a_row = 0
+            return "ok"
+        self.state.skipped_steps += 1
+        if self.state.in_a_row == 0:
+            self.state.first_bad_step = step
+        self.state.in_a_row += 1
+        if self.state.in_a_row < self.max_bad_steps:
+            return "skip"
+        return "rollback" if self.nan_rollback else "stop"
+
+    def rolled_back(self) -> float:
+        """After a rollback: the streak ends and the learning rate scales by lr_backoff;
+        returns the new total scale."""
+        self.state.in_a_row = 0
+        self.state.lr_scale *= self.lr_backoff
+        return self.state.lr_scale

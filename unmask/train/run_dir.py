@@ -1,0 +1,60 @@
+"""The run directory's life: checked before anything is written, resumed, or started fresh.
+
+`prepare_output_dir` runs before anything is written (on rank 0): it refuses a folder that
+holds another run unless asked to resume or overwrite, picks the newest intact checkpoint
+for `resume_from_checkpoint: true` (starting fresh, and saying so, when there is none yet,
+so one requeue command serves every launch) and removes the temporary folders of saves
+that were killed.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from unmask.checkpoint import list_checkpoints, resolve_resume
+from unmask.checkpoint.layout import newest_intact, remove_temporaries
+from unmask.config import RunConfig
+from unmask.errors import InputError
+from unmask.train.metrics import METRICS_FILE
+
+RUN_ARTIFACTS = ("config.yaml", METRICS_FILE, "tensorboard", "final", "eval_results.json")
+
+
+def prepare_output_dir(out: Path, cfg: RunConfig) -> tuple[Path | None, list[str]]:
+    """Check output_dir before anything is written; returns the checkpoint to resume from
+    (None: start fresh) and lines to print at start-up."""
+    t = cfg.train
+    if out.exists() and not out.is_dir():
+        raise InputError(f"output_dir {str(out)!r} is a file; choose a folder path")
+    notices = []
+    resume = resolve_resume(out, t.resume_from_checkpoint)
+    if t.resume_from_checkpoint is True:
+        _, damaged = newest_intact(out)
+        notices += [f"{line}; passed over" for line in damaged]
+    holds_run = out.is_dir() and any(out.iterdir())
+    fresh_after_resume = resume is None and t.resume_from_checkpoint is True and holds_run
+    if fresh_after_resume:
+        notices.append(
+            f"no intact checkpoint in {str(out)!r} yet: starting fresh (the logs of the "
+            "run that stopped before its first checkpoint are replaced)"
+        )
+    elif resume is None and holds_run and not t.overwrite_output_dir:
+        raise InputError(
+            f"output_dir {str(out)!r} already holds a run; set "
+            "train.resume_from_checkpoint=true to continue it, "
+            "train.overwrite_output_dir=true to replace it, or choose another output_dir"
+        )
+    if resume is None and holds_run:
+        # overwrite: the whole old run; a fresh start after resume: its logs only (a
+        # damaged checkpoint stays for the user to look at)
+        old = list_checkpoints(out) if not fresh_after_resume else []
+        for path in old + [out / name for name in RUN_ARTIFACTS]:
+            if path.is_dir():
+                shutil.rmtree(path)
+            elif path.exists():
+                path.unlink()
+    removed = remove_temporaries(out)
+    if removed:
+        notices.append(f"removed {len(removed)} unfinished save(s) of a stopped run: {removed}")
+    return resume, notices
