@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e ".[dev,lora,qlora,plot,eval]"
+	$(BIN)/pip install -q -e ".[dev,lora,qlora,plot,eval,wandb,trackio]"
 	touch $(STAMP)
 
 quickstart: $(STAMP)

@@ -72,7 +72,9 @@ class TrainConfig(BaseModel):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """auto = cuda when available, else cpu."""
     report_to: list[str] = []
-    """Extra loggers: "tensorboard" (and "wandb" with the wandb extra); "none" = nothing."""
+    """Extra loggers: "tensorboard", "wandb" (the wandb extra; WANDB_MODE=offline works
+    without a network) and "trackio" (the trackio extra, local by default); "none" =
+    nothing. A logger whose package is missing stops the run before anything is written."""
     run_name: str | None = None
     """Name shown by loggers; defaults to the output_dir's name."""
     disable_tqdm: bool = False
@@ -112,6 +114,8 @@ class TrainConfig(BaseModel):
     @classmethod
     def _known_reporters(cls, value):
         for name in value:
-            if name not in ("tensorboard", "wandb"):
-                raise ValueError(f"unknown reporter {name!r}; use tensorboard, wandb or none")
+            if name not in ("tensorboard", "wandb", "trackio"):
+                raise ValueError(
+                    f"unknown reporter {name!r}; use tensorboard, wandb, trackio or none"
+                )
         return value

@@ -1,6 +1,7 @@
 """Where training numbers go: the console (progress bar + log lines), metrics.jsonl,
 TensorBoard and W&B. The trainer calls `log(step, values)`; this module owns formats."""
 
+import importlib.util
 import json
 import os
 import sys
@@ -8,6 +9,8 @@ import time
 from pathlib import Path
 
 from tqdm import tqdm
+
+from unmask.errors import InputError
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -39,6 +42,25 @@ def format_line(step: int, total: int, values: dict, eta_s: float | None) -> str
     return " | ".join(parts)
 
 
+TRACKERS = {
+    "tensorboard": ("tensorboard", "tensorboard"),
+    "wandb": ("wandb", "unmask[wandb]"),
+    "trackio": ("trackio", "unmask[trackio]"),
+}  # name -> (module, what to install)
+
+
+def check_trackers(report_to: list[str]) -> None:
+    """InputError for a tracker whose package is not installed (before anything is
+    written), with the pip command."""
+    for name in report_to:
+        module, extra = TRACKERS[name]
+        if importlib.util.find_spec(module) is None:
+            raise InputError(
+                f"train.report_to: {name} needs the {module} package, which is not installed: "
+                f"pip install '{extra}' (or drop {name} from train.report_to)"
+            )
+
+
 def tensorboard_tag(key: str) -> str:
     """'loss' -> 'train/loss', 'eval_loss' -> 'eval/loss', 'heldout_exact_match' -> 'eval/...'."""
     if key.startswith("eval_"):
@@ -66,7 +88,8 @@ class MetricsLogger:
         self.path = output_dir / METRICS_FILE
         self.jsonl = open(self.path, "a")  # noqa: SIM115 - closed in close()
         self.tensorboard = None
-        self.wandb = None
+        self.wandb = self.trackio = None
+        name = run_name or output_dir.name
         if "tensorboard" in report_to:
             from torch.utils.tensorboard import SummaryWriter  # only when asked: slow import
 
@@ -74,7 +97,11 @@ class MetricsLogger:
         if "wandb" in report_to:
             import wandb  # optional extra (wandb)
 
-            self.wandb = wandb.init(name=run_name or output_dir.name, config=config)
+            self.wandb = wandb.init(name=name, config=config, dir=str(output_dir))
+        if "trackio" in report_to:
+            import trackio  # optional extra (trackio)
+
+            self.trackio = trackio.init(project=name, name=name, config=config)
         self.bar = None
         if show_progress and sys.stderr.isatty():
             self.bar = tqdm(total=total_steps, initial=start_step, dynamic_ncols=True, unit="step")
@@ -102,8 +129,11 @@ class MetricsLogger:
                 if isinstance(value, (int, float)):
                     self.tensorboard.add_scalar(tensorboard_tag(key), value, step)
             self.tensorboard.flush()
+        numbers = {k: v for k, v in values.items() if isinstance(v, (int, float))}
         if self.wandb is not None:
-            self.wandb.log(values, step=step)
+            self.wandb.log(numbers, step=step)
+        if self.trackio is not None:
+            self.trackio.log(numbers, step=step)
         self.print(format_line(step, self.total_steps, values, self.eta(step)))
 
     def rewind(self, step: int) -> None:
@@ -126,6 +156,8 @@ class MetricsLogger:
             self.tensorboard.close()
         if self.wandb is not None:
             self.wandb.finish()
+        if self.trackio is not None:
+            self.trackio.finish()
 
 
 def truncate_metrics(out: Path, step: int) -> int:

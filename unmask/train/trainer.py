@@ -50,7 +50,7 @@ from unmask.parallel.mesh import launch_env, share_from_rank0
 from unmask.sampling.accuracy import heldout_accuracy
 from unmask.sampling.config import GENERATION_FILE, fixed_by_training, generation_config_text
 from unmask.train.guard import NonFiniteGuard
-from unmask.train.metrics import MetricsLogger, SilentLogger, truncate_metrics
+from unmask.train.metrics import MetricsLogger, SilentLogger, check_trackers, truncate_metrics
 from unmask.train.plan import make_plan
 from unmask.train.run_dir import prepare_output_dir
 from unmask.train.signals import StopSignals
@@ -94,6 +94,7 @@ class Trainer:
         self.cfg = cfg
         t = cfg.train
         check_lora_request(cfg.model)
+        check_trackers(t.report_to)
         env = launch_env()
         # rows per micro-batch on this rank; the global batch grows with the world size
         # unless split_batches (then per_device_train_batch_size is the global batch)
