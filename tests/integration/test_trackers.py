@@ -4,11 +4,11 @@ packages; a tracker that is not installed stops the run before anything is writt
 import importlib.util
 import json
 import os
+import struct
 import subprocess
 import sys
 
 import pytest
-import struct
 
 from unmask.cli import main
 from unmask.train import metrics as metrics_module
@@ -55,7 +55,9 @@ def _wandb_history(data: bytes) -> list[dict]:
             chunk = b""
             if record.WhichOneof("record_type") == "history":
                 items = record.history.item
-                rows.append({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in items})
+                rows.append(
+                    {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in items}
+                )
     return rows
 
 
