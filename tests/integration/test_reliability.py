@@ -20,7 +20,7 @@ from unmask.checkpoint import list_checkpoints
 from unmask.cli import main
 from unmask.config import load_config
 from unmask.errors import RunStopped
-from unmask.train import trainer as trainer_module
+from unmask.train import run_dir as run_dir_module
 from unmask.train.trainer import Trainer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -234,7 +234,7 @@ def test_resume_true_without_a_checkpoint_starts_fresh(tiny_config, tmp_path, ca
 
 def test_full_disk_stops_or_trains_on(tiny_config, tmp_path, monkeypatch, capsys):
     full = type("Usage", (), {"free": 1000, "total": 10**9, "used": 10**9 - 1000})
-    monkeypatch.setattr(trainer_module.shutil, "disk_usage", lambda path: full)
+    monkeypatch.setattr(run_dir_module.shutil, "disk_usage", lambda path: full)
     cfg = tiny_config({"train": {"max_steps": 4, "save_steps": 2}})
     assert main(["train", str(cfg)]) == 1
     err = capsys.readouterr().err
@@ -245,6 +245,8 @@ def test_full_disk_stops_or_trains_on(tiny_config, tmp_path, monkeypatch, capsys
                                  "output_dir": str(tmp_path / "on")}}, "on.yaml")  # fmt: skip
     assert main(["train", str(cfg)]) == 0
     assert not list_checkpoints(tmp_path / "on") and (tmp_path / "on" / "final").is_dir()
+    out = capsys.readouterr().out
+    assert out.count("not enough free space") == 2 and "training on to the next save" in out
 
 
 def test_keep_best_keeps_the_lowest_eval_loss_checkpoint(tiny_config, tmp_path):

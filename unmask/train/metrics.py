@@ -1,5 +1,5 @@
 """Where training numbers go: the console (progress bar + log lines), metrics.jsonl,
-TensorBoard and W&B. The trainer calls `log(step, values)`; this module owns formats."""
+TensorBoard, W&B and trackio. The trainer calls `log(step, values)`; this module owns formats."""
 
 import importlib.util
 import json
@@ -158,6 +158,29 @@ class MetricsLogger:
             self.wandb.finish()
         if self.trackio is not None:
             self.trackio.finish()
+
+
+class LogWindow:
+    """Loss and throughput since the last logging step (skipped steps left out)."""
+
+    def __init__(self) -> None:
+        self.loss, self.steps, self.tokens = 0.0, 0, 0
+        self.started = time.perf_counter()
+
+    def add(self, stats: dict, tokens: int) -> None:
+        self.loss += stats["loss"]
+        self.steps += 1
+        self.tokens += tokens
+
+    def values(self, stats: dict) -> dict:
+        """The window's logged values, and a new window."""
+        elapsed = time.perf_counter() - self.started
+        values = {"loss": self.loss / max(self.steps, 1), "learning_rate": stats["learning_rate"],
+                  "tokens_per_second": self.tokens / max(elapsed, 1e-9)}  # fmt: skip
+        if "grad_norm" in stats:
+            values["grad_norm"] = stats["grad_norm"]
+        self.__init__()
+        return values
 
 
 def truncate_metrics(out: Path, step: int) -> int:

@@ -15,7 +15,8 @@ from pathlib import Path
 from unmask.checkpoint import list_checkpoints, resolve_resume
 from unmask.checkpoint.layout import newest_intact, remove_temporaries
 from unmask.config import RunConfig
-from unmask.errors import InputError
+from unmask.errors import InputError, RunStopped
+from unmask.parallel.mesh import share_from_rank0
 from unmask.train.metrics import METRICS_FILE
 
 RUN_ARTIFACTS = ("config.yaml", METRICS_FILE, "tensorboard", "final", "eval_results.json")
@@ -58,3 +59,26 @@ def prepare_output_dir(out: Path, cfg: RunConfig) -> tuple[Path | None, list[str
     if removed:
         notices.append(f"removed {len(removed)} unfinished save(s) of a stopped run: {removed}")
     return resume, notices
+
+
+def room_for_checkpoint(checkpointer, model, optimizer, on_disk_full: str, step: int) -> str:
+    """'' when the output_dir's disk has room for checkpoint-{step} (the size of the newest
+    checkpoint, else of the model and optimizer state in memory, plus 10%); else the line
+    to print when on_disk_full is continue, and RunStopped when it is stop."""
+    out = checkpointer.output_dir
+    need, free = share_from_rank0(
+        lambda: (checkpointer.bytes_needed(model, optimizer), shutil.disk_usage(out).free)
+    )
+    if free >= need:
+        return ""
+    message = (
+        f"not enough free space in {str(out)!r} for checkpoint-{step} "
+        f"(needs about {need / 1e9:.2f} GB, {free / 1e9:.2f} GB free)"
+    )
+    if on_disk_full == "continue":
+        return message + "; training on to the next save"
+    newest = newest_intact(out)[0]
+    raise RunStopped(
+        f"{message}; free space and resume from {newest or 'the start'} "
+        "(train.resume_from_checkpoint=true), or set train.on_disk_full=continue"
+    )

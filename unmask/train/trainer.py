@@ -5,10 +5,8 @@ Everything that can reject user input (config, tokenizer, data, output_dir, resu
 path) runs before anything is written, so bad input never leaves a half-made run.
 """
 
-import copy
 import json
 import math
-import shutil
 import time
 from pathlib import Path
 
@@ -18,10 +16,7 @@ from unmask.checkpoint import STATE_FILE, Checkpointer
 from unmask.checkpoint.layout import newest_intact
 from unmask.config import RunConfig, dump_config
 from unmask.data import (
-    adopt_mask_token,
     build_datasets,
-    build_tokenizer,
-    ensure_special_tokens,
     eval_batches,
     heldout_examples,
     make_loader,
@@ -29,62 +24,35 @@ from unmask.data import (
 from unmask.data.streaming import StreamSpec
 from unmask.diffusion import build_objective
 from unmask.diffusion.cutoffs import random_length_cut
-from unmask.errors import InputError, RunStopped
-from unmask.models import build_model, decoder_layers, folder_mask_token_id
+from unmask.errors import RunStopped
 from unmask.models.lora import (
-    apply_lora,
     base_fingerprint,
     check_base_fingerprint,
     check_lora_settings,
     lora_settings,
-    lora_targets,
 )
 from unmask.models.lora import check_request as check_lora_request
-from unmask.models.quant import check_4bit, quantize_4bit
+from unmask.models.quant import check_4bit
 from unmask.optim.config import build_optimizer
 from unmask.optim.schedule import build_scheduler
 from unmask.parallel.batch import per_rank_batch_size, rank_generator
 from unmask.parallel.distributed import all_reduce_sum, full_value, setup
-from unmask.parallel.fsdp import apply_fsdp, compile_blocks, sync_gradients
+from unmask.parallel.fsdp import sync_gradients
 from unmask.parallel.mesh import launch_env, share_from_rank0
 from unmask.sampling.accuracy import heldout_accuracy
 from unmask.sampling.config import GENERATION_FILE, fixed_by_training, generation_config_text
 from unmask.train.guard import NonFiniteGuard
-from unmask.train.metrics import MetricsLogger, SilentLogger, check_trackers, truncate_metrics
+from unmask.train.metrics import (
+    LogWindow,
+    MetricsLogger,
+    SilentLogger,
+    check_trackers,
+    truncate_metrics,
+)
 from unmask.train.plan import make_plan
-from unmask.train.run_dir import prepare_output_dir
+from unmask.train.run_dir import prepare_output_dir, room_for_checkpoint
+from unmask.train.setup import build_train_model, prepare_tokenizer, resolve_device
 from unmask.train.signals import StopSignals
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise InputError("train.device is 'cuda' but no CUDA device is visible; use auto or cpu")
-    return torch.device(name)
-
-
-class _Window:
-    """Loss and throughput since the last logging step (skipped steps left out)."""
-
-    def __init__(self) -> None:
-        self.loss, self.steps, self.tokens = 0.0, 0, 0
-        self.started = time.perf_counter()
-
-    def add(self, stats: dict, tokens: int) -> None:
-        self.loss += stats["loss"]
-        self.steps += 1
-        self.tokens += tokens
-
-    def values(self, stats: dict) -> dict:
-        """The window's logged values, and a new window."""
-        elapsed = time.perf_counter() - self.started
-        values = {"loss": self.loss / max(self.steps, 1), "learning_rate": stats["learning_rate"],
-                  "tokens_per_second": self.tokens / max(elapsed, 1e-9)}  # fmt: skip
-        if "grad_norm" in stats:
-            values["grad_norm"] = stats["grad_norm"]
-        self.__init__()
-        return values
 
 
 class Trainer:
@@ -107,19 +75,7 @@ class Trainer:
         self.device = self.dist.device
         self.sharded = self.dist.mesh is not None  # world size 1: no process group, no mesh
         check_4bit(cfg.model, self.device, self.dist.world_size)
-        self.tokenizer = build_tokenizer(cfg.data)
-        saved_tokenizer = copy.deepcopy(self.tokenizer)  # token stores were made with this
-        if cfg.model.pretrained is not None:  # LLaDA / Dream folders name their mask id
-            folder_mask = folder_mask_token_id(cfg.model.pretrained)
-            if folder_mask is not None:
-                source = f"model.pretrained {cfg.model.pretrained!r}"
-                adopt_mask_token(self.tokenizer, folder_mask, source)
-        added_tokens = ensure_special_tokens(self.tokenizer)
-        if added_tokens and cfg.model.lora:
-            raise InputError(
-                "the tokenizer has no mask (or EOS) token and one cannot be added under "
-                "model.lora: true (the embeddings are frozen); use a tokenizer that has one"
-            )
+        self.tokenizer, saved_tokenizer, added_tokens = prepare_tokenizer(cfg)
         data = build_datasets(cfg.data, self.tokenizer, saved_tokenizer)
         self.train_rows, self.eval_rows, self.notices = data.train, data.eval, data.notices
         self.num_rows = None if isinstance(data.train, StreamSpec) else len(data.train)
@@ -131,7 +87,8 @@ class Trainer:
         self.notices += run_notices
 
         torch.manual_seed(t.seed)
-        self.model = self._build_model(added_tokens)
+        self.model = build_train_model(cfg, self.tokenizer, added_tokens, self.device,
+                                       self.dist.mesh)  # fmt: skip
         self.objective = build_objective(cfg.diffusion, self.tokenizer.mask_token_id)
         self.optimizer = build_optimizer(cfg.optim, self.model)
         self.scheduler = build_scheduler(
@@ -156,6 +113,7 @@ class Trainer:
         self.guard = NonFiniteGuard(t.max_bad_steps, t.nan_rollback, t.lr_backoff)
         self.stopped_by = ""  # the signal that stopped the run, if one did
         self.exit_code = 0
+        self.logger: MetricsLogger | SilentLogger | None = None  # while train() runs
         self._lora_base: list[float] | None = None
         # generation_config.json: how this model must be sampled (Dream's shift, BD3LM's
         # block-causal attention; only what the objective fixes), so `unmask generate`,
@@ -179,27 +137,6 @@ class Trainer:
             (self.output_dir / "config.yaml").write_text(dump_config(cfg))
             if self.resume_path is not None:  # the steps after the checkpoint: logged again
                 truncate_metrics(self.output_dir, self.step)
-
-    def _build_model(self, added_tokens: int) -> torch.nn.Module:
-        """The model on its device, in torchtitan's order: vocabulary resize, 4-bit base,
-        activation checkpointing, per-block compile, LoRA, then FSDP2 over the mesh."""
-        cfg, t = self.cfg, self.cfg.train
-        model = build_model(cfg.model)
-        if added_tokens or model.config.vocab_size < len(self.tokenizer):
-            model.resize_token_embeddings(max(len(self.tokenizer), model.config.vocab_size))
-        if cfg.model.load_in_4bit:  # QLoRA: frozen NF4 base, quantized onto the device
-            compute = torch.bfloat16 if t.bf16 else torch.float32
-            quantize_4bit(model, lora_targets(cfg.model, model), self.device, compute)
-        model.gradient_checkpointing = t.gradient_checkpointing
-        if t.torch_compile:
-            compile_blocks(decoder_layers(model))
-        if cfg.model.lora:  # peft wrapper: base frozen, LoRA factors train (AdamW)
-            model = apply_lora(model, cfg.model)
-        model.to(self.device)
-        if self.sharded:
-            apply_fsdp(model, self.dist.mesh, decoder_layers(model), bf16=t.bf16,
-                       reshard_after_forward=t.reshard_after_forward)  # fmt: skip
-        return model
 
     # -- state ---------------------------------------------------------------------------
     def _rng_state(self) -> dict:
@@ -240,32 +177,14 @@ class Trainer:
     def save(self) -> Path | None:
         """checkpoint-{step}; None when the disk cannot hold it and train.on_disk_full is
         continue (else RunStopped)."""
-        if not self._disk_has_room():
+        notice = room_for_checkpoint(self.checkpointer, self.model, self.optimizer,
+                                     self.cfg.train.on_disk_full, self.step)  # fmt: skip
+        if notice:
+            if self.logger is not None:
+                self.logger.print(notice)
             return None
         return self.checkpointer.save(self.step, self.model, self.optimizer, self.scheduler,
                                       self._trainer_state(), self._rng_state())  # fmt: skip
-
-    def _disk_has_room(self) -> bool:
-        """Whether the output_dir's disk has room for one more checkpoint (the size of the
-        newest one, else the model and optimizer state in memory, plus 10%)."""
-        need, free = share_from_rank0(
-            lambda: (self.checkpointer.bytes_needed(self.model, self.optimizer),
-                     shutil.disk_usage(self.output_dir).free)
-        )  # fmt: skip
-        if free >= need:
-            return True
-        message = (
-            f"not enough free space in {str(self.output_dir)!r} for checkpoint-{self.step} "
-            f"(needs about {need / 1e9:.2f} GB, {free / 1e9:.2f} GB free)"
-        )
-        if self.cfg.train.on_disk_full == "continue":
-            self.notices.append(message + "; training on to the next save")
-            return False
-        newest = newest_intact(self.output_dir)[0]
-        raise RunStopped(
-            f"{message}; free space and resume from {newest or 'the start'} "
-            "(train.resume_from_checkpoint=true), or set train.on_disk_full=continue"
-        )
 
     # -- one step ------------------------------------------------------------------------
     def _to_device(self, batch: dict) -> dict:
@@ -361,6 +280,7 @@ class Trainer:
             show_progress=not cfg.train.disable_tqdm,
             config=cfg.model_dump(mode="json"),
         )
+        self.logger = logger
         logger.print(self._summary())
         for notice in self.notices:
             logger.print(notice)
@@ -369,7 +289,7 @@ class Trainer:
             logger.print(routing.summary())
         self.model.train()
         started = time.perf_counter()
-        window = _Window()
+        window = LogWindow()
         last: dict = {}
         try:
             with StopSignals() as stop:
@@ -411,6 +331,7 @@ class Trainer:
                 last["heldout_exact_match"] = self._heldout_accuracy(logger)
         finally:
             logger.close()
+            self.logger = None
             self.loader.close()
         return last
 

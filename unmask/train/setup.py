@@ -1,0 +1,66 @@
+"""What the trainer builds before its first step, in order: the device, the tokenizer
+(with the mask and EOS tokens the objective needs) and the model (vocabulary, 4-bit base,
+activation checkpointing, compiled blocks, LoRA, FSDP2)."""
+
+import copy
+
+import torch
+
+from unmask.config import RunConfig
+from unmask.data import adopt_mask_token, build_tokenizer, ensure_special_tokens
+from unmask.errors import InputError
+from unmask.models import build_model, decoder_layers, folder_mask_token_id
+from unmask.models.lora import apply_lora, lora_targets
+from unmask.models.quant import quantize_4bit
+from unmask.parallel.fsdp import apply_fsdp, compile_blocks
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise InputError("train.device is 'cuda' but no CUDA device is visible; use auto or cpu")
+    return torch.device(name)
+
+
+def prepare_tokenizer(cfg: RunConfig):
+    """(tokenizer, the tokenizer as loaded, number of tokens added). The one as loaded is
+    what token stores were made with; a LLaDA / Dream folder's mask id is adopted; a mask
+    or EOS token is added when missing (refused under LoRA: the embeddings are frozen)."""
+    tokenizer = build_tokenizer(cfg.data)
+    as_loaded = copy.deepcopy(tokenizer)
+    if cfg.model.pretrained is not None:
+        folder_mask = folder_mask_token_id(cfg.model.pretrained)
+        if folder_mask is not None:
+            adopt_mask_token(tokenizer, folder_mask, f"model.pretrained {cfg.model.pretrained!r}")
+    added = ensure_special_tokens(tokenizer)
+    if added and cfg.model.lora:
+        raise InputError(
+            "the tokenizer has no mask (or EOS) token and one cannot be added under "
+            "model.lora: true (the embeddings are frozen); use a tokenizer that has one"
+        )
+    return tokenizer, as_loaded, added
+
+
+def build_train_model(cfg: RunConfig, tokenizer, added_tokens: int, device: torch.device,
+                      mesh) -> torch.nn.Module:  # fmt: skip
+    """The model on its device, in torchtitan's order: vocabulary resize, 4-bit base,
+    activation checkpointing, per-block compile, LoRA, then FSDP2 over the mesh (None: one
+    process)."""
+    t = cfg.train
+    model = build_model(cfg.model)
+    if added_tokens or model.config.vocab_size < len(tokenizer):
+        model.resize_token_embeddings(max(len(tokenizer), model.config.vocab_size))
+    if cfg.model.load_in_4bit:  # QLoRA: frozen NF4 base, quantized onto the device
+        compute = torch.bfloat16 if t.bf16 else torch.float32
+        quantize_4bit(model, lora_targets(cfg.model, model), device, compute)
+    model.gradient_checkpointing = t.gradient_checkpointing
+    if t.torch_compile:
+        compile_blocks(decoder_layers(model))
+    if cfg.model.lora:  # peft wrapper: base frozen, LoRA factors train (AdamW)
+        model = apply_lora(model, cfg.model)
+    model.to(device)
+    if mesh is not None:
+        apply_fsdp(model, mesh, decoder_layers(model), bf16=t.bf16,
+                   reshard_after_forward=t.reshard_after_forward)  # fmt: skip
+    return model
