@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import losses, read_metrics
+from faults import NonFiniteAt, skipping_reference
 from safetensors.torch import load_file
 
 from unmask.checkpoint import list_checkpoints
@@ -114,56 +115,17 @@ def test_signal_saves_a_checkpoint_and_the_resumed_run_is_the_same(tiny_config, 
     assert _same_weights(run, tmp_path / "ref")
 
 
-class _NonFiniteAt:
-    """The objective, with a NaN loss at the given steps (the trainer's step counter); with
-    once=True only the first time a step is computed (a rollback computes it again)."""
-
-    def __init__(self, trainer: Trainer, steps: set[int], once: bool = False):
-        self.trainer, self.inner, self.steps = trainer, trainer.objective, set(steps)
-        self.once = once
-        self.global_noise = self.inner.global_noise
-
-    def __call__(self, model, batch, generator=None):
-        loss_sum, count = self.inner(model, batch, generator)
-        step = self.trainer.step + 1  # the step being computed
-        if step in self.steps:
-            loss_sum = loss_sum * float("nan")
-            if self.once:
-                self.steps.discard(step)
-        return loss_sum, count
-
-    def with_noise(self, *args, **kwargs):
-        return self.inner.with_noise(*args, **kwargs)
-
-
-def _skipping_reference(trainer: Trainer, steps: set[int]) -> None:
-    """The oracle: a run whose optimizer and schedule do not move at `steps` (the batches
-    and the noise are drawn as usual)."""
-    real = trainer.train_step
-
-    def train_step(batches):
-        if trainer.step + 1 not in steps:
-            return real(batches)
-        trainer.optimizer.step = trainer.scheduler.step = lambda *args, **kwargs: None
-        try:
-            return real(batches)
-        finally:
-            del trainer.optimizer.step, trainer.scheduler.step
-
-    trainer.train_step = train_step
-
-
 def test_non_finite_steps_are_skipped_counted_and_equal_skipping_those_batches(
     tiny_config, tmp_path
 ):
     train = {"max_steps": 8, "save_steps": 100, "eval_steps": 0, "logging_steps": 1}
     bad = {3, 5}
     trainer = Trainer(load_config(tiny_config({"train": train})))
-    trainer.objective = _NonFiniteAt(trainer, bad)
+    trainer.objective = NonFiniteAt(trainer, bad)
     trainer.train()
     ref = Trainer(load_config(tiny_config({"train": {**train, "output_dir": str(
         tmp_path / "ref")}}, "ref.yaml")))  # fmt: skip
-    _skipping_reference(ref, bad)
+    skipping_reference(ref, bad)
     ref.train()
     assert _same_weights(tmp_path / "run", tmp_path / "ref")
     records = read_metrics(tmp_path / "run")
@@ -175,7 +137,7 @@ def test_non_finite_steps_are_skipped_counted_and_equal_skipping_those_batches(
 def test_persistent_non_finite_loss_stops_naming_the_last_checkpoint(tiny_config, tmp_path):
     train = {"max_steps": 20, "save_steps": 2, "eval_steps": 0, "max_bad_steps": 3}
     trainer = Trainer(load_config(tiny_config({"train": train})))
-    trainer.objective = _NonFiniteAt(trainer, set(range(5, 21)))
+    trainer.objective = NonFiniteAt(trainer, set(range(5, 21)))
     with pytest.raises(RunStopped) as info:
         trainer.train()
     message = str(info.value)
@@ -189,7 +151,7 @@ def test_nan_rollback_goes_back_with_a_lower_learning_rate(tiny_config, tmp_path
     cfg = tiny_config({"train": train, "optim": {"lr_scheduler_type": "constant",
                                                  "warmup_steps": 0}})  # fmt: skip
     trainer = Trainer(load_config(cfg))
-    trainer.objective = _NonFiniteAt(trainer, {6, 7}, once=True)
+    trainer.objective = NonFiniteAt(trainer, {6, 7}, once=True)
     trainer.train()
     records = read_metrics(tmp_path / "run")
     lrs = [r["learning_rate"] for r in records if "loss" in r]
@@ -261,3 +223,43 @@ def test_keep_best_keeps_the_lowest_eval_loss_checkpoint(tiny_config, tmp_path):
     best = min(evals, key=evals.get)
     assert f"checkpoint-{best}" in states and len(states) <= 2
     assert os.listdir(run)  # sanity
+
+
+GUARD_WORKER = Path(__file__).parent / "dist_workers" / "guard_worker.py"
+
+
+@pytest.mark.slow
+def test_non_finite_on_one_rank_every_rank_skips_rolls_back_or_stops(tiny_config, tmp_path):
+    """2 gloo ranks, rank 1's loss NaN: both ranks skip the same steps (bit-equal to a
+    2-rank run whose optimizer stands still there), roll back together, or stop together
+    with the same message, without a hang."""
+    train = {"max_steps": 8, "save_steps": 2, "eval_steps": 0, "logging_steps": 1,
+             "split_batches": True, "fsdp2": True}  # fmt: skip
+    specs = []
+    for name, mode, steps, extra in [
+        ("skipped", "nan", "3,5", {}),
+        ("oracle", "skip", "3,5", {}),
+        ("stopped", "nan", "5,6,7,8", {"max_bad_steps": 3}),
+        ("rolled", "nan-once", "5,6", {"max_bad_steps": 2, "nan_rollback": True}),
+    ]:
+        cfg = tiny_config({"train": {**train, **extra, "output_dir": str(tmp_path / name)}},
+                          f"{name}.yaml")  # fmt: skip
+        specs.append(f"{cfg}:{mode}:1:{steps}")
+    results_path = tmp_path / "results.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(GUARD_WORKER), str(results_path), *specs]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(results_path.read_text())
+    assert results["skipped"]["rc"] == 0 and results["oracle"]["rc"] == 0
+    assert _same_weights(tmp_path / "skipped", tmp_path / "oracle")
+    records = read_metrics(tmp_path / "skipped")
+    assert [r["step"] for r in records if "skipped_in_a_row" in r] == [3, 5]
+    stopped = results["stopped"]
+    assert stopped["rc"] == 1 and stopped["step"] == 7
+    assert "steps 5-7 had a non-finite loss" in stopped["message"]
+    assert "checkpoint-4" in stopped["message"]
+    rolled = results["rolled"]
+    assert rolled["rc"] == 0 and rolled["step"] == 8 and (tmp_path / "rolled" / "final").is_dir()
+    steps = [r["step"] for r in read_metrics(tmp_path / "rolled") if "loss" in r]
+    assert steps == [1, 2, 3, 4, 5, 6, 7, 8]
