@@ -1,4 +1,5 @@
-"""The command line: `unmask train | generate | eval | export | preprocess`. The only module that reads argv.
+"""The command line: `unmask train | generate | eval | export | preprocess | plot | runs`.
+The only module that reads argv.
 
 Bad input (an InputError from anywhere) becomes one line on stderr and exit code 2.
 Each command imports what it needs inside its function (start-up time: `unmask generate`
@@ -146,6 +147,26 @@ def cmd_preprocess(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plot(ns: argparse.Namespace) -> int:
+    from unmask.train.plots import plot_runs
+
+    for line in plot_runs(ns.run_dirs, ns.out):
+        print(line)
+    return 0
+
+
+def cmd_runs(ns: argparse.Namespace) -> int:
+    from unmask.train.report import find_runs, run_info, runs_table
+
+    found = find_runs(ns.folder)
+    if not found:
+        print(f"no run directories in {ns.folder} (a run directory holds metrics.jsonl, "
+              "config.yaml or checkpoint-N/)")  # fmt: skip
+        return 0
+    print(runs_table([run_info(path) for path in found]))
+    return 0
+
+
 SAMPLING_GROUP = "sampling options (default: the model folder's generation_config.json)"
 
 
@@ -256,6 +277,25 @@ def build_parser() -> argparse.ArgumentParser:
                      help="a bad jsonl line or record: stop, or skip and count it")  # fmt: skip
     pre.add_argument("--overwrite", action="store_true", help="replace an existing store")
     pre.set_defaults(func=cmd_preprocess)
+
+    plot = sub.add_parser(
+        "plot",
+        help="PNG curves of runs: loss, learning rate, grad norm, tokens/s, skipped steps",
+        description="One PNG per quantity of metrics.jsonl, the runs overlaid (docs/operations.md).",
+    )
+    plot.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories to draw")
+    plot.add_argument("--out", metavar="DIR", help="folder for the PNGs (default: RUN_DIR/plots "
+                      "of the first run)")  # fmt: skip
+    plot.set_defaults(func=cmd_plot)
+
+    runs = sub.add_parser(
+        "runs",
+        help="list run directories: status, last loss and eval loss, newest checkpoint",
+        description="Status rules (finished, stopped at step N, crashed): docs/operations.md.",
+    )
+    runs.add_argument("folder", nargs="?", default="runs", metavar="FOLDER",
+                      help="folder holding run directories (default: runs)")  # fmt: skip
+    runs.set_defaults(func=cmd_runs)
     return parser
 
 
