@@ -37,14 +37,14 @@ def record(step, loss, **extra):
 
 def make_run(path, records, max_steps=6, checkpoints=(), final=False, lines=None):
     """A run directory as the trainer leaves it: config.yaml, metrics.jsonl (records, or raw
-    lines), checkpoint-N/trainer_state.json and optionally final/config.json."""
+    lines), checkpoint-N/manifest.json and optionally final/config.json."""
     path.mkdir(parents=True)
     (path / "config.yaml").write_text(yaml.safe_dump({"train": {"max_steps": max_steps}}))
     text = "".join(json.dumps(r) + "\n" for r in records) if lines is None else lines
     (path / "metrics.jsonl").write_text(text)
     for step in checkpoints:
         (path / f"checkpoint-{step}").mkdir()
-        (path / f"checkpoint-{step}" / "trainer_state.json").write_text(json.dumps({"step": step}))
+        (path / f"checkpoint-{step}" / "manifest.json").write_text(json.dumps({"files": {}}))
     if final:
         (path / "final").mkdir()
         (path / "final" / "config.json").write_text("{}")
@@ -306,11 +306,11 @@ def test_plot_runs_bad_input_writes_nothing(tmp_path, monkeypatch, case):
         assert str(err.value) == MISSING_MATPLOTLIB
 
 
-def test_non_finite_values_and_bad_steps(tmp_path):
-    rows = [record(s, 2.0 / s, bad_steps=int(s >= 3)) for s in range(1, 6)]
+def test_non_finite_values_and_skipped_steps(tmp_path):
+    rows = [record(s, 2.0 / s, skipped_steps=int(s >= 3)) for s in range(1, 6)]
     rows[2]["loss"] = float("nan")  # json writes NaN, which json reads back
     run = make_run(tmp_path / "run", rows)
     figures, _ = build_figures(load_runs([run]))
     assert figures["loss"].axes[0].get_yscale() == "linear"  # 2.0 -> 0.4, NaN ignored
-    assert legend_texts(figures["skipped_steps"].axes[0]) == ["run (bad_steps)"]
+    assert legend_texts(figures["skipped_steps"].axes[0]) == ["run"]
     assert "skipped (non-finite) steps: 1" in run_summary(run)

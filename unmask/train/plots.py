@@ -128,15 +128,11 @@ def _draw(ax, quantity: Quantity, run: Run, color: str) -> list[float]:
     """One run's curves on ax; returns the values drawn."""
     drawn = []
     if quantity.name == "skipped_steps":
-        styles = dict(zip(SKIP_KEYS, ("-", "--")))
-        for key in quantity.keys:
-            steps, values = series(run.records, key)
-            if values:
-                label = run.label if key == SKIP_KEYS[0] else f"{run.label} ({key})"
-                ax.step(steps, values, where="post", color=color, linestyle=styles[key],
-                        marker="." if len(values) < 50 else None, label=label)  # fmt: skip
-                drawn += values
-        return drawn
+        steps, values = series(run.records, SKIP_KEYS[0])
+        if values:
+            ax.step(steps, values, where="post", color=color,
+                    marker="." if len(values) < 50 else None, label=run.label)  # fmt: skip
+        return values
     steps, values = series(run.records, quantity.keys[0])
     marker = "." if len(values) == 1 else None  # a single point shows only as a marker
     ax.plot(steps, values, color=color, linewidth=1.4, marker=marker, label=run.label)

@@ -3,9 +3,9 @@
 
 A run directory (train.output_dir) holds config.yaml, metrics.jsonl (one JSON object per
 logging step: `step`, `loss`, `learning_rate`, `tokens_per_second`, `tokens_seen`, and when
-logged `grad_norm`, `eval_loss`, `heldout_exact_match`, `skipped_steps` / `bad_steps`,
+logged `grad_norm`, `eval_loss`, `heldout_exact_match`, `skipped_steps`,
 `elapsed_seconds`; unknown keys are ignored), checkpoint-N/ folders (complete once they
-hold trainer_state.json) and, once the run is done, final/.
+hold manifest.json) and, once the run is done, final/.
 
 Status of a run (`run_info`), decided from the files alone, in this order:
   - `finished`: final/ holds a model and the last logged step is the planned total
@@ -29,14 +29,13 @@ import yaml
 
 from unmask.checkpoint import list_checkpoints
 from unmask.errors import InputError
-from unmask.train.metrics import format_duration
+from unmask.train.metrics import METRICS_FILE, format_duration
 
-METRICS_FILE = "metrics.jsonl"
 CONFIG_FILE = "config.yaml"
 FINAL_DIR = "final"
 EVAL_RESULTS = "eval_results.json"
 PLOTS_DIR = "plots"  # `unmask plot`'s default output: not the run's own writing
-SKIP_KEYS = ("skipped_steps", "bad_steps")  # counts of non-finite steps skipped
+SKIP_KEYS = ("skipped_steps",)  # the running count of non-finite steps skipped
 NUMBER_KEYS = ("loss", "eval_loss", "learning_rate", "tokens_per_second", "tokens_seen",
                "grad_norm", "heldout_exact_match", "elapsed_seconds", *SKIP_KEYS)  # fmt: skip
 _MODEL_FILES = ("config.json", "adapter_config.json")  # final/: an HF folder or an adapter
@@ -130,7 +129,7 @@ def last_value(records: list[dict], key: str):
 
 
 def skipped_total(records: list[dict]) -> int:
-    """Non-finite steps skipped: the largest logged `skipped_steps` / `bad_steps` count
+    """Non-finite steps skipped: the largest logged `skipped_steps` count
     (the counts are running totals, like tokens_seen); 0 when never logged."""
     counts = [v for key in SKIP_KEYS for v in series(records, key)[1] if math.isfinite(v)]
     return int(max(counts, default=0))

@@ -50,6 +50,7 @@ from unmask.train.metrics import (
     truncate_metrics,
 )
 from unmask.train.plan import make_plan
+from unmask.train.report import run_summary
 from unmask.train.run_dir import prepare_output_dir, room_for_checkpoint
 from unmask.train.setup import build_train_model, prepare_tokenizer, resolve_device
 from unmask.train.signals import StopSignals
@@ -327,8 +328,12 @@ class Trainer:
                         self._stop(stop, logger, saved)
                         return last
             self.model = self.checkpointer.save_final(self.model, cfg.model)
+            prompt = "..."
             if cfg.eval.generate_accuracy:
-                last["heldout_exact_match"] = self._heldout_accuracy(logger)
+                last["heldout_exact_match"], prompt = self._heldout_accuracy(logger)
+            if self.dist.is_main:  # steps, tokens, time, losses, checkpoints, what next
+                logger.print(run_summary(self.output_dir, prompt=prompt,
+                                         wall_seconds=time.perf_counter() - started))  # fmt: skip
         finally:
             logger.close()
             self.logger = None
@@ -388,7 +393,9 @@ class Trainer:
             "train.resume_from_checkpoint=true"
         )
 
-    def _heldout_accuracy(self, logger: MetricsLogger) -> float:
+    def _heldout_accuracy(self, logger: MetricsLogger) -> tuple[float, str]:
+        """Exact match of greedy answers to held-out prompts; and one prompt, for the
+        end-of-run summary's `unmask generate` line."""
         examples = heldout_examples(self.cfg.data)
         started = time.perf_counter()
         accuracy, rows = heldout_accuracy(
@@ -411,7 +418,7 @@ class Trainer:
         if self.dist.is_main:
             (self.output_dir / "eval_results.json").write_text(json.dumps(result, indent=2))
         logger.log(self.step, {"heldout_exact_match": accuracy})
-        return accuracy
+        return accuracy, (rows[0][0] if rows else "...")
 
     def _summary(self) -> str:
         n_params = sum(p.numel() for p in self.model.parameters())
