@@ -1,6 +1,7 @@
 """Every recipe trains: each objective/family for 50 CPU steps with eval loss falling >= 20%,
-the LMMs-Engine seed config through every entry point, the Transformer Lab Dream config, and
-the seed-schema errors (one line, exit code 2)."""
+LMMs-Engine's real DLLM example configs (their key sets, tests/seed_examples.py) with the
+start-up line of keys that have no effect, the LMMs-Engine seed config through every entry
+point, the Transformer Lab Dream config, and the seed-schema errors (one line, exit code 2)."""
 
 import json
 import shutil
@@ -10,12 +11,14 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import read_metrics
+from seed_examples import EXAMPLES, NO_EFFECT_PREFIX, no_effect_keys, write_docs, write_example
 
 from unmask.cli import main
 from unmask.config import load_config
 from unmask.train.trainer import Trainer
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "configs" / "examples"
+CONFIG_EXAMPLES = Path(__file__).resolve().parents[2] / "configs" / "examples"
 
 RECIPES = {
     "mdlm": {"diffusion": {"objective": "mdlm", "t_sampling": "antithetic"}},
@@ -64,20 +67,10 @@ def test_each_objective_trains_50_steps(tiny_config, name):
             assert defaults.block_length == expected["block_length"]
 
 
-def _write_docs(folder: Path, n=200):
-    folder.mkdir(parents=True)
-    words = "the quick brown fox jumps over a lazy dog while seven wise owls watch".split()
-    with open(folder / "part-0.jsonl", "w") as f:
-        for i in range(n):
-            text = " ".join(words[(i * 3 + j) % len(words)] for j in range(12))
-            f.write(json.dumps({"text": text}) + "\n")
-
-
 @pytest.fixture
 def lmms_config(tmp_path):
-    data = tmp_path / "data" / "fineweb_edu_sample"
-    _write_docs(data)
-    tree = yaml.safe_load((EXAMPLES / "lmms_engine_dllm.yaml").read_text())
+    data = write_docs(tmp_path / "data" / "fineweb_edu_sample")
+    tree = yaml.safe_load((CONFIG_EXAMPLES / "lmms_engine_dllm.yaml").read_text())
     tree["dataset_config"]["dataset_path"] = str(data)
     path = tmp_path / "dllm_train_muon_single_gpu.yaml"
     path.write_text(yaml.safe_dump(tree))
@@ -115,7 +108,7 @@ def test_lmms_engine_seed_config_runs_through_every_entry_point(lmms_config, tmp
 
 @pytest.mark.slow
 def test_transformer_lab_dream_config_runs(tmp_path):
-    tree = yaml.safe_load((EXAMPLES / "transformer_lab_dream.yaml").read_text())
+    tree = yaml.safe_load((CONFIG_EXAMPLES / "transformer_lab_dream.yaml").read_text())
     tree["train"]["output_dir"] = str(tmp_path / "run")
     tree["train_steps"] = 12  # the example's 50 steps are covered by dream_cart above
     path = tmp_path / "tl.yaml"
@@ -137,36 +130,61 @@ def _run(argv, capsys):
     return code, capsys.readouterr().err.strip().splitlines()
 
 
+@pytest.mark.parametrize("name", list(EXAMPLES))
+def test_real_lmms_engine_examples_run_as_they_are(name, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    code, out = main(["train", str(write_example(name, tmp_path))]), capsys.readouterr()
+    assert code == 0, out.err[-2000:]
+    lines = [line for line in out.out.splitlines() if line.startswith(NO_EFFECT_PREFIX)]
+    assert len(lines) == 1 and sorted(no_effect_keys(lines[0])) == sorted(EXAMPLES[name].no_effect)
+    assert [r["step"] for r in read_metrics(tmp_path / "run") if "loss" in r][-1] == 3
+    assert (tmp_path / "run" / "final" / "model.safetensors").is_file()
+    assert (tmp_path / "run" / "tensorboard").is_dir()  # report_to
+
+
+def _set(path: str, value):
+    """A change to an example's tree: set trainer argument or section key `path`."""
+
+    def change(tree):
+        node = tree[0]["config"] if isinstance(tree, list) else tree
+        *parents, key = path.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[key] = value
+
+    return change
+
+
 @pytest.mark.parametrize(
-    "change, message",
+    "name, change, message",
     [
-        ({"trainer_args": {"use_moun": True}}, "'trainer_args.use_moun' is not supported"),
-        ({"dataset_config": {"shuffle_buffer": 10}}, "'dataset_config.shuffle_buffer'"),
-        ({"trainer_type": "sft_trainer"}, "trainer_type: sft_trainer"),
-        (
-            {"model_config": {"load_from_config": {"config": {"rope_scaling": {}}}}},
-            "'model_config.load_from_config.config.rope_scaling' is not supported",
-        ),
+        ("dllm_train_muon_single_gpu", _set("trainer_args.sp_ulysses_degree", 2),
+         "'trainer_args.sp_ulysses_degree: 2' is not supported: Ulysses sequence (context) "
+         "parallelism does not exist in unmask yet"),
+        ("dllm_train_muon_multi_gpu_fsdp2", _set("sp_ulysses_degree", 4),
+         "'trainer_args.sp_ulysses_degree: 4' is not supported"),
+        ("dllm_train_adam_multi_gpu_deepspeed", _set("trainer_args.fp16", True),
+         "unmask's only mixed precision is bfloat16; set bf16: true"),
+        ("dllm_train_example", _set("label_smoothing_factor", 0.1),
+         "'trainer_args.label_smoothing_factor' is not supported by unmask"),
+        ("dllm_train_muon_single_gpu", _set("dataset_config.extra_kwargs.collator_type", "default"),
+         "unmask trains masked diffusion only (collator_type: dllm)"),
+        ("dllm_train_example", _set("dataset_config.processor_config.processor_name", "Qwen/Q"),
+         "'Qwen/Q' is not a local folder; unmask loads tokenizers from local folders only"),
+        ("dllm_train_muon_single_gpu", _set("trainer_type", "sft_trainer"),
+         "trainer_type: sft_trainer"),
+        ("dllm_train_muon_single_gpu",
+         _set("model_config.load_from_config.config.rope_scaling", {}),
+         "'model_config.load_from_config.config.rope_scaling' is not supported"),
     ],
-)
-def test_unsupported_seed_fields_are_one_line_exit_2(
-    lmms_config, tmp_path, capsys, change, message
+)  # fmt: skip
+def test_refused_seed_keys_are_one_line_exit_2_nothing_written(
+    tmp_path, capsys, name, change, message
 ):
-    tree = yaml.safe_load(lmms_config.read_text())
-    for key, value in change.items():
-        if isinstance(value, dict):
-            for k, v in value.items():
-                if isinstance(v, dict) and isinstance(tree[key].get(k), dict):
-                    tree[key][k] = {**tree[key][k], **v}
-                else:
-                    tree[key][k] = v
-        else:
-            tree[key] = value
-    path = tmp_path / "bad.yaml"
-    path.write_text(yaml.safe_dump(tree))
-    code, err = _run(["train", str(path)], capsys)
+    code, err = _run(["train", str(write_example(name, tmp_path, change))], capsys)
     assert code == 2 and len(err) == 1, err
     assert message in err[0]
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.parametrize(
@@ -186,225 +204,6 @@ def test_transformer_lab_errors_are_one_line_exit_2(tiny_config, tmp_path, capsy
     assert code == 2 and len(err) == 1, err
     assert message in err[0]
     assert not (tmp_path / "run").exists()
-
-
-def test_lora_trains_only_adapters_and_saves_a_peft_adapter(tiny_config, tmp_path):
-    peft = pytest.importorskip("peft")
-    import torch
-
-    from unmask.models import build_model, from_pretrained
-    from unmask.models.lora import save_lora
-
-    extra = {
-        "model": {"lora": True, "lora_r": 4, "lora_alpha": 8},
-        "train": {"max_steps": 4, "save_steps": 0, "eval_steps": 0},
-        "optim": {"name": "muon", "learning_rate": 1e-2},
-    }
-    cfg = load_config(tiny_config(extra))
-    trainer = Trainer(cfg)
-    params = dict(trainer.model.named_parameters())
-    before = {n: p.detach().clone() for n, p in params.items()}
-    trainable = {n for n, p in params.items() if p.requires_grad}
-    assert trainable and all("lora_" in n for n in trainable)
-    assert not trainer.optimizer.routing.muon  # LoRA factors always go to AdamW
-    trainer.train()
-    changed = {n for n, p in params.items() if not torch.equal(p.detach(), before[n])}
-    assert changed == trainable  # every factor moved, no base weight did
-    ids = torch.randint(4, 100, (2, 20), generator=torch.Generator().manual_seed(0))
-    # the adapter loads with peft's own loader on a fresh base model: identical logits
-    torch.manual_seed(cfg.train.seed)
-    base = build_model(cfg.model.model_copy(update={"lora": False}))
-    loaded = peft.PeftModel.from_pretrained(base, str(tmp_path / "run" / "adaptor")).eval()
-    model = trainer.model.eval()
-    with torch.no_grad():
-        reference = model(ids)
-        assert torch.equal(loaded(ids), reference)
-    # merged export on request: a plain HF folder with the same logits
-    merged_cfg = cfg.model.model_copy(update={"lora_merge": True})
-    save_lora(model, tmp_path / "out", tmp_path / "out" / "final", merged_cfg)
-    exported = from_pretrained(tmp_path / "out" / "final").eval()
-    with torch.no_grad():
-        assert (exported(ids) - reference).abs().max().item() < 1e-5
-
-
-def test_lora_4bit_without_cuda_is_one_line_exit_2(tiny_config, tmp_path, capsys):
-    import torch
-
-    if torch.cuda.is_available():
-        pytest.skip("CUDA present")
-    extra = {"model": {"load_in_4bit": True, "lora": True}}
-    code, err = _run(["train", str(tiny_config(extra))], capsys)
-    assert code == 2 and len(err) == 1
-    assert "load_in_4bit: true needs a CUDA GPU and the bitsandbytes package" in err[0]
-    assert "(training device here: cpu)" in err[0]
-    assert not (tmp_path / "run").exists()
-
-
-@pytest.mark.parametrize(
-    "model, message",
-    [
-        ({}, "trains LoRA adapters on a frozen 4-bit base; set model.lora: true"),
-        ({"lora": True, "lora_merge": True}, "lora_merge: true cannot merge into 4-bit weights"),
-        ({"lora": True, "model_type": "bert"}, "is for the decoder families, not 'bert'"),
-    ],
-)
-def test_4bit_requests_that_cannot_run_are_one_line(
-    tiny_config, tmp_path, capsys, monkeypatch, model, message
-):
-    import unmask.models.quant as quant
-
-    monkeypatch.setattr(quant, "cuda_ready", lambda device: True)  # as on a CUDA machine
-    extra = {"model": {"load_in_4bit": True, **model}}
-    code, err = _run(["train", str(tiny_config(extra))], capsys)
-    assert code == 2 and len(err) == 1, err
-    assert message in err[0]
-    assert not (tmp_path / "run").exists()
-
-
-def test_qlora_trains_adapters_on_a_4bit_base(tiny_config, tmp_path, monkeypatch):
-    """The whole 4-bit path through the trainer, on bitsandbytes' CPU backend: only the
-    device check is told it is on a CUDA machine."""
-    peft = pytest.importorskip("peft")
-    bnb = pytest.importorskip("bitsandbytes")
-    import torch
-
-    import unmask.models.quant as quant
-    from unmask.models import build_model
-
-    monkeypatch.setattr(quant, "cuda_ready", lambda device: True)
-    model = {"load_in_4bit": True, "lora": True, "lora_r": 4, "lora_alpha": 8}
-    extra = {
-        "model": {**model, "hidden_size": 64, "intermediate_size": 128},
-        "train": {"max_steps": 30, "save_steps": 15, "eval_steps": 15, "eval_max_batches": 2},
-        "optim": {"learning_rate": 1e-2},
-    }
-    cfg = load_config(tiny_config(extra))
-    trainer = Trainer(cfg)
-    layers = [m for m in trainer.model.modules() if isinstance(m, bnb.nn.Linear4bit)]
-    cpu_reference_path(layers)
-    assert len(layers) == 7 * 2  # q k v o gate up down in both blocks
-    assert all(m.weight.dtype == torch.uint8 and m.weight.bnb_quantized for m in layers)
-    params = dict(trainer.model.named_parameters())
-    trainable = {n for n, p in params.items() if p.requires_grad}
-    assert trainable and all("lora_" in n for n in trainable)
-    # the 4-bit base computes what the full-precision model does, up to NF4 rounding
-    torch.manual_seed(cfg.train.seed)
-    full = build_model(cfg.model.model_copy(update={"lora": False, "load_in_4bit": False}))
-    ids = torch.randint(4, 100, (2, 20), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad(), trainer.model.disable_adapter():
-        reference = full(ids)
-        error = (trainer.model(ids) - reference).norm() / reference.norm()
-    assert error.item() < 0.2
-    before = {n: p.detach().clone() for n, p in params.items()}
-    first = trainer.evaluate()
-    last = trainer.train()["eval_loss"]
-    assert last < 0.9 * first  # rank-4 adapters on a random base: a modest fall
-    changed = {n for n, p in params.items() if not torch.equal(p.detach(), before[n])}
-    assert changed == trainable
-    # the adapter (peft format) loads with peft onto a freshly quantized base: same logits
-    torch.manual_seed(cfg.train.seed)
-    base = build_model(cfg.model.model_copy(update={"lora": False}))
-    quant.quantize_4bit(base, list(quant_targets()), "cpu", torch.float32)
-    cpu_reference_path([m for m in base.modules() if isinstance(m, bnb.nn.Linear4bit)])
-    loaded = peft.PeftModel.from_pretrained(base, str(tmp_path / "run" / "adaptor")).eval()
-    with torch.no_grad():
-        assert torch.equal(loaded(ids), trainer.model.eval()(ids))
-
-
-def cpu_reference_path(layers) -> None:
-    """bitsandbytes >= 0.50 repacks a 4-bit layer for CPU inference on its first eval-mode
-    forward where the CPU has AVX512-BF16, rounding the block scales to bfloat16 (and the
-    inverse repacking on save is best-effort), so a layer that went through eval and back
-    computes slightly other numbers than a freshly quantized one. That path exists only on
-    bitsandbytes' CPU backend (the 4-bit training path is CUDA): keep both models on the
-    plain dequantizing path so the comparison below is exact."""
-    for layer in layers:
-        layer.support_avx512bf16_for_cpu = False
-
-
-def quant_targets():
-    from unmask.models.lora import NATIVE_LINEAR
-
-    return NATIVE_LINEAR
-
-
-def test_tokenizer_without_mask_under_lora_is_one_line_exit_2(tiny_config, tmp_path, capsys):
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<eos>": 0, "<unk>": 1, **{c: i + 2 for i, c in enumerate("0123456789+=")}}
-    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    core.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
-    tok = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<eos>", unk_token="<unk>")
-    tok.save_pretrained(str(tmp_path / "tok"))
-    extra = {"data": {"tokenizer": str(tmp_path / "tok")}, "model": {"lora": True}}
-    code, err = _run(["train", str(tiny_config(extra))], capsys)
-    assert code == 2 and len(err) == 1, err
-    assert "no mask (or EOS) token and one cannot be added under model.lora: true" in err[0]
-    assert not (tmp_path / "run").exists()
-
-
-def test_lora_run_resumes_with_the_same_losses(tiny_config, tmp_path):
-    pytest.importorskip("peft")
-    from conftest import losses
-
-    lora = {"lora": True, "lora_r": 4, "lora_alpha": 8}  # lora_dropout 0.05: RNG restored
-    cfg = load_config(
-        tiny_config(
-            {"model": lora, "train": {"max_steps": 6, "save_steps": 3}, "optim": {"name": "muon"}}
-        )
-    )
-    Trainer(cfg).train()
-    full = losses(tmp_path / "run")
-    stopped = tmp_path / "stopped"
-    stopped.mkdir()
-    shutil.copytree(tmp_path / "run" / "checkpoint-3", stopped / "checkpoint-3")
-    assert (stopped / "checkpoint-3" / "adapter_model.safetensors").is_file()
-    resume = {"output_dir": str(stopped), "resume_from_checkpoint": True}
-    cfg2 = load_config(
-        tiny_config(
-            {
-                "model": lora,
-                "train": {"max_steps": 6, "save_steps": 3, **resume},
-                "optim": {"name": "muon"},
-            },
-            name="resume.yaml",
-        )
-    )
-    trainer = Trainer(cfg2)
-    assert trainer.step == 3
-    trainer.train()
-    resumed = losses(stopped)
-    assert sorted(resumed) == [4, 5, 6]
-    assert all(resumed[step] == full[step] for step in (4, 5, 6))  # exactly, on CPU
-    name = "adaptor/adapter_model.safetensors"
-    assert (tmp_path / "run" / name).read_bytes() == (stopped / name).read_bytes()
-
-
-def test_lora_resume_on_other_base_weights_or_without_lora_is_one_line(
-    tiny_config, tmp_path, capsys
-):
-    pytest.importorskip("peft")
-    lora = {"lora": True, "lora_r": 4, "lora_alpha": 8}
-    run = {"max_steps": 2, "save_steps": 2}
-    Trainer(load_config(tiny_config({"model": lora, "train": run}))).train()
-    (tmp_path / "run" / "final").rename(tmp_path / "kept-final")  # a run dir without final/
-    before = sorted(p.name for p in (tmp_path / "run").iterdir())
-    config_before = (tmp_path / "run" / "config.yaml").read_text()
-    resume = {**run, "max_steps": 4, "resume_from_checkpoint": True}
-    other_seed = {"model": lora, "train": {**resume, "seed": 7}}
-    code, err = _run(["train", str(tiny_config(other_seed, name="b.yaml"))], capsys)
-    assert code == 2 and len(err) == 1, err
-    assert "was trained on other base weights than this config's model" in err[0]
-    code, err = _run(["train", str(tiny_config({"train": resume}, name="c.yaml"))], capsys)
-    assert code == 2 and len(err) == 1, err
-    assert "it was written by a LoRA run: set model.lora: true" in err[0]
-    other_rank = {"model": {**lora, "lora_r": 8}, "train": resume}
-    code, err = _run(["train", str(tiny_config(other_rank, name="d.yaml"))], capsys)
-    assert code == 2 and len(err) == 1, err
-    assert "was written with other settings (lora_r: 4 -> 8)" in err[0]
-    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == before  # nothing lost
-    assert (tmp_path / "run" / "config.yaml").read_text() == config_before
 
 
 def test_mask_token_id_comes_from_the_model_folders_config(tiny_config, tmp_path, capsys):

@@ -2,7 +2,7 @@
 
 Each component owns its section class (models.ModelConfig, data.DataConfig, ...; the
 training loop's is config/train.py); this module composes them, translates seed schemas
-(compat.py), applies `section.key=value` overrides and turns validation errors into one
+(compat/), applies `section.key=value` overrides and turns validation errors into one
 line that names the key and the nearest valid one.
 """
 
@@ -11,9 +11,9 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
-from unmask.config.compat import translate
+from unmask.config.compat import sections_to_tree, translate
 from unmask.config.train import TrainConfig
 from unmask.data.config import DataConfig
 from unmask.diffusion.config import DiffusionConfig
@@ -42,6 +42,14 @@ class RunConfig(BaseModel):
     """The training loop, logging and checkpoints."""
     eval: EvalConfig = Field(default_factory=EvalConfig)
     """Generation-based evaluation after training."""
+
+    _notices: list[str] = PrivateAttr(default_factory=list)
+
+    @property
+    def notices(self) -> list[str]:
+        """Lines about the config file itself that the trainer prints once at start-up (a
+        seed config's keys accepted with no effect, and what unmask does instead)."""
+        return self._notices
 
 
 def _model_at(model: type[BaseModel], path: tuple) -> type[BaseModel] | None:
@@ -107,6 +115,9 @@ def read_yaml(path: str | Path) -> dict:
         raise InputError(f"config file {str(path)!r} is not valid YAML{where}") from None
     if data is None:
         return {}
+    if isinstance(data, list) and data and all(isinstance(e, dict) for e in data):
+        # LMMs-Engine's list of sections (- type: trainer)
+        return sections_to_tree(data, repr(str(path)))
     if not isinstance(data, dict):
         raise InputError(f"config file {str(path)!r} must hold a mapping of sections")
     return data
@@ -121,14 +132,18 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     tree = read_yaml(path) if path is not None else yaml.safe_load(quickstart_yaml())
     for text in overrides or []:
         apply_override(tree, *parse_override(text))
-    return validate_tree(translate(tree))  # seed schemas (LMMs-Engine, Transformer Lab)
+    translated = translate(tree)  # seed schemas (LMMs-Engine, Transformer Lab)
+    return validate_tree(translated.tree, translated.notices)
 
 
-def validate_tree(tree: dict) -> RunConfig:
+def validate_tree(tree: dict, notices: list[str] | tuple = ()) -> RunConfig:
+    """The RunConfig of unmask's own tree; `notices` become its start-up lines."""
     try:
-        return RunConfig.model_validate(tree)
+        cfg = RunConfig.model_validate(tree)
     except ValidationError as err:
         raise InputError(describe_validation_error(err, "config key", _suggest)) from None
+    cfg._notices = list(notices)
+    return cfg
 
 
 def dump_config(cfg: RunConfig) -> str:

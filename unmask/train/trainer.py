@@ -78,7 +78,8 @@ class Trainer:
         check_4bit(cfg.model, self.device, self.dist.world_size)
         self.tokenizer, saved_tokenizer, added_tokens = prepare_tokenizer(cfg)
         data = build_datasets(cfg.data, self.tokenizer, saved_tokenizer)
-        self.train_rows, self.eval_rows, self.notices = data.train, data.eval, data.notices
+        self.train_rows, self.eval_rows = data.train, data.eval
+        self.notices = [*cfg.notices, *data.notices]  # the config file's, then the data's
         self.num_rows = None if isinstance(data.train, StreamSpec) else len(data.train)
         self.plan = make_plan(cfg, self.num_rows, batch_ranks)
         self.output_dir = Path(t.output_dir)
