@@ -3,9 +3,11 @@ config, and srun-style processes that only have SLURM's variables (no torchrun).
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -84,3 +86,75 @@ def test_srun_style_processes_with_slurm_variables_only(tmp_path, reference):
     errors = [p.communicate(timeout=300)[1] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], errors[0][-2000:] + errors[1][-2000:]
     assert_two_rank_run(tmp_path / "run", reference)
+
+
+def _fake_slurm(tmp_path: Path) -> dict:
+    """srun and scontrol stand-ins on PATH (srun runs its command on this machine, scontrol
+    names this host and records a requeue) and the variables SLURM sets in a batch job."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text('#!/bin/sh\nshift\nexec "$@"\n')  # drops --kill-on-bad-exit
+    (bin_dir / "scontrol").write_text(
+        '#!/bin/sh\nif [ "$1" = show ]; then echo localhost; '
+        f'else echo "$@" >> {tmp_path / "requeued"}; fi\n'
+    )
+    for tool in ("srun", "scontrol"):
+        (bin_dir / tool).chmod(0o755)
+    venv_bin = str(Path(sys.executable).parent)  # torchrun and python next to this one
+    path = os.pathsep.join([str(bin_dir), venv_bin, os.environ.get("PATH", "")])
+    return {**os.environ, "PATH": path, "SLURM_JOB_ID": "4242", "SLURM_NNODES": "1",
+            "SLURM_JOB_NODELIST": "localhost", "SLURM_GPUS_ON_NODE": "2",
+            "MASTER_PORT": str(free_port())}  # fmt: skip
+
+
+def _descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(parent, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        found += kids
+        todo += kids
+    return found
+
+
+def test_slurm_batch_script_finishes_or_requeues_after_usr1(tmp_path):
+    """configs/distributed/slurm.sbatch with srun/scontrol stand-ins: a run that finishes
+    is not requeued; one that gets SLURM's SIGUSR1 stops at a checkpoint and requeues."""
+    script = REPO / "configs" / "distributed" / "slurm.sbatch"
+    env = _fake_slurm(tmp_path)
+    cfg = write_config(tmp_path)
+    proc = subprocess.run(["bash", str(script), str(cfg)], capture_output=True, text=True,
+                          timeout=300, env=env, cwd=tmp_path)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"unmask: {tmp_path / 'run'} finished" in proc.stdout
+    assert not (tmp_path / "requeued").exists()
+
+    long = ["train.output_dir=" + str(tmp_path / "long"), "train.max_steps=5000",
+            "train.save_steps=0", "train.eval_steps=0"]  # fmt: skip
+    job = subprocess.Popen(["bash", str(script), str(cfg), *long], stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)  # fmt: skip
+    try:
+        metrics = tmp_path / "long" / "metrics.jsonl"
+        while not metrics.is_file() or len(metrics.read_text().splitlines()) < 3:
+            assert job.poll() is None, job.stderr.read()[-3000:]
+            time.sleep(0.2)
+        for pid in _descendants(job.pid):  # srun -> torchrun: SLURM signals the job step
+            if b"torchrun" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                os.kill(pid, signal.SIGUSR1)
+        stdout, stderr = job.communicate(timeout=120)
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait()
+    assert job.returncode == 0, stderr[-3000:]
+    (checkpoint,) = list_checkpoints(tmp_path / "long")
+    assert "requeueing job 4242" in stdout and "stopped by SIGUSR1" in stdout
+    assert (tmp_path / "requeued").read_text().split() == ["requeue", "4242"]
+    assert not (tmp_path / "long" / "final").exists() and checkpoint.name != "checkpoint-5000"
