@@ -1,7 +1,8 @@
 """The command line: `unmask train | generate | eval | export | preprocess | plot | runs`.
 The only module that reads argv.
 
-Bad input (an InputError from anywhere) becomes one line on stderr and exit code 2.
+Bad input (an InputError from anywhere, or a bad command line) becomes one line on stderr
+and exit code 2; `--debug` also prints the traceback.
 Each command imports what it needs inside its function (start-up time: `unmask generate`
 does not load the trainer, `unmask train` not lm-eval); the layering needs none of it.
 """
@@ -9,12 +10,36 @@ does not load the trainer, `unmask train` not lm-eval); the layering needs none 
 import argparse
 import json
 import sys
+import traceback
 import types
 from pathlib import Path
 from typing import Literal, get_args, get_origin
 
 from unmask.errors import InputError, RunStopped
 from unmask.sampling.config import SamplingConfig
+
+
+class UsageError(Exception):
+    """A command line argparse refuses; main turns it into one line and exit code 2."""
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, but a bad command line is one line naming the --help to read, not the
+    usage block followed by a SystemExit."""
+
+    def error(self, message: str):
+        raise UsageError(f"{message}; see `{self.prog} --help`")
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: a whole number >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1 (got {text!r})")
+    return value
 
 
 def _split_train_args(args: list[str], config_flag: str | None) -> tuple[str | None, list[str]]:
@@ -56,6 +81,8 @@ def cmd_generate(ns: argparse.Namespace) -> int:
         prompts += _read_prompts(Path(ns.prompts))
     if not prompts:
         raise InputError("no prompts; give --prompt TEXT (repeatable) or --prompts FILE.jsonl")
+    if ns.out:
+        _check_out_file(Path(ns.out))
     sm = load_for_sampling(ns.model, ns.tokenizer, ns.device, ns.mask_id)
     config = resolve_sampling(sm.saved, sampling_flags(ns))
     generator = (
@@ -76,18 +103,39 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _check_out_file(path: Path) -> None:
+    """--out can be written once the samples are done (checked before the model loads)."""
+    if path.is_dir():
+        raise InputError(f"--out {str(path)!r} is a folder; give the path of a jsonl file")
+    if not path.parent.is_dir():
+        raise InputError(f"--out {str(path)!r}: folder {str(path.parent)!r} does not exist")
+
+
+def _read_text(path: Path, flag: str) -> str:
+    """A UTF-8 text file given as `flag`; anything else is an InputError naming it."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise InputError(
+            f"{flag} {str(path)!r} is not UTF-8 text ({err.reason} at byte {err.start}); "
+            "give a text file"
+        ) from None
+
+
 def _read_prompts(path: Path) -> list[str]:
     """Prompts from a jsonl file: one {"prompt": ...} object (or JSON string) per line."""
     if not path.is_file():
         raise InputError(f"--prompts {str(path)!r} does not exist; give a jsonl file")
     prompts = []
-    for number, line in enumerate(path.read_text().splitlines(), 1):
+    for number, line in enumerate(_read_text(path, "--prompts").splitlines(), 1):
         if not line.strip():
             continue
         try:
             item = json.loads(line)
         except json.JSONDecodeError as err:
-            raise InputError(f"{path}:{number}: not JSON ({err})") from None
+            raise InputError(
+                f'{path}:{number}: not JSON ({err}); write one {{"prompt": "..."}} per line'
+            ) from None
         text = item.get("prompt") if isinstance(item, dict) else item
         if not isinstance(text, str):
             raise InputError(f'{path}:{number}: expected {{"prompt": "..."}} or a JSON string')
@@ -105,6 +153,7 @@ def cmd_eval(ns: argparse.Namespace) -> int:
     path = Path(ns.ppl)
     if not path.is_file():
         raise InputError(f"--ppl {ns.ppl!r} does not exist; give a text file")
+    text = _read_text(path, "--ppl")
     sm = load_for_sampling(ns.model, ns.tokenizer, ns.device, ns.mask_id)
     config = resolve_sampling(sm.saved)
     if config.block_causal:
@@ -112,9 +161,9 @@ def cmd_eval(ns: argparse.Namespace) -> int:
             "--ppl: likelihoods of block-causal (bd3lm) models are not implemented yet "
             "(the MC estimator is the bidirectional one)"
         )
-    ids = sm.tokenizer(path.read_text(), add_special_tokens=False)["input_ids"]
+    ids = sm.tokenizer(text, add_special_tokens=False)["input_ids"]
     if not ids:
-        raise InputError(f"--ppl {ns.ppl!r} holds no tokens")
+        raise InputError(f"--ppl {ns.ppl!r} holds no tokens; give a file with text to score")
     bound = perplexity_bound(
         sm.model, ids, mask_id=sm.mask_id, context=ns.context, mc_num=ns.mc_num,
         batch_size=ns.batch_size, generator=torch.Generator().manual_seed(ns.seed),
@@ -204,9 +253,8 @@ def sampling_flags(ns: argparse.Namespace) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="unmask", description="Train and sample masked-diffusion language models."
-    )
+    parser = Parser(prog="unmask", description="Train and sample masked-diffusion language models.")
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
     sub = parser.add_subparsers(dest="command", required=True)
 
     train = sub.add_parser(
@@ -230,7 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--show-delay", type=float, default=0.05, help="seconds per frame")
     gen.add_argument("--tokenizer", help="tokenizer folder (default: the model folder)")
     add_sampling_flags(gen)
-    gen.add_argument("--batch-size", type=int, default=16, help="prompts decoded together")
+    gen.add_argument("--batch-size", type=positive_int, default=16, help="prompts decoded together")
     gen.add_argument("--mask-id", type=int, help="mask token id (default: the tokenizer's)")
     gen.add_argument("--device", default="cpu", help="cpu or cuda")
     gen.add_argument("--seed", type=int, help="seed for temperature > 0")
@@ -242,9 +290,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ev.add_argument("--ppl", required=True, help="text file to score")
     ev.add_argument("--tokenizer", help="tokenizer folder (default: the model folder)")
-    ev.add_argument("--context", type=int, default=512, help="tokens per scored chunk")
-    ev.add_argument("--mc-num", type=int, default=32, help="Monte Carlo samples per chunk")
-    ev.add_argument("--batch-size", type=int, default=16, help="samples per forward pass")
+    ev.add_argument("--context", type=positive_int, default=512, help="tokens per scored chunk")
+    ev.add_argument("--mc-num", type=positive_int, default=32, help="Monte Carlo samples per chunk")
+    ev.add_argument("--batch-size", type=positive_int, default=16, help="samples per forward pass")
     ev.add_argument("--mask-id", type=int, help="mask token id (default: the tokenizer's)")
     ev.add_argument("--device", default="cpu", help="cpu or cuda")
     ev.add_argument("--seed", type=int, default=0, help="seed of the masking draws")
@@ -296,19 +344,33 @@ def build_parser() -> argparse.ArgumentParser:
     runs.add_argument("folder", nargs="?", default="runs", metavar="FOLDER",
                       help="folder holding run directories (default: runs)")  # fmt: skip
     runs.set_defaults(func=cmd_runs)
+    for command in sub.choices.values():  # `unmask CMD ... --debug` works too
+        command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                             help="show the traceback of an error")  # fmt: skip
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    ns = parser.parse_args(argv)
+    try:
+        ns, extra = parser.parse_known_args(argv)
+        if extra:  # named with the subcommand whose --help lists what it takes
+            raise UsageError(f"unrecognized arguments: {' '.join(extra)}; see "
+                             f"`unmask {ns.command} --help`")  # fmt: skip
+    except UsageError as exc:
+        print(f"unmask: error: {exc}", file=sys.stderr)
+        return 2
     ns.command_line = ["unmask", *(sys.argv[1:] if argv is None else argv)]
     try:
         return ns.func(ns)
     except InputError as exc:
+        if ns.debug:
+            traceback.print_exc()
         print(f"unmask: error: {exc}", file=sys.stderr)
         return 2
     except RunStopped as exc:
+        if ns.debug:
+            traceback.print_exc()
         print(f"unmask: stopped: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

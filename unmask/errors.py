@@ -38,8 +38,16 @@ def describe_validation_error(
     dotted = ".".join(loc)
     if first["type"] == "extra_forbidden":
         return f"unknown {what} '{dotted}'" + (hint(loc) if hint else "")
+    message = first["msg"].removeprefix("Value error, ")  # our validators' own words
+    bound = next(iter(first.get("ctx", {}).values()), None)
+    if first["type"] in _BOUNDS and isinstance(bound, int | float):
+        message = f"must be {_BOUNDS[first['type']]} {bound:g}"  # Field(ge=1): "must be >= 1"
     if not dotted:
-        return f"bad {what}s: {first['msg']}"
+        return f"bad {what}s: {message}"
     got = first.get("input")
     shown = "" if isinstance(got, dict) else f" (got {got!r})"
-    return f"bad value for {what} '{dotted}': {first['msg']}{shown}"
+    return f"bad value for {what} '{dotted}': {message}{shown}"
+
+
+_BOUNDS = {"greater_than_equal": ">=", "greater_than": ">", "less_than_equal": "<=",
+           "less_than": "<"}  # fmt: skip

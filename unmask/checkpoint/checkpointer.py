@@ -15,13 +15,13 @@ as the newest complete one.
 
 import json
 import os
+import pickle
 import warnings
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from safetensors.torch import load_file
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -29,13 +29,16 @@ from unmask.checkpoint.layout import (
     CONFIG_FILE,
     DCP_DIR,
     STATE_FILE,
+    damaged,
     is_distributed_checkpoint,
     list_checkpoints,
     publish,
+    read_trainer_state,
     temporary_folder,
 )
 from unmask.errors import InputError
 from unmask.models import ModelConfig, build_empty, hf_config_dict
+from unmask.models.hf import read_safetensors, shape_mismatch
 from unmask.models.lora import ADAPTER_FILE, load_adapter, save_lora
 from unmask.parallel.fsdp import full_model_state
 
@@ -134,14 +137,18 @@ class Checkpointer:
         """Restore model, optimizer and scheduler in place from checkpoint `path` (either
         kind, at any world size); returns (trainer_state, rng_state)."""
         path = Path(path)
-        if is_distributed_checkpoint(path):
+        sharded = is_distributed_checkpoint(path)
+        for name in (SCHEDULER_FILE, RNG_FILE) + (() if sharded else (OPTIMIZER_FILE,)):
+            if not (path / name).is_file():  # every piece is there before any is loaded
+                raise damaged(path, f"{name} is missing")
+        trainer_state = read_trainer_state(path)
+        if sharded:
             _load_sharded(path, model, optimizer)
         else:
             _load_model(path, model)
-            optimizer.load_state_dict(torch.load(path / OPTIMIZER_FILE, weights_only=True))
-        scheduler.load_state_dict(torch.load(path / SCHEDULER_FILE, weights_only=True))
-        rng_state = torch.load(path / RNG_FILE, weights_only=True)
-        trainer_state = json.loads((path / STATE_FILE).read_text())
+            _load_into(path, OPTIMIZER_FILE, optimizer, "optim")
+        _load_into(path, SCHEDULER_FILE, scheduler, "optim.lr_scheduler_type")
+        rng_state = _torch_load(path, RNG_FILE)
         return trainer_state, rng_state
 
     def save_final(self, model: nn.Module, model_cfg: ModelConfig | None = None) -> nn.Module:
@@ -194,7 +201,16 @@ def _load_model(path: Path, model: nn.Module) -> None:
             + ("; it was written by a LoRA run: set model.lora: true" if lora else "")
             + "; resume with the config it was written with"
         )
-    weights = load_file(str(path / "model.safetensors"))
+    weights = read_safetensors(
+        path / "model.safetensors",
+        "resume from an older one (train.resume_from_checkpoint=true picks the newest intact one)",
+    )
+    wrong = shape_mismatch(model, weights)
+    if wrong:
+        raise InputError(
+            f"checkpoint {str(path)!r} does not match the model in the config ({wrong}); "
+            "resume with the config it was written with"
+        )
     missing, unexpected = model.load_state_dict(weights, strict=False)
     allowed_missing = {"lm_head.weight"} if model.config.tie_word_embeddings else set()
     if set(missing) - allowed_missing or unexpected:
@@ -203,6 +219,28 @@ def _load_model(path: Path, model: nn.Module) -> None:
             f"(missing {sorted(set(missing) - allowed_missing)[:3]}, unexpected "
             f"{sorted(unexpected)[:3]}); resume with the config it was written with"
         )
+
+
+def _torch_load(path: Path, name: str):
+    """One torch file of checkpoint `path` (weights_only); a damaged one is an InputError."""
+    try:
+        return torch.load(path / name, weights_only=True)
+    except (RuntimeError, EOFError, OSError, ValueError, pickle.UnpicklingError) as err:
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0].split(". ")[0]
+        raise damaged(path, f"{name} cannot be read: {first}") from None
+
+
+def _load_into(path: Path, name: str, target, section: str) -> None:
+    """target.load_state_dict from checkpoint file `name`; a state of another shape (another
+    optimizer or schedule than the config's `section`) is an InputError."""
+    try:
+        target.load_state_dict(_torch_load(path, name))
+    except (ValueError, KeyError, RuntimeError, TypeError) as err:
+        first = (str(err).strip().splitlines() or [""])[0] or type(err).__name__
+        raise InputError(
+            f"checkpoint {str(path)!r}: {name} does not match {section} in the config "
+            f"({first}); resume with the config it was written with"
+        ) from None
 
 
 def _load_sharded(path: Path, model: nn.Module, optimizer) -> None:

@@ -7,7 +7,6 @@ as they are), model.safetensors, the tokenizer files and generation_config.json 
 and the lm-eval adapter load it as it is.
 """
 
-import json
 import shutil
 from pathlib import Path
 from typing import Any
@@ -16,7 +15,6 @@ import torch
 
 from unmask.checkpoint.checkpointer import dcp_load
 from unmask.checkpoint.layout import (
-    CONFIG_FILE,
     DCP_DIR,
     is_distributed_checkpoint,
     resolve_model_folder,
@@ -24,6 +22,7 @@ from unmask.checkpoint.layout import (
 from unmask.data.tokenizer import load_local_tokenizer
 from unmask.errors import InputError
 from unmask.models import DiffusionTransformer, build_empty, config_from_hf, from_pretrained
+from unmask.models.hf import read_config
 from unmask.sampling.config import GENERATION_FILE, generation_config_text, saved_sampling
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -46,11 +45,13 @@ def export_model(
     if not source.is_dir():
         raise InputError(f"checkpoint {str(source)!r} is not a folder; give a checkpoint-N folder")
     out = Path(out)
-    if out.exists() and any(out.iterdir()):
-        if not overwrite:
-            raise InputError(f"--out {str(out)!r} is not empty; pick a new folder or --overwrite")
-        shutil.rmtree(out)
+    if out.exists() and not out.is_dir():
+        raise InputError(f"--out {str(out)!r} is a file; give the path of a new folder")
+    replace = out.exists() and any(out.iterdir())
+    if replace and not overwrite:
+        raise InputError(f"--out {str(out)!r} is not empty; pick a new folder or --overwrite")
     folder = source if is_distributed_checkpoint(source) else resolve_model_folder(source)
+    read_config(folder)  # a broken config.json is named as such, before the tokenizer reads it
     fix = "checkpoints written by unmask train hold one; copy its tokenizer files there"
     tokenizer = load_local_tokenizer(str(folder), "checkpoint", fix)
     own = saved_sampling(folder)  # the checkpoint's own options (from training)
@@ -60,6 +61,8 @@ def export_model(
     else:
         model = from_pretrained(folder)
     model = model.to(DTYPES[dtype])
+    if replace:  # only now: a source that cannot be read leaves --out as it was
+        shutil.rmtree(out)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(out))
     tokenizer.save_pretrained(str(out))
@@ -72,7 +75,7 @@ def gather_distributed_checkpoint(path: Path) -> DiffusionTransformer:
     path = Path(path)
     if not is_distributed_checkpoint(path):
         raise InputError(f"{str(path)!r} is not a sharded (DCP) unmask checkpoint")
-    model = build_empty(config_from_hf(json.loads((path / CONFIG_FILE).read_text())))
+    model = build_empty(config_from_hf(read_config(path)))
     state = {"model": model.state_dict()}
     dcp_load(state, path / DCP_DIR)
     model.load_state_dict(state["model"])

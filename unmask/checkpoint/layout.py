@@ -102,6 +102,27 @@ def remove_temporaries(output_dir: Path) -> list[str]:
     return sorted(removed)
 
 
+def damaged(path: Path, problem: str) -> InputError:
+    """The error for a checkpoint that cannot be resumed from, and what to do instead."""
+    return InputError(
+        f"checkpoint {str(path)!r} is damaged ({problem}); resume from an older one "
+        "(train.resume_from_checkpoint=true picks the newest intact one)"
+    )
+
+
+def read_trainer_state(path: Path) -> dict:
+    """checkpoint-N/trainer_state.json; a missing or unreadable one is an InputError."""
+    try:
+        state = json.loads((Path(path) / STATE_FILE).read_text())
+    except FileNotFoundError:
+        raise damaged(path, f"{STATE_FILE} is missing") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise damaged(path, f"{STATE_FILE} is not valid JSON: {err}") from None
+    if not isinstance(state, dict) or not isinstance(state.get("step"), int):
+        raise damaged(path, f"{STATE_FILE} holds no step count")
+    return state
+
+
 def is_distributed_checkpoint(path: Path) -> bool:
     """True for a checkpoint-N folder written by a multi-process run (DCP shards)."""
     return (Path(path) / DCP_DIR / ".metadata").is_file()
@@ -128,10 +149,7 @@ def resolve_resume(output_dir: Path, resume: bool | str | None) -> Path | None:
         )
     problem = verify(path)
     if problem is not None:
-        raise InputError(
-            f"checkpoint {str(path)!r} is damaged ({problem}); resume from an older one "
-            "(train.resume_from_checkpoint=true picks the newest intact one)"
-        )
+        raise damaged(path, problem)
     return path
 
 

@@ -10,6 +10,7 @@ from unmask.checkpoint.layout import resolve_model_folder
 from unmask.data.tokenizer import load_local_tokenizer
 from unmask.errors import InputError
 from unmask.models import folder_mask_token_id, from_pretrained
+from unmask.models.hf import read_config
 from unmask.sampling.config import saved_sampling
 from unmask.sampling.texts import SamplingModel
 
@@ -25,6 +26,7 @@ def load_for_sampling(
     tokenizer_path). The mask id: `mask_id`, else the folder's (`folder_mask_token_id`:
     config.json's, or its family's released id), else the tokenizer's."""
     folder = resolve_model_folder(model_path)
+    read_config(folder)  # a broken config.json is named as such, before the tokenizer reads it
     if tokenizer_path:
         tokenizer = load_local_tokenizer(str(tokenizer_path), "tokenizer")
     else:
@@ -40,6 +42,11 @@ def load_for_sampling(
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos_id or 0)
     model = from_pretrained(folder, dtype=dtype).to(device).eval()
     vocab = model.config.vocab_size
+    if len(tokenizer) > vocab:  # its top ids would index past the embedding
+        raise InputError(
+            f"the tokenizer has {len(tokenizer)} tokens, more than the {vocab} of the model in "
+            f"{str(folder)!r}; pass the tokenizer the model was trained with (--tokenizer)"
+        )
     if not 0 <= mask_id < vocab:
         raise InputError(
             f"mask token id {mask_id} is outside the vocabulary of the model in "

@@ -113,8 +113,12 @@ def read_yaml(path: str | Path) -> dict:
         line = getattr(getattr(exc, "problem_mark", None), "line", None)
         where = f" at line {line + 1}" if line is not None else ""
         raise InputError(f"config file {str(path)!r} is not valid YAML{where}") from None
-    if data is None:
-        return {}
+    if data is None:  # an empty file (or only comments) is a mistake, not the defaults
+        raise InputError(
+            f"config file {str(path)!r} is empty; write the run's sections into it (model:, "
+            "data:, train:, ...; see configs/), or run `unmask train` without a file for the "
+            "quickstart"
+        )
     if isinstance(data, list) and data and all(isinstance(e, dict) for e in data):
         # LMMs-Engine's list of sections (- type: trainer)
         return sections_to_tree(data, repr(str(path)))

@@ -27,26 +27,26 @@ class TrainConfig(BaseModel):
     """true: continue from the newest checkpoint in output_dir; a path: from that checkpoint."""
     max_steps: int = -1
     """Optimizer steps to run; -1 = derive from num_train_epochs."""
-    num_train_epochs: float = 1.0
+    num_train_epochs: float = Field(1.0, ge=0)
     """Passes over the training rows, used when max_steps is -1."""
-    per_device_train_batch_size: int = 8
+    per_device_train_batch_size: int = Field(8, ge=1)
     """Rows per micro-batch on each device."""
-    per_device_eval_batch_size: int = 32
+    per_device_eval_batch_size: int = Field(32, ge=1)
     """Rows per batch when computing the eval loss."""
     dataloader_num_workers: int = Field(0, ge=0)
     """Worker processes that read and build the next batches while the model trains (0 = in
     the training process). Each rank reads only its own rows either way."""
-    gradient_accumulation_steps: int = 1
+    gradient_accumulation_steps: int = Field(1, ge=1)
     """Micro-batches per optimizer step; the loss is normalized over all of them together."""
-    logging_steps: float = 10
+    logging_steps: float = Field(10, ge=0)
     """Log every N steps (float < 1 = fraction of max_steps)."""
-    eval_steps: float = 0
+    eval_steps: float = Field(0, ge=0)
     """Eval loss every N steps (float < 1 = fraction of max_steps); 0 = only at the end."""
-    eval_max_batches: int | None = 8
+    eval_max_batches: int | None = Field(8, ge=1)
     """Eval batches per evaluation (None = the whole eval split)."""
-    save_steps: float = 500
+    save_steps: float = Field(500, ge=0)
     """Checkpoint every N steps (float < 1 = fraction of max_steps); the last step is always saved."""
-    save_total_limit: int | None = None
+    save_total_limit: int | None = Field(None, ge=1)
     """Keep only the newest N checkpoints (None = keep all); the newest is never deleted."""
     keep_best: bool = False
     """With save_total_limit: also keep the checkpoint with the lowest eval loss."""
@@ -81,7 +81,7 @@ class TrainConfig(BaseModel):
     """Hide the live progress bar (log lines are still printed)."""
     fsdp2: bool = True
     """With several processes: shard params, grads and optimizer state with FSDP2 (false = replicate them on every rank: dp_replicate = world size)."""
-    dp_replicate: int = 1
+    dp_replicate: int = Field(1, ge=1)
     """Replica groups of the device mesh (HSDP when both dp_replicate and dp_shard > 1)."""
     dp_shard: int = -1
     """Ranks each parameter is sharded over; -1 = world size / dp_replicate."""
@@ -91,7 +91,7 @@ class TrainConfig(BaseModel):
     """per_device_train_batch_size is the global batch, split over the processes (it must divide by the world size)."""
     accelerator_config: AcceleratorConfig | None = None
     """Seed spelling (HF/LMMs-Engine): accelerator_config.split_batches sets split_batches."""
-    ddp_timeout: int = 1800
+    ddp_timeout: int = Field(1800, ge=1)
     """Seconds a collective may wait for a peer before the run stops with an error."""
 
     @model_validator(mode="after")
@@ -100,6 +100,20 @@ class TrainConfig(BaseModel):
         if accelerator is not None and accelerator.split_batches is not None:
             self.split_batches = accelerator.split_batches
         return self
+
+    @field_validator("max_steps")
+    @classmethod
+    def _max_steps(cls, value: int) -> int:
+        if value < 1 and value != -1:
+            raise ValueError("must be >= 1, or -1 to derive it from num_train_epochs")
+        return value
+
+    @field_validator("dp_shard")
+    @classmethod
+    def _dp_shard(cls, value: int) -> int:
+        if value < 1 and value != -1:
+            raise ValueError("must be >= 1, or -1 for world size / dp_replicate")
+        return value
 
     @field_validator("report_to", mode="before")
     @classmethod

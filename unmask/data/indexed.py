@@ -185,6 +185,11 @@ def check_output_prefix(prefix: str | Path, overwrite: bool) -> None:
             f"--output-prefix {str(prefix)!r} is a folder; give a file prefix inside it, "
             "e.g. FOLDER/corpus (writes corpus.bin, corpus.idx, corpus.json)"
         )
+    if folder.exists() and not folder.is_dir():
+        raise InputError(
+            f"--output-prefix {str(prefix)!r}: {str(folder)!r} is a file, not a folder; give "
+            "a prefix inside a folder"
+        )
     if not folder.is_dir():
         raise InputError(
             f"--output-prefix {str(prefix)!r}: folder {str(folder)!r} does not exist; create it"

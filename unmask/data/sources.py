@@ -8,6 +8,8 @@ to a temporary folder, never beside the user's data.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import tempfile
 from collections.abc import Iterable
 from pathlib import Path
@@ -97,8 +99,14 @@ def _read_folder(folder: Path, only: str | None) -> list[dict[str, Any]]:
 
 
 def _read_text(path: Path) -> list[dict[str, Any]]:
-    with open(path, encoding="utf-8") as f:
-        return [{"text": line.rstrip("\r\n")} for line in f if line.strip()]
+    try:
+        with open(path, encoding="utf-8") as f:
+            return [{"text": line.rstrip("\r\n")} for line in f if line.strip()]
+    except UnicodeDecodeError as exc:
+        raise InputError(
+            f"data: {str(path)!r} is not UTF-8 text ({exc.reason} at byte {exc.start}); give a "
+            "text file, or the prefix of a token store (PREFIX.bin + PREFIX.idx)"
+        ) from None
 
 
 def _read_with_builder(path: Path, builder: str) -> list[dict[str, Any]]:
@@ -107,7 +115,7 @@ def _read_with_builder(path: Path, builder: str) -> list[dict[str, Any]]:
 
     if path.stat().st_size == 0:
         return []
-    with tempfile.TemporaryDirectory(prefix="unmask-datasets-") as cache:
+    with tempfile.TemporaryDirectory(prefix="unmask-datasets-") as cache, _quiet_datasets():
         try:
             ds = datasets.load_dataset(
                 builder,
@@ -117,10 +125,30 @@ def _read_with_builder(path: Path, builder: str) -> list[dict[str, Any]]:
                 keep_in_memory=True,
             )
         except Exception as exc:  # datasets raises many types for a malformed file
+            form = "one JSON object per line" if builder == "json" else "a parquet file"
+            problem = _bad_json_line(path) if path.suffix == ".jsonl" else None
             raise InputError(
-                f"data: cannot read {str(path)!r} as {builder}: {_first_line(exc)}"
+                f"data: cannot read {str(path)!r} as {builder}: "
+                f"{problem or _first_line(_root(exc))}; give {form}, or set data.dataset_format"
             ) from exc
         return ds.to_list()
+
+
+@contextlib.contextmanager
+def _quiet_datasets():
+    """No progress bar and no log lines from `datasets` while it reads a local file: a file
+    it cannot parse becomes our one-line error, not its log record and traceback."""
+    from datasets.utils import logging
+
+    verbosity, bars = logging.get_verbosity(), logging.is_progress_bar_enabled()
+    logging.set_verbosity(logging.CRITICAL)
+    logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        logging.set_verbosity(verbosity)
+        if bars:
+            logging.enable_progress_bar()
 
 
 def _read_saved_dataset(path: Path) -> list[dict[str, Any]]:
@@ -171,6 +199,32 @@ def to_record(
         )
     text = row[text_field]
     return {"text": str(text)} if text is not None and str(text) != "" else None
+
+
+def _bad_json_line(path: Path) -> str | None:
+    """'line N ...' for the first line of a jsonl file that is not a JSON object (read only
+    after `datasets` failed on the file, to say where)."""
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, 1):
+            if not raw.strip():
+                continue
+            try:
+                row = json.loads(raw.decode("utf-8"))
+            except UnicodeDecodeError as exc:
+                return f"line {number} is not UTF-8 text ({exc.reason})"
+            except json.JSONDecodeError as exc:
+                return f"line {number} is not valid JSON ({exc.msg} at column {exc.colno})"
+            if not isinstance(row, dict):
+                return f"line {number} is not a JSON object"
+    return None
+
+
+def _root(exc: BaseException) -> BaseException:
+    """The innermost exception of a chain (datasets wraps the parser's own, which says
+    which row or byte is wrong)."""
+    while (inner := exc.__cause__ or exc.__context__) is not None:
+        exc = inner
+    return exc
 
 
 def _first_line(exc: BaseException) -> str:

@@ -83,9 +83,12 @@ def load_local_tokenizer(
         tok = AutoTokenizer.from_pretrained(
             str(folder), local_files_only=True, trust_remote_code=False
         )
-    except (OSError, ValueError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise InputError(f"{setting}: cannot load {path!r}: {first}") from exc
+    except Exception as exc:  # transformers and tokenizers raise many types for a bad file
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        if not isinstance(exc, OSError | ValueError) or not first:
+            first = f"{type(exc).__name__} {first}".strip()
+        advice = fix or "save a tokenizer there with tokenizer.save_pretrained(folder)"
+        raise InputError(f"{setting}: cannot load {path!r}: {first}; {advice}") from exc
     if not isinstance(tok, PreTrainedTokenizerFast):
         raise InputError(
             f"{setting}: {path!r} loads as a slow tokenizer ({type(tok).__name__}); "

@@ -10,7 +10,13 @@ saving), transformer (DiffusionTransformer), hf_wrapped (transformers encoders),
 """
 
 from unmask.models.attention import KVCache
-from unmask.models.build import MODEL_BUILDERS, build_empty, build_model, from_pretrained
+from unmask.models.build import (
+    MODEL_BUILDERS,
+    build_empty,
+    build_model,
+    from_pretrained,
+    max_positions,
+)
 from unmask.models.config import ModelConfig
 from unmask.models.families import (
     FAMILIES,
@@ -43,6 +49,7 @@ __all__ = [
     "folder_mask_token_id",
     "from_pretrained",
     "hf_config_dict",
+    "max_positions",
     "samples_with_logit_shift",
     "save_pretrained",
 ]

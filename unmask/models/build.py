@@ -14,7 +14,13 @@ from torch import nn
 
 from unmask.models.config import ModelConfig
 from unmask.models.families import FAMILIES
-from unmask.models.hf import config_from_hf, load_weights, read_config, read_state_dict
+from unmask.models.hf import (
+    check_weight_files,
+    config_from_hf,
+    load_weights,
+    read_config,
+    read_state_dict,
+)
 from unmask.models.hf_wrapped import build_encoder, is_encoder_folder, load_encoder
 from unmask.models.transformer import DiffusionTransformer
 
@@ -32,6 +38,20 @@ def build_model(cfg: ModelConfig) -> nn.Module:
             return load_encoder(cfg.pretrained)
         return from_pretrained(cfg.pretrained, attn_implementation=cfg.attn_implementation)
     return MODEL_BUILDERS[cfg.model_type](cfg)
+
+
+def max_positions(cfg: ModelConfig) -> int:
+    """The model's max_position_embeddings: cfg's, or its pretrained folder's, whose
+    config.json and weight files are checked on the way (cheaply: before anything is built)."""
+    if cfg.pretrained is None:
+        return cfg.max_position_embeddings
+    folder = Path(cfg.pretrained)
+    hf = read_config(folder)
+    if is_encoder_folder(folder):  # transformers reads its weights; positions are learned
+        return int(hf.get("max_position_embeddings", cfg.max_position_embeddings))
+    positions = config_from_hf(hf).max_position_embeddings
+    check_weight_files(folder)
+    return positions
 
 
 def build_empty(

@@ -22,34 +22,34 @@ class ModelConfig(BaseModel):
     switches and HF layout; `bert`, `modernbert`: transformers' masked-LM encoders built
     from the size fields here."""
 
-    vocab_size: int = 256
+    vocab_size: int = Field(256, ge=1)
     """Number of token ids (rows of the embedding and of the LM head)."""
 
-    hidden_size: int = 128
+    hidden_size: int = Field(128, ge=1)
     """Width of the residual stream (features per token)."""
 
-    intermediate_size: int = 384
+    intermediate_size: int = Field(384, ge=1)
     """Width of the SwiGLU MLP's hidden layer (features per token)."""
 
-    num_hidden_layers: int = 4
+    num_hidden_layers: int = Field(4, ge=1)
     """Number of decoder layers."""
 
-    num_attention_heads: int = 4
+    num_attention_heads: int = Field(4, ge=1)
     """Number of query heads per attention layer."""
 
-    num_key_value_heads: int = 2
+    num_key_value_heads: int = Field(2, ge=1)
     """Number of key/value heads (grouped-query attention); divides num_attention_heads."""
 
-    head_dim: int | None = None
+    head_dim: int | None = Field(None, ge=1)
     """Features per attention head; None means hidden_size // num_attention_heads."""
 
-    rms_norm_eps: float = 1e-6
+    rms_norm_eps: float = Field(1e-6, ge=0)
     """Epsilon added to the mean square inside every RMSNorm (unitless)."""
 
-    rope_theta: float = 1e6
+    rope_theta: float = Field(1e6, gt=0)
     """RoPE base: the wavelength scale of the rotary position embedding (in tokens)."""
 
-    max_position_embeddings: int = 4096
+    max_position_embeddings: int = Field(4096, ge=1)
     """Longest sequence (in tokens) the model is meant to see; written to config.json."""
 
     tie_word_embeddings: bool = False
@@ -65,7 +65,7 @@ class ModelConfig(BaseModel):
     """RMSNorm on each head's queries and keys before RoPE (Qwen3); false for Qwen2, Llama,
     LLaDA and Dream."""
 
-    initializer_range: float = 0.02
+    initializer_range: float = Field(0.02, ge=0)
     """Standard deviation of the normal init of linear and embedding weights."""
 
     attn_implementation: Literal["auto", "sdpa", "flex"] = "auto"

@@ -17,10 +17,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from pydantic import ValidationError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from unmask.errors import InputError
+from unmask.errors import InputError, describe_validation_error
 from unmask.models.config import ModelConfig
 from unmask.models.families import (
     DEFAULT_FAMILY,
@@ -144,8 +146,8 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     fields = _hf_fields(hf, family)
     try:
         return ModelConfig(model_type=family.name, **fields)
-    except ValueError as err:
-        raise InputError(f"config.json: {err}") from err
+    except ValidationError as err:
+        raise InputError(f"config.json: {describe_validation_error(err, 'key')}") from None
 
 
 # --- ModelConfig -> config.json ------------------------------------------------------------
@@ -257,7 +259,12 @@ def _weight_files(folder: Path) -> list[Path]:
         return [single]
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        try:
+            weight_map = json.loads(index.read_text()).get("weight_map", {})
+        except (json.JSONDecodeError, AttributeError):
+            raise InputError(
+                f"{str(index)!r} is not a weight index; copy the whole folder"
+            ) from None
         files = [folder / name for name in sorted(set(weight_map.values()))]
         missing = [str(f) for f in files if not f.is_file()]
         if missing or not files:
@@ -271,11 +278,35 @@ def _weight_files(folder: Path) -> list[Path]:
     )
 
 
+def read_safetensors(path: Path, fix: str = "copy or re-export the folder") -> dict:
+    """The tensors of one safetensors file; a truncated or foreign file is an InputError
+    naming it and `fix`."""
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError) as err:
+        raise InputError(
+            f"{str(path)!r} is damaged or not a safetensors file ({err}); {fix}"
+        ) from None
+
+
+def check_weight_files(folder: Path) -> None:
+    """Every weight file of the folder is there and whole (headers only: cheap)."""
+    for path in _weight_files(folder):
+        try:
+            with safe_open(str(path), "pt"):
+                pass
+        except (SafetensorError, OSError) as err:
+            raise InputError(
+                f"{str(path)!r} is damaged or not a safetensors file ({err}); copy or re-export "
+                "the folder"
+            ) from None
+
+
 def read_state_dict(folder: Path, family: str) -> dict[str, torch.Tensor]:
     """The folder's safetensors weights under native key names (family: its key map)."""
     state: dict[str, torch.Tensor] = {}
     for path in _weight_files(folder):
-        state.update(load_file(str(path)))
+        state.update(read_safetensors(path))
     if FAMILIES[family].key_map:
         state = from_folder_keys(state, family)
     if not any(key.startswith("model.") for key in state):  # a bare Qwen3Model checkpoint
@@ -297,7 +328,20 @@ def load_weights(model: nn.Module, state: dict[str, torch.Tensor], folder: Path)
             f"weights in {str(folder)!r} do not match config.json: missing {missing[:4]}, "
             f"unexpected {unexpected[:4]} (is it a Qwen3 checkpoint with this config?)"
         )
+    wrong = shape_mismatch(model, state)
+    if wrong:
+        raise InputError(f"weights in {str(folder)!r} do not match config.json: {wrong}")
     model.load_state_dict(state, strict=True)
+
+
+def shape_mismatch(model: nn.Module, state: dict[str, torch.Tensor]) -> str:
+    """'' when every tensor of `state` that the model has fits it, else the first that does
+    not, as 'NAME is (A, B) there, (C, D) in the model'."""
+    own = model.state_dict()
+    for name, tensor in state.items():
+        if name in own and tuple(own[name].shape) != tuple(tensor.shape):
+            return f"{name} is {tuple(tensor.shape)} there, {tuple(own[name].shape)} in the model"
+    return ""
 
 
 def folder_mask_token_id(folder: str | Path) -> int | None:

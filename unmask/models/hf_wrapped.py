@@ -6,7 +6,6 @@ and the trainer treat both alike. The wrapper registers the transformers model's
 under their own names, so its state dict (and checkpoints) use the HF keys unchanged.
 """
 
-import json
 from pathlib import Path
 
 import torch
@@ -17,6 +16,7 @@ from unmask.diffusion.loss import IGNORE_INDEX
 from unmask.errors import InputError
 from unmask.models.config import ModelConfig
 from unmask.models.families import FAMILIES, family_for_hf_type
+from unmask.models.hf import read_config
 
 
 def _hf_config(cfg: ModelConfig):
@@ -124,10 +124,9 @@ def build_encoder(cfg: ModelConfig) -> MaskedLMEncoder:
 
 def is_encoder_folder(folder: str | Path) -> bool:
     """True when folder's config.json names an encoder family's model_type."""
-    path = Path(folder) / "config.json"
-    if not path.is_file():
+    if not (Path(folder) / "config.json").is_file():
         return False
-    family = family_for_hf_type(json.loads(path.read_text()).get("model_type"))
+    family = family_for_hf_type(read_config(Path(folder)).get("model_type"))
     return family is not None and not family.native
 
 

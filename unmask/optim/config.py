@@ -73,7 +73,7 @@ class OptimConfig(BaseModel):
     @classmethod
     def _warmup_steps(cls, v: float) -> float:
         if v < 0 or (v >= 1 and v != int(v)):
-            raise ValueError(f"must be a whole step count or a ratio in [0, 1), got {v}")
+            raise ValueError("must be a whole step count or a ratio in [0, 1)")
         return v
 
     @field_validator("muon_include", "muon_exclude")

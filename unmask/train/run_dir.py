@@ -9,6 +9,7 @@ that were killed.
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -28,6 +29,7 @@ def prepare_output_dir(out: Path, cfg: RunConfig) -> tuple[Path | None, list[str
     t = cfg.train
     if out.exists() and not out.is_dir():
         raise InputError(f"output_dir {str(out)!r} is a file; choose a folder path")
+    check_writable(out)
     notices = []
     resume = resolve_resume(out, t.resume_from_checkpoint)
     if t.resume_from_checkpoint is True:
@@ -59,6 +61,23 @@ def prepare_output_dir(out: Path, cfg: RunConfig) -> tuple[Path | None, list[str
     if removed:
         notices.append(f"removed {len(removed)} unfinished save(s) of a stopped run: {removed}")
     return resume, notices
+
+
+def check_writable(out: Path) -> None:
+    """output_dir is, or can be made as, a folder this process may write into."""
+    folder = Path(out).absolute()
+    while not folder.exists():
+        folder = folder.parent
+    if not folder.is_dir():
+        raise InputError(
+            f"output_dir {str(out)!r} cannot be created: {str(folder)!r} is a file; choose "
+            "another output_dir"
+        )
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise InputError(
+            f"output_dir {str(out)!r}: no write permission in {str(folder)!r}; choose a folder "
+            "you can write to"
+        )
 
 
 def room_for_checkpoint(checkpointer, model, optimizer, on_disk_full: str, step: int) -> str:

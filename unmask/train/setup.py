@@ -9,10 +9,24 @@ import torch
 from unmask.config import RunConfig
 from unmask.data import adopt_mask_token, build_tokenizer, ensure_special_tokens
 from unmask.errors import InputError
-from unmask.models import build_model, decoder_layers, folder_mask_token_id
+from unmask.models import build_model, decoder_layers, folder_mask_token_id, max_positions
 from unmask.models.lora import apply_lora, lora_targets
 from unmask.models.quant import quantize_4bit
 from unmask.parallel.fsdp import apply_fsdp, compile_blocks
+
+
+def check_model_fits(cfg: RunConfig) -> None:
+    """Before anything is built: a pretrained folder reads (config.json, whole weight files)
+    and rows fit the model's positions."""
+    positions = max_positions(cfg.model)
+    length = cfg.data.packing_length
+    if length > positions:
+        fix = ("(the limit of model.pretrained's config.json)" if cfg.model.pretrained
+               else "or raise model.max_position_embeddings")  # fmt: skip
+        raise InputError(
+            f"data.packing_length ({length}) is above the model's max_position_embeddings "
+            f"({positions}); lower data.packing_length {fix}"
+        )
 
 
 def resolve_device(name: str) -> torch.device:

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import torch
 
-from unmask.checkpoint import STATE_FILE, Checkpointer
-from unmask.checkpoint.layout import newest_intact
+from unmask.checkpoint import Checkpointer
+from unmask.checkpoint.layout import newest_intact, read_trainer_state
 from unmask.config import RunConfig, dump_config
 from unmask.data import (
     build_datasets,
@@ -52,7 +52,12 @@ from unmask.train.metrics import (
 from unmask.train.plan import make_plan
 from unmask.train.report import run_summary
 from unmask.train.run_dir import prepare_output_dir, room_for_checkpoint
-from unmask.train.setup import build_train_model, prepare_tokenizer, resolve_device
+from unmask.train.setup import (
+    build_train_model,
+    check_model_fits,
+    prepare_tokenizer,
+    resolve_device,
+)
 from unmask.train.signals import StopSignals
 
 
@@ -64,6 +69,7 @@ class Trainer:
         t = cfg.train
         check_lora_request(cfg.model)
         check_trackers(t.report_to)
+        check_model_fits(cfg)
         env = launch_env()
         # rows per micro-batch on this rank; the global batch grows with the world size
         # unless split_batches (then per_device_train_batch_size is the global batch)
@@ -145,7 +151,7 @@ class Trainer:
         return {"torch": torch.get_rng_state(), "noise": self.noise.get_state()}
 
     def _restore(self, path: Path) -> None:
-        saved = json.loads((path / STATE_FILE).read_text())  # settings first, then tensors
+        saved = read_trainer_state(path)  # settings first, then tensors
         check_lora_settings(saved.get("lora"), self.cfg.model, path)
         state, rng = self.checkpointer.load(path, self.model, self.optimizer, self.scheduler)
         check_base_fingerprint(state.get("lora_base_fingerprint"), self.model, path)

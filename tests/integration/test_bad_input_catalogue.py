@@ -1,0 +1,545 @@
+"""The bad-input catalogue: every kind of bad input to every command, checked the same way.
+
+Each case builds its files under tmp_path and runs `unmask.cli.main`: exit code 2, at most
+three lines on stderr that name the problem (and the fix, where there is one), no
+traceback, and every file under tmp_path byte-for-byte as it was: no run directory, no
+checkpoint, no partial output.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from conftest import TINY, save_tiny_model
+
+from unmask.cli import main
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+BINARY = bytes(range(256)) * 8  # not UTF-8, not JSON
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A tiny run trained for one step: its checkpoint-1 and final/ are copied by cases."""
+    import yaml
+
+    root = tmp_path_factory.mktemp("trained")
+    tree = {**TINY, "train": {**TINY["train"], "max_steps": 1, "output_dir": str(root / "run")}}
+    (root / "run.yaml").write_text(yaml.safe_dump(tree))
+    assert main(["train", str(root / "run.yaml")]) == 0
+    return root / "run"
+
+
+@pytest.fixture(scope="module")
+def model_folder(tmp_path_factory):
+    return save_tiny_model(tmp_path_factory.mktemp("model") / "model")
+
+
+@dataclass
+class Ctx:
+    """What a case builds with: its tmp_path, the tiny config writer and saved folders."""
+
+    tmp: Path
+    config: object  # conftest.tiny_config: (extra dict, name) -> path
+    trained: Path
+    model_folder: Path
+
+    def train(self, extra: dict | None = None, *overrides: str) -> list[str]:
+        return ["train", str(self.config(extra)), *overrides]
+
+    def write(self, name: str, content: str | bytes) -> Path:
+        path = self.tmp / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if isinstance(content, bytes):
+            path.write_bytes(content)
+        else:
+            path.write_text(content)
+        return path
+
+    def checkpoint(self, manifest: bool = True) -> Path:
+        """A copy of the tiny run's checkpoint-1 (without its manifest: an old-style one)."""
+        path = self.tmp / "ckpt" / "checkpoint-1"
+        shutil.copytree(self.trained / "checkpoint-1", path)
+        if not manifest:
+            (path / "manifest.json").unlink()
+        return path
+
+    def resume(self, path: Path, extra: dict | None = None) -> list[str]:
+        return self.train(extra, f"train.resume_from_checkpoint={path}")
+
+    def model(self) -> Path:
+        path = self.tmp / "model"
+        shutil.copytree(self.model_folder, path)
+        return path
+
+
+def truncate(path: Path, keep: float = 0.5) -> Path:
+    data = path.read_bytes()
+    path.write_bytes(data[: int(len(data) * keep)])
+    return path
+
+
+def damaged(ctx: Ctx, name: str, manifest: bool, how: str) -> Path:
+    """The checkpoint copy with file `name` truncated, removed or overwritten with junk."""
+    path = ctx.checkpoint(manifest)
+    if how == "truncate":
+        truncate(path / name)
+    elif how == "remove":
+        (path / name).unlink()
+    else:
+        (path / name).write_text("{not json")
+    return path
+
+
+def case(name, build, *expect, skip=None):
+    marks = [pytest.mark.skipif(skip[0], reason=skip[1])] if skip else []
+    return pytest.param(build, expect, id=name, marks=marks)
+
+
+def over(*overrides: str):
+    """Build: the tiny config plus command-line overrides."""
+    return lambda ctx: ctx.train(None, *overrides)
+
+
+def with_config(extra: dict):
+    return lambda ctx: ctx.train(extra)
+
+
+def raw_config(text: str):
+    return lambda ctx: ["train", str(ctx.write("bad.yaml", text))]
+
+
+def data_file(name: str, content, **data):
+    return lambda ctx: ctx.train({"data": {"dataset": str(ctx.write(name, content)), **data}})
+
+
+def tokenizer_folder(files: dict):
+    def build(ctx):
+        for name, content in files.items():
+            ctx.write(f"tok/{name}", content)
+        (ctx.tmp / "tok").mkdir(exist_ok=True)
+        return ctx.train({"data": {"tokenizer": str(ctx.tmp / "tok")}})
+
+    return build
+
+
+def pretrained(damage):
+    def build(ctx):
+        folder = ctx.model()
+        damage(folder)
+        return ctx.train({"model": {"pretrained": str(folder)}})
+
+    return build
+
+
+def resume_damaged(name: str, how: str, manifest: bool = True):
+    return lambda ctx: ctx.resume(damaged(ctx, name, manifest, how))
+
+
+def generate(*flags: str, model=True):
+    return lambda ctx: ["generate", "--model", str(ctx.model() if model else ctx.tmp / "none"),
+                        *flags]  # fmt: skip
+
+
+def evaluate(*flags: str, text="some text to score\n"):
+    return lambda ctx: ["eval", "--model", str(ctx.model()), "--ppl",
+                        str(ctx.write("score.txt", text)), *flags]  # fmt: skip
+
+
+def preprocess(*flags: str, tokenizer=None):
+    def build(ctx):
+        data = ctx.write("corpus.jsonl", '{"text": "one"}\n{"text": "two"}\n')
+        tok = tokenizer(ctx) if tokenizer else str(ctx.model())
+        return ["preprocess", "--input", str(data), "--tokenizer", tok, *flags]
+
+    return build
+
+
+def run_dir(ctx) -> Path:
+    run = ctx.tmp / "old"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n')
+    return run
+
+
+def read_only_parent(ctx):
+    parent = ctx.tmp / "locked"
+    parent.mkdir()
+    parent.chmod(0o555)
+    return ctx.train(None, f"train.output_dir={parent / 'run'}")
+
+
+AS_ROOT = (hasattr(os, "geteuid") and os.geteuid() == 0, "root ignores file permissions")
+
+# fmt: off
+CASES = [
+    # -- the config file ---------------------------------------------------------------------
+    case("config-empty-file", raw_config(""), "is empty", "model:", "unmask train"),
+    case("config-only-comments", raw_config("# nothing yet\n"), "is empty", "model:"),
+    case("config-not-a-mapping", raw_config("- train\n- model\n"), "must hold a mapping"),
+    case("config-invalid-yaml", raw_config("train: [1, 2\n"), "not valid YAML", "line"),
+    case("config-missing-file", lambda ctx: ["train", str(ctx.tmp / "no.yaml")], "does not exist"),
+    case("config-two-files", lambda ctx: ["train", str(ctx.config()), str(ctx.config())],
+         "expected one config file", "section.key=value"),
+    case("config-unknown-section", with_config({"trainn": {}}), "unknown config key 'trainn'",
+         "did you mean 'train'"),
+    case("config-unknown-key", with_config({"train": {"max_step": 5}}),
+         "unknown config key 'train.max_step'", "did you mean 'train.max_steps'"),
+    case("config-key-in-wrong-section", with_config({"train": {"learning_rate": 0.1}}),
+         "'train.learning_rate'", "'optim.learning_rate'"),
+    case("config-wrong-type", with_config({"train": {"max_steps": "ten"}}), "'train.max_steps'",
+         "'ten'"),
+    case("config-section-not-a-mapping", with_config({"optim": 3}), "'optim'", "dictionary"),
+    # -- command-line overrides ----------------------------------------------------------
+    case("override-without-equals", over("train.max_steps"), "section.key=value"),
+    case("override-unknown-key", over("train.max_stepz=3"), "'train.max_stepz'",
+         "did you mean 'train.max_steps'"),
+    case("override-bad-value", over("train.max_steps=ten"), "'train.max_steps'", "'ten'"),
+    case("override-empty-key-part", over("train..max_steps=3"), "empty key part",
+         "section.key=value"),
+    case("override-below-a-value", over("train.max_steps.x=1"), "'max_steps' is not a section"),
+    # -- value ranges ------------------------------------------------------------------------
+    case("train-batch-size-0", over("train.per_device_train_batch_size=0"),
+         "'train.per_device_train_batch_size'", "must be >= 1 (got 0)"),
+    case("train-batch-size-negative", over("train.per_device_train_batch_size=-4"),
+         "'train.per_device_train_batch_size'", "must be >= 1 (got -4)"),
+    case("eval-batch-size-0", over("train.per_device_eval_batch_size=0"),
+         "'train.per_device_eval_batch_size'", "must be >= 1"),
+    case("gradient-accumulation-0", over("train.gradient_accumulation_steps=0"),
+         "'train.gradient_accumulation_steps'", "must be >= 1"),
+    case("max-steps-0", over("train.max_steps=0"), "'train.max_steps'", "-1"),
+    case("max-steps-negative", over("train.max_steps=-5"), "'train.max_steps'", "-1"),
+    case("num-train-epochs-negative", over("train.num_train_epochs=-1"),
+         "'train.num_train_epochs'", "must be >= 0"),
+    case("nothing-to-train", over("train.max_steps=-1", "train.num_train_epochs=0"),
+         "nothing to train", "train.max_steps"),
+    case("logging-steps-negative", over("train.logging_steps=-1"), "'train.logging_steps'",
+         "must be >= 0"),
+    case("save-steps-negative", over("train.save_steps=-10"), "'train.save_steps'",
+         "must be >= 0"),
+    case("eval-steps-negative", over("train.eval_steps=-0.5"), "'train.eval_steps'",
+         "must be >= 0"),
+    case("save-total-limit-0", over("train.save_total_limit=0"), "'train.save_total_limit'",
+         "must be >= 1"),
+    case("save-total-limit-negative", over("train.save_total_limit=-2"),
+         "'train.save_total_limit'", "must be >= 1"),
+    case("learning-rate-negative", over("optim.learning_rate=-0.001"),
+         "'optim.learning_rate'", "must be >= 0"),
+    case("warmup-ratio-above-1", over("optim.warmup_ratio=1.5"), "'optim.warmup_ratio'",
+         "must be <= 1"),
+    case("warmup-steps-negative", over("optim.warmup_steps=-3"), "'optim.warmup_steps'",
+         "whole step count"),
+    case("hidden-size-0", over("model.hidden_size=0"), "'model.hidden_size'", "must be >= 1"),
+    case("attention-heads-0", over("model.num_attention_heads=0"),
+         "'model.num_attention_heads'", "must be >= 1"),
+    case("kv-heads-0", over("model.num_key_value_heads=0"), "'model.num_key_value_heads'",
+         "must be >= 1"),
+    case("heads-do-not-divide-hidden-size", over("model.hidden_size=33"),
+         "hidden_size (33) must be a multiple of num_attention_heads (2)", "head_dim"),
+    case("kv-heads-do-not-divide-heads",
+         over("model.num_attention_heads=4", "model.num_key_value_heads=3"),
+         "num_attention_heads (4) must be a multiple of num_key_value_heads (3)"),
+    case("layers-negative", over("model.num_hidden_layers=-1"), "'model.num_hidden_layers'",
+         "must be >= 1"),
+    case("layers-0", over("model.num_hidden_layers=0"), "'model.num_hidden_layers'",
+         "must be >= 1"),
+    case("intermediate-size-0", over("model.intermediate_size=0"),
+         "'model.intermediate_size'", "must be >= 1"),
+    case("vocab-size-0", over("model.vocab_size=0"), "'model.vocab_size'", "must be >= 1"),
+    case("packing-length-above-positions", over("model.max_position_embeddings=16"),
+         "data.packing_length (20)", "max_position_embeddings (16)"),
+    case("packing-length-1", over("data.packing_length=1"), "'data.packing_length'",
+         "must be >= 2"),
+    case("unknown-scheduler", over("optim.lr_scheduler_type=cosin"),
+         "'optim.lr_scheduler_type'", "'cosine'"),
+    case("unknown-objective", over("diffusion.objective=mdml"), "'diffusion.objective'",
+         "'mdlm'"),
+    case("unknown-optimizer", over("optim.name=sgd"), "'optim.name'", "'adamw'"),
+    case("unknown-reporter", over("train.report_to=tensorbord"), "'tensorbord'",
+         "tensorboard"),
+    case("mask-probability-above-1", over("diffusion.random_length_prob=1.5"),
+         "'diffusion.random_length_prob'", "must be <= 1"),
+    case("mask-probability-negative", over("diffusion.prompt_drop_prob=-0.1"),
+         "'diffusion.prompt_drop_prob'", "must be >= 0"),
+    case("time-eps-0", over("diffusion.time_eps=0"), "'diffusion.time_eps'", "must be > 0"),
+    # -- data files ---------------------------------------------------------------------------
+    case("data-missing-file",
+         lambda ctx: ctx.train({"data": {"dataset": str(ctx.tmp / "no.jsonl")}}),
+         "does not exist", "accepted:"),
+    case("data-empty-text-file", data_file("empty.txt", ""), "holds 0 documents"),
+    case("data-empty-jsonl-file", data_file("empty.jsonl", ""), "holds 0 documents"),
+    case("data-binary-as-text", data_file("blob.txt", BINARY), "blob.txt", "not UTF-8 text"),
+    case("data-binary-as-jsonl", data_file("blob.jsonl", BINARY), "blob.jsonl",
+         "one JSON object per line"),
+    case("data-jsonl-bad-line", data_file("bad.jsonl", '{"text": "a"}\n{"text": \n'),
+         "bad.jsonl", "line 2 is not valid JSON", "one JSON object per line"),
+    case("data-jsonl-missing-text-field", data_file("rows.jsonl", '{"body": "a"}\n'),
+         "no 'text' field", "data.text_field"),
+    case("data-unknown-extension", data_file("rows.csv", "a,b\n"), "cannot tell the format",
+         "data.dataset_format"),
+    case("data-missing-eval-file",
+         lambda ctx: ctx.train({"data": {"dataset": str(ctx.write("d.txt", "doc\n" * 50)),
+                                         "eval_dataset": str(ctx.tmp / "no.txt")}}),
+         "no.txt", "does not exist"),
+    # -- tokenizer folders ----------------------------------------------------------------------
+    case("tokenizer-missing", lambda ctx: ctx.train({"data": {"tokenizer": str(ctx.tmp / "t")}}),
+         "data.tokenizer", "does not exist"),
+    case("tokenizer-folder-without-files", tokenizer_folder({"notes.txt": "hi"}),
+         "holds no tokenizer files", "save_pretrained"),
+    case("tokenizer-corrupt-json", tokenizer_folder({"tokenizer.json": "{not json"}),
+         "data.tokenizer", "cannot load", "save_pretrained"),
+    case("tokenizer-json-of-something-else", tokenizer_folder({"tokenizer.json": '{"a": 1}'}),
+         "data.tokenizer", "cannot load", "save_pretrained"),
+    # -- pretrained model folders --------------------------------------------------------------
+    case("pretrained-missing", lambda ctx: ctx.train({"model": {"pretrained": str(ctx.tmp / "m")}}),
+         "does not exist", "model.pretrained"),
+    case("pretrained-truncated-weights",
+         pretrained(lambda folder: truncate(folder / "model.safetensors")),
+         "model.safetensors", "damaged", "re-export"),
+    case("pretrained-corrupt-config",
+         pretrained(lambda folder: (folder / "config.json").write_text("{oops")),
+         "config.json", "not valid JSON"),
+    case("pretrained-unknown-model-type",
+         pretrained(lambda folder: (folder / "config.json").write_text('{"model_type": "gpt9"}')),
+         "model_type 'gpt9' is not supported", "qwen3"),
+    case("pretrained-config-bad-value", pretrained(lambda folder: edit_json(
+        folder / "config.json", num_hidden_layers=0)),
+         "config.json", "'num_hidden_layers': must be >= 1"),
+    case("pretrained-weights-of-another-shape", pretrained(lambda folder: edit_json(
+        folder / "config.json", intermediate_size=96)),
+         "do not match config.json", "(32, 64) there, (32, 96) in the model"),
+    case("pretrained-no-weights",
+         pretrained(lambda folder: (folder / "model.safetensors").unlink()),
+         "no weights", "model.safetensors"),
+    case("pretrained-packing-length-above-positions",
+         lambda ctx: ctx.train({"model": {"pretrained": str(ctx.model())},
+                                "data": {"packing_length": 5000}}),
+         "data.packing_length (5000)", "max_position_embeddings (4096)"),
+    # -- checkpoints to resume from -------------------------------------------------------------
+    case("resume-missing", lambda ctx: ctx.resume(ctx.tmp / "checkpoint-9"), "does not exist",
+         "true for the newest"),
+    case("resume-not-a-checkpoint", lambda ctx: ctx.resume(ctx.write("empty/x", "").parent),
+         "not a complete unmask checkpoint"),
+    case("resume-truncated-model", resume_damaged("model.safetensors", "truncate"),
+         "is damaged", "model.safetensors"),
+    case("resume-missing-optimizer", resume_damaged("optimizer.pt", "remove"),
+         "optimizer.pt is missing", "resume from an older one"),
+    case("resume-missing-rng-state", resume_damaged("rng_state.pt", "remove"),
+         "rng_state.pt is missing", "resume from an older one"),
+    case("resume-corrupt-trainer-state", resume_damaged("trainer_state.json", "junk"),
+         "is damaged (trainer_state.json", "resume from an older one"),
+    case("resume-corrupt-manifest", resume_damaged("manifest.json", "junk"),
+         "manifest.json is not readable", "resume from an older one"),
+    case("resume-no-manifest-truncated-model",
+         resume_damaged("model.safetensors", "truncate", manifest=False),
+         "model.safetensors", "resume from an older one"),
+    case("resume-no-manifest-missing-optimizer",
+         resume_damaged("optimizer.pt", "remove", manifest=False),
+         "optimizer.pt is missing", "resume from an older one"),
+    case("resume-no-manifest-missing-rng-state",
+         resume_damaged("rng_state.pt", "remove", manifest=False), "rng_state.pt is missing",
+         "resume from an older one"),
+    case("resume-no-manifest-truncated-optimizer",
+         resume_damaged("optimizer.pt", "truncate", manifest=False),
+         "optimizer.pt cannot be read", "resume from an older one"),
+    case("resume-no-manifest-corrupt-trainer-state",
+         resume_damaged("trainer_state.json", "junk", manifest=False),
+         "trainer_state.json is not valid JSON", "resume from an older one"),
+    case("resume-other-optimizer",
+         lambda ctx: ctx.resume(ctx.checkpoint(), {"optim": {"name": "muon"}}),
+         "optimizer.pt does not match optim", "the config it was written with"),
+    case("resume-other-model-shape",
+         lambda ctx: ctx.resume(ctx.checkpoint(), {"model": {"intermediate_size": 96}}),
+         "does not match the model in the config", "the config it was written with"),
+    # -- output directories -------------------------------------------------------------------
+    case("output-dir-is-a-file",
+         lambda ctx: ctx.train(None, f"train.output_dir={ctx.write('f', 'x')}"),
+         "is a file", "choose a folder"),
+    case("output-dir-under-a-file",
+         lambda ctx: ctx.train(None, f"train.output_dir={ctx.write('f', 'x') / 'run'}"),
+         "is a file", "choose"),
+    case("output-dir-read-only-parent", read_only_parent, "no write permission", "choose",
+         skip=AS_ROOT),
+    case("output-dir-holds-a-run",
+         lambda ctx: ctx.train(None, f"train.output_dir={run_dir(ctx)}"), "already holds a run",
+         "train.resume_from_checkpoint=true"),
+    # -- unmask generate ----------------------------------------------------------------------
+    case("generate-missing-model", generate("--prompt", "a", model=False), "is not a folder"),
+    case("generate-no-prompts", generate(), "no prompts", "--prompt"),
+    case("generate-prompts-file-missing",
+         lambda ctx: generate("--prompts", str(ctx.tmp / "p.jsonl"))(ctx), "does not exist"),
+    case("generate-prompts-not-json",
+         lambda ctx: generate("--prompts", str(ctx.write("p.jsonl", "hello\n")))(ctx),
+         "p.jsonl:1", "not JSON", '{"prompt": "..."} per line'),
+    case("generate-bad-flag-value", generate("--prompt", "a", "--gen-length", "many"),
+         "--gen-length", "'many'"),
+    case("generate-negative-temperature", generate("--prompt", "a", "--temperature", "-1"),
+         "'temperature'", "-1"),
+    case("generate-batch-size-0", generate("--prompt", "a", "--batch-size", "0"),
+         "--batch-size", ">= 1"),
+    case("generate-out-is-a-folder",
+         lambda ctx: generate("--prompt", "a", "--out", str(ctx.write("o/x", "").parent))(ctx),
+         "--out", "is a folder"),
+    case("generate-mask-id-outside-vocab", generate("--prompt", "a", "--mask-id", "500"),
+         "mask token id 500", "--mask-id"),
+    case("generate-corrupt-config",
+         lambda ctx: ["generate", "--model", str(corrupt_config(ctx.model())), "--prompt", "a"],
+         "config.json", "not valid JSON"),
+    case("generate-truncated-weights",
+         lambda ctx: ["generate", "--model",
+                      str(truncate(ctx.model() / "model.safetensors").parent), "--prompt", "a"],
+         "model.safetensors", "damaged", "re-export"),
+    case("generate-tokenizer-larger-than-vocab",
+         lambda ctx: generate("--prompt", "a", "--tokenizer", str(big_tokenizer(ctx)))(ctx),
+         "401 tokens, more than the 128", "--tokenizer"),
+    # -- unmask eval ------------------------------------------------------------------------
+    case("eval-missing-model", lambda ctx: ["eval", "--model", str(ctx.tmp / "m"), "--ppl",
+                                            str(ctx.write("t.txt", "x"))], "is not a folder"),
+    case("eval-missing-text", lambda ctx: ["eval", "--model", str(ctx.model()), "--ppl",
+                                           str(ctx.tmp / "no.txt")], "--ppl", "does not exist"),
+    case("eval-empty-text", evaluate(text=""), "holds no tokens", "give a file with text"),
+    case("eval-binary-text", evaluate(text=BINARY), "score.txt", "not UTF-8 text"),
+    case("eval-context-0", evaluate("--context", "0"), "--context", ">= 1"),
+    case("eval-mc-num-0", evaluate("--mc-num", "0"), "--mc-num", ">= 1"),
+    case("eval-without-ppl", lambda ctx: ["eval", "--model", str(ctx.model())], "--ppl",
+         "unmask eval --help"),
+    # -- unmask export ------------------------------------------------------------------------
+    case("export-missing-source", lambda ctx: ["export", str(ctx.tmp / "c"), "--out",
+                                               str(ctx.tmp / "o")], "is not a folder"),
+    case("export-source-without-model", lambda ctx: ["export", str(ctx.write("e/x", "").parent),
+                                                     "--out", str(ctx.tmp / "o")],
+         "no config.json"),
+    case("export-out-not-empty", lambda ctx: ["export", str(ctx.model()), "--out",
+                                              str(ctx.write("o/x", "").parent)],
+         "is not empty", "--overwrite"),
+    case("export-out-is-a-file", lambda ctx: ["export", str(ctx.model()), "--out",
+                                              str(ctx.write("o", "x"))], "is a file"),
+    case("export-bad-dtype", lambda ctx: ["export", str(ctx.model()), "--out", str(ctx.tmp / "o"),
+                                          "--dtype", "int8"], "--dtype", "float32"),
+    case("export-corrupt-config",
+         lambda ctx: ["export", str(corrupt_config(ctx.model())), "--out", str(ctx.tmp / "o")],
+         "config.json", "not valid JSON"),
+    case("export-overwrite-with-truncated-weights",
+         lambda ctx: ["export", str(truncate(ctx.model() / "model.safetensors").parent),
+                      "--out", str(ctx.write("o/keep.txt", "mine").parent), "--overwrite"],
+         "model.safetensors", "damaged"),
+    case("export-truncated-weights",
+         lambda ctx: ["export", str(truncate(ctx.model() / "model.safetensors").parent),
+                      "--out", str(ctx.tmp / "o")], "model.safetensors", "damaged"),
+    # -- unmask preprocess --------------------------------------------------------------------
+    case("preprocess-missing-input",
+         lambda ctx: ["preprocess", "--input", str(ctx.tmp / "no.jsonl"), "--output-prefix",
+                      str(ctx.tmp / "s"), "--tokenizer", str(ctx.model())],
+         "no.jsonl"),
+    case("preprocess-output-prefix-under-a-file",
+         lambda ctx: preprocess("--output-prefix", str(ctx.write("f", "x") / "s"))(ctx),
+         "--output-prefix", "a file"),
+    case("preprocess-output-prefix-is-a-folder",
+         lambda ctx: preprocess("--output-prefix", str(ctx.write("o/x", "").parent) + "/")(ctx),
+         "--output-prefix"),
+    case("preprocess-missing-tokenizer",
+         lambda ctx: preprocess("--output-prefix", str(ctx.tmp / "s"),
+                                tokenizer=lambda c: str(c.tmp / "t"))(ctx),
+         "--tokenizer", "does not exist"),
+    case("preprocess-not-a-tokenizer",
+         lambda ctx: preprocess("--output-prefix", str(ctx.tmp / "s"),
+                                tokenizer=lambda c: str(c.write("t/notes.txt", "hi").parent))(ctx),
+         "--tokenizer", "holds no tokenizer files"),
+    case("preprocess-workers-0",
+         lambda ctx: preprocess("--output-prefix", str(ctx.tmp / "s"), "--workers", "0")(ctx),
+         "--workers", ">= 1"),
+    # -- unmask plot and unmask runs -------------------------------------------------------------
+    case("plot-not-a-run-dir", lambda ctx: ["plot", str(ctx.write("r/notes.txt", "").parent)],
+         "metrics.jsonl"),
+    case("plot-binary-metrics",
+         lambda ctx: ["plot", str(ctx.write("r/metrics.jsonl", BINARY).parent)], "metrics.jsonl"),
+    case("plot-missing-dir", lambda ctx: ["plot", str(ctx.tmp / "r")], "is not a folder",
+         "run directory"),
+    case("plot-out-is-a-file", lambda ctx: ["plot", str(run_dir(ctx)), "--out",
+                                            str(ctx.write("o", "x"))], "is a file", "folder"),
+    case("runs-missing-folder", lambda ctx: ["runs", str(ctx.tmp / "runs")], "does not exist"),
+    case("runs-folder-is-a-file", lambda ctx: ["runs", str(ctx.write("runs", ""))], "is a file"),
+    # -- the command line itself ---------------------------------------------------------------
+    case("cli-unknown-command", lambda ctx: ["trian"], "invalid choice: 'trian'",
+         "unmask --help"),
+    case("cli-no-command", lambda ctx: [], "command", "unmask --help"),
+    case("cli-unknown-flag", lambda ctx: ["train", "--bogus"], "--bogus",
+         "unmask train --help"),
+    case("cli-missing-required-flag", lambda ctx: ["generate", "--prompt", "a"], "--model",
+         "unmask generate --help"),
+    case("cli-bad-choice", lambda ctx: ["preprocess", "--input", "a", "--output-prefix", "b",
+                                        "--tokenizer", "c", "--on-bad-record", "ignore"],
+         "--on-bad-record", "'ignore'"),
+]
+# fmt: on
+
+
+def edit_json(path: Path, **changes) -> None:
+    path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
+
+
+def corrupt_config(folder: Path) -> Path:
+    (folder / "config.json").write_text("{oops")
+    return folder
+
+
+def big_tokenizer(ctx) -> Path:
+    """The char tokenizer with 200 more tokens than the tiny model's vocabulary."""
+    from unmask.data.tokenizer import build_char_tokenizer
+
+    tok = build_char_tokenizer()
+    tok.add_tokens([f"<extra{i}>" for i in range(300)])
+    folder = ctx.tmp / "big_tok"
+    tok.save_pretrained(str(folder))
+    return folder
+
+
+def snapshot(root: Path) -> dict:
+    """Every file (bytes) and folder under root."""
+    return {
+        str(p.relative_to(root)): (p.read_bytes() if p.is_file() else None)
+        for p in sorted(root.rglob("*"))
+    }
+
+
+@pytest.mark.parametrize(("build", "expect"), CASES)
+def test_bad_input_is_refused(
+    build, expect, tmp_path, tiny_config, trained, model_folder, capsys, monkeypatch
+):
+    monkeypatch.chdir(tmp_path)  # a relative default output_dir lands where it is seen
+    argv = build(Ctx(tmp_path, tiny_config, trained, model_folder))
+    before = snapshot(tmp_path)
+    capsys.readouterr()
+    code = main(argv)
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert code == 2, err
+    assert 1 <= len(lines) <= 3, err
+    assert "Traceback" not in err
+    for part in expect:
+        assert part in err, (part, err)
+    assert snapshot(tmp_path) == before
+
+
+def test_debug_shows_the_traceback(tiny_config, tmp_path):
+    """--debug: the traceback, then the same one line and exit code 2; without it, no
+    traceback (a real process, as a user runs it)."""
+    config = str(tiny_config({"train": {"max_steps": 0}}))
+    runs = {}
+    for flags in ([], ["--debug"]):
+        runs[bool(flags)] = subprocess.run(
+            [sys.executable, "-m", "unmask", *flags, "train", config],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+    plain, debug = runs[False], runs[True]
+    assert plain.returncode == debug.returncode == 2
+    assert "Traceback" not in plain.stderr and len(plain.stderr.strip().splitlines()) == 1
+    assert "Traceback (most recent call last)" in debug.stderr
+    assert debug.stderr.strip().splitlines()[-1] == plain.stderr.strip()
+    assert not (tmp_path / "run").exists()
