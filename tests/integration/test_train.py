@@ -190,3 +190,17 @@ def test_muon_trains_through_the_config_and_prints_its_split(tiny_config, tmp_pa
     records = [r for r in read_metrics(tmp_path / "run") if "loss" in r]
     assert all(r["loss"] == r["loss"] and r["loss"] < 20 for r in records)  # finite
     assert records[-1]["loss"] < records[0]["loss"]
+
+
+def test_resume_with_a_longer_run_says_what_changed_and_warmup_notice(tiny_config, tmp_path,
+                                                                       capsys):  # fmt: skip
+    cfg = tiny_config({"train": {"max_steps": 4, "save_steps": 2},
+                       "optim": {"warmup_steps": 10}})  # fmt: skip
+    assert main(["train", str(cfg)]) == 0
+    out = capsys.readouterr().out
+    assert "warmup takes 10 steps of the run's 4: the learning rate never reaches" in out
+    assert main(["train", str(cfg), "train.max_steps=6", "train.resume_from_checkpoint=true"]) == 0
+    out = capsys.readouterr().out
+    assert "resuming with changed settings" in out and "train.max_steps: 4 -> 6" in out
+    history = tmp_path / "run" / "config_history" / "step-4.yaml"
+    assert "max_steps: 4" in history.read_text()

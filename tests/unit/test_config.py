@@ -82,3 +82,15 @@ def test_every_field_documented_and_reference_in_sync():
         for key, sub in field.annotation.model_fields.items():
             assert sub.description, f"{name}.{key} has no docstring"
     assert (REPO / "docs" / "configuration.md").read_text() == reference_markdown()
+
+
+def test_a_config_file_without_output_dir_runs_in_runs_slash_its_name(tmp_path):
+    from unmask.config import load_config
+
+    path = tmp_path / "my-ablation.yaml"
+    path.write_text("train: {max_steps: 3}\n")
+    assert load_config(path).train.output_dir == "runs/my-ablation"
+    path.write_text("data: {dataset: synthetic}\n")
+    assert load_config(path).train.output_dir == "runs/my-ablation"
+    assert load_config(path, ["train.output_dir=elsewhere"]).train.output_dir == "elsewhere"
+    assert load_config().train.output_dir == "runs/quickstart"

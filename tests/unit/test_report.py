@@ -314,3 +314,18 @@ def test_non_finite_values_and_skipped_steps(tmp_path):
     assert figures["loss"].axes[0].get_yscale() == "linear"  # 2.0 -> 0.4, NaN ignored
     assert legend_texts(figures["skipped_steps"].axes[0]) == ["run"]
     assert "skipped (non-finite) steps: 1" in run_summary(run)
+
+
+def test_resume_with_other_settings_keeps_the_old_config_and_lists_changes(tmp_path):
+    from unmask.train.run_dir import CONFIG_HISTORY, write_config
+
+    old = yaml.safe_dump({"train": {"max_steps": 100, "resume_from_checkpoint": None},
+                          "optim": {"learning_rate": 0.003}})  # fmt: skip
+    new = yaml.safe_dump({"train": {"max_steps": 200, "resume_from_checkpoint": True},
+                          "optim": {"learning_rate": 0.003}})  # fmt: skip
+    assert write_config(tmp_path, old, 0) == []
+    assert write_config(tmp_path, new, 40) == ["train.max_steps: 100 -> 200"]
+    assert (tmp_path / CONFIG_HISTORY / "step-40.yaml").read_text() == old
+    assert (tmp_path / "config.yaml").read_text() == new
+    assert write_config(tmp_path, new, 60) == []  # same settings: nothing kept
+    assert len(list((tmp_path / CONFIG_HISTORY).iterdir())) == 1

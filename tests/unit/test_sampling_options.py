@@ -25,7 +25,7 @@ SETTINGS = [
          cfg_scale=0.5, cache="prefix", cache_refresh=2, shift_logits=True,
          growing_canvas=True),
     dict(factor=1.0, block_causal=True, cache="dual"),
-    dict(remasking="origin", ddpm_cache=True),
+    dict(remasking="origin", ddpm_cache=True, row_length=24),
 ]  # fmt: skip
 
 
@@ -110,3 +110,17 @@ def test_zero_means_off_where_the_reference_code_says_so():
     # Dream passes alg_temp=0. and top_k=0 for "off"; Fast-dLLM's factor rule takes 0
     config = SamplingConfig(top_k=0, alg_temp=0.0, factor=0.0)
     assert (config.top_k, config.alg_temp, config.factor) == (0, 0.0, 0.0)
+
+
+def test_row_length_fits_the_canvas_and_a_later_gen_length_wins():
+    fitted = SamplingConfig(row_length=20).fitted(8)
+    assert (fitted.gen_length, fitted.resolved_block_length, fitted.steps) == (12, 12, 12)
+    assert fitted.row_length is None and fitted.fitted(3) == fitted
+    blocks = SamplingConfig(row_length=20, block_length=4, steps=6).fitted(8)
+    assert (blocks.gen_length, blocks.block_length, blocks.steps) == (12, 4, 6)
+    causal = SamplingConfig(row_length=20, block_length=5, block_causal=True).fitted(8)
+    assert (causal.gen_length, causal.block_length) == (15, 5)  # whole blocks, rounded up
+    assert resolve_sampling({"row_length": 20}, {"gen_length": 8}).row_length is None
+    assert resolve_sampling({"gen_length": 8}, {"row_length": 20}).fitted(5).gen_length == 15
+    with pytest.raises(InputError, match="leaves no room for an answer in the 20-token rows"):
+        SamplingConfig(row_length=20).fitted(20)

@@ -137,7 +137,16 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     for text in overrides or []:
         apply_override(tree, *parse_override(text))
     translated = translate(tree)  # seed schemas (LMMs-Engine, Transformer Lab)
+    train = translated.tree.get("train")
+    if path is not None and (train is None or isinstance(train, dict)):
+        # each config file gets its own run directory unless it names one
+        translated.tree.setdefault("train", {}).setdefault("output_dir", default_output_dir(path))
     return validate_tree(translated.tree, translated.notices)
+
+
+def default_output_dir(path: str | Path) -> str:
+    """runs/<the config file's name without its extension>."""
+    return f"runs/{Path(path).stem}"
 
 
 def validate_tree(tree: dict, notices: list[str] | tuple = ()) -> RunConfig:

@@ -20,7 +20,8 @@ class TrainConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     output_dir: str = "runs/quickstart"
-    """Run directory: config.yaml, metrics.jsonl, checkpoint-N/, final/."""
+    """Run directory: config.yaml, metrics.jsonl, checkpoint-N/, final/. A config file that
+    leaves it out runs in runs/<the file's name> (run.yaml: runs/run)."""
     overwrite_output_dir: bool = False
     """Replace an existing run in output_dir (its checkpoints and metrics are removed)."""
     resume_from_checkpoint: bool | str | None = None

@@ -36,6 +36,11 @@ class SamplingConfig(BaseModel):
 
     gen_length: int = Field(32, gt=0)
     """Tokens to generate after each prompt (the canvas of masks)."""
+    row_length: int | None = Field(None, gt=1)
+    """Fit the canvas to the rows the model was trained on: each prompt gets gen_length =
+    row_length - its length in tokens, so prompt + answer fill one training row (the
+    trainer records data.packing_length here in every checkpoint). A gen_length given
+    after it (a flag, a task) wins; None = use gen_length."""
     steps: int | None = Field(None, gt=0)
     """Denoising steps over the whole answer; None = gen_length (one token per step)."""
     block_length: int | None = Field(None, gt=0)
@@ -130,9 +135,35 @@ class SamplingConfig(BaseModel):
             )
         return num_blocks
 
+    def fitted(self, prompt_len: int) -> "SamplingConfig":
+        """The config for a prompt of prompt_len tokens: unchanged without row_length, else
+        gen_length = row_length - prompt_len (rounded up to whole blocks for block-causal
+        models), one block unless block_length divides it, steps = one token per step
+        unless given (then a multiple of the blocks)."""
+        if self.row_length is None:
+            return self
+        gen = self.row_length - prompt_len
+        if gen <= 0:
+            raise InputError(
+                f"a prompt of {prompt_len} tokens leaves no room for an answer in the "
+                f"{self.row_length}-token rows the model was trained on; give --gen-length N"
+            )
+        block = self.block_length
+        if self.block_causal:  # the block size it trained with; whole blocks only
+            gen = -(-gen // block) * block
+        elif not block or gen % block:
+            block = gen
+        blocks = gen // block
+        steps = gen if self.steps is None else max(blocks, round(self.steps / blocks) * blocks)
+        return self.updated(gen_length=gen, block_length=block, steps=steps, row_length=None)
+
     def updated(self, **options: Any) -> "SamplingConfig":
-        """A validated copy with every option that is not None replaced."""
-        return self.model_validate({**self.model_dump(), **without_none(options)})
+        """A validated copy with every option that is not None replaced (row_length=None
+        is kept as given: the copy no longer fits its canvas)."""
+        fields = without_none(options)
+        if "row_length" in options:
+            fields["row_length"] = options["row_length"]
+        return self.model_validate({**self.model_dump(), **fields})
 
 
 def without_none(options: dict[str, Any]) -> dict[str, Any]:
@@ -144,7 +175,12 @@ def resolve_sampling(*layers: dict[str, Any]) -> SamplingConfig:
     the user's); later layers win, None means "not set". Bad values: one-line InputError."""
     merged: dict[str, Any] = {}
     for layer in layers:
-        merged.update(without_none(layer))
+        layer = without_none(layer)
+        if "gen_length" in layer:  # a length given later wins over fitting to the rows
+            merged.pop("row_length", None)
+        elif "row_length" in layer:
+            merged.pop("gen_length", None)
+        merged.update(layer)
     try:
         return SamplingConfig.model_validate(merged)
     except ValidationError as err:
@@ -164,6 +200,15 @@ def fixed_by_training(diffusion: DiffusionConfig) -> dict[str, Any]:
         return {"shift_logits": True}
     if diffusion.objective == "bd3lm":
         return {"block_causal": True, "block_length": diffusion.block_size}
+    return {}
+
+
+def fitted_to_rows(data) -> dict[str, Any]:
+    """The canvas a model trained on `data` (a DataConfig) answers in: one example per row,
+    padded with supervised EOS to packing_length, teaches it to fill exactly that row, so
+    its checkpoints sample with row_length = packing_length. Packed text sets nothing."""
+    if not data.packing and data.supervise_padding:
+        return {"row_length": data.packing_length}
     return {}
 
 

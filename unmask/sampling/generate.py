@@ -169,7 +169,8 @@ def sample(
     generator: torch.Generator | None = None,
     on_step: Callable[[torch.Tensor], None] | None = None,
 ) -> GenerationOutput:
-    """Decode config.gen_length masked positions after each prompt (see the module doc).
+    """Decode config.gen_length masked positions after each prompt (see the module doc);
+    with config.row_length, row_length - P of them (`SamplingConfig.fitted`).
 
     prompt_ids (B, P) long; attention_mask (B, P) bool/int, 0 = left padding (None: no
     padding). Blocks of config.block_length are decoded left to right, steps / num_blocks
@@ -179,11 +180,12 @@ def sample(
     the batch once a finished block holds EOS. on_step receives the full (B, P + G) canvas
     after every step. ValueError when the lengths do not split into blocks.
     """
-    num_blocks = config.check_lengths()
-    started = time.perf_counter()
     batch, prompt_len = prompt_ids.shape
     if prompt_len == 0:
         raise ValueError("the prompt is empty; give at least one token")
+    config = config.fitted(prompt_len)  # row_length: the canvas that fills a training row
+    num_blocks = config.check_lengths()
+    started = time.perf_counter()
     device = prompt_ids.device
     prompt_valid = (
         torch.ones_like(prompt_ids, dtype=torch.bool)

@@ -40,33 +40,39 @@ def generate_texts(
     generator: torch.Generator | None = None,
     on_step: Callable[[torch.Tensor], None] | None = None,
 ) -> list[dict[str, Any]]:
-    """Generate for each prompt (batched, left-padded); returns one record per prompt:
-    prompt, completion (text before the first EOS), tokens, nfe, seconds of its batch."""
-    try:
-        config.check_lengths()
-    except ValueError as err:
-        raise InputError(str(err)) from None
+    """Generate for each prompt (batched, left-padded); returns one record per prompt, in
+    order: prompt, completion (text before the first EOS), tokens, nfe, seconds of its
+    batch. With config.row_length the prompts are grouped by token length and each group
+    gets the canvas that fills a training row (`SamplingConfig.fitted`)."""
     encoded = [sm.tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
     for text, ids in zip(prompts, encoded):
         if not ids:
             raise InputError(f"prompt {text!r} is empty after tokenization; give some text")
-    records: list[dict[str, Any]] = []
-    for start in range(0, len(prompts), batch_size):
-        ids, attention_mask = left_pad(encoded[start : start + batch_size], sm.pad_id)
-        ids, attention_mask = ids.to(sm.device), attention_mask.to(sm.device)
-        if bool(attention_mask.all()):
-            attention_mask = None
-        out = sample(sm.model, ids, config, mask_id=sm.mask_id, eos_id=sm.eos_id,
-                     attention_mask=attention_mask, generator=generator, on_step=on_step)  # fmt: skip
-        for row, answer in enumerate(out.answers.tolist()):
-            answer = before_eos(answer, sm.eos_id)
-            records.append(
-                {
-                    "prompt": prompts[start + row],
+    groups: dict[int, list[int]] = {}
+    for index, ids in enumerate(encoded):
+        groups.setdefault(len(ids) if config.row_length else 0, []).append(index)
+    records: list[dict[str, Any]] = [{} for _ in prompts]
+    for prompt_len, indices in sorted(groups.items()):
+        fitted = config.fitted(prompt_len)
+        try:
+            fitted.check_lengths()
+        except ValueError as err:
+            raise InputError(str(err)) from None
+        for start in range(0, len(indices), batch_size):
+            chunk = indices[start : start + batch_size]
+            ids, attention_mask = left_pad([encoded[i] for i in chunk], sm.pad_id)
+            ids, attention_mask = ids.to(sm.device), attention_mask.to(sm.device)
+            if bool(attention_mask.all()):
+                attention_mask = None
+            out = sample(sm.model, ids, fitted, mask_id=sm.mask_id, eos_id=sm.eos_id,
+                         attention_mask=attention_mask, generator=generator, on_step=on_step)  # fmt: skip
+            for index, answer in zip(chunk, out.answers.tolist()):
+                answer = before_eos(answer, sm.eos_id)
+                records[index] = {
+                    "prompt": prompts[index],
                     "completion": sm.tokenizer.decode(answer, skip_special_tokens=True),
                     "tokens": len(answer),
                     "nfe": out.nfe,
                     "seconds": round(out.seconds, 4),
                 }
-            )
     return records

@@ -13,6 +13,8 @@ import os
 import shutil
 from pathlib import Path
 
+import yaml
+
 from unmask.checkpoint import list_checkpoints, resolve_resume
 from unmask.checkpoint.layout import newest_intact, remove_temporaries
 from unmask.config import RunConfig
@@ -20,7 +22,12 @@ from unmask.errors import InputError, RunStopped
 from unmask.parallel.mesh import share_from_rank0
 from unmask.train.metrics import METRICS_FILE
 
-RUN_ARTIFACTS = ("config.yaml", METRICS_FILE, "tensorboard", "final", "eval_results.json")
+CONFIG_FILE = "config.yaml"
+CONFIG_HISTORY = "config_history"  # earlier config.yaml files of a resumed run
+RUN_ARTIFACTS = (CONFIG_FILE, CONFIG_HISTORY, METRICS_FILE, "tensorboard", "final",
+                 "eval_results.json")  # fmt: skip
+# keys that say how to start, not what the run is: never reported as changes
+_START_KEYS = {"train.resume_from_checkpoint", "train.overwrite_output_dir"}
 
 
 def prepare_output_dir(out: Path, cfg: RunConfig) -> tuple[Path | None, list[str]]:
@@ -101,3 +108,46 @@ def room_for_checkpoint(checkpointer, model, optimizer, on_disk_full: str, step:
         f"{message}; free space and resume from {newest or 'the start'} "
         "(train.resume_from_checkpoint=true), or set train.on_disk_full=continue"
     )
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def config_changes(old_text: str, new_text: str) -> list[str]:
+    """'key: old -> new' for every setting that differs between two config.yaml texts."""
+    try:
+        old = _flat(yaml.safe_load(old_text) or {})
+    except yaml.YAMLError:
+        return ["the previous config.yaml is not readable YAML"]
+    new = _flat(yaml.safe_load(new_text))
+    return [
+        f"{key}: {old.get(key, '(unset)')} -> {new.get(key, '(unset)')}"
+        for key in sorted(set(old) | set(new))
+        if key not in _START_KEYS and old.get(key) != new.get(key)
+    ]
+
+
+def write_config(out: Path, text: str, step: int) -> list[str]:
+    """Write config.yaml; on a resume with other settings, first keep the one it replaces as
+    config_history/step-{step}.yaml and return what changed (else [])."""
+    path = out / CONFIG_FILE
+    changes = []
+    if step and path.is_file():
+        old = path.read_text()
+        changes = config_changes(old, text)
+        if changes:
+            history = out / CONFIG_HISTORY
+            history.mkdir(exist_ok=True)
+            kept = history / f"step-{step}.yaml"
+            if kept.exists():  # resumed from the same step again: keep every version
+                kept = history / f"step-{step}-{len(list(history.iterdir()))}.yaml"
+            kept.write_text(old)
+    path.write_text(text)
+    return changes

@@ -40,7 +40,12 @@ from unmask.parallel.distributed import all_reduce_sum, full_value, setup
 from unmask.parallel.fsdp import sync_gradients
 from unmask.parallel.mesh import launch_env, share_from_rank0
 from unmask.sampling.accuracy import heldout_accuracy
-from unmask.sampling.config import GENERATION_FILE, fixed_by_training, generation_config_text
+from unmask.sampling.config import (
+    GENERATION_FILE,
+    fitted_to_rows,
+    fixed_by_training,
+    generation_config_text,
+)
 from unmask.train.guard import NonFiniteGuard
 from unmask.train.metrics import (
     LogWindow,
@@ -51,7 +56,7 @@ from unmask.train.metrics import (
 )
 from unmask.train.plan import make_plan
 from unmask.train.report import run_summary
-from unmask.train.run_dir import prepare_output_dir, room_for_checkpoint
+from unmask.train.run_dir import prepare_output_dir, room_for_checkpoint, write_config
 from unmask.train.setup import (
     build_train_model,
     check_model_fits,
@@ -88,6 +93,12 @@ class Trainer:
         self.notices = [*cfg.notices, *data.notices]  # the config file's, then the data's
         self.num_rows = None if isinstance(data.train, StreamSpec) else len(data.train)
         self.plan = make_plan(cfg, self.num_rows, batch_ranks)
+        if self.plan.warmup_steps >= self.plan.total_steps:
+            self.notices.append(
+                f"warmup takes {self.plan.warmup_steps} steps of the run's "
+                f"{self.plan.total_steps}: the learning rate never reaches "
+                f"optim.learning_rate; lower optim.warmup_steps or raise train.max_steps"
+            )
         self.output_dir = Path(t.output_dir)
         self.resume_path, run_notices = share_from_rank0(
             lambda: prepare_output_dir(self.output_dir, cfg)
@@ -126,9 +137,8 @@ class Trainer:
         # generation_config.json: how this model must be sampled (Dream's shift, BD3LM's
         # block-causal attention; only what the objective fixes), so `unmask generate`,
         # export and lm-eval need no flags
-        sampling = generation_config_text(
-            self.tokenizer, fixed_by_training(cfg.diffusion), complete=False
-        )
+        fixed = {**fixed_by_training(cfg.diffusion), **fitted_to_rows(cfg.data)}
+        sampling = generation_config_text(self.tokenizer, fixed, complete=False)
         self.checkpointer = Checkpointer(
             self.output_dir,
             sharded=self.sharded,
@@ -142,7 +152,12 @@ class Trainer:
             self._restore(self.resume_path)
         self.output_dir.mkdir(parents=True, exist_ok=True)
         if self.dist.is_main:
-            (self.output_dir / "config.yaml").write_text(dump_config(cfg))
+            changes = write_config(self.output_dir, dump_config(cfg), self.step)
+            if changes:
+                self.notices.append(
+                    f"resuming with changed settings (the previous config.yaml is kept in "
+                    f"config_history/): {'; '.join(changes)}"
+                )
             if self.resume_path is not None:  # the steps after the checkpoint: logged again
                 truncate_metrics(self.output_dir, self.step)
 
