@@ -18,6 +18,24 @@ from typing import Literal, get_args, get_origin
 from unmask.errors import InputError, RunStopped
 from unmask.sampling.config import SamplingConfig
 
+REFERENCE = (
+    "Every config key with its default and accepted values: docs/configuration.md "
+    "(also `python -m unmask.config`); errors and what to do: docs/troubleshooting.md."
+)
+
+
+def _version() -> str:
+    """'unmask X (torch Y)', read from the installed packages' metadata (no torch import)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from unmask import __version__
+
+    try:
+        torch_version = version("torch")
+    except PackageNotFoundError:
+        torch_version = "not installed"
+    return f"unmask {__version__} (torch {torch_version})"
+
 
 class UsageError(Exception):
     """A command line argparse refuses; main turns it into one line and exit code 2."""
@@ -56,13 +74,16 @@ def _split_train_args(args: list[str], config_flag: str | None) -> tuple[str | N
 
 
 def cmd_train(ns: argparse.Namespace) -> int:
-    from unmask.config import load_config
-    from unmask.train.trainer import Trainer
+    from unmask.config import dump_config, load_config
 
     path, overrides = _split_train_args(ns.args, ns.config)
+    cfg = load_config(path, overrides)
+    if ns.print_config:  # what would run, written nowhere
+        print(dump_config(cfg), end="")
+        return 0
     if path is None:
         print("unmask: no config given, running the built-in quickstart", file=sys.stderr)
-    cfg = load_config(path, overrides)
+    from unmask.train.trainer import Trainer  # after the config: a typo is refused fast
     trainer = Trainer(cfg)
     trainer.train()
     return trainer.exit_code  # 0, or 130 after a Ctrl-C stop (SIGTERM / SIGUSR1 stop: 0)
@@ -253,17 +274,22 @@ def sampling_flags(ns: argparse.Namespace) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = Parser(prog="unmask", description="Train and sample masked-diffusion language models.")
+    parser = Parser(prog="unmask", description="Train and sample masked-diffusion language models.",
+                    epilog=REFERENCE)  # fmt: skip
     parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
+    parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", required=True)
 
     train = sub.add_parser(
         "train",
         help="train from a YAML config (no config: the built-in quickstart)",
         description="unmask train [CONFIG.yaml] [section.key=value ...]",
+        epilog=REFERENCE,
     )
     train.add_argument("args", nargs="*", help="a config file and/or section.key=value overrides")
     train.add_argument("--config", help="config file (same as the positional form)")
+    train.add_argument("--print-config", action="store_true",
+                       help="print the resolved config (file + overrides + defaults) and exit")  # fmt: skip
     train.set_defaults(func=cmd_train)
 
     gen = sub.add_parser("generate", help="sample continuations from a trained model")

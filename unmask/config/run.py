@@ -6,9 +6,11 @@ training loop's is config/train.py); this module composes them, translates seed 
 line that names the key and the nearest valid one.
 """
 
+import types
+import typing
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
@@ -164,6 +166,44 @@ def dump_config(cfg: RunConfig) -> str:
     return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
 
 
+_BOUND_SIGNS = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<"}
+
+
+def accepted_values(field) -> str:
+    """What a key accepts, from its annotation and constraints: the names of a choice key
+    (`a`, `b`), true/false, or the type with its bounds (int >= 1); `null` when optional."""
+    annotation = field.annotation
+    args = typing.get_args(annotation)
+    optional = type(None) in args
+    kinds = [a for a in args if a is not type(None)] if optional else [annotation]
+    parts = [_kind_text(kind) for kind in kinds]
+    bounds = [
+        f"{sign} {getattr(item, attr):g}"
+        for item in field.metadata
+        for attr, sign in _BOUND_SIGNS.items()
+        if isinstance(getattr(item, attr, None), int | float)
+    ]
+    text = ", ".join(parts)
+    if bounds:
+        text += " " + ", ".join(bounds)
+    if optional:
+        text += ", `null`"
+    return text.replace("|", "\\|")
+
+
+def _kind_text(kind) -> str:
+    if typing.get_origin(kind) is Literal:
+        return ", ".join(f"`{choice}`" for choice in typing.get_args(kind))
+    if kind is bool:
+        return "`true`, `false`"
+    if typing.get_origin(kind) is list:
+        (inner,) = typing.get_args(kind) or (Any,)
+        return f"list of {_kind_text(inner)}" if inner is not Any else "list"
+    if typing.get_origin(kind) in (typing.Union, types.UnionType):
+        return ", ".join(_kind_text(k) for k in typing.get_args(kind))
+    return getattr(kind, "__name__", None) or str(kind).replace("typing.", "")
+
+
 def reference_markdown() -> str:
     """docs/configuration.md's key tables, generated from the field docstrings."""
     lines = [
@@ -181,11 +221,11 @@ def reference_markdown() -> str:
     for name, field in RunConfig.model_fields.items():
         section = field.annotation
         lines += [f"## `{name}`", "", field.description or "", ""]
-        lines += ["| key | default | meaning |", "| --- | --- | --- |"]
+        lines += ["| key | default | accepted | meaning |", "| --- | --- | --- | --- |"]
         for key, sub in section.model_fields.items():
             default = sub.get_default(call_default_factory=True)
             shown = yaml.safe_dump(default, default_flow_style=True).strip().removesuffix("...")
             meaning = (sub.description or "").replace("\n", " ").replace("|", "\\|")
-            lines.append(f"| `{key}` | `{shown.strip()}` | {meaning} |")
+            lines.append(f"| `{key}` | `{shown.strip()}` | {accepted_values(sub)} | {meaning} |")
         lines.append("")
     return "\n".join(lines)
