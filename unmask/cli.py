@@ -84,6 +84,7 @@ def cmd_train(ns: argparse.Namespace) -> int:
     if path is None:
         print("unmask: no config given, running the built-in quickstart", file=sys.stderr)
     from unmask.train.trainer import Trainer  # after the config: a typo is refused fast
+
     trainer = Trainer(cfg)
     trainer.train()
     return trainer.exit_code  # 0, or 130 after a Ctrl-C stop (SIGTERM / SIGUSR1 stop: 0)
@@ -95,7 +96,7 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     from unmask.checkpoint import load_for_sampling
     from unmask.sampling.config import resolve_sampling
     from unmask.sampling.show import TerminalAnimation
-    from unmask.sampling.texts import generate_texts
+    from unmask.sampling.texts import generate_texts, throughput, unknown_characters
 
     prompts = list(ns.prompt or [])
     if ns.prompts:
@@ -109,18 +110,26 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     generator = (
         torch.Generator(device=sm.device).manual_seed(ns.seed) if ns.seed is not None else None
     )
+    for prompt in prompts:
+        ids = sm.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        unknown = unknown_characters(sm.tokenizer, prompt, ids)
+        if unknown:
+            print(f"unmask: warning: the tokenizer does not know {unknown!r} in prompt "
+                  f"{prompt!r}; the model sees its unknown token there", file=sys.stderr)  # fmt: skip
     on_step = None
     if ns.show:
-        skip = {i for i in (sm.pad_id, sm.eos_id) if i is not None}
-        on_step = TerminalAnimation(sm.tokenizer, sm.mask_id, skip, delay=ns.show_delay)
+        on_step = TerminalAnimation(sm.tokenizer, sm.mask_id, sm.pad_id, sm.eos_id,
+                                    delay=ns.show_delay)  # fmt: skip
     records = generate_texts(sm, prompts, config, ns.batch_size, generator, on_step)
     if ns.out:
         with open(ns.out, "w") as handle:
             handle.writelines(json.dumps(r) + "\n" for r in records)
+        print(f"unmask: wrote {len(records)} record(s) to {ns.out}", file=sys.stderr)
     elif ns.jsonl or len(records) > 1:
         sys.stdout.writelines(json.dumps(r) + "\n" for r in records)
     else:
         print(records[0]["prompt"] + records[0]["completion"])
+    print(f"unmask: {throughput(records)}", file=sys.stderr)
     return 0
 
 
@@ -306,7 +315,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_flags(gen)
     gen.add_argument("--batch-size", type=positive_int, default=16, help="prompts decoded together")
     gen.add_argument("--mask-id", type=int, help="mask token id (default: the tokenizer's)")
-    gen.add_argument("--device", default="cpu", help="cpu or cuda")
+    gen.add_argument("--device", default="auto", help="auto (cuda when visible), cpu or cuda")
     gen.add_argument("--seed", type=int, help="seed for temperature > 0")
     gen.set_defaults(func=cmd_generate)
 
@@ -320,7 +329,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--mc-num", type=positive_int, default=32, help="Monte Carlo samples per chunk")
     ev.add_argument("--batch-size", type=positive_int, default=16, help="samples per forward pass")
     ev.add_argument("--mask-id", type=int, help="mask token id (default: the tokenizer's)")
-    ev.add_argument("--device", default="cpu", help="cpu or cuda")
+    ev.add_argument("--device", default="auto", help="auto (cuda when visible), cpu or cuda")
     ev.add_argument("--seed", type=int, default=0, help="seed of the masking draws")
     ev.set_defaults(func=cmd_eval)
 

@@ -12,7 +12,7 @@ from unmask.cli import main
 from unmask.data.tokenizer import build_char_tokenizer, ensure_special_tokens
 from unmask.models import from_pretrained
 from unmask.sampling import SamplingConfig, left_pad, sample
-from unmask.sampling.show import MASK_GLYPH, render_row
+from unmask.sampling.show import EOS_GLYPH, MASK_GLYPH, TerminalAnimation, render_row
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -62,9 +62,31 @@ def test_generate_single_prompt_prints_text_and_show_animates(model_dir, capsys)
     expected = expected_completions(model_dir, ["rev 12="], steps=6, gen_length=6)[0]
     assert captured.out == "rev 12=" + expected + "\n"
     frames = [line for line in captured.err.split("\n") if "rev 12=" in line]
-    assert len(frames) == 6  # one redraw per step
+    assert len(frames) == 6  # one frame per step
     assert frames[0].count(MASK_GLYPH) == 5 and MASK_GLYPH not in frames[-1]
-    assert "step 6" in captured.err
+    assert "step 6" in captured.err and "\x1b[" not in captured.err  # not a terminal: plain
+    assert frames[-1].startswith("rev 12=" + expected)
+    assert "tokens/s" in captured.err and "tokens per forward" in captured.err
+
+
+def test_show_on_a_terminal_redraws_in_place():
+    import io
+
+    tok = build_char_tokenizer()
+    ensure_special_tokens(tok)
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    stream = Terminal()
+    show = TerminalAnimation(tok, tok.mask_token_id, tok.eos_token_id, tok.eos_token_id,
+                             stream=stream, delay=0)  # fmt: skip
+    ids = tok("ab", add_special_tokens=False)["input_ids"]
+    show(torch.tensor([ids + [tok.mask_token_id] * 2]))
+    show(torch.tensor([ids + [tok.eos_token_id] * 2]))
+    frames = stream.getvalue()
+    assert frames.count("\x1b[2F") == 1 and ("ab" + EOS_GLYPH * 2) in frames
 
 
 def test_render_row():
@@ -123,3 +145,13 @@ def test_export_loads_in_unmask_and_transformers_with_equal_logits(model_dir, tm
     assert main(["generate", "--model", str(out), "--prompt", "rev 1=", "--gen-length", "4"]) == 0
     # a second export into the same folder is refused without --overwrite
     assert main(["export", str(model_dir), "--out", str(out)]) == 2
+
+
+def test_a_prompt_with_characters_the_tokenizer_lacks_is_warned_about(model_dir, tmp_path,
+                                                                       capsys):  # fmt: skip
+    out = tmp_path / "out.jsonl"
+    assert main(["generate", "--model", str(model_dir), "--prompt", "rev é12=", "--gen-length",
+                 "4", "--out", str(out)]) == 0  # fmt: skip
+    err = capsys.readouterr().err
+    assert "the tokenizer does not know 'é' in prompt 'rev é12='" in err
+    assert f"wrote 1 record(s) to {out}" in err

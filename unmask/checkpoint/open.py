@@ -11,6 +11,7 @@ from unmask.data.tokenizer import load_local_tokenizer
 from unmask.errors import InputError
 from unmask.models import folder_mask_token_id, from_pretrained
 from unmask.models.hf import read_config
+from unmask.parallel.distributed import resolve_device
 from unmask.sampling.config import saved_sampling
 from unmask.sampling.texts import SamplingModel
 
@@ -18,7 +19,7 @@ from unmask.sampling.texts import SamplingModel
 def load_for_sampling(
     model_path: str | Path,
     tokenizer_path: str | Path | None = None,
-    device: str = "cpu",
+    device: str = "auto",
     mask_id: int | None = None,
     dtype: torch.dtype | None = None,
 ) -> SamplingModel:
@@ -40,6 +41,7 @@ def load_for_sampling(
         raise InputError("the tokenizer has no mask token; pass --mask-id")
     eos_id = tokenizer.eos_token_id
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos_id or 0)
+    device = resolve_device(device)  # auto: cuda when visible
     model = from_pretrained(folder, dtype=dtype).to(device).eval()
     vocab = model.config.vocab_size
     if len(tokenizer) > vocab:  # its top ids would index past the embedding
@@ -52,5 +54,5 @@ def load_for_sampling(
             f"mask token id {mask_id} is outside the vocabulary of the model in "
             f"{str(folder)!r} ({vocab} tokens); pass --mask-id"
         )
-    return SamplingModel(model, tokenizer, mask_id, eos_id, pad_id, torch.device(device),
+    return SamplingModel(model, tokenizer, mask_id, eos_id, pad_id, device,
                          saved_sampling(folder))  # fmt: skip

@@ -6,6 +6,7 @@ native HF folder, and `build_empty(cfg)` is the one meta-device construction pat
 that fill a model from a state dict (checkpoint export, full-state gathers).
 """
 
+import contextlib
 from collections.abc import Callable
 from pathlib import Path
 
@@ -54,6 +55,25 @@ def max_positions(cfg: ModelConfig) -> int:
     return positions
 
 
+_INIT_FUNCTIONS = ("normal_", "uniform_", "trunc_normal_", "kaiming_uniform_", "kaiming_normal_",
+                   "xavier_uniform_", "xavier_normal_", "zeros_", "ones_", "constant_")  # fmt: skip
+
+
+@contextlib.contextmanager
+def _no_init():
+    """torch.nn.init's in-place initializers as no-ops while modules are built on the meta
+    device: there is no storage to fill, and the meta kernels of these ops import
+    torch._dynamo (about 0.7 s of every `unmask generate`)."""
+    saved = {name: getattr(nn.init, name) for name in _INIT_FUNCTIONS}
+    for name in saved:
+        setattr(nn.init, name, lambda tensor, *args, **kwargs: tensor)
+    try:
+        yield
+    finally:
+        for name, function in saved.items():
+            setattr(nn.init, name, function)
+
+
 def build_empty(
     cfg: ModelConfig, device: torch.device | str = "cpu", dtype: torch.dtype | None = None
 ) -> DiffusionTransformer:
@@ -65,7 +85,7 @@ def build_empty(
     """
     if not FAMILIES[cfg.model_type].native:
         raise ValueError(f"build_empty builds native decoders; {cfg.model_type!r} is an encoder")
-    with torch.device("meta"):
+    with torch.device("meta"), _no_init():
         model = DiffusionTransformer(cfg)
     model.to_empty(device=device)
     model.tie_weights()

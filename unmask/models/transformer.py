@@ -167,7 +167,10 @@ class DiffusionTransformer(nn.Module):
 
     @torch.no_grad()
     def init_weights(self) -> None:
-        """normal(0, initializer_range) for linear/embedding weights, zero biases, unit norms."""
+        """normal(0, initializer_range) for linear/embedding weights, zero biases, unit norms.
+        Nothing to do on the meta device (no storage; `build_empty` loads a state dict)."""
+        if self.lm_head.weight.is_meta:
+            return
         std = self.config.initializer_range
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):

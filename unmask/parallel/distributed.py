@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from unmask.errors import InputError
 from unmask.parallel.mesh import (
     LaunchEnv,
     build_mesh,
@@ -89,3 +90,12 @@ def all_reduce_sum(*values: torch.Tensor) -> tuple[torch.Tensor, ...]:
 def full_value(x):
     """The global value of a DTensor (e.g. a grad norm), else x."""
     return x.full_tensor() if isinstance(x, DTensor) else x
+
+
+def resolve_device(name: str) -> torch.device:
+    """auto: cuda when a CUDA device is visible, else cpu; cuda without one: an InputError."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise InputError("device is 'cuda' but no CUDA device is visible; use auto or cpu")
+    return torch.device(name)

@@ -41,8 +41,8 @@ def generate_texts(
     on_step: Callable[[torch.Tensor], None] | None = None,
 ) -> list[dict[str, Any]]:
     """Generate for each prompt (batched, left-padded); returns one record per prompt, in
-    order: prompt, completion (text before the first EOS), tokens, nfe, seconds of its
-    batch. With config.row_length the prompts are grouped by token length and each group
+    order: prompt, completion (text before the first EOS), tokens, and nfe (model forward
+    calls) and seconds of its batch, numbered by `batch`. With config.row_length the prompts are grouped by token length and each group
     gets the canvas that fills a training row (`SamplingConfig.fitted`)."""
     encoded = [sm.tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
     for text, ids in zip(prompts, encoded):
@@ -52,6 +52,7 @@ def generate_texts(
     for index, ids in enumerate(encoded):
         groups.setdefault(len(ids) if config.row_length else 0, []).append(index)
     records: list[dict[str, Any]] = [{} for _ in prompts]
+    batch = 0
     for prompt_len, indices in sorted(groups.items()):
         fitted = config.fitted(prompt_len)
         try:
@@ -74,5 +75,33 @@ def generate_texts(
                     "tokens": len(answer),
                     "nfe": out.nfe,
                     "seconds": round(out.seconds, 4),
+                    "batch": batch,
                 }
+            batch += 1
     return records
+
+
+def throughput(records: list[dict[str, Any]]) -> str:
+    """One line for a finished generate call: prompts, answer tokens, forward calls, wall
+    time, tokens/s and tokens per forward (the parallel-decoding gain; 1.0 = one token per
+    step per row)."""
+    batches = {r["batch"]: r for r in records}
+    tokens = sum(r["tokens"] for r in records)
+    nfe = sum(r["nfe"] for r in batches.values())
+    seconds = sum(r["seconds"] for r in batches.values())
+    rows_forward = sum(r["nfe"] * sum(x["batch"] == b for x in records) for b, r in batches.items())
+    return (
+        f"{len(records)} prompt(s), {tokens} answer tokens, {nfe} forward calls in "
+        f"{seconds:.2f}s: {tokens / max(seconds, 1e-9):.1f} tokens/s, "
+        f"{tokens / max(rows_forward, 1):.2f} tokens per forward per row"
+    )
+
+
+def unknown_characters(tokenizer, text: str, ids: list[int]) -> str:
+    """The characters of `text` the tokenizer maps to its unknown token ('' when none or
+    the tokenizer has no unknown token)."""
+    unk = tokenizer.unk_token_id
+    if unk is None or unk not in ids:
+        return ""
+    known = tokenizer.decode([i for i in ids if i != unk], skip_special_tokens=False)
+    return "".join(sorted({c for c in text if c not in known and not c.isspace()}))

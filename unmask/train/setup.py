@@ -29,14 +29,6 @@ def check_model_fits(cfg: RunConfig) -> None:
         )
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise InputError("train.device is 'cuda' but no CUDA device is visible; use auto or cpu")
-    return torch.device(name)
-
-
 def prepare_tokenizer(cfg: RunConfig):
     """(tokenizer, the tokenizer as loaded, number of tokens added). The one as loaded is
     what token stores were made with; a LLaDA / Dream folder's mask id is adopted; a mask

@@ -36,7 +36,7 @@ from unmask.models.quant import check_4bit
 from unmask.optim.config import build_optimizer
 from unmask.optim.schedule import build_scheduler
 from unmask.parallel.batch import per_rank_batch_size, rank_generator
-from unmask.parallel.distributed import all_reduce_sum, full_value, setup
+from unmask.parallel.distributed import all_reduce_sum, full_value, resolve_device, setup
 from unmask.parallel.fsdp import sync_gradients
 from unmask.parallel.mesh import launch_env, share_from_rank0
 from unmask.sampling.accuracy import heldout_accuracy
@@ -61,7 +61,6 @@ from unmask.train.setup import (
     build_train_model,
     check_model_fits,
     prepare_tokenizer,
-    resolve_device,
 )
 from unmask.train.signals import StopSignals
 
