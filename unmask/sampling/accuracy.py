@@ -1,6 +1,7 @@
 """Exact-match accuracy of generated answers for held-out prompts (the quickstart's score)."""
 
 from collections import defaultdict
+from collections.abc import Callable
 
 import torch
 
@@ -23,6 +24,7 @@ def heldout_accuracy(
     row_length: int,
     device: torch.device,
     sampling: dict | None = None,
+    on_progress: Callable[[int, int], None] | None = None,
 ) -> tuple[float, list[tuple[str, str, str]]]:
     """Generate an answer for each prompt so that prompt + answer fills `row_length` tokens
     (the shape rows had in training) and score exact match.
@@ -31,7 +33,8 @@ def heldout_accuracy(
     `shift_logits`; BD3LM's `block_causal` with its `block_length`, where the answer is
     rounded up to whole blocks (later blocks cannot change earlier ones).
 
-    Prompts are grouped by token length so each group is one rectangular batch.
+    Prompts are grouped by token length so each group is one rectangular batch;
+    on_progress(done, total) is called after each batch.
     Returns (accuracy, [(prompt, expected, predicted), ...]).
     """
     examples = examples[: cfg.max_examples]
@@ -67,6 +70,8 @@ def heldout_accuracy(
             out = generate(model, prompt, config, mask_id=tokenizer.mask_token_id)
             for row, index in zip(out[:, prompt_len:].tolist(), chunk):
                 predictions[index] = decode_answer(tokenizer, row)
+            if on_progress is not None:
+                on_progress(len(predictions), len(examples))
     model.train(was_training)
     rows = [(p, a, predictions[i]) for i, (p, a) in enumerate(examples)]
     correct = sum(expected == got for _, expected, got in rows)

@@ -7,6 +7,7 @@ path) runs before anything is written, so bad input never leaves a half-made run
 
 import json
 import math
+import os
 import time
 from pathlib import Path
 
@@ -92,6 +93,12 @@ class Trainer:
         self.notices = [*cfg.notices, *data.notices]  # the config file's, then the data's
         self.num_rows = None if isinstance(data.train, StreamSpec) else len(data.train)
         self.plan = make_plan(cfg, self.num_rows, batch_ranks)
+        cores = os.cpu_count() or 1
+        if self.device.type == "cpu" and self.dist.world_size > cores:
+            self.notices.append(
+                f"{self.dist.world_size} processes share {cores} CPU cores: expect each to "
+                "run slower than one process would; launch at most one per core"
+            )
         if self.plan.warmup_steps >= self.plan.total_steps:
             self.notices.append(
                 f"warmup takes {self.plan.warmup_steps} steps of the run's "
@@ -419,6 +426,15 @@ class Trainer:
         end-of-run summary's `unmask generate` line."""
         examples = heldout_examples(self.cfg.data)
         started = time.perf_counter()
+        shown = [0]  # quarters of the pass printed so far
+
+        def progress(done: int, total: int) -> None:
+            quarter = 4 * done // max(total, 1)
+            if quarter > shown[0] and done < total:
+                shown[0] = quarter
+                logger.print(f"held-out generation: {done}/{total} prompts "
+                             f"({time.perf_counter() - started:.0f}s)")  # fmt: skip
+
         accuracy, rows = heldout_accuracy(
             self.model,
             self.tokenizer,
@@ -427,6 +443,7 @@ class Trainer:
             self.cfg.data.packing_length,
             self.device,
             fixed_by_training(self.cfg.diffusion),
+            on_progress=progress,
         )
         for prompt, expected, got in rows[:5]:
             mark = "ok " if expected == got else "bad"
