@@ -8,16 +8,20 @@ STAMP := $(VENV)/.installed-unmask
 .PHONY: quickstart test test-fast lint format bench clean-venv
 
 $(STAMP): pyproject.toml
+	@echo "unmask: setting up $(VENV) (torch 2.13.0 CPU build, then unmask and its extras; a few minutes the first time)"
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
+	@echo "unmask: installing torch 2.13.0"
 	$(BIN)/pip install -q torch==2.13.0
+	@echo "unmask: installing unmask with its extras"
 	$(BIN)/pip install -q -e ".[dev,lora,qlora,plot,eval,wandb,trackio]"
 	touch $(STAMP)
+	@echo "unmask: $(VENV) is ready"
 
 quickstart: $(STAMP)
 	$(BIN)/unmask train train.output_dir=runs/quickstart train.overwrite_output_dir=true
-	$(BIN)/unmask generate --model runs/quickstart/final --prompt "rev 90417=" --gen-length 8
-	$(BIN)/unmask generate --model runs/quickstart/final --prompt "add 58+67=" --gen-length 8
+	$(BIN)/unmask generate --model runs/quickstart/final --prompt "rev 90417="
+	$(BIN)/unmask generate --model runs/quickstart/final --prompt "add 58+67="
 
 test: $(STAMP)
 	$(BIN)/pytest -q tests
