@@ -138,3 +138,32 @@ def test_torchrun_ranks_read_disjoint_shares_whose_union_is_one_rank_s(
     assert docs[0].isdisjoint(docs[1])
     everything = {tuple(row) for batch in single for row in batch}
     assert docs[0] | docs[1] >= everything
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["store", "blend"])
+def test_two_ranks_on_a_store_or_blend_log_the_one_process_losses(tiny_config, tmp_path,
+                                                                   corpus, kind):  # fmt: skip
+    """The 1-vs-2-rank agreement of test_distributed_train, with rows from a token store or
+    a blend: each rank reads its slice of the global batch and draws its slice of the
+    global noise, so the logged losses are the one-process run's."""
+    import subprocess
+    import sys
+
+    train = {"max_steps": 6, "split_batches": True, "per_device_train_batch_size": 8,
+             "eval_steps": 0, "save_steps": 0, "logging_steps": 1}  # fmt: skip
+    data = {**_data(corpus, kind), "packing_length": 32}
+    one = tiny_config({"data": data, "train": {**train, "output_dir": str(tmp_path / "one")}},
+                      "one.yaml")  # fmt: skip
+    two = tiny_config({"data": data, "train": {**train, "output_dir": str(tmp_path / "two")}},
+                      "two.yaml")  # fmt: skip
+    assert main(["train", str(one)]) == 0
+    worker = WORKER.parent / "train_worker.py"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(worker), str(tmp_path / "results.json"), str(two)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    single, double = losses(tmp_path / "one"), losses(tmp_path / "two")
+    assert sorted(double) == sorted(single) == [1, 2, 3, 4, 5, 6]
+    for step in single:
+        assert double[step] == pytest.approx(single[step], abs=1e-5), step
