@@ -105,7 +105,7 @@ def cmd_generate(ns: argparse.Namespace) -> int:
         raise InputError("no prompts; give --prompt TEXT (repeatable) or --prompts FILE.jsonl")
     if ns.out:
         _check_out_file(Path(ns.out))
-    sm = load_for_sampling(ns.model, ns.tokenizer, ns.device, ns.mask_id)
+    sm = load_for_sampling(ns.model, ns.tokenizer, ns.device, ns.mask_id, base=ns.base)
     config = resolve_sampling(sm.saved, sampling_flags(ns))
     generator = (
         torch.Generator(device=sm.device).manual_seed(ns.seed) if ns.seed is not None else None
@@ -184,7 +184,7 @@ def cmd_eval(ns: argparse.Namespace) -> int:
     if not path.is_file():
         raise InputError(f"--ppl {ns.ppl!r} does not exist; give a text file")
     text = _read_text(path, "--ppl")
-    sm = load_for_sampling(ns.model, ns.tokenizer, ns.device, ns.mask_id)
+    sm = load_for_sampling(ns.model, ns.tokenizer, ns.device, ns.mask_id, base=ns.base)
     config = resolve_sampling(sm.saved)
     if config.block_causal:
         raise InputError(
@@ -209,7 +209,7 @@ def cmd_eval(ns: argparse.Namespace) -> int:
 def cmd_export(ns: argparse.Namespace) -> int:
     from unmask.checkpoint import export_model
 
-    out = export_model(ns.checkpoint, ns.out, dtype=ns.dtype, overwrite=ns.overwrite)
+    out = export_model(ns.checkpoint, ns.out, dtype=ns.dtype, overwrite=ns.overwrite, base=ns.base)
     print(f"unmask: exported {ns.checkpoint} to {out}", file=sys.stderr)
     return 0
 
@@ -244,6 +244,11 @@ def cmd_runs(ns: argparse.Namespace) -> int:
         return 0
     print(runs_table([run_info(path) for path in found]))
     return 0
+
+
+def add_base_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--base", metavar="FOLDER", help="base model folder of an unmerged "
+                        "LoRA adapter (default: the one the adapter records)")  # fmt: skip
 
 
 SAMPLING_GROUP = "sampling options (default: the model folder's generation_config.json)"
@@ -302,9 +307,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.set_defaults(func=cmd_train)
 
     gen = sub.add_parser("generate", help="sample continuations from a trained model")
-    gen.add_argument(
-        "--model", required=True, help="checkpoint-N, run output_dir or exported folder"
-    )
+    gen.add_argument("--model", required=True, help="checkpoint-N (one process or sharded, "
+                     "LoRA or not), final/, run output_dir or exported folder")  # fmt: skip
     gen.add_argument("--prompt", action="append", help="text to continue (repeatable)")
     gen.add_argument("--prompts", help='jsonl file, one {"prompt": ...} per line')
     gen.add_argument("--out", help="write one jsonl record per prompt here")
@@ -312,6 +316,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--show", action="store_true", help="animate the denoising (stderr)")
     gen.add_argument("--show-delay", type=float, default=0.05, help="seconds per frame")
     gen.add_argument("--tokenizer", help="tokenizer folder (default: the model folder)")
+    add_base_flag(gen)
     add_sampling_flags(gen)
     gen.add_argument("--batch-size", type=positive_int, default=16, help="prompts decoded together")
     gen.add_argument("--mask-id", type=int, help="mask token id (default: the tokenizer's)")
@@ -325,6 +330,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ev.add_argument("--ppl", required=True, help="text file to score")
     ev.add_argument("--tokenizer", help="tokenizer folder (default: the model folder)")
+    add_base_flag(ev)
     ev.add_argument("--context", type=positive_int, default=512, help="tokens per scored chunk")
     ev.add_argument("--mc-num", type=positive_int, default=32, help="Monte Carlo samples per chunk")
     ev.add_argument("--batch-size", type=positive_int, default=16, help="samples per forward pass")
@@ -334,10 +340,14 @@ def build_parser() -> argparse.ArgumentParser:
     ev.set_defaults(func=cmd_eval)
 
     ex = sub.add_parser("export", help="write an HF folder (weights, tokenizer, defaults)")
-    ex.add_argument("checkpoint", help="checkpoint-N (plain or sharded), final/ or output_dir")
+    ex.add_argument(
+        "checkpoint",
+        help="checkpoint-N (one process or sharded, LoRA or not), final/ or output_dir",
+    )
     ex.add_argument("--out", required=True, help="new folder to write")
     ex.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
     ex.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+    add_base_flag(ex)
     ex.set_defaults(func=cmd_export)
 
     pre = sub.add_parser(

@@ -1,12 +1,8 @@
 """Model and run folders on disk: checkpoints written, found, restored and exported, and
-saved models opened for sampling."""
+saved models (every kind unmask writes: saved.py) opened for sampling."""
 
 from unmask.checkpoint.checkpointer import Checkpointer
-from unmask.checkpoint.export import (
-    export_distributed_checkpoint,
-    export_model,
-    gather_distributed_checkpoint,
-)
+from unmask.checkpoint.export import export_distributed_checkpoint, export_model
 from unmask.checkpoint.layout import (
     STATE_FILE,
     is_distributed_checkpoint,
@@ -15,6 +11,7 @@ from unmask.checkpoint.layout import (
     resolve_resume,
 )
 from unmask.checkpoint.open import load_for_sampling
+from unmask.checkpoint.saved import gather_distributed_checkpoint, saved_kind
 
 __all__ = [
     "STATE_FILE",
@@ -27,4 +24,5 @@ __all__ = [
     "load_for_sampling",
     "resolve_model_folder",
     "resolve_resume",
+    "saved_kind",
 ]

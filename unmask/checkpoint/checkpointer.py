@@ -39,7 +39,7 @@ from unmask.checkpoint.layout import (
 from unmask.errors import InputError
 from unmask.models import ModelConfig, build_empty, hf_config_dict
 from unmask.models.hf import read_safetensors, shape_mismatch
-from unmask.models.lora import ADAPTER_FILE, load_adapter, save_lora
+from unmask.models.lora import ADAPTER_FILE, apply_lora, load_adapter, save_adapter, save_lora
 from unmask.parallel.fsdp import full_model_state
 
 OPTIMIZER_FILE, SCHEDULER_FILE, RNG_FILE = "optimizer.pt", "scheduler.pt", "rng_state.pt"
@@ -86,6 +86,9 @@ class Checkpointer:
             model_state, optim_state = get_state_dict(model, optimizer)
             dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp / DCP_DIR))
             state["world_size"] = dist.get_world_size()
+        elif hasattr(model, "peft_config"):  # a LoRA run: its adapter
+            save_adapter(model, tmp)
+            torch.save(optimizer.state_dict(), tmp / OPTIMIZER_FILE)
         else:
             model.save_pretrained(tmp)
             torch.save(optimizer.state_dict(), tmp / OPTIMIZER_FILE)
@@ -155,22 +158,29 @@ class Checkpointer:
         """output_dir/final: the trained model as one HF folder with the tokenizer and the
         run's files. Sharded: every rank gathers the full state, rank 0 writes it through an
         unsharded model of the same architecture. A LoRA run (model_cfg.lora): the peft
-        adapter, or the merged model with model_cfg.lora_merge (returned, to use from then
-        on; otherwise `model` itself)."""
+        adapter, or the merged model with model_cfg.lora_merge (returned by a one-process
+        run, to use from then on; otherwise `model` itself)."""
         folder = self.output_dir / "final"
+        lora = model_cfg is not None and model_cfg.lora
         if self.sharded:
             state = full_model_state(model)  # collective: every rank
-            if dist.get_rank() == 0:
+            if dist.get_rank() == 0:  # peft names under LoRA: load into a plain peft model
                 plain = build_empty(model.config)
+                plain = apply_lora(plain, model_cfg) if lora else plain
                 plain.load_state_dict(state)
-                plain.save_pretrained(str(folder))
+                if lora:
+                    save_lora(plain, self.output_dir, folder, model_cfg)
+                else:
+                    plain.save_pretrained(str(folder))
             dist.barrier()
-        elif model_cfg is not None and model_cfg.lora:
+        elif lora:
             model = save_lora(model, self.output_dir, folder, model_cfg)
         else:
             model.save_pretrained(str(folder))
         if self._is_writer:
             self._write_run_files(folder)
+            if lora:  # the adapter folder too: tokenizer and base record, to sample it
+                self._write_run_files(self.output_dir / model_cfg.adaptor_name)
         return model
 
 
@@ -258,9 +268,11 @@ def _load_sharded(path: Path, model: nn.Module, optimizer) -> None:
     )
 
 
-def dcp_load(state: dict, folder: Path) -> None:
-    """dcp.load in place; in one process (no process group) that is the intent: no warning."""
+def dcp_load(state: dict, folder: Path, no_dist: bool = False) -> None:
+    """dcp.load in place: only the entries `state` holds are read. no_dist (or no process
+    group): this process alone reads them, also inside a multi-process job; that is the
+    intent, so no warning."""
     with warnings.catch_warnings():
-        if not dist.is_initialized():
+        if no_dist or not dist.is_initialized():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, checkpoint_id=str(folder))
+        dcp.load(state, checkpoint_id=str(folder), no_dist=no_dist)

@@ -1,5 +1,6 @@
 """`unmask export CHECKPOINT --out DIR`: one self-contained Hugging Face folder from any
-checkpoint (one-process or sharded), final/ or run output_dir.
+folder unmask writes (see saved.py: a checkpoint-N of one process or many, a LoRA adapter,
+merged with its base, final/, a run output_dir).
 
 The folder holds config.json (the family's layout; Qwen3/Qwen2/Llama load in transformers
 as they are), model.safetensors, the tokenizer files and generation_config.json (special ids
@@ -13,16 +14,10 @@ from typing import Any
 
 import torch
 
-from unmask.checkpoint.checkpointer import dcp_load
-from unmask.checkpoint.layout import (
-    DCP_DIR,
-    is_distributed_checkpoint,
-    resolve_model_folder,
-)
+from unmask.checkpoint.layout import resolve_model_folder
+from unmask.checkpoint.saved import gather_distributed_checkpoint, inspect_saved, load_saved_model
 from unmask.data.tokenizer import load_local_tokenizer
 from unmask.errors import InputError
-from unmask.models import DiffusionTransformer, build_empty, config_from_hf, from_pretrained
-from unmask.models.hf import read_config
 from unmask.sampling.config import GENERATION_FILE, generation_config_text, saved_sampling
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -36,31 +31,26 @@ def export_model(
     dtype: str = "float32",
     overwrite: bool = False,
     sampling: dict[str, Any] | None = None,
+    base: str | Path | None = None,
 ) -> Path:
-    """Write the HF folder for a checkpoint-N, final/ or run output_dir into `out`;
-    `sampling` overrides the checkpoint's own sampling options."""
+    """Write the HF folder for any saved model folder (`resolve_model_folder`) into `out`;
+    `sampling` overrides the checkpoint's own sampling options; `base` is the base model
+    folder of an unmerged LoRA adapter, in place of the one it records."""
     if dtype not in DTYPES:
         raise InputError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
-    source = Path(checkpoint)
-    if not source.is_dir():
-        raise InputError(f"checkpoint {str(source)!r} is not a folder; give a checkpoint-N folder")
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise InputError(f"--out {str(out)!r} is a file; give the path of a new folder")
     replace = out.exists() and any(out.iterdir())
     if replace and not overwrite:
         raise InputError(f"--out {str(out)!r} is not empty; pick a new folder or --overwrite")
-    folder = source if is_distributed_checkpoint(source) else resolve_model_folder(source)
-    read_config(folder)  # a broken config.json is named as such, before the tokenizer reads it
+    folder = resolve_model_folder(checkpoint, "checkpoint")
+    saved = inspect_saved(folder, base)  # a broken config.json or a missing base, named first
     fix = "checkpoints written by unmask train hold one; copy its tokenizer files there"
     tokenizer = load_local_tokenizer(str(folder), "checkpoint", fix)
     own = saved_sampling(folder)  # the checkpoint's own options (from training)
     text = generation_config_text(tokenizer, {**own, **(sampling or {})}, complete=True)
-    if is_distributed_checkpoint(folder):
-        model = gather_distributed_checkpoint(folder)
-    else:
-        model = from_pretrained(folder)
-    model = model.to(DTYPES[dtype])
+    model = load_saved_model(saved).to(DTYPES[dtype])
     if replace:  # only now: a source that cannot be read leaves --out as it was
         shutil.rmtree(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -68,18 +58,6 @@ def export_model(
     tokenizer.save_pretrained(str(out))
     (out / GENERATION_FILE).write_text(text)
     return out
-
-
-def gather_distributed_checkpoint(path: Path) -> DiffusionTransformer:
-    """The full model of a sharded (DCP) checkpoint-N, in one process (no process group)."""
-    path = Path(path)
-    if not is_distributed_checkpoint(path):
-        raise InputError(f"{str(path)!r} is not a sharded (DCP) unmask checkpoint")
-    model = build_empty(config_from_hf(read_config(path)))
-    state = {"model": model.state_dict()}
-    dcp_load(state, path / DCP_DIR)
-    model.load_state_dict(state["model"])
-    return model
 
 
 def export_distributed_checkpoint(path: Path, out: Path) -> Path:

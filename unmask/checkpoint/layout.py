@@ -22,6 +22,8 @@ MANIFEST = "manifest.json"
 STATE_FILE = "trainer_state.json"
 DCP_DIR = "dcp"  # the sharded model + optimizer of a multi-process run
 CONFIG_FILE = "config.json"
+ADAPTER_CONFIG = "adapter_config.json"  # a LoRA adapter folder (peft's format)
+FINAL_DIR = "final"
 _NAME = re.compile(r"^checkpoint-(\d+)$")
 
 
@@ -138,10 +140,12 @@ def resolve_resume(output_dir: Path, resume: bool | str | None) -> Path | None:
         return newest_intact(output_dir)[0]
     path = Path(resume)
     if not path.is_dir():
+        listing = missing_from_run(path, final=False)
         raise InputError(
+            f"resume_from_checkpoint: {listing}" if listing else
             f"resume_from_checkpoint {str(path)!r} does not exist; "
             "give a checkpoint-N folder or true for the newest one in output_dir"
-        )
+        )  # fmt: skip
     if not (path / STATE_FILE).is_file() and not (path / MANIFEST).is_file():
         raise InputError(
             f"{str(path)!r} is not a complete unmask checkpoint (no {STATE_FILE}); "
@@ -153,22 +157,62 @@ def resolve_resume(output_dir: Path, resume: bool | str | None) -> Path | None:
     return path
 
 
-def resolve_model_folder(path: str | Path) -> Path:
-    """The model folder `path` names: a folder with config.json, or a run's output_dir
-    (its final/, else its newest complete checkpoint-N)."""
+def holds_model(folder: Path) -> bool:
+    """True for a folder a model loads from: config.json (an HF folder, a sharded
+    checkpoint) or a LoRA adapter."""
+    return (Path(folder) / CONFIG_FILE).is_file() or (Path(folder) / ADAPTER_CONFIG).is_file()
+
+
+def run_contents(folder: Path, final: bool = True) -> list[str]:
+    """What a run folder holds to load or resume: its checkpoint-N names, oldest first (a
+    long list shortened in the middle), then `final` when final/ holds a model."""
+    names = [path.name for path in list_checkpoints(folder)]
+    if len(names) > 6:
+        names = [*names[:2], f"... ({len(names)} checkpoints)", *names[-3:]]
+    if final and holds_model(Path(folder) / FINAL_DIR):
+        names.append(FINAL_DIR)
+    return names
+
+
+def missing_from_run(path: Path, final: bool = True) -> str | None:
+    """For a path that does not exist inside a run folder: "no checkpoint-2000 in 'runs/x';
+    it holds checkpoint-1500, checkpoint-3000, final" (what can be given instead); None
+    when the parent holds no checkpoint (then it is no run folder)."""
+    path = Path(path)
+    held = run_contents(path.parent, final) if not path.exists() else []
+    if not held:
+        return None
+    return f"no {path.name} in {str(path.parent)!r}; it holds {', '.join(held)}"
+
+
+def resolve_model_folder(path: str | Path, flag: str = "--model") -> Path:
+    """The model folder `path` names: a folder with config.json or a LoRA adapter, or a run's
+    output_dir (its final/, else its newest intact checkpoint-N). `flag` names the argument
+    in errors."""
     folder = Path(path)
     if not folder.is_dir():
+        listing = missing_from_run(folder)
         raise InputError(
-            f"--model {str(path)!r} is not a folder; give a checkpoint-N or exported model folder"
+            listing
+            or f"{flag} {str(path)!r} is not a folder; give a checkpoint-N, final/ or "
+            "exported model folder, or a run output_dir"
         )
-    if (folder / CONFIG_FILE).is_file():
+    if holds_model(folder):
         return folder
-    if (folder / "final" / CONFIG_FILE).is_file():
-        return folder / "final"
-    checkpoints = list_checkpoints(folder)
-    if checkpoints:
-        return checkpoints[-1]
-    raise InputError(f"no config.json in {str(folder)!r}; give a checkpoint-N or exported folder")
+    if holds_model(folder / FINAL_DIR):
+        return folder / FINAL_DIR
+    newest, skipped = newest_intact(folder)
+    if newest is not None:
+        return newest
+    if skipped:
+        raise InputError(
+            f"no intact checkpoint in {str(folder)!r}: {'; '.join(skipped[:2])}; give another "
+            "checkpoint-N or exported folder"
+        )
+    raise InputError(
+        f"no config.json in {str(folder)!r}; give a checkpoint-N, final/ or exported folder, "
+        "or a run output_dir holding one"
+    )
 
 
 def temporary_folder(output_dir: Path, step: int, suffix: str = "") -> Path:

@@ -1,16 +1,16 @@
-"""Open a saved model for sampling: a checkpoint-N, final/, exported folder or run
-output_dir -> weights on a device, tokenizer, special ids and the folder's sampling
-options (generation_config.json)."""
+"""Open a saved model for sampling: any folder unmask writes (a checkpoint-N of one process
+or many, a LoRA adapter, final/, an exported folder, a run output_dir) -> weights on a
+device, tokenizer, special ids and the folder's sampling options (generation_config.json)."""
 
 from pathlib import Path
 
 import torch
 
 from unmask.checkpoint.layout import resolve_model_folder
+from unmask.checkpoint.saved import inspect_saved, load_saved_model
 from unmask.data.tokenizer import load_local_tokenizer
 from unmask.errors import InputError
-from unmask.models import folder_mask_token_id, from_pretrained
-from unmask.models.hf import read_config
+from unmask.models import folder_mask_token_id
 from unmask.parallel.distributed import resolve_device
 from unmask.sampling.config import saved_sampling
 from unmask.sampling.texts import SamplingModel
@@ -22,19 +22,22 @@ def load_for_sampling(
     device: str = "auto",
     mask_id: int | None = None,
     dtype: torch.dtype | None = None,
+    base: str | Path | None = None,
 ) -> SamplingModel:
     """The model at model_path in eval mode on `device`, with its tokenizer (or the one at
     tokenizer_path). The mask id: `mask_id`, else the folder's (`folder_mask_token_id`:
-    config.json's, or its family's released id), else the tokenizer's."""
+    config.json's, or its family's released id; an adapter's base folder's), else the
+    tokenizer's. `base`: the base model folder of an unmerged LoRA adapter, in place of the
+    one it records."""
     folder = resolve_model_folder(model_path)
-    read_config(folder)  # a broken config.json is named as such, before the tokenizer reads it
+    saved = inspect_saved(folder, base)  # a broken config.json or a missing base, named first
     if tokenizer_path:
         tokenizer = load_local_tokenizer(str(tokenizer_path), "tokenizer")
     else:
         fix = "pass --tokenizer FOLDER (lm-eval: tokenizer=FOLDER in model_args)"
         tokenizer = load_local_tokenizer(str(folder), "model folder", fix)
-    if mask_id is None:
-        mask_id = folder_mask_token_id(folder)
+    if mask_id is None and saved.config_folder is not None:
+        mask_id = folder_mask_token_id(saved.config_folder)
     if mask_id is None:
         mask_id = tokenizer.mask_token_id
     if mask_id is None:
@@ -42,7 +45,7 @@ def load_for_sampling(
     eos_id = tokenizer.eos_token_id
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos_id or 0)
     device = resolve_device(device)  # auto: cuda when visible
-    model = from_pretrained(folder, dtype=dtype).to(device).eval()
+    model = load_saved_model(saved, dtype).to(device).eval()
     vocab = model.config.vocab_size
     if len(tokenizer) > vocab:  # its top ids would index past the embedding
         raise InputError(

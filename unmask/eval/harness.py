@@ -48,6 +48,7 @@ class UnmaskLM(LM):
         self,
         pretrained: str,
         tokenizer: str | None = None,
+        base: str | None = None,
         device: str = "cpu",
         mc_num: int = 128,
         mc_batch_size: int = 16,
@@ -57,14 +58,15 @@ class UnmaskLM(LM):
         seed: int = 0,
         **sampling: Any,
     ) -> None:
-        """model_args: the adapter's own (above) and every SamplingConfig field."""
+        """model_args: the adapter's own (above; `base`: the base model folder of an
+        unmerged LoRA adapter) and every SamplingConfig field."""
         super().__init__()
         unknown = set(sampling) - set(SamplingConfig.model_fields) - set(_IGNORED_ARGS)
         if unknown:
             raise ValueError(f"unknown model_args {sorted(unknown)} for model 'unmask'")
         if str(device).startswith("cuda") and not torch.cuda.is_available():
             device = "cpu"  # lm-eval's command line defaults to cuda
-        self.sm = load_for_sampling(pretrained, tokenizer, str(device or "cpu"))
+        self.sm = load_for_sampling(pretrained, tokenizer, str(device or "cpu"), base=base)
         self.mc_num, self.mc_batch_size = int(mc_num), int(mc_batch_size)
         self.max_length = int(max_length)
         self.gen_batch_size = int(batch_size) if str(batch_size).isdigit() else 16

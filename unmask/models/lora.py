@@ -2,7 +2,11 @@
 
 Only the LoRA factors train (the base weights are frozen), and the optimizer routes every
 parameter whose name holds `lora` to AdamW (never Muon). The adapter is saved with peft's own
-`save_pretrained`, so `peft.PeftModel.from_pretrained(base_model, folder)` loads it.
+`save_pretrained`, so `peft.PeftModel.from_pretrained(base_model, folder)` loads it. An
+adapter records its base: adapter_config.json's `base_model_name_or_path` (the absolute
+model.pretrained folder), and lora_base.json next to it (that folder, or the model section and
+seed that rebuild a base made from the config, the vocabulary size and a fingerprint of the
+base weights), so an adapter folder can be sampled and exported without its run's config.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ from unmask.models.config import ModelConfig
 from unmask.models.transformer import DiffusionTransformer
 
 ADAPTER_FILE = "adapter_model.safetensors"  # peft's file name: what a LoRA run saves
+ADAPTER_CONFIG = "adapter_config.json"  # peft's settings file, next to ADAPTER_FILE
+LORA_BASE_FILE = "lora_base.json"  # what rebuilds the base an adapter was trained on
 # Every linear layer of the decoder blocks (the LM head stays frozen: the masked-only loss
 # reads its weight directly).
 NATIVE_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -84,15 +90,56 @@ def apply_lora(model: nn.Module, cfg: ModelConfig) -> nn.Module:
     """A peft `PeftModel` around model: base weights frozen, LoRA factors trainable."""
     import peft  # optional extra (lora): imported only when LoRA is used
 
-    return peft.get_peft_model(model, peft_config(cfg, model))
+    wrapped = peft.get_peft_model(model, peft_config(cfg, model))
+    if cfg.pretrained is not None:  # saved into adapter_config.json: peft's record of the base
+        base = str(Path(cfg.pretrained).expanduser().resolve())
+        wrapped.peft_config["default"].base_model_name_or_path = base
+    return wrapped
+
+
+def base_record(cfg: ModelConfig, seed: int, vocab_size: int, fingerprint) -> dict:
+    """lora_base.json: the base a LoRA run trains on. `pretrained` (absolute) when it came
+    from a folder; else `model` and `seed` rebuild it (torch.manual_seed(seed), then
+    build_model(model)); `vocab_size` after any resize; `fingerprint` (base_fingerprint, None
+    when not computed) tells a rebuilt or moved base from another."""
+    pretrained = cfg.pretrained
+    if pretrained is not None:
+        pretrained = str(Path(pretrained).expanduser().resolve())
+    model = cfg.model_copy(update={"pretrained": pretrained}).model_dump(mode="json")
+    return {"pretrained": pretrained, "seed": seed, "vocab_size": vocab_size,
+            "fingerprint": fingerprint, "model": model}  # fmt: skip
+
+
+def merge_adapter(base: nn.Module, folder: Path) -> nn.Module:
+    """base with the peft adapter saved in folder merged into its weights (base is changed
+    in place and returned); an adapter of other shapes is an InputError."""
+    import peft  # the lora extra
+
+    try:
+        wrapped = peft.PeftModel.from_pretrained(base, str(folder))
+    except (RuntimeError, ValueError) as err:  # shapes or target modules differ
+        first = (str(err).strip().splitlines() or [type(err).__name__])[-1].strip()
+        raise InputError(
+            f"LoRA adapter {str(folder)!r} does not fit its base model ({first[:160]}); "
+            "pass --base with the model it was trained on"
+        ) from None
+    return wrapped.merge_and_unload()
+
+
+def save_adapter(model: nn.Module, folder: Path) -> None:
+    """The adapter of the PeftModel `model` in peft's format. The embeddings are never saved
+    (they are not adapted; a resized vocabulary is rebuilt from lora_base.json), so peft does
+    not look the recorded base up (its "auto" check reads the base's config through
+    transformers, or the Hub)."""
+    model.save_pretrained(str(folder), save_embedding_layers=False)
 
 
 def save_lora(model: nn.Module, output_dir: Path, final: Path, cfg: ModelConfig) -> nn.Module:
     """Adapter (peft format) in output_dir/adaptor_name; final/ holds the merged model when
     `lora_merge` is set (returned, to use from then on), else the adapter too."""
-    model.save_pretrained(str(output_dir / cfg.adaptor_name))
+    save_adapter(model, output_dir / cfg.adaptor_name)
     if not cfg.lora_merge:
-        model.save_pretrained(str(final))
+        save_adapter(model, final)
         return model
     merged = model.merge_and_unload()
     merged.save_pretrained(str(final))
@@ -131,10 +178,13 @@ def load_adapter(folder: Path, model: nn.Module) -> None:
 def base_fingerprint(model: nn.Module) -> list[float]:
     """[sum, sum of squares] of the frozen (base) weights in float64: a LoRA checkpoint
     stores it, so resuming on a different base model fails instead of training on."""
+    return weights_fingerprint(p for p in model.parameters() if not p.requires_grad)
+
+
+def weights_fingerprint(params) -> list[float]:
+    """[sum, sum of squares] of the tensors in float64 (see base_fingerprint)."""
     total, squares = 0.0, 0.0
-    for param in model.parameters():
-        if param.requires_grad:
-            continue
+    for param in params:
         value = param.detach()
         if not value.is_floating_point():  # packed 4-bit weights (uint8)
             value = value.to(torch.float32)

@@ -27,7 +27,9 @@ from unmask.diffusion import build_objective
 from unmask.diffusion.cutoffs import random_length_cut
 from unmask.errors import RunStopped
 from unmask.models.lora import (
+    LORA_BASE_FILE,
     base_fingerprint,
+    base_record,
     check_base_fingerprint,
     check_lora_settings,
     lora_settings,
@@ -149,7 +151,7 @@ class Trainer:
             self.output_dir,
             sharded=self.sharded,
             tokenizer=self.tokenizer,
-            files={GENERATION_FILE: sampling},
+            files={GENERATION_FILE: sampling, **self._lora_files()},
             save_total_limit=t.save_total_limit,
             keep_best=t.keep_best,
         )
@@ -191,6 +193,17 @@ class Trainer:
         sched.base_lrs = [lr * scale for lr in self._unscaled_base_lrs]
         for group, lr, factor in zip(self.optimizer.param_groups, sched.base_lrs, sched.lr_lambdas):
             group["lr"] = lr * factor(sched.last_epoch)
+
+    def _lora_files(self) -> dict[str, str]:
+        """A LoRA run's lora_base.json (the base its adapters need, see models/lora.py),
+        written into every checkpoint, final/ and the adapter folder."""
+        if not self.cfg.model.lora:
+            return {}
+        if not self.sharded:  # the base is frozen: its fingerprint never changes
+            self._lora_base = base_fingerprint(self.model)
+        record = base_record(self.cfg.model, self.cfg.train.seed, self.model.config.vocab_size,
+                             self._lora_base)  # fmt: skip
+        return {LORA_BASE_FILE: json.dumps(record, indent=2)}
 
     def _trainer_state(self) -> dict:
         state = {"loader": self.loader.state_dict(), "tokens_seen": self.tokens_seen,
@@ -459,12 +472,22 @@ class Trainer:
         return accuracy, (rows[0][0] if rows else "...")
 
     def _summary(self) -> str:
-        n_params = sum(p.numel() for p in self.model.parameters())
+        params = list(self.model.parameters())
+        total = sum(p.numel() for p in params)
+        size = f"{total / 1e6:.2f}M parameters"
+        if self.cfg.model.lora:  # only the adapters train
+            trainable = sum(p.numel() for p in params if p.requires_grad)
+            size = f"{_millions(trainable)} trainable of {size}"
         rows = "streamed" if self.num_rows is None else self.num_rows
         start = f"resuming from {self.resume_path} at step {self.step}" if self.step else "fresh"
         return (
-            f"unmask: {n_params / 1e6:.2f}M parameters | {rows} train rows, "
+            f"unmask: {size} | {rows} train rows, "
             f"{len(self.eval_rows)} eval rows of {self.cfg.data.packing_length} tokens | "
             f"{self.plan.total_steps} steps on {self.device}{self.dist.describe()} | {start} | "
             f"output_dir {self.output_dir}"
         )
+
+
+def _millions(count: int) -> str:
+    """A parameter count in millions: two decimals, or two significant digits below 0.01M."""
+    return f"{count / 1e6:.2f}M" if count >= 10_000 else f"{count / 1e6:.2g}M"
