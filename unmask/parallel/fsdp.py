@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
@@ -65,5 +64,7 @@ def sync_gradients(model: nn.Module, sync: bool) -> None:
 
 def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """Gather the full (unsharded) state dict to CPU; collective, every rank calls it."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     return get_model_state_dict(model, options=options)
