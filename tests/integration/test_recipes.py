@@ -96,13 +96,13 @@ def test_lmms_engine_seed_config_runs_through_every_entry_point(lmms_config, tmp
         cwd.mkdir()
         monkeypatch.chdir(cwd)
         assert main(argv) == 0
-        assert (cwd / "runs" / "quickstart" / "final" / "model.safetensors").is_file()
+        assert (cwd / "runs" / lmms_config.stem / "final" / "model.safetensors").is_file()
     cwd = tmp_path / "cwd_module"
     cwd.mkdir()
     cmd = [sys.executable, "-m", "unmask", "train", "--config", str(lmms_config)]
     proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    metrics = (cwd / "runs" / "quickstart" / "metrics.jsonl").read_text().splitlines()
+    metrics = (cwd / "runs" / lmms_config.stem / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(r)["step"] for r in metrics if "loss" in json.loads(r)][-1] == 3
 
 
