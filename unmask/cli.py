@@ -174,35 +174,77 @@ def _read_prompts(path: Path) -> list[str]:
 
 
 def cmd_eval(ns: argparse.Namespace) -> int:
-    import torch
-
-    from unmask.checkpoint import load_for_sampling
+    """Likelihood scores of a file: answers given prompts (--pairs) or a text (--ppl);
+    the modes, records and fields: unmask/eval/scores.py and docs/sampling.md."""
+    from unmask.checkpoint import load_for_sampling, resolve_model_folder
+    from unmask.eval import scores
     from unmask.sampling.config import resolve_sampling
-    from unmask.sampling.likelihood import perplexity_bound
 
-    path = Path(ns.ppl)
+    flag = "--pairs" if ns.pairs else "--ppl"
+    path = Path(ns.pairs or ns.ppl)
+    pair_flags = {"--separator": ns.separator, "--prompt-field": ns.prompt_field,
+                  "--answer-field": ns.answer_field, "--eos": ns.eos,
+                  "--row-length": ns.row_length}  # fmt: skip
+    if ns.ppl:
+        given = [name for name, value in pair_flags.items() if value is not None]
+        if given:
+            raise InputError(f"{', '.join(given)} apply to --pairs, not --ppl")
+    elif ns.context is not None:
+        raise InputError("--context applies to --ppl (a text in chunks), not --pairs")
     if not path.is_file():
-        raise InputError(f"--ppl {ns.ppl!r} does not exist; give a text file")
-    text = _read_text(path, "--ppl")
+        raise InputError(f"{flag} {str(path)!r} does not exist; give a text file")
+    if ns.out:
+        _check_out_file(Path(ns.out))
+    text = _read_text(path, flag)
+    pairs = None
+    if ns.pairs:
+        pairs = scores.parse_pairs(text, str(path), ns.separator, ns.prompt_field or "prompt",
+                                   ns.answer_field)  # fmt: skip
     sm = load_for_sampling(ns.model, ns.tokenizer, ns.device, ns.mask_id, base=ns.base)
     config = resolve_sampling(sm.saved)
     if config.block_causal:
         raise InputError(
-            "--ppl: likelihoods of block-causal (bd3lm) models are not implemented yet "
+            f"{flag}: likelihoods of block-causal (bd3lm) models are not implemented yet "
             "(the MC estimator is the bidirectional one)"
         )
-    ids = sm.tokenizer(text, add_special_tokens=False)["input_ids"]
-    if not ids:
-        raise InputError(f"--ppl {ns.ppl!r} holds no tokens; give a file with text to score")
-    bound = perplexity_bound(
-        sm.model, ids, mask_id=sm.mask_id, context=ns.context, mc_num=ns.mc_num,
-        batch_size=ns.batch_size, generator=torch.Generator().manual_seed(ns.seed),
-        device=sm.device, shift_logits=config.shift_logits,
-    )  # fmt: skip
-    print(json.dumps({"file": str(path), "ppl_upper_bound": bound.perplexity,
-                      "nelbo_per_token": bound.nll_per_token,
-                      "stderr_per_token": bound.stderr_per_token, "tokens": bound.tokens,
-                      "chunks": bound.chunks, "mc_num": ns.mc_num}))  # fmt: skip
+    mc = scores.MonteCarlo(ns.mc_num, ns.batch_size, ns.seed, config.cfg_scale,
+                           config.shift_logits)  # fmt: skip
+    head = {"file": str(path), "mc_num": ns.mc_num, "batch_size": ns.batch_size, "seed": ns.seed}
+    if pairs is not None:
+        end = scores.choose_answer_end(ns.eos, ns.row_length, resolve_model_folder(ns.model))
+        records = scores.score_pairs(sm, pairs, end, mc)
+        result = {"summary": True, "mode": "pairs", **head,
+                  "scores": "answers given prompts: answer tokens and their EOS tail masked "
+                            "and scored, prompt clean",
+                  "eos": end.end, "row_length": end.row_length, "eos_from": end.source,
+                  "answer_tokens": sum(r["answer_tokens"] for r in records),
+                  **scores.summary(records)}  # fmt: skip
+    elif ns.per_line or ns.out:
+        lines = [line for line in text.splitlines() if line.strip()]
+        if not lines:
+            raise InputError(f"--ppl {str(path)!r} holds no text; give a file with text")
+        records = scores.score_lines(sm, lines, ns.context or 512, mc)
+        result = {"summary": True, "mode": "text-lines", **head,
+                  "scores": "each line on its own, every token masked and scored (no prompt)",
+                  "context": ns.context or 512, **scores.summary(records)}  # fmt: skip
+    else:
+        ids = sm.tokenizer(text, add_special_tokens=False)["input_ids"]
+        if not ids:
+            raise InputError(f"--ppl {str(path)!r} holds no tokens; give a file with text to score")
+        records, bound = [], scores.score_text(sm, ids, ns.context or 512, mc)
+        result = {"summary": True, "mode": "text", **head,
+                  "scores": "the whole file as one text, every token masked and scored "
+                            "(no prompt)",
+                  "ppl_upper_bound": bound.perplexity, "nelbo_per_token": bound.nll_per_token,
+                  "stderr_per_token": bound.stderr_per_token, "tokens": bound.tokens,
+                  "scored_tokens": bound.tokens, "nelbo": bound.nelbo, "stderr": bound.stderr,
+                  "chunks": bound.chunks, "context": ns.context or 512}  # fmt: skip
+    lines = [json.dumps(r) + "\n" for r in [*records, result]]
+    if ns.out:
+        with open(ns.out, "w") as handle:
+            handle.writelines(lines)
+    sys.stdout.writelines(lines if ns.per_line else lines[-1:])
+    print(scores.describe(result), file=sys.stderr)
     return 0
 
 
@@ -324,19 +366,47 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, help="seed for temperature > 0")
     gen.set_defaults(func=cmd_generate)
 
-    ev = sub.add_parser("eval", help="perplexity upper bound of a text file (Monte Carlo ELBO)")
+    ev = sub.add_parser(
+        "eval",
+        help="likelihood scores (Monte Carlo ELBO): answers given prompts, or a text's "
+        "perplexity bound",
+        description="Score answers given prompts (--pairs: only answer tokens are masked) "
+        "or a whole text (--ppl: every token masked); records and fields: docs/sampling.md.",
+    )
     ev.add_argument(
         "--model", required=True, help="checkpoint-N, run output_dir or exported folder"
     )
-    ev.add_argument("--ppl", required=True, help="text file to score")
+    what = ev.add_mutually_exclusive_group(required=True)
+    what.add_argument("--ppl", metavar="FILE", help="text file scored unconditionally: every "
+                      "token masked and scored, no prompt (a perplexity upper bound)")  # fmt: skip
+    what.add_argument("--pairs", metavar="FILE", help="answers given prompts: jsonl of "
+                      '{"prompt", "response" or "answer"}, or lines with --separator')  # fmt: skip
+    ev.add_argument("--separator", help="--pairs is a text file: each line split at the first "
+                    "SEPARATOR, the prompt keeps it (e.g. '=')")  # fmt: skip
+    ev.add_argument("--prompt-field", help="jsonl field of the prompt (default: prompt)")
+    ev.add_argument("--answer-field", help="jsonl field of the answer (default: response, "
+                    "else answer)")  # fmt: skip
+    ev.add_argument("--eos", choices=("auto", "none", "eos", "pad"), help="EOS scored after "
+                    "each answer: none, one (eos), or padding to --row-length (pad); default "
+                    "auto: as the model's run config trained it")  # fmt: skip
+    ev.add_argument("--row-length", type=positive_int, help="--eos pad: prompt + answer + EOS "
+                    "padding in tokens (default: the run's data.packing_length)")  # fmt: skip
+    ev.add_argument("--per-line", action="store_true", help="print one record per pair (or "
+                    "per line of --ppl, each scored alone) before the summary")  # fmt: skip
+    ev.add_argument("--out", metavar="FILE.jsonl", help="write the per-line records and the "
+                    "summary here")  # fmt: skip
     ev.add_argument("--tokenizer", help="tokenizer folder (default: the model folder)")
     add_base_flag(ev)
-    ev.add_argument("--context", type=positive_int, default=512, help="tokens per scored chunk")
-    ev.add_argument("--mc-num", type=positive_int, default=32, help="Monte Carlo samples per chunk")
-    ev.add_argument("--batch-size", type=positive_int, default=16, help="samples per forward pass")
+    ev.add_argument("--context", type=positive_int,
+                    help="--ppl: tokens per scored chunk (default: 512)")  # fmt: skip
+    ev.add_argument("--mc-num", type=positive_int, default=32, help="Monte Carlo rows per "
+                    "pair / chunk (rounded up to whole batches)")  # fmt: skip
+    ev.add_argument("--batch-size", type=positive_int, default=16, help="rows per forward pass: "
+                    "one independent draw (the stderr needs two or more)")  # fmt: skip
     ev.add_argument("--mask-id", type=int, help="mask token id (default: the tokenizer's)")
     ev.add_argument("--device", default="auto", help="auto (cuda when visible), cpu or cuda")
-    ev.add_argument("--seed", type=int, default=0, help="seed of the masking draws")
+    ev.add_argument("--seed", type=int, default=0, help="seed of the masking draws (item i: "
+                    "seed + i)")  # fmt: skip
     ev.set_defaults(func=cmd_eval)
 
     ex = sub.add_parser("export", help="write an HF folder (weights, tokenizer, defaults)")

@@ -152,6 +152,11 @@ def evaluate(*flags: str, text="some text to score\n"):
                         str(ctx.write("score.txt", text)), *flags]  # fmt: skip
 
 
+def pairs(*flags: str, text='{"prompt": "rev 12=", "response": "21"}\n'):
+    return lambda ctx: ["eval", "--model", str(ctx.model()), "--pairs",
+                        str(ctx.write("pairs.jsonl", text)), *flags]  # fmt: skip
+
+
 def preprocess(*flags: str, tokenizer=None):
     def build(ctx):
         data = ctx.write("corpus.jsonl", '{"text": "one"}\n{"text": "two"}\n')
@@ -409,6 +414,29 @@ CASES = [
     case("eval-mc-num-0", evaluate("--mc-num", "0"), "--mc-num", ">= 1"),
     case("eval-without-ppl", lambda ctx: ["eval", "--model", str(ctx.model())], "--ppl",
          "unmask eval --help"),
+    case("eval-ppl-and-pairs", pairs("--ppl", "x.txt"), "--ppl", "not allowed with"),
+    case("eval-pairs-not-json", pairs(text="rev 12=21\n"), "pairs.jsonl:1", "not JSON",
+         "--separator"),
+    case("eval-pairs-missing-prompt", pairs(text='{"question": "a", "answer": "b"}\n'),
+         "no 'prompt' field", "--prompt-field"),
+    case("eval-pairs-missing-answer", pairs(text='{"prompt": "a", "label": "b"}\n'),
+         "'response or answer'", "--answer-field"),
+    case("eval-pairs-field-not-text", pairs(text='{"prompt": "a", "response": 3}\n'),
+         "must be strings"),
+    case("eval-pairs-empty", pairs(text="\n\n"), "holds no prompt/answer pairs"),
+    case("eval-pairs-no-separator", pairs("--separator", "|", text="rev 12=21\n"),
+         "pairs.jsonl:1", "no '|'", "--separator"),
+    case("eval-pairs-empty-answer", pairs("--separator", "=", text="rev 12=\n"),
+         "empty answer"),
+    case("eval-pad-without-row-length", pairs("--eos", "pad"), "--eos pad", "--row-length"),
+    case("eval-row-length-with-eos-none", pairs("--eos", "none", "--row-length", "16"),
+         "--row-length", "--eos pad"),
+    case("eval-bad-eos", pairs("--eos", "two"), "--eos", "invalid choice"),
+    case("eval-pair-flag-with-ppl", evaluate("--separator", "="), "--separator",
+         "apply to --pairs"),
+    case("eval-context-with-pairs", pairs("--context", "4"), "--context", "--ppl"),
+    case("eval-out-is-a-folder", lambda ctx: pairs("--out", str(ctx.tmp))(ctx), "--out",
+         "is a folder"),
     # -- unmask export ------------------------------------------------------------------------
     case("export-missing-source", lambda ctx: ["export", str(ctx.tmp / "c"), "--out",
                                                str(ctx.tmp / "o")], "is not a folder"),

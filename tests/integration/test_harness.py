@@ -14,6 +14,7 @@ from lm_eval.api.model import LM  # noqa: E402
 from lm_eval.api.registry import get_model  # noqa: E402
 
 from unmask.checkpoint import load_for_sampling  # noqa: E402
+from unmask.cli import main  # noqa: E402
 from unmask.eval.harness import UnmaskLM  # noqa: E402
 from unmask.models import from_pretrained  # noqa: E402
 from unmask.sampling.config import resolve_sampling  # noqa: E402
@@ -91,6 +92,23 @@ def test_logit_shift_models_score_from_the_output_before(model_dir):
             logits = sm.model(torch.tensor([[before, tok.mask_token_id]]))[0, 0]
         expected += torch.log_softmax(logits.double(), -1)[after].item()
     assert rolling == pytest.approx(expected, abs=1e-5)
+
+
+def test_loglikelihood_is_the_estimator_of_unmask_eval_pairs(model_dir, tmp_path, capsys):
+    # multi-token continuations (the Monte Carlo path): request i and pair i of
+    # `unmask eval --pairs --eos none` draw their masks from the same seed + i
+    pairs = [("rev 123=", "321"), ("sort 31=", "13"), ("add 12+07=", "019")]
+    lm = UnmaskLM(pretrained=str(model_dir), mc_num=8, mc_batch_size=4, seed=3)
+    got = lm.loglikelihood([Instance("loglikelihood", {}, pair, i)
+                            for i, pair in enumerate(pairs)])  # fmt: skip
+    src = tmp_path / "pairs.jsonl"
+    src.write_text("".join(json.dumps({"prompt": p, "answer": a}) + "\n" for p, a in pairs))
+    assert main(["eval", "--model", str(model_dir), "--pairs", str(src), "--per-line", "--eos",
+                 "none", "--mc-num", "8", "--batch-size", "4", "--seed", "3"]) == 0  # fmt: skip
+    *records, _ = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert len(records) == len(pairs)
+    for (value, _), record in zip(got, records):
+        assert value == pytest.approx(-record["nelbo"], abs=1e-6)
 
 
 def write_tasks(folder, data_file):

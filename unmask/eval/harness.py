@@ -9,10 +9,14 @@ lm-eval (0.4.x) has no plugin discovery for models: `unmask-lm-eval` (or
 runs lm-eval's own command line with the same arguments. In Python, importing the module
 is enough: `lm_eval.simple_evaluate(model="unmask", model_args=...)`.
 
-- loglikelihood: LLaDA's MC ELBO (`unmask.sampling.likelihood`), exact for one-token
-  continuations (mc_num is not spent there); `is_greedy` is checked only with
+- loglikelihood: LLaDA's MC ELBO (`unmask.sampling.likelihood.answer_log_likelihood`, the
+  estimator `unmask eval --pairs` uses), exact for one-token continuations (mc_num is not
+  spent there); only the continuation's tokens are masked and scored, no EOS after them
+  (lm-eval's continuations run on into the text). `is_greedy` is checked only with
   check_greedy=True (greedy decoding of the continuation's length).
 - loglikelihood_rolling: minus the NELBO of the text, in chunks of max_length tokens.
+- Request i of a call draws its masks from seed + i (`item_generator`), like record i of
+  `unmask eval`, so a request's value does not depend on the requests before it.
 - generate_until: `unmask.sampling.sample` with the folder's sampling options
   (generation_config.json), then the task's (max_gen_toks, temperature), then model_args:
   every SamplingConfig field is a model_arg; gen_length rounded up to whole blocks, steps to
@@ -33,7 +37,13 @@ except ImportError as err:  # pragma: no cover - only without the eval extra
 from unmask.checkpoint import load_for_sampling
 from unmask.sampling.config import SamplingConfig, resolve_sampling
 from unmask.sampling.generate import sample
-from unmask.sampling.likelihood import log_likelihood
+from unmask.sampling.likelihood import (
+    answer_log_likelihood,
+    continuation_ids,
+    item_generator,
+    log_likelihood,
+    with_start_token,
+)
 from unmask.sampling.texts import generate_texts
 
 #: model_args lm-eval passes that the adapter accepts without use
@@ -71,12 +81,11 @@ class UnmaskLM(LM):
         self.max_length = int(max_length)
         self.gen_batch_size = int(batch_size) if str(batch_size).isdigit() else 16
         self.check_greedy = str(check_greedy).lower() in ("true", "1")
-        self.generator = torch.Generator().manual_seed(int(seed))
+        self.seed = int(seed)
+        self.generator = torch.Generator().manual_seed(self.seed)  # generate_until
         self.sampling = {k: v for k, v in sampling.items() if k in SamplingConfig.model_fields}
         # what likelihoods share with generation: guidance, Dream's shift, block-causal
         self.options = resolve_sampling(self.sm.saved, self.sampling)
-        tok = self.sm.tokenizer
-        self._start_id = tok.bos_token_id if tok.bos_token_id is not None else self.sm.eos_id
 
     @property
     def tokenizer_name(self) -> str:
@@ -84,15 +93,6 @@ class UnmaskLM(LM):
 
     def _encode(self, text: str) -> list[int]:
         return self.sm.tokenizer(text, add_special_tokens=False)["input_ids"]
-
-    def _pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
-        """Token ids of context and continuation, split as the whole text tokenizes."""
-        whole, ctx = self._encode(context + continuation), self._encode(context)
-        cont = whole[len(ctx) :] if whole[: len(ctx)] == ctx else self._encode(continuation)
-        if not cont:
-            cont = self._encode(continuation)
-        ctx = ctx[-max(1, self.max_length - len(cont)) :] if ctx else ctx
-        return ctx, cont
 
     def _is_greedy(self, ctx: list[int], cont: list[int]) -> bool:
         prompt = torch.tensor([ctx], device=self.sm.device)
@@ -112,18 +112,14 @@ class UnmaskLM(LM):
     def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
         self._check_likelihood()
         results = []
-        for request in requests:
+        for index, request in enumerate(requests):
             context, continuation = request.args
-            ctx, cont = self._pair(context, continuation)
-            if not ctx and self.options.shift_logits:  # the first token is read from the one before
-                ctx = [self._start_id]
-            device = self.sm.device
-            est = log_likelihood(
-                self.sm.model, torch.tensor(ctx, dtype=torch.long, device=device),
-                torch.tensor(cont, dtype=torch.long, device=device), mask_id=self.sm.mask_id,
-                mc_num=self.mc_num, batch_size=self.mc_batch_size,
-                cfg_scale=self.options.cfg_scale, generator=self.generator,
-                shift_logits=self.options.shift_logits,
+            ctx, cont = continuation_ids(self.sm.tokenizer, context, continuation, self.max_length)
+            ctx = with_start_token(self.sm, ctx, self.options.shift_logits)
+            est = answer_log_likelihood(
+                self.sm, ctx, cont, mc_num=self.mc_num, batch_size=self.mc_batch_size,
+                cfg_scale=self.options.cfg_scale, shift_logits=self.options.shift_logits,
+                generator=item_generator(self.seed, index),
             )  # fmt: skip
             greedy = self._is_greedy(ctx, cont) if self.check_greedy and ctx else False
             results.append((est.value, greedy))
@@ -133,9 +129,9 @@ class UnmaskLM(LM):
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
         self._check_likelihood()
         results = []
-        for request in requests:
+        for index, request in enumerate(requests):
             ids = torch.tensor(self._encode(request.args[0]), device=self.sm.device)
-            total = 0.0
+            generator, total = item_generator(self.seed, index), 0.0
             # a logit-shift model scores each token from the one before it: a chunk's
             # context is the token before the chunk (the text's first token is not scored)
             shift = 1 if self.options.shift_logits else 0
@@ -144,7 +140,7 @@ class UnmaskLM(LM):
                 est = log_likelihood(self.sm.model, ids[start - shift : start],
                                      ids[start : start + width],
                                      mask_id=self.sm.mask_id, mc_num=self.mc_num,
-                                     batch_size=self.mc_batch_size, generator=self.generator,
+                                     batch_size=self.mc_batch_size, generator=generator,
                                      shift_logits=self.options.shift_logits)  # fmt: skip
                 total += est.value
             results.append(total)
