@@ -115,3 +115,34 @@ def value_rows(n: int, base: int = 0, length: int = 3):
 def taken(batch) -> list[int]:
     """The row values of a batch of `value_rows`."""
     return batch["input_ids"][:, 0].tolist()
+
+
+REVERSE_RUN = {
+    "model": {"model_type": "qwen3_dllm", "hidden_size": 96, "intermediate_size": 288,
+              "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "vocab_size": 128, "tie_word_embeddings": True},
+    "data": {"dataset": "synthetic", "tokenizer": "char", "packing": False,
+             "packing_length": 16, "synthetic_tasks": ["reverse"], "synthetic_min_digits": 2,
+             "synthetic_max_digits": 4, "synthetic_train_size": 20000,
+             "synthetic_eval_size": 120},
+    "diffusion": {"objective": "mdlm", "t_sampling": "antithetic"},
+    "optim": {"name": "adamw", "learning_rate": 3e-3, "lr_scheduler_type": "cosine",
+              "warmup_steps": 30, "min_lr_ratio": 0.05, "max_grad_norm": 1.0},
+    "train": {"max_steps": 600, "per_device_train_batch_size": 64, "logging_steps": 600,
+              "eval_steps": 600, "eval_max_batches": 1, "save_steps": 600, "seed": 0,
+              "disable_tqdm": True},
+    "eval": {"generate_accuracy": False},
+}  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def reverse_run(tmp_path_factory):
+    """The run directory of a small model trained on reverse (2-4 digits) for 600 steps until
+    it answers (about 30 s on 1 CPU); shared by every test that needs a model that works."""
+    from unmask.cli import main
+
+    root = tmp_path_factory.mktemp("reverse")
+    tree = {**REVERSE_RUN, "train": {**REVERSE_RUN["train"], "output_dir": str(root / "run")}}
+    (root / "run.yaml").write_text(yaml.safe_dump(tree))
+    assert main(["train", str(root / "run.yaml")]) == 0
+    return root / "run"

@@ -9,7 +9,7 @@ import random
 
 import pytest
 import yaml
-from conftest import save_tiny_model
+from conftest import REVERSE_RUN, save_tiny_model
 
 from unmask.checkpoint import load_for_sampling
 from unmask.cli import main
@@ -122,33 +122,6 @@ def test_answer_end_without_a_run_config_is_none(tmp_path, capsys):
 
 # -- acceptance: a trained model ranks the right answer first --------------------------------
 
-TRAIN = {
-    "model": {"model_type": "qwen3_dllm", "hidden_size": 96, "intermediate_size": 288,
-              "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
-              "vocab_size": 128, "tie_word_embeddings": True},
-    "data": {"dataset": "synthetic", "tokenizer": "char", "packing": False,
-             "packing_length": 16, "synthetic_tasks": ["reverse"], "synthetic_min_digits": 2,
-             "synthetic_max_digits": 4, "synthetic_train_size": 20000,
-             "synthetic_eval_size": 120},
-    "diffusion": {"objective": "mdlm", "t_sampling": "antithetic"},
-    "optim": {"name": "adamw", "learning_rate": 3e-3, "lr_scheduler_type": "cosine",
-              "warmup_steps": 30, "min_lr_ratio": 0.05, "max_grad_norm": 1.0},
-    "train": {"max_steps": 600, "per_device_train_batch_size": 64, "logging_steps": 600,
-              "eval_steps": 600, "eval_max_batches": 1, "save_steps": 600, "seed": 0,
-              "disable_tqdm": True},
-    "eval": {"generate_accuracy": False},
-}  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def reverse_run(tmp_path_factory):
-    """A small model trained on reverse (2-4 digits) for 600 steps (about 30 s on 1 CPU)."""
-    root = tmp_path_factory.mktemp("reverse")
-    tree = {**TRAIN, "train": {**TRAIN["train"], "output_dir": str(root / "run")}}
-    (root / "run.yaml").write_text(yaml.safe_dump(tree))
-    assert main(["train", str(root / "run.yaml")]) == 0
-    return root / "run"
-
 
 def near_miss(answer: str, rng: random.Random) -> str:
     """The answer with two different digits swapped (one digit changed if all are equal)."""
@@ -165,7 +138,7 @@ def near_miss(answer: str, rng: random.Random) -> str:
 
 @pytest.mark.slow
 def test_trained_model_ranks_the_right_answer_above_a_near_miss(reverse_run, tmp_path, capsys):
-    examples = heldout_examples(DataConfig.model_validate(TRAIN["data"]))
+    examples = heldout_examples(DataConfig.model_validate(REVERSE_RUN["data"]))
     assert len(examples) >= 100
     rng = random.Random(0)
     right = write_jsonl(tmp_path / "right.jsonl", examples)
