@@ -43,6 +43,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/muon.py
 	$(BIN)/python benchmarks/distributed_muon.py
 	$(BIN)/python benchmarks/muon_convergence.py
+	$(BIN)/python benchmarks/data.py
 
 clean-venv:
 	rm -rf $(VENV)

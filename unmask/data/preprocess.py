@@ -1,11 +1,11 @@
 """`unmask preprocess`: raw corpora -> one token store (data/indexed.py), in parallel.
 
 The reading process cuts the inputs into chunks (data/corpus.py); each chunk is parsed and
-tokenized whole (`encode_batch`, one call per chunk) in the main process (`workers=1`) or
-in a pool of worker processes, and the results are written in chunk order. Chunks depend on
-the input only, so the store's bytes do not depend on the worker count. At most
-`_IN_FLIGHT_PER_WORKER` chunks per worker are pending at a time: memory stays bounded
-whatever the corpus size.
+tokenized whole (`encode_batch`, one call per chunk) in the main process (`workers=1`, on
+the tokenizer's own threads) or in a pool of worker processes (one tokenizer thread each),
+and the results are written in chunk order. Chunks depend on the input only, so the store's
+bytes do not depend on the worker count. At most `_IN_FLIGHT_PER_WORKER` chunks per worker
+are pending at a time: memory stays bounded whatever the corpus size.
 """
 
 from __future__ import annotations
@@ -120,16 +120,9 @@ def _encode_in_worker(chunk: Chunk) -> Encoded:
 def encode_chunks(chunks: Iterator[Chunk], encoder_args: tuple, workers: int) -> Iterator[Encoded]:
     """The chunks encoded, in input order, in this process or in `workers` processes."""
     if workers == 1:
-        encoder = ChunkEncoder(*encoder_args)
-        before = os.environ.get("TOKENIZERS_PARALLELISM")
-        os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one worker = one core, as in a pool
-        try:
-            yield from map(encoder, chunks)
-        finally:
-            if before is None:
-                os.environ.pop("TOKENIZERS_PARALLELISM", None)
-            else:
-                os.environ["TOKENIZERS_PARALLELISM"] = before
+        # in this process, with the tokenizer's own threads (TOKENIZERS_PARALLELISM decides):
+        # each chunk's encode_batch spreads over the cores while nothing else runs
+        yield from map(ChunkEncoder(*encoder_args), chunks)
         return
     # fork where there is one: workers need no re-import of unmask (seconds per worker)
     methods = multiprocessing.get_all_start_methods()
