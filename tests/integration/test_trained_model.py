@@ -11,7 +11,8 @@ from unmask.cli import main
 from unmask.data import heldout_examples
 from unmask.data.config import DataConfig
 from unmask.sampling.accuracy import heldout_accuracy
-from unmask.sampling.config import EvalConfig, saved_sampling
+from unmask.sampling.config import EvalConfig, resolve_sampling, saved_sampling
+from unmask.sampling.texts import generate_texts
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
@@ -36,3 +37,15 @@ def test_generate_with_no_length_flag_answers_like_the_heldout_evaluation(revers
     right = sum(a == expected for a, (_, expected) in zip(answers, examples))
     print(f"generate with no length flag: {right}/20 right, held-out evaluation {accuracy:.0%}")
     assert right / 20 == accuracy and accuracy >= 0.9
+    # from Python, as the README shows: the folder's saved defaults, no length given
+    records = generate_texts(sm, [p for p, _ in examples], resolve_sampling(sm.saved))
+    assert [r["completion"] for r in records] == answers
+    # the README's batch form: threshold decoding with a prefix cache
+    fast = tmp_path / "fast.jsonl"
+    argv = ["generate", "--model", str(final), "--prompts", str(prompts), "--out", str(fast),
+            "--threshold", "0.9", "--cache", "prefix"]  # fmt: skip
+    assert main(argv) == 0
+    quick = [json.loads(line)["completion"] for line in fast.read_text().splitlines()]
+    quick_right = sum(a == expected for a, (_, expected) in zip(quick, examples))
+    print(f"--threshold 0.9 --cache prefix: {quick_right}/20 right")
+    assert quick_right >= 18
