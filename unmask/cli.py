@@ -22,6 +22,11 @@ REFERENCE = (
     "Every config key with its default and accepted values: docs/configuration.md "
     "(also `python -m unmask.config`); errors and what to do: docs/troubleshooting.md."
 )
+SAMPLING_REFERENCE = (
+    "Every sampling option (the generation_config.json fields and these flags), the kinds of "
+    "model folder read, and the likelihood estimator: docs/sampling.md; errors and what to "
+    "do: docs/troubleshooting.md."
+)
 
 
 def _version() -> str:
@@ -348,7 +353,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="print the resolved config (file + overrides + defaults) and exit")  # fmt: skip
     train.set_defaults(func=cmd_train)
 
-    gen = sub.add_parser("generate", help="sample continuations from a trained model")
+    gen = sub.add_parser("generate", help="sample continuations from a trained model",
+                         epilog=SAMPLING_REFERENCE)  # fmt: skip
     gen.add_argument("--model", required=True, help="checkpoint-N (one process or sharded, "
                      "LoRA or not), final/, run output_dir or exported folder")  # fmt: skip
     gen.add_argument("--prompt", action="append", help="text to continue (repeatable)")
@@ -372,6 +378,7 @@ def build_parser() -> argparse.ArgumentParser:
         "perplexity bound",
         description="Score answers given prompts (--pairs: only answer tokens are masked) "
         "or a whole text (--ppl: every token masked); records and fields: docs/sampling.md.",
+        epilog=SAMPLING_REFERENCE,
     )
     ev.add_argument(
         "--model", required=True, help="checkpoint-N, run output_dir or exported folder"
@@ -409,7 +416,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "seed + i)")  # fmt: skip
     ev.set_defaults(func=cmd_eval)
 
-    ex = sub.add_parser("export", help="write an HF folder (weights, tokenizer, defaults)")
+    ex = sub.add_parser("export", help="write an HF folder (weights, tokenizer, defaults)",
+                        epilog=SAMPLING_REFERENCE)  # fmt: skip
     ex.add_argument(
         "checkpoint",
         help="checkpoint-N (one process or sharded, LoRA or not), final/ or output_dir",

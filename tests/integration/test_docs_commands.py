@@ -3,7 +3,7 @@
 Each markdown file's fenced blocks run in order in one sandbox folder (a copy of a shared
 one), so a block can use what an earlier block of the same file made:
 
-- ```bash blocks run as one `bash -e` script;
+- ```bash blocks run line by line (`\\` continues a line), each line by `bash -e`;
 - ```text blocks whose lines start with `$ ` run each command and compare what it prints
   (stdout, then stderr) with the lines under it;
 - ```python blocks run as a script.
@@ -28,6 +28,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -68,7 +69,13 @@ class Block:
 
 def parse_directives(comment: str) -> dict:
     out: dict = {"replace": []}
-    for part in filter(None, (p.strip() for p in comment.split(";"))):
+    parts: list[str] = []
+    for piece in comment.split(";"):  # a reason may hold ";": it continues the directive
+        if parts and not re.match(r"\s*(replace |not run:|output varies:|alternatives)", piece):
+            parts[-1] += ";" + piece
+        else:
+            parts.append(piece)
+    for part in filter(None, (p.strip() for p in parts)):
         if m := re.fullmatch(r'replace "(.+?)" with "(.*?)": .+', part):
             out["replace"].append((m.group(1), m.group(2)))
         elif m := re.fullmatch(r"(not run|output varies): (.+)", part):
@@ -235,7 +242,10 @@ def run_block(block: Block, cwd: Path) -> None:
                 shutil.copytree(cwd, copy, symlinks=True)
                 sh(command, copy)
         else:
-            sh(body, cwd)
+            for command in shell_lines(body):
+                started = time.perf_counter()
+                sh(command, cwd)
+                print(f"{block.name}: {time.perf_counter() - started:5.1f}s  {command.strip()}")
     elif block.lang == "python":
         script = cwd / f"block_{block.line}.py"
         script.write_text(applied(block, block.body))

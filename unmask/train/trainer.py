@@ -68,6 +68,15 @@ from unmask.train.setup import (
 from unmask.train.signals import StopSignals
 
 
+
+def cpu_share_notice(world_size: int, cores: int | None = None) -> str | None:
+    """A notice when more CPU processes run than the machine has cores, else None."""
+    cores = cores or os.cpu_count() or 1
+    if world_size <= cores:
+        return None
+    return (f"{world_size} processes share {cores} CPU cores: expect each to run slower "
+            "than one process would; launch at most one per core")  # fmt: skip
+
 class Trainer:
     """Builds every component from its config section and runs the loop."""
 
@@ -95,12 +104,8 @@ class Trainer:
         self.notices = [*cfg.notices, *data.notices]  # the config file's, then the data's
         self.num_rows = None if isinstance(data.train, StreamSpec) else len(data.train)
         self.plan = make_plan(cfg, self.num_rows, batch_ranks)
-        cores = os.cpu_count() or 1
-        if self.device.type == "cpu" and self.dist.world_size > cores:
-            self.notices.append(
-                f"{self.dist.world_size} processes share {cores} CPU cores: expect each to "
-                "run slower than one process would; launch at most one per core"
-            )
+        if self.device.type == "cpu" and (notice := cpu_share_notice(self.dist.world_size)):
+            self.notices.append(notice)
         if self.plan.warmup_steps >= self.plan.total_steps:
             self.notices.append(
                 f"warmup takes {self.plan.warmup_steps} steps of the run's "
