@@ -21,8 +21,10 @@ def test_train_writes_metrics_config_checkpoints(tiny_config, tmp_path, capsys):
     steps = [r for r in records if "loss" in r]
     assert [r["step"] for r in steps] == [1, 2, 3, 4, 5, 6]
     for r in steps:
-        assert {"loss", "learning_rate", "tokens_per_second"} <= set(r)
+        assert {"loss", "learning_rate", "tokens_per_second", "elapsed_seconds"} <= set(r)
         assert r["tokens_per_second"] > 0
+    elapsed = [r["elapsed_seconds"] for r in steps]
+    assert 0 < elapsed[0] and elapsed == sorted(elapsed)
     assert [r["step"] for r in records if "eval_loss" in r] == [3, 6]
     # linear schedule with 2 warmup steps: lr before step 1 is 1/3 of the base lr
     assert steps[0]["learning_rate"] == pytest.approx(3e-3 / 3)
