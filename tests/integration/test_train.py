@@ -187,6 +187,7 @@ def test_muon_trains_through_the_config_and_prints_its_split(tiny_config, tmp_pa
     assert main(["train", str(cfg)]) == 0
     out = capsys.readouterr().out
     assert "MuonAdamW parameter split:" in out and "muon" in out
+    assert "Muon Newton-Schulz in float32 (optim.ns_dtype)" in out
     records = [r for r in read_metrics(tmp_path / "run") if "loss" in r]
     assert all(r["loss"] == r["loss"] and r["loss"] < 20 for r in records)  # finite
     assert records[-1]["loss"] < records[0]["loss"]

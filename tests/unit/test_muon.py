@@ -479,6 +479,39 @@ def test_optim_config_validation():
     assert OptimConfig(warmup_steps=0.1).warmup_steps == 0.1
 
 
+def test_auto_ns_dtype_resolution(monkeypatch):
+    """ns_dtype auto: bfloat16 on an accelerator or a CPU with native bf16 matmuls (read from
+    torch's cpuinfo flags), float32 on any other CPU; resolved once, at construction."""
+    assert updates_module.auto_ns_dtype("cuda", False)[0] == "bfloat16"
+    assert updates_module.auto_ns_dtype("cpu", True)[0] == "bfloat16"
+    assert updates_module.auto_ns_dtype("cpu", False) == (
+        "float32",
+        "the CPU has no native bfloat16 matmuls (no AVX512_BF16/AMX)",
+    )
+    cpu = torch._C._cpu
+    for flags, native in (
+        ({"avx512_bf16": True, "amx_bf16": False}, True),
+        ({"avx512_bf16": False, "amx_bf16": True}, True),
+        ({"avx512_bf16": False, "amx_bf16": False, "avx512_f": True}, False),
+        ({}, False),  # another architecture: no x86 flags
+    ):
+        monkeypatch.setattr(cpu, "_get_cpu_capability", lambda flags=flags: flags)
+        assert updates_module.cpu_has_native_bf16() is native, flags
+    monkeypatch.delattr(cpu, "_get_cpu_capability")  # a torch without it
+    assert updates_module.cpu_has_native_bf16() is False
+
+    import unmask.optim.muon as muon_module
+
+    for native, dtype in ((False, "float32"), (True, "bfloat16")):
+        monkeypatch.setattr(muon_module, "cpu_has_native_bf16", lambda native=native: native)
+        opt = build_optimizer(OptimConfig(name="muon"), _qwen(layers=1))
+        assert {g["ns_dtype"] for g in opt.param_groups} == {dtype}
+        assert opt.ns_dtype_choice == updates_module.auto_ns_dtype("cpu", native)
+    given = MuonAdamW(_qwen(layers=1), ns_dtype="float16", verbose=False)
+    assert given.ns_dtype_choice == ("float16", "as given")
+    assert OptimConfig().ns_dtype == "auto"
+
+
 def test_bad_constructor_arguments():
     model = _qwen(layers=1)
     for bad in (

@@ -49,8 +49,10 @@ class OptimConfig(BaseModel):
     """Newton-Schulz iterations."""
     ns_coefficients: Literal["jordan", "you", "polar_express", "gram"] = "jordan"
     """Newton-Schulz coefficient set / variant."""
-    ns_dtype: Literal["bfloat16", "float32", "float16"] = "bfloat16"
-    """Newton-Schulz iteration dtype."""
+    ns_dtype: Literal["auto", "bfloat16", "float32", "float16"] = "auto"
+    """Newton-Schulz iteration dtype. auto: bfloat16 on a GPU and on a CPU with native bfloat16
+    matmuls (AVX512_BF16 or AMX), float32 on any other CPU, where bfloat16 GEMMs are emulated
+    and many times slower; the start-up log names the choice."""
     adjust_lr: Literal["match_rms_adamw", "original", "none"] = "match_rms_adamw"
     """Muon update scaling: 0.2*sqrt(max(A,B)) (Moonlight), sqrt(max(1,A/B)), or none."""
     momentum_style: Literal["sum", "ema"] = "sum"

@@ -33,6 +33,8 @@ from unmask.optim.updates import (
     MOMENTUM_STYLES,
     adamw_update_,
     apply_muon_update_,
+    auto_ns_dtype,
+    cpu_has_native_bf16,
     lr_scale,
     momentum_buffer,
     muon_ns_input,
@@ -93,7 +95,9 @@ class MuonAdamW(torch.optim.Optimizer):
         ns_steps: Newton-Schulz iterations.
         ns_coefficients: ``jordan``, ``you``, ``polar_express`` or ``gram`` (Gram NS with the
             Polar Express schedule), or one (a, b, c) used at every step.
-        ns_dtype: ``bfloat16``, ``float32`` or ``float16`` NS iteration dtype.
+        ns_dtype: ``bfloat16``, ``float32`` or ``float16`` NS iteration dtype, or ``auto``:
+            chosen from the Muon parameters' device at construction (bfloat16 on GPUs and on
+            CPUs with native bf16 matmuls, float32 on other CPUs; see ``ns_dtype_choice``).
         adjust_lr: ``match_rms_adamw`` (0.2 sqrt(max(A, B))), ``original``
             (sqrt(max(1, A/B))) or ``none``.
         momentum_style: ``sum`` (M <- mu M + G, Moonlight) or ``ema``
@@ -106,6 +110,8 @@ class MuonAdamW(torch.optim.Optimizer):
 
     * ``routing``: the :class:`~unmask.optim.routing.Routing` split, with a reason per
       parameter.
+    * ``ns_dtype_choice``: (the NS dtype used, why), e.g. ``("float32", "the CPU has no
+      native bfloat16 matmuls ...")`` for ``auto``, ``("bfloat16", "as given")`` otherwise.
     * ``owner_plans``: the DTensor path's cache of owner plans (which rank orthogonalizes
       which matrix), filled on the first step of each sharded Muon group and reused. A
       plan depends only on global shapes and the mesh, so it is not saved in
@@ -149,6 +155,12 @@ class MuonAdamW(torch.optim.Optimizer):
         if not isinstance(ns_coefficients, str):
             ns_coefficients = tuple(float(v) for v in ns_coefficients)
         self.routing = route_parameters(model_or_named_params, muon_include, muon_exclude)
+        self.ns_dtype_choice = (ns_dtype, "as given")
+        if ns_dtype == "auto":
+            device = _local(self.routing.muon[0][1]).device if self.routing.muon else None
+            device_type = device.type if device is not None else "cpu"
+            self.ns_dtype_choice = auto_ns_dtype(device_type, cpu_has_native_bf16())
+            ns_dtype = self.ns_dtype_choice[0]
         defaults: dict[str, Any] = {
             "lr": lr,
             "weight_decay": weight_decay,
@@ -303,8 +315,9 @@ def _validate(
     else:
         ok = len(tuple(ns_coefficients)) == 3
         checks.append((ok, f"ns_coefficients as numbers must be (a, b, c): {ns_coefficients}"))
-    ok_dtype = ns_dtype in NS_DTYPES or ns_dtype in NS_DTYPES.values()
-    checks.append((ok_dtype, f"ns_dtype must be one of {sorted(NS_DTYPES)}, got {ns_dtype!r}"))
+    ok_dtype = ns_dtype == "auto" or ns_dtype in NS_DTYPES or ns_dtype in NS_DTYPES.values()
+    choices = ["auto", *sorted(NS_DTYPES)]
+    checks.append((ok_dtype, f"ns_dtype must be one of {choices}, got {ns_dtype!r}"))
     for ok, message in checks:
         if not ok:
             raise InputError(message)

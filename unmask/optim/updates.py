@@ -35,6 +35,35 @@ ADJUST_LR = ("match_rms_adamw", "original", "none")
 MOMENTUM_STYLES = ("sum", "ema")
 
 
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU multiplies bfloat16 matrices in hardware (AVX512_BF16 or AMX-BF16).
+
+    torch's public ``torch.backends.cpu.get_cpu_capability()`` names only the vector ISA
+    ("AVX2", "AVX512"), which does not say whether bf16 dot products exist; the instruction
+    flags come from ``torch._C._cpu._get_cpu_capability()`` (torch 2.13: a dict of cpuinfo
+    flags). Without them bf16 GEMMs are emulated, and can be many times slower than float32.
+    Any other CPU (or a torch without that function) counts as one without.
+    """
+    try:
+        flags = torch._C._cpu._get_cpu_capability()
+    except (AttributeError, RuntimeError):
+        return False
+    return bool(flags.get("avx512_bf16") or flags.get("amx_bf16"))
+
+
+def auto_ns_dtype(device_type: str, native_bf16_cpu: bool) -> tuple[str, str]:
+    """``ns_dtype: auto`` for parameters on ``device_type``: (dtype name, the reason).
+
+    bfloat16 on accelerators (tensor cores), and on a CPU with native bf16 matmuls;
+    float32 on a CPU without them.
+    """
+    if device_type != "cpu":
+        return "bfloat16", f"{device_type}: bfloat16 matmuls are native"
+    if native_bf16_cpu:
+        return "bfloat16", "the CPU has native bfloat16 matmuls (AVX512_BF16/AMX)"
+    return "float32", "the CPU has no native bfloat16 matmuls (no AVX512_BF16/AMX)"
+
+
 def state_dtype(p: Tensor) -> torch.dtype:
     """Dtype of p's optimizer state: float32, or p's dtype where that is wider."""
     return torch.promote_types(p.dtype, torch.float32)

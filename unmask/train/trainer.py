@@ -329,6 +329,11 @@ class Trainer:
         routing = getattr(self.optimizer, "routing", None)
         if routing is not None:
             logger.print(routing.summary())
+        ns_choice = getattr(self.optimizer, "ns_dtype_choice", None)
+        if ns_choice is not None and routing is not None and routing.muon:
+            dtype, why = ns_choice
+            source = "optim.ns_dtype" if why == "as given" else f"optim.ns_dtype auto: {why}"
+            logger.print(f"Muon Newton-Schulz in {dtype} ({source})")
         self.model.train()
         started = time.perf_counter()
         window = LogWindow()
