@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from unmask.optim.muon import MuonAdamW
 from unmask.optim.routing import route_parameters
+from unmask.optim.updates import FUSED_ADAMW_DEVICES
 
 
 class OptimConfig(BaseModel):
@@ -93,7 +94,11 @@ def build_optimizer(cfg: OptimConfig, model: torch.nn.Module) -> torch.optim.Opt
     """MuonAdamW, or torch AdamW with the same grouping as MuonAdamW's AdamW side.
 
     AdamW: weight decay on every matrix (Muon's matrices, embeddings, head, LoRA factors),
-    none on norms, biases and 1-D parameters. Frozen parameters are left out.
+    none on norms, biases and 1-D parameters. Frozen parameters are left out. Both take
+    torch's fused AdamW kernel where it exists for the parameters' device (CPU, CUDA): one
+    pass over the memory instead of one per operation (several times faster than torch's
+    default CPU path), within about 1 ulp per step of the plain path
+    (tests/unit/test_muon.py).
     """
     betas = (cfg.adam_beta1, cfg.adam_beta2)
     if cfg.name == "muon":
@@ -122,4 +127,8 @@ def build_optimizer(cfg: OptimConfig, model: torch.nn.Module) -> torch.optim.Opt
         for named, wd in ((decay, cfg.weight_decay), (routing.adamw_no_decay, 0.0))
         if named
     ]
-    return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=betas, eps=cfg.adam_epsilon)
+    trainable = [p for _, p in decay + routing.adamw_no_decay]
+    fused = all(p.device.type in FUSED_ADAMW_DEVICES and p.is_floating_point() for p in trainable)
+    return torch.optim.AdamW(
+        groups, lr=cfg.learning_rate, betas=betas, eps=cfg.adam_epsilon, fused=fused
+    )

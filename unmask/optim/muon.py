@@ -9,9 +9,11 @@ One Muon step batches Newton-Schulz over every matrix of one shape (up to
 ``NS_BATCH_NUMEL`` elements per call) and casts the result back to the parameter dtype.
 Configured like torch (``momentum_style="ema"``, ``ns_coefficients="jordan"``,
 ``ns_dtype="bfloat16"``, Nesterov) the parameters equal those of ``torch.optim.Muon`` on
-the Muon matrices plus ``torch.optim.AdamW`` on the rest bit for bit on CPU:
-tests/unit/test_muon.py asserts ``torch.equal`` on every parameter after five steps, for
-``adjust_lr="original"`` and ``"match_rms_adamw"``.
+the Muon matrices plus ``torch.optim.AdamW`` on the rest bit for bit on CPU (the AdamW side
+through torch's fused kernel by default, equal to ``torch.optim.AdamW(fused=True)``; with
+``fused=False`` equal to torch's default path): tests/unit/test_muon.py asserts
+``torch.equal`` on every parameter after five steps, for ``adjust_lr="original"`` and
+``"match_rms_adamw"``, fused and not.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ from unmask.optim.updates import (
     apply_muon_update_,
     auto_ns_dtype,
     cpu_has_native_bf16,
+    fused_adamw_ok,
+    fused_adamw_update_,
     lr_scale,
     momentum_buffer,
     muon_ns_input,
@@ -103,6 +107,10 @@ class MuonAdamW(torch.optim.Optimizer):
         momentum_style: ``sum`` (M <- mu M + G, Moonlight) or ``ema``
             (M <- lerp(M, G, 1 - mu), ``torch.optim.Muon``/Keller Jordan).
         muon_include, muon_exclude: name regexes overriding the routing (include first).
+        fused: AdamW through torch's fused kernel where it applies (float32/float64
+            parameters on CPU or CUDA): one pass over memory, bit-equal to
+            ``torch.optim.AdamW(fused=True)``; other parameters, and all with False, take
+            the per-operation path, bit-equal to ``torch.optim.AdamW``'s default.
         verbose: print the split once at construction (rank 0 only under torch.distributed).
 
     Param groups carry ``use_muon`` and ``param_names``. Attributes besides the base
@@ -135,6 +143,7 @@ class MuonAdamW(torch.optim.Optimizer):
         momentum_style: str = "sum",
         muon_include: Iterable[str] = (),
         muon_exclude: Iterable[str] = (),
+        fused: bool = True,
         verbose: bool = True,
     ) -> None:
         _validate(
@@ -173,6 +182,7 @@ class MuonAdamW(torch.optim.Optimizer):
             "ns_dtype": ns_dtype,
             "adjust_lr": adjust_lr,
             "momentum_style": momentum_style,
+            "fused": bool(fused),
             "use_muon": False,
         }
         groups: list[dict[str, Any]] = []
@@ -231,14 +241,41 @@ class MuonAdamW(torch.optim.Optimizer):
                 scale = lr_scale(chunk[0].shape, group["adjust_lr"])
                 apply_muon_update_(chunk, updates, group["lr"], group["weight_decay"], scale)
 
+    def _adamw_state(self, p: Tensor, step_device: torch.device) -> dict[str, Any]:
+        """p's AdamW state, made on its first step; the step count (float32, 0-d) lives on
+        step_device: the CPU for the per-operation path (read as a Python float), p's
+        device for the fused kernel (moved there after a checkpoint from the other path)."""
+        state = self.state[p]
+        if "step" not in state:
+            state["step"] = torch.tensor(0.0, dtype=torch.float32, device=step_device)
+            state["exp_avg"] = torch.zeros_like(p, dtype=state_dtype(p))
+            state["exp_avg_sq"] = torch.zeros_like(p, dtype=state_dtype(p))
+        elif state["step"].device != step_device:
+            state["step"] = state["step"].to(step_device)
+        return state
+
     def _adamw_group_step(self, group: dict[str, Any]) -> None:
+        params = _with_grad(group["params"])
+        fused = [p for p in params if group.get("fused") and fused_adamw_ok(_local(p))]
+        if fused:
+            states = [self._adamw_state(p, _local(p).device) for p in fused]
+            fused_adamw_update_(
+                [_local(p) for p in fused],
+                [_local(p.grad) for p in fused],
+                [_local(s["exp_avg"]) for s in states],
+                [_local(s["exp_avg_sq"]) for s in states],
+                [s["step"] for s in states],
+                lr=group["lr"],
+                betas=group["betas"],
+                eps=group["eps"],
+                weight_decay=group["weight_decay"],
+            )
+        fused_ids = {id(p) for p in fused}
         by_step: dict[float, list[Tensor]] = defaultdict(list)
-        for p in _with_grad(group["params"]):
-            state = self.state[p]
-            if "step" not in state:
-                state["step"] = torch.tensor(0.0, dtype=torch.float32)
-                state["exp_avg"] = torch.zeros_like(p, dtype=state_dtype(p))
-                state["exp_avg_sq"] = torch.zeros_like(p, dtype=state_dtype(p))
+        for p in params:
+            if id(p) in fused_ids:
+                continue
+            state = self._adamw_state(p, torch.device("cpu"))
             state["step"] += 1
             by_step[state["step"].item()].append(p)
         for step, params in by_step.items():
@@ -261,6 +298,8 @@ class MuonAdamW(torch.optim.Optimizer):
         """Unpickling and ``copy.deepcopy`` restore only the base class's attributes
         (defaults, state, param_groups); start with an empty owner plan cache."""
         super().__setstate__(state)
+        for group in self.param_groups:  # a state_dict saved before the fused option
+            group.setdefault("fused", False)
         self.owner_plans = {}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
