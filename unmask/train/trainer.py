@@ -248,31 +248,58 @@ class Trainer:
             return self.objective.with_noise(batch, self.noise, rows), self.noise
         return batch, rank_generator(self.noise, where, self.dist.rank)
 
+    def _prepared(self, batch: dict) -> dict:
+        """A micro-batch on the device, cut to LLaDA's random length (seeded by the step, so
+        every rank and micro-batch cuts alike)."""
+        batch = self._to_device(batch)
+        return random_length_cut(
+            batch, self.cfg.diffusion.random_length_prob, self.cfg.train.seed, self.step
+        )
+
+    def _count_before_forward(self, batches: list[dict]) -> torch.Tensor | None:
+        """The step's normalizer (the objective's count summed over micro-batches and ranks)
+        before any forward, when the objective can say it from the batches alone
+        (`count(batch)`; Dream's cutoffs cannot); else None."""
+        count_of = getattr(self.objective, "count", None)
+        counts = [count_of(batch) for batch in batches] if count_of is not None else [None]
+        if any(count is None for count in counts):
+            return None
+        total = torch.zeros((), device=self.device)
+        for count in counts:
+            total += count.float()
+        if self.sharded:
+            (total,) = all_reduce_sum(total)
+        return total
+
     def train_step(self, batches: list[dict]) -> dict:
-        """One optimizer step over micro-batches; the loss is normalized once, globally."""
+        """One optimizer step over micro-batches; the loss is normalized once, globally, by
+        the count summed over micro-batches and ranks. When that count is known before the
+        forward, each micro-batch's loss is scaled by 1 / count before its backward (no pass
+        over the gradients); otherwise the gradients are scaled after the last backward."""
+        batches = [self._prepared(batch) for batch in batches]
+        count_total = self._count_before_forward(batches)
+        scale = None if count_total is None else 1.0 / count_total.clamp(min=1.0)
         loss_sum_total = torch.zeros((), device=self.device)
-        count_total = torch.zeros((), device=self.device)
+        counted = torch.zeros((), device=self.device)
         for index, batch in enumerate(batches):
-            batch = self._to_device(batch)
-            # LLaDA's random length: seeded by the step, so every rank/micro-batch cuts alike
-            batch = random_length_cut(
-                batch, self.cfg.diffusion.random_length_prob, self.cfg.train.seed, self.step
-            )
             noise = self.noise
             if self.sharded:
                 batch, noise = self._rank_noise(batch, (self.step, index))
                 sync_gradients(self.model, index == len(batches) - 1)
             with self._autocast():
                 loss_sum, count = self.objective(self.model, batch, noise)
-            loss_sum.backward()
+            (loss_sum if scale is None else loss_sum * scale).backward()
             loss_sum_total += loss_sum.detach().float()
-            count_total += count.detach().float()
-        if self.sharded:  # sum over ranks: the normalization stays global
-            loss_sum_total, count_total = all_reduce_sum(loss_sum_total, count_total)
-        scale = 1.0 / count_total.clamp(min=1.0)
-        for param in self.model.parameters():
-            if param.grad is not None:
-                param.grad.mul_(scale.to(param.grad.dtype))
+            counted += count.detach().float()
+        if scale is None:  # the count came with the forward: scale the gradients now
+            if self.sharded:  # sum over ranks: the normalization stays global
+                loss_sum_total, counted = all_reduce_sum(loss_sum_total, counted)
+            scale = 1.0 / counted.clamp(min=1.0)
+            for param in self.model.parameters():
+                if param.grad is not None:
+                    param.grad.mul_(scale.to(param.grad.dtype))
+        elif self.sharded:
+            (loss_sum_total,) = all_reduce_sum(loss_sum_total)
         # the global gradient norm (clipped to max_grad_norm when set): also the guard's
         max_norm = self.cfg.optim.max_grad_norm if self.cfg.optim.max_grad_norm > 0 else math.inf
         grad_norm = full_value(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
