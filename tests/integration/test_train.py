@@ -94,7 +94,7 @@ def test_gradient_accumulation_matches_one_big_batch(tiny_config):
     stats_a = a.train_step([batch])
     micro = [{k: v[i : i + 2] for k, v in batch.items()} for i in range(0, 8, 2)]
     stats_b = b.train_step(micro)
-    assert stats_a["loss"] == pytest.approx(stats_b["loss"], rel=1e-6)
+    assert float(stats_a["loss"]) == pytest.approx(float(stats_b["loss"]), rel=1e-6)
     for name, value in a.model.state_dict().items():
         upd_a = value - before[name]
         upd_b = b.model.state_dict()[name] - before[name]

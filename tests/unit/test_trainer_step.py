@@ -3,7 +3,7 @@ gradients scaled after it."""
 
 import pytest
 import torch
-from conftest import deep_update
+from conftest import deep_update, read_metrics
 
 from unmask.config import load_config
 from unmask.train.trainer import Trainer
@@ -63,10 +63,11 @@ def test_loss_scaled_before_backward_equals_gradients_scaled_after(
         for t in (scaled, plain):
             t.step += 1
         assert stats[0]["finite"] and stats[1]["finite"]
+        loss_scaled, loss_plain = float(stats[0]["loss"]), float(stats[1]["loss"])
         if step == 0 or maskable_per_row is not None:  # same parameters: the same loss
-            assert stats[0]["loss"] == stats[1]["loss"]
+            assert loss_scaled == loss_plain
         else:
-            assert stats[0]["loss"] == pytest.approx(stats[1]["loss"], rel=1e-6)
+            assert loss_scaled == pytest.approx(loss_plain, rel=1e-6)
     moved = 0
     for (name, p), q in zip(scaled.model.named_parameters(), plain.model.parameters()):
         if maskable_per_row is not None:
@@ -76,3 +77,82 @@ def test_loss_scaled_before_backward_equals_gradients_scaled_after(
         moved += not torch.equal(p, q)
     if maskable_per_row is None:
         assert moved > 0  # the two paths round differently: they are different code
+
+
+# -- host syncs --------------------------------------------------------------------------
+
+#: The Python-level ways a tensor's value reaches the host (each waits for the device).
+HOST_READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__", "__index__")
+
+
+class Prefetched:
+    """The trainer's loader with its batches read ahead: reading rows is CPU work of the
+    data loader, not a device sync, and stays out of the count."""
+
+    def __init__(self, loader, steps: int):
+        self.loader, self.batches = loader, [next(loader) for _ in range(steps)]
+
+    def __next__(self):
+        return self.batches.pop(0)
+
+    def __getattr__(self, name):  # close, state_dict
+        return getattr(self.loader, name)
+
+
+def count_host_reads(monkeypatch, trainer: Trainer) -> dict[int, list[str]]:
+    """Patch every HOST_READS method of torch.Tensor to record which one was called during
+    which step: a step runs from its train_step call to the next one (its loss, clipping,
+    update, guard, window, logging, saving). Step 0: before the first step."""
+    reads: dict[int, list[str]] = {0: []}
+    current = [0]
+    real_step = trainer.train_step
+
+    def train_step(batches):
+        current[0] = trainer.step + 1
+        reads[current[0]] = []
+        return real_step(batches)
+
+    trainer.train_step = train_step
+    for name in HOST_READS:
+        method = getattr(torch.Tensor, name)
+
+        def counted(self, *args, _method=method, _name=name, **kwargs):
+            reads[current[0]].append(_name)
+            return _method(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    return reads
+
+
+def test_no_host_sync_on_non_logging_steps_but_the_guards_one(tiny_config, tmp_path, monkeypatch):
+    """Six steps, logging every third: steps 1, 2, 4 and 5 read exactly one value from the
+    device, the non-finite guard's flag (skip the update when the loss or the gradient
+    norm is NaN/inf); losses, gradient norms and MFU are read at steps 3 and 6 only. The
+    logged loss is the mean of the window's step losses as Python floats, as before."""
+    trainer = make_trainer(tiny_config, tmp_path, "sync", {
+        "train": {"max_steps": 6, "logging_steps": 3, "eval_steps": 0, "save_steps": 0},
+    })  # fmt: skip
+    trainer.loader = Prefetched(trainer.loader, 6)
+    step_losses = {}
+    real_step = trainer.train_step
+
+    def keep_loss(batches):
+        stats = real_step(batches)
+        step_losses[trainer.step + 1] = torch.as_tensor(stats["loss"]).detach().clone()
+        return stats
+
+    trainer.train_step = keep_loss
+    reads = count_host_reads(monkeypatch, trainer)
+    trainer.train()
+    monkeypatch.undo()
+    for step in (1, 2, 4, 5):
+        assert reads[step] == ["tolist"], (step, reads[step])
+    for step in (3, 6):
+        assert len(reads[step]) > 1
+    logged = {r["step"]: r["loss"] for r in read_metrics(tmp_path / "sync") if "loss" in r}
+    for end in (3, 6):
+        window = [float(step_losses[s]) for s in range(end - 2, end + 1)]
+        total = 0.0
+        for value in window:  # LogWindow's arithmetic: Python floats, summed in step order
+            total += value
+        assert logged[end] == total / 3

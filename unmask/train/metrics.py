@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+import torch
 from tqdm import tqdm
 
 from unmask.errors import InputError
@@ -161,24 +162,32 @@ class MetricsLogger:
 
 
 class LogWindow:
-    """Loss and throughput since the last logging step (skipped steps left out)."""
+    """Loss and throughput since the last logging step (skipped steps left out).
+
+    Step losses may be 0-d device tensors: they are summed on the device in float64 (each
+    float32 loss widened, added in step order: the same arithmetic as summing them as Python
+    floats) and read once, by `values` at a logging step, so the steps between cost no
+    host-device sync."""
 
     def __init__(self) -> None:
-        self.loss, self.steps, self.tokens = 0.0, 0, 0
+        self.loss: float | torch.Tensor = 0.0
+        self.steps, self.tokens = 0, 0
         self.started = time.perf_counter()
 
     def add(self, stats: dict, tokens: int) -> None:
-        self.loss += stats["loss"]
+        loss = stats["loss"]
+        self.loss = self.loss + (loss.detach().double() if isinstance(loss, torch.Tensor) else loss)
         self.steps += 1
         self.tokens += tokens
 
     def values(self, stats: dict) -> dict:
         """The window's logged values, and a new window."""
         elapsed = time.perf_counter() - self.started
-        values = {"loss": self.loss / max(self.steps, 1), "learning_rate": stats["learning_rate"],
+        values = {"loss": float(self.loss) / max(self.steps, 1),
+                  "learning_rate": stats["learning_rate"],
                   "tokens_per_second": self.tokens / max(elapsed, 1e-9)}  # fmt: skip
         if "grad_norm" in stats:
-            values["grad_norm"] = stats["grad_norm"]
+            values["grad_norm"] = float(stats["grad_norm"])
         self.__init__()
         return values
 
