@@ -57,6 +57,7 @@ from unmask.train.metrics import (
     check_trackers,
     truncate_metrics,
 )
+from unmask.train.mfu import device_peak, flop_model, matmul_dtype
 from unmask.train.plan import make_plan
 from unmask.train.report import run_summary
 from unmask.train.run_dir import prepare_output_dir, room_for_checkpoint, write_config
@@ -117,6 +118,7 @@ class Trainer:
         self.model = build_train_model(cfg, self.tokenizer, added_tokens, self.device,
                                        self.dist.mesh)  # fmt: skip
         self.objective = build_objective(cfg.diffusion, self.tokenizer.mask_token_id)
+        self.flops = flop_model(self.model) if t.log_mfu else None  # mfu.py: the FLOP count
         self.optimizer = build_optimizer(cfg.optim, self.model)
         self.scheduler = build_scheduler(
             self.optimizer,
@@ -279,9 +281,10 @@ class Trainer:
         over the gradients); otherwise the gradients are scaled after the last backward.
 
         Returns `loss` and (when clipping) `grad_norm` as 0-d tensors left on the device,
-        `learning_rate`, and `finite` (bool): the step's one host-device sync, the flag the
-        non-finite guard needs to skip the update. In a multi-process run the same read
-        carries `stop` (a stop signal reached some rank), summed in the loss's all-reduce."""
+        `learning_rate`, `flops` (train.log_mfu: this device's model FLOPs, mfu.py; a 0-d
+        tensor) and `finite` (bool): the step's one host-device sync, the flag the non-finite
+        guard needs to skip the update. In a multi-process run the same read carries `stop`
+        (a stop signal reached some rank), summed in the loss's all-reduce."""
         batches = [self._prepared(batch) for batch in batches]
         # a stop signal on any rank: reduced with the loss, read with the guard's flag
         requested = self._stop_signals is not None and self._stop_signals.requested
@@ -290,6 +293,7 @@ class Trainer:
         scale = None if count_total is None else 1.0 / count_total.clamp(min=1.0)
         loss_sum_total = torch.zeros((), device=self.device)
         counted = torch.zeros((), device=self.device)
+        flops = 0.0
         for index, batch in enumerate(batches):
             noise = self.noise
             if self.sharded:
@@ -300,6 +304,8 @@ class Trainer:
             (loss_sum if scale is None else loss_sum * scale).backward()
             loss_sum_total += loss_sum.detach().float()
             counted += count.detach().float()
+            if self.flops is not None:
+                flops = flops + self._micro_batch_flops(batch)
         if scale is None:  # the count came with the forward: scale the gradients now
             if self.sharded:  # sum over ranks: the normalization stays global
                 loss_sum_total, counted, stop = all_reduce_sum(loss_sum_total, counted, stop)
@@ -315,6 +321,8 @@ class Trainer:
         loss = loss_sum_total * scale
         learning_rate = self.optimizer.param_groups[0]["lr"]  # the lr this step uses
         stats = {"loss": loss, "learning_rate": learning_rate}
+        if self.flops is not None:
+            stats["flops"] = flops
         if self.cfg.optim.max_grad_norm > 0:
             stats["grad_norm"] = grad_norm.detach()
         flags = torch.isfinite(loss) & torch.isfinite(grad_norm)
@@ -329,6 +337,14 @@ class Trainer:
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return stats
+
+    def _micro_batch_flops(self, batch: dict):
+        """Model FLOPs of the micro-batch just computed (mfu.py), with the LM head on the
+        rows the objective masked (its `last_stats`; every token when it has none)."""
+        rows, length = batch["input_ids"].shape
+        masked = getattr(self.objective, "last_stats", {}).get("num_masked")
+        head_rows = rows * length if masked is None else masked.double()
+        return self.flops.step_flops(rows * length, length, head_rows)
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -368,6 +384,11 @@ class Trainer:
         logger.print(self._summary())
         for notice in self.notices:
             logger.print(notice)
+        window = LogWindow()
+        if self.flops is not None and self.dist.is_main:  # only rank 0 logs
+            peak = device_peak(self.device, matmul_dtype(self.device.type, cfg.train.bf16))
+            window.peak_flops = peak.flops
+            logger.print(peak.describe())
         routing = getattr(self.optimizer, "routing", None)
         if routing is not None:
             logger.print(routing.summary())
@@ -378,7 +399,7 @@ class Trainer:
             logger.print(f"Muon Newton-Schulz in {dtype} ({source})")
         self.model.train()
         started = time.perf_counter()
-        window = LogWindow()
+        window.restart()
         last: dict = {}
         try:
             with StopSignals() as stop:
