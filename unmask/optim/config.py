@@ -98,9 +98,12 @@ def build_optimizer(cfg: OptimConfig, model: torch.nn.Module) -> torch.optim.Opt
     torch's fused AdamW kernel where it exists for the parameters' device (CPU, CUDA): one
     pass over the memory instead of one per operation (several times faster than torch's
     default CPU path), within about 1 ulp per step of the plain path
-    (tests/unit/test_muon.py).
+    (tests/unit/test_muon.py); on CPU its rounding also depends by about 1 ulp on where FSDP2
+    shards cut a tensor (see MuonAdamW's ``fused``).
     """
     betas = (cfg.adam_beta1, cfg.adam_beta2)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    fused = all(p.device.type in FUSED_ADAMW_DEVICES and p.is_floating_point() for p in trainable)
     if cfg.name == "muon":
         return MuonAdamW(
             model,
@@ -119,6 +122,7 @@ def build_optimizer(cfg: OptimConfig, model: torch.nn.Module) -> torch.optim.Opt
             momentum_style=cfg.momentum_style,
             muon_include=tuple(cfg.muon_include),
             muon_exclude=tuple(cfg.muon_exclude),
+            fused=fused,
         )
     routing = route_parameters(model)
     decay = routing.muon + routing.adamw_decay
@@ -127,8 +131,6 @@ def build_optimizer(cfg: OptimConfig, model: torch.nn.Module) -> torch.optim.Opt
         for named, wd in ((decay, cfg.weight_decay), (routing.adamw_no_decay, 0.0))
         if named
     ]
-    trainable = [p for _, p in decay + routing.adamw_no_decay]
-    fused = all(p.device.type in FUSED_ADAMW_DEVICES and p.is_floating_point() for p in trainable)
     return torch.optim.AdamW(
         groups, lr=cfg.learning_rate, betas=betas, eps=cfg.adam_epsilon, fused=fused
     )

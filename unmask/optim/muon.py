@@ -9,11 +9,11 @@ One Muon step batches Newton-Schulz over every matrix of one shape (up to
 ``NS_BATCH_NUMEL`` elements per call) and casts the result back to the parameter dtype.
 Configured like torch (``momentum_style="ema"``, ``ns_coefficients="jordan"``,
 ``ns_dtype="bfloat16"``, Nesterov) the parameters equal those of ``torch.optim.Muon`` on
-the Muon matrices plus ``torch.optim.AdamW`` on the rest bit for bit on CPU (the AdamW side
-through torch's fused kernel by default, equal to ``torch.optim.AdamW(fused=True)``; with
-``fused=False`` equal to torch's default path): tests/unit/test_muon.py asserts
-``torch.equal`` on every parameter after five steps, for ``adjust_lr="original"`` and
-``"match_rms_adamw"``, fused and not.
+the Muon matrices plus ``torch.optim.AdamW`` on the rest bit for bit on CPU (with
+``fused=True``, the AdamW side through torch's fused kernel, equal to
+``torch.optim.AdamW(fused=True)``): tests/unit/test_muon.py asserts ``torch.equal`` on every
+parameter after five steps, for ``adjust_lr="original"`` and ``"match_rms_adamw"``, fused
+and not.
 """
 
 from __future__ import annotations
@@ -109,8 +109,12 @@ class MuonAdamW(torch.optim.Optimizer):
         muon_include, muon_exclude: name regexes overriding the routing (include first).
         fused: AdamW through torch's fused kernel where it applies (float32/float64
             parameters on CPU or CUDA): one pass over memory, bit-equal to
-            ``torch.optim.AdamW(fused=True)``; other parameters, and all with False, take
-            the per-operation path, bit-equal to ``torch.optim.AdamW``'s default.
+            ``torch.optim.AdamW(fused=True)``, about 1 ulp per step from the default
+            per-operation path (bit-equal to ``torch.optim.AdamW``'s default). On CPU the
+            kernel's vector body and scalar tail round differently, so with FSDP2 shards the
+            result depends (by about 1 ulp) on where the shards cut a tensor; the default
+            keeps a sharded step bit-equal to a one-process step. ``build_optimizer`` (the
+            trainer) turns it on.
         verbose: print the split once at construction (rank 0 only under torch.distributed).
 
     Param groups carry ``use_muon`` and ``param_names``. Attributes besides the base
@@ -143,7 +147,7 @@ class MuonAdamW(torch.optim.Optimizer):
         momentum_style: str = "sum",
         muon_include: Iterable[str] = (),
         muon_exclude: Iterable[str] = (),
-        fused: bool = True,
+        fused: bool = False,
         verbose: bool = True,
     ) -> None:
         _validate(
