@@ -1,4 +1,5 @@
 import json
+import os
 
 import pytest
 import torch
@@ -33,6 +34,13 @@ TINY = {
     },
     "eval": {"generate_accuracy": False},
 }
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _unmask_cache_in_tmp(tmp_path_factory):
+    """unmask's per-machine cache (the MFU peak measurement) goes to a temporary folder for
+    the whole session, subprocesses included, never to the real home."""
+    os.environ["UNMASK_CACHE_DIR"] = str(tmp_path_factory.mktemp("unmask-cache"))
 
 
 @pytest.fixture(scope="module")

@@ -30,6 +30,9 @@ class NonFiniteAt:
     def with_noise(self, *args, **kwargs):
         return self.inner.with_noise(*args, **kwargs)
 
+    def count(self, batch):
+        return self.inner.count(batch)
+
 
 def skipping_reference(trainer: Trainer, steps: set[int]) -> None:
     """The oracle: a run whose optimizer and schedule do not move at `steps` (the batches

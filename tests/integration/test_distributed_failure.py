@@ -103,7 +103,7 @@ def test_killed_rank_stops_the_run_and_the_last_checkpoint_resumes(tmp_path):
     assert trainer.step == step
     stats = trainer.train_step([next(trainer.loader)])
     if step + 1 in logged:  # rank 0 got to log the next step before it was stopped
-        assert stats["loss"] == pytest.approx(logged[step + 1], abs=1e-5)
+        assert float(stats["loss"]) == pytest.approx(logged[step + 1], abs=1e-5)
 
 
 def test_slurm_usr1_through_torchrun_stops_every_rank_at_one_checkpoint(tmp_path):

@@ -96,7 +96,7 @@ def test_gradient_accumulation_matches_one_big_batch(tiny_config):
     stats_a = a.train_step([batch])
     micro = [{k: v[i : i + 2] for k, v in batch.items()} for i in range(0, 8, 2)]
     stats_b = b.train_step(micro)
-    assert stats_a["loss"] == pytest.approx(stats_b["loss"], rel=1e-6)
+    assert float(stats_a["loss"]) == pytest.approx(float(stats_b["loss"]), rel=1e-6)
     for name, value in a.model.state_dict().items():
         upd_a = value - before[name]
         upd_b = b.model.state_dict()[name] - before[name]
@@ -189,6 +189,7 @@ def test_muon_trains_through_the_config_and_prints_its_split(tiny_config, tmp_pa
     assert main(["train", str(cfg)]) == 0
     out = capsys.readouterr().out
     assert "MuonAdamW parameter split:" in out and "muon" in out
+    assert "Muon Newton-Schulz in float32 (optim.ns_dtype)" in out
     records = [r for r in read_metrics(tmp_path / "run") if "loss" in r]
     assert all(r["loss"] == r["loss"] and r["loss"] < 20 for r in records)  # finite
     assert records[-1]["loss"] < records[0]["loss"]

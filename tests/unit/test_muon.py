@@ -89,11 +89,14 @@ def _qwen_names(layers: int) -> tuple[set[str], set[str]]:
 # ------------------------------------------------------------------------------ parity
 
 
+@pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("adjust_lr", ["original", "match_rms_adamw"])
-def test_parity_with_torch_muon_and_adamw(adjust_lr):
+def test_parity_with_torch_muon_and_adamw(adjust_lr, fused):
     """Configured like torch.optim.Muon (jordan, bf16 NS, lerp momentum, Nesterov), five
     steps equal torch.optim.Muon on every Muon matrix and torch.optim.AdamW on the rest,
-    bit for bit (same operations in the same order; batched NS equals per-matrix NS)."""
+    bit for bit (same operations in the same order; batched NS equals per-matrix NS); the
+    AdamW side through the fused kernel equals torch.optim.AdamW(fused=True), the plain one
+    torch's default (for-loop) path."""
     ours = _qwen(layers=3)
     ref = copy.deepcopy(ours)
     init = {n: p.detach().clone() for n, p in ours.named_parameters()}
@@ -107,6 +110,7 @@ def test_parity_with_torch_muon_and_adamw(adjust_lr):
         momentum_style="ema",
         ns_coefficients="jordan",
         ns_dtype="bfloat16",
+        fused=fused,
         verbose=False,
     )
     muon_names, norm_names = _qwen_names(3)
@@ -128,6 +132,7 @@ def test_parity_with_torch_muon_and_adamw(adjust_lr):
         lr=lr,
         betas=betas,
         eps=1e-8,
+        fused=fused,
     )
     batches = _batches(5)
     _train(ours, [opt], batches)
@@ -369,6 +374,53 @@ def test_bfloat16_model_trains(ns):
                 assert value.dtype == torch.float32
 
 
+def _fixed_grad_steps(model: nn.Module, opt, steps: int = 5) -> None:
+    """`steps` optimizer steps on fixed random gradients (1e-3 to 10 in scale), so two
+    optimizers differ only by their own rounding, not through the model."""
+    g = torch.Generator().manual_seed(7)
+    for _ in range(steps):
+        for p in model.parameters():
+            scale = 10.0 ** torch.randint(-3, 2, (), generator=g).item()
+            p.grad = torch.randn(p.shape, generator=g) * scale
+        opt.step()
+
+
+@pytest.mark.parametrize("which", ["torch.optim.AdamW", "MuonAdamW"])
+def test_fused_adamw_equals_the_plain_path_within_a_few_ulp(which):
+    """torch's fused AdamW kernel (what build_optimizer and MuonAdamW use on CPU and CUDA)
+    against the plain per-operation path, five steps on the same gradients: not bitwise (the
+    kernel orders the arithmetic differently), at most 4 float32 ulp of the largest entry
+    of each parameter (observed: 1 ulp). Muon matrices take the same path either way."""
+    fused, plain = _qwen(layers=2), _qwen(layers=2)
+
+    def build(model: nn.Module, fused: bool) -> torch.optim.Optimizer:
+        if which == "torch.optim.AdamW":
+            return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, fused=fused)
+        return MuonAdamW(model, lr=1e-2, weight_decay=0.1, fused=fused, verbose=False)
+
+    _fixed_grad_steps(fused, build(fused, True))
+    _fixed_grad_steps(plain, build(plain, False))
+    eps = torch.finfo(torch.float32).eps
+    moved = 0
+    for (name, p), q in zip(fused.named_parameters(), plain.parameters()):
+        assert (p - q).abs().max() <= 4 * eps * q.abs().max(), name
+        moved += not torch.equal(p, q)
+    assert moved > 0  # the two paths are really different code
+
+
+def test_build_optimizer_takes_the_fused_kernel_and_old_states_load_unfused():
+    model = _qwen(layers=1)
+    assert build_optimizer(OptimConfig(), model).defaults["fused"] is True
+    opt = build_optimizer(OptimConfig(name="muon"), model)
+    assert all(g["fused"] for g in opt.param_groups)
+    assert not MuonAdamW(model, verbose=False).defaults["fused"]  # the class: bit-exact path
+    saved = opt.state_dict()
+    for group in saved["param_groups"]:  # a checkpoint from before the option
+        del group["fused"]
+    opt.load_state_dict(saved)
+    assert not any(g["fused"] for g in opt.param_groups)  # resumes bit-equal to how it ran
+
+
 # ---------------------------------------------------------------- checkpoints, schedule
 
 
@@ -477,6 +529,39 @@ def test_optim_config_validation():
         with pytest.raises(ValidationError):
             OptimConfig(**bad)
     assert OptimConfig(warmup_steps=0.1).warmup_steps == 0.1
+
+
+def test_auto_ns_dtype_resolution(monkeypatch):
+    """ns_dtype auto: bfloat16 on an accelerator or a CPU with native bf16 matmuls (read from
+    torch's cpuinfo flags), float32 on any other CPU; resolved once, at construction."""
+    assert updates_module.auto_ns_dtype("cuda", False)[0] == "bfloat16"
+    assert updates_module.auto_ns_dtype("cpu", True)[0] == "bfloat16"
+    assert updates_module.auto_ns_dtype("cpu", False) == (
+        "float32",
+        "the CPU has no native bfloat16 matmuls (no AVX512_BF16/AMX)",
+    )
+    cpu = torch._C._cpu
+    for flags, native in (
+        ({"avx512_bf16": True, "amx_bf16": False}, True),
+        ({"avx512_bf16": False, "amx_bf16": True}, True),
+        ({"avx512_bf16": False, "amx_bf16": False, "avx512_f": True}, False),
+        ({}, False),  # another architecture: no x86 flags
+    ):
+        monkeypatch.setattr(cpu, "_get_cpu_capability", lambda flags=flags: flags)
+        assert updates_module.cpu_has_native_bf16() is native, flags
+    monkeypatch.delattr(cpu, "_get_cpu_capability")  # a torch without it
+    assert updates_module.cpu_has_native_bf16() is False
+
+    import unmask.optim.muon as muon_module
+
+    for native, dtype in ((False, "float32"), (True, "bfloat16")):
+        monkeypatch.setattr(muon_module, "cpu_has_native_bf16", lambda native=native: native)
+        opt = build_optimizer(OptimConfig(name="muon"), _qwen(layers=1))
+        assert {g["ns_dtype"] for g in opt.param_groups} == {dtype}
+        assert opt.ns_dtype_choice == updates_module.auto_ns_dtype("cpu", native)
+    given = MuonAdamW(_qwen(layers=1), ns_dtype="float16", verbose=False)
+    assert given.ns_dtype_choice == ("float16", "as given")
+    assert OptimConfig().ns_dtype == "auto"
 
 
 def test_bad_constructor_arguments():

@@ -331,6 +331,41 @@ def test_random_length_cut_is_a_function_of_seed_and_step():
     assert random_length_cut(batch, 0.0, 7, 3) is batch
 
 
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"objective": "mdlm"},
+        {"objective": "llada"},
+        {"objective": "sft"},
+        {"objective": "sft", "logit_shift": True},
+        {"objective": "dream"},
+        {"objective": "dream", "logit_shift": False, "mask_prompt_loss": False},
+        {"objective": "bd3lm", "block_size": 4},
+    ],
+)
+@pytest.mark.parametrize("supervise_padding", [True, False])
+def test_count_before_the_forward_equals_the_calls_count(settings, supervise_padding):
+    """`count(batch)`, which the trainer reads before the forward to scale the loss, is the
+    count the call returns, for every objective (rows with prompts, padding, a packed
+    second document)."""
+    batch = _sft_rows(supervise_padding).gather(torch.arange(3))
+    batch["doc_ids"][2, 7:] = 1  # a second document in row 2
+    batch["position_ids"][2, 7:] = torch.arange(3)
+    obj = build_objective(DiffusionConfig(**settings), MASK)
+    model = tiny_model().train()
+    for seed in range(3):
+        before = obj.count(batch)
+        out = obj(model, batch, gen(seed))
+        assert before.dtype == out.count.dtype == torch.float32
+        assert before.item() == out.count.item() > 0
+
+
+def test_dream_cutoffs_leave_the_count_to_the_forward():
+    for cutoff in ({"perbatch_cutoff": True}, {"resp_cutoff_ratio": 0.5}):
+        obj = build_objective(DiffusionConfig(objective="dream", **cutoff), MASK)
+        assert obj.count(_sft_rows(True).gather(torch.arange(3))) is None
+
+
 def test_every_objective_name_has_one_class():
     from typing import get_args
 

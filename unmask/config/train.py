@@ -78,6 +78,11 @@ class TrainConfig(BaseModel):
     nothing. A logger whose package is missing stops the run before anything is written."""
     run_name: str | None = None
     """Name shown by loggers; defaults to the output_dir's name."""
+    log_mfu: bool = True
+    """Log mfu (model FLOPs utilization, 0-1: the model's FLOPs per second over the device's
+    peak; formula in docs/operations.md) at every logging step. The peak is a known GPU's
+    datasheet number, else a short matmul measurement at start-up, cached in
+    ~/.cache/unmask/peak_flops.json ($UNMASK_CACHE_DIR to move it)."""
     disable_tqdm: bool = False
     """Hide the live progress bar (log lines are still printed)."""
     fsdp2: bool = True

@@ -3,6 +3,8 @@
 `objective(model, batch, generator) -> ObjectiveOutput(loss_sum, count)`. The trainer
 sums both over micro-batches and ranks before dividing, so gradient accumulation gives
 the same gradient as one big batch however many tokens each micro-batch masks.
+`objective.count(batch)` gives that count before the forward when the batch alone fixes it,
+so the trainer can scale each micro-batch's loss instead of every gradient afterwards.
 """
 
 from typing import NamedTuple, Protocol
@@ -45,6 +47,12 @@ class Objective(Protocol):
     def with_noise(
         self, batch: dict, generator: torch.Generator | None = None, rows: RowSlice | None = None
     ) -> dict: ...
+
+    def count(self, batch: dict) -> torch.Tensor | None:
+        """The `count` a call on this batch returns, computed from the batch alone (0-d
+        float32), or None when it depends on what the call draws (optional: an objective
+        without this method is treated as returning None)."""
+        ...
 
 
 def mdlm_loss_terms(
@@ -113,6 +121,14 @@ class MaskedDiffusionObjective:
             rows=rows,
         )
         return t, noisy, masked
+
+    def count(self, batch: dict) -> torch.Tensor | None:
+        """The normalizer `__call__` returns for this batch (its maskable tokens), from the
+        batch alone: the trainer scales each micro-batch's loss by 1 / (the step's total)
+        before backward instead of every gradient after it. Equal to the call's count for
+        every objective (tests/unit/test_trainer_step.py); None in a subclass whose count
+        depends on what the call draws."""
+        return maskable_of(batch).sum().to(torch.float32)
 
     def with_noise(
         self, batch: dict, generator: torch.Generator | None = None, rows: RowSlice | None = None

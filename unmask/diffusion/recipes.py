@@ -122,6 +122,13 @@ class SFTObjective(MaskedDiffusionObjective):
 
     global_noise = False
 
+    def count(self, batch: dict) -> torch.Tensor:
+        """Rows with an answer (after the shift's unmaskable document starts)."""
+        maskable = maskable_of(batch)
+        if self.cfg.logit_shift:
+            maskable = maskable & ~document_starts(batch)
+        return (maskable.sum(1) > 0).sum().float()
+
     def __call__(
         self, model: nn.Module, batch: dict, generator: torch.Generator | None = None
     ) -> ObjectiveOutput:
@@ -174,6 +181,13 @@ class DreamObjective(MaskedDiffusionObjective):
         if cfg.logit_shift is not False:
             maskable = maskable & ~document_starts(batch)
         return {**batch, "maskable": maskable}
+
+    def count(self, batch: dict) -> torch.Tensor | None:
+        """Maskable tokens after the prompt policy and the shift; None with a cutoff, which
+        draws from the call's generator."""
+        if self.cfg.perbatch_cutoff or self.cfg.resp_cutoff_ratio > 0:
+            return None
+        return self.prepare(batch, None, training=False)["maskable"].sum().float()
 
     def __call__(
         self, model: nn.Module, batch: dict, generator: torch.Generator | None = None

@@ -9,9 +9,11 @@ One Muon step batches Newton-Schulz over every matrix of one shape (up to
 ``NS_BATCH_NUMEL`` elements per call) and casts the result back to the parameter dtype.
 Configured like torch (``momentum_style="ema"``, ``ns_coefficients="jordan"``,
 ``ns_dtype="bfloat16"``, Nesterov) the parameters equal those of ``torch.optim.Muon`` on
-the Muon matrices plus ``torch.optim.AdamW`` on the rest bit for bit on CPU:
-tests/unit/test_muon.py asserts ``torch.equal`` on every parameter after five steps, for
-``adjust_lr="original"`` and ``"match_rms_adamw"``.
+the Muon matrices plus ``torch.optim.AdamW`` on the rest bit for bit on CPU (with
+``fused=True``, the AdamW side through torch's fused kernel, equal to
+``torch.optim.AdamW(fused=True)``): tests/unit/test_muon.py asserts ``torch.equal`` on every
+parameter after five steps, for ``adjust_lr="original"`` and ``"match_rms_adamw"``, fused
+and not.
 """
 
 from __future__ import annotations
@@ -33,6 +35,10 @@ from unmask.optim.updates import (
     MOMENTUM_STYLES,
     adamw_update_,
     apply_muon_update_,
+    auto_ns_dtype,
+    cpu_has_native_bf16,
+    fused_adamw_ok,
+    fused_adamw_update_,
     lr_scale,
     momentum_buffer,
     muon_ns_input,
@@ -93,12 +99,22 @@ class MuonAdamW(torch.optim.Optimizer):
         ns_steps: Newton-Schulz iterations.
         ns_coefficients: ``jordan``, ``you``, ``polar_express`` or ``gram`` (Gram NS with the
             Polar Express schedule), or one (a, b, c) used at every step.
-        ns_dtype: ``bfloat16``, ``float32`` or ``float16`` NS iteration dtype.
+        ns_dtype: ``bfloat16``, ``float32`` or ``float16`` NS iteration dtype, or ``auto``:
+            chosen from the Muon parameters' device at construction (bfloat16 on GPUs and on
+            CPUs with native bf16 matmuls, float32 on other CPUs; see ``ns_dtype_choice``).
         adjust_lr: ``match_rms_adamw`` (0.2 sqrt(max(A, B))), ``original``
             (sqrt(max(1, A/B))) or ``none``.
         momentum_style: ``sum`` (M <- mu M + G, Moonlight) or ``ema``
             (M <- lerp(M, G, 1 - mu), ``torch.optim.Muon``/Keller Jordan).
         muon_include, muon_exclude: name regexes overriding the routing (include first).
+        fused: AdamW through torch's fused kernel where it applies (float32/float64
+            parameters on CPU or CUDA): one pass over memory, bit-equal to
+            ``torch.optim.AdamW(fused=True)``, about 1 ulp per step from the default
+            per-operation path (bit-equal to ``torch.optim.AdamW``'s default). On CPU the
+            kernel's vector body and scalar tail round differently, so with FSDP2 shards the
+            result depends (by about 1 ulp) on where the shards cut a tensor; the default
+            keeps a sharded step bit-equal to a one-process step. ``build_optimizer`` (the
+            trainer) turns it on.
         verbose: print the split once at construction (rank 0 only under torch.distributed).
 
     Param groups carry ``use_muon`` and ``param_names``. Attributes besides the base
@@ -106,6 +122,8 @@ class MuonAdamW(torch.optim.Optimizer):
 
     * ``routing``: the :class:`~unmask.optim.routing.Routing` split, with a reason per
       parameter.
+    * ``ns_dtype_choice``: (the NS dtype used, why), e.g. ``("float32", "the CPU has no
+      native bfloat16 matmuls ...")`` for ``auto``, ``("bfloat16", "as given")`` otherwise.
     * ``owner_plans``: the DTensor path's cache of owner plans (which rank orthogonalizes
       which matrix), filled on the first step of each sharded Muon group and reused. A
       plan depends only on global shapes and the mesh, so it is not saved in
@@ -129,6 +147,7 @@ class MuonAdamW(torch.optim.Optimizer):
         momentum_style: str = "sum",
         muon_include: Iterable[str] = (),
         muon_exclude: Iterable[str] = (),
+        fused: bool = False,
         verbose: bool = True,
     ) -> None:
         _validate(
@@ -149,6 +168,12 @@ class MuonAdamW(torch.optim.Optimizer):
         if not isinstance(ns_coefficients, str):
             ns_coefficients = tuple(float(v) for v in ns_coefficients)
         self.routing = route_parameters(model_or_named_params, muon_include, muon_exclude)
+        self.ns_dtype_choice = (ns_dtype, "as given")
+        if ns_dtype == "auto":
+            device = _local(self.routing.muon[0][1]).device if self.routing.muon else None
+            device_type = device.type if device is not None else "cpu"
+            self.ns_dtype_choice = auto_ns_dtype(device_type, cpu_has_native_bf16())
+            ns_dtype = self.ns_dtype_choice[0]
         defaults: dict[str, Any] = {
             "lr": lr,
             "weight_decay": weight_decay,
@@ -161,6 +186,7 @@ class MuonAdamW(torch.optim.Optimizer):
             "ns_dtype": ns_dtype,
             "adjust_lr": adjust_lr,
             "momentum_style": momentum_style,
+            "fused": bool(fused),
             "use_muon": False,
         }
         groups: list[dict[str, Any]] = []
@@ -219,14 +245,41 @@ class MuonAdamW(torch.optim.Optimizer):
                 scale = lr_scale(chunk[0].shape, group["adjust_lr"])
                 apply_muon_update_(chunk, updates, group["lr"], group["weight_decay"], scale)
 
+    def _adamw_state(self, p: Tensor, step_device: torch.device) -> dict[str, Any]:
+        """p's AdamW state, made on its first step; the step count (float32, 0-d) lives on
+        step_device: the CPU for the per-operation path (read as a Python float), p's
+        device for the fused kernel (moved there after a checkpoint from the other path)."""
+        state = self.state[p]
+        if "step" not in state:
+            state["step"] = torch.tensor(0.0, dtype=torch.float32, device=step_device)
+            state["exp_avg"] = torch.zeros_like(p, dtype=state_dtype(p))
+            state["exp_avg_sq"] = torch.zeros_like(p, dtype=state_dtype(p))
+        elif state["step"].device != step_device:
+            state["step"] = state["step"].to(step_device)
+        return state
+
     def _adamw_group_step(self, group: dict[str, Any]) -> None:
+        params = _with_grad(group["params"])
+        fused = [p for p in params if group.get("fused") and fused_adamw_ok(_local(p))]
+        if fused:
+            states = [self._adamw_state(p, _local(p).device) for p in fused]
+            fused_adamw_update_(
+                [_local(p) for p in fused],
+                [_local(p.grad) for p in fused],
+                [_local(s["exp_avg"]) for s in states],
+                [_local(s["exp_avg_sq"]) for s in states],
+                [s["step"] for s in states],
+                lr=group["lr"],
+                betas=group["betas"],
+                eps=group["eps"],
+                weight_decay=group["weight_decay"],
+            )
+        fused_ids = {id(p) for p in fused}
         by_step: dict[float, list[Tensor]] = defaultdict(list)
-        for p in _with_grad(group["params"]):
-            state = self.state[p]
-            if "step" not in state:
-                state["step"] = torch.tensor(0.0, dtype=torch.float32)
-                state["exp_avg"] = torch.zeros_like(p, dtype=state_dtype(p))
-                state["exp_avg_sq"] = torch.zeros_like(p, dtype=state_dtype(p))
+        for p in params:
+            if id(p) in fused_ids:
+                continue
+            state = self._adamw_state(p, torch.device("cpu"))
             state["step"] += 1
             by_step[state["step"].item()].append(p)
         for step, params in by_step.items():
@@ -249,6 +302,8 @@ class MuonAdamW(torch.optim.Optimizer):
         """Unpickling and ``copy.deepcopy`` restore only the base class's attributes
         (defaults, state, param_groups); start with an empty owner plan cache."""
         super().__setstate__(state)
+        for group in self.param_groups:  # a state_dict saved before the fused option
+            group.setdefault("fused", False)
         self.owner_plans = {}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -303,8 +358,9 @@ def _validate(
     else:
         ok = len(tuple(ns_coefficients)) == 3
         checks.append((ok, f"ns_coefficients as numbers must be (a, b, c): {ns_coefficients}"))
-    ok_dtype = ns_dtype in NS_DTYPES or ns_dtype in NS_DTYPES.values()
-    checks.append((ok_dtype, f"ns_dtype must be one of {sorted(NS_DTYPES)}, got {ns_dtype!r}"))
+    ok_dtype = ns_dtype == "auto" or ns_dtype in NS_DTYPES or ns_dtype in NS_DTYPES.values()
+    choices = ["auto", *sorted(NS_DTYPES)]
+    checks.append((ok_dtype, f"ns_dtype must be one of {choices}, got {ns_dtype!r}"))
     for ok, message in checks:
         if not ok:
             raise InputError(message)

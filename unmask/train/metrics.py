@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+import torch
 from tqdm import tqdm
 
 from unmask.errors import InputError
@@ -23,7 +24,7 @@ def format_duration(seconds: float) -> str:
 
 
 def format_line(step: int, total: int, values: dict, eta_s: float | None) -> str:
-    """'step 40/400 | loss 1.234 | lr 1.00e-03 | 5.1k tok/s | eta 2m10s'."""
+    """'step 40/400 | loss 1.234 | lr 1.00e-03 | 5.1k tok/s | mfu 41.2% | eta 2m10s'."""
     parts = [f"step {step}/{total}"]
     if "loss" in values:
         parts.append(f"loss {values['loss']:.4f}")
@@ -35,6 +36,8 @@ def format_line(step: int, total: int, values: dict, eta_s: float | None) -> str
         parts.append(f"lr {values['learning_rate']:.2e}")
     if "tokens_per_second" in values:
         parts.append(f"{values['tokens_per_second'] / 1000:.1f}k tok/s")
+    if "mfu" in values:
+        parts.append(f"mfu {values['mfu']:.1%}")
     if values.get("skipped_steps"):
         parts.append(f"skipped {values['skipped_steps']}")
     if eta_s is not None:
@@ -161,25 +164,44 @@ class MetricsLogger:
 
 
 class LogWindow:
-    """Loss and throughput since the last logging step (skipped steps left out)."""
+    """Loss, throughput and MFU since the last logging step (skipped steps left out).
 
-    def __init__(self) -> None:
-        self.loss, self.steps, self.tokens = 0.0, 0, 0
+    Step losses (and model FLOPs) may be 0-d device tensors: they are summed on the device,
+    losses in float64 (each float32 loss widened, added in step order: the same arithmetic
+    as summing them as Python floats), and read once, by `values` at a logging step, so the
+    steps between cost no host-device sync. `peak_flops` (FLOP/s of the device, mfu.py)
+    turns the window's FLOPs into `mfu`, over the same wall time as `tokens_per_second`.
+    """
+
+    def __init__(self, peak_flops: float | None = None) -> None:
+        self.peak_flops = peak_flops
+        self.restart()
+
+    def restart(self) -> None:
+        """An empty window, starting now."""
+        self.loss: float | torch.Tensor = 0.0
+        self.flops: float | torch.Tensor = 0.0
+        self.steps, self.tokens = 0, 0
         self.started = time.perf_counter()
 
     def add(self, stats: dict, tokens: int) -> None:
-        self.loss += stats["loss"]
+        loss = stats["loss"]
+        self.loss = self.loss + (loss.detach().double() if isinstance(loss, torch.Tensor) else loss)
+        self.flops = self.flops + stats.get("flops", 0.0)
         self.steps += 1
         self.tokens += tokens
 
     def values(self, stats: dict) -> dict:
         """The window's logged values, and a new window."""
-        elapsed = time.perf_counter() - self.started
-        values = {"loss": self.loss / max(self.steps, 1), "learning_rate": stats["learning_rate"],
-                  "tokens_per_second": self.tokens / max(elapsed, 1e-9)}  # fmt: skip
+        elapsed = max(time.perf_counter() - self.started, 1e-9)
+        values = {"loss": float(self.loss) / max(self.steps, 1),
+                  "learning_rate": stats["learning_rate"],
+                  "tokens_per_second": self.tokens / elapsed}  # fmt: skip
         if "grad_norm" in stats:
-            values["grad_norm"] = stats["grad_norm"]
-        self.__init__()
+            values["grad_norm"] = float(stats["grad_norm"])
+        if self.peak_flops and "flops" in stats:
+            values["mfu"] = float(self.flops) / elapsed / self.peak_flops
+        self.restart()
         return values
 
 

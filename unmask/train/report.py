@@ -37,7 +37,8 @@ EVAL_RESULTS = "eval_results.json"
 PLOTS_DIR = "plots"  # `unmask plot`'s default output: not the run's own writing
 SKIP_KEYS = ("skipped_steps",)  # the running count of non-finite steps skipped
 NUMBER_KEYS = ("loss", "eval_loss", "learning_rate", "tokens_per_second", "tokens_seen",
-               "grad_norm", "heldout_exact_match", "elapsed_seconds", *SKIP_KEYS)  # fmt: skip
+               "grad_norm", "mfu", "heldout_exact_match", "elapsed_seconds",
+               *SKIP_KEYS)  # fmt: skip
 _MODEL_FILES = ("config.json", "adapter_config.json")  # final/: an HF folder or an adapter
 
 

@@ -1,8 +1,9 @@
 """Stopping a run cleanly on a signal: SLURM's pre-emption (SIGTERM, or SIGUSR1 sent ahead
 of the time limit with `--signal=USR1@120`) and Ctrl-C (SIGINT).
 
-The first signal only sets a flag; the loop reads it after the step in progress, saves a
-checkpoint and stops (exit code 0 for SIGTERM and SIGUSR1, so requeue scripts go on; 130
+The first signal only sets a flag; the loop reads it after the step in progress (with
+several processes, the flag is summed over ranks with that step's loss, so one that arrives
+later in the step is acted on after the next), saves a checkpoint and stops (exit code 0 for SIGTERM and SIGUSR1, so requeue scripts go on; 130
 for SIGINT). A second Ctrl-C stops at once: checkpoints are written to a temporary folder
 and renamed into place, so stopping mid-save leaves the previous checkpoint intact.
 """

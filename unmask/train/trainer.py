@@ -57,6 +57,7 @@ from unmask.train.metrics import (
     check_trackers,
     truncate_metrics,
 )
+from unmask.train.mfu import device_peak, flop_model, matmul_dtype
 from unmask.train.plan import make_plan
 from unmask.train.report import run_summary
 from unmask.train.run_dir import prepare_output_dir, room_for_checkpoint, write_config
@@ -122,6 +123,7 @@ class Trainer:
         self.model = build_train_model(cfg, self.tokenizer, added_tokens, self.device,
                                        self.dist.mesh)  # fmt: skip
         self.objective = build_objective(cfg.diffusion, self.tokenizer.mask_token_id)
+        self.flops = flop_model(self.model) if t.log_mfu else None  # mfu.py: the FLOP count
         self.optimizer = build_optimizer(cfg.optim, self.model)
         self.scheduler = build_scheduler(
             self.optimizer,
@@ -144,6 +146,7 @@ class Trainer:
         self.last_eval_loss: float | None = None
         self.guard = NonFiniteGuard(t.max_bad_steps, t.nan_rollback, t.lr_backoff)
         self.stopped_by = ""  # the signal that stopped the run, if one did
+        self._stop_signals: StopSignals | None = None  # while train() runs
         self.exit_code = 0
         self.logger: MetricsLogger | SilentLogger | None = None  # while train() runs
         self._lora_base: list[float] | None = None
@@ -253,45 +256,100 @@ class Trainer:
             return self.objective.with_noise(batch, self.noise, rows), self.noise
         return batch, rank_generator(self.noise, where, self.dist.rank)
 
+    def _prepared(self, batch: dict) -> dict:
+        """A micro-batch on the device, cut to LLaDA's random length (seeded by the step, so
+        every rank and micro-batch cuts alike)."""
+        batch = self._to_device(batch)
+        return random_length_cut(
+            batch, self.cfg.diffusion.random_length_prob, self.cfg.train.seed, self.step
+        )
+
+    def _count_before_forward(self, batches: list[dict]) -> torch.Tensor | None:
+        """The step's normalizer (the objective's count summed over micro-batches and ranks)
+        before any forward, when the objective can say it from the batches alone
+        (`count(batch)`; Dream's cutoffs cannot); else None."""
+        count_of = getattr(self.objective, "count", None)
+        counts = [count_of(batch) for batch in batches] if count_of is not None else [None]
+        if any(count is None for count in counts):
+            return None
+        total = torch.zeros((), device=self.device)
+        for count in counts:
+            total += count.float()
+        if self.sharded:
+            (total,) = all_reduce_sum(total)
+        return total
+
     def train_step(self, batches: list[dict]) -> dict:
-        """One optimizer step over micro-batches; the loss is normalized once, globally."""
+        """One optimizer step over micro-batches; the loss is normalized once, globally, by
+        the count summed over micro-batches and ranks. When that count is known before the
+        forward, each micro-batch's loss is scaled by 1 / count before its backward (no pass
+        over the gradients); otherwise the gradients are scaled after the last backward.
+
+        Returns `loss` and (when clipping) `grad_norm` as 0-d tensors left on the device,
+        `learning_rate`, `flops` (train.log_mfu: this device's model FLOPs, mfu.py; a 0-d
+        tensor) and `finite` (bool): the step's one host-device sync, the flag the non-finite
+        guard needs to skip the update. In a multi-process run the same read carries `stop`
+        (a stop signal reached some rank), summed in the loss's all-reduce."""
+        batches = [self._prepared(batch) for batch in batches]
+        # a stop signal on any rank: reduced with the loss, read with the guard's flag
+        requested = self._stop_signals is not None and self._stop_signals.requested
+        stop = torch.full((), float(requested), device=self.device)
+        count_total = self._count_before_forward(batches)
+        scale = None if count_total is None else 1.0 / count_total.clamp(min=1.0)
         loss_sum_total = torch.zeros((), device=self.device)
-        count_total = torch.zeros((), device=self.device)
+        counted = torch.zeros((), device=self.device)
+        flops = 0.0
         for index, batch in enumerate(batches):
-            batch = self._to_device(batch)
-            # LLaDA's random length: seeded by the step, so every rank/micro-batch cuts alike
-            batch = random_length_cut(
-                batch, self.cfg.diffusion.random_length_prob, self.cfg.train.seed, self.step
-            )
             noise = self.noise
             if self.sharded:
                 batch, noise = self._rank_noise(batch, (self.step, index))
                 sync_gradients(self.model, index == len(batches) - 1)
             with self._autocast():
                 loss_sum, count = self.objective(self.model, batch, noise)
-            loss_sum.backward()
+            (loss_sum if scale is None else loss_sum * scale).backward()
             loss_sum_total += loss_sum.detach().float()
-            count_total += count.detach().float()
-        if self.sharded:  # sum over ranks: the normalization stays global
-            loss_sum_total, count_total = all_reduce_sum(loss_sum_total, count_total)
-        scale = 1.0 / count_total.clamp(min=1.0)
-        for param in self.model.parameters():
-            if param.grad is not None:
-                param.grad.mul_(scale.to(param.grad.dtype))
+            counted += count.detach().float()
+            if self.flops is not None:
+                flops = flops + self._micro_batch_flops(batch)
+        if scale is None:  # the count came with the forward: scale the gradients now
+            if self.sharded:  # sum over ranks: the normalization stays global
+                loss_sum_total, counted, stop = all_reduce_sum(loss_sum_total, counted, stop)
+            scale = 1.0 / counted.clamp(min=1.0)
+            for param in self.model.parameters():
+                if param.grad is not None:
+                    param.grad.mul_(scale.to(param.grad.dtype))
+        elif self.sharded:
+            loss_sum_total, stop = all_reduce_sum(loss_sum_total, stop)
         # the global gradient norm (clipped to max_grad_norm when set): also the guard's
         max_norm = self.cfg.optim.max_grad_norm if self.cfg.optim.max_grad_norm > 0 else math.inf
         grad_norm = full_value(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
         loss = loss_sum_total * scale
         learning_rate = self.optimizer.param_groups[0]["lr"]  # the lr this step uses
-        stats = {"loss": loss.item(), "learning_rate": learning_rate}
+        stats = {"loss": loss, "learning_rate": learning_rate}
+        if self.flops is not None:
+            stats["flops"] = flops
         if self.cfg.optim.max_grad_norm > 0:
-            stats["grad_norm"] = float(grad_norm)
-        stats["finite"] = math.isfinite(stats["loss"]) and bool(torch.isfinite(grad_norm))
+            stats["grad_norm"] = grad_norm.detach()
+        flags = torch.isfinite(loss) & torch.isfinite(grad_norm)
+        if self.sharded:
+            flags = torch.stack([flags, stop > 0])
+        read = flags.reshape(-1).tolist()  # the one sync of a step: the guard needs it now
+        stats["finite"] = read[0]
+        if self.sharded:
+            stats["stop"] = read[1]
         if stats["finite"]:  # a non-finite step changes nothing: no update, same schedule
             self.optimizer.step()
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return stats
+
+    def _micro_batch_flops(self, batch: dict):
+        """Model FLOPs of the micro-batch just computed (mfu.py), with the LM head on the
+        rows the objective masked (its `last_stats`; every token when it has none)."""
+        rows, length = batch["input_ids"].shape
+        masked = getattr(self.objective, "last_stats", {}).get("num_masked")
+        head_rows = rows * length if masked is None else masked.double()
+        return self.flops.step_flops(rows * length, length, head_rows)
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -331,15 +389,26 @@ class Trainer:
         logger.print(self._summary())
         for notice in self.notices:
             logger.print(notice)
+        window = LogWindow()
+        if self.flops is not None and self.dist.is_main:  # only rank 0 logs
+            peak = device_peak(self.device, matmul_dtype(self.device.type, cfg.train.bf16))
+            window.peak_flops = peak.flops
+            logger.print(peak.describe())
         routing = getattr(self.optimizer, "routing", None)
         if routing is not None:
             logger.print(routing.summary())
+        ns_choice = getattr(self.optimizer, "ns_dtype_choice", None)
+        if ns_choice is not None and routing is not None and routing.muon:
+            dtype, why = ns_choice
+            source = "optim.ns_dtype" if why == "as given" else f"optim.ns_dtype auto: {why}"
+            logger.print(f"Muon Newton-Schulz in {dtype} ({source})")
         self.model.train()
         started = time.perf_counter()
-        window = LogWindow()
+        window.restart()
         last: dict = {}
         try:
             with StopSignals() as stop:
+                self._stop_signals = stop
                 while self.step < plan.total_steps:
                     batches = [
                         next(self.loader) for _ in range(cfg.train.gradient_accumulation_steps)
@@ -349,11 +418,10 @@ class Trainer:
                     self.tokens_seen += plan.tokens_per_step
                     if not self._guard_step(stats, logger):
                         continue
-                    window.add(stats, plan.tokens_per_step)
-                    logger.advance(self.step, {"loss": f"{stats['loss']:.3f}"})
+                    window.add(stats, plan.tokens_per_step)  # on the device: no sync
                     at_end = self.step == plan.total_steps
                     values: dict = {}
-                    if self.step % plan.logging_every == 0 or at_end:
+                    if self.step % plan.logging_every == 0 or at_end:  # the window is read
                         values.update(
                             window.values(stats),
                             tokens_seen=self.tokens_seen,
@@ -361,6 +429,8 @@ class Trainer:
                         )
                         if self.guard.state.skipped_steps:
                             values["skipped_steps"] = self.guard.state.skipped_steps
+                    shown = {"loss": f"{values['loss']:.3f}"} if "loss" in values else None
+                    logger.advance(self.step, shown)
                     if (plan.eval_every and self.step % plan.eval_every == 0) or at_end:
                         if len(self.eval_rows):
                             values["eval_loss"] = self.last_eval_loss = self.evaluate()
@@ -370,7 +440,7 @@ class Trainer:
                     saved = (plan.save_every and self.step % plan.save_every == 0) or at_end
                     if saved:
                         self.save()
-                    if self._stop_requested(stop):
+                    if self._stop_requested(stop, stats):
                         self._stop(stop, logger, saved)
                         return last
             self.model = self.checkpointer.save_final(self.model, cfg.model)
@@ -381,6 +451,7 @@ class Trainer:
                 logger.print(run_summary(self.output_dir, prompt=prompt,
                                          wall_seconds=time.perf_counter() - started))  # fmt: skip
         finally:
+            self._stop_signals = None
             logger.close()
             self.logger = None
             self.loader.close()
@@ -396,7 +467,7 @@ class Trainer:
         logger.log(self.step, {"skipped_steps": state.skipped_steps,
                                "skipped_in_a_row": state.in_a_row})  # fmt: skip
         logger.print(
-            f"step {self.step}: non-finite loss or gradient norm (loss {stats['loss']}); the "
+            f"step {self.step}: non-finite loss or gradient norm (loss {float(stats['loss'])}); the "
             f"step was skipped ({state.in_a_row} in a row, {state.skipped_steps} in all)"
         )
         if action == "skip":
@@ -420,13 +491,13 @@ class Trainer:
             "optim.learning_rate, or set train.nan_rollback=true"
         )
 
-    def _stop_requested(self, stop: StopSignals) -> bool:
-        """A stop signal reached any rank (every rank decides the same, at the same step)."""
+    def _stop_requested(self, stop: StopSignals, stats: dict) -> bool:
+        """A stop signal reached any rank (every rank decides the same, at the same step).
+        Several processes: the flag train_step summed over ranks with the loss and read with
+        the guard's, so asking costs no collective and no sync of its own."""
         if not self.sharded:
             return stop.requested
-        flag = torch.tensor([1.0 if stop.requested else 0.0], device=self.device)
-        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-        return bool(flag.item())
+        return stats["stop"]
 
     def _stop(self, stop: StopSignals, logger, saved: bool) -> None:
         if not saved:

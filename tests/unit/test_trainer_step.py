@@ -1,0 +1,278 @@
+"""The training step against its plain form: the loss scaled before backward equals the
+gradients scaled after it."""
+
+import json
+
+import pytest
+import torch
+from conftest import deep_update, read_metrics
+
+from unmask.config import load_config
+from unmask.train.trainer import Trainer
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+class CountAfterForward:
+    """An objective without `count`: the trainer then takes its plain path (sum the losses,
+    backward, divide every gradient by the count afterwards)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __call__(self, *args, **kwargs):
+        return self.inner(*args, **kwargs)
+
+    def __getattr__(self, name):
+        if name == "count":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+
+def make_trainer(tiny_config, tmp_path, name: str, extra: dict | None = None) -> Trainer:
+    tree = deep_update({"train": {"output_dir": str(tmp_path / name)}}, extra or {})
+    return Trainer(load_config(tiny_config(tree, name=f"{name}.yaml")))
+
+
+def micro_batches(trainer: Trainer, maskable_per_row: int | None) -> list[dict]:
+    """Two micro-batches of 4 rows; with maskable_per_row, only the first that many
+    positions of each row are maskable (a count fixed by the test)."""
+    rows = trainer.train_rows
+    batch = {k: torch.stack([rows[i][k] for i in range(8)]) for k in rows[0]}
+    if maskable_per_row is not None:
+        maskable = torch.zeros_like(batch["maskable"])
+        maskable[:, :maskable_per_row] = True
+        batch["maskable"] = maskable
+    return [{k: v[i : i + 4] for k, v in batch.items()} for i in (0, 4)]
+
+
+@pytest.mark.parametrize("maskable_per_row", [16, None])
+def test_loss_scaled_before_backward_equals_gradients_scaled_after(
+    tiny_config, tmp_path, maskable_per_row
+):
+    """Three steps of two micro-batches each, clipping on. With 2 x 4 x 16 = 128 maskable
+    tokens per step (a power of two, so 1/128 scales exactly either way) the parameters are
+    bit-equal; with the data's own count they agree to float32 rounding."""
+    scaled = make_trainer(tiny_config, tmp_path, "scaled")
+    plain = make_trainer(tiny_config, tmp_path, "plain")
+    plain.objective = CountAfterForward(plain.objective)
+    assert scaled._count_before_forward(micro_batches(scaled, maskable_per_row)) is not None
+    assert plain._count_before_forward(micro_batches(plain, maskable_per_row)) is None
+    if maskable_per_row is not None:
+        assert scaled._count_before_forward(micro_batches(scaled, 16)).item() == 128
+    for step in range(3):
+        stats = [t.train_step(micro_batches(t, maskable_per_row)) for t in (scaled, plain)]
+        for t in (scaled, plain):
+            t.step += 1
+        assert stats[0]["finite"] and stats[1]["finite"]
+        loss_scaled, loss_plain = float(stats[0]["loss"]), float(stats[1]["loss"])
+        if step == 0 or maskable_per_row is not None:  # same parameters: the same loss
+            assert loss_scaled == loss_plain
+        else:
+            assert loss_scaled == pytest.approx(loss_plain, rel=1e-6)
+    moved = 0
+    for (name, p), q in zip(scaled.model.named_parameters(), plain.model.parameters()):
+        if maskable_per_row is not None:
+            assert torch.equal(p, q), name
+        else:
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
+        moved += not torch.equal(p, q)
+    if maskable_per_row is None:
+        assert moved > 0  # the two paths round differently: they are different code
+
+
+# -- host syncs --------------------------------------------------------------------------
+
+#: The Python-level ways a tensor's value reaches the host (each waits for the device).
+HOST_READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__", "__index__")
+
+
+class Prefetched:
+    """The trainer's loader with its batches read ahead: reading rows is CPU work of the
+    data loader, not a device sync, and stays out of the count."""
+
+    def __init__(self, loader, steps: int):
+        self.loader, self.batches = loader, [next(loader) for _ in range(steps)]
+
+    def __next__(self):
+        return self.batches.pop(0)
+
+    def __getattr__(self, name):  # close, state_dict
+        return getattr(self.loader, name)
+
+
+def count_host_reads(monkeypatch, trainer: Trainer) -> dict[int, list[str]]:
+    """Patch every HOST_READS method of torch.Tensor to record which one was called during
+    which step: a step runs from its train_step call to the next one (its loss, clipping,
+    update, guard, window, logging, saving). Step 0: before the first step."""
+    reads: dict[int, list[str]] = {0: []}
+    current = [0]
+    real_step = trainer.train_step
+
+    def train_step(batches):
+        current[0] = trainer.step + 1
+        reads[current[0]] = []
+        return real_step(batches)
+
+    trainer.train_step = train_step
+    for name in HOST_READS:
+        method = getattr(torch.Tensor, name)
+
+        def counted(self, *args, _method=method, _name=name, **kwargs):
+            reads[current[0]].append(_name)
+            return _method(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    return reads
+
+
+def test_no_host_sync_on_non_logging_steps_but_the_guards_one(tiny_config, tmp_path, monkeypatch):
+    """Six steps, logging every third: steps 1, 2, 4 and 5 read exactly one value from the
+    device, the non-finite guard's flag (skip the update when the loss or the gradient
+    norm is NaN/inf); losses, gradient norms and MFU are read at steps 3 and 6 only. The
+    logged loss is the mean of the window's step losses as Python floats, as before."""
+    trainer = make_trainer(tiny_config, tmp_path, "sync", {
+        "train": {"max_steps": 6, "logging_steps": 3, "eval_steps": 0, "save_steps": 0},
+    })  # fmt: skip
+    trainer.loader = Prefetched(trainer.loader, 6)
+    step_losses = {}
+    real_step = trainer.train_step
+
+    def keep_loss(batches):
+        stats = real_step(batches)
+        step_losses[trainer.step + 1] = torch.as_tensor(stats["loss"]).detach().clone()
+        return stats
+
+    trainer.train_step = keep_loss
+    reads = count_host_reads(monkeypatch, trainer)
+    trainer.train()
+    monkeypatch.undo()
+    for step in (1, 2, 4, 5):
+        assert reads[step] == ["tolist"], (step, reads[step])
+    for step in (3, 6):
+        assert len(reads[step]) > 1
+    logged = {r["step"]: r["loss"] for r in read_metrics(tmp_path / "sync") if "loss" in r}
+    for end in (3, 6):
+        window = [float(step_losses[s]) for s in range(end - 2, end + 1)]
+        total = 0.0
+        for value in window:  # LogWindow's arithmetic: Python floats, summed in step order
+            total += value
+        assert logged[end] == total / 3
+
+
+# -- MFU ---------------------------------------------------------------------------------
+
+
+def test_flop_count_of_a_tiny_model_by_hand():
+    """hidden 32, 2 heads of 16, 1 KV head, MLP 64, 2 layers, vocab 128."""
+    from unmask.models import ModelConfig, build_model
+    from unmask.train.mfu import flop_model
+
+    cfg = ModelConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1)  # fmt: skip
+    fm = flop_model(build_model(cfg))
+    q, k, v, o = 32 * 32, 32 * 16, 32 * 16, 32 * 32
+    gate, up, down = 32 * 64, 32 * 64, 64 * 32
+    assert fm.matmul_params == 2 * (q + k + v + o + gate + up + down) == 18432
+    assert (fm.layers, fm.attention_width, fm.head_params) == (2, 32, 32 * 128)
+    assert fm.head_on_masked
+    # 4 rows of 20 tokens, 37 of them masked:
+    # 6 N T + 12 layers d_attn L T + 6 d V R
+    expected = 6 * 18432 * 80 + 12 * 2 * 32 * 20 * 80 + 6 * 4096 * 37
+    assert expected == 8_847_360 + 1_228_800 + 909_312
+    assert fm.step_flops(80, 20, 37) == expected
+    assert fm.step_flops(80, 20, torch.tensor(37.0, dtype=torch.float64)).item() == expected
+
+
+class Recording:
+    """The objective, recording how many tokens each call masked."""
+
+    def __init__(self, inner):
+        self.inner, self.masked = inner, []
+
+    def __call__(self, *args, **kwargs):
+        out = self.inner(*args, **kwargs)
+        self.masked.append(int(self.inner.last_stats["num_masked"]))
+        return out
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_logged_mfu_is_the_hand_count_over_the_window_and_the_peak(
+    tiny_config, tmp_path, monkeypatch, capsys
+):
+    """mfu x peak / tokens_per_second (both over the window's wall time) = the window's
+    FLOPs / its tokens, with the FLOPs counted by hand from the TINY dims and the masked
+    counts of each step."""
+    from unmask.train import trainer as trainer_module
+    from unmask.train.mfu import Peak
+
+    monkeypatch.setattr(trainer_module, "device_peak", lambda device, dtype: Peak(1e9, "test"))
+    trainer = make_trainer(tiny_config, tmp_path, "mfu", {
+        "train": {"max_steps": 3, "logging_steps": 3, "eval_steps": 0, "save_steps": 0},
+    })  # fmt: skip
+    trainer.objective = recording = Recording(trainer.objective)
+    trainer.train()
+    record = next(r for r in read_metrics(tmp_path / "mfu") if r["step"] == 3)
+    h, inter, layers, heads, kv = 32, 64, 2, 2, 1  # conftest.TINY
+    hd = h // heads
+    vocab = trainer.model.config.vocab_size
+    n = layers * (h * heads * hd + 2 * h * kv * hd + heads * hd * h + 3 * h * inter)
+    rows, length = 8, 20  # per_device_train_batch_size x packing_length
+    tokens = rows * length
+    per_step = [6 * n * tokens + 12 * layers * heads * hd * length * tokens + 6 * h * vocab * r
+                for r in recording.masked[:3]]  # fmt: skip
+    assert record["mfu"] * 1e9 / record["tokens_per_second"] == pytest.approx(
+        sum(per_step) / (3 * tokens), rel=1e-9
+    )
+    out = capsys.readouterr().out
+    assert "MFU against a peak of 0.001 TFLOP/s (test)" in out
+    assert f"mfu {record['mfu']:.1%}" in out
+
+
+def test_log_mfu_false_counts_nothing(tiny_config, tmp_path):
+    trainer = make_trainer(tiny_config, tmp_path, "off", {"train": {"log_mfu": False}})
+    assert trainer.flops is None
+    stats = trainer.train_step([next(trainer.loader)])
+    assert "flops" not in stats
+
+
+def test_peak_from_the_datasheet_table_or_measured_once_and_cached(tmp_path, monkeypatch):
+    from unmask.train import mfu
+
+    assert mfu.known_peak("NVIDIA H100 80GB HBM3", "bfloat16") == 989e12
+    assert mfu.known_peak("NVIDIA H100 PCIe", "bfloat16") == 756e12
+    assert mfu.known_peak("NVIDIA H200", "tf32") == 494.5e12
+    assert mfu.known_peak("NVIDIA A100-SXM4-80GB", "float32") == 19.5e12
+    assert mfu.known_peak("NVIDIA L4", "bfloat16") is None
+    assert mfu.matmul_dtype("cpu", True) == "bfloat16"
+    assert mfu.matmul_dtype("cpu", False) == "float32"
+
+    monkeypatch.setenv("UNMASK_CACHE_DIR", str(tmp_path / "cache"))
+    assert mfu.peak_cache_file() == tmp_path / "cache" / "peak_flops.json"
+    calls = []
+    monkeypatch.setattr(mfu, "measure_peak", lambda device, dtype: calls.append(dtype) or 5e10)
+    first = mfu.device_peak(torch.device("cpu"), "float32")
+    again = mfu.device_peak(torch.device("cpu"), "float32")
+    assert first.flops == again.flops == 5e10 and calls == [torch.float32]
+    assert "measured by a matmul probe" in first.source and "cached" in again.source
+    cache = json.loads(mfu.peak_cache_file().read_text())
+    (key,) = cache
+    assert key.startswith("cpu ") and "| float32 |" in key
+    assert key.endswith(f"| {torch.get_num_threads()} threads")
+    mfu.device_peak(torch.device("cpu"), "bfloat16")  # another dtype: another measurement
+    assert calls == [torch.float32, torch.bfloat16]
+    mfu.peak_cache_file().write_text("not json")  # a damaged cache is measured again
+    assert mfu.device_peak(torch.device("cpu"), "float32").flops == 5e10 and len(calls) == 3
+
+    monkeypatch.delenv("UNMASK_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert mfu.peak_cache_file() == tmp_path / "xdg" / "unmask" / "peak_flops.json"
+
+
+def test_matmul_probe_measures_a_plausible_rate():
+    from unmask.train.mfu import measure_peak
+
+    flops = measure_peak(torch.device("cpu"), torch.float32, budget_s=0.1)
+    assert 1e8 < flops < 1e14  # between a very slow core and far beyond any 2-core CPU

@@ -1,0 +1,230 @@
+"""Model FLOPs utilization (MFU): the FLOPs a step's model math needs, per second, over the
+peak FLOP/s of the device it ran on.
+
+FLOPs of one optimizer step on one device (forward and backward, 3x the forward's matmuls):
+
+    6 N T  +  12 n_layers d_attn sum_mb(L T_mb)  +  6 d V R
+
+- N: the weights of the model's matmuls, every ``nn.Linear`` (in x out) except the LM head.
+  The embedding is a lookup, not a matmul, and is left out; norms and biases too.
+- T: the tokens the model reads, rows x length of every micro-batch (padding included).
+- Attention: per token and layer, the forward's Q K^T and A V take 2 L d_attn FLOPs each
+  (L the row length, d_attn = heads x head_dim); x3 with the backward. Full bidirectional
+  attention, so no causal halving; document masks (packing) are ignored: a packed row counts
+  as if every token saw the whole row, which overstates the attention term of packed batches.
+- LM head: 6 d V per row it runs on, R = the masked tokens of the step (unmask computes
+  logits only for them); an encoder from transformers (BERT, ModernBERT) runs its head on
+  every token (R = T).
+
+MFU = FLOPs / (wall seconds x peak FLOP/s). The peak is the dense datasheet number of a
+known GPU for the step's matmul dtype (`KNOWN_PEAKS`), or else a short matmul measurement
+at start-up (`measure_peak`: the best of a few large GEMMs, under a second; on a CPU, at
+least one thread's rate), cached per machine (`peak_cache_file`) by device name, dtype and thread count. A measured peak is what
+the device reaches on one plain GEMM, not its datasheet number, so it is a stricter bar.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+# Dense peak FLOP/s (no structured sparsity: the datasheets' "with sparsity" figures halved),
+# from NVIDIA's datasheets: H100 (SXM5 / NVL / PCIe), H200 (SXM / NVL), A100 (SXM4 and
+# PCIe, 40 and 80 GB). "float32": the CUDA-core FP32 rate, what a float32 matmul gets at
+# torch's default matmul precision ("highest"); "tf32": the tensor-core rate a float32 matmul
+# gets at precision "high"/"medium". First match of the device name (case-insensitive) wins,
+# so the specific names come before the generic ones.
+KNOWN_PEAKS: tuple[tuple[str, dict[str, float]], ...] = (
+    ("H100 PCIe", {"bfloat16": 756e12, "tf32": 378e12, "float32": 51e12}),
+    ("H100 NVL", {"bfloat16": 835e12, "tf32": 417.5e12, "float32": 60e12}),
+    ("H100", {"bfloat16": 989e12, "tf32": 494.5e12, "float32": 67e12}),
+    ("H200 NVL", {"bfloat16": 835e12, "tf32": 417.5e12, "float32": 60e12}),
+    ("H200", {"bfloat16": 989e12, "tf32": 494.5e12, "float32": 67e12}),
+    ("A100", {"bfloat16": 312e12, "tf32": 156e12, "float32": 19.5e12}),
+)
+
+PEAK_CACHE_FILE = "peak_flops.json"
+PROBE_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "tf32": torch.float32}
+
+
+# -- FLOPs --------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class FlopModel:
+    """The dimensions the FLOP count needs, read from a model."""
+
+    matmul_params: int
+    """N: in x out of every nn.Linear but the LM head."""
+    layers: int
+    attention_width: int
+    """d_attn = attention heads x head_dim."""
+    head_params: int
+    """d x V of the LM head."""
+    head_on_masked: bool
+    """True: the head runs on the masked rows only (unmask's decoder); False: every token."""
+
+    def step_flops(self, tokens: int, length: int, head_rows):
+        """FLOPs of one micro-batch of `tokens` tokens in rows of `length`, forward and
+        backward, with the LM head on `head_rows` rows (a number or a 0-d tensor, e.g. the
+        masked-token count still on the device; the result is then a tensor)."""
+        dense = 6 * self.matmul_params * tokens + 12 * self.layers * self.attention_width * (
+            length * tokens
+        )
+        rows = head_rows if self.head_on_masked else tokens
+        return dense + 6 * self.head_params * rows
+
+
+def flop_model(model: nn.Module) -> FlopModel:
+    """The FlopModel of a native decoder (its `lm_head`), an encoder from transformers (its
+    output embeddings) or either under a LoRA wrapper; the layer count and attention width
+    come from `model.config` (a ModelConfig)."""
+    head = getattr(model, "lm_head", None)
+    on_masked = head is not None
+    if head is None:
+        head = model.hf_model.get_output_embeddings()
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear) and m is not head]
+    cfg = model.config
+    return FlopModel(
+        matmul_params=sum(m.in_features * m.out_features for m in linears),
+        layers=cfg.num_hidden_layers,
+        attention_width=cfg.num_attention_heads * cfg.resolved_head_dim,
+        head_params=head.in_features * head.out_features,
+        head_on_masked=on_masked,
+    )
+
+
+# -- peak FLOP/s --------------------------------------------------------------------------
+def matmul_dtype(device_type: str, bf16: bool) -> str:
+    """The dtype name a step's matmuls run in: bfloat16 under bf16 autocast, else float32,
+    or tf32 on CUDA when torch's float32 matmul precision allows TF32 tensor cores."""
+    if bf16:
+        return "bfloat16"
+    if device_type == "cuda" and torch.get_float32_matmul_precision() != "highest":
+        return "tf32"
+    return "float32"
+
+
+def known_peak(device_name: str, dtype: str) -> float | None:
+    """The datasheet peak of a known GPU for `dtype`, or None."""
+    name = device_name.lower()
+    for pattern, peaks in KNOWN_PEAKS:
+        if pattern.lower() in name:
+            return peaks.get(dtype)
+    return None
+
+
+def device_name(device: torch.device) -> str:
+    """A name that identifies the device's kind: the GPU's, or the CPU's model, vector ISA
+    and core count."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    model = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    isa = torch.backends.cpu.get_cpu_capability()
+    return f"{device.type} {model} ({isa}, {os.cpu_count()} cores)"
+
+
+def measure_peak(device: torch.device, dtype: torch.dtype, budget_s: float = 0.3) -> float:
+    """FLOP/s of the best of several n x n GEMMs: n doubles from 256 until one takes 10 ms
+    (or n reaches 2048 on a CPU, 8192 on a GPU), then repeats fill `budget_s`."""
+
+    def timed(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        torch.mm(a, b, out=out)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter() - start
+
+    largest = 2048 if device.type == "cpu" else 8192
+    n = 256
+    while True:
+        a, b = (torch.randn(n, n, device=device).to(dtype) for _ in range(2))
+        out = torch.empty(n, n, device=device, dtype=dtype)
+        timed(a, b, out)  # warm-up: kernel choice, page faults
+        best = timed(a, b, out)
+        if best >= 0.01 or n >= largest:
+            break
+        n *= 2
+    deadline = time.perf_counter() + budget_s
+    for _ in range(20):
+        if time.perf_counter() >= deadline:
+            break
+        best = min(best, timed(a, b, out))
+    return 2 * n**3 / best
+
+
+def peak_cache_file() -> Path:
+    """$UNMASK_CACHE_DIR/peak_flops.json, else $XDG_CACHE_HOME/unmask/..., else
+    ~/.cache/unmask/peak_flops.json."""
+    root = os.environ.get("UNMASK_CACHE_DIR")
+    if not root:
+        xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+        root = str(Path(xdg) / "unmask")
+    return Path(root) / PEAK_CACHE_FILE
+
+
+@dataclass(frozen=True)
+class Peak:
+    """A device's peak FLOP/s for one dtype, and where the number came from."""
+
+    flops: float
+    source: str
+
+    def describe(self) -> str:
+        return f"MFU against a peak of {self.flops / 1e12:.3g} TFLOP/s ({self.source})"
+
+
+def device_peak(device: torch.device, dtype: str) -> Peak:
+    """The peak for matmuls in `dtype` (bfloat16, float32, tf32) on `device`: a known GPU's
+    datasheet number, else a cached measurement, else `measure_peak` (then cached; a cache
+    that cannot be read or written is ignored)."""
+    name = device_name(device)
+    known = known_peak(name, dtype) if device.type == "cuda" else None
+    if known is not None:
+        return Peak(known, f"{name}, {dtype}, datasheet")
+    key = f"{name} | {dtype}"
+    if device.type == "cpu":
+        key += f" | {torch.get_num_threads()} threads"
+    path = peak_cache_file()
+    try:
+        cache = json.loads(path.read_text())
+    except (OSError, ValueError):
+        cache = {}
+    if not isinstance(cache, dict):
+        cache = {}
+    if isinstance(cache.get(key), (int, float)):
+        return Peak(float(cache[key]), f"{key}, measured once and cached in {path}")
+    flops = measure_peak(device, PROBE_DTYPES[dtype])
+    threads = torch.get_num_threads()
+    if device.type == "cpu" and threads > 1:
+        # on a busy machine the threads of one GEMM wait for each other and the rate can
+        # fall far below one thread's (measured here: 2 vs 67 GFLOP/s); the peak is at least
+        # what one thread reaches
+        torch.set_num_threads(1)
+        try:
+            flops = max(flops, measure_peak(device, PROBE_DTYPES[dtype]))
+        finally:
+            torch.set_num_threads(threads)
+    cache[key] = flops
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(cache, indent=1, sort_keys=True))
+        os.replace(tmp, path)  # concurrent runs: each writes whole files
+    except OSError:
+        pass
+    return Peak(flops, f"{key}, measured by a matmul probe, cached in {path}")
