@@ -68,7 +68,10 @@ def test_device_auto_everywhere():
     from unmask.cli import build_parser
 
     parser = build_parser()
-    for command in (["generate", "--model", "m", "--prompt", "p"], ["eval", "--model", "m", "--ppl", "t.txt"]):
+    for command in (
+        ["generate", "--model", "m", "--prompt", "p"],
+        ["eval", "--model", "m", "--ppl", "t.txt"],
+    ):
         assert parser.parse_known_args(command)[0].device == "auto"
     assert resolve_device("auto") == torch.device("cuda" if torch.cuda.is_available() else "cpu")
 

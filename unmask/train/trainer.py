@@ -69,7 +69,6 @@ from unmask.train.setup import (
 from unmask.train.signals import StopSignals
 
 
-
 def cpu_share_notice(world_size: int, cores: int | None = None) -> str | None:
     """A notice when more CPU processes run than the machine has cores, else None."""
     cores = cores or os.cpu_count() or 1
@@ -77,6 +76,7 @@ def cpu_share_notice(world_size: int, cores: int | None = None) -> str | None:
         return None
     return (f"{world_size} processes share {cores} CPU cores: expect each to run slower "
             "than one process would; launch at most one per core")  # fmt: skip
+
 
 class Trainer:
     """Builds every component from its config section and runs the loop."""
