@@ -97,3 +97,14 @@ def test_weighted_masked_loss_matches_full_vocabulary_cross_entropy():
     for got, want in zip(grads, ref_grads):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert torch.equal(grads[0][1], torch.zeros(length, H))  # the unmasked row: no gradient
+
+
+def test_frozen_head_gets_no_gradient_and_hidden_grad_is_unchanged():
+    """A frozen LM head (LoRA) skips the head's gradient; the hidden states' is the same."""
+    hidden, weight, targets = inputs()
+    frozen = weight.detach()
+    loss = chunked_cross_entropy(hidden, frozen, targets, 7, 4)
+    (gh,) = torch.autograd.grad(loss.sum(), [hidden])
+    (ref,) = torch.autograd.grad(reference(hidden, frozen, targets).sum(), [hidden])
+    torch.testing.assert_close(gh, ref, rtol=1e-5, atol=1e-5)
+    assert frozen.grad is None

@@ -78,9 +78,12 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         hidden, weight, targets, lse = ctx.saved_tensors
         acc = lse.dtype
         n, v = hidden.shape[0], weight.shape[0]
+        want_weight = ctx.needs_input_grad[1]  # False for a frozen head (LoRA): a third less
         grad_loss = grad_loss.to(acc)
         grad_hidden = torch.empty(hidden.shape, dtype=acc, device=hidden.device)
-        grad_weight = torch.empty(weight.shape, dtype=acc, device=weight.device)
+        grad_weight = None
+        if want_weight:
+            grad_weight = torch.empty(weight.shape, dtype=acc, device=weight.device)
         buffer = hidden.new_empty(min(n, ctx.row_chunk) * min(v, ctx.vocab_chunk), dtype=acc)
         for r0, r1 in _chunks(n, ctx.row_chunk):
             h = hidden[r0:r1]
@@ -95,8 +98,11 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
                 cols = (t_rows - v0).clamp_(0, v1 - v0 - 1)[:, None]
                 probs.scatter_add_(1, cols, torch.where(hit[:, None], -g_rows, 0.0))
                 _mm_into(grad_hidden[r0:r1], probs, w.to(acc), first=v0 == 0)
-                _mm_into(grad_weight[v0:v1], probs.T, h_acc, first=r0 == 0)
-        return grad_hidden.to(hidden.dtype), grad_weight.to(weight.dtype), None, None, None
+                if want_weight:
+                    _mm_into(grad_weight[v0:v1], probs.T, h_acc, first=r0 == 0)
+        if want_weight:
+            grad_weight = grad_weight.to(weight.dtype)
+        return grad_hidden.to(hidden.dtype), grad_weight, None, None, None
 
 
 def chunked_cross_entropy(
