@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-unmask
 
-.PHONY: quickstart test test-fast lint format bench clean-venv
+.PHONY: quickstart test test-fast lint format bench bench-quick clean-venv
 
 $(STAMP): pyproject.toml
 	@echo "unmask: setting up $(VENV) (torch 2.13.0 CPU build, then unmask and its extras; a few minutes the first time)"
@@ -44,6 +44,17 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/distributed_muon.py
 	$(BIN)/python benchmarks/muon_convergence.py
 	$(BIN)/python benchmarks/data.py
+	$(BIN)/python benchmarks/train_step.py
+
+# The smoke mode of every benchmark (tiny sizes, one round, no results files): CI runs it.
+bench-quick: $(STAMP)
+	$(BIN)/python benchmarks/masked_loss_memory.py --quick
+	$(BIN)/python benchmarks/muon.py --quick
+	$(BIN)/python benchmarks/distributed_muon.py --quick
+	$(BIN)/python benchmarks/muon_convergence.py --quick
+	$(BIN)/python benchmarks/sampling.py --quick
+	$(BIN)/python benchmarks/data.py --quick
+	$(BIN)/python benchmarks/train_step.py --quick
 
 clean-venv:
 	rm -rf $(VENV)

@@ -23,6 +23,8 @@ heads of 32, 2 layers). bf16 NS for all three (torch.optim.Muon only has bf16).
 
 Run: python benchmarks/distributed_muon.py   (launches torchrun with 2 and 4 processes and
 writes benchmarks/results/distributed_muon.md; ~2 minutes on 2 cores)
+     python benchmarks/distributed_muon.py --quick   (2 processes, one timed step; prints,
+     writes nothing)
 """
 
 from __future__ import annotations
@@ -173,7 +175,7 @@ NEWTON_SCHULZ = None
 # ------------------------------------------------------------------ worker
 
 
-def worker(out: str) -> None:
+def worker(out: str, repeats: int) -> None:
     global NEWTON_SCHULZ
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -219,7 +221,7 @@ def worker(out: str) -> None:
         opt.step()
         counts = (Counter.bytes_sent, Counter.collectives, Counter.ns_flops)
         times = []
-        for _ in range(REPEATS):
+        for _ in range(repeats):
             dist.barrier()
             start = time.perf_counter()
             opt.step()
@@ -278,10 +280,15 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--worlds", default="2,4")
+    parser.add_argument("--repeats", type=int, default=REPEATS, help="timed steps per method")
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke run: 2 processes, 1 timed step; prints, writes no file")  # fmt: skip
     args = parser.parse_args()
     if args.worker:
-        worker(args.worker)
+        worker(args.worker, args.repeats)
         return
+    if args.quick:
+        args.worlds, args.repeats = "2", 1
     lines = [
         "# Distributed Muon: bytes, NS FLOPs and step time per rank",
         "",
@@ -291,12 +298,13 @@ def main() -> None:
     for w in (int(v) for v in args.worlds.split(",")):
         out = RESULTS.parent / f".distributed_muon_{w}.json"
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={w}"]
-        cmd += [__file__, "--worker", str(out)]
+        cmd += [__file__, "--worker", str(out), "--repeats", str(args.repeats)]
         subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
         lines += table(json.loads(out.read_text())) + [""]
         out.unlink()
     text = "\n".join(lines)
-    RESULTS.write_text(text)
+    if not args.quick:
+        RESULTS.write_text(text)
     print(text)
 
 

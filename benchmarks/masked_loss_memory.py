@@ -18,6 +18,7 @@ tensor memory, not process RSS, so it is not blurred by the Python heap or by fr
 pages the OS has not taken back.
 
 Run: python benchmarks/masked_loss_memory.py   (writes benchmarks/results/masked_loss_memory.md)
+     python benchmarks/masked_loss_memory.py --quick   (small sizes; prints, writes nothing)
 """
 
 import argparse
@@ -129,7 +130,11 @@ def main():
     parser.add_argument("--vocab", type=int, nargs="+", default=[32000, 50000])
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--mask-frac", type=float, default=0.5)
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke run: 2 x 256 tokens, vocab 8000; writes no results file")  # fmt: skip
     args = parser.parse_args()
+    if args.quick:
+        args.batch, args.length, args.vocab = 2, 256, [8000]
     torch.manual_seed(0)
     rows = [measure(args.batch, args.length, v, args.hidden, args.mask_frac) for v in args.vocab]
     for r in rows:
@@ -146,6 +151,8 @@ def main():
         f"{table(rows)}\n{method}\n"
     )
     print(text)
+    if args.quick:
+        return
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(text)
     print(f"wrote {RESULTS}")

@@ -21,7 +21,8 @@
 Timings use one thread by default: on a shared 2-core box two OpenMP threads spin on each
 other and small GEMMs get ~100x slower.
 
-Run: python benchmarks/muon.py   (writes benchmarks/results/muon.md; ~2 minutes)
+Run: python benchmarks/muon.py           (writes benchmarks/results/muon.md; ~2 minutes)
+     python benchmarks/muon.py --quick   (tiny shapes, one repeat; prints, writes nothing)
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import argparse
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -39,6 +41,21 @@ from unmask.optim import MuonAdamW, route_parameters
 from unmask.optim.newton_schulz import coefficient_schedule, newton_schulz, ns_flops
 
 RESULTS = Path(__file__).parent / "results" / "muon.md"
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """The shapes one mode measures (--quick: tiny ones, the same code path)."""
+
+    ns_n: int  # (a): n x n, n x 2n, n x 4n
+    big: tuple[int, int, int, int, int]  # (b): hidden, intermediate, vocab, heads, KV heads
+    small: tuple[int, int, int, int, int, int]  # (b'), (c): layers, then as `big`
+    share_tokens: tuple[int, ...]  # (c): tokens per step
+    seq_len: int
+
+
+FULL = Sizes(512, (768, 2048, 32000, 12, 4), (4, 256, 768, 8192, 4, 2), (2048, 8192), 512)
+QUICK = Sizes(64, (128, 256, 1000, 2, 1), (2, 64, 128, 512, 2, 1), (256,), 64)
 ADAMW = "torch AdamW (all params)"
 TORCH_MUON = "torch Muon + torch AdamW (bf16 NS)"
 
@@ -95,14 +112,14 @@ def _qwen(layers: int, hidden: int, inter: int, vocab: int, heads: int, kv: int)
     return build_model(cfg)
 
 
-def qwen_100m(layers: int = 12) -> torch.nn.Module:
-    """~100M params at 12 layers: 24.6M tied embedding + 12 x 6.3M."""
-    return _qwen(layers, 768, 2048, 32000, 12, 4)
+def qwen_100m(layers: int, sizes: Sizes) -> torch.nn.Module:
+    """~100M params at 12 layers (full sizes): 24.6M tied embedding + 12 x 6.3M."""
+    return _qwen(layers, *sizes.big)
 
 
-def small_model() -> torch.nn.Module:
-    """5.2M params: hidden 256, 4 layers, intermediate 768, vocab 8192."""
-    return _qwen(4, 256, 768, 8192, 4, 2)
+def small_model(sizes: Sizes) -> torch.nn.Module:
+    """5.2M params (full sizes): hidden 256, 4 layers, intermediate 768, vocab 8192."""
+    return _qwen(*sizes.small)
 
 
 def _fill_grads(model: torch.nn.Module, seed: int = 0) -> None:
@@ -179,8 +196,10 @@ def _step_rows(times: dict[str, float], scale: float | None, ref: str) -> list[s
 # ------------------------------------------------------------------- (b) optimizer step
 
 
-def bench_step_100m(layers: int, repeats: int, with_torch: bool) -> tuple[list[str], str]:
-    model = qwen_100m(layers)
+def bench_step_100m(
+    layers: int, repeats: int, with_torch: bool, sizes: Sizes
+) -> tuple[list[str], str]:
+    model = qwen_100m(layers, sizes)
     _fill_grads(model)
     r = route_parameters(model)
     muon_params = sum(p.numel() for _, p in r.muon)
@@ -205,8 +224,8 @@ def bench_step_100m(layers: int, repeats: int, with_torch: bool) -> tuple[list[s
     return _step_rows(times, 12 / layers, TORCH_MUON), what
 
 
-def bench_step_small(repeats: int) -> tuple[list[str], dict[str, float]]:
-    model = small_model()
+def bench_step_small(repeats: int, sizes: Sizes) -> tuple[list[str], dict[str, float]]:
+    model = small_model(sizes)
     _fill_grads(model)
     which: dict[str, Callable[[], list]] = {
         ADAMW: lambda: _torch_adamw(model),
@@ -223,9 +242,14 @@ def bench_step_small(repeats: int) -> tuple[list[str], dict[str, float]]:
 
 
 def bench_share(
-    tokens_list: tuple[int, ...], seq_len: int, repeats: int, steps: dict[str, float]
+    tokens_list: tuple[int, ...],
+    seq_len: int,
+    repeats: int,
+    steps: dict[str, float],
+    sizes: Sizes,
 ) -> tuple[list[str], str]:
-    model = small_model()
+    model = small_model(sizes)
+    vocab = model.config.vocab_size
     r = route_parameters(model)
     matmul_params = sum(p.numel() for _, p in r.muon) + model.lm_head.weight.numel()
     ns = sum(ns_flops(*p.shape) for _, p in r.muon)
@@ -234,8 +258,8 @@ def bench_share(
     rows = []
     for tokens in tokens_list:
         g = torch.Generator().manual_seed(0)
-        ids = torch.randint(0, 8192, (tokens // seq_len, seq_len), generator=g)
-        targets = torch.randint(0, 8192, ids.shape, generator=g)
+        ids = torch.randint(0, vocab, (tokens // seq_len, seq_len), generator=g)
+        targets = torch.randint(0, vocab, ids.shape, generator=g)
 
         def fwd_bwd(ids=ids, targets=targets) -> None:
             model.zero_grad(set_to_none=True)
@@ -250,8 +274,10 @@ def bench_share(
         )
         print(rows[-1], flush=True)
     total = sum(p.numel() for p in model.parameters())
+    c = model.config
     what = (
-        f"qwen3_dllm hidden 256, 4 layers, intermediate 768, vocab 8192, tied: {total / 1e6:.1f}M "
+        f"qwen3_dllm hidden {c.hidden_size}, {c.num_hidden_layers} layers, intermediate "
+        f"{c.intermediate_size}, vocab {c.vocab_size}, tied: {total / 1e6:.1f}M "
         f"params, {matmul_params / 1e6:.1f}M in matmuls, {ns / 1e9:.1f} GFLOP of NS per step; "
         f"rows of {seq_len} tokens, every position a target"
     )
@@ -325,27 +351,35 @@ def main() -> None:
     parser.add_argument("--step-repeats", type=int, default=2)
     parser.add_argument("--torch-100m", action="store_true", help="bf16 rows on the 100M slice")
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke run: tiny shapes, 1 repeat; prints, writes no file")  # fmt: skip
     args = parser.parse_args()
+    sizes = QUICK if args.quick else FULL
+    if args.quick:
+        args.repeats = args.step_repeats = 1
     torch.set_num_threads(args.threads)
     start = time.perf_counter()
 
     print("(a) Newton-Schulz, fp32", flush=True)
-    ns_rows = bench_ns(512, args.repeats)
+    ns_rows = bench_ns(sizes.ns_n, args.repeats)
     print("(b) optimizer step, 100M config", flush=True)
-    big_rows, big_what = bench_step_100m(args.layers, args.step_repeats, args.torch_100m)
+    big_rows, big_what = bench_step_100m(args.layers, args.step_repeats, args.torch_100m, sizes)
     print("(b') optimizer step, small model", flush=True)
-    small_rows, small_times = bench_step_small(args.step_repeats)
+    small_rows, small_times = bench_step_small(args.step_repeats, sizes)
     print("(c) Muon share of a training step", flush=True)
-    share_rows, share_what = bench_share((2048, 8192), 512, args.step_repeats, small_times)
+    share_rows, share_what = bench_share(
+        sizes.share_tokens, sizes.seq_len, args.step_repeats, small_times, sizes
+    )
 
     env = (
         f"torch {torch.__version__}, {args.threads} CPU thread(s), "
         f"{time.perf_counter() - start:.0f} s in all"
     )
     text = _report(env, ns_rows, big_rows, big_what, small_rows, share_rows, share_what)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text)
     print(text)
+    if not args.quick:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 best learning rate of a small sweep. Writes eval-loss curves as a PNG and a table.
 
     python benchmarks/muon_convergence.py [--steps 1000] [--adamw-lrs ...] [--muon-lrs ...]
+    python benchmarks/muon_convergence.py --quick   (20 steps, one lr each; writes nothing)
 
 Runs on CPU; Muon's Newton-Schulz iterates in float32 here because bf16 matmuls are slow
 on most CPUs (on GPU keep the bf16 default).
@@ -9,9 +10,12 @@ on most CPUs (on GPU keep the bf16 default).
 
 import argparse
 import json
+import shutil
 import tempfile
 import time
 from pathlib import Path
+
+import torch
 
 from unmask.config import load_config
 from unmask.train.trainer import Trainer
@@ -19,7 +23,7 @@ from unmask.train.trainer import Trainer
 RESULTS = Path(__file__).parent / "results"
 
 
-def run_one(name: str, lr: float, steps: int, root: Path) -> dict:
+def run_one(name: str, lr: float, steps: int, root: Path, extra: list[str]) -> dict:
     out = root / f"{name}-{lr:g}"
     overrides = [
         f"train.output_dir={out}",
@@ -33,6 +37,7 @@ def run_one(name: str, lr: float, steps: int, root: Path) -> dict:
         f"optim.learning_rate={lr}",
         "optim.ns_dtype=float32",
         "eval.generate_accuracy=true",
+        *extra,
     ]
     started = time.perf_counter()
     final = Trainer(load_config(None, overrides)).train()
@@ -87,7 +92,7 @@ def table(runs: list[dict], best: dict) -> str:
         acc = run["heldout_exact_match"]
         lines.append(
             f"| {run['optimizer']} | {run['lr']:g} | {run['final_eval_loss']:.4f} | "
-            f"{acc:.1%} | {run['seconds']:.0f} | {'yes' if run is best[run['optimizer']] else ''} |"
+            f"{'-' if acc is None else f'{acc:.1%}'} | {run['seconds']:.0f} | {'yes' if run is best[run['optimizer']] else ''} |"
         )
     return "\n".join(lines)
 
@@ -101,7 +106,16 @@ def main() -> None:
     parser.add_argument(
         "--reuse", action="store_true", help="keep runs already in OUT/muon_convergence.json"
     )
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke run: 20 steps, one lr each, 20 held-out prompts, small data; "
+                        "prints, writes no file")  # fmt: skip
     args = parser.parse_args()
+    extra = []
+    if args.quick:
+        args.steps, args.adamw_lrs, args.muon_lrs = 20, "3e-4", "3e-3"
+        extra = ["eval.max_examples=20", "data.synthetic_train_size=2000"]
+        args.out = Path(tempfile.mkdtemp(prefix="unmask-muon-convergence-"))
+        torch.set_num_threads(1)  # tiny GEMMs: a second thread only spins on a shared box
     args.out.mkdir(parents=True, exist_ok=True)
     saved = args.out / "muon_convergence.json"
     done = {}
@@ -113,7 +127,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for name, lrs in (("adamw", args.adamw_lrs), ("muon", args.muon_lrs)):
             for lr in (float(x) for x in lrs.split(",")):
-                run = done.get((name, lr)) or run_one(name, lr, args.steps, Path(tmp))
+                run = done.get((name, lr)) or run_one(name, lr, args.steps, Path(tmp), extra)
                 runs.append(run)
     best = {}
     for run in runs:
@@ -131,6 +145,8 @@ def main() -> None:
     (args.out / "muon_convergence.md").write_text(text)
     (args.out / "muon_convergence.json").write_text(json.dumps(runs, indent=1))
     print(text)
+    if args.quick:
+        shutil.rmtree(args.out)
 
 
 if __name__ == "__main__":

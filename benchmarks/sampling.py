@@ -23,11 +23,14 @@ per position.
 
 Run: python benchmarks/sampling.py --model runs/quickstart/final
      (train it first with `unmask train`; writes benchmarks/results/sampling.md)
+     python benchmarks/sampling.py --quick   (trains a 30-step model in a temporary folder,
+     20 prompts, gen length 16; prints, writes nothing)
 """
 
 from __future__ import annotations
 
 import argparse
+import tempfile
 import time
 from pathlib import Path
 
@@ -37,6 +40,7 @@ from unmask.checkpoint import load_for_sampling
 from unmask.config import load_config
 from unmask.data.synthetic import make_synthetic_heldout
 from unmask.sampling import SamplingConfig, left_pad, sample
+from unmask.train.trainer import Trainer
 
 METHODS = {
     "quota": dict(),
@@ -106,8 +110,30 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1: shared box)")
     parser.add_argument("--out", default="benchmarks/results/sampling.md")
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke run: trains a quickstart model for 30 steps in a temporary "
+                        "folder, 20 prompts, gen length 16, one repeat; writes no file")  # fmt: skip
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory(prefix="unmask-sampling-bench-") as tmp:
+        if args.quick:
+            args.model = str(quick_model(Path(tmp)))
+            args.examples, args.gen_lengths, args.block_lengths = 20, "16", "8"
+            args.repeats, args.out = 1, None
+        report(args)
+
+
+def quick_model(folder: Path) -> Path:
+    """The quickstart model after 30 steps on a little data (a smoke test's model)."""
+    overrides = [f"train.output_dir={folder / 'run'}", "train.max_steps=30",
+                 "train.save_steps=0", "train.eval_steps=0", "train.disable_tqdm=true",
+                 "data.synthetic_train_size=2000", "eval.generate_accuracy=false"]  # fmt: skip
+    Trainer(load_config(None, overrides)).train()
+    return folder / "run" / "final"
+
+
+def report(args: argparse.Namespace) -> None:
+    """Every gen length x block length x method; the table printed and written to args.out."""
     sm = load_for_sampling(args.model)
     examples = make_synthetic_heldout(load_config().data)[: args.examples]
     lines = [
@@ -137,9 +163,10 @@ def main() -> None:
                 )
                 print(line, flush=True)
                 lines.append(line)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text("\n".join(lines) + "\n")
-    print(f"wrote {args.out}")
+    if args.out is not None:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text("\n".join(lines) + "\n")
+        print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

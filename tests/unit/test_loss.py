@@ -66,3 +66,45 @@ def test_bf16_close_to_fp32():
     rh, rw = torch.autograd.grad(reference(h32, w32, targets).sum(), [h32, w32])
     torch.testing.assert_close(gh.float(), rh, rtol=5e-2, atol=5e-2)
     torch.testing.assert_close(gw.float(), rw, rtol=5e-2, atol=5e-2)
+
+
+def test_weighted_masked_loss_matches_full_vocabulary_cross_entropy():
+    """The MDLM use: (B, L) positions, some rows with no masked token, per-row weights 1/t;
+    the chunked loss on the masked rows (several row and vocabulary chunks, targets on
+    chunk edges) against F.cross_entropy on full logits, loss and both gradients."""
+    g = torch.Generator().manual_seed(2)
+    batch, length, vocab_chunk = 4, 9, 7  # V = 50: 8 chunks, the last one short
+    hidden = torch.randn(batch, length, H, generator=g, requires_grad=True)
+    weight = torch.randn(V, H, generator=g, requires_grad=True)
+    targets = torch.randint(0, V, (batch, length), generator=g)
+    targets[0, :4] = torch.tensor([0, 6, 7, V - 1])  # first and last id of chunks
+    masked = torch.rand(batch, length, generator=g) < 0.6
+    masked[1] = False  # a row with nothing masked
+    masked[0, :4] = True
+    row_weight = 1.0 / torch.tensor([0.3, 0.5, 0.9, 0.05])
+
+    def total(loss_rows):
+        return (loss_rows * row_weight[:, None].expand_as(masked)[masked]).sum()
+
+    ours = total(chunked_cross_entropy(hidden[masked], weight, targets[masked], vocab_chunk, 5))
+    logits = hidden @ weight.T  # (B, L, V)
+    full = F.cross_entropy(logits.flatten(0, 1), targets.masked_fill(~masked, -100).flatten(),
+                           ignore_index=-100, reduction="none").view(batch, length)  # fmt: skip
+    ref = (full * row_weight[:, None]).sum()
+    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
+    grads = torch.autograd.grad(ours, [hidden, weight])
+    ref_grads = torch.autograd.grad(ref, [hidden, weight])
+    for got, want in zip(grads, ref_grads):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(grads[0][1], torch.zeros(length, H))  # the unmasked row: no gradient
+
+
+def test_frozen_head_gets_no_gradient_and_hidden_grad_is_unchanged():
+    """A frozen LM head (LoRA) skips the head's gradient; the hidden states' is the same."""
+    hidden, weight, targets = inputs()
+    frozen = weight.detach()
+    loss = chunked_cross_entropy(hidden, frozen, targets, 7, 4)
+    (gh,) = torch.autograd.grad(loss.sum(), [hidden])
+    (ref,) = torch.autograd.grad(reference(hidden, frozen, targets).sum(), [hidden])
+    torch.testing.assert_close(gh, ref, rtol=1e-5, atol=1e-5)
+    assert frozen.grad is None

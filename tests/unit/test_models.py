@@ -19,6 +19,7 @@ from unmask.models import (
     from_pretrained,
     hf_config_dict,
 )
+from unmask.models.attention import attend, build_attention_mask, sdpa_gqa_usable
 from unmask.models.transformer import document_positions
 
 VOCAB = 61
@@ -112,6 +113,32 @@ def test_sdpa_and_flex_agree(packed):
     ids, docs = _ids(2, 20), (DOCS if packed else None)
     with torch.no_grad():
         assert (sdpa(ids, doc_ids=docs) - flex(ids, doc_ids=docs)).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_sdpa_enable_gqa_equals_repeated_kv(masked):
+    """attend() hands sdpa the shared K/V heads (enable_gqa) on CPU: the same outputs and
+    gradients as repeating each K/V head for its query heads first."""
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 6, 20, 8, generator=g, requires_grad=True)  # 6 query heads
+    k = torch.randn(2, 2, 20, 8, generator=g, requires_grad=True)  # 2 K/V heads
+    v = torch.randn(2, 2, 20, 8, generator=g, requires_grad=True)
+    mask = build_attention_mask(DOCS if masked else None, "sdpa")
+    assert sdpa_gqa_usable(q.device, masked)
+    ours = attend(q, k, v, mask, scale=0.3)
+    repeated = F.scaled_dot_product_attention(
+        q, k.repeat_interleave(3, dim=1), v.repeat_interleave(3, dim=1),
+        attn_mask=mask.dense, scale=0.3,
+    )  # fmt: skip
+    torch.testing.assert_close(ours, repeated, rtol=1e-6, atol=1e-6)
+    upstream = torch.randn(ours.shape, generator=g)
+    got = torch.autograd.grad((ours * upstream).sum(), [q, k, v])
+    want = torch.autograd.grad((repeated * upstream).sum(), [q, k, v])
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    # CUDA's kernels that take a mask take no enable_gqa: K/V are repeated there
+    assert not sdpa_gqa_usable(torch.device("cuda"), True)
+    assert sdpa_gqa_usable(torch.device("cuda"), False)
 
 
 def test_targets_path_matches_full_cross_entropy_and_grads():

@@ -93,10 +93,21 @@ def attend(
                 q, k, v, block_mask=mask.block, scale=scale, enable_gqa=k.shape[1] != q.shape[1]
             )
     groups = q.shape[1] // k.shape[1]
-    if groups > 1:  # explicit GQA expansion: every sdpa kernel accepts it with a mask
+    gqa = groups > 1 and sdpa_gqa_usable(q.device, mask.dense is not None)
+    if groups > 1 and not gqa:  # explicit GQA expansion: every sdpa kernel accepts it
         k = k.repeat_interleave(groups, dim=1)
         v = v.repeat_interleave(groups, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.dense, scale=scale)
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask.dense, scale=scale, enable_gqa=gqa
+    )
+
+
+def sdpa_gqa_usable(device: torch.device, masked: bool) -> bool:
+    """True where sdpa's `enable_gqa` reads the shared K/V heads in its fused kernel, so
+    they need not be repeated per query head: CPU (flash, with or without a mask) and any
+    device without a mask. With a mask on CUDA only the math kernel takes enable_gqa, so
+    the K/V heads are repeated there and the memory-efficient kernel runs instead."""
+    return device.type == "cpu" or not masked
 
 
 @dataclass
