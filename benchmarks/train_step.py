@@ -297,7 +297,7 @@ def make_batch(case: Case, seed: int) -> dict:
 def _timed_steps(step, warmup: int, steps: int) -> tuple[float, list[float], float]:
     """(first step's loss, seconds of each timed step, seconds of the warm-up steps)."""
     started = time.perf_counter()
-    first = step()
+    first = float(step())  # the trainer returns the loss as a tensor
     for _ in range(warmup - 1):
         step()
     warm = time.perf_counter() - started
