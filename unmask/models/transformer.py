@@ -7,7 +7,6 @@ state-dict load and optimizers can route parameters by name.
 """
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -20,6 +19,7 @@ from unmask.models.attention import (
     resolve_backend,
 )
 from unmask.models.config import ModelConfig
+from unmask.models.fused import rms_norm, swiglu
 from unmask.models.hf import save_pretrained
 
 
@@ -32,10 +32,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight * xf.to(dtype)).to(dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 def rotary_cos_sin(
@@ -113,7 +110,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
