@@ -29,19 +29,19 @@ from torch import nn
 from unmask.errors import InputError
 from unmask.models.attention import KVCache
 from unmask.sampling.config import SamplingConfig
+from unmask.sampling.hooks import call_logits_hook, call_tokens_hook
 from unmask.sampling.schedules import dream_transfer_count, num_transfer_tokens, unmask_fraction
 from unmask.sampling.transfer import (
     CONFIDENCE_FNS,
     propose_tokens,
     sampling_probs,
+    select_carried_threshold,
     select_factor,
     select_origin,
     select_sampled,
-    select_carried_threshold,
     select_threshold,
     select_top_k,
 )
-from unmask.sampling.hooks import call_logits_hook, call_tokens_hook
 
 
 @dataclass
@@ -252,6 +252,7 @@ def special_ids(config: SamplingConfig, eos_id, pad_id, eot_id) -> dict[str, lis
     """The token ids the EOS options act on: `penalized` (eos_penalty: EOS and PAD),
     `forbidden` (logits_eos_inf: EOS), `unconfident` (confidence_eos_eot_inf: EOS and the
     end-of-turn token). InputError naming the option when the tokenizer lacks an id."""
+
     def need(option: str, ids: dict[str, int | None]) -> list[int]:
         missing = [name for name, value in ids.items() if value is None]
         if missing:
@@ -263,10 +264,8 @@ def special_ids(config: SamplingConfig, eos_id, pad_id, eot_id) -> dict[str, lis
         return sorted({value for value in ids.values()})
 
     special = {"penalized": [], "forbidden": [], "unconfident": []}
-    if config.eos_penalty > 0:
-        special["penalized"] = sorted({i for i in (eos_id, pad_id) if i is not None})
-        if not special["penalized"]:
-            need("eos_penalty", {"EOS": eos_id})
+    if config.eos_penalty > 0:  # PAD too where the tokenizer has one
+        special["penalized"] = sorted({*need("eos_penalty", {"EOS": eos_id}), pad_id} - {None})
     if config.logits_eos_inf:
         special["forbidden"] = need("logits_eos_inf", {"EOS": eos_id})
     if config.confidence_eos_eot_inf:
@@ -317,10 +316,10 @@ class _BlockDecoder:
         )
         cfg = self.config
         if not reuse:
-            self.logits = self._adjusted(self._forward(step))
-            if cfg.logits_hook is not None:
-                self.logits = call_logits_hook(cfg.logits_hook, out.steps, self.canvas.x,
-                                               self.logits)  # fmt: skip
+            logits = self._forward(step)
+            if cfg.logits_hook is not None:  # the model's logits, as in Dream
+                logits = call_logits_hook(cfg.logits_hook, out.steps, self.canvas.x, logits)
+            self.logits = self._adjusted(logits)
             self.last_x = self.canvas.x.clone()
             out.nfe += 1
             out.row_forwards += self.canvas.x.shape[0]

@@ -1,7 +1,7 @@
 """Dream's per-step hooks: user callables that see, and may replace, the logits and the
 canvas at every denoising step (`SamplingConfig.logits_hook` / `tokens_hook`).
 
-    logits_hook(step, x, logits) -> logits   # after the forward, before the proposals
+    logits_hook(step, x, logits) -> logits   # the model's logits, before the EOS options
     tokens_hook(step, x, logits) -> x        # after the step's commits; once before the
                                              # first step as (None, x, None)
 
