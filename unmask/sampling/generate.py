@@ -386,6 +386,8 @@ class _BlockDecoder:
         probs = None
         if cfg.remasking not in ("low_confidence", "random"):
             probs = sampling_probs(filtered, cfg.temperature)
+            if unconfident:  # a position whose filter kept only EOS / EoT: all 0, not NaN
+                probs = probs.nan_to_num(0.0)
         conf = CONFIDENCE_FNS[cfg.remasking](logits, probs, x0, generator)
         conf = conf.masked_fill(~is_mask, float("-inf"))
         if cfg.remasking == "confidence_threshold":
