@@ -482,3 +482,40 @@ def test_sub_block_must_divide_the_block():
     with pytest.raises(ValueError, match=r"block_length \(8\) must be a multiple of "
                                          r"sub_block_length \(3\)"):  # fmt: skip
         config.check_lengths()
+
+
+# ------------------------------------------------------------- the command line
+
+
+def test_cli_takes_hooks_by_name_and_the_eos_options(tmp_path, monkeypatch, capsys):
+    import json
+
+    from conftest import save_tiny_model
+
+    from unmask.cli import main
+    from unmask.data.tokenizer import build_char_tokenizer
+
+    folder = save_tiny_model(tmp_path / "model")
+    x_id = build_char_tokenizer().convert_tokens_to_ids("x")
+    eos_id = build_char_tokenizer().eos_token_id
+    (tmp_path / "clihooks.py").write_text(
+        "def only_x(step, x, logits):\n"
+        f"    logits = logits.clone()\n    logits[..., {x_id}] += 1000.0\n    return logits\n"
+        "def eos_first(step, x, logits):\n"
+        f"    logits = logits.clone()\n    logits[..., {eos_id}] += 50.0\n    return logits\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr("sys.dont_write_bytecode", True)
+    base = ["generate", "--model", str(folder), "--prompt", "ab", "--gen-length", "6", "--jsonl"]
+
+    def record(*flags):
+        assert main([*base, *flags]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    assert record("--logits-hook", "clihooks:only_x")["completion"] == "xxxxxx"
+    # the tokenizer's EOS reaches the sampler: a hook that makes every proposal EOS ends
+    # the answer at once; with EOS forbidden, or penalized out of reach, it cannot
+    eos = ["--logits-hook", "clihooks:eos_first"]
+    assert record(*eos)["tokens"] == 0
+    assert record(*eos, "--logits-eos-inf")["tokens"] == 6
+    assert record(*eos, "--eos-penalty", "1e9")["tokens"] == 6
