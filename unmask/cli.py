@@ -301,11 +301,19 @@ def add_base_flag(parser: argparse.ArgumentParser) -> None:
 SAMPLING_GROUP = "sampling options (default: the model folder's generation_config.json)"
 
 
+# SamplingConfig fields with no flag: the step history is data for the Python API (--show
+# draws it).
+NO_FLAG = ("history",)
+
+
 def add_sampling_flags(parser: argparse.ArgumentParser) -> None:
     """One flag per SamplingConfig field (--gen-length, --cache, --shift-logits/--no-...),
-    typed and documented from the field; every default is None = "not given"."""
+    typed and documented from the field; every default is None = "not given". Hooks are
+    given as --logits-hook module:function."""
     group = parser.add_argument_group(SAMPLING_GROUP)
     for name, field in SamplingConfig.model_fields.items():
+        if name in NO_FLAG:
+            continue
         flag = "--" + name.replace("_", "-")
         default = field.get_default()
         doc = (field.description or "").split(". ")[0].rstrip(".")
@@ -331,7 +339,7 @@ def _flag_type(annotation):
 
 def sampling_flags(ns: argparse.Namespace) -> dict:
     """The sampling options given on the command line (None = not given)."""
-    return {name: getattr(ns, name) for name in SamplingConfig.model_fields}
+    return {name: getattr(ns, name) for name in SamplingConfig.model_fields if name not in NO_FLAG}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -11,6 +11,7 @@ from unmask.data.tokenizer import build_char_tokenizer, ensure_special_tokens
 from unmask.errors import InputError
 from unmask.sampling.config import (
     GENERATION_FILE,
+    RUNTIME_OPTIONS,
     SamplingConfig,
     generation_config_text,
     resolve_sampling,
@@ -18,21 +19,25 @@ from unmask.sampling.config import (
 )
 
 FIELDS = set(SamplingConfig.model_fields)
-# Three valid settings that together give every option a value other than its default.
+FILE_FIELDS = FIELDS - set(RUNTIME_OPTIONS)  # hooks and history: never in a model folder
+# Valid settings that together give every file option a value other than its default.
 SETTINGS = [
     dict(gen_length=8, steps=4, block_length=4, temperature=0.5, top_p=0.9, top_k=5,
          remasking="entropy", schedule="dream", eps=0.01, alg_temp=0.5, threshold=0.8,
          cfg_scale=0.5, cache="prefix", cache_refresh=2, shift_logits=True,
-         growing_canvas=True),
-    dict(factor=1.0, block_causal=True, cache="dual"),
+         growing_canvas=True, eos_penalty=1.5, logits_eos_inf=True, sub_block_length=2),
+    dict(factor=1.0, block_causal=True, cache="dual", confidence_eos_eot_inf=True),
     dict(remasking="origin", ddpm_cache=True, row_length=24),
+    dict(remasking="confidence_threshold", threshold=0.9),
 ]  # fmt: skip
+HOOKS = dict(logits_hook="json:dumps", tokens_hook="json:loads")  # any importable callable
 
 
 def test_settings_cover_every_option_with_a_non_default_value():
     defaults = SamplingConfig()
     changed = {k for s in SETTINGS for k, v in s.items() if getattr(defaults, k) != v}
-    assert changed == FIELDS
+    assert changed == FILE_FIELDS
+    assert FIELDS - FILE_FIELDS == {*HOOKS, "history"}
 
 
 def _generate_parser():
@@ -54,22 +59,23 @@ def _flags(options: dict) -> list[str]:
 
 def test_cli_flags_are_exactly_the_options():
     group = next(g for g in _generate_parser()._action_groups if g.title == SAMPLING_GROUP)
-    assert {action.dest for action in group._group_actions} == FIELDS
+    assert {action.dest for action in group._group_actions} == FIELDS - {"history"}
     parser = build_parser()
-    for options in SETTINGS:
+    for options in [*SETTINGS, HOOKS]:
         ns = parser.parse_args(["generate", "--model", "m", *_flags(options)])
         given = {k: v for k, v in sampling_flags(ns).items() if v is not None}
         assert given == options
         assert resolve_sampling(given) == SamplingConfig(**options)
     ns = parser.parse_args(["generate", "--model", "m"])
-    assert set(sampling_flags(ns)) == FIELDS and not any(sampling_flags(ns).values())
+    assert set(sampling_flags(ns)) == FIELDS - {"history"}
+    assert not any(sampling_flags(ns).values())
 
 
 def test_generation_config_file_round_trips_every_option_and_refuses_others(tmp_path):
     tok = build_char_tokenizer()
     ensure_special_tokens(tok)
     full = json.loads(generation_config_text(tok, {}, complete=True))
-    assert set(full["unmask"]) == FIELDS and full["mask_token_id"] == tok.mask_token_id
+    assert set(full["unmask"]) == FILE_FIELDS and full["mask_token_id"] == tok.mask_token_id
     for options in SETTINGS:
         (tmp_path / GENERATION_FILE).write_text(generation_config_text(tok, options, True))
         assert resolve_sampling(saved_sampling(tmp_path)) == SamplingConfig(**options)
@@ -80,6 +86,12 @@ def test_generation_config_file_round_trips_every_option_and_refuses_others(tmp_
     (tmp_path / GENERATION_FILE).write_text(json.dumps({"unmask": {"gen_lenght": 8}}))
     with pytest.raises(InputError, match="unknown sampling option 'gen_lenght'.*'gen_length'"):
         saved_sampling(tmp_path)
+    # a folder never names code to run: hooks are refused, and never written
+    (tmp_path / GENERATION_FILE).write_text(json.dumps({"unmask": {"logits_hook": "os:system"}}))
+    with pytest.raises(InputError, match="'logits_hook' is not read from a model folder"):
+        saved_sampling(tmp_path)
+    written = json.loads(generation_config_text(tok, {**HOOKS, "history": True}, True))
+    assert set(written["unmask"]) == FILE_FIELDS
 
 
 def test_lm_eval_model_args_are_exactly_the_options(tmp_path):

@@ -8,6 +8,7 @@ held-out generation at the end of training.
 """
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -16,12 +17,16 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from unmask.diffusion.config import DiffusionConfig
 from unmask.errors import InputError, describe_validation_error, did_you_mean
 from unmask.models.families import samples_with_logit_shift
+from unmask.sampling.hooks import import_hook
 from unmask.sampling.schedules import SCHEDULES
 from unmask.sampling.transfer import REMASKING
 
 CACHES = ("none", "prefix", "dual")
 GENERATION_FILE = "generation_config.json"
 _CHOICES = {"remasking": REMASKING, "schedule": SCHEDULES, "cache": CACHES}
+# Options of one call, never of a model folder: generation_config.json neither holds nor
+# gives them (a downloaded folder must not name code to run), model_dump leaves them out.
+RUNTIME_OPTIONS = ("logits_hook", "tokens_hook", "history")
 
 
 class SamplingConfig(BaseModel):
@@ -46,14 +51,25 @@ class SamplingConfig(BaseModel):
     block_length: int | None = Field(None, gt=0)
     """Semi-autoregressive block length, decoded left to right; None = gen_length."""
     temperature: float = Field(0.0, ge=0.0)
-    """Sampling temperature of the proposed tokens; 0 = greedy (argmax)."""
+    """Sampling temperature of the proposed tokens; 0 = greedy (argmax). Applied before
+    top_p and top_k, as in Dream and transformers."""
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    """Nucleus filtering of the proposals (None = off)."""
+    """Nucleus filtering of the proposals, on the tempered distribution (None = off); with
+    top_k too, the nucleus is taken first (Dream's order)."""
     top_k: int | None = Field(None, ge=0)
     """Top-k filtering of the proposals (None or 0 = off)."""
+    eos_penalty: float = Field(0.0, ge=0.0)
+    """Subtracted from the EOS and PAD logits before filtering and confidences (0 = off), so
+    an instruct model that ends too early or pads with EOS answers longer."""
+    logits_eos_inf: bool = False
+    """LLaDA: EOS is never proposed (its logit is -inf): every answer fills the canvas."""
+    confidence_eos_eot_inf: bool = False
+    """LLaDA: proposals of EOS or the end-of-turn token get confidence 0, so they are
+    committed last (ids from the tokenizer: its EOS and <|eot_id|> or <|im_end|>)."""
     remasking: Literal[REMASKING] = "low_confidence"
     """Which proposals to commit: `low_confidence` (LLaDA), `random`, Dream's `maskgit_plus`,
-    `topk_margin`, `entropy`, or `origin` (each mask revealed at random, MDLM ddpm)."""
+    `topk_margin`, `entropy`, `confidence_threshold` (Dream: steps' quotas, what falls
+    under `threshold` carried to the next step), or `origin` (masks revealed at random)."""
     schedule: Literal[SCHEDULES] = "llada"
     """Tokens committed per step: `llada` per-block quotas or `dream` timesteps."""
     eps: float = Field(1e-3, gt=0.0, lt=1.0)
@@ -64,6 +80,9 @@ class SamplingConfig(BaseModel):
     threshold: float | None = None
     """Fast-dLLM parallel decoding: commit every proposal with confidence >= threshold (and
     at least the top one) each step."""
+    sub_block_length: int | None = Field(None, gt=0)
+    """Fast-dLLM v2: decode each block in sub-blocks of this many positions, left to right,
+    each with threshold / factor parallel decoding (None = the whole block at once)."""
     factor: float | None = Field(None, ge=0.0)
     """Fast-dLLM parallel decoding, factor rule: accept ranks while conf_r >= 1 - factor /
     (r + 1)."""
@@ -86,6 +105,19 @@ class SamplingConfig(BaseModel):
     growing_canvas: bool = False
     """Show the model only the prompt, finished blocks and the current block, so a long
     gen_length with EOS stopping costs only the blocks a row needs."""
+    logits_hook: str | Callable[..., Any] | None = Field(None, exclude=True)
+    """Dream's logits hook: f(step, x, logits) -> logits, called after every forward (a
+    callable, or `module:function` on the command line; docs/sampling.md)."""
+    tokens_hook: str | Callable[..., Any] | None = Field(None, exclude=True)
+    """Dream's tokens hook: f(step, x, logits) -> x, called after every step's commits and
+    once before the first as (None, x, None)."""
+    history: bool = Field(False, exclude=True)
+    """Keep the canvas after every step in GenerationOutput.history (Python API)."""
+
+    @field_validator("logits_hook", "tokens_hook", mode="before")
+    @classmethod
+    def _importable_hook(cls, value):
+        return import_hook(value) if isinstance(value, str) else value
 
     @field_validator(*_CHOICES, mode="before")
     @classmethod
@@ -101,6 +133,15 @@ class SamplingConfig(BaseModel):
     def _compatible_options(self) -> "SamplingConfig":
         if self.threshold is not None and self.factor is not None:
             raise ValueError("give threshold or factor, not both")
+        if self.remasking == "confidence_threshold" and self.threshold is None:
+            raise ValueError("remasking='confidence_threshold' needs a threshold (Dream: 0.9)")
+        if self.sub_block_length is not None and self.threshold is None and self.factor is None:
+            raise ValueError("sub_block_length decodes with threshold or factor; give one")
+        if self.confidence_eos_eot_inf and self.remasking in ("random", "origin"):
+            raise ValueError(
+                f"confidence_eos_eot_inf changes confidences; remasking={self.remasking!r} "
+                "uses none (use low_confidence)"
+            )
         if self.remasking == "origin" and (self.threshold is not None or self.factor is not None):
             raise ValueError("remasking='origin' reveals masks at random; it takes no threshold")
         if self.ddpm_cache and (self.remasking != "origin" or self.cache != "none"):
@@ -133,6 +174,10 @@ class SamplingConfig(BaseModel):
                 f"steps ({steps}) must be a multiple of the number of blocks "
                 f"gen_length / block_length = {num_blocks}"
             )
+        sub = self.sub_block_length
+        if sub is not None and block % sub != 0:
+            raise ValueError(f"block_length ({block}) must be a multiple of sub_block_length "
+                             f"({sub})")  # fmt: skip
         return num_blocks
 
     def fitted(self, prompt_len: int) -> "SamplingConfig":
@@ -163,7 +208,8 @@ class SamplingConfig(BaseModel):
         fields = without_none(options)
         if "row_length" in options:
             fields["row_length"] = options["row_length"]
-        return self.model_validate({**self.model_dump(), **fields})
+        runtime = {name: getattr(self, name) for name in RUNTIME_OPTIONS}
+        return self.model_validate({**self.model_dump(), **runtime, **fields})
 
 
 def without_none(options: dict[str, Any]) -> dict[str, Any]:
@@ -222,8 +268,8 @@ def generation_config_text(tokenizer, sampling: dict[str, Any], complete: bool) 
     unknown = sorted(set(sampling) - set(SamplingConfig.model_fields))
     if unknown:
         raise InputError(f"unknown sampling options {unknown}")
-    checked = resolve_sampling(sampling).model_dump()
-    entry = checked if complete else {k: checked[k] for k in sampling}
+    checked = resolve_sampling(sampling).model_dump()  # leaves RUNTIME_OPTIONS out
+    entry = checked if complete else {k: checked[k] for k in sampling if k in checked}
     config = {
         "bos_token_id": tokenizer.bos_token_id,
         "eos_token_id": tokenizer.eos_token_id,
@@ -248,6 +294,11 @@ def saved_sampling(folder: str | Path) -> dict[str, Any]:
         if not isinstance(saved, dict):
             raise InputError(f'{str(path)!r}: "unmask" must map sampling options to values')
     for key in saved:
+        if key in RUNTIME_OPTIONS:
+            raise InputError(
+                f"{str(path)!r}: '{key}' is not read from a model folder (it would run code "
+                f"the folder names); give --{key.replace('_', '-')} on the command line"
+            )
         if key not in SamplingConfig.model_fields:
             hint = did_you_mean(key, SamplingConfig.model_fields)
             raise InputError(f"{str(path)!r}: unknown sampling option '{key}'{hint}")

@@ -26,13 +26,16 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from unmask.errors import InputError
 from unmask.models.attention import KVCache
 from unmask.sampling.config import SamplingConfig
+from unmask.sampling.hooks import call_logits_hook, call_tokens_hook
 from unmask.sampling.schedules import dream_transfer_count, num_transfer_tokens, unmask_fraction
 from unmask.sampling.transfer import (
     CONFIDENCE_FNS,
     propose_tokens,
     sampling_probs,
+    select_carried_threshold,
     select_factor,
     select_origin,
     select_sampled,
@@ -47,18 +50,22 @@ class GenerationOutput:
 
     sequences: (B, P + G) long: the (left-padded) prompt, then the answer; after a row's
     first EOS (when eos_id is set) every position is EOS. nfe: model forward calls (a
-    guided call on 2B rows counts once). tokens: answer tokens before each row's first
+    guided call on 2B rows counts once). steps: denoising steps taken over all blocks
+    (the `step` hooks see). tokens: answer tokens before each row's first
     EOS, summed over rows. decoded: positions committed by the model (the EOS fill of
-    stopped rows excluded). row_forwards: forward calls times rows in them.
+    stopped rows excluded). row_forwards: forward calls times rows in them. history: with
+    config.history, the (B, P + G) canvas after every step (what `--show` draws), else None.
     """
 
     sequences: torch.Tensor
     prompt_length: int
     nfe: int = 0
+    steps: int = 0
     tokens: int = 0
     decoded: int = 0
     row_forwards: int = 0
     seconds: float = 0.0
+    history: list[torch.Tensor] | None = None
 
     @property
     def tokens_per_forward(self) -> float:
@@ -168,6 +175,8 @@ def sample(
     attention_mask: torch.Tensor | None = None,
     generator: torch.Generator | None = None,
     on_step: Callable[[torch.Tensor], None] | None = None,
+    pad_id: int | None = None,
+    eot_id: int | None = None,
 ) -> GenerationOutput:
     """Decode config.gen_length masked positions after each prompt (see the module doc);
     with config.row_length, row_length - P of them (`SamplingConfig.fitted`).
@@ -178,13 +187,17 @@ def sample(
     `model(ids, position_ids=, attention_mask=, kv_cache=)` returns (B, L, V) logits; the
     keywords are passed only when padding or a cache needs them. With eos_id a row leaves
     the batch once a finished block holds EOS. on_step receives the full (B, P + G) canvas
-    after every step. ValueError when the lengths do not split into blocks.
+    after every step. pad_id (with eos_id, for `eos_penalty`) and eot_id (the end-of-turn
+    token, for `confidence_eos_eot_inf`) are the tokenizer's. ValueError when the lengths
+    do not split into blocks; InputError when an option needs an id that is not given or a
+    hook raises.
     """
     batch, prompt_len = prompt_ids.shape
     if prompt_len == 0:
         raise ValueError("the prompt is empty; give at least one token")
     config = config.fitted(prompt_len)  # row_length: the canvas that fills a training row
     num_blocks = config.check_lengths()
+    special = special_ids(config, eos_id, pad_id, eot_id)
     started = time.perf_counter()
     device = prompt_ids.device
     prompt_valid = (
@@ -203,18 +216,24 @@ def sample(
     canvas = _Canvas(x_all.clone(), valid, in_prompt, mask_id, config.cfg_scale, config.cache,
                      blocks)  # fmt: skip
     rows = torch.arange(batch, device=device)  # rows of x_all still being decoded
-    out = GenerationOutput(x_all, prompt_len)
+    out = GenerationOutput(x_all, prompt_len, history=[] if config.history else None)
     steps_per_block = config.resolved_steps // num_blocks
+    if config.tokens_hook is not None:  # Dream: once before the first step, (None, x, None)
+        canvas.x = call_tokens_hook(config.tokens_hook, None, canvas.x, None)
 
     for block in range(num_blocks):
         start, stop = prompt_len + block * block_length, prompt_len + (block + 1) * block_length
-        decoder = _BlockDecoder(config, model, canvas, start, stop, steps_per_block, mask_id)
+        decoder = _BlockDecoder(config, model, canvas, start, stop, steps_per_block, mask_id,
+                                special)  # fmt: skip
         for step in range(decoder.max_steps):
             if not decoder.step(step, generator, out):
                 break
-            if on_step is not None:
+            if on_step is not None or out.history is not None:
                 x_all[rows] = canvas.x
-                on_step(x_all.clone())
+                if out.history is not None:
+                    out.history.append(x_all.clone())
+                if on_step is not None:
+                    on_step(x_all.clone())
         x_all[rows] = canvas.x
         if eos_id is not None and block < num_blocks - 1:
             done = (canvas.x[:, prompt_len:stop] == eos_id).any(1)
@@ -229,17 +248,57 @@ def sample(
     return out
 
 
+def special_ids(config: SamplingConfig, eos_id, pad_id, eot_id) -> dict[str, list[int]]:
+    """The token ids the EOS options act on: `penalized` (eos_penalty: EOS and PAD),
+    `forbidden` (logits_eos_inf: EOS), `unconfident` (confidence_eos_eot_inf: EOS and the
+    end-of-turn token). InputError naming the option when the tokenizer lacks an id."""
+
+    def need(option: str, ids: dict[str, int | None]) -> list[int]:
+        missing = [name for name, value in ids.items() if value is None]
+        if missing:
+            raise InputError(
+                f"sampling option {option} needs the tokenizer's {' and '.join(missing)} "
+                f"token id, which it does not have; add the token to the tokenizer (a chat "
+                f"model's end of turn is {' or '.join(END_OF_TURN_TOKENS)}) or turn it off"
+            )
+        return sorted({value for value in ids.values()})
+
+    special = {"penalized": [], "forbidden": [], "unconfident": []}
+    if config.eos_penalty > 0:  # PAD too where the tokenizer has one
+        special["penalized"] = sorted({*need("eos_penalty", {"EOS": eos_id}), pad_id} - {None})
+    if config.logits_eos_inf:
+        special["forbidden"] = need("logits_eos_inf", {"EOS": eos_id})
+    if config.confidence_eos_eot_inf:
+        special["unconfident"] = need("confidence_eos_eot_inf",
+                                      {"EOS": eos_id, "end-of-turn": eot_id})  # fmt: skip
+    return special
+
+
+END_OF_TURN_TOKENS = ("<|eot_id|>", "<|im_end|>")
+
+
+def end_of_turn_id(tokenizer) -> int | None:
+    """The id of the tokenizer's end-of-turn token (LLaDA's <|eot_id|>, or <|im_end|> of
+    Qwen-style chat templates as in Dream), None when it has neither."""
+    vocab = tokenizer.get_vocab()
+    return next((vocab[t] for t in END_OF_TURN_TOKENS if t in vocab), None)
+
+
 class _BlockDecoder:
     """The steps of one block: a forward (or a cache / ddpm reuse), proposals, commits."""
 
-    def __init__(self, config, model, canvas, start, stop, steps_per_block, mask_id):
+    def __init__(self, config, model, canvas, start, stop, steps_per_block, mask_id, special):
         self.config, self.model, self.canvas = config, model, canvas
         self.start, self.stop, self.mask_id = start, stop, mask_id
+        self.special = special
         self.steps_per_block = steps_per_block
         parallel = config.threshold is not None or config.factor is not None
         self.max_steps = (stop - start) if parallel else steps_per_block
+        if config.remasking == "confidence_threshold":  # the quota, then what was carried
+            self.max_steps = steps_per_block + (stop - start)
         masked = (canvas.x[:, start:stop] == mask_id).sum(1)
         self.quota = num_transfer_tokens(masked, steps_per_block)  # (B, steps_per_block)
+        self.carried = torch.zeros_like(masked)  # confidence_threshold: quota left over
         self.visible = stop if config.growing_canvas else canvas.x.shape[1]
         self.logits: torch.Tensor | None = None
         self.last_x: torch.Tensor | None = None
@@ -255,19 +314,48 @@ class _BlockDecoder:
             and self.last_x is not None
             and torch.equal(self.last_x, self.canvas.x)
         )
+        cfg = self.config
         if not reuse:
-            self.logits = self._forward(step)
+            logits = self._forward(step)
+            if cfg.logits_hook is not None:  # the model's logits, as in Dream
+                logits = call_logits_hook(cfg.logits_hook, out.steps, self.canvas.x, logits)
+            self.logits = self._adjusted(logits)
             self.last_x = self.canvas.x.clone()
             out.nfe += 1
             out.row_forwards += self.canvas.x.shape[0]
-        cfg = self.config
         x0, filtered = propose_tokens(self.logits, self.mask_id, cfg.temperature, cfg.top_k,
                                       cfg.top_p, generator)  # fmt: skip
         x0 = torch.where(is_mask, x0, x_block)
-        commit = self._commits(step, is_mask, x0, filtered, generator)
+        region = is_mask if cfg.sub_block_length is None else self._sub_block(is_mask)
+        commit = self._commits(step, region, x0, filtered, generator)
         out.decoded += int(commit.sum())
         self.canvas.x[:, self.start : self.stop] = torch.where(commit, x0, x_block)
+        if cfg.tokens_hook is not None:
+            self.canvas.x = call_tokens_hook(cfg.tokens_hook, out.steps, self.canvas.x,
+                                             self.logits)  # fmt: skip
+        out.steps += 1
         return True
+
+    def _adjusted(self, logits: torch.Tensor) -> torch.Tensor:
+        """The model's logits with eos_penalty subtracted from EOS and PAD and, with
+        logits_eos_inf, EOS at -inf (LLaDA): both proposals and confidences see them."""
+        penalized, forbidden = self.special["penalized"], self.special["forbidden"]
+        if penalized:
+            ids = torch.tensor(penalized, device=logits.device)
+            logits = logits.index_add(-1, ids, torch.full(
+                (*logits.shape[:-1], len(penalized)), -self.config.eos_penalty,
+                dtype=logits.dtype, device=logits.device))  # fmt: skip
+        if forbidden:
+            logits = logits.index_fill(-1, torch.tensor(forbidden, device=logits.device),
+                                       float("-inf"))  # fmt: skip
+        return logits
+
+    def _sub_block(self, is_mask: torch.Tensor) -> torch.Tensor:
+        """Bool (B, Lb): the masks of each row's first sub-block that still has one
+        (Fast-dLLM v2: sub-blocks of a block are decoded left to right)."""
+        sub = torch.arange(is_mask.shape[1], device=is_mask.device) // self.config.sub_block_length
+        first = is_mask.long().argmax(1)  # the first masked position of each row
+        return is_mask & (sub[None, :] == sub[first][:, None])
 
     def _forward(self, step: int) -> torch.Tensor:
         """Logits (B, Lb, V) of the block's positions: a full forward (which refreshes the
@@ -290,11 +378,24 @@ class _BlockDecoder:
         if cfg.remasking == "origin":
             fraction = unmask_fraction(step, self.steps_per_block, cfg.eps)
             return select_origin(is_mask, fraction, generator)
+        logits, unconfident = self.logits, self.special["unconfident"]
+        if unconfident:  # LLaDA: EOS and EoT proposals get confidence 0
+            ids = torch.tensor(unconfident, device=logits.device)
+            logits = logits.index_fill(-1, ids, float("-inf"))
+            filtered = filtered.index_fill(-1, ids, float("-inf"))
         probs = None
         if cfg.remasking not in ("low_confidence", "random"):
             probs = sampling_probs(filtered, cfg.temperature)
-        conf = CONFIDENCE_FNS[cfg.remasking](self.logits, probs, x0, generator)
+            if unconfident:  # a position whose filter kept only EOS / EoT: all 0, not NaN
+                probs = probs.nan_to_num(0.0)
+        conf = CONFIDENCE_FNS[cfg.remasking](logits, probs, x0, generator)
         conf = conf.masked_fill(~is_mask, float("-inf"))
+        if cfg.remasking == "confidence_threshold":
+            nominal = step < self.steps_per_block
+            quota = self.quota[:, step] if nominal else torch.zeros_like(self.carried)
+            commit, self.carried = select_carried_threshold(conf, quota + self.carried,
+                                                            cfg.threshold)  # fmt: skip
+            return commit
         if cfg.threshold is not None:
             return select_threshold(conf, cfg.threshold)
         if cfg.factor is not None:

@@ -10,7 +10,7 @@ from torch import nn
 
 from unmask.errors import InputError
 from unmask.sampling.config import SamplingConfig
-from unmask.sampling.generate import left_pad, sample
+from unmask.sampling.generate import end_of_turn_id, left_pad, sample
 
 
 @dataclass
@@ -66,7 +66,8 @@ def generate_texts(
             if bool(attention_mask.all()):
                 attention_mask = None
             out = sample(sm.model, ids, fitted, mask_id=sm.mask_id, eos_id=sm.eos_id,
-                         attention_mask=attention_mask, generator=generator, on_step=on_step)  # fmt: skip
+                         attention_mask=attention_mask, generator=generator, on_step=on_step,
+                         pad_id=sm.pad_id, eot_id=end_of_turn_id(sm.tokenizer))  # fmt: skip
             for index, answer in zip(chunk, out.answers.tolist()):
                 answer = before_eos(answer, sm.eos_id)
                 records[index] = {

@@ -1,12 +1,15 @@
 """Per-step pieces of the sampler: propose tokens, score positions, choose which to commit.
 
-- proposal: x0 = argmax of Gumbel-perturbed logits (float64) after top-k / top-p filtering;
-  this samples softmax(l / T) (LLaDA), T = 0 is argmax.
+- proposal: x0 = argmax of Gumbel-perturbed logits (float64) after filtering; this
+  samples softmax(l / T) (LLaDA), T = 0 is argmax. Filtering follows Dream: the logits are
+  tempered first, then nucleus (top_p), then top_k, so the nucleus is taken on softmax(l / T).
 - confidence (`CONFIDENCE_FNS`): `low_confidence` softmax(l)[x0] on the untempered logits
   (LLaDA); `random`; Dream's `maskgit_plus` p(x0), `topk_margin` p1 - p2 and `entropy`
   sum p log p on the tempered, filtered distribution. All float64.
 - transfer: top-k per row, sampled positions (`alg_temp`), Fast-dLLM `threshold` and
-  `factor`, or Dream `origin` / MDLM ddpm (each mask revealed with probability 1 - s/t).
+  `factor`, Dream's `confidence_threshold` (a quota per step, what falls under the
+  threshold carried to the next step), or Dream `origin` / MDLM ddpm (each mask revealed
+  with probability 1 - s/t).
 """
 
 from collections.abc import Callable
@@ -43,18 +46,34 @@ def forbid_token(logits: torch.Tensor, token: int) -> torch.Tensor:
 def filter_top_k_top_p(
     logits: torch.Tensor, top_k: int | None = None, top_p: float | None = None
 ) -> torch.Tensor:
-    """Logits (..., V) with everything outside the top_k ids and outside the smallest set
-    whose probability reaches top_p set to -inf (the top id always stays)."""
+    """Logits (..., V) with everything outside the smallest set whose probability reaches
+    top_p, then outside the top_k ids of what is left, set to -inf (the top id always
+    stays). Dream's order (nucleus, then top-k); transformers' `generate` applies top-k
+    first, which keeps the same set unless both are given. Temper the logits first."""
+    if top_p is not None and top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        probs = torch.softmax(sorted_logits.to(torch.float64), dim=-1)
+        drop_sorted = (probs.cumsum(-1) - probs) >= top_p  # the mass before it reaches top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
     if top_k is not None and 0 < top_k < logits.shape[-1]:
         kth = logits.topk(top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p is not None and top_p < 1.0:
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        cum = torch.softmax(sorted_logits.to(torch.float64), dim=-1).cumsum(-1)
-        drop_sorted = (cum - torch.softmax(sorted_logits.to(torch.float64), -1)) >= top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
     return logits
+
+
+def filtered_logits(
+    logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None
+) -> torch.Tensor:
+    """logits (..., V), untempered, with the ids that temperature-then-filtering removes set
+    to -inf: the kept set is that of filter_top_k_top_p(logits / T) (T = 0: untempered),
+    as Dream and transformers temper before filtering. The logits stay untempered, so
+    without filtering this is `logits` itself (the Gumbel draw and confidences unchanged)."""
+    if not (top_p is not None and top_p < 1.0) and not (top_k and top_k < logits.shape[-1]):
+        return logits
+    tempered = logits.to(torch.float64) / temperature if temperature > 0 else logits
+    kept = torch.isfinite(filter_top_k_top_p(tempered, top_k, top_p))
+    return logits.masked_fill(~kept, float("-inf"))
 
 
 def low_confidence(logits, probs, x0, generator=None) -> torch.Tensor:
@@ -91,6 +110,7 @@ CONFIDENCE_FNS: dict[str, ConfidenceFn] = {
     "maskgit_plus": maskgit_plus,
     "topk_margin": topk_margin,
     "entropy": neg_entropy,
+    "confidence_threshold": maskgit_plus,
 }
 REMASKING = (*CONFIDENCE_FNS, "origin")
 
@@ -103,9 +123,10 @@ def propose_tokens(
     top_p: float | None,
     generator: torch.Generator | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """x0 (...,) long, sampled from softmax(filtered logits / T) by Gumbel-argmax (T = 0:
-    argmax), never the mask token; and the filtered logits (..., V)."""
-    filtered = filter_top_k_top_p(forbid_token(logits, mask_id), top_k, top_p)
+    """x0 (...,) long, sampled from softmax(l / T) restricted to what temperature-then-
+    filtering keeps (`filtered_logits`) by Gumbel-argmax (T = 0: argmax), never the mask
+    token; and the filtered, untempered logits (..., V)."""
+    filtered = filtered_logits(forbid_token(logits, mask_id), temperature, top_k, top_p)
     return add_gumbel_noise(filtered, temperature, generator).argmax(dim=-1), filtered
 
 
@@ -156,6 +177,23 @@ def select_threshold(confidence: torch.Tensor, threshold: float) -> torch.Tensor
     allowed = torch.isfinite(confidence)
     top = select_top_k(confidence, allowed.any(-1).long())
     return top | (allowed & (confidence >= threshold))
+
+
+def select_carried_threshold(
+    confidence: torch.Tensor, quota: torch.Tensor, threshold: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dream's `confidence_threshold`: of the quota[b] highest-confidence positions of row
+    b, the top one and every one with confidence >= threshold; the rest of the quota is
+    returned, to be added to the next step's. Returns (bool (B, L), carried (B,) long).
+
+    confidence (B, L), -inf where not allowed; quota (B,) long (only positions allowed are
+    counted, so a row never carries more than it has left)."""
+    allowed = torch.isfinite(confidence)
+    quota = torch.minimum(quota, allowed.sum(-1))
+    picked = select_top_k(confidence, quota)
+    top = select_top_k(confidence, (quota > 0).long())
+    commit = top | (picked & (confidence >= threshold))
+    return commit, quota - commit.sum(-1)
 
 
 def select_factor(confidence: torch.Tensor, factor: float) -> torch.Tensor:
