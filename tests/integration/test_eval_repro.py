@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 from conftest import save_tiny_model
 
 pytest.importorskip("lm_eval")
@@ -204,3 +205,49 @@ def test_base_preset_scores_choices_with_the_mc_elbo(model_dir, tmp_path, offlin
             assert scores[number] == pytest.approx(est.value, abs=1e-6)
         picks.append(max(range(3), key=lambda c: scores[c]) == q["label"])
     assert tree["results"]["toy_mc"]["acc,none"] == pytest.approx(sum(picks) / len(picks))
+
+
+class AnswersThenStops(nn.Module):
+    """A stand-in model: on a canvas whose last `gen` positions are the answer, the first
+    `answer` of them read '7' (confident), the rest EOS: every row says "77" and stops."""
+
+    def __init__(self, vocab: int, digit: int, eos: int, gen: int, answer: int) -> None:
+        super().__init__()
+        self.vocab, self.digit, self.eos, self.gen, self.answer = vocab, digit, eos, gen, answer
+
+    def forward(self, x, **kwargs):
+        batch, length = x.shape
+        logits = torch.zeros(batch, length, self.vocab)
+        start = length - self.gen
+        logits[:, :, self.eos] = 5.0
+        logits[:, start : start + self.answer, self.digit] = 10.0
+        return logits
+
+
+def test_throughput_counts_generated_tokens_only(model_dir, tmp_path, offline, monkeypatch,
+                                                 capsys):  # fmt: skip
+    """A model that answers 2 tokens then EOS on a 6-token canvas: 2 generated tokens per
+    prompt, never the canvas, the padding or the prompt."""
+    import unmask.eval.harness as harness
+
+    def stopping(*args, **kwargs):
+        sm = load_for_sampling(*args, **kwargs)
+        tok = sm.tokenizer
+        (digit,) = tok("7", add_special_tokens=False)["input_ids"]
+        sm.model = AnswersThenStops(len(tok), digit, sm.eos_id, gen=6, answer=2)
+        return sm
+
+    monkeypatch.setattr(harness, "load_for_sampling", stopping)
+    tasks = write_tasks(tmp_path / "tasks")
+    assert main(["eval", "--model", str(model_dir), "--tasks", str(tasks / "gen.yaml"),
+                 "--preset", "instruct", "--log-samples"]) == 0  # fmt: skip
+    captured = capsys.readouterr()
+    tree = json.loads(captured.out)
+    assert [s["resps"][0][0] for s in tree["samples"]["toy_gen"]] == ["77"] * 3
+    assert tree["throughput"]["generated_tokens"] == 3 * 2
+    assert tree["throughput"]["canvas_tokens"] == 3 * 6
+    assert tree["throughput"]["generation_requests"] == 3
+    seconds, rate = (tree["wall_clock"][k] for k in ("generation_seconds",
+                                                     "generated_tokens_per_second"))  # fmt: skip
+    assert rate is None if seconds == 0 else rate == pytest.approx(6 / seconds, rel=0.05)
+    assert "unmask: 6 generated tokens for 3 prompt(s)" in captured.err

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import random
 import sys
@@ -99,7 +100,14 @@ def task_manager(tasks: list[str], include_path: str | None):
 
 def load_tasks(manager, tasks: list[str]) -> dict:
     """lm-eval's task dict; a task that cannot be built (bad YAML, a missing data file)
-    is an InputError naming it."""
+    is an InputError naming it. Quiet: no datasets progress bars, lm-eval's warnings only
+    from the run on (bad input is one line)."""
+    import datasets
+
+    logger = logging.getLogger("lm_eval")
+    level, bars = logger.level, datasets.is_progress_bar_enabled()
+    logger.setLevel(logging.ERROR)
+    datasets.disable_progress_bars()
     try:
         return manager.load(tasks)
     except InputError:
@@ -107,6 +115,10 @@ def load_tasks(manager, tasks: list[str]) -> dict:
     except Exception as err:  # lm-eval and datasets raise many kinds
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise InputError(f"--tasks {','.join(tasks)}: could not load: {first}") from None
+    finally:
+        logger.setLevel(level)
+        if bars:
+            datasets.enable_progress_bars()
 
 
 def check_modes(loaded: dict, preset: Preset) -> dict[str, str]:
