@@ -290,6 +290,8 @@ def _eval_tasks(ns: argparse.Namespace) -> int:
     lm_tasks.check_task_files(names, ns.include_path)
     if ns.out:
         _check_out_file(Path(ns.out))
+    if ns.num_fewshot is not None and ns.num_fewshot < 0:
+        raise InputError(f"--num-fewshot must be >= 0 (got {ns.num_fewshot})")
     if ns.limit is not None and ns.limit <= 0:
         raise InputError(f"--limit must be > 0 (got {ns.limit:g}): examples per task, or a "
                          "fraction below 1")  # fmt: skip
@@ -313,12 +315,10 @@ def _eval_tasks(ns: argparse.Namespace) -> int:
                       **flags)  # fmt: skip
     except ValueError as err:
         raise InputError(str(err)) from None
-    run = lm_tasks.TaskRun(names, preset, ns.include_path,
-                           None if ns.limit is None else (int(ns.limit) if ns.limit >= 1
-                                                          else ns.limit),
-                           ns.num_fewshot, ns.seed,
-                           100000 if ns.bootstrap_iters is None else ns.bootstrap_iters,
-                           ns.log_samples, ns.system_instruction)  # fmt: skip
+    limit = ns.limit if ns.limit is None or ns.limit < 1 else int(ns.limit)
+    bootstrap = 100000 if ns.bootstrap_iters is None else ns.bootstrap_iters
+    run = lm_tasks.TaskRun(names, preset, ns.include_path, limit, ns.num_fewshot, ns.seed,
+                           bootstrap, ns.log_samples, ns.system_instruction)  # fmt: skip
     results = lm_tasks.run_tasks(lm, run, loaded)
     stats = dict(lm.stats)
     seconds = stats.pop("generation_seconds")
@@ -346,8 +346,12 @@ def _eval_tasks(ns: argparse.Namespace) -> int:
     }  # fmt: skip
     stats["counts"] = ("generated_tokens: answer tokens before the first EOS (no prompt, "
                        "canvas or padding); canvas_tokens: the masks decoded")  # fmt: skip
-    tree = {**results, "unmask": head, "throughput": stats,
-            "wall_clock": clock.entry(seconds, stats["generated_tokens"])}
+    tree = {
+        **results,
+        "unmask": head,
+        "throughput": stats,
+        "wall_clock": clock.entry(seconds, stats["generated_tokens"]),
+    }
     text = lm_tasks.results_text(tree)
     if ns.out:
         Path(ns.out).write_text(text, encoding="utf-8")

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch import nn
 from conftest import save_tiny_model
+from torch import nn
 
 pytest.importorskip("lm_eval")
 

@@ -88,8 +88,13 @@ class UnmaskLM(LM):
             raise ValueError(f"unknown model_args {sorted(unknown)} for model 'unmask'")
         if str(device).startswith("cuda") and not torch.cuda.is_available():
             device = "cpu"  # lm-eval's command line defaults to cuda
-        self.sm = load_for_sampling(pretrained, tokenizer, str(device or "cpu"),
-                                    None if mask_id is None else int(mask_id), base=base)
+        self.sm = load_for_sampling(
+            pretrained,
+            tokenizer,
+            str(device or "cpu"),
+            None if mask_id is None else int(mask_id),
+            base=base,
+        )
         self.mc_num, self.mc_batch_size = int(mc_num), int(mc_batch_size)
         self.max_length = int(max_length)
         self.gen_batch_size = int(batch_size) if str(batch_size).isdigit() else 16
