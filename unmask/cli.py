@@ -302,9 +302,10 @@ def _eval_tasks(ns: argparse.Namespace) -> int:
                          "pip install 'unmask[eval]'") from None  # fmt: skip
     preset = PRESETS[ns.preset or "base"]
     clock = lm_tasks.Clock()
+    # the model folder first (a missing one is named before any task data is read)
+    defaults = preset_sampling(preset, saved_sampling(resolve_model_folder(ns.model)))
     loaded = lm_tasks.load_tasks(lm_tasks.task_manager(names, ns.include_path), names)
     kinds = lm_tasks.check_modes(loaded, preset)
-    defaults = preset_sampling(preset, saved_sampling(resolve_model_folder(ns.model)))
     flags = {k: v for k, v in sampling_flags(ns).items() if v is not None}
     try:
         lm = UnmaskLM(pretrained=ns.model, tokenizer=ns.tokenizer, base=ns.base,

@@ -489,6 +489,11 @@ CASES = [
     case("eval-pair-flag-with-tasks", lm_task("--eos", "none"), "--eos",
          "apply to --ppl / --pairs"),
     case("eval-tasks-limit-0", lm_task("--limit", "0"), "--limit must be > 0"),
+    case("eval-tasks-num-fewshot-negative", lm_task("--num-fewshot", "-1"), "--num-fewshot",
+         ">= 0"),
+    case("eval-tasks-missing-model", lambda ctx: ["eval", "--model", str(ctx.tmp / "m"),
+                                                  "--tasks", str(ctx.write("t.yaml", "task: t"))],
+         "is not a folder"),
     case("eval-tasks-bad-sampling-value", lm_task("--top-p", "2"), "top_p", "<= 1"),
     # -- unmask export ------------------------------------------------------------------------
     case("export-missing-source", lambda ctx: ["export", str(ctx.tmp / "c"), "--out",

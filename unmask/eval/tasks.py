@@ -237,10 +237,10 @@ class Clock:
         return {
             "started_at": timestamp(self.started),
             "finished_at": timestamp(finished),
-            "seconds": round(finished - self.started, 3),
-            "generation_seconds": round(generation_seconds, 3),
+            "seconds": round(finished - self.started, 6),
+            "generation_seconds": round(generation_seconds, 6),
             "generated_tokens_per_second": round(
-                generated_tokens / generation_seconds, 2) if generation_seconds > 0 else None,
+                generated_tokens / generation_seconds, 3) if generation_seconds > 0 else None,
         }  # fmt: skip
 
 
