@@ -290,6 +290,8 @@ def _eval_tasks(ns: argparse.Namespace) -> int:
     lm_tasks.check_task_files(names, ns.include_path)
     if ns.out:
         _check_out_file(Path(ns.out))
+    if not 0 <= ns.seed < 2**32:  # numpy's seeds
+        raise InputError(f"--seed must be in 0..2**32 - 1 with --tasks (got {ns.seed})")
     if ns.num_fewshot is not None and ns.num_fewshot < 0:
         raise InputError(f"--num-fewshot must be >= 0 (got {ns.num_fewshot})")
     if ns.limit is not None and ns.limit <= 0:

@@ -489,6 +489,7 @@ CASES = [
     case("eval-pair-flag-with-tasks", lm_task("--eos", "none"), "--eos",
          "apply to --ppl / --pairs"),
     case("eval-tasks-limit-0", lm_task("--limit", "0"), "--limit must be > 0"),
+    case("eval-tasks-seed-negative", lm_task("--seed", "-1"), "--seed", "0..2**32 - 1"),
     case("eval-tasks-num-fewshot-negative", lm_task("--num-fewshot", "-1"), "--num-fewshot",
          ">= 0"),
     case("eval-tasks-missing-model", lambda ctx: ["eval", "--model", str(ctx.tmp / "m"),
