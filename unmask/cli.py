@@ -323,38 +323,10 @@ def _eval_tasks(ns: argparse.Namespace) -> int:
     run = lm_tasks.TaskRun(names, preset, ns.include_path, limit, ns.num_fewshot, ns.seed,
                            bootstrap, ns.log_samples, ns.system_instruction)  # fmt: skip
     results = lm_tasks.run_tasks(lm, run, loaded)
-    stats = dict(lm.stats)
-    seconds = stats.pop("generation_seconds")
-    head = {
-        "command": ns.command_line, "model": ns.model, "tokenizer": ns.tokenizer,
-        "base": ns.base, "device": str(lm.sm.device), "preset": preset.name,
-        "mode": preset.mode, "chat_template": preset.chat_template,
-        "chat_template_sha256": lm_tasks.chat_template_sha(lm.sm.tokenizer)
-        if preset.chat_template else None,
-        "system_instruction": ns.system_instruction, "tasks": names,
-        "task_output_types": kinds, "include_path": ns.include_path, "limit": run.limit,
-        "num_fewshot": ns.num_fewshot, "bootstrap_iters": run.bootstrap_iters,
-        "seed": ns.seed,
-        "seeds": {"python_random": ns.seed, "numpy": ns.seed, "torch": ns.seed,
-                  "fewshot_sampler": ns.seed, "generation": ns.seed,
-                  "likelihood_masks": f"request i of a call: {ns.seed} + i"},
-        "likelihood": {"mc_num": lm.mc_num, "mc_batch_size": lm.mc_batch_size,
-                       "check_greedy": lm.check_greedy, "max_length": lm.max_length,
-                       "cfg_scale": lm.options.cfg_scale,
-                       "shift_logits": lm.options.shift_logits},
-        "generation_batch_size": lm.gen_batch_size,
-        "sampling": lm.options.model_dump(), "sampling_preset": defaults,
-        "sampling_flags": flags, "generations": lm.generations,
-        "versions": lm_tasks.package_versions(),
-    }  # fmt: skip
-    stats["counts"] = ("generated_tokens: answer tokens before the first EOS (no prompt, "
-                       "canvas or padding); canvas_tokens: the masks decoded")  # fmt: skip
-    tree = {
-        **results,
-        "unmask": head,
-        "throughput": stats,
-        "wall_clock": clock.entry(seconds, stats["generated_tokens"]),
-    }
+    where = {"command": ns.command_line, "model": ns.model, "tokenizer": ns.tokenizer,
+             "base": ns.base, "system_instruction": ns.system_instruction}  # fmt: skip
+    tree = lm_tasks.results_tree(results, lm, run, kinds, defaults, flags, where, clock)
+    stats = tree["throughput"]
     text = lm_tasks.results_text(tree)
     if ns.out:
         Path(ns.out).write_text(text, encoding="utf-8")
@@ -364,10 +336,10 @@ def _eval_tasks(ns: argparse.Namespace) -> int:
     for line in lm_tasks.summary_lines(results):
         print(line, file=sys.stderr)
     if stats["generation_requests"]:
-        rate = tree["wall_clock"]["generated_tokens_per_second"]
+        clock = tree["wall_clock"]
         print(f"unmask: {stats['generated_tokens']} generated tokens for "
-              f"{stats['generation_requests']} prompt(s) in {seconds:.2f}s: "
-              f"{rate} generated tokens/s", file=sys.stderr)  # fmt: skip
+              f"{stats['generation_requests']} prompt(s) in {clock['generation_seconds']:.2f}s: "
+              f"{clock['generated_tokens_per_second']} generated tokens/s", file=sys.stderr)  # fmt: skip
     return 0
 
 

@@ -165,6 +165,49 @@ def run_tasks(lm, run: TaskRun, loaded: dict) -> dict[str, Any]:
     )  # fmt: skip
 
 
+def results_tree(
+    results: dict[str, Any],
+    lm,
+    run: TaskRun,
+    kinds: dict[str, str],
+    defaults: dict[str, Any],
+    flags: dict[str, Any],
+    where: dict[str, Any],
+    clock: Clock,
+) -> dict[str, Any]:
+    """The results file's tree: lm-eval's entries, then `unmask` (how it ran: `where` = the
+    command, model, tokenizer, base and system instruction; the preset, every seed, the
+    likelihood and sampling settings, the package versions), `throughput` (counts only)
+    and `wall_clock` (the one entry that changes from run to run)."""
+    seed, preset = run.seed, run.preset
+    head = {
+        **where, "device": str(lm.sm.device), "preset": preset.name, "mode": preset.mode,
+        "chat_template": preset.chat_template,
+        "chat_template_sha256": chat_template_sha(lm.sm.tokenizer)
+        if preset.chat_template else None,
+        "tasks": run.tasks, "task_output_types": kinds, "include_path": run.include_path,
+        "limit": run.limit, "num_fewshot": run.num_fewshot,
+        "bootstrap_iters": run.bootstrap_iters, "seed": seed,
+        "seeds": {"python_random": seed, "numpy": seed, "torch": seed,
+                  "fewshot_sampler": seed, "generation": seed,
+                  "likelihood_masks": f"request i of a call: {seed} + i"},
+        "likelihood": {"mc_num": lm.mc_num, "mc_batch_size": lm.mc_batch_size,
+                       "check_greedy": lm.check_greedy, "max_length": lm.max_length,
+                       "cfg_scale": lm.options.cfg_scale,
+                       "shift_logits": lm.options.shift_logits},
+        "generation_batch_size": lm.gen_batch_size,
+        "sampling": lm.options.model_dump(), "sampling_preset": defaults,
+        "sampling_flags": flags, "generations": lm.generations,
+        "versions": package_versions(),
+    }  # fmt: skip
+    stats = dict(lm.stats)
+    seconds = stats.pop("generation_seconds")
+    stats["counts"] = ("generated_tokens: answer tokens before the first EOS (no prompt, "
+                       "canvas or padding); canvas_tokens: the masks decoded")  # fmt: skip
+    wall = clock.entry(seconds, stats["generated_tokens"])
+    return {**results, "unmask": head, "throughput": stats, "wall_clock": wall}
+
+
 def package_versions() -> dict[str, str]:
     """Installed versions of PACKAGES and the Python version ("not installed" if absent)."""
     found = {}
