@@ -262,3 +262,18 @@ def test_throughput_counts_generated_tokens_only(model_dir, tmp_path, offline, m
                                                      "generated_tokens_per_second"))  # fmt: skip
     assert rate is None if seconds == 0 else rate == pytest.approx(6 / seconds, rel=1e-3)
     assert "unmask: 6 generated tokens for 3 prompt(s)" in captured.err
+
+
+def test_instruct_prompts_without_a_chat_template_are_the_sft_rows_prompts(tmp_path):
+    """A tokenizer with no chat template: the instruct preset's prompt is the prompt unmask's
+    SFT rows were built with (`split_chat`), so the model sees what it was trained on."""
+    from unmask.data.sft import split_chat
+    from unmask.eval.harness import UnmaskLM
+
+    lm = UnmaskLM(pretrained=str(save_tiny_model(tmp_path / "model")))
+    assert not getattr(lm.sm.tokenizer, "chat_template", None) and lm.chat_template() == ""
+    turns = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "rev 12="}]
+    prompt, answer = split_chat(lm.sm.tokenizer, [*turns, {"role": "assistant", "content": "21"}])
+    assert lm.apply_chat_template(turns) == prompt == "system: be brief\nuser: rev 12=\nassistant: "
+    prefilled = [*turns, {"role": "assistant", "content": "21"}]
+    assert lm.apply_chat_template(prefilled, add_generation_prompt=False) == prompt + answer
