@@ -180,11 +180,26 @@ def _read_prompts(path: Path) -> list[str]:
 
 def cmd_eval(ns: argparse.Namespace) -> int:
     """Likelihood scores of a file: answers given prompts (--pairs) or a text (--ppl);
-    the modes, records and fields: unmask/eval/scores.py and docs/sampling.md."""
+    the modes, records and fields: unmask/eval/scores.py and docs/sampling.md. lm-eval
+    tasks (--tasks): `_eval_tasks`."""
     from unmask.checkpoint import load_for_sampling, resolve_model_folder
     from unmask.eval import scores
     from unmask.sampling.config import resolve_sampling
 
+    if ns.tasks:
+        return _eval_tasks(ns)
+    task_flags = {"--preset": ns.preset, "--include-path": ns.include_path,
+                  "--limit": ns.limit, "--num-fewshot": ns.num_fewshot,
+                  "--bootstrap-iters": ns.bootstrap_iters,
+                  "--log-samples": ns.log_samples or None,
+                  "--system-instruction": ns.system_instruction,
+                  "--gen-batch-size": ns.gen_batch_size}  # fmt: skip
+    given = [name for name, value in task_flags.items() if value is not None]
+    given += ["--" + k.replace("_", "-") for k, v in sampling_flags(ns).items() if v is not None]
+    if given:
+        raise InputError(f"{', '.join(given)} apply to --tasks, not --ppl / --pairs")
+    ns.mc_num = ns.mc_num or 32
+    ns.batch_size = ns.batch_size or 16
     flag = "--pairs" if ns.pairs else "--ppl"
     path = Path(ns.pairs or ns.ppl)
     pair_flags = {"--separator": ns.separator, "--prompt-field": ns.prompt_field,
@@ -253,6 +268,81 @@ def cmd_eval(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _eval_tasks(ns: argparse.Namespace) -> int:
+    """lm-eval tasks with a preset (unmask/eval/presets.py), in this process; the results
+    file (unmask/eval/tasks.py) is the same for the same command but for `wall_clock`.
+    Every check runs before the model loads; the file is written last."""
+    from unmask.checkpoint import resolve_model_folder
+    from unmask.eval import tasks as lm_tasks
+    from unmask.eval.presets import PRESETS, preset_sampling
+    from unmask.sampling.config import saved_sampling
+
+    pair_flags = {"--ppl": ns.ppl, "--pairs": ns.pairs, "--separator": ns.separator,
+                  "--prompt-field": ns.prompt_field, "--answer-field": ns.answer_field,
+                  "--eos": ns.eos, "--row-length": ns.row_length, "--context": ns.context,
+                  "--per-line": ns.per_line or None}  # fmt: skip
+    given = [name for name, value in pair_flags.items() if value is not None]
+    if given:
+        raise InputError(f"{', '.join(given)} apply to --ppl / --pairs, not --tasks")
+    names = lm_tasks.split_tasks(ns.tasks)
+    if not names:
+        raise InputError("--tasks is empty; give task names or task YAML files, comma-separated")
+    lm_tasks.check_task_files(names, ns.include_path)
+    if ns.out:
+        _check_out_file(Path(ns.out))
+    if not 0 <= ns.seed < 2**32:  # numpy's seeds
+        raise InputError(f"--seed must be in 0..2**32 - 1 with --tasks (got {ns.seed})")
+    if ns.num_fewshot is not None and ns.num_fewshot < 0:
+        raise InputError(f"--num-fewshot must be >= 0 (got {ns.num_fewshot})")
+    if ns.limit is not None and ns.limit <= 0:
+        raise InputError(f"--limit must be > 0 (got {ns.limit:g}): examples per task, or a "
+                         "fraction below 1")  # fmt: skip
+    try:
+        from unmask.eval.harness import UnmaskLM
+    except ImportError:
+        raise InputError("--tasks runs lm-eval, which is not installed: "
+                         "pip install 'unmask[eval]'") from None  # fmt: skip
+    preset = PRESETS[ns.preset or "base"]
+    clock = lm_tasks.Clock()
+    # the model folder first (a missing one is named before any task data is read)
+    defaults = preset_sampling(preset, saved_sampling(resolve_model_folder(ns.model)))
+    loaded = lm_tasks.load_tasks(lm_tasks.task_manager(names, ns.include_path), names)
+    kinds = lm_tasks.check_modes(loaded, preset)
+    flags = {k: v for k, v in sampling_flags(ns).items() if v is not None}
+    try:
+        lm = UnmaskLM(pretrained=ns.model, tokenizer=ns.tokenizer, base=ns.base,
+                      device=ns.device, mask_id=ns.mask_id,
+                      mc_num=ns.mc_num or preset.mc_num,
+                      mc_batch_size=ns.batch_size or preset.mc_batch_size,
+                      batch_size=ns.gen_batch_size or 16, seed=ns.seed, defaults=defaults,
+                      **flags)  # fmt: skip
+    except ValueError as err:
+        raise InputError(str(err)) from None
+    limit = ns.limit if ns.limit is None or ns.limit < 1 else int(ns.limit)
+    bootstrap = 100000 if ns.bootstrap_iters is None else ns.bootstrap_iters
+    run = lm_tasks.TaskRun(names, preset, ns.include_path, limit, ns.num_fewshot, ns.seed,
+                           bootstrap, ns.log_samples, ns.system_instruction)  # fmt: skip
+    results = lm_tasks.run_tasks(lm, run, loaded)
+    where = {"command": ns.command_line, "model": ns.model, "tokenizer": ns.tokenizer,
+             "base": ns.base, "system_instruction": ns.system_instruction}  # fmt: skip
+    tree = lm_tasks.results_tree(results, lm, run, kinds, defaults, flags, where, clock)
+    stats = tree["throughput"]
+    text = lm_tasks.results_text(tree)
+    if ns.out:
+        Path(ns.out).write_text(text, encoding="utf-8")
+        print(f"unmask: wrote the results of {len(kinds)} task(s) to {ns.out}", file=sys.stderr)
+    else:
+        sys.stdout.write(text)
+    for line in lm_tasks.summary_lines(results):
+        print(line, file=sys.stderr)
+    if stats["generation_requests"]:
+        clock = tree["wall_clock"]
+        print(f"unmask: {stats['generated_tokens']} generated tokens for "
+              f"{stats['generation_requests']} prompt(s) in {clock['generation_seconds']:.2f}s: "
+              f"{clock['generated_tokens_per_second']} generated tokens/s", file=sys.stderr)  # fmt: skip
+    return 0
+
+
 def cmd_export(ns: argparse.Namespace) -> int:
     from unmask.checkpoint import export_model
 
@@ -309,12 +399,17 @@ NO_FLAG = ("history",)
 def add_sampling_flags(parser: argparse.ArgumentParser) -> None:
     """One flag per SamplingConfig field (--gen-length, --cache, --shift-logits/--no-...),
     typed and documented from the field; every default is None = "not given". Hooks are
-    given as --logits-hook module:function."""
+    given as --logits-hook module:function. A field whose flag the command already has for
+    itself (eval's --row-length) gets no flag there."""
     group = parser.add_argument_group(SAMPLING_GROUP)
+    added = []
     for name, field in SamplingConfig.model_fields.items():
         if name in NO_FLAG:
             continue
         flag = "--" + name.replace("_", "-")
+        if flag in parser._option_string_actions:
+            continue
+        added.append(name)
         default = field.get_default()
         doc = (field.description or "").split(". ")[0].rstrip(".")
         help_text = doc if default is None else f"{doc} (built-in default: {default})"
@@ -326,6 +421,7 @@ def add_sampling_flags(parser: argparse.ArgumentParser) -> None:
             group.add_argument(flag, choices=kind, dest=name, help=help_text)
         else:
             group.add_argument(flag, type=kind, dest=name, help=help_text)
+    parser.set_defaults(sampling_fields=tuple(added))
 
 
 def _flag_type(annotation):
@@ -339,7 +435,7 @@ def _flag_type(annotation):
 
 def sampling_flags(ns: argparse.Namespace) -> dict:
     """The sampling options given on the command line (None = not given)."""
-    return {name: getattr(ns, name) for name in SamplingConfig.model_fields if name not in NO_FLAG}
+    return {name: getattr(ns, name) for name in ns.sampling_fields}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -382,10 +478,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     ev = sub.add_parser(
         "eval",
-        help="likelihood scores (Monte Carlo ELBO): answers given prompts, or a text's "
-        "perplexity bound",
+        help="likelihood scores (Monte Carlo ELBO) of answers or a text, or lm-eval tasks "
+        "with a base / instruct preset",
         description="Score answers given prompts (--pairs: only answer tokens are masked) "
-        "or a whole text (--ppl: every token masked); records and fields: docs/sampling.md.",
+        "or a whole text (--ppl: every token masked), or run lm-eval tasks (--tasks) with a "
+        "preset: base (likelihood) or instruct (generation with the chat template); records, "
+        "fields and the results file: docs/sampling.md.",
         epilog=SAMPLING_REFERENCE,
     )
     ev.add_argument(
@@ -396,6 +494,8 @@ def build_parser() -> argparse.ArgumentParser:
                       "token masked and scored, no prompt (a perplexity upper bound)")  # fmt: skip
     what.add_argument("--pairs", metavar="FILE", help="answers given prompts: jsonl of "
                       '{"prompt", "response" or "answer"}, or lines with --separator')  # fmt: skip
+    what.add_argument("--tasks", metavar="TASKS", action="append", help="lm-eval tasks, "
+                      "comma-separated (repeatable): names, or task YAML files")  # fmt: skip
     ev.add_argument("--separator", help="--pairs is a text file: each line split at the first "
                     "SEPARATOR, the prompt keeps it (e.g. '=')")  # fmt: skip
     ev.add_argument("--prompt-field", help="jsonl field of the prompt (default: prompt)")
@@ -408,20 +508,40 @@ def build_parser() -> argparse.ArgumentParser:
                     "padding in tokens (default: the run's data.packing_length)")  # fmt: skip
     ev.add_argument("--per-line", action="store_true", help="print one record per pair (or "
                     "per line of --ppl, each scored alone) before the summary")  # fmt: skip
-    ev.add_argument("--out", metavar="FILE.jsonl", help="write the per-line records and the "
-                    "summary here")  # fmt: skip
+    ev.add_argument("--out", metavar="FILE", help="--ppl / --pairs: write the per-line records "
+                    "and the summary here (jsonl); --tasks: the results JSON")  # fmt: skip
     ev.add_argument("--tokenizer", help="tokenizer folder (default: the model folder)")
     add_base_flag(ev)
     ev.add_argument("--context", type=positive_int,
                     help="--ppl: tokens per scored chunk (default: 512)")  # fmt: skip
-    ev.add_argument("--mc-num", type=positive_int, default=32, help="Monte Carlo rows per "
-                    "pair / chunk (rounded up to whole batches)")  # fmt: skip
-    ev.add_argument("--batch-size", type=positive_int, default=16, help="rows per forward pass: "
-                    "one independent draw (the stderr needs two or more)")  # fmt: skip
+    ev.add_argument("--mc-num", type=positive_int, help="Monte Carlo rows per pair / chunk / "
+                    "choice, rounded up to whole batches (default: 32; --tasks: the "
+                    "preset's, 128)")  # fmt: skip
+    ev.add_argument("--batch-size", type=positive_int, help="Monte Carlo rows per forward "
+                    "pass: one independent draw, the stderr needs two or more (default: 16; "
+                    "--tasks: the preset's, 32)")  # fmt: skip
     ev.add_argument("--mask-id", type=int, help="mask token id (default: the tokenizer's)")
     ev.add_argument("--device", default="auto", help="auto (cuda when visible), cpu or cuda")
-    ev.add_argument("--seed", type=int, default=0, help="seed of the masking draws (item i: "
-                    "seed + i)")  # fmt: skip
+    ev.add_argument("--seed", type=int, default=0, help="seed of every draw: the masking "
+                    "draws (item i: seed + i), and with --tasks also generation, Python, "
+                    "numpy, torch and the few-shot sampler")  # fmt: skip
+    tasks = ev.add_argument_group("lm-eval tasks (--tasks)")
+    tasks.add_argument("--preset", choices=("base", "instruct"), help="base (default): "
+                       "likelihood, no chat template; instruct: generation with the chat "
+                       "template (docs/sampling.md)")  # fmt: skip
+    tasks.add_argument("--include-path", metavar="FOLDER", help="folder of task YAML files "
+                       "(its tasks need no lm-eval download)")  # fmt: skip
+    tasks.add_argument("--limit", type=float, help="examples per task (a fraction below 1)")
+    tasks.add_argument("--num-fewshot", type=int, help="few-shot examples per prompt "
+                       "(default: the task's)")  # fmt: skip
+    tasks.add_argument("--bootstrap-iters", type=int, help="bootstrap rounds of the stderr "
+                       "of non-mean metrics (default: 100000, lm-eval's)")  # fmt: skip
+    tasks.add_argument("--log-samples", action="store_true", help="write every request's "
+                       "prompt, response and score into the results file")  # fmt: skip
+    tasks.add_argument("--system-instruction", help="system message of every prompt")
+    tasks.add_argument("--gen-batch-size", type=positive_int, help="prompts decoded together "
+                       "(default: 16)")  # fmt: skip
+    add_sampling_flags(ev)
     ev.set_defaults(func=cmd_eval)
 
     ex = sub.add_parser("export", help="write an HF folder (weights, tokenizer, defaults)",

@@ -157,6 +157,41 @@ def pairs(*flags: str, text='{"prompt": "rev 12=", "response": "21"}\n'):
                         str(ctx.write("pairs.jsonl", text)), *flags]  # fmt: skip
 
 
+LM_TASK = """task: toy
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: {kind}
+doc_to_text: "{{{{question}}}}"
+doc_to_target: {target}
+{choices}metric_list:
+  - metric: {metric}
+"""
+
+
+def lm_task(*flags: str, kind="generate_until", data=True, preset="base"):
+    """`unmask eval --tasks FILE.yaml --preset PRESET`: a local lm-eval task file (and its
+    jsonl data unless `data` is False)."""
+
+    def build(ctx):
+        pytest.importorskip("lm_eval")
+        records = ctx.tmp / "toy.jsonl"
+        if data:
+            ctx.write("toy.jsonl", '{"question": "rev 12=", "answer": "21"}\n')
+        metric = "exact_match" if kind == "generate_until" else "acc"
+        generate = kind == "generate_until"
+        target = '"{{answer}}"' if generate else "0"
+        choices = "" if generate else 'doc_to_choice: ["21", "12"]\n'
+        task = ctx.write("toy.yaml", LM_TASK.format(data=records, kind=kind, metric=metric,
+                                                    target=target, choices=choices))  # fmt: skip
+        return ["eval", "--model", str(ctx.model()), "--tasks", str(task), "--preset", preset,
+                *flags]  # fmt: skip
+
+    return build
+
+
 def preprocess(*flags: str, tokenizer=None):
     def build(ctx):
         data = ctx.write("corpus.jsonl", '{"text": "one"}\n{"text": "two"}\n')
@@ -455,6 +490,30 @@ CASES = [
     case("eval-context-with-pairs", pairs("--context", "4"), "--context", "--ppl"),
     case("eval-out-is-a-folder", lambda ctx: pairs("--out", str(ctx.tmp))(ctx), "--out",
          "is a folder"),
+    case("eval-unknown-preset", lm_task(preset="chat"), "--preset", "invalid choice",
+         "'base', 'instruct'"),
+    case("eval-missing-task-file", lambda ctx: ["eval", "--model", str(ctx.model()), "--tasks",
+                                                str(ctx.tmp / "tasks" / "no.yaml")],
+         "task file", "no.yaml", "does not exist"),
+    case("eval-missing-include-path", lm_task("--include-path", "no-such-folder"),
+         "--include-path 'no-such-folder' is not a folder"),
+    case("eval-task-data-missing", lm_task(data=False), "--tasks", "could not load"),
+    case("eval-instruct-likelihood-task", lm_task(kind="multiple_choice", preset="instruct"),
+         "task 'toy' is multiple_choice", "--preset base"),
+    case("eval-preset-with-ppl", evaluate("--preset", "base"), "--preset",
+         "apply to --tasks"),
+    case("eval-sampling-flag-with-pairs", pairs("--temperature", "0.5"), "--temperature",
+         "apply to --tasks"),
+    case("eval-pair-flag-with-tasks", lm_task("--eos", "none"), "--eos",
+         "apply to --ppl / --pairs"),
+    case("eval-tasks-limit-0", lm_task("--limit", "0"), "--limit must be > 0"),
+    case("eval-tasks-seed-negative", lm_task("--seed", "-1"), "--seed", "0..2**32 - 1"),
+    case("eval-tasks-num-fewshot-negative", lm_task("--num-fewshot", "-1"), "--num-fewshot",
+         ">= 0"),
+    case("eval-tasks-missing-model", lambda ctx: ["eval", "--model", str(ctx.tmp / "m"),
+                                                  "--tasks", str(ctx.write("t.yaml", "task: t"))],
+         "is not a folder"),
+    case("eval-tasks-bad-sampling-value", lm_task("--top-p", "2"), "top_p", "<= 1"),
     # -- unmask export ------------------------------------------------------------------------
     case("export-missing-source", lambda ctx: ["export", str(ctx.tmp / "c"), "--out",
                                                str(ctx.tmp / "o")], "is not a folder"),

@@ -18,9 +18,17 @@ is enough: `lm_eval.simple_evaluate(model="unmask", model_args=...)`.
 - Request i of a call draws its masks from seed + i (`item_generator`), like record i of
   `unmask eval`, so a request's value does not depend on the requests before it.
 - generate_until: `unmask.sampling.sample` with the folder's sampling options
-  (generation_config.json), then the task's (max_gen_toks, temperature), then model_args:
-  every SamplingConfig field is a model_arg; gen_length rounded up to whole blocks, steps to
-  whole steps per block; the text is cut at the first stop string.
+  (generation_config.json), then `defaults` (a preset's, `unmask eval --preset`), then the
+  task's (max_gen_toks, temperature), then model_args: every SamplingConfig field is a
+  model_arg; gen_length rounded up to whole blocks, steps to whole steps per block; the text
+  is cut at the first stop string. Draws come from one generator seeded `seed` on the
+  model's device.
+- apply_chat_template (lm-eval's `--apply_chat_template`): the tokenizer's chat template
+  with the generation prompt; a tokenizer without one gets the "role: content" lines that
+  unmask's SFT rows use without a template (`unmask.data.sft.split_chat`).
+- `stats` counts the work: generated tokens (answer tokens before the first EOS, never the
+  prompt, the canvas or its padding), forward passes, generation seconds, scored tokens;
+  `generations` lists every distinct generation setting used, in full.
 """
 
 import sys
@@ -35,6 +43,7 @@ except ImportError as err:  # pragma: no cover - only without the eval extra
     raise ImportError("the lm-eval adapter needs lm-eval: pip install 'unmask[eval]'") from err
 
 from unmask.checkpoint import load_for_sampling
+from unmask.data.sft import has_chat_template, split_chat
 from unmask.sampling.config import SamplingConfig, resolve_sampling
 from unmask.sampling.generate import sample
 from unmask.sampling.likelihood import (
@@ -66,30 +75,69 @@ class UnmaskLM(LM):
         batch_size: int | str = 16,
         check_greedy: bool = False,
         seed: int = 0,
+        mask_id: int | None = None,
+        defaults: dict[str, Any] | None = None,
         **sampling: Any,
     ) -> None:
         """model_args: the adapter's own (above; `base`: the base model folder of an
-        unmerged LoRA adapter) and every SamplingConfig field."""
+        unmerged LoRA adapter; `defaults`: sampling options under the task's, from Python
+        only) and every SamplingConfig field."""
         super().__init__()
         unknown = set(sampling) - set(SamplingConfig.model_fields) - set(_IGNORED_ARGS)
         if unknown:
             raise ValueError(f"unknown model_args {sorted(unknown)} for model 'unmask'")
         if str(device).startswith("cuda") and not torch.cuda.is_available():
             device = "cpu"  # lm-eval's command line defaults to cuda
-        self.sm = load_for_sampling(pretrained, tokenizer, str(device or "cpu"), base=base)
+        self.sm = load_for_sampling(
+            pretrained,
+            tokenizer,
+            str(device or "cpu"),
+            None if mask_id is None else int(mask_id),
+            base=base,
+        )
         self.mc_num, self.mc_batch_size = int(mc_num), int(mc_batch_size)
         self.max_length = int(max_length)
         self.gen_batch_size = int(batch_size) if str(batch_size).isdigit() else 16
         self.check_greedy = str(check_greedy).lower() in ("true", "1")
         self.seed = int(seed)
-        self.generator = torch.Generator().manual_seed(self.seed)  # generate_until
+        # generate_until's draws; on the model's device, where `sample` draws
+        self.generator = torch.Generator(device=self.sm.device).manual_seed(self.seed)
         self.sampling = {k: v for k, v in sampling.items() if k in SamplingConfig.model_fields}
+        self.defaults = dict(defaults or {})
         # what likelihoods share with generation: guidance, Dream's shift, block-causal
-        self.options = resolve_sampling(self.sm.saved, self.sampling)
+        self.options = resolve_sampling(self.sm.saved, self.defaults, self.sampling)
+        self.stats = {"generation_requests": 0, "generated_tokens": 0, "canvas_tokens": 0,
+                      "forward_passes": 0, "generation_seconds": 0.0,
+                      "likelihood_requests": 0, "scored_tokens": 0}  # fmt: skip
+        self.generations: list[dict[str, Any]] = []
+
+    @property
+    def tokenizer(self):
+        """The tokenizer (lm-eval reads its special tokens for the results file)."""
+        return self.sm.tokenizer
 
     @property
     def tokenizer_name(self) -> str:
         return type(self.sm.tokenizer).__name__
+
+    def chat_template(self, chat_template: bool | str = False) -> str:
+        """The tokenizer's chat template text ('' without one)."""
+        template = getattr(self.sm.tokenizer, "chat_template", None)
+        return template if isinstance(template, str) else ""
+
+    def apply_chat_template(
+        self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True
+    ) -> str:
+        """The conversation as the model's prompt: its chat template, or unmask's template-
+        less SFT format ("role: content" lines, then "assistant: ")."""
+        tok = self.sm.tokenizer
+        if has_chat_template(tok):
+            return tok.apply_chat_template(chat_history, tokenize=False,
+                                           add_generation_prompt=add_generation_prompt)  # fmt: skip
+        if not add_generation_prompt:  # the last (assistant) turn is prefilled
+            prompt, answer = split_chat(tok, chat_history)
+            return prompt + answer
+        return split_chat(tok, [*chat_history, {"role": "assistant", "content": ""}])[0]
 
     def _encode(self, text: str) -> list[int]:
         return self.sm.tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -122,6 +170,8 @@ class UnmaskLM(LM):
                 generator=item_generator(self.seed, index),
             )  # fmt: skip
             greedy = self._is_greedy(ctx, cont) if self.check_greedy and ctx else False
+            self.stats["likelihood_requests"] += 1
+            self.stats["scored_tokens"] += len(cont)
             results.append((est.value, greedy))
             self.cache_hook.add_partial("loglikelihood", request.args, (est.value, greedy))
         return results
@@ -143,6 +193,8 @@ class UnmaskLM(LM):
                                      batch_size=self.mc_batch_size, generator=generator,
                                      shift_logits=self.options.shift_logits)  # fmt: skip
                 total += est.value
+            self.stats["likelihood_requests"] += 1
+            self.stats["scored_tokens"] += max(0, len(ids) - shift)
             results.append(total)
         return results
 
@@ -160,6 +212,7 @@ class UnmaskLM(LM):
             contexts = [requests[i].args[0] for i in indices]
             records = generate_texts(self.sm, contexts, options, self.gen_batch_size,
                                      self.generator)  # fmt: skip
+            self._count(records, options, until, max_gen_toks, temperature)
             for index, record in zip(indices, records):
                 text = record["completion"]
                 for stop in until:
@@ -169,11 +222,23 @@ class UnmaskLM(LM):
                 self.cache_hook.add_partial("generate_until", requests[index].args, text)
         return results
 
+    def _count(self, records, options: SamplingConfig, until, max_gen_toks, temperature) -> None:
+        """Add a generation call's work to `stats` and its setting to `generations`."""
+        batches = {r["batch"]: r for r in records}
+        self.stats["generation_requests"] += len(records)
+        self.stats["generated_tokens"] += sum(r["tokens"] for r in records)
+        self.stats["canvas_tokens"] += len(records) * options.gen_length
+        self.stats["forward_passes"] += sum(r["nfe"] for r in batches.values())
+        self.stats["generation_seconds"] += sum(r["seconds"] for r in batches.values())
+        self.generations.append({"until": list(until), "max_gen_toks": max_gen_toks,
+                                 "task_temperature": temperature, "requests": len(records),
+                                 "sampling": options.model_dump()})  # fmt: skip
+
     def _generation_config(self, max_gen_toks, temperature) -> SamplingConfig:
-        """model_args over the task's gen_kwargs over the folder's options; gen_length
-        rounded up to whole blocks, steps to whole steps per block."""
+        """model_args over the task's gen_kwargs over the defaults over the folder's
+        options; gen_length rounded up to whole blocks, steps to whole steps per block."""
         task = {"gen_length": max_gen_toks, "temperature": temperature}
-        chosen = resolve_sampling(self.sm.saved, task, self.sampling)
+        chosen = resolve_sampling(self.sm.saved, self.defaults, task, self.sampling)
         gen, block = chosen.gen_length, chosen.resolved_block_length
         if not chosen.block_causal:  # block-causal models keep the block size they trained on
             block = min(block, gen)
