@@ -72,6 +72,11 @@ class TrainConfig(BaseModel):
     """torch.compile each transformer block (after activation checkpointing, before FSDP2)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """auto = cuda when available, else cpu."""
+    trim_host_memory: bool = True
+    """CPU runs on Linux: return freed memory to the OS at once (glibc malloc's trim
+    threshold set to 0) instead of keeping freed activations in the heap, where the next
+    large allocation (an embedding's gradient) cannot reuse them. Peak RSS ~17% lower at
+    hidden 512 (benchmarks/results/train_step.md); false = glibc's defaults."""
     report_to: list[str] = []
     """Extra loggers: "tensorboard", "wandb" (the wandb extra; WANDB_MODE=offline works
     without a network) and "trackio" (the trackio extra, local by default); "none" =

@@ -232,7 +232,7 @@ class UnmaskLM(LM):
         self.stats["generation_seconds"] += sum(r["seconds"] for r in batches.values())
         self.generations.append({"until": list(until), "max_gen_toks": max_gen_toks,
                                  "task_temperature": temperature, "requests": len(records),
-                                 "sampling": options.model_dump()})  # fmt: skip
+                                 "sampling": options.record()})  # fmt: skip
 
     def _generation_config(self, max_gen_toks, temperature) -> SamplingConfig:
         """model_args over the task's gen_kwargs over the defaults over the folder's

@@ -196,7 +196,7 @@ def results_tree(
                        "cfg_scale": lm.options.cfg_scale,
                        "shift_logits": lm.options.shift_logits},
         "generation_batch_size": lm.gen_batch_size,
-        "sampling": lm.options.model_dump(), "sampling_preset": defaults,
+        "sampling": lm.options.record(), "sampling_preset": defaults,
         "sampling_flags": flags, "generations": lm.generations,
         "versions": package_versions(),
     }  # fmt: skip

@@ -114,6 +114,11 @@ class SamplingConfig(BaseModel):
     history: bool = Field(False, exclude=True)
     """Keep the canvas after every step in GenerationOutput.history (Python API)."""
 
+    def record(self) -> dict[str, Any]:
+        """Every setting, the runtime ones too (hooks as their callables), for a results
+        file: what changed the outputs, whether or not a folder may carry it."""
+        return {**self.model_dump(), **{name: getattr(self, name) for name in RUNTIME_OPTIONS}}
+
     @field_validator("logits_hook", "tokens_hook", mode="before")
     @classmethod
     def _importable_hook(cls, value):

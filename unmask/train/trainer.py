@@ -50,6 +50,7 @@ from unmask.sampling.config import (
     generation_config_text,
 )
 from unmask.train.guard import NonFiniteGuard
+from unmask.train.host_memory import trim_host_memory
 from unmask.train.metrics import (
     LogWindow,
     MetricsLogger,
@@ -107,6 +108,8 @@ class Trainer:
         self.plan = make_plan(cfg, self.num_rows, batch_ranks)
         if self.device.type == "cpu" and (notice := cpu_share_notice(self.dist.world_size)):
             self.notices.append(notice)
+        if self.device.type == "cpu" and cfg.train.trim_host_memory:
+            trim_host_memory()
         if self.plan.warmup_steps >= self.plan.total_steps:
             self.notices.append(
                 f"warmup takes {self.plan.warmup_steps} steps of the run's "
