@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-unmask
 
-.PHONY: quickstart test test-fast lint format bench bench-quick clean-venv
+.PHONY: quickstart test test-fast lint format bench bench-long bench-quick clean-venv
 
 $(STAMP): pyproject.toml
 	@echo "unmask: setting up $(VENV) (torch 2.13.0 CPU build, then unmask and its extras; a few minutes the first time)"
@@ -38,13 +38,19 @@ format: $(STAMP)
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
 
+# The benchmarks behind the README's numbers, in one run of under 20 minutes on 2 cores.
 bench: $(STAMP)
 	$(BIN)/python benchmarks/masked_loss_memory.py
 	$(BIN)/python benchmarks/muon.py
 	$(BIN)/python benchmarks/distributed_muon.py
+	$(BIN)/python benchmarks/train_step.py
+
+# The long ones (about an hour on 2 cores): Muon vs AdamW convergence (7 runs of 1000
+# steps) and data loading at scale. benchmarks/sampling.py runs on a trained quickstart
+# model: `make quickstart`, then `python benchmarks/sampling.py --model runs/quickstart/final`.
+bench-long: $(STAMP)
 	$(BIN)/python benchmarks/muon_convergence.py
 	$(BIN)/python benchmarks/data.py
-	$(BIN)/python benchmarks/train_step.py
 
 # The smoke mode of every benchmark (tiny sizes, one round, no results files): CI runs it.
 bench-quick: $(STAMP)

@@ -86,6 +86,7 @@ class Case:
     optim: str = "adamw"  # "adamw" | "muon" (unmask only)
     compile: bool = False
     checkpointing: bool = False  # unmask only
+    trim: bool = True  # glibc trim threshold 0 (unmask's train.trim_host_memory default)
 
     @property
     def tokens(self) -> int:
@@ -93,7 +94,8 @@ class Case:
 
     def reference(self) -> Case:
         """The reference this case is compared with: the same shape, AdamW, eager."""
-        return replace(self, impl="reference", optim="adamw", compile=False, checkpointing=False)
+        return replace(self, impl="reference", optim="adamw", compile=False, checkpointing=False,
+                       trim=False)  # fmt: skip
 
     def label(self) -> str:
         return (
@@ -125,8 +127,9 @@ DROPPED = (
     "layers, 512 / 8} x {AdamW, MuonAdamW} x compile {off, on}: the reference pairs at vocab "
     "151,936 (4 x 512 at both sizes, 1 x 2048 at hidden 256) and at vocab 32,000 (4 x 512, "
     "hidden 256); at that last shape also compile on, MuonAdamW and activation "
-    "checkpointing, and the Muon sweep over tokens per step. Left out so that the full run "
-    "stays near 8 minutes on this 2-core machine (each is one line in `cases()`): vocab "
+    "checkpointing, and the Muon sweep over tokens per step; the reference with unmask's host "
+    "memory trim at hidden 512, unmask without it at hidden 256. Left out so that the full "
+    "run stays near 10 minutes on this 2-core machine (each is one line in `cases()`): vocab "
     "32,000 at sequence 2048 and at hidden 512; hidden 512 at sequence 2048 (its reference "
     "step alone is ~40 s at one thread); MuonAdamW and compile at vocab 151,936 (Muon's "
     "share there is smaller than at 32,000: the head is AdamW's); the reference compiled "
@@ -147,6 +150,8 @@ def cases(grid: Grid) -> list[Case]:
         Case("unmask", small, seq, 4, h1, n1),
     ]
     todo = [c for shape in shapes for c in (shape, shape.reference())]
+    # the allocator setting on the other side too (like for like), and off on unmask's
+    todo += [replace(shapes[1].reference(), trim=True), replace(shapes[0], trim=False)]
     last = shapes[-1]
     todo += [replace(last, compile=True), replace(last, checkpointing=True)]
     for rows in grid.muon_rows:
@@ -339,7 +344,8 @@ def unmask_config(case: Case, output_dir: str) -> dict:
                      "per_device_train_batch_size": case.batch, "save_steps": 0,
                      "logging_steps": 10**6, "eval_steps": 0, "disable_tqdm": True, "seed": 0,
                      "torch_compile": case.compile,
-                     "gradient_checkpointing": case.checkpointing}  # fmt: skip
+                     "gradient_checkpointing": case.checkpointing,
+                     "trim_host_memory": case.trim}  # fmt: skip
     tree["eval"] = {"generate_accuracy": False}
     return tree
 
@@ -373,6 +379,10 @@ def child_reference(case: Case, spec: dict) -> tuple:
     import torch.nn.functional as F
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
+    from unmask.train.host_memory import trim_host_memory
+
+    if case.trim:
+        trim_host_memory()
     s = shape_of(case)
     config = Qwen3Config(
         vocab_size=case.vocab,
@@ -486,21 +496,23 @@ def peak_mib(r: dict) -> float:
 
 def comparison_table(results: dict) -> list[str]:
     rows = [
-        "| shape | optimizer | compile | unmask tokens/s | reference tokens/s | tokens/s ratio "
+        "| shape | optimizer | compile | host memory trim (unmask / reference) | unmask tokens/s "
+        "| reference tokens/s | tokens/s ratio "
         "| unmask peak RSS MiB | reference peak RSS MiB | memory ratio | unmask HFU "
         "| reference HFU | loss rel. diff |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for case in results:
-        ref = case.reference()
-        if case.impl != "unmask" or case.checkpointing or ref not in results:
-            continue
+    pairs = [(case, ref) for case in results if case.impl == "unmask" and not case.checkpointing
+             for ref in (case.reference(), replace(case.reference(), trim=True))
+             if ref in results]  # fmt: skip
+    for case, ref in pairs:
         speed = per_round(results, case, ref, lambda r: 1 / r["seconds"])
         memory = per_round(results, case, ref, peak_mib)
         loss = [abs(x["loss"] - y["loss"]) / abs(y["loss"])
                 for x, y in zip(results[case], results[ref])]  # fmt: skip
         rows.append(
             f"| {case.label()} | {case.optim} | {'on' if case.compile else 'off'} | "
+            f"{on_off(case.trim)} / {on_off(ref.trim)} | "
             f"{median_spread([case.tokens / r['seconds'] for r in results[case]], '{:.0f}')} | "
             f"{median_spread([ref.tokens / r['seconds'] for r in results[ref]], '{:.0f}')} | "
             f"{median_spread(speed)}x | "
@@ -514,6 +526,10 @@ def comparison_table(results: dict) -> list[str]:
     return rows
 
 
+def on_off(flag: bool) -> str:
+    return "on" if flag else "off"
+
+
 def gflop(flops: float) -> str:
     """GFLOP with three significant digits."""
     return f"{flops / 1e9:.3g}"
@@ -521,10 +537,10 @@ def gflop(flops: float) -> str:
 
 def detail_table(results: dict) -> list[str]:
     rows = [
-        "| side | shape | optimizer | compile | checkpointing | step s | warm-up s "
+        "| side | shape | optimizer | compile | checkpointing | trim | step s | warm-up s "
         "| RSS before step MiB | peak RSS MiB | masked tokens | GFLOP/step (layers + attention "
         "+ head + NS) | HFU |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for case, runs in results.items():
         f = runs[0]["flops"]
@@ -533,7 +549,7 @@ def detail_table(results: dict) -> list[str]:
             parts += f" + {gflop(f['recompute'])} recompute"
         rows.append(
             f"| {case.impl} | {case.label()} | {case.optim} | {'on' if case.compile else 'off'} | "
-            f"{'full' if case.checkpointing else 'none'} | "
+            f"{'full' if case.checkpointing else 'none'} | {on_off(case.trim)} | "
             f"{median_spread([r['seconds'] for r in runs])} | "
             f"{median_spread([r['warmup_seconds'] for r in runs], '{:.1f}')} | "
             f"{median_spread([r['rss_before_kib'] / 1024 for r in runs], '{:.0f}')} | "
@@ -571,25 +587,31 @@ def muon_table(results: dict, grid: Grid) -> list[str]:
 
 def levers_table(results: dict) -> list[str]:
     rows = [
-        "| shape | activation checkpointing | step s | tokens/s | peak RSS MiB "
-        "| vs none: time | vs none: peak RSS |",
+        "| shape | lever | step s | tokens/s | peak RSS MiB | vs default: time "
+        "| vs default: peak RSS |",
         "|---|---|---|---|---|---|---|",
     ]
     for case in results:
-        if not case.checkpointing:
+        if case.impl != "unmask" or not (case.checkpointing or not case.trim):
             continue
-        base = replace(case, checkpointing=False)
+        base = replace(case, checkpointing=False, trim=True)
         for c in (base, case):
             t = per_round(results, c, base, lambda r: r["seconds"])
             m = per_round(results, c, base, peak_mib)
             rows.append(
-                f"| {c.label()} | {'full' if c.checkpointing else 'none'} | "
+                f"| {c.label()} | {lever(c)} | "
                 f"{median_spread([r['seconds'] for r in results[c]])} | "
                 f"{median_spread([c.tokens / r['seconds'] for r in results[c]], '{:.0f}')} | "
                 f"{median_spread([peak_mib(r) for r in results[c]], '{:.0f}')} | "
                 f"{median_spread(t)}x | {median_spread(m)}x |"
             )
     return rows
+
+
+def lever(case: Case) -> str:
+    if case.checkpointing:
+        return "activation checkpointing: full"
+    return "default (trim on)" if case.trim else "host memory trim off"
 
 
 def report(results: dict, peaks: list[float], grid: Grid, args, load_before: str) -> str:
@@ -617,7 +639,12 @@ def report(results: dict, peaks: list[float], grid: Grid, args, load_before: str
             "",
             "The reference is eager and AdamW in every row: a Muon row compares MuonAdamW's "
             "whole step with the reference's AdamW step, the compile row unmask's compiled "
-            "blocks (`train.torch_compile`) with the eager reference. Batch: 4 rows of the "
+            "blocks (`train.torch_compile`) with the eager reference. unmask's CPU trainer "
+            "sets glibc's malloc trim threshold to 0 (`train.trim_host_memory`, on by default): "
+            "freed activations go back to the OS instead of staying resident; the row with "
+            "trim on / on gives the reference the same setting (like for like), so the part "
+            "of the memory ratio that is the allocator setting and the part that is the "
+            "model and loss code can be told apart. Batch: 4 rows of the "
             "short sequence, 1 row of the long one (the same tokens per step). Acceptance "
             "(issue 15): at vocab 151,936, 4 x 512, AdamW: >= 2.0x tokens/s and <= 0.45x peak "
             "memory at hidden 256, >= 1.6x and <= 0.6x at hidden 512; HFU >= 55% at hidden 512.",
@@ -635,6 +662,7 @@ def report(results: dict, peaks: list[float], grid: Grid, args, load_before: str
             "",
             *levers_table(results),
             "",
+            "Host memory trim off is `train.trim_host_memory: false` (glibc's defaults). "
             "Activation checkpointing is `train.gradient_checkpointing` (every decoder layer "
             "recomputed in backward; unmask has no selective mode). The masked-only chunked loss "
             "against full-vocabulary logits, on its own, is in masked_loss_memory.md; in a "

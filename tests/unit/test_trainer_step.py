@@ -208,7 +208,7 @@ def test_logged_mfu_is_the_hand_count_over_the_window_and_the_peak(
     from unmask.train import trainer as trainer_module
     from unmask.train.mfu import Peak
 
-    monkeypatch.setattr(trainer_module, "device_peak", lambda device, dtype: Peak(1e9, "test"))
+    monkeypatch.setattr(trainer_module, "device_peak", lambda device, dtype: Peak(1e12, "test"))
     trainer = make_trainer(tiny_config, tmp_path, "mfu", {
         "train": {"max_steps": 3, "logging_steps": 3, "eval_steps": 0, "save_steps": 0},
     })  # fmt: skip
@@ -223,12 +223,35 @@ def test_logged_mfu_is_the_hand_count_over_the_window_and_the_peak(
     tokens = rows * length
     per_step = [6 * n * tokens + 12 * layers * heads * hd * length * tokens + 6 * h * vocab * r
                 for r in recording.masked[:3]]  # fmt: skip
-    assert record["mfu"] * 1e9 / record["tokens_per_second"] == pytest.approx(
+    assert record["mfu"] * 1e12 / record["tokens_per_second"] == pytest.approx(
         sum(per_step) / (3 * tokens), rel=1e-9
     )
     out = capsys.readouterr().out
-    assert "MFU against a peak of 0.001 TFLOP/s (test)" in out
+    assert "MFU against a peak of 1 TFLOP/s (test)" in out
     assert f"mfu {record['mfu']:.1%}" in out
+
+
+def test_a_peak_below_the_achieved_rate_is_raised_to_it_and_cached(
+    tiny_config, tmp_path, monkeypatch, capsys
+):
+    """A peak probed on a busy machine can sit below what a run reaches: the run's model
+    FLOP rate bounds the peak from below, so mfu never passes 1 and the cache learns it."""
+    from unmask.train import trainer as trainer_module
+    from unmask.train.mfu import Peak, device_peak
+
+    monkeypatch.setenv("UNMASK_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(trainer_module, "device_peak", lambda device, dtype: Peak(1.0, "test"))
+    trainer = make_trainer(tiny_config, tmp_path, "low", {
+        "train": {"max_steps": 2, "logging_steps": 1, "eval_steps": 0, "save_steps": 0},
+    })  # fmt: skip
+    trainer.train()
+    first, second = (r for r in read_metrics(tmp_path / "low") if "mfu" in r)
+    assert first["mfu"] == 1.0 and 0 < second["mfu"] <= 1.0
+    assert "above the peak it was measuring MFU against" in capsys.readouterr().out
+    monkeypatch.undo()  # the real device_peak, reading the cache the run wrote
+    monkeypatch.setenv("UNMASK_CACHE_DIR", str(tmp_path / "cache"))
+    cached = device_peak(torch.device("cpu"), "float32")
+    assert cached.flops > 1.0 and "cached" in cached.source
 
 
 def test_log_mfu_false_counts_nothing(tiny_config, tmp_path):

@@ -175,6 +175,7 @@ class LogWindow:
 
     def __init__(self, peak_flops: float | None = None) -> None:
         self.peak_flops = peak_flops
+        self.peak_raised = False  # set when a window ran faster than peak_flops
         self.restart()
 
     def restart(self) -> None:
@@ -200,7 +201,11 @@ class LogWindow:
         if "grad_norm" in stats:
             values["grad_norm"] = float(stats["grad_norm"])
         if self.peak_flops and "flops" in stats:
-            values["mfu"] = float(self.flops) / elapsed / self.peak_flops
+            rate = float(self.flops) / elapsed
+            if rate > self.peak_flops:  # the peak was measured low (a busy machine): the
+                self.peak_flops = rate  # achieved model FLOP rate is a lower bound of it
+                self.peak_raised = True
+            values["mfu"] = rate / self.peak_flops
         self.restart()
         return values
 

@@ -196,16 +196,9 @@ def device_peak(device: torch.device, dtype: str) -> Peak:
     known = known_peak(name, dtype) if device.type == "cuda" else None
     if known is not None:
         return Peak(known, f"{name}, {dtype}, datasheet")
-    key = f"{name} | {dtype}"
-    if device.type == "cpu":
-        key += f" | {torch.get_num_threads()} threads"
+    key = _cache_key(device, dtype)
     path = peak_cache_file()
-    try:
-        cache = json.loads(path.read_text())
-    except (OSError, ValueError):
-        cache = {}
-    if not isinstance(cache, dict):
-        cache = {}
+    cache = _read_cache(path)
     if isinstance(cache.get(key), (int, float)):
         return Peak(float(cache[key]), f"{key}, measured once and cached in {path}")
     flops = measure_peak(device, PROBE_DTYPES[dtype])
@@ -219,12 +212,44 @@ def device_peak(device: torch.device, dtype: str) -> Peak:
             flops = max(flops, measure_peak(device, PROBE_DTYPES[dtype]))
         finally:
             torch.set_num_threads(threads)
-    cache[key] = flops
+    _write_cache(path, {**cache, key: flops})
+    return Peak(flops, f"{key}, measured by a matmul probe, cached in {path}")
+
+
+def raise_cached_peak(device: torch.device, dtype: str, flops: float) -> str:
+    """A run reached `flops` model FLOP/s, above the cached peak (measured while the machine
+    was busy): the cache keeps the higher number from now on. Returns the log line."""
+    key, path = _cache_key(device, dtype), peak_cache_file()
+    cache = _read_cache(path)
+    if not isinstance(cache.get(key), (int, float)) or cache[key] < flops:
+        _write_cache(path, {**cache, key: flops})
+    return (
+        f"the run reached {flops / 1e12:.3g} TFLOP/s of model FLOPs, above the peak it was "
+        f"measuring MFU against (probed on a busy machine?): the peak is now that rate, also "
+        f"in {path}"
+    )
+
+
+def _cache_key(device: torch.device, dtype: str) -> str:
+    key = f"{device_name(device)} | {dtype}"
+    if device.type == "cpu":
+        key += f" | {torch.get_num_threads()} threads"
+    return key
+
+
+def _read_cache(path: Path) -> dict:
+    try:
+        cache = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return cache if isinstance(cache, dict) else {}
+
+
+def _write_cache(path: Path, cache: dict) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
         tmp.write_text(json.dumps(cache, indent=1, sort_keys=True))
         os.replace(tmp, path)  # concurrent runs: each writes whole files
     except OSError:
-        pass
-    return Peak(flops, f"{key}, measured by a matmul probe, cached in {path}")
+        pass  # a cache that cannot be written is ignored

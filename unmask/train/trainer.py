@@ -58,7 +58,7 @@ from unmask.train.metrics import (
     check_trackers,
     truncate_metrics,
 )
-from unmask.train.mfu import device_peak, flop_model, matmul_dtype
+from unmask.train.mfu import device_peak, flop_model, matmul_dtype, raise_cached_peak
 from unmask.train.plan import make_plan
 from unmask.train.report import run_summary
 from unmask.train.run_dir import prepare_output_dir, room_for_checkpoint, write_config
@@ -432,6 +432,10 @@ class Trainer:
                         )
                         if self.guard.state.skipped_steps:
                             values["skipped_steps"] = self.guard.state.skipped_steps
+                        if window.peak_raised:
+                            window.peak_raised = False
+                            dtype = matmul_dtype(self.device.type, cfg.train.bf16)
+                            logger.print(raise_cached_peak(self.device, dtype, window.peak_flops))
                     shown = {"loss": f"{values['loss']:.3f}"} if "loss" in values else None
                     logger.advance(self.step, shown)
                     if (plan.eval_every and self.step % plan.eval_every == 0) or at_end:
