@@ -26,6 +26,7 @@ SETTINGS = [
          growing_canvas=True),
     dict(factor=1.0, block_causal=True, cache="dual"),
     dict(remasking="origin", ddpm_cache=True, row_length=24),
+    dict(gen_length="auto", block_length=4, gen_length_max=16, auto_eos_threshold=0.8),
 ]  # fmt: skip
 
 

@@ -180,6 +180,12 @@ def sample(
     the batch once a finished block holds EOS. on_step receives the full (B, P + G) canvas
     after every step. ValueError when the lengths do not split into blocks.
     """
+    if config.gen_length == "auto":  # grow the canvas while the model is not ready to end
+        from unmask.sampling.autolength import sample_auto
+
+        return sample_auto(model, prompt_ids, config, mask_id=mask_id, eos_id=eos_id,
+                           attention_mask=attention_mask, generator=generator,
+                           on_step=on_step)  # fmt: skip
     batch, prompt_len = prompt_ids.shape
     if prompt_len == 0:
         raise ValueError("the prompt is empty; give at least one token")
