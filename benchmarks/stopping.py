@@ -2,8 +2,9 @@
 synthetic task (`repeat`: "rep 3x41=" -> "414141", answers of 1 to 12 digits).
 
 Part 1, pad policies: one small model per `data.pad_policy` (eos, single_eos, packed),
-trained on the same built-in data with the quickstart's model and optimizer shape, rows of
-24 tokens (the longest prompt, answer and EOS). Each model decodes the same held-out
+trained on the same built-in data with the quickstart's optimizer and a smaller model
+(hidden 64, 3 layers), rows of 24 tokens (the longest prompt, answer and EOS) in batches of
+64; packed: rows of 96 in batches of 16, the same tokens per step. Each model decodes the same held-out
 prompts two ways, one token per step, low-confidence remasking, greedy:
   - row canvas: gen_length = row length - prompt length, one block (what a checkpoint of
     a padded-rows run samples with, `row_length`);
@@ -15,12 +16,12 @@ Part 2, `gen_length: auto` on the default policy's model: the canvas starts at o
 (4) and grows by a block while P(EOS) at its last position is below 0.5, up to 16; then
 blocks are decoded with EOS stopping (and a row that fills its canvas without EOS grows
 again). Compared with the oracle fixed length (each prompt decoded with exactly its answer
-length + 1 positions) and a fixed canvas of the longest length (16, blocks of 4, EOS
-stopping). Forward passes are counted per prompt (forward calls x rows / prompts).
+length + 1 positions) and fixed canvases of the longest length (16 in one block, and 16 in
+blocks of 4 with EOS stopping: a row stops after the block holding its EOS). Forward passes are counted per prompt (forward calls x rows / prompts).
 
 Run: python benchmarks/stopping.py            (trains 3 models, a few minutes each on
      one CPU core; writes benchmarks/results/stopping.md)
-     python benchmarks/stopping.py --quick    (30 steps per model, 24 prompts; prints)
+     python benchmarks/stopping.py --quick    (20 steps per model, 16 prompts; prints)
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import torch
 
 from unmask.checkpoint import load_for_sampling
 from unmask.config import load_config
+from unmask.data.config import PAD_POLICIES
 from unmask.data.synthetic import make_synthetic_heldout
 from unmask.sampling import SamplingConfig, sample
 from unmask.train.trainer import Trainer
@@ -53,11 +55,16 @@ def train(policy: str, folder: Path, steps: int, train_size: int) -> Path:
     final = folder / policy / "final"
     if final.is_dir():
         return final
-    overrides = [*DATA, f"data.pad_policy={policy}", f"data.synthetic_train_size={train_size}",
+    packing, supervise = PAD_POLICIES[policy]  # the quickstart file sets packing: false
+    overrides = [*DATA, f"data.pad_policy={policy}", f"data.packing={packing}",
+                 f"data.supervise_padding={supervise}", f"data.synthetic_train_size={train_size}",
                  f"train.output_dir={folder / policy}", f"train.max_steps={steps}",
                  "train.save_steps=0", "train.eval_steps=0", "train.disable_tqdm=true",
                  "train.logging_steps=100", "optim.warmup_steps=50", *MODEL,
                  "train.overwrite_output_dir=true", "eval.generate_accuracy=false"]  # fmt: skip
+    if packing:  # rows of 4 examples' length, a quarter of the rows: the same tokens a step,
+        # and fewer examples cut by a row end (a cut one continues without its prompt)
+        overrides += [f"data.packing_length={4 * ROW}", "train.per_device_train_batch_size=16"]
     Trainer(load_config(None, overrides)).train()
     return final
 
@@ -111,6 +118,10 @@ def long_canvas(_prompt_len: int, _answer_len: int) -> SamplingConfig:
     return SamplingConfig(gen_length=LONG, block_length=BLOCK, steps=LONG)
 
 
+def one_block_canvas(_prompt_len: int, _answer_len: int) -> SamplingConfig:
+    return SamplingConfig(gen_length=LONG, block_length=LONG, steps=LONG)
+
+
 def oracle_canvas(_prompt_len: int, answer_len: int) -> SamplingConfig:
     gen = answer_len + 1
     return SamplingConfig(gen_length=gen, block_length=gen, steps=gen)
@@ -135,11 +146,11 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", default="benchmarks/results/stopping.md")
     parser.add_argument("--quick", action="store_true",
-                        help="smoke run: 30 steps per model, 24 prompts; writes no file")
+                        help="smoke run: 20 steps per model, 16 prompts; writes no file")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.quick:
-        args.steps, args.train_size, args.examples, args.out = 30, 2000, 24, None
+        args.steps, args.train_size, args.examples, args.out = 20, 1000, 16, None
     with tempfile.TemporaryDirectory(prefix="unmask-stopping-bench-") as tmp:
         report(args, Path(args.runs) if args.runs else Path(tmp))
 
@@ -179,6 +190,7 @@ def report(args, folder: Path) -> None:
         "|---|---|---|---|",
     ]
     for name, config_for in (("oracle fixed length (answer + 1)", oracle_canvas),
+                             (f"fixed {LONG}, one block", one_block_canvas),
                              (f"fixed {LONG}, blocks of {BLOCK}, EOS stop", long_canvas),
                              (f"auto: start {BLOCK}, grow by {BLOCK}, cap {LONG}", auto_canvas)):  # fmt: skip
         predictions, row_forwards = decode(sm, examples, config_for)

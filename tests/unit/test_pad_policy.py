@@ -58,6 +58,7 @@ def test_single_eos_policy_trains_one_eos_and_not_the_padding():
     t = _rows("single_eos")
     assert t["input_ids"][1].tolist() == _ids("rep 1x7=") + _ids("7") + [EOS] * 3
     assert t["maskable"][1].tolist() == [False] * 8 + [True, True, False, False]
+    assert t["doc_ids"][1].tolist() == [0] * 10 + [1, 1]  # the padding is hidden from it
 
 
 def test_packed_policy_puts_answers_back_to_back():
