@@ -145,8 +145,11 @@ def main() -> None:
                         help="the policy whose model part 2 uses")  # fmt: skip
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", default="benchmarks/results/stopping.md")
-    parser.add_argument("--quick", action="store_true",
-                        help="smoke run: 20 steps per model, 16 prompts; writes no file")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke run: 20 steps per model, 16 prompts; writes no file",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.quick:

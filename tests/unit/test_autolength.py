@@ -8,8 +8,7 @@ from torch import nn
 
 from unmask.errors import InputError
 from unmask.models import ModelConfig, build_model
-from unmask.sampling import SamplingConfig, sample
-from unmask.sampling import autolength
+from unmask.sampling import SamplingConfig, autolength, sample
 from unmask.sampling.autolength import eos_confidence
 
 MASK, EOS, A, V = 5, 2, 9, 16

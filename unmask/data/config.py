@@ -161,5 +161,7 @@ class DataConfig(BaseModel):
                 f"eval_split={self.eval_split}: use a fraction below 1 or a whole count of documents"
             )
         if not self.synthetic_tasks:
-            raise ValueError("synthetic_tasks is empty; name at least one of reverse, sort, add, repeat")
+            raise ValueError(
+                "synthetic_tasks is empty; name at least one of reverse, sort, add, repeat"
+            )
         return self

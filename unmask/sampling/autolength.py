@@ -104,7 +104,7 @@ def sample_auto(
     batch, prompt_len = prompt_ids.shape
     if prompt_len == 0:
         raise ValueError("the prompt is empty; give at least one token")
-    block, cap = config.block_length, config.gen_length_max
+    cap = config.gen_length_max
     check_room(model, prompt_len, cap)
     device = prompt_ids.device
     valid = (
@@ -167,7 +167,7 @@ def _continue(model, prompt_ids, valid, answers, config, mask_id, eos_id, genera
         by_length: dict[int, list[int]] = {}
         for r in pending:
             by_length.setdefault(answers[r].shape[0], []).append(r)
-        for length, rows in by_length.items():
+        for rows in by_length.values():
             index = torch.tensor(rows, device=prompt_ids.device)
             so_far = torch.stack([answers[r] for r in rows])
             prompt = torch.cat([prompt_ids[index], so_far], dim=1)

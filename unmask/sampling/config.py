@@ -108,7 +108,9 @@ class SamplingConfig(BaseModel):
     @classmethod
     def _positive_length(cls, value):
         if value != "auto" and value <= 0:
-            raise ValueError(f"gen_length must be a positive number of tokens or 'auto' (got {value})")
+            raise ValueError(
+                f"gen_length must be a positive number of tokens or 'auto' (got {value})"
+            )
         return value
 
     @model_validator(mode="after")
@@ -189,7 +191,9 @@ def check_auto_length(config: SamplingConfig) -> None:
     """gen_length auto needs a cap (gen_length_max) of whole blocks, at least one."""
     block, cap = config.block_length, config.gen_length_max
     if block is None or cap is None:
-        raise ValueError("gen_length auto needs block_length (the growth step) and gen_length_max (the cap)")
+        raise ValueError(
+            "gen_length auto needs block_length (the growth step) and gen_length_max (the cap)"
+        )
     if cap < block:
         raise ValueError(
             f"gen_length_max ({cap}) is smaller than one block (block_length {block}); "
