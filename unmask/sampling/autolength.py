@@ -22,14 +22,15 @@ threshold of 0 no row grows: the tokens are those of a fixed canvas of one block
 
 from __future__ import annotations
 
+import dataclasses
 import time
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from unmask.errors import InputError
 from unmask.sampling.config import SamplingConfig
-from unmask.sampling.generate import GenerationOutput, _Canvas, sample
 
 
 def _steps_per_block(config: SamplingConfig) -> int:
@@ -65,12 +66,19 @@ def eos_confidence(
     x = torch.cat([prompt_ids, masks], dim=1)
     ones = torch.ones_like(masks, dtype=torch.bool)
     valid = torch.cat([prompt_valid, ones], dim=1)
-    in_prompt = torch.cat([prompt_valid, ~ones], dim=1)
-    canvas = _Canvas(x, valid, in_prompt, mask_id, config.cfg_scale, "none")
-    width = x.shape[1]
-    last = width - 1 - (1 if config.shift_logits else 0)
-    logits = canvas.forward(model, 0, width, False, width)[:, last]  # (B, V)
-    return torch.softmax(logits.float(), dim=-1)[:, eos_id]
+    if config.cfg_scale > 0:  # guided: the unconditional rows mask the prompt
+        uncond = x.masked_fill(torch.cat([prompt_valid, ~ones], dim=1), mask_id)
+        x, valid = torch.cat([x, uncond]), torch.cat([valid, valid])
+    kwargs = {}
+    if not bool(valid.all()):  # left padding: real tokens see real tokens only
+        kwargs["position_ids"] = (valid.long().cumsum(1) - 1).clamp_min(0)
+        kwargs["attention_mask"] = (valid[:, :, None] == valid[:, None, :])[:, None]
+    last = x.shape[1] - 1 - (1 if config.shift_logits else 0)
+    logits = model(x, **kwargs)[:, last].float()  # (B or 2B, V)
+    if config.cfg_scale > 0:
+        cond, un = logits.chunk(2)
+        logits = un + (config.cfg_scale + 1.0) * (cond - un)
+    return torch.softmax(logits, dim=-1)[:, eos_id]
 
 
 def check_room(model: nn.Module, prompt_len: int, cap: int) -> None:
@@ -85,6 +93,7 @@ def check_room(model: nn.Module, prompt_len: int, cap: int) -> None:
 
 @torch.no_grad()
 def sample_auto(
+    decode: Callable,
     model: nn.Module,
     prompt_ids: torch.Tensor,
     config: SamplingConfig,
@@ -94,10 +103,11 @@ def sample_auto(
     attention_mask: torch.Tensor | None = None,
     generator: torch.Generator | None = None,
     on_step=None,
-) -> GenerationOutput:
-    """`sample` for gen_length auto (see the module doc). Returns (B, P + G) sequences,
-    G the longest canvas any row grew to; after each row's answer every position is EOS.
-    on_step receives each fixed-length group's canvas (its own rows and width)."""
+):
+    """`sample` for gen_length auto (see the module doc); decode: the fixed-length `sample`
+    (passed in: generate.py calls this module). Returns its GenerationOutput with (B, P + G)
+    sequences, G the longest canvas any row grew to; after each row's answer every position
+    is EOS. on_step receives each fixed-length group's canvas (its own rows and width)."""
     if eos_id is None:
         raise ValueError("gen_length auto needs the EOS id (eos_id): growth stops at EOS")
     started = time.perf_counter()
@@ -112,29 +122,32 @@ def sample_auto(
         if attention_mask is None
         else attention_mask.to(device=device, dtype=torch.bool)
     )
-    out = GenerationOutput(prompt_ids, prompt_len)
-    lengths = _settle_lengths(model, prompt_ids, valid, config, mask_id, eos_id, out)
+    work = {"nfe": 0, "row_forwards": 0, "decoded": 0}
+    lengths = _settle_lengths(model, prompt_ids, valid, config, mask_id, eos_id, work)
     answers: list[torch.Tensor | None] = [None] * batch
+    out = None
     for gen in sorted(set(lengths.tolist())):
         rows = (lengths == gen).nonzero().squeeze(1)
-        part = sample(model, prompt_ids[rows], _fixed(config, gen), mask_id=mask_id,
+        part = decode(model, prompt_ids[rows], _fixed(config, gen), mask_id=mask_id,
                       eos_id=eos_id, attention_mask=valid[rows], generator=generator,
                       on_step=on_step)  # fmt: skip
-        _add_work(out, part)
+        out = part if out is None else out
+        _add_work(work, part)
         for row, answer in zip(rows.tolist(), part.answers):
             answers[row] = answer
-    _continue(model, prompt_ids, valid, answers, config, mask_id, eos_id, generator, out)
+    _continue(decode, model, prompt_ids, valid, answers, config, mask_id, eos_id, generator,
+              work)  # fmt: skip
     width = max(a.shape[0] for a in answers)
     tail = torch.full((batch, width), eos_id, dtype=prompt_ids.dtype, device=device)
     for row, answer in enumerate(answers):
         tail[row, : answer.shape[0]] = answer
-    out.sequences = torch.cat([prompt_ids, tail], dim=1)
-    out.tokens = int((tail != eos_id).sum())
-    out.seconds = time.perf_counter() - started
-    return out
+    return dataclasses.replace(
+        out, sequences=torch.cat([prompt_ids, tail], dim=1), prompt_length=prompt_len,
+        tokens=int((tail != eos_id).sum()), seconds=time.perf_counter() - started, **work,
+    )  # fmt: skip
 
 
-def _settle_lengths(model, prompt_ids, valid, config, mask_id, eos_id, out) -> torch.Tensor:
+def _settle_lengths(model, prompt_ids, valid, config, mask_id, eos_id, work) -> torch.Tensor:
     """(B,) long: each row's canvas length, grown a block at a time while P(EOS) at its
     tail is below the threshold (phase 1)."""
     block, cap = config.block_length, config.gen_length_max
@@ -144,8 +157,8 @@ def _settle_lengths(model, prompt_ids, valid, config, mask_id, eos_id, out) -> t
         gen = int(lengths[growing[0]])
         conf = eos_confidence(model, prompt_ids[growing], valid[growing], gen, config,
                               mask_id, eos_id).cpu()  # fmt: skip
-        out.nfe += 1
-        out.row_forwards += growing.numel()
+        work["nfe"] += 1
+        work["row_forwards"] += growing.numel()
         short = conf < config.auto_eos_threshold
         if gen + block > cap:
             break
@@ -154,7 +167,8 @@ def _settle_lengths(model, prompt_ids, valid, config, mask_id, eos_id, out) -> t
     return lengths
 
 
-def _continue(model, prompt_ids, valid, answers, config, mask_id, eos_id, generator, out):
+def _continue(decode, model, prompt_ids, valid, answers, config, mask_id, eos_id, generator,
+              work):  # fmt: skip
     """Phase 3: rows that filled their canvas without EOS decode one more block after it,
     until they hold an EOS or reach the cap."""
     block, cap = config.block_length, config.gen_length_max
@@ -172,14 +186,13 @@ def _continue(model, prompt_ids, valid, answers, config, mask_id, eos_id, genera
             so_far = torch.stack([answers[r] for r in rows])
             prompt = torch.cat([prompt_ids[index], so_far], dim=1)
             mask = torch.cat([valid[index], torch.ones_like(so_far, dtype=torch.bool)], dim=1)
-            part = sample(model, prompt, one_block, mask_id=mask_id, eos_id=eos_id,
+            part = decode(model, prompt, one_block, mask_id=mask_id, eos_id=eos_id,
                           attention_mask=mask, generator=generator)  # fmt: skip
-            _add_work(out, part)
+            _add_work(work, part)
             for r, more in zip(rows, part.answers):
                 answers[r] = torch.cat([answers[r], more])
 
 
-def _add_work(out: GenerationOutput, part: GenerationOutput) -> None:
-    out.nfe += part.nfe
-    out.row_forwards += part.row_forwards
-    out.decoded += part.decoded
+def _add_work(work: dict, part) -> None:
+    for key in work:
+        work[key] += getattr(part, key)

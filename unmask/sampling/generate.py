@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from unmask.models.attention import KVCache
+from unmask.sampling.autolength import sample_auto
 from unmask.sampling.config import SamplingConfig
 from unmask.sampling.schedules import dream_transfer_count, num_transfer_tokens, unmask_fraction
 from unmask.sampling.transfer import (
@@ -181,9 +182,7 @@ def sample(
     after every step. ValueError when the lengths do not split into blocks.
     """
     if config.gen_length == "auto":  # grow the canvas while the model is not ready to end
-        from unmask.sampling.autolength import sample_auto
-
-        return sample_auto(model, prompt_ids, config, mask_id=mask_id, eos_id=eos_id,
+        return sample_auto(sample, model, prompt_ids, config, mask_id=mask_id, eos_id=eos_id,
                            attention_mask=attention_mask, generator=generator,
                            on_step=on_step)  # fmt: skip
     batch, prompt_len = prompt_ids.shape
