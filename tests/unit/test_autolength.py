@@ -124,3 +124,15 @@ def test_a_cap_past_the_models_positions_is_refused():
     model.config = type("C", (), {"max_position_embeddings": 12})()
     with pytest.raises(InputError, match="gen_length_max=16 after a prompt of 3 tokens exceeds"):
         sample(model, torch.full((1, 3), 7), _auto(), mask_id=MASK, eos_id=EOS)
+
+
+def test_the_generate_command_takes_gen_length_auto(tmp_path, capsys):
+    from conftest import save_tiny_model
+
+    from unmask.cli import main
+
+    folder = save_tiny_model(tmp_path / "model")
+    flags = ["--gen-length", "auto", "--gen-length-max", "8", "--block-length", "4"]
+    assert main(["generate", "--model", str(folder), "--prompt", "rep 2x1=", *flags]) == 0
+    line = capsys.readouterr().out.splitlines()[0]
+    assert line.startswith("rep 2x1=") and 0 < len(line) - len("rep 2x1=") <= 8
