@@ -106,7 +106,8 @@ class DataConfig(BaseModel):
     (LLaDA's SFT guide). `single_eos`: one example per row, the answer's one EOS trained, the
     padding after it neither masked nor in the loss. `packed`: no padding, examples packed
     back to back (each ends with its trained EOS) under their own document ids. Setting it
-    sets `packing` and `supervise_padding`; None leaves those two as given."""
+    sets `packing` and `supervise_padding`; None leaves those two as given (padded rows
+    default to `eos`, the policy that stops best: benchmarks/results/stopping.md)."""
 
     synthetic_tasks: list[Literal["reverse", "sort", "add", "repeat"]] = ["reverse", "sort", "add"]
     """Built-in tasks used when `dataset` is "synthetic" (`repeat`: "rep 3x41=" -> "414141",
