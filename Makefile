@@ -45,12 +45,14 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/distributed_muon.py
 	$(BIN)/python benchmarks/train_step.py
 
-# The long ones (about an hour on 2 cores): Muon vs AdamW convergence (7 runs of 1000
-# steps) and data loading at scale. benchmarks/sampling.py runs on a trained quickstart
-# model: `make quickstart`, then `python benchmarks/sampling.py --model runs/quickstart/final`.
+# The long ones (about 90 minutes on 2 cores): Muon vs AdamW convergence (7 runs of 1000
+# steps), data loading at scale, stopping per pad policy (3 trained models).
+# benchmarks/sampling.py runs on a trained quickstart model: `make quickstart`, then
+# `python benchmarks/sampling.py --model runs/quickstart/final`.
 bench-long: $(STAMP)
 	$(BIN)/python benchmarks/muon_convergence.py
 	$(BIN)/python benchmarks/data.py
+	$(BIN)/python benchmarks/stopping.py
 
 # The smoke mode of every benchmark (tiny sizes, one round, no results files): CI runs it.
 bench-quick: $(STAMP)
@@ -61,6 +63,7 @@ bench-quick: $(STAMP)
 	$(BIN)/python benchmarks/sampling.py --quick
 	$(BIN)/python benchmarks/data.py --quick
 	$(BIN)/python benchmarks/train_step.py --quick
+	$(BIN)/python benchmarks/stopping.py --quick
 
 clean-venv:
 	rm -rf $(VENV)

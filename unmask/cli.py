@@ -13,7 +13,7 @@ import sys
 import traceback
 import types
 from pathlib import Path
-from typing import Literal, get_args, get_origin
+from typing import Literal, Union, get_args, get_origin
 
 from unmask.errors import InputError, RunStopped
 from unmask.sampling.config import SamplingConfig
@@ -428,9 +428,21 @@ def _flag_type(annotation):
     """bool, a tuple of choices (Literal), or the scalar type of an `X | None` annotation."""
     if get_origin(annotation) is Literal:
         return get_args(annotation)
-    if get_origin(annotation) in (types.UnionType,):
-        annotation = next(a for a in get_args(annotation) if a is not type(None))
+    if get_origin(annotation) in (types.UnionType, Union):
+        kinds = [a for a in get_args(annotation) if a is not type(None)]
+        words = [w for a in kinds if get_origin(a) is Literal for w in get_args(a)]
+        if words:  # a number or a word (--gen-length 64 / auto)
+            return _number_or(kinds[0], words)
+        annotation = kinds[0]
     return annotation
+
+
+def _number_or(kind, words: list[str]):
+    def parse(text: str):
+        return text if text in words else kind(text)
+
+    parse.__name__ = f"{kind.__name__} or {' or '.join(words)}"
+    return parse
 
 
 def sampling_flags(ns: argparse.Namespace) -> dict:

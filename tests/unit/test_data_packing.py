@@ -73,7 +73,8 @@ def test_padded_pairs(supervise):
     r = rows[0]
     assert TOK.decode(r["input_ids"]) == "rev 12=21" + "<eos>" * 7
     assert r["maskable"].tolist() == [False] * 7 + [True] * 3 + [supervise] * 6
-    assert r["doc_ids"].tolist() == [0] * 16  # the EOS tail is part of the example
+    # a supervised EOS tail is part of the example; an unsupervised one is hidden from it
+    assert r["doc_ids"].tolist() == [0] * 10 + [0 if supervise else 1] * 6
     assert r["position_ids"].tolist() == list(range(16))
     assert rows[1]["maskable"].tolist() == [False] * 9 + [True] * 4 + [supervise] * 3
 

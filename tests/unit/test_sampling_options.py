@@ -29,6 +29,7 @@ SETTINGS = [
     dict(factor=1.0, block_causal=True, cache="dual", confidence_eos_eot_inf=True),
     dict(remasking="origin", ddpm_cache=True, row_length=24),
     dict(remasking="confidence_threshold", threshold=0.9),
+    dict(gen_length="auto", block_length=4, gen_length_max=16, auto_eos_threshold=0.8),
 ]  # fmt: skip
 HOOKS = dict(logits_hook="json:dumps", tokens_hook="json:loads")  # any importable callable
 

@@ -7,6 +7,13 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 DatasetFormat = Literal["auto", "text", "jsonl", "parquet", "hf_dataset", "indexed"]
+PadPolicy = Literal["eos", "single_eos", "packed"]
+#: (packing, supervise_padding) of each pad policy (docs/data.md, Pad policy)
+PAD_POLICIES: dict[str, tuple[bool, bool]] = {
+    "eos": (False, True),
+    "single_eos": (False, False),
+    "packed": (True, True),
+}
 
 
 class SourceConfig(BaseModel):
@@ -93,14 +100,24 @@ class DataConfig(BaseModel):
     """Padded rows only: the EOS padding after an answer is maskable (trained, as in LLaDA
     SFT), which teaches the model where the answer ends. False keeps padding out of the loss."""
 
-    synthetic_tasks: list[Literal["reverse", "sort", "add"]] = ["reverse", "sort", "add"]
-    """Built-in tasks used when `dataset` is "synthetic"."""
+    pad_policy: PadPolicy | None = None
+    """How a prompt/answer example ends (docs/data.md, Pad policy). `eos`: one example per
+    row, the answer padded with EOS to the row length, every padding EOS maskable and trained
+    (LLaDA's SFT guide). `single_eos`: one example per row, the answer's one EOS trained, the
+    padding after it neither masked nor in the loss. `packed`: no padding, examples packed
+    back to back (each ends with its trained EOS) under their own document ids. Setting it
+    sets `packing` and `supervise_padding`; None leaves those two as given (padded rows
+    default to `eos`, the policy that stops best: benchmarks/results/stopping.md)."""
+
+    synthetic_tasks: list[Literal["reverse", "sort", "add", "repeat"]] = ["reverse", "sort", "add"]
+    """Built-in tasks used when `dataset` is "synthetic" (`repeat`: "rep 3x41=" -> "414141",
+    an answer whose length depends on the prompt; the stopping benchmark's task)."""
 
     synthetic_min_digits: int = Field(default=2, ge=1)
-    """Shortest digit string of reverse and sort."""
+    """Shortest digit string of reverse, sort and repeat."""
 
     synthetic_max_digits: int = Field(default=6, ge=1)
-    """Longest digit string of reverse and sort."""
+    """Longest digit string of reverse, sort and repeat."""
 
     synthetic_add_digits: int = Field(default=2, ge=1, le=6)
     """Width of both addition operands, zero-padded ("add 07+45=052")."""
@@ -113,6 +130,23 @@ class DataConfig(BaseModel):
 
     seed: int = 0
     """Seed for the eval split, synthetic examples and shuffling."""
+
+    @model_validator(mode="after")
+    def _apply_pad_policy(self) -> DataConfig:
+        if self.pad_policy is None:
+            return self
+        packing, supervise = PAD_POLICIES[self.pad_policy]
+        given = self.model_fields_set
+        for key, want in (("packing", packing), ("supervise_padding", supervise)):
+            if key in given and getattr(self, key) != want and (key == "packing" or not packing):
+                raise ValueError(
+                    f"pad_policy {self.pad_policy!r} means {key}: {str(want).lower()}; "
+                    f"drop {key} or the pad_policy"
+                )
+        # assignment without re-validation (validate_assignment is off)
+        object.__setattr__(self, "packing", packing)
+        object.__setattr__(self, "supervise_padding", supervise)
+        return self
 
     @model_validator(mode="after")
     def _check_ranges(self) -> DataConfig:
@@ -128,5 +162,7 @@ class DataConfig(BaseModel):
                 f"eval_split={self.eval_split}: use a fraction below 1 or a whole count of documents"
             )
         if not self.synthetic_tasks:
-            raise ValueError("synthetic_tasks is empty; name at least one of reverse, sort, add")
+            raise ValueError(
+                "synthetic_tasks is empty; name at least one of reverse, sort, add, repeat"
+            )
         return self

@@ -7,9 +7,11 @@ Packed mode concatenates examples and cuts the stream into rows; a document cut 
 continues in the next row under a new doc id with positions restarting at 0. The final partial
 row is filled with EOS under its own doc id, not maskable.
 
-Padded mode puts one example per row, truncated to L, then fills the row with EOS. The fill
-keeps the example's doc id, so the answer attends to its EOS tail; with `supervise_padding`
-the fill is maskable (LLaDA SFT), which is how the model learns where an answer ends.
+Padded mode puts one example per row, truncated to L, then fills the row with EOS. With
+`supervise_padding` (pad_policy eos) the fill keeps the example's doc id, so the answer
+attends to its EOS tail, and is maskable (LLaDA SFT). Without it (pad_policy single_eos)
+the fill is neither maskable nor visible: it gets doc id 1, so the example never attends
+to it, as after an answer's EOS in packed rows.
 """
 
 from __future__ import annotations
@@ -119,10 +121,13 @@ def pad_examples(
     input_ids[rows, cols] = torch.tensor(flat_ids, dtype=torch.long)
     flat_mask = [m for e, k in zip(examples, kept) for m in e.maskable[:k]]
     maskable[rows, cols] = torch.tensor(flat_mask, dtype=torch.bool)
+    doc_ids = torch.zeros((n, length), dtype=torch.long)
+    if not supervise_padding:  # unsupervised padding: hidden from the example (pad_policy)
+        doc_ids[torch.arange(length)[None, :] >= kept_t[:, None]] = 1
     return RowStore(
         {
             "input_ids": input_ids,
-            "doc_ids": torch.zeros((n, length), dtype=torch.long),
+            "doc_ids": doc_ids,
             "position_ids": torch.arange(length).expand(n, length).clone(),
             "maskable": maskable,
         }

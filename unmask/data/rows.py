@@ -129,8 +129,8 @@ class TokenStoreRows:
         owner = torch.from_numpy(np.stack([r[1] for r in rows]))
         maskable = torch.from_numpy(np.stack([r[2] for r in rows]))
         doc_ids, position_ids = segment_layout(owner)
-        if not self.packing:
-            doc_ids = torch.zeros_like(doc_ids)  # the EOS fill belongs to the document
+        if not self.packing:  # supervised EOS fill belongs to the document; else hidden
+            doc_ids = torch.zeros_like(doc_ids) if self.supervise_padding else (owner != 0).long()
             position_ids = torch.arange(self.row_length).expand_as(ids).clone()
         return {"input_ids": ids, "doc_ids": doc_ids, "position_ids": position_ids,
                 "maskable": maskable}  # fmt: skip
@@ -157,4 +157,6 @@ class TokenStoreRows:
         ids[: hi - lo] = self.store.tokens(lo, hi)
         maskable = np.full(self.row_length, self.supervise_padding, dtype=bool)
         maskable[: hi - lo] = True
-        return ids, np.zeros(self.row_length, dtype=np.int64), maskable
+        owner = np.ones(self.row_length, dtype=np.int64)  # 1 = the fill (see gather)
+        owner[: hi - lo] = 0
+        return ids, owner, maskable

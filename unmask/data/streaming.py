@@ -147,7 +147,10 @@ class PackedStream(IterableDataset):
         out[:kept] = ids[:kept]
         mask = np.full(length, self.supervise_padding, dtype=bool)
         mask[:kept] = maskable[:kept]
-        return {"input_ids": torch.from_numpy(out), "doc_ids": torch.zeros(length, dtype=torch.long),
+        doc_ids = torch.zeros(length, dtype=torch.long)
+        if not self.supervise_padding:  # unsupervised fill: hidden (pad_policy single_eos)
+            doc_ids[kept:] = 1
+        return {"input_ids": torch.from_numpy(out), "doc_ids": doc_ids,
                 "position_ids": torch.arange(length), "maskable": torch.from_numpy(mask)}  # fmt: skip
 
     def state_dict(self) -> dict[str, Any]:

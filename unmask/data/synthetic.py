@@ -1,10 +1,12 @@
-"""Built-in offline tasks for the quickstart and tests: reverse, sort and add digit strings.
+"""Built-in offline tasks for the quickstart and tests: reverse, sort, add and repeat digit strings.
 
 Each example is a (prompt, answer) pair in a compact form the character tokenizer keeps short:
 
     "rev 3917="   -> "7193"      reverse the digits
     "sort 3917="  -> "1379"      sort the digits ascending
     "add 47+05="  -> "052"       sum of two zero-padded numbers, zero-padded to one more digit
+    "rep 3x41="   -> "414141"    the digits repeated k times (k in 1..3): the answer's length
+                                 depends on the prompt, not only on its length (stopping)
 
 Answers are always computed from the prompt (`answer_for`). Held-out eval prompts are drawn
 first and never appear in training. Examples are balanced over tasks and digit lengths.
@@ -18,7 +20,8 @@ from collections.abc import Sequence
 from unmask.data.config import DataConfig
 
 Example = tuple[str, str]
-TASK_PREFIXES = {"reverse": "rev ", "sort": "sort ", "add": "add "}
+TASK_PREFIXES = {"reverse": "rev ", "sort": "sort ", "add": "add ", "repeat": "rep "}
+REPEAT_TIMES = 3  # repeat: k is drawn from 1..REPEAT_TIMES
 _MAX_DRAWS = 1000  # rejection-sampling tries per example before giving up on a cell
 
 
@@ -34,6 +37,9 @@ def answer_for(prompt: str) -> str:
     if body.startswith(TASK_PREFIXES["add"]):
         left, right = body[len(TASK_PREFIXES["add"]) :].split("+")
         return str(int(left) + int(right)).zfill(len(left) + 1)
+    if body.startswith(TASK_PREFIXES["repeat"]):
+        times, digits = body[len(TASK_PREFIXES["repeat"]) :].split("x")
+        return digits * int(times)
     raise ValueError(f"unknown synthetic task in prompt {prompt!r}")
 
 
@@ -61,7 +67,9 @@ def _balanced_cell(lengths: dict[str, list[int]], i: int) -> tuple[str, int]:
 
 
 def _cell_size(task: str, n: int) -> int:
-    """How many distinct prompts a cell has (add: two n-digit operands)."""
+    """How many distinct prompts a cell has (add: two n-digit operands; repeat: k too)."""
+    if task == "repeat":
+        return REPEAT_TIMES * 10**n
     return 10 ** (2 * n) if task == "add" else 10**n
 
 
@@ -70,6 +78,8 @@ def _draw_prompt(rng: random.Random, task: str, n: int) -> str:
         # Fixed-width operands put digits of equal place value at fixed offsets, which
         # attention with relative positions can learn; the answer has n + 1 digits.
         return f"{TASK_PREFIXES['add']}{_digits(rng, n)}+{_digits(rng, n)}="
+    if task == "repeat":
+        return f"{TASK_PREFIXES['repeat']}{rng.randint(1, REPEAT_TIMES)}x{_digits(rng, n)}="
     return f"{TASK_PREFIXES[task]}{_digits(rng, n)}="
 
 

@@ -7,6 +7,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 _CART = re.compile(r"^cart(?:\[geo_p:([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\])?$")
 LOSS_WEIGHTS = ("inverse_t", "scheduler", "uniform", "cart[geo_p:P]")
+NORMALIZATIONS = ("auto", "token", "answer", "answer_padded")
 OBJECTIVE_NAMES = ("mdlm", "llada", "sft", "dream", "bert", "bd3lm")  # see registry.py
 
 
@@ -84,6 +85,14 @@ class DiffusionConfig(BaseModel):
     block_size: int = Field(32, ge=1)
     """bd3lm: tokens per diffusion block; the row length must be a multiple of it."""
 
+    loss_normalization: Literal[NORMALIZATIONS] = "auto"
+    """What the summed masked loss is divided by (docs/diffusion.md, Loss normalization):
+    `token`: the batch's maskable tokens (one global count; mdlm/llada); `answer_padded`:
+    each row by its maskable tokens (answer, EOS and supervised padding), then the mean over
+    rows (LLaDA SFT); `answer`: each row by its answer and first EOS only, supervised
+    padding left out of the divisor, then the mean over rows. `auto`: the objective's own
+    (`answer_padded` for sft, `token` for the others). mdlm, llada, bert and sft only."""
+
     vocab_chunk_size: int = Field(8192, gt=0)
     """Vocabulary columns per chunk in the masked-only cross-entropy (memory vs. speed)."""
 
@@ -99,6 +108,11 @@ class DiffusionConfig(BaseModel):
             raise ValueError(
                 f"loss_weight {self.loss_weight!r} (CART) needs objective: dream, "
                 f"not {self.objective!r}"
+            )
+        if self.loss_normalization != "auto" and self.objective in ("dream", "bd3lm"):
+            raise ValueError(
+                f"loss_normalization {self.loss_normalization!r} needs objective mdlm, llada, "
+                f"bert or sft; {self.objective!r} normalizes its own way (use auto)"
             )
         if self.logit_shift and self.objective not in ("sft", "dream"):
             raise ValueError(

@@ -71,6 +71,41 @@ def mdlm_loss_terms(
     return ObjectiveOutput(loss_sum, count)
 
 
+def answer_lengths(input_ids: torch.Tensor, maskable: torch.Tensor, eos_id: int) -> torch.Tensor:
+    """(B,) float: each row's maskable tokens up to and including its first maskable EOS
+    (the answer and the EOS that ends it; supervised EOS padding after it not counted).
+    A row whose maskable tokens hold no EOS counts them all."""
+    is_eos = (input_ids == eos_id) & maskable
+    before = is_eos.long().cumsum(1) - is_eos.long()  # EOS strictly before each position
+    return (maskable & (before == 0)).sum(1).float()
+
+
+def normalized_terms(
+    terms: torch.Tensor,
+    maskable: torch.Tensor,
+    mode: str,
+    input_ids: torch.Tensor | None = None,
+    eos_id: int | None = None,
+) -> ObjectiveOutput:
+    """(loss_sum, count) of masked per-token terms (B, L) (0 where not masked) under a
+    loss normalization (docs/diffusion.md): `token` sums everything over one global count of
+    maskable tokens; `answer_padded` / `answer` divide each row by its maskable tokens /
+    its answer length first and count rows, so the global division is the mean over rows."""
+    if mode == "token":
+        return ObjectiveOutput(terms.sum(), maskable.sum().to(torch.float32))
+    if mode == "answer_padded":
+        lengths = maskable.sum(1).float()
+    elif mode == "answer":
+        if eos_id is None or input_ids is None:
+            raise ValueError("loss_normalization 'answer' needs the EOS id")
+        lengths = answer_lengths(input_ids, maskable, eos_id)
+    else:
+        raise ValueError(f"unknown loss normalization {mode!r}")
+    has_answer = lengths > 0
+    per_row = terms.sum(1) / lengths.clamp(min=1)
+    return ObjectiveOutput(per_row[has_answer].sum(), has_answer.sum().float())
+
+
 class MaskedDiffusionObjective:
     """MDLM / LLaDA pretraining: weighted cross-entropy on masked tokens.
 
@@ -90,10 +125,22 @@ class MaskedDiffusionObjective:
     #: prompt drops, per-block t) set False and draw on their own rows.
     global_noise = True
 
-    def __init__(self, cfg: DiffusionConfig, mask_id: int):
+    #: the loss normalization `loss_normalization: auto` means for this objective
+    default_normalization = "token"
+
+    def __init__(self, cfg: DiffusionConfig, mask_id: int, eos_id: int | None = None):
         self.cfg = cfg
         self.mask_id = mask_id
+        self.eos_id = eos_id  # `answer` normalization finds each answer's end by its EOS
         self.last_stats: dict[str, torch.Tensor] = {}
+
+    @property
+    def normalization(self) -> str:
+        mode = self.cfg.loss_normalization
+        return self.default_normalization if mode == "auto" else mode
+
+    def _normalized(self, terms, maskable, input_ids) -> ObjectiveOutput:
+        return normalized_terms(terms, maskable, self.normalization, input_ids, self.eos_id)
 
     def noise(
         self, batch: dict, generator: torch.Generator | None = None, rows: RowSlice | None = None
@@ -128,7 +175,11 @@ class MaskedDiffusionObjective:
         before backward instead of every gradient after it. Equal to the call's count for
         every objective (tests/unit/test_trainer_step.py); None in a subclass whose count
         depends on what the call draws."""
-        return maskable_of(batch).sum().to(torch.float32)
+        maskable = maskable_of(batch)
+        if self.normalization == "token":
+            return maskable.sum().to(torch.float32)
+        zeros = torch.zeros(maskable.shape, dtype=torch.float32, device=maskable.device)
+        return self._normalized(zeros, maskable, batch["input_ids"]).count
 
     def with_noise(
         self, batch: dict, generator: torch.Generator | None = None, rows: RowSlice | None = None
@@ -148,7 +199,10 @@ class MaskedDiffusionObjective:
         ce = token_losses(model, noisy, batch, targets, self.cfg.vocab_chunk_size)
         weight = loss_weight(t, self.cfg.loss_weight, self.cfg.schedule)
         self.last_stats = objective_stats(t, masked, maskable)
-        return mdlm_loss_terms(ce, masked, weight, maskable)
+        if self.normalization == "token":
+            return mdlm_loss_terms(ce, masked, weight, maskable)
+        terms = torch.where(masked, ce.float() * weight.float()[:, None], 0.0)
+        return self._normalized(terms, maskable, input_ids)
 
 
 def maskable_of(batch: dict) -> torch.Tensor:

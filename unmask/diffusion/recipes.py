@@ -112,7 +112,8 @@ def bd3lm_blocks(
 
 
 class SFTObjective(MaskedDiffusionObjective):
-    """LLaDA SFT: loss = (1/B) sum_b [sum over masked answer i of CE_i w(t_b)] / answer_len_b.
+    """LLaDA SFT: loss = (1/B) sum_b [sum over masked answer i of CE_i w(t_b)] / answer_len_b
+    (`loss_normalization: answer_padded`, the default; `answer` and `token` as documented).
 
     Only `maskable` tokens (the answer, its EOS, and padding when `data.supervise_padding`)
     are ever masked; the prompt stays clean. Returns loss_sum = sum over rows of the row term
@@ -121,12 +122,16 @@ class SFTObjective(MaskedDiffusionObjective):
     """
 
     global_noise = False
+    default_normalization = "answer_padded"
 
     def count(self, batch: dict) -> torch.Tensor:
-        """Rows with an answer (after the shift's unmaskable document starts)."""
+        """Rows with an answer (after the shift's unmaskable document starts); the
+        maskable tokens under `token` normalization."""
         maskable = maskable_of(batch)
         if self.cfg.logit_shift:
             maskable = maskable & ~document_starts(batch)
+        if self.normalization == "token":
+            return maskable.sum().float()
         return (maskable.sum(1) > 0).sum().float()
 
     def __call__(
@@ -146,11 +151,9 @@ class SFTObjective(MaskedDiffusionObjective):
         targets = torch.where(masked, input_ids, torch.full_like(input_ids, IGNORE_INDEX))
         ce = _token_losses(model, noisy, batch, targets, cfg)
         weight = loss_weight(t, cfg.loss_weight, cfg.schedule).float()
-        answer_len = maskable.sum(1).float()  # (B,)
-        per_row = torch.where(masked, ce.float(), 0.0).sum(1) * weight / answer_len.clamp(min=1)
-        has_answer = answer_len > 0
+        terms = torch.where(masked, ce.float(), 0.0) * weight[:, None]
         self.last_stats = objective_stats(t, masked, maskable)
-        return ObjectiveOutput(per_row[has_answer].sum(), has_answer.sum().float())
+        return self._normalized(terms, maskable, input_ids)
 
 
 class DreamObjective(MaskedDiffusionObjective):

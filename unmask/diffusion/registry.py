@@ -21,8 +21,11 @@ OBJECTIVES: dict[str, type[MaskedDiffusionObjective]] = {
 }
 
 
-def build_objective(cfg: DiffusionConfig, mask_id: int) -> Objective:
-    """The objective named by `cfg.objective`, masking with token `mask_id`."""
+def build_objective(cfg: DiffusionConfig, mask_id: int, eos_id: int | None = None) -> Objective:
+    """The objective named by `cfg.objective`, masking with token `mask_id`; eos_id marks
+    where answers end (`loss_normalization: answer`)."""
     if cfg.objective not in OBJECTIVES:
         raise ValueError(f"unknown objective {cfg.objective!r}; expected one of {list(OBJECTIVES)}")
-    return OBJECTIVES[cfg.objective](cfg, mask_id)
+    objective = OBJECTIVES[cfg.objective](cfg, mask_id)
+    objective.eos_id = eos_id
+    return objective

@@ -39,8 +39,10 @@ class SamplingConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
-    gen_length: int = Field(32, gt=0)
-    """Tokens to generate after each prompt (the canvas of masks)."""
+    gen_length: int | Literal["auto"] = 32
+    """Tokens to generate after each prompt (the canvas of masks), or `auto`: start from
+    one block and grow by a block while the model is not ready to end, up to
+    gen_length_max (autolength.py)."""
     row_length: int | None = Field(None, gt=1)
     """Fit the canvas to the rows the model was trained on: each prompt gets gen_length =
     row_length - its length in tokens, so prompt + answer fill one training row (the
@@ -102,6 +104,11 @@ class SamplingConfig(BaseModel):
     from the model folder; on for bd3lm models)."""
     ddpm_cache: bool = False
     """With `origin` remasking: reuse the last logits while no token changed (MDLM)."""
+    gen_length_max: int | None = Field(None, gt=0)
+    """gen_length auto: the most tokens a canvas may grow to (a multiple of block_length)."""
+    auto_eos_threshold: float = Field(0.5, ge=0.0, le=1.0)
+    """gen_length auto: the canvas stops growing once P(EOS) at its last position reaches
+    this (0 = never grow, 1 = grow to the cap)."""
     growing_canvas: bool = False
     """Show the model only the prompt, finished blocks and the current block, so a long
     gen_length with EOS stopping costs only the blocks a row needs."""
@@ -134,8 +141,19 @@ class SamplingConfig(BaseModel):
             )
         return value
 
+    @field_validator("gen_length")
+    @classmethod
+    def _positive_length(cls, value):
+        if value != "auto" and value <= 0:
+            raise ValueError(
+                f"gen_length must be a positive number of tokens or 'auto' (got {value})"
+            )
+        return value
+
     @model_validator(mode="after")
     def _compatible_options(self) -> "SamplingConfig":
+        if self.gen_length == "auto":
+            check_auto_length(self)
         if self.threshold is not None and self.factor is not None:
             raise ValueError("give threshold or factor, not both")
         if self.remasking == "confidence_threshold" and self.threshold is None:
@@ -169,7 +187,10 @@ class SamplingConfig(BaseModel):
         return self.block_length or self.gen_length
 
     def check_lengths(self) -> int:
-        """The number of blocks; ValueError when the lengths do not split into blocks."""
+        """The number of blocks; ValueError when the lengths do not split into blocks
+        (gen_length auto: the cap's blocks, checked on validation)."""
+        if self.gen_length == "auto":
+            return self.gen_length_max // self.block_length
         steps, gen, block = self.resolved_steps, self.gen_length, self.resolved_block_length
         if gen % block != 0:
             raise ValueError(f"gen_length ({gen}) must be a multiple of block_length ({block})")
@@ -190,7 +211,7 @@ class SamplingConfig(BaseModel):
         gen_length = row_length - prompt_len (rounded up to whole blocks for block-causal
         models), one block unless block_length divides it, steps = one token per step
         unless given (then a multiple of the blocks)."""
-        if self.row_length is None:
+        if self.row_length is None or self.gen_length == "auto":
             return self
         gen = self.row_length - prompt_len
         if gen <= 0:
@@ -215,6 +236,22 @@ class SamplingConfig(BaseModel):
             fields["row_length"] = options["row_length"]
         runtime = {name: getattr(self, name) for name in RUNTIME_OPTIONS}
         return self.model_validate({**self.model_dump(), **runtime, **fields})
+
+
+def check_auto_length(config: SamplingConfig) -> None:
+    """gen_length auto needs a cap (gen_length_max) of whole blocks, at least one."""
+    block, cap = config.block_length, config.gen_length_max
+    if block is None or cap is None:
+        raise ValueError(
+            "gen_length auto needs block_length (the growth step) and gen_length_max (the cap)"
+        )
+    if cap < block:
+        raise ValueError(
+            f"gen_length_max ({cap}) is smaller than one block (block_length {block}); "
+            f"raise gen_length_max to at least {block}"
+        )
+    if cap % block:
+        raise ValueError(f"gen_length_max ({cap}) must be a multiple of block_length ({block})")
 
 
 def without_none(options: dict[str, Any]) -> dict[str, Any]:

@@ -28,6 +28,7 @@ from torch import nn
 
 from unmask.errors import InputError
 from unmask.models.attention import KVCache
+from unmask.sampling.autolength import sample_auto
 from unmask.sampling.config import SamplingConfig
 from unmask.sampling.hooks import call_logits_hook, call_tokens_hook
 from unmask.sampling.schedules import dream_transfer_count, num_transfer_tokens, unmask_fraction
@@ -192,6 +193,10 @@ def sample(
     do not split into blocks; InputError when an option needs an id that is not given or a
     hook raises.
     """
+    if config.gen_length == "auto":  # grow the canvas while the model is not ready to end
+        return sample_auto(sample, model, prompt_ids, config, mask_id=mask_id, eos_id=eos_id,
+                           attention_mask=attention_mask, generator=generator,
+                           on_step=on_step)  # fmt: skip
     batch, prompt_len = prompt_ids.shape
     if prompt_len == 0:
         raise ValueError("the prompt is empty; give at least one token")

@@ -125,7 +125,8 @@ class Trainer:
         torch.manual_seed(t.seed)
         self.model = build_train_model(cfg, self.tokenizer, added_tokens, self.device,
                                        self.dist.mesh)  # fmt: skip
-        self.objective = build_objective(cfg.diffusion, self.tokenizer.mask_token_id)
+        self.objective = build_objective(cfg.diffusion, self.tokenizer.mask_token_id,
+                                         self.tokenizer.eos_token_id)  # fmt: skip
         self.flops = flop_model(self.model) if t.log_mfu else None  # mfu.py: the FLOP count
         self.optimizer = build_optimizer(cfg.optim, self.model)
         self.scheduler = build_scheduler(
