@@ -61,25 +61,24 @@ def _call(kind: str, hook: Hook, step, x, logits) -> Any:
         ) from err
 
 
-def call_logits_hook(hook: Hook, step: int, x: torch.Tensor, logits: torch.Tensor):
-    """The logits hook's result, checked to be a tensor of the logits' shape."""
-    result = _call("logits_hook", hook, step, x, logits)
-    if not isinstance(result, torch.Tensor) or result.shape != logits.shape:
+def _checked(kind: str, hook: Hook, step, x, logits, like: torch.Tensor, what: str):
+    """The hook's result, checked to be a tensor of `like`'s shape."""
+    result = _call(kind, hook, step, x, logits)
+    if not isinstance(result, torch.Tensor) or result.shape != like.shape:
         got = tuple(result.shape) if isinstance(result, torch.Tensor) else type(result).__name__
         raise InputError(
-            f"logits_hook {hook_name(hook)} returned {got} at step {step}; return the "
-            f"logits, a tensor of shape {tuple(logits.shape)}"
+            f"{kind} {hook_name(hook)} returned {got} at step {step}; return {what}, a "
+            f"tensor of shape {tuple(like.shape)}"
         )
     return result
 
 
+def call_logits_hook(hook: Hook, step: int, x: torch.Tensor, logits: torch.Tensor):
+    """The logits hook's result, checked to be a tensor of the logits' shape."""
+    return _checked("logits_hook", hook, step, x, logits, logits, "the logits")
+
+
 def call_tokens_hook(hook: Hook, step: int | None, x: torch.Tensor, logits):
     """The tokens hook's result, checked to be a canvas of x's shape (as x's dtype)."""
-    result = _call("tokens_hook", hook, step, x, logits)
-    if not isinstance(result, torch.Tensor) or result.shape != x.shape:
-        got = tuple(result.shape) if isinstance(result, torch.Tensor) else type(result).__name__
-        raise InputError(
-            f"tokens_hook {hook_name(hook)} returned {got} at step {step}; return the "
-            f"canvas x, a tensor of shape {tuple(x.shape)}"
-        )
+    result = _checked("tokens_hook", hook, step, x, logits, x, "the canvas x")
     return result.to(dtype=x.dtype, device=x.device)
