@@ -51,6 +51,13 @@ class TrainConfig(BaseModel):
     """Keep only the newest N checkpoints (None = keep all); the newest is never deleted."""
     keep_best: bool = False
     """With save_total_limit: also keep the checkpoint with the lowest eval loss."""
+    async_checkpoint: bool = False
+    """Write checkpoints in the background (torch.distributed.checkpoint's async_save): the
+    loop stops only while the state is copied to CPU memory, then trains on while the files
+    are written; the folder is published (manifest, rename, rotation) once they are. Its
+    checkpoints are of the DCP kind (dcp/ + config.json) also in a one-process run. The
+    stall is logged as save_stall_seconds; docs/operations.md has the measurement. Not with
+    model.lora."""
     on_disk_full: Literal["stop", "continue"] = "stop"
     """When the disk cannot hold the next checkpoint (checked before writing it): stop with
     a message naming the last checkpoint, or skip this save and train on to the next."""

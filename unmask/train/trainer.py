@@ -8,12 +8,14 @@ path) runs before anything is written, so bad input never leaves a half-made run
 import json
 import math
 import os
+import sys
 import time
 from pathlib import Path
 
 import torch
 
 from unmask.checkpoint import Checkpointer
+from unmask.checkpoint.checkpointer import check_async_request
 from unmask.checkpoint.layout import newest_intact, read_trainer_state
 from unmask.config import RunConfig, dump_config
 from unmask.data import (
@@ -86,6 +88,7 @@ class Trainer:
         self.cfg = cfg
         t = cfg.train
         check_lora_request(cfg.model)
+        check_async_request(t.async_checkpoint, cfg.model.lora)
         check_trackers(t.report_to)
         check_model_fits(cfg)
         env = launch_env()
@@ -165,6 +168,8 @@ class Trainer:
             files={GENERATION_FILE: sampling, **self._lora_files()},
             save_total_limit=t.save_total_limit,
             keep_best=t.keep_best,
+            async_save=t.async_checkpoint,
+            timeout_s=t.ddp_timeout,
         )
 
         if self.resume_path is not None:  # before config.yaml: a mismatch changes nothing
@@ -417,6 +422,7 @@ class Trainer:
                         next(self.loader) for _ in range(cfg.train.gradient_accumulation_steps)
                     ]
                     stats = self.train_step(batches)
+                    self.checkpointer.poll()  # a finished async write is published now
                     self.step += 1
                     self.tokens_seen += plan.tokens_per_step
                     if not self._guard_step(stats, logger):
@@ -437,12 +443,16 @@ class Trainer:
                     if (plan.eval_every and self.step % plan.eval_every == 0) or at_end:
                         if len(self.eval_rows):
                             values["eval_loss"] = self.last_eval_loss = self.evaluate()
+                    saved = (plan.save_every and self.step % plan.save_every == 0) or at_end
+                    if saved:  # the loop's stall: all of a sync save, the copy of an async one
+                        save_started = time.perf_counter()
+                        self.save()
+                        values["save_stall_seconds"] = round(
+                            time.perf_counter() - save_started, 4
+                        )
                     if values:
                         logger.log(self.step, values)
                         last.update(values)
-                    saved = (plan.save_every and self.step % plan.save_every == 0) or at_end
-                    if saved:
-                        self.save()
                     if self._stop_requested(stop, stats):
                         self._stop(stop, logger, saved)
                         return last
@@ -455,10 +465,24 @@ class Trainer:
                                          wall_seconds=time.perf_counter() - started))  # fmt: skip
         finally:
             self._stop_signals = None
+            self._finish_checkpoint()
             logger.close()
             self.logger = None
             self.loader.close()
         return last
+
+    def _finish_checkpoint(self) -> None:
+        """The end of train(), also by a signal or an error: an async checkpoint in flight
+        is written and published before the process goes on (its own error is raised only
+        when no other one is on its way out)."""
+        leaving = sys.exc_info()[1]  # the error train() is stopping for, if any
+        try:
+            self.checkpointer.wait()
+        except Exception as err:
+            if leaving is None:
+                raise
+            if self.logger is not None:
+                self.logger.print(f"the checkpoint being written failed too: {err}")
 
     def _guard_step(self, stats: dict, logger) -> bool:
         """True when the step counted; for a non-finite one: skip it, roll back to the last
@@ -475,6 +499,7 @@ class Trainer:
         )
         if action == "skip":
             return False
+        self.checkpointer.wait()  # an async checkpoint in flight is published first
         newest = newest_intact(self.output_dir)[0] if self.dist.is_main else None
         newest = share_from_rank0(lambda: newest)
         streak = f"steps {state.first_bad_step}-{self.step}"
