@@ -44,7 +44,7 @@ from unmask.checkpoint.layout import (
     read_trainer_state,
     temporary_folder,
 )
-from unmask.errors import InputError
+from unmask.errors import InputError, RunStopped
 from unmask.models import ModelConfig, build_empty, hf_config_dict
 from unmask.models.hf import read_safetensors, shape_mismatch
 from unmask.models.lora import ADAPTER_FILE, apply_lora, load_adapter, save_adapter, save_lora
@@ -275,7 +275,7 @@ class _Pending:
                 upload.result()
                 owner._publish(tmp, step)
             except BaseException as err:  # raised in the training thread by result()
-                self.error = err
+                self.error = _write_failed(err, step, owner.output_dir)
             finally:
                 self._finished.set()
 
@@ -289,6 +289,22 @@ class _Pending:
         if self.error is not None:
             raise self.error
         return self.path
+
+
+def _write_failed(err: BaseException, step: int, output_dir: Path) -> RunStopped:
+    """An asynchronous write's error as a RunStopped naming the first failure (DCP wraps
+    each rank's in a CheckpointException) and the newest complete checkpoint."""
+    failures = getattr(err, "failures", None)
+    if failures:
+        err = next(iter(failures.values()))[0]
+    first = (str(err).strip().splitlines() or [""])[0]
+    saved = list_checkpoints(output_dir)
+    last = str(saved[-1]) if saved else "none (no checkpoint yet)"
+    return RunStopped(
+        f"checkpoint-{step} could not be written ({type(err).__name__}: {first}); the last "
+        f"complete checkpoint is {last}: fix the cause and resume with "
+        "train.resume_from_checkpoint=true"
+    )
 
 
 def check_async_request(async_checkpoint: bool, lora: bool) -> None:
