@@ -45,6 +45,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/muon_convergence.py
 	$(BIN)/python benchmarks/data.py
 	$(BIN)/python benchmarks/train_step.py
+	$(BIN)/python benchmarks/checkpoint_stall.py
 
 # The smoke mode of every benchmark (tiny sizes, one round, no results files): CI runs it.
 bench-quick: $(STAMP)
@@ -55,6 +56,7 @@ bench-quick: $(STAMP)
 	$(BIN)/python benchmarks/sampling.py --quick
 	$(BIN)/python benchmarks/data.py --quick
 	$(BIN)/python benchmarks/train_step.py --quick
+	$(BIN)/python benchmarks/checkpoint_stall.py --quick
 
 clean-venv:
 	rm -rf $(VENV)

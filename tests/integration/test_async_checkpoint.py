@@ -79,9 +79,7 @@ def held_writes(monkeypatch):
     return release, failing
 
 
-def test_state_is_copied_before_save_returns_and_published_only_once_written(
-    tmp_path, held_writes
-):
+def test_state_is_copied_before_save_returns_and_published_only_once_written(tmp_path, held_writes):
     release, _ = held_writes
     model, optimizer, scheduler = _tiny_model_and_optimizer()
     expected = {k: v.clone() for k, v in model.state_dict().items()}
@@ -129,8 +127,11 @@ def test_a_failed_write_raises_at_the_wait_and_leaves_no_checkpoint(tmp_path, he
     checkpointer = Checkpointer(tmp_path, async_save=True)
     checkpointer.save(1, model, optimizer, scheduler, {"loader": {}}, {})
     release.set()
-    with pytest.raises(RunStopped, match=r"^checkpoint-1 could not be written \(OSError: No "
-                       r"space left on device\); the last complete checkpoint is none"):
+    with pytest.raises(
+        RunStopped,
+        match=r"^checkpoint-1 could not be written \(OSError: No "
+        r"space left on device\); the last complete checkpoint is none",
+    ):
         checkpointer.wait()
     assert list_checkpoints(tmp_path) == []
     assert checkpointer.wait() is None  # reported once
@@ -150,9 +151,11 @@ def test_a_failed_async_write_stops_the_run_with_the_previous_checkpoint_intact(
     monkeypatch.setattr(FileSystemWriter, "write_data", second_fails)
     cfg = tiny_config({"train": {**TRAIN, "async_checkpoint": True}})
     assert main(["train", str(cfg)]) == 1
-    assert "unmask: stopped: checkpoint-6 could not be written (OSError: No space left on " \
-        f"device); the last complete checkpoint is {tmp_path / 'run' / 'checkpoint-3'}" \
+    assert (
+        "unmask: stopped: checkpoint-6 could not be written (OSError: No space left on "
+        f"device); the last complete checkpoint is {tmp_path / 'run' / 'checkpoint-3'}"
         in capsys.readouterr().err
+    )
     assert [p.name for p in list_checkpoints(tmp_path / "run")] == ["checkpoint-3"]
 
 

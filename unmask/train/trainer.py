@@ -447,9 +447,7 @@ class Trainer:
                     if saved:  # the loop's stall: all of a sync save, the copy of an async one
                         save_started = time.perf_counter()
                         self.save()
-                        values["save_stall_seconds"] = round(
-                            time.perf_counter() - save_started, 4
-                        )
+                        values["save_stall_seconds"] = round(time.perf_counter() - save_started, 4)
                     if values:
                         logger.log(self.step, values)
                         last.update(values)
