@@ -40,6 +40,12 @@ def test_async_run_and_resume_match_the_synchronous_run(tiny_config, tmp_path):
     assert [p.name for p in saved] == ["checkpoint-3", "checkpoint-6", "checkpoint-9"]
     assert all(is_distributed_checkpoint(p) and (p / "manifest.json").is_file() for p in saved)
     assert not [p.name for p in run.iterdir() if p.name.startswith(".")]  # no temporaries
+    out = tmp_path / "exported"  # the one-process DCP checkpoint exports to the final weights
+    assert main(["export", str(saved[-1]), "--out", str(out)]) == 0
+    final = _final(run)
+    assert all(
+        torch.equal(final[k], v) for k, v in load_file(str(out / "model.safetensors")).items()
+    )
     stalls = {r["step"]: r["save_stall_seconds"] for r in read_metrics(run)
               if "save_stall_seconds" in r}  # fmt: skip
     assert sorted(stalls) == [3, 6, 9] and all(s >= 0 for s in stalls.values())
