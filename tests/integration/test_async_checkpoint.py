@@ -3,9 +3,11 @@ and resume exactly like synchronous ones, and no folder looks complete before it
 finished."""
 
 import json
+import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -197,3 +199,38 @@ def test_two_processes_async_match_one_process_and_resume(tmp_path):
     saved = list_checkpoints(tmp_path / "run")
     assert [p.name for p in saved] == ["checkpoint-3", "checkpoint-6", "checkpoint-9"]
     assert all((p / "manifest.json").is_file() for p in saved)
+
+
+@pytest.mark.slow
+def test_kills_mid_async_write_resume_bit_equal_to_an_uninterrupted_run(tiny_config, tmp_path):
+    """SIGKILL while an async write is in flight (a .tmp-checkpoint folder exists): the next
+    start passes over it and the run ends as an uninterrupted one."""
+    train = {"max_steps": 40, "save_steps": 1, "save_total_limit": 2, "eval_steps": 0}
+    ref = tiny_config({"train": {**train, "output_dir": str(tmp_path / "ref")}}, "ref.yaml")
+    assert main(["train", str(ref)]) == 0
+    cfg = tiny_config({"train": {**train, "async_checkpoint": True}})
+    run, kills = tmp_path / "run", 0
+    for _ in range(3):
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "unmask", "train", str(cfg), "train.resume_from_checkpoint=true"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        deadline = time.monotonic() + 60
+        while proc.poll() is None and time.monotonic() < deadline:
+            if run.is_dir() and list_checkpoints(run):  # past the first save
+                if any(p.name.startswith(".tmp-checkpoint-") for p in run.iterdir()):
+                    proc.send_signal(signal.SIGKILL)
+                    kills += 1
+                    break
+            time.sleep(0.002)
+        proc.wait(timeout=60)
+        if proc.returncode == 0:
+            break
+        assert proc.returncode == -signal.SIGKILL, proc.stderr.read()[-2000:]
+    else:
+        assert main(["train", str(cfg), "train.resume_from_checkpoint=true"]) == 0
+    assert kills >= 1
+    assert losses(run) == losses(tmp_path / "ref")
+    reference = _final(tmp_path / "ref")
+    assert all(torch.equal(reference[k], v) for k, v in _final(run).items())
+    assert not [p.name for p in run.iterdir() if p.name.startswith(".")]
