@@ -19,7 +19,9 @@ from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
 from unmask.checkpoint import Checkpointer, is_distributed_checkpoint, list_checkpoints
 from unmask.cli import main
+from unmask.config import load_config
 from unmask.errors import RunStopped
+from unmask.train.trainer import Trainer
 from unmask.models import ModelConfig, build_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -234,3 +236,14 @@ def test_kills_mid_async_write_resume_bit_equal_to_an_uninterrupted_run(tiny_con
     reference = _final(tmp_path / "ref")
     assert all(torch.equal(reference[k], v) for k, v in _final(run).items())
     assert not [p.name for p in run.iterdir() if p.name.startswith(".")]
+
+
+def test_eval_loss_does_not_depend_on_the_eval_batch_size(tiny_config):
+    values = []
+    for size in (1, 5, 32):
+        extra = {"train": {"per_device_eval_batch_size": size, "eval_max_batches": None,
+                           "overwrite_output_dir": True}}  # fmt: skip
+        trainer = Trainer(load_config(tiny_config(extra)))
+        values.append(trainer.evaluate())
+    assert values[1] == pytest.approx(values[0], rel=1e-6)
+    assert values[2] == pytest.approx(values[0], rel=1e-6)

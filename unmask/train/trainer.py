@@ -361,23 +361,43 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> float:
-        """Eval loss on held-out rows with fixed noise, so evaluations are comparable."""
+        """Eval loss on held-out rows with fixed noise, so evaluations are comparable. An
+        objective that draws each row's noise on its own (`global_noise`) gets row i's from
+        a generator seeded by (seed, i): the loss does not depend on
+        train.per_device_eval_batch_size (only on the rows: eval_max_batches counts
+        batches)."""
         was_training = self.model.training
         self.model.eval()
         noise = torch.Generator(device=self.device)
         noise.manual_seed(self.cfg.train.seed + 12345)
-        loss_sum_total, count_total = 0.0, 0.0
-        batches = eval_batches(self.eval_rows, self.cfg.train.per_device_eval_batch_size)
-        for index, batch in enumerate(batches):
+        loss_sum_total = torch.zeros((), device=self.device, dtype=torch.float64)
+        count_total = torch.zeros((), device=self.device, dtype=torch.float64)
+        size = self.cfg.train.per_device_eval_batch_size
+        for index, batch in enumerate(eval_batches(self.eval_rows, size)):
             if self.cfg.train.eval_max_batches is not None:
                 if index >= self.cfg.train.eval_max_batches:
                     break
+            batch = self._eval_noise(self._to_device(batch), index * size)
             with self._autocast():
-                loss_sum, count = self.objective(self.model, self._to_device(batch), noise)
-            loss_sum_total += float(loss_sum)
-            count_total += float(count)
+                loss_sum, count = self.objective(self.model, batch, noise)
+            loss_sum_total += loss_sum.detach().double()  # on the device: one read at the end
+            count_total += count.detach().double()
         self.model.train(was_training)
-        return loss_sum_total / max(count_total, 1.0)
+        return float(loss_sum_total / count_total.clamp(min=1.0))
+
+    def _eval_noise(self, batch: dict, first_row: int) -> dict:
+        """The eval batch with each row's noise drawn from its own generator, seeded by the
+        row's index; unchanged for objectives that draw for the whole batch."""
+        if not getattr(self.objective, "global_noise", False):
+            return batch
+        generator = torch.Generator(device=self.device)
+        drawn = []
+        for row in range(batch["input_ids"].shape[0]):
+            generator.manual_seed(self.cfg.train.seed + 54321 + first_row + row)
+            one = {k: v[row : row + 1] for k, v in batch.items()}
+            drawn.append(self.objective.with_noise(one, generator))
+        added = [k for k in drawn[0] if k not in batch]
+        return {**batch, **{k: torch.cat([d[k] for d in drawn]) for k in added}}
 
     # -- the loop ------------------------------------------------------------------------
     def train(self) -> dict:
