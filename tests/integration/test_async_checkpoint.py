@@ -21,8 +21,8 @@ from unmask.checkpoint import Checkpointer, is_distributed_checkpoint, list_chec
 from unmask.cli import main
 from unmask.config import load_config
 from unmask.errors import RunStopped
-from unmask.train.trainer import Trainer
 from unmask.models import ModelConfig, build_model
+from unmask.train.trainer import Trainer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 WORKER = Path(__file__).parent / "dist_workers" / "train_worker.py"
