@@ -34,10 +34,10 @@ class TrainConfig(BaseModel):
     """Rows per micro-batch on each device."""
     per_device_eval_batch_size: int = Field(32, ge=1)
     """Rows per batch when computing the eval loss (no backward, no optimizer state: larger
-    than the train batch runs faster: on a 2-core CPU 32 rows gave 1.5-4x the rows/s of 8, and 128 no more than 32). With the
-    default masked-diffusion objective the eval loss does not depend on it (each row's noise
-    has its own seed; SFT, Dream and BD3LM draw per batch); eval_max_batches counts these
-    batches."""
+    than the train batch runs faster; on a 2-core CPU 32 rows gave 1.5-4x the rows/s of 8,
+    and 128 no more than 32). With the default masked-diffusion objective the eval loss does
+    not depend on it (each row's noise has its own seed; SFT, Dream and BD3LM draw per
+    batch); eval_max_batches counts these batches."""
     dataloader_num_workers: int = Field(0, ge=0)
     """Worker processes that read and build the next batches while the model trains (0 = in
     the training process). Each rank reads only its own rows either way."""
