@@ -247,3 +247,20 @@ def test_eval_loss_does_not_depend_on_the_eval_batch_size(tiny_config):
         values.append(trainer.evaluate())
     assert values[1] == pytest.approx(values[0], rel=1e-6)
     assert values[2] == pytest.approx(values[0], rel=1e-6)
+
+
+def test_nan_rollback_waits_for_the_async_write_and_goes_back_to_it(tiny_config, tmp_path):
+    """The checkpoint of step 4 may still be in flight when steps 5-6 turn out non-finite:
+    the rollback waits for it and restores it."""
+    from faults import NonFiniteAt
+
+    train = {"max_steps": 8, "save_steps": 4, "eval_steps": 0, "max_bad_steps": 2,
+             "nan_rollback": True, "lr_backoff": 0.5, "async_checkpoint": True}  # fmt: skip
+    trainer = Trainer(load_config(tiny_config({"train": train})))
+    trainer.objective = NonFiniteAt(trainer, {5, 6}, once=True)
+    trainer.train()
+    records = read_metrics(tmp_path / "run")
+    steps = [r["step"] for r in records if "loss" in r]
+    assert steps == [1, 2, 3, 4, 5, 6, 7, 8]  # 5-6 again after the rollback to step 4
+    state = json.loads((tmp_path / "run" / "checkpoint-8" / "trainer_state.json").read_text())
+    assert state["guard"]["lr_scale"] == 0.5
