@@ -43,6 +43,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/masked_loss_memory.py
 	$(BIN)/python benchmarks/muon.py
 	$(BIN)/python benchmarks/distributed_muon.py
+	$(BIN)/python benchmarks/checkpoint_stall.py
 	$(BIN)/python benchmarks/train_step.py
 
 # The long ones (about 90 minutes on 2 cores): Muon vs AdamW convergence (7 runs of 1000
@@ -64,6 +65,7 @@ bench-quick: $(STAMP)
 	$(BIN)/python benchmarks/data.py --quick
 	$(BIN)/python benchmarks/train_step.py --quick
 	$(BIN)/python benchmarks/stopping.py --quick
+	$(BIN)/python benchmarks/checkpoint_stall.py --quick
 
 clean-venv:
 	rm -rf $(VENV)

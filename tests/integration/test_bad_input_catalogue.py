@@ -308,6 +308,8 @@ CASES = [
     case("mask-probability-negative", over("diffusion.prompt_drop_prob=-0.1"),
          "'diffusion.prompt_drop_prob'", "must be >= 0"),
     case("time-eps-0", over("diffusion.time_eps=0"), "'diffusion.time_eps'", "must be > 0"),
+    case("async-checkpoint-with-lora", over("model.lora=true", "train.async_checkpoint=true"),
+         "train.async_checkpoint does not support model.lora", "train.async_checkpoint=false"),
     # -- data files ---------------------------------------------------------------------------
     case("data-unknown-pad-policy", over("data.pad_policy=eoss"), "'data.pad_policy'",
          "'eos', 'single_eos' or 'packed'", "'eoss'"),

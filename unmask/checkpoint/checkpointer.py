@@ -11,12 +11,22 @@ A checkpoint-N/ folder holds, for both kinds:
 Written into a temporary folder and published atomically (layout.py); under DCP, rank 0
 renames after every rank finished, so a rank dying mid-save leaves the previous checkpoint
 as the newest complete one.
+
+async_checkpoint: model and optimizer go through DCP's async_save at any world size (a
+one-process run too: its checkpoints are then of the DCP kind). The state is copied to CPU
+memory before save() returns, the files are written by a background thread while training
+goes on, and the small files are written at once into the same temporary folder; the
+publication (manifest, fsync, rename, rotation) follows only after every rank's write
+finished, so a crash mid-write leaves no folder that looks complete. The next save, the
+final save, a restore and the end of train() (also by a signal or an error) wait for it.
 """
 
 import json
 import os
 import pickle
+import threading
 import warnings
+from concurrent.futures import Future
 from pathlib import Path
 
 import torch
@@ -34,7 +44,7 @@ from unmask.checkpoint.layout import (
     read_trainer_state,
     temporary_folder,
 )
-from unmask.errors import InputError
+from unmask.errors import InputError, RunStopped
 from unmask.models import ModelConfig, build_empty, hf_config_dict
 from unmask.models.hf import read_safetensors, shape_mismatch
 from unmask.models.lora import ADAPTER_FILE, apply_lora, load_adapter, save_adapter, save_lora
@@ -61,6 +71,8 @@ class Checkpointer:
         files: dict[str, str] | None = None,
         save_total_limit: int | None = None,
         keep_best: bool = False,
+        async_save: bool = False,
+        timeout_s: int = 1800,
     ) -> None:
         self.output_dir = Path(output_dir)
         self.sharded = sharded
@@ -68,6 +80,15 @@ class Checkpointer:
         self.files = dict(files or {})
         self.save_total_limit = save_total_limit
         self.keep_best = keep_best
+        self.async_save = async_save
+        self._pending: _Pending | None = None  # the async write in flight
+        # the async writes' collectives run in a background thread: a gloo group of their
+        # own, so they never interleave with the training's collectives (every rank builds it)
+        self._group = None
+        if async_save and sharded:
+            from datetime import timedelta
+
+            self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
 
     @property
     def _is_writer(self) -> bool:
@@ -77,9 +98,14 @@ class Checkpointer:
         self, step: int, model: nn.Module, optimizer, scheduler, trainer_state: dict,
         rng_state: dict,
     ) -> Path:  # fmt: skip
-        """Write checkpoint-{step}; every rank calls it when sharded."""
+        """Write checkpoint-{step}; every rank calls it when sharded. Asynchronous
+        (async_save): returns once the state is copied; the folder appears when the write
+        finished (wait())."""
+        self.wait()  # the previous asynchronous write is published first
         state = {**trainer_state, "step": step}
         tmp = self._temporary_folder(step)
+        if self.async_save:
+            return self._save_async(step, tmp, model, optimizer, scheduler, state, rng_state)
         if self.sharded:
             import torch.distributed.checkpoint as dcp  # only multi-process runs (0.6 s import)
             from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -106,6 +132,53 @@ class Checkpointer:
         if self.sharded:
             dist.barrier()
         return self.output_dir / f"checkpoint-{step}"
+
+    def _save_async(self, step, tmp, model, optimizer, scheduler, state, rng_state) -> Path:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        if not self.sharded:  # one process: DCP warns that it saves in a single one (the
+            # intent); the warning comes from its writer thread, so the filter is global
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        model_state, optim_state = get_state_dict(model, optimizer)
+        # staged synchronously: a CPU copy of every tensor before this returns, so the next
+        # optimizer step (in place) cannot change what is written
+        upload = dcp.async_save(
+            {"model": model_state, "optim": optim_state},
+            checkpoint_id=str(tmp / DCP_DIR),
+            process_group=self._group,
+            no_dist=not self.sharded,
+        )
+        if self.sharded:
+            state["world_size"] = dist.get_world_size()
+        if self._is_writer:  # the small files now: they describe this step
+            (tmp / CONFIG_FILE).write_text(json.dumps(hf_config_dict(model.config), indent=2))
+            torch.save(scheduler.state_dict(), tmp / SCHEDULER_FILE)
+            torch.save(rng_state, tmp / RNG_FILE)
+            (tmp / STATE_FILE).write_text(json.dumps(state, indent=2))
+            self._write_run_files(tmp)
+        self._pending = _Pending(upload, tmp, step, self)
+        return self.output_dir / f"checkpoint-{step}"
+
+    def _publish(self, tmp: Path, step: int) -> None:
+        """Rank 0 (the one writer): manifest, fsync, rename, rotation."""
+        if self._is_writer:
+            keep = best_checkpoint(self.output_dir, tmp) if self.keep_best else None
+            publish(tmp, step, self.save_total_limit, keep)
+
+    def poll(self) -> None:
+        """Between steps: an asynchronous write that finished is done with (its error, if
+        it failed, raised here); never blocks."""
+        if self._pending is not None and self._pending.done():
+            self.wait()
+
+    def wait(self) -> Path | None:
+        """Block until the asynchronous write in flight (if any) is written and published;
+        its error, if it failed, is raised here. Returns the published folder."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return None
+        return pending.result()
 
     def bytes_needed(self, model: nn.Module, optimizer) -> int:
         """About what the next checkpoint takes on disk: the newest one's size, else the
@@ -140,6 +213,7 @@ class Checkpointer:
     def load(self, path: Path, model: nn.Module, optimizer, scheduler) -> tuple[dict, dict]:
         """Restore model, optimizer and scheduler in place from checkpoint `path` (either
         kind, at any world size); returns (trainer_state, rng_state)."""
+        self.wait()  # a rollback restores the newest checkpoint: it may be in flight
         path = Path(path)
         sharded = is_distributed_checkpoint(path)
         for name in (SCHEDULER_FILE, RNG_FILE) + (() if sharded else (OPTIMIZER_FILE,)):
@@ -161,6 +235,7 @@ class Checkpointer:
         unsharded model of the same architecture. A LoRA run (model_cfg.lora): the peft
         adapter, or the merged model with model_cfg.lora_merge (returned by a one-process
         run, to use from then on; otherwise `model` itself)."""
+        self.wait()
         folder = self.output_dir / "final"
         lora = model_cfg is not None and model_cfg.lora
         if self.sharded:
@@ -183,6 +258,63 @@ class Checkpointer:
             if lora:  # the adapter folder too: tokenizer and base record, to sample it
                 self._write_run_files(self.output_dir / model_cfg.adaptor_name)
         return model
+
+
+class _Pending:
+    """One asynchronous checkpoint write: DCP's upload future, then (in a thread of its own,
+    on the writer) the publication once every rank's files are written; DCP's save ends
+    with a gather to rank 0, so rank 0's upload finishing means every rank's did."""
+
+    def __init__(self, upload: Future, tmp: Path, step: int, owner: Checkpointer) -> None:
+        self.path = owner.output_dir / f"checkpoint-{step}"
+        self.error: BaseException | None = None
+        self._finished = threading.Event()
+
+        def finish() -> None:
+            try:
+                upload.result()
+                owner._publish(tmp, step)
+            except BaseException as err:  # raised in the training thread by result()
+                self.error = _write_failed(err, step, owner.output_dir)
+            finally:
+                self._finished.set()
+
+        threading.Thread(target=finish, name=f"unmask-publish-{step}", daemon=True).start()
+
+    def done(self) -> bool:
+        return self._finished.is_set()
+
+    def result(self) -> Path:
+        self._finished.wait()
+        if self.error is not None:
+            raise self.error
+        return self.path
+
+
+def _write_failed(err: BaseException, step: int, output_dir: Path) -> RunStopped:
+    """An asynchronous write's error as a RunStopped naming the first failure (DCP wraps
+    each rank's in a CheckpointException) and the newest complete checkpoint."""
+    failures = getattr(err, "failures", None)
+    if failures:
+        err = next(iter(failures.values()))[0]
+    first = (str(err).strip().splitlines() or [""])[0]
+    saved = list_checkpoints(output_dir)
+    last = str(saved[-1]) if saved else "none (no checkpoint yet)"
+    return RunStopped(
+        f"checkpoint-{step} could not be written ({type(err).__name__}: {first}); the last "
+        f"complete checkpoint is {last}: fix the cause and resume with "
+        "train.resume_from_checkpoint=true"
+    )
+
+
+def check_async_request(async_checkpoint: bool, lora: bool) -> None:
+    """train.async_checkpoint with settings it cannot write: an InputError before anything
+    is written."""
+    if async_checkpoint and lora:
+        raise InputError(
+            "train.async_checkpoint does not support model.lora (adapter checkpoints are "
+            "written synchronously); set train.async_checkpoint=false"
+        )
 
 
 def best_checkpoint(output_dir: Path, new: Path | None = None) -> Path | None:

@@ -8,12 +8,14 @@ path) runs before anything is written, so bad input never leaves a half-made run
 import json
 import math
 import os
+import sys
 import time
 from pathlib import Path
 
 import torch
 
 from unmask.checkpoint import Checkpointer
+from unmask.checkpoint.checkpointer import check_async_request
 from unmask.checkpoint.layout import newest_intact, read_trainer_state
 from unmask.config import RunConfig, dump_config
 from unmask.data import (
@@ -86,6 +88,7 @@ class Trainer:
         self.cfg = cfg
         t = cfg.train
         check_lora_request(cfg.model)
+        check_async_request(t.async_checkpoint, cfg.model.lora)
         check_trackers(t.report_to)
         check_model_fits(cfg)
         env = launch_env()
@@ -166,6 +169,8 @@ class Trainer:
             files={GENERATION_FILE: sampling, **self._lora_files()},
             save_total_limit=t.save_total_limit,
             keep_best=t.keep_best,
+            async_save=t.async_checkpoint,
+            timeout_s=t.ddp_timeout,
         )
 
         if self.resume_path is not None:  # before config.yaml: a mismatch changes nothing
@@ -357,23 +362,43 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> float:
-        """Eval loss on held-out rows with fixed noise, so evaluations are comparable."""
+        """Eval loss on held-out rows with fixed noise, so evaluations are comparable. An
+        objective that draws each row's noise on its own (`global_noise`) gets row i's from
+        a generator seeded by (seed, i): the loss does not depend on
+        train.per_device_eval_batch_size (only on the rows: eval_max_batches counts
+        batches)."""
         was_training = self.model.training
         self.model.eval()
         noise = torch.Generator(device=self.device)
         noise.manual_seed(self.cfg.train.seed + 12345)
-        loss_sum_total, count_total = 0.0, 0.0
-        batches = eval_batches(self.eval_rows, self.cfg.train.per_device_eval_batch_size)
-        for index, batch in enumerate(batches):
+        loss_sum_total = torch.zeros((), device=self.device, dtype=torch.float64)
+        count_total = torch.zeros((), device=self.device, dtype=torch.float64)
+        size = self.cfg.train.per_device_eval_batch_size
+        for index, batch in enumerate(eval_batches(self.eval_rows, size)):
             if self.cfg.train.eval_max_batches is not None:
                 if index >= self.cfg.train.eval_max_batches:
                     break
+            batch = self._eval_noise(self._to_device(batch), index * size)
             with self._autocast():
-                loss_sum, count = self.objective(self.model, self._to_device(batch), noise)
-            loss_sum_total += float(loss_sum)
-            count_total += float(count)
+                loss_sum, count = self.objective(self.model, batch, noise)
+            loss_sum_total += loss_sum.detach().double()  # on the device: one read at the end
+            count_total += count.detach().double()
         self.model.train(was_training)
-        return loss_sum_total / max(count_total, 1.0)
+        return float(loss_sum_total / count_total.clamp(min=1.0))
+
+    def _eval_noise(self, batch: dict, first_row: int) -> dict:
+        """The eval batch with each row's noise drawn from its own generator, seeded by the
+        row's index; unchanged for objectives that draw for the whole batch."""
+        if not getattr(self.objective, "global_noise", False):
+            return batch
+        generator = torch.Generator(device=self.device)
+        drawn = []
+        for row in range(batch["input_ids"].shape[0]):
+            generator.manual_seed(self.cfg.train.seed + 54321 + first_row + row)
+            one = {k: v[row : row + 1] for k, v in batch.items()}
+            drawn.append(self.objective.with_noise(one, generator))
+        added = [k for k in drawn[0] if k not in batch]
+        return {**batch, **{k: torch.cat([d[k] for d in drawn]) for k in added}}
 
     # -- the loop ------------------------------------------------------------------------
     def train(self) -> dict:
@@ -418,6 +443,7 @@ class Trainer:
                         next(self.loader) for _ in range(cfg.train.gradient_accumulation_steps)
                     ]
                     stats = self.train_step(batches)
+                    self.checkpointer.poll()  # a finished async write is published now
                     self.step += 1
                     self.tokens_seen += plan.tokens_per_step
                     if not self._guard_step(stats, logger):
@@ -442,12 +468,14 @@ class Trainer:
                     if (plan.eval_every and self.step % plan.eval_every == 0) or at_end:
                         if len(self.eval_rows):
                             values["eval_loss"] = self.last_eval_loss = self.evaluate()
+                    saved = (plan.save_every and self.step % plan.save_every == 0) or at_end
+                    if saved:  # the loop's stall: all of a sync save, the copy of an async one
+                        save_started = time.perf_counter()
+                        self.save()
+                        values["save_stall_seconds"] = round(time.perf_counter() - save_started, 4)
                     if values:
                         logger.log(self.step, values)
                         last.update(values)
-                    saved = (plan.save_every and self.step % plan.save_every == 0) or at_end
-                    if saved:
-                        self.save()
                     if self._stop_requested(stop, stats):
                         self._stop(stop, logger, saved)
                         return last
@@ -460,10 +488,24 @@ class Trainer:
                                          wall_seconds=time.perf_counter() - started))  # fmt: skip
         finally:
             self._stop_signals = None
+            self._finish_checkpoint()
             logger.close()
             self.logger = None
             self.loader.close()
         return last
+
+    def _finish_checkpoint(self) -> None:
+        """The end of train(), also by a signal or an error: an async checkpoint in flight
+        is written and published before the process goes on (its own error is raised only
+        when no other one is on its way out)."""
+        leaving = sys.exc_info()[1]  # the error train() is stopping for, if any
+        try:
+            self.checkpointer.wait()
+        except Exception as err:
+            if leaving is None:
+                raise
+            if self.logger is not None:
+                self.logger.print(f"the checkpoint being written failed too: {err}")
 
     def _guard_step(self, stats: dict, logger) -> bool:
         """True when the step counted; for a non-finite one: skip it, roll back to the last
@@ -480,6 +522,7 @@ class Trainer:
         )
         if action == "skip":
             return False
+        self.checkpointer.wait()  # an async checkpoint in flight is published first
         newest = newest_intact(self.output_dir)[0] if self.dist.is_main else None
         newest = share_from_rank0(lambda: newest)
         streak = f"steps {state.first_bad_step}-{self.step}"
