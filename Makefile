@@ -38,7 +38,8 @@ format: $(STAMP)
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
 
-# The benchmarks behind the README's numbers, in one run of under 20 minutes on 2 cores.
+# The benchmarks behind the README's numbers, in one run (22 minutes on this project's
+# 2-core machine).
 bench: $(STAMP)
 	$(BIN)/python benchmarks/masked_loss_memory.py
 	$(BIN)/python benchmarks/muon.py
