@@ -123,7 +123,8 @@ class MetricsLogger:
             if postfix:
                 self.bar.set_postfix(postfix, refresh=False)
 
-    def log(self, step: int, values: dict) -> None:
+    def log(self, step: int, values: dict, show: bool = True) -> None:
+        """One metrics.jsonl record (and the trackers'); show: print the progress line."""
         record = {"step": step, **values}
         self.jsonl.write(json.dumps(record) + "\n")
         self.jsonl.flush()
@@ -137,7 +138,8 @@ class MetricsLogger:
             self.wandb.log(numbers, step=step)
         if self.trackio is not None:
             self.trackio.log(numbers, step=step)
-        self.print(format_line(step, self.total_steps, values, self.eta(step)))
+        if show:
+            self.print(format_line(step, self.total_steps, values, self.eta(step)))
 
     def rewind(self, step: int) -> None:
         """Forget the records after `step` (the run goes back there and logs them again)."""

@@ -468,14 +468,16 @@ class Trainer:
                     if (plan.eval_every and self.step % plan.eval_every == 0) or at_end:
                         if len(self.eval_rows):
                             values["eval_loss"] = self.last_eval_loss = self.evaluate()
+                    if values:  # logged before the save: a kill after the checkpoint must
+                        logger.log(self.step, values)  # not lose this step's line
+                        last.update(values)
                     saved = (plan.save_every and self.step % plan.save_every == 0) or at_end
                     if saved:  # the loop's stall: all of a sync save, the copy of an async one
                         save_started = time.perf_counter()
                         self.save()
-                        values["save_stall_seconds"] = round(time.perf_counter() - save_started, 4)
-                    if values:
-                        logger.log(self.step, values)
-                        last.update(values)
+                        stall = round(time.perf_counter() - save_started, 4)
+                        logger.log(self.step, {"save_stall_seconds": stall}, show=False)
+                        last["save_stall_seconds"] = stall
                     if self._stop_requested(stop, stats):
                         self._stop(stop, logger, saved)
                         return last
