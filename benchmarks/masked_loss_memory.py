@@ -8,6 +8,9 @@ w.r.t. the hidden states and the LM head, one forward + backward each, in one ru
   masked: chunked_cross_entropy(h[masked], W, targets[masked]) summed: the LM head runs
           on masked rows only, one (row_chunk x vocab_chunk) block at a time, and the
           backward recomputes each block instead of storing logits.
+  fused:  weighted_cross_entropy(h[masked], W, targets[masked], ones), what the trainer
+          runs: both gradients computed in the forward, one (rows x V) block of as many
+          elements per row chunk, the head's logits computed once instead of twice.
 
 How peak memory is measured: torch.profiler with profile_memory=True records every
 allocation and free made by PyTorch's CPU allocator while it runs (including the
@@ -30,7 +33,7 @@ import torch.nn.functional as F
 from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile
 
-from unmask.diffusion.loss import chunked_cross_entropy
+from unmask.diffusion.loss import chunked_cross_entropy, weighted_cross_entropy
 
 RESULTS = Path(__file__).parent / "results" / "masked_loss_memory.md"
 
@@ -45,6 +48,12 @@ def naive_loss(hidden, weight, targets):
 def masked_loss(hidden, weight, targets, vocab_chunk=8192, row_chunk=4096):
     sel = targets != -100
     return chunked_cross_entropy(hidden[sel], weight, targets[sel], vocab_chunk, row_chunk).sum()
+
+
+def fused_loss(hidden, weight, targets, vocab_chunk=8192, row_chunk=4096):
+    sel = targets != -100
+    ones = torch.ones(int(sel.sum()))
+    return weighted_cross_entropy(hidden[sel], weight, targets[sel], ones, vocab_chunk, row_chunk)
 
 
 def _allocations(node, out):
@@ -94,6 +103,9 @@ def measure(batch, length, vocab, hidden_size, mask_frac, seed=0):
     chunk_peak, chunk_s, (chunk_l, chunk_gh, chunk_gw) = peak_bytes(
         forward_backward(masked_loss, hidden, weight, targets)
     )
+    fused_peak, fused_s, (fused_l, fused_gh, fused_gw) = peak_bytes(
+        forward_backward(fused_loss, hidden, weight, targets)
+    )
     rel = lambda a, b: float((a - b).abs().max() / b.abs().max())  # noqa: E731
     return {
         "shape": f"{batch}x{length}, V={vocab}, H={hidden_size}",
@@ -103,20 +115,30 @@ def measure(batch, length, vocab, hidden_size, mask_frac, seed=0):
         "ratio": naive_peak / chunk_peak,
         "naive_s": naive_s,
         "chunked_s": chunk_s,
-        "loss_rel": abs(float(chunk_l - naive_l)) / abs(float(naive_l)),
-        "grad_rel": max(rel(chunk_gh, naive_gh), rel(chunk_gw, naive_gw)),
+        "fused_mib": fused_peak / 2**20,
+        "fused_ratio": naive_peak / fused_peak,
+        "fused_s": fused_s,
+        "loss_rel": max(abs(float(x - naive_l)) / abs(float(naive_l)) for x in (chunk_l, fused_l)),
+        "grad_rel": max(
+            rel(chunk_gh, naive_gh),
+            rel(chunk_gw, naive_gw),
+            rel(fused_gh, naive_gh),
+            rel(fused_gw, naive_gw),
+        ),  # fmt: skip
     }
 
 
 def table(rows) -> str:
     head = (
         "| shape (B x L, V, H) | masked tokens | naive peak MiB | masked-only peak MiB | "
-        "ratio naive/masked | naive s | masked s | loss rel. diff | grad max rel. diff |\n"
-        "|---|---|---|---|---|---|---|---|---|\n"
+        "ratio naive/masked | fused peak MiB | ratio naive/fused | naive s | masked s | "
+        "fused s | loss rel. diff | grad max rel. diff |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|\n"
     )
     lines = [
         f"| {r['shape']} | {r['masked']} | {r['naive_mib']:.1f} | {r['chunked_mib']:.1f} | "
-        f"{r['ratio']:.1f}x | {r['naive_s']:.2f} | {r['chunked_s']:.2f} | "
+        f"{r['ratio']:.1f}x | {r['fused_mib']:.1f} | {r['fused_ratio']:.1f}x | "
+        f"{r['naive_s']:.2f} | {r['chunked_s']:.2f} | {r['fused_s']:.2f} | "
         f"{r['loss_rel']:.1e} | {r['grad_rel']:.1e} |"
         for r in rows
     ]
@@ -143,7 +165,10 @@ def main():
         "Peak = max running total of PyTorch CPU allocator bytes recorded by "
         "torch.profiler(profile_memory=True) during one forward+backward, relative to the "
         "start (inputs and weights excluded, their gradients included). Masked-only uses "
-        "chunked_cross_entropy with vocab_chunk=8192, row_chunk=4096 (the defaults). "
+        "chunked_cross_entropy with vocab_chunk=8192, row_chunk=4096 (the defaults); fused "
+        "is weighted_cross_entropy (gradients in the forward; what the trainer runs) with "
+        "the same settings. Times are one run each, on a shared machine: indicative only "
+        "(benchmarks/train_step.py times whole steps). "
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, float32."
     )
     text = (

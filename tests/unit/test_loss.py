@@ -1,10 +1,11 @@
-"""chunked_cross_entropy (masked-only LM head) against F.cross_entropy on full logits."""
+"""chunked_cross_entropy (masked-only LM head) against F.cross_entropy on full logits, and
+weighted_cross_entropy (gradients in the forward) against the plain path."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from unmask.diffusion.loss import chunked_cross_entropy
+from unmask.diffusion.loss import chunked_cross_entropy, weighted_cross_entropy
 
 N, H, V = 13, 8, 50
 
@@ -108,3 +109,73 @@ def test_frozen_head_gets_no_gradient_and_hidden_grad_is_unchanged():
     (ref,) = torch.autograd.grad(reference(hidden, frozen, targets).sum(), [hidden])
     torch.testing.assert_close(gh, ref, rtol=1e-5, atol=1e-5)
     assert frozen.grad is None
+
+
+# -- weighted_cross_entropy: sum_i c_i CE_i with the gradients computed in the forward -------
+
+
+def plain_weighted(hidden, weight, targets, coef):
+    return (chunked_cross_entropy(hidden, weight, targets, 7, 5) * coef).sum()
+
+
+@pytest.mark.parametrize("vocab_chunk,row_chunk", [(50, 13), (7, 4), (1, 1), (64, 100)])
+def test_weighted_loss_and_grads_equal_the_plain_path(vocab_chunk, row_chunk):
+    """Rows per block = row_chunk * vocab_chunk // V: one row, several blocks, all rows."""
+    hidden, weight, targets = inputs()
+    coef = torch.rand(N, generator=torch.Generator().manual_seed(2))
+    coef[3] = 0.0  # a masked row whose weight is 0 contributes nothing
+    fused = weighted_cross_entropy(hidden, weight, targets, coef, vocab_chunk, row_chunk)
+    plain = plain_weighted(hidden, weight, targets, coef)
+    assert fused.dtype == torch.float32 and fused.shape == ()
+    torch.testing.assert_close(fused, plain, rtol=1e-6, atol=1e-6)
+    grads = torch.autograd.grad(fused * 3.0, [hidden, weight])  # the incoming gradient scales
+    ref_grads = torch.autograd.grad(plain * 3.0, [hidden, weight])
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-6)
+
+
+def test_weighted_loss_with_a_frozen_head_or_bf16_or_no_rows():
+    hidden, weight, targets = inputs()
+    coef = torch.rand(N, generator=torch.Generator().manual_seed(3))
+    frozen = weight.detach()
+    fused = weighted_cross_entropy(hidden, frozen, targets, coef)
+    (g,) = torch.autograd.grad(fused, [hidden])
+    (r,) = torch.autograd.grad(plain_weighted(hidden, frozen, targets, coef), [hidden])
+    torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-6)
+    hb, wb, _ = inputs(torch.bfloat16)
+    fused = weighted_cross_entropy(hb, wb, targets, coef)
+    grads = torch.autograd.grad(fused, [hb, wb])
+    ref_grads = torch.autograd.grad(plain_weighted(hb, wb, targets, coef), [hb, wb])
+    assert [g.dtype for g in grads] == [torch.bfloat16, torch.bfloat16]
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g.float(), r.float(), rtol=2e-2, atol=2e-2)
+    empty = weighted_cross_entropy(hidden[:0], weight, targets[:0], coef[:0])
+    assert float(empty.detach()) == 0.0 and empty.requires_grad
+    with torch.no_grad():  # no gradient wanted: the forward-only path, same number
+        torch.testing.assert_close(
+            weighted_cross_entropy(hidden, weight, targets, coef),
+            plain_weighted(hidden, weight, targets, coef),
+        )
+
+
+def test_native_model_target_weights_equal_the_weighted_per_token_losses():
+    """model(..., target_weights=w) is sum(w * model(..., targets)) with every parameter's
+    gradient the same (tied head: the embedding gets both of its gradients)."""
+    from unmask.models.build import build_model
+    from unmask.models.config import ModelConfig
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, vocab_size=97,
+                      tie_word_embeddings=True)  # fmt: skip
+    model = build_model(cfg)
+    ids = torch.randint(0, 97, (2, 12))
+    targets = torch.where(torch.rand(2, 12) < 0.5, ids, -100)
+    w = torch.rand(2, 12)
+    fused = model(ids, targets=targets, target_weights=w)
+    grads = torch.autograd.grad(fused, list(model.parameters()))
+    plain = (model(ids, targets=targets) * w).sum()
+    ref_grads = torch.autograd.grad(plain, list(model.parameters()))
+    torch.testing.assert_close(fused, plain, rtol=1e-6, atol=1e-6)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-6)

@@ -105,6 +105,80 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         return grad_hidden.to(hidden.dtype), grad_weight, None, None, None
 
 
+class _WeightedCrossEntropy(torch.autograd.Function):
+    """sum_i c_i CE_i with both gradients computed in the forward (the output is a scalar,
+    so the backward only scales them by the incoming gradient)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, coef, block_rows):
+        # hidden (N, H), weight (V, H), targets (N,), coef (N,) -> 0-d float32
+        n, v = hidden.shape[0], weight.shape[0]
+        acc = torch.promote_types(hidden.dtype, torch.float32)
+        want_hidden, want_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_hidden = grad_weight = None
+        if want_hidden:
+            grad_hidden = torch.empty(hidden.shape, dtype=acc, device=hidden.device)
+        if want_weight:
+            grad_weight = torch.empty(weight.shape, dtype=acc, device=weight.device)
+        w_acc = weight.to(acc)
+        buffer = hidden.new_empty(min(n, block_rows) * v, dtype=acc)
+        total = torch.zeros((), dtype=acc, device=hidden.device)
+        for r0, r1 in _chunks(n, block_rows):
+            h = hidden[r0:r1]
+            t_rows = targets[r0:r1, None]
+            c = coef[r0:r1].to(acc)
+            logits = _logits_into(_block(buffer, r1 - r0, v), h, weight)  # (R, V)
+            row_max = logits.amax(dim=1)
+            target_logit = logits.gather(1, t_rows).squeeze(1)
+            probs = logits.sub_(row_max[:, None]).exp_()  # unnormalized, in place
+            sums = probs.sum(dim=1)
+            total += (c * (row_max + sums.log() - target_logit)).sum()
+            # d (c_i CE_i) / d logits_ij = c_i (softmax_ij - [j == target_i])
+            probs.mul_((c / sums)[:, None]).scatter_add_(1, t_rows, -c[:, None])
+            if want_hidden:
+                torch.mm(probs, w_acc, out=grad_hidden[r0:r1])
+            if want_weight:
+                _mm_into(grad_weight, probs.T, h.to(acc), first=r0 == 0)
+        ctx.grads = (grad_hidden, grad_weight)
+        ctx.dtypes = (hidden.dtype, weight.dtype)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total):
+        grad_hidden, grad_weight = ctx.grads
+        ctx.grads = None
+        hidden_dtype, weight_dtype = ctx.dtypes
+        g = grad_total.to(torch.float32)
+        if grad_hidden is not None:
+            grad_hidden = grad_hidden.mul_(g).to(hidden_dtype)
+        if grad_weight is not None:
+            grad_weight = grad_weight.mul_(g).to(weight_dtype)
+        return grad_hidden, grad_weight, None, None, None
+
+
+def weighted_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    coef: torch.Tensor,
+    vocab_chunk: int = 8192,
+    row_chunk: int = 4096,
+) -> torch.Tensor:
+    """sum_i coef_i * CE_i, 0-d float32: `(coef * chunked_cross_entropy(...)).sum()` with
+    one pass over the LM head fewer when gradients are wanted (both are computed in the
+    forward; tests/unit/test_loss.py pins them to the plain path). coef (N,) carries no
+    gradient. Rows are taken `row_chunk * vocab_chunk // V` at a time (at least one), so
+    the block holds as many elements as chunked_cross_entropy's.
+    """
+    needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    if hidden.shape[0] == 0 or not needs_grad:
+        losses = chunked_cross_entropy(hidden, weight, targets, vocab_chunk, row_chunk)
+        return (losses * coef.detach().to(losses.dtype)).sum()
+    block_rows = max(1, (row_chunk * vocab_chunk) // weight.shape[0])
+    with torch.autocast(device_type=hidden.device.type, enabled=False):
+        return _WeightedCrossEntropy.apply(hidden, weight, targets, coef.detach(), block_rows)
+
+
 def chunked_cross_entropy(
     hidden: torch.Tensor,
     weight: torch.Tensor,

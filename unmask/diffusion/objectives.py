@@ -80,19 +80,18 @@ def answer_lengths(input_ids: torch.Tensor, maskable: torch.Tensor, eos_id: int)
     return (maskable & (before == 0)).sum(1).float()
 
 
-def normalized_terms(
-    terms: torch.Tensor,
+def row_scales(
     maskable: torch.Tensor,
     mode: str,
     input_ids: torch.Tensor | None = None,
     eos_id: int | None = None,
-) -> ObjectiveOutput:
-    """(loss_sum, count) of masked per-token terms (B, L) (0 where not masked) under a
-    loss normalization (docs/diffusion.md): `token` sums everything over one global count of
-    maskable tokens; `answer_padded` / `answer` divide each row by its maskable tokens /
-    its answer length first and count rows, so the global division is the mean over rows."""
+) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """(per-row factor (B,) or None, count) of a loss normalization (docs/diffusion.md):
+    `token` sums everything over one global count of maskable tokens (no factor);
+    `answer_padded` / `answer` divide each row by its maskable tokens / its answer length
+    and count rows with an answer, so the global division is the mean over rows."""
     if mode == "token":
-        return ObjectiveOutput(terms.sum(), maskable.sum().to(torch.float32))
+        return None, maskable.sum().to(torch.float32)
     if mode == "answer_padded":
         lengths = maskable.sum(1).float()
     elif mode == "answer":
@@ -102,8 +101,22 @@ def normalized_terms(
     else:
         raise ValueError(f"unknown loss normalization {mode!r}")
     has_answer = lengths > 0
-    per_row = terms.sum(1) / lengths.clamp(min=1)
-    return ObjectiveOutput(per_row[has_answer].sum(), has_answer.sum().float())
+    return has_answer.float() / lengths.clamp(min=1), has_answer.sum().float()
+
+
+def normalized_terms(
+    terms: torch.Tensor,
+    maskable: torch.Tensor,
+    mode: str,
+    input_ids: torch.Tensor | None = None,
+    eos_id: int | None = None,
+) -> ObjectiveOutput:
+    """(loss_sum, count) of masked per-token terms (B, L) (0 where not masked) under a
+    loss normalization (`row_scales`)."""
+    scale, count = row_scales(maskable, mode, input_ids, eos_id)
+    if scale is None:
+        return ObjectiveOutput(terms.sum(), count)
+    return ObjectiveOutput((terms.sum(1) * scale).sum(), count)
 
 
 class MaskedDiffusionObjective:
@@ -141,6 +154,11 @@ class MaskedDiffusionObjective:
 
     def _normalized(self, terms, maskable, input_ids) -> ObjectiveOutput:
         return normalized_terms(terms, maskable, self.normalization, input_ids, self.eos_id)
+
+    def _scaled(self, coef, maskable, input_ids) -> tuple[torch.Tensor, torch.Tensor]:
+        """(coef with each row scaled by the normalization, count)."""
+        scale, count = row_scales(maskable, self.normalization, input_ids, self.eos_id)
+        return (coef if scale is None else coef * scale[:, None]), count
 
     def noise(
         self, batch: dict, generator: torch.Generator | None = None, rows: RowSlice | None = None
@@ -196,13 +214,13 @@ class MaskedDiffusionObjective:
         maskable = maskable_of(batch)
         t, noisy, masked = self.noise(batch, generator)
         targets = torch.where(masked, input_ids, torch.full_like(input_ids, IGNORE_INDEX))
-        ce = token_losses(model, noisy, batch, targets, self.cfg.vocab_chunk_size)
-        weight = loss_weight(t, self.cfg.loss_weight, self.cfg.schedule)
+        weight = loss_weight(t, self.cfg.loss_weight, self.cfg.schedule).float()
+        coef, count = self._scaled(torch.where(masked, weight[:, None], 0.0), maskable, input_ids)
+        loss_sum = weighted_token_loss(
+            model, noisy, batch, targets, coef, self.cfg.vocab_chunk_size
+        )
         self.last_stats = objective_stats(t, masked, maskable)
-        if self.normalization == "token":
-            return mdlm_loss_terms(ce, masked, weight, maskable)
-        terms = torch.where(masked, ce.float() * weight.float()[:, None], 0.0)
-        return self._normalized(terms, maskable, input_ids)
+        return ObjectiveOutput(loss_sum, count)
 
 
 def maskable_of(batch: dict) -> torch.Tensor:
@@ -225,6 +243,31 @@ def token_losses(
         targets=targets,
         vocab_chunk=vocab_chunk,
     )
+
+
+def weighted_token_loss(
+    model: nn.Module,
+    noisy: torch.Tensor,
+    batch: dict,
+    targets: torch.Tensor,
+    coef: torch.Tensor,
+    vocab_chunk: int,
+) -> torch.Tensor:
+    """sum over positions with a target of coef * CE, 0-d float32: the number
+    `(coef * token_losses(...)).sum()` gives, from a model that computes it with the LM
+    head's gradients in its forward pass when it offers that (`accepts_target_weights`:
+    the native transformer; one pass over the head fewer, diffusion/loss.py)."""
+    if getattr(model, "accepts_target_weights", False):
+        return model(
+            noisy,
+            doc_ids=batch.get("doc_ids"),
+            position_ids=batch.get("position_ids"),
+            targets=targets,
+            vocab_chunk=vocab_chunk,
+            target_weights=coef,
+        )
+    ce = token_losses(model, noisy, batch, targets, vocab_chunk)
+    return torch.where(targets != IGNORE_INDEX, ce.float() * coef, 0.0).sum()
 
 
 def objective_stats(t: torch.Tensor, masked: torch.Tensor, maskable: torch.Tensor) -> dict:

@@ -23,7 +23,7 @@ from unmask.diffusion.objectives import (
     ObjectiveOutput,
     maskable_of,
     objective_stats,
-    token_losses,
+    weighted_token_loss,
 )
 
 # -- pure pieces ---------------------------------------------------------------------------
@@ -32,23 +32,6 @@ from unmask.diffusion.objectives import (
 def shift_logits(logits: torch.Tensor) -> torch.Tensor:
     """Dream's shift: logits'[:, 0] = logits[:, 0], logits'[:, i] = logits[:, i - 1]."""
     return torch.cat([logits[:, :1], logits[:, :-1]], dim=1)
-
-
-def shifted_token_losses(
-    model: nn.Module, noisy: torch.Tensor, batch: dict, targets: torch.Tensor, vocab_chunk: int
-) -> torch.Tensor:
-    """Per-token CE (B, L) where position i is scored by the model's output at i - 1.
-
-    Equivalent to `shift_logits` followed by CE, but the model still only runs its LM head on
-    rows with a target: output j gets target j + 1. Position 0 gets no loss (callers make
-    document starts unmaskable), so the shift never needs two targets at one output.
-    """
-    ahead = torch.full_like(targets, IGNORE_INDEX)
-    ahead[:, :-1] = targets[:, 1:]
-    ce = token_losses(model, noisy, batch, ahead, vocab_chunk)
-    out = torch.zeros_like(ce)
-    out[:, 1:] = ce[:, :-1]
-    return out
 
 
 def cart_weights(masked: torch.Tensor, geo_p: float, doc_ids: torch.Tensor | None = None):
@@ -149,11 +132,11 @@ class SFTObjective(MaskedDiffusionObjective):
             drop = torch.rand(t.shape, generator=generator, device=t.device) < cfg.prompt_drop_prob
             noisy = noisy.masked_fill(prompt & drop[:, None], self.mask_id)
         targets = torch.where(masked, input_ids, torch.full_like(input_ids, IGNORE_INDEX))
-        ce = _token_losses(model, noisy, batch, targets, cfg)
         weight = loss_weight(t, cfg.loss_weight, cfg.schedule).float()
-        terms = torch.where(masked, ce.float(), 0.0) * weight[:, None]
+        coef, count = self._scaled(torch.where(masked, weight[:, None], 0.0), maskable, input_ids)
+        loss_sum = _weighted_loss(model, noisy, batch, targets, coef, cfg, bool(cfg.logit_shift))
         self.last_stats = objective_stats(t, masked, maskable)
-        return self._normalized(terms, maskable, input_ids)
+        return ObjectiveOutput(loss_sum, count)
 
 
 class DreamObjective(MaskedDiffusionObjective):
@@ -202,15 +185,13 @@ class DreamObjective(MaskedDiffusionObjective):
         input_ids, maskable = batch["input_ids"], maskable_of(batch)
         t, noisy, masked = self.noise(batch, generator)
         targets = torch.where(masked, input_ids, torch.full_like(input_ids, IGNORE_INDEX))
-        if cfg.logit_shift is not False:
-            ce = shifted_token_losses(model, noisy, batch, targets, cfg.vocab_chunk_size)
-        else:
-            ce = token_losses(model, noisy, batch, targets, cfg.vocab_chunk_size)
         if self.weight_kind == "cart":
             weight = cart_weights(masked, self.geo_p, batch.get("doc_ids"))
         else:
             weight = loss_weight(t, self.weight_kind, cfg.schedule).float()[:, None]
-        loss_sum = torch.where(masked, ce.float() * weight, 0.0).sum()
+        coef = torch.where(masked, weight, 0.0)
+        shift = cfg.logit_shift is not False
+        loss_sum = _weighted_loss(model, noisy, batch, targets, coef, cfg, shift)
         self.last_stats = objective_stats(t, masked, maskable)
         return ObjectiveOutput(loss_sum, maskable.sum().float())
 
@@ -251,22 +232,35 @@ class BlockDiffusionObjective(MaskedDiffusionObjective):
             doc2 = torch.cat([doc_ids, doc_ids], dim=1)
             attn = attn & (doc2[:, :, None] == doc2[:, None, :])[:, None]
         targets = torch.where(masked, x0, torch.full_like(x0, IGNORE_INDEX))
-        ce = model(
-            torch.cat([noisy, x0], dim=1),
-            position_ids=torch.cat([position_ids, position_ids], dim=1),
-            targets=torch.cat([targets, torch.full_like(targets, IGNORE_INDEX)], dim=1),
-            vocab_chunk=cfg.vocab_chunk_size,
-            attention_mask=attn,
-        )[:, :length]
         weight = loss_weight(t, cfg.loss_weight, cfg.schedule).float()
-        loss_sum = torch.where(masked, ce.float() * weight, 0.0).sum()
+        coef = torch.where(masked, weight, 0.0)
+        call = {
+            "position_ids": torch.cat([position_ids, position_ids], dim=1),
+            "targets": torch.cat([targets, torch.full_like(targets, IGNORE_INDEX)], dim=1),
+            "vocab_chunk": cfg.vocab_chunk_size,
+            "attention_mask": attn,
+        }
+        if getattr(model, "accepts_target_weights", False):  # the x0 half has no loss
+            twice = torch.cat([coef, torch.zeros_like(coef)], dim=1)
+            loss_sum = model(torch.cat([noisy, x0], dim=1), **call, target_weights=twice)
+        else:
+            ce = model(torch.cat([noisy, x0], dim=1), **call)[:, :length]
+            loss_sum = torch.where(masked, ce.float() * coef, 0.0).sum()
         self.last_stats = objective_stats(t, masked, maskable)
         return ObjectiveOutput(loss_sum, maskable.sum().float())
 
 
-def _token_losses(
-    model: nn.Module, noisy: torch.Tensor, batch: dict, targets: torch.Tensor, cfg
+def _weighted_loss(
+    model: nn.Module, noisy, batch: dict, targets, coef, cfg, shift: bool
 ) -> torch.Tensor:
-    if cfg.logit_shift:
-        return shifted_token_losses(model, noisy, batch, targets, cfg.vocab_chunk_size)
-    return token_losses(model, noisy, batch, targets, cfg.vocab_chunk_size)
+    """sum of coef * CE over the targets (0-d); shift: position i is scored by the model's
+    output at i - 1 (Dream), so output j gets target j + 1 and its coefficient (the LM head
+    still runs only on rows with a target). Position 0 gets no loss (callers make document
+    starts unmaskable), so the shift never needs two targets at one output."""
+    if shift:
+        ahead = torch.full_like(targets, IGNORE_INDEX)
+        ahead[:, :-1] = targets[:, 1:]
+        coef_ahead = torch.zeros_like(coef)
+        coef_ahead[:, :-1] = coef[:, 1:]
+        targets, coef = ahead, coef_ahead
+    return weighted_token_loss(model, noisy, batch, targets, coef, cfg.vocab_chunk_size)

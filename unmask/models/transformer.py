@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from unmask.diffusion.loss import IGNORE_INDEX, chunked_cross_entropy
+from unmask.diffusion.loss import IGNORE_INDEX, chunked_cross_entropy, weighted_cross_entropy
 from unmask.models.attention import (
     AttentionMask,
     KVCache,
@@ -148,6 +148,9 @@ class DecoderStack(nn.Module):
 class DiffusionTransformer(nn.Module):
     """Bidirectional Qwen3-layout decoder with an LM head; see `forward` for the call."""
 
+    #: forward takes `target_weights` (objectives.weighted_token_loss)
+    accepts_target_weights = True
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.config = cfg
@@ -221,6 +224,7 @@ class DiffusionTransformer(nn.Module):
         vocab_chunk: int = 8192,
         attention_mask: torch.Tensor | None = None,
         kv_cache: KVCache | None = None,
+        target_weights: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits, or per-token losses when targets are given.
 
@@ -236,10 +240,20 @@ class DiffusionTransformer(nn.Module):
         and records each layer's K/V; otherwise input_ids are the canvas tokens from
         kv_cache.start on, attending over the cached K/V of the rest (position_ids and
         attention_mask, (B, 1, Lq, L), must then be given for the fed tokens).
+        target_weights: (B, L) float with targets: return sum_i w_i CE_i (0-d float32)
+        over the target positions instead of the per-token losses, with the LM head's
+        gradients computed in the forward (`weighted_cross_entropy`: one pass over the
+        head fewer).
         """
         hidden = self.hidden_states(input_ids, doc_ids, position_ids, attention_mask, kv_cache)
         if targets is None:
             return self.lm_head(hidden)
+        if target_weights is not None:
+            selected = targets != IGNORE_INDEX
+            return weighted_cross_entropy(
+                hidden[selected], self.lm_head.weight, targets[selected],
+                target_weights[selected], vocab_chunk,
+            )  # fmt: skip
         return self._token_losses(hidden, targets, vocab_chunk)
 
     def _token_losses(
