@@ -35,8 +35,9 @@ tokens, P = weights of the decoder layers' matmuls, n = layers, A = query heads 
 H = hidden, V = vocabulary):
   decoder layers        6 P T               (forward 2 P T, backward 4 P T)
   attention scores      12 n B L^2 A        (Q K^T and P V: forward 4, backward 8)
-  LM head, unmask       8 M H V             (forward 2; backward: logits again 2, grad of
-                                             the hidden states 2, of the head 2)
+  LM head, unmask       6 M H V             (all in the forward: logits 2, grad of the
+                                             hidden states 2, of the head 2; the backward
+                                             only scales them: diffusion/loss.py)
   LM head, reference    6 T H V             (every position; logits kept for backward)
   checkpointing         + 2 P T + 4 n B L^2 A (the forward once more)
   Muon                  + Newton-Schulz FLOPs of every Muon matrix (`ns_flops`)
@@ -258,7 +259,7 @@ def step_flops(case: Case, masked: int, ns_flops: int) -> dict[str, float]:
     head = case.hidden * case.vocab
     parts = {"layers": 6 * p * tokens, "attention": 12 * scores}
     if case.impl == "unmask":
-        parts["lm_head"] = 8 * masked * head
+        parts["lm_head"] = 6 * masked * head
     else:
         parts["lm_head"] = 6 * tokens * head
     if case.checkpointing:
