@@ -47,8 +47,11 @@ ROW = 24  # "rep 3x1234=" (11) + 12 answer digits + EOS
 LONG, BLOCK = 16, 4
 MODEL = ["model.hidden_size=64", "model.intermediate_size=192", "model.num_hidden_layers=3",
          "train.per_device_train_batch_size=64"]  # fmt: skip
-DATA = ["data.synthetic_tasks=[repeat]", "data.synthetic_min_digits=1",
-        "data.synthetic_max_digits=4", f"data.packing_length={ROW}"]  # fmt: skip
+
+
+def data_overrides() -> list[str]:
+    return ["data.synthetic_tasks=[repeat]", "data.synthetic_min_digits=1",
+            "data.synthetic_max_digits=4", f"data.packing_length={ROW}"]  # fmt: skip
 
 
 def train(policy: str, folder: Path, steps: int, train_size: int) -> Path:
@@ -57,7 +60,7 @@ def train(policy: str, folder: Path, steps: int, train_size: int) -> Path:
     if final.is_dir():
         return final
     packing, supervise = PAD_POLICIES[policy]  # the quickstart file sets packing: false
-    overrides = [*DATA, f"data.pad_policy={policy}", f"data.packing={packing}",
+    overrides = [*data_overrides(), f"data.pad_policy={policy}", f"data.packing={packing}",
                  f"data.supervise_padding={supervise}", f"data.synthetic_train_size={train_size}",
                  f"train.output_dir={folder / policy}", f"train.max_steps={steps}",
                  "train.save_steps=0", "train.eval_steps=0", "train.disable_tqdm=true",
@@ -71,7 +74,7 @@ def train(policy: str, folder: Path, steps: int, train_size: int) -> Path:
 
 
 def heldout(count: int) -> list[tuple[str, str]]:
-    return make_synthetic_heldout(load_config(None, DATA).data)[:count]
+    return make_synthetic_heldout(load_config(None, data_overrides()).data)[:count]
 
 
 def _answer(sm, row: list[int]) -> str:
@@ -141,6 +144,7 @@ def pct(x: float) -> str:
 
 
 def main() -> None:
+    global ROW
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=2500, help="training steps per model")
     parser.add_argument("--train-size", type=int, default=60000)
@@ -149,6 +153,13 @@ def main() -> None:
     parser.add_argument("--default", default="eos", choices=POLICIES,
                         help="the policy whose model part 2 uses")  # fmt: skip
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument(
+        "--row",
+        type=int,
+        default=ROW,
+        help="training row length (the row canvas is this minus the prompt)",
+    )
+    parser.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
     parser.add_argument("--out", default="benchmarks/results/stopping.md")
     parser.add_argument(
         "--quick",
@@ -156,6 +167,9 @@ def main() -> None:
         help="smoke run: 20 steps per model, 16 prompts; writes no file",
     )
     args = parser.parse_args()
+    if args.default not in args.policies:
+        parser.error(f"--default {args.default} must be one of --policies")
+    ROW = args.row
     torch.set_num_threads(args.threads)
     if args.quick:
         args.steps, args.train_size, args.examples, args.out = 20, 1000, 16, None
@@ -182,7 +196,7 @@ def report(args, folder: Path) -> None:
         "|---|---|---|---|---|---|---|",
     ]
     models = {}
-    for policy in POLICIES:
+    for policy in args.policies:
         started = time.perf_counter()
         models[policy] = load_for_sampling(train(policy, folder, args.steps, args.train_size),
                                            device="cpu")  # fmt: skip
