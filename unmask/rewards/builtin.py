@@ -69,31 +69,38 @@ def _boxed(text: str) -> str | None:
     return None
 
 
-def _boxed_number(content: str) -> Fraction | None:
-    """A boxed answer's number: a fraction (3/4, \\frac{3}{4}), else its first number."""
-    content = re.sub(r"\\[!,;: ]|\$|\\%|%|\\text\{[^{}]*\}", "", content)
+def _fraction(content: str) -> Fraction | None:
+    """The value of a text that is one fraction (3/4, \\frac{3}{4}, \\frac34, $-1/2$), or
+    None. Dollar signs, percent signs, \\text{} and LaTeX spaces are ignored."""
+    content = re.sub(r"\\[!,;: ]|\$|\\%|%|\\text\{[^{}]*\}", "", content).strip().rstrip(".")
+    content = re.sub(r"\\([dt]?frac)\s*(\d)\s*(\d)", r"\\\1{\2}{\3}", content)  # \frac34
     for pattern in (_LATEX_FRACTION_RE, _FRACTION_RE):
         if m := pattern.fullmatch(content):
             sign, num, den = m.groups() if len(m.groups()) == 3 else ("", *m.groups())
             try:
                 value = _to_fraction(num.strip()) / _to_fraction(den.strip())
             except (ValueError, ZeroDivisionError):
-                break  # \frac{x}{2}, 1/0: not a number; fall back to the first number
+                return None  # \frac{x}{2}, 1/0: not a number
             return -value if sign else value
-    m = _NUMBER_RE.search(content)
-    return _to_fraction(m.group()) if m else None
+    return None
 
 
 def extract_number(text: str) -> Fraction | None:
     """The final answer of a worked solution, GSM8K style: the first number after the last
-    `####`, else the number in the last `\\boxed{}` (fractions allowed), else the last number
-    in the text; None when there is none. Thousands commas and a trailing period are fine."""
+    `####`, else the number in the last `\\boxed{}` (a fraction, or its first number), else
+    the text's value when all of it is one fraction (3/4), else the last number in the text;
+    None when there is none. Thousands commas (1,234) and a trailing period are fine."""
     if "####" in text:
         m = _NUMBER_RE.search(text.rsplit("####", 1)[1])
         if m:
             return _to_fraction(m.group())
     content = _boxed(text)
-    if content is not None and (number := _boxed_number(content)) is not None:
+    if content is not None:
+        if (number := _fraction(content)) is not None:
+            return number
+        if m := _NUMBER_RE.search(content.replace("$", "")):
+            return _to_fraction(m.group())
+    if (number := _fraction(text)) is not None:
         return number
     numbers = _NUMBER_RE.findall(text)
     return _to_fraction(numbers[-1]) if numbers else None
