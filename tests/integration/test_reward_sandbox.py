@@ -12,7 +12,7 @@ import textwrap
 import pytest
 
 from unmask.errors import InputError
-from unmask.rewards import RewardSet, parse_rewards
+from unmask.rewards import RewardSet, parse_rewards, sandbox
 
 USER_MODULE = '''
 import ctypes, math, os
@@ -44,6 +44,7 @@ def where(prompt, completion, record):
     """1.0 when the call runs in a fresh folder inside the worker's, with HOME there."""
     cwd = os.getcwd()
     fresh = not os.listdir(cwd) and os.path.basename(cwd).startswith("call-")
+    open("litter.txt", "w").close()  # the next call still gets an empty folder
     home = os.environ["HOME"] == os.environ["TMPDIR"] == cwd
     return float(fresh and home and "unmask-reward-" in cwd)
 
@@ -87,14 +88,14 @@ def score_all(rewards, completions, record):
 
 
 def test_user_functions_run_in_another_process_in_a_fresh_folder(user_module):
-    specs = parse_rewards([{"fn": "rw_user:pid"}, {"fn": "rw_user:where"}])
+    specs = parse_rewards([{"fn": "rw_user:pid"}, {"fn": "rw_user:where", "parallel_calls": 1}])
     with RewardSet(specs) as rewards:
-        scores = score_all(rewards, ["a", "b"], {"answer": "a"})
+        scores = score_all(rewards, ["a", "b", "c"], {"answer": "a"})
         workers = rewards.worker_pids()
     pids = scores.per_reward["pid"].tolist()
     assert os.getpid() not in pids and os.getpid() not in workers.values()
-    assert len(set(pids)) == 2  # each call in its own process
-    assert scores.per_reward["where"].tolist() == [1.0, 1.0]
+    assert len(set(pids)) == 3  # each call in its own process
+    assert scores.per_reward["where"].tolist() == [1.0, 1.0, 1.0]
     assert "rw_user" not in sys.modules
 
 
@@ -215,9 +216,22 @@ def test_check_refuses_what_cannot_be_imported(user_module):
     )
     assert check_error("rw_broken:score") == (
         "rewards[0].fn: importing module 'rw_broken' raised RuntimeError: boom at import: "
-        "fix the module"
+        "fix it"
     )
     assert "rw_user" not in sys.modules and "rw_broken" not in sys.modules
+
+
+def test_check_stops_an_import_that_hangs_or_hoards(user_module, tmp_path, monkeypatch):
+    (tmp_path / "lib" / "rw_hang.py").write_text("while True:\n    pass\n")
+    (tmp_path / "lib" / "rw_hog.py").write_text("hoard = bytearray(10**9)\n")
+    monkeypatch.setattr(sandbox, "START_TIMEOUT_S", 1.0)
+    assert check_error("rw_hang:score") == (
+        "rewards[0].fn: could not load 'rw_hang:score': the reward worker did not answer "
+        "within 1 s and was stopped"
+    )
+    assert check_error("rw_hog:score") == (
+        "rewards[0].fn: importing module 'rw_hog' raised MemoryError: raise rewards[0].memory_mb"
+    )
 
 
 def test_check_refuses_what_raises_or_returns_no_number(user_module):

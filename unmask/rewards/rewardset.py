@@ -200,7 +200,8 @@ def _start_error(spec: RewardSpec, where: str, err: WorkerError) -> str:
                 f"module '{module}' is importable from the directory you run unmask in "
                 f"({os.getcwd()}) or from PYTHONPATH")  # fmt: skip
     if err.kind == "import_raised":
-        return f"{where}.fn: importing module '{module}' raised {err.message}: fix the module"
+        fix = f"raise {where}.memory_mb" if err.message.startswith("MemoryError") else "fix it"
+        return f"{where}.fn: importing module '{module}' raised {err.message}: {fix}"
     if err.kind == "attribute_missing":
         hint = did_you_mean(err.message, err.names, prefix=f"{module}:")
         return (f"{where}.fn: module '{module}' has no '{err.message}'{hint}: name a function "
@@ -208,7 +209,7 @@ def _start_error(spec: RewardSpec, where: str, err: WorkerError) -> str:
     if err.kind == "not_callable":
         return (f"{where}.fn: '{spec.fn}' is a {err.message}, not a function: name a "
                 f"function fn(prompt, completion, record) -> float")  # fmt: skip
-    return f"{where}.fn: '{spec.fn}': {err.message}"
+    return f"{where}.fn: could not load '{spec.fn}': {err.message}"
 
 
 def _fix(where: str, error: str) -> str:

@@ -77,9 +77,10 @@ class Worker:
     """One worker process for one reward: `target` is `module:function` or "builtin:code"."""
 
     def __init__(self, target: str, *, timeout_s: float, memory_mb: int, parallel: int,
-                 options: dict | None = None, start_timeout_s: float = START_TIMEOUT_S):  # fmt: skip
+                 options: dict | None = None, start_timeout_s: float | None = None):  # fmt: skip
         self.target, self.timeout_s, self.memory_mb = target, timeout_s, memory_mb
-        self.parallel, self.options, self.start_timeout_s = parallel, options or {}, start_timeout_s
+        self.parallel, self.options = parallel, options or {}
+        self.start_timeout_s = start_timeout_s or START_TIMEOUT_S
         self.proc: subprocess.Popen | None = None
         self.root: str | None = None
         self.pid: int | None = None
@@ -106,8 +107,9 @@ class Worker:
                 "parallel": self.parallel, "options": self.options}  # fmt: skip
         reply = self._send(init) and self._receive(self.start_timeout_s)
         if not isinstance(reply, dict):
+            why = self._gone(reply, self.start_timeout_s)
             self.close()
-            raise WorkerError("start_failed", self._gone(reply, self.start_timeout_s))
+            raise WorkerError("start_failed", why)
         if "error" in reply:
             self.close()
             error = reply["error"]
