@@ -215,8 +215,7 @@ def test_check_refuses_what_cannot_be_imported(user_module):
         "fn(prompt, completion, record) -> float"
     )
     assert check_error("rw_broken:score") == (
-        "rewards[0].fn: importing module 'rw_broken' raised RuntimeError: boom at import: "
-        "fix it"
+        "rewards[0].fn: importing module 'rw_broken' raised RuntimeError: boom at import: fix it"
     )
     assert "rw_user" not in sys.modules and "rw_broken" not in sys.modules
 
