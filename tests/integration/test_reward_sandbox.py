@@ -48,6 +48,15 @@ def where(prompt, completion, record):
     home = os.environ["HOME"] == os.environ["TMPDIR"] == cwd
     return float(fresh and home and "unmask-reward-" in cwd)
 
+def spawn(prompt, completion, record):
+    """Leaves a sleeping child behind (holding the result pipe open); returns its pid."""
+    import time
+    child = os.fork()
+    if child == 0:
+        time.sleep(60)
+        os._exit(0)
+    return child
+
 def text(prompt, completion, record):
     return "yes"
 
@@ -177,6 +186,19 @@ def test_code_reward_partial_scores_and_per_test_timeout(user_module):
         scores = score_all(rewards, [loops_on_negatives, "def f(x):\n    return abs(x)"], record)
     assert scores.per_reward["code"].tolist() == pytest.approx([2 / 3, 1.0])
     assert scores.failures == {"code": 0}
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads /proc")
+def test_what_a_call_leaves_running_is_killed_with_it(user_module):
+    with RewardSet(parse_rewards([{"fn": "rw_user:spawn", **FAST}])) as rewards:
+        scores = score_all(rewards, ["a"], {})
+    assert scores.failures == {"spawn": 0}  # scored when it returned, not at the time limit
+    left = int(scores.per_reward["spawn"][0])
+    try:
+        state = open(f"/proc/{left}/stat").read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        state = "gone"
+    assert state in ("gone", "Z")  # killed (a zombie until its new parent reaps it)
 
 
 def test_a_dead_worker_is_restarted_by_the_next_call(user_module):

@@ -227,7 +227,7 @@ def call_in_child(fn, item, options: dict, call_dir: str, timeout_s: float, keep
             result = {"error": "ran out of memory", "kind": "memory"}
         except BaseException as err:  # noqa: B036 - user code: SystemExit too
             result = {"error": f"raised {describe(err)}"}
-        write_all(keep, json.dumps(result).encode())
+        write_all(keep, json.dumps(result).encode() + b"\n")  # the newline ends the result
     finally:
         os._exit(0)
 
@@ -340,9 +340,10 @@ def run_batch(fn, items: list, init: dict, folders: Folders, private) -> list:
         ready, _, _ = select.select(list(running), [], [], wait)
         for fd in ready:
             chunk = os.read(fd, 1 << 16)
-            if chunk:
-                running[fd].chunks.append(chunk)
-            else:
+            running[fd].chunks.append(chunk)
+            # done at the newline (a process the call started may still hold the pipe open)
+            # or at end of file (the call ended without a result)
+            if not chunk or chunk.endswith(b"\n"):
                 call = running.pop(fd)
                 results[call.index] = end_call(call, folders, False, timeout_s, memory_mb)
         now = time.monotonic()
