@@ -201,6 +201,18 @@ def test_what_a_call_leaves_running_is_killed_with_it(user_module):
     assert state in ("gone", "Z")  # killed (a zombie until its new parent reaps it)
 
 
+def test_a_record_that_cannot_be_sent_fails_its_calls(user_module):
+    with RewardSet(parse_rewards([{"fn": "rw_user:score", **FAST}])) as rewards:
+        scores = score_all(rewards, ["72"], {"answer": "72", "hook": lambda: 0})
+        again = score_all(rewards, ["72"], {"answer": "72"})
+    assert len(scores.failure_lines) == 1 and scores.failures == {"score": 1}
+    assert scores.failure_lines[0].startswith(
+        "reward 'score' on completion 0: its record cannot be sent to the reward worker (Can't "
+        "pickle <function <lambda>"
+    )
+    assert again.per_reward["score"].tolist() == [1.0]
+
+
 def test_a_dead_worker_is_restarted_by_the_next_call(user_module):
     with RewardSet(parse_rewards([{"fn": "rw_user:score", **FAST}])) as rewards:
         first = rewards.worker_pids()

@@ -86,6 +86,7 @@ class Worker:
         self.pid: int | None = None
         self.write_guard = self.memory_limit = False
         self._pending = 0
+        self._unsendable: str | None = None
         self._finalizer = None
 
     @property
@@ -121,8 +122,14 @@ class Worker:
         """Send a batch of (prompt, completion, record) calls; collect() takes the scores."""
         if not self.alive:
             self.start()
-        self._pending = len(items)
-        if not self._send({"items": items}):
+        self._pending, self._unsendable = len(items), None
+        try:
+            data = pickle.dumps({"items": items}, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as err:  # noqa: BLE001 - a record holding a lambda, a socket, ...
+            self._pending = -len(items)
+            self._unsendable = f"its record cannot be sent to the reward worker ({err})"
+            return
+        if not self._send_bytes(data):
             self._pending = -len(items)  # collect() reports the dead worker
 
     def collect(self) -> list[list]:
@@ -133,6 +140,8 @@ class Worker:
         budget = math.ceil(n / self.parallel) * (self.timeout_s + 1.0) + SLACK_S
         reply = self._receive(budget) if self._pending > 0 else None
         self._pending = 0
+        if self._unsendable is not None:
+            return [[None, self._unsendable] for _ in range(n)]
         if isinstance(reply, dict) and len(reply.get("results", ())) == n:
             return reply["results"]
         error = self._gone(reply, budget)
@@ -148,7 +157,9 @@ class Worker:
     # --- pipes --------------------------------------------------------------------------
 
     def _send(self, message: dict) -> bool:
-        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        return self._send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+
+    def _send_bytes(self, data: bytes) -> bool:
         try:
             self.proc.stdin.write(HEADER.pack(len(data)) + data)
             self.proc.stdin.flush()
