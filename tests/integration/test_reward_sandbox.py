@@ -208,7 +208,7 @@ def test_a_record_that_cannot_be_sent_fails_its_calls(user_module):
     assert len(scores.failure_lines) == 1 and scores.failures == {"score": 1}
     assert scores.failure_lines[0].startswith(
         "reward 'score' on completion 0: its record cannot be sent to the reward worker (Can't "
-        "pickle <function <lambda>"
+        "pickle local object "
     )
     assert again.per_reward["score"].tolist() == [1.0]
 
