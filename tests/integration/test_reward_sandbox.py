@@ -207,9 +207,9 @@ def test_a_record_that_cannot_be_sent_fails_its_calls(user_module):
         again = score_all(rewards, ["72"], {"answer": "72"})
     assert len(scores.failure_lines) == 1 and scores.failures == {"score": 1}
     assert scores.failure_lines[0].startswith(
-        "reward 'score' on completion 0: its record cannot be sent to the reward worker (Can't "
-        "pickle local object "
+        "reward 'score' on completion 0: its record cannot be sent to the reward worker ("
     )
+    assert "pickle" in scores.failure_lines[0]  # the pickling error's words vary by version
     assert again.per_reward["score"].tolist() == [1.0]
 
 
