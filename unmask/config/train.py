@@ -108,6 +108,10 @@ class TrainConfig(BaseModel):
     """Replica groups of the device mesh (HSDP when both dp_replicate and dp_shard > 1)."""
     dp_shard: int = -1
     """Ranks each parameter is sharded over; -1 = world size / dp_replicate."""
+    tensor_parallel: int = Field(1, ge=1)
+    """Ranks each decoder layer's matrices are split over (Megatron-style TP: heads / N and MLP columns / N per rank; native decoders only; docs/parallelism.md). Must divide the attention heads, key/value heads and intermediate_size."""
+    context_parallel: int = Field(1, ge=1)
+    """Ranks each sequence is split over (context parallelism, docs/parallelism.md)."""
     reshard_after_forward: bool = True
     """FSDP2: free gathered layer weights after forward (ZeRO-3-like); false keeps them until backward (ZeRO-2-like)."""
     split_batches: bool = False

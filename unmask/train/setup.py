@@ -13,6 +13,8 @@ from unmask.models import build_model, decoder_layers, folder_mask_token_id, max
 from unmask.models.lora import apply_lora, lora_targets
 from unmask.models.quant import quantize_4bit
 from unmask.parallel.fsdp import apply_fsdp, compile_blocks
+from unmask.parallel.mesh import fsdp_mesh
+from unmask.parallel.tensor import apply_tensor_parallel
 
 
 def check_model_fits(cfg: RunConfig) -> None:
@@ -50,9 +52,9 @@ def prepare_tokenizer(cfg: RunConfig):
 
 def build_train_model(cfg: RunConfig, tokenizer, added_tokens: int, device: torch.device,
                       mesh) -> torch.nn.Module:  # fmt: skip
-    """The model on its device, in torchtitan's order: vocabulary resize, 4-bit base,
-    activation checkpointing, per-block compile, LoRA, then FSDP2 over the mesh (None: one
-    process)."""
+    """The model on its device, in torchtitan's order: vocabulary resize, 4-bit base, tensor
+    parallelism over the mesh's tp dim, activation checkpointing, per-block compile, LoRA,
+    then FSDP2 over its dp_shard_cp dims (mesh None: one process)."""
     t = cfg.train
     model = build_model(cfg.model)
     if added_tokens or model.config.vocab_size < len(tokenizer):
@@ -60,6 +62,9 @@ def build_train_model(cfg: RunConfig, tokenizer, added_tokens: int, device: torc
     if cfg.model.load_in_4bit:  # QLoRA: frozen NF4 base, quantized onto the device
         compute = torch.bfloat16 if t.bf16 else torch.float32
         quantize_4bit(model, lora_targets(cfg.model, model), device, compute)
+    if mesh is not None and mesh["tp"].size() > 1:
+        model.to(device)
+        apply_tensor_parallel(model, mesh["tp"])
     model.gradient_checkpointing = t.gradient_checkpointing
     if t.torch_compile:
         compile_blocks(decoder_layers(model))
@@ -67,6 +72,6 @@ def build_train_model(cfg: RunConfig, tokenizer, added_tokens: int, device: torc
         model = apply_lora(model, cfg.model)
     model.to(device)
     if mesh is not None:
-        apply_fsdp(model, mesh, decoder_layers(model), bf16=t.bf16,
+        apply_fsdp(model, fsdp_mesh(mesh), decoder_layers(model), bf16=t.bf16,
                    reshard_after_forward=t.reshard_after_forward)  # fmt: skip
     return model

@@ -41,9 +41,16 @@ from unmask.models.quant import check_4bit
 from unmask.optim.config import build_optimizer
 from unmask.optim.schedule import build_scheduler
 from unmask.parallel.batch import per_rank_batch_size, rank_generator
-from unmask.parallel.distributed import all_reduce_sum, full_value, resolve_device, setup
+from unmask.parallel.distributed import (
+    all_reduce_sum,
+    clip_grad_norm,
+    plan_layout,
+    resolve_device,
+    setup,
+)
 from unmask.parallel.fsdp import sync_gradients
 from unmask.parallel.mesh import launch_env, share_from_rank0
+from unmask.parallel.tensor import check_context_parallel, check_tensor_parallel
 from unmask.sampling.accuracy import heldout_accuracy
 from unmask.sampling.config import (
     GENERATION_FILE,
@@ -92,14 +99,24 @@ class Trainer:
         check_trackers(t.report_to)
         check_model_fits(cfg)
         env = launch_env()
+        check_tensor_parallel(cfg.model, t.tensor_parallel, lora=cfg.model.lora)
+        check_context_parallel(t.context_parallel)
+        # the mesh's sizes, checked before any process group work; tp and cp peers read the
+        # same rows, so batches are split over the data-parallel ranks only
+        layout = plan_layout(env.world_size, t.fsdp2, t.dp_replicate, t.dp_shard,
+                             t.tensor_parallel, t.context_parallel)  # fmt: skip
+        dp = layout.dp if env.world_size > 1 else 1
+        what = "the world size" if dp == env.world_size else "the data-parallel size"
         # rows per micro-batch on this rank; the global batch grows with the world size
         # unless split_batches (then per_device_train_batch_size is the global batch)
         self.local_batch_size = per_rank_batch_size(
-            t.per_device_train_batch_size, env.world_size, t.split_batches
+            t.per_device_train_batch_size, dp, t.split_batches, what
         )
-        batch_ranks = 1 if t.split_batches else env.world_size
+        batch_ranks = 1 if t.split_batches else dp
         self.dist = setup(resolve_device(t.device), shard=t.fsdp2, dp_replicate=t.dp_replicate,
-                          dp_shard=t.dp_shard, timeout_s=t.ddp_timeout, env=env)  # fmt: skip
+                          dp_shard=t.dp_shard, tensor_parallel=t.tensor_parallel,
+                          context_parallel=t.context_parallel, timeout_s=t.ddp_timeout,
+                          env=env)  # fmt: skip
         self.device = self.dist.device
         self.sharded = self.dist.mesh is not None  # world size 1: no process group, no mesh
         check_4bit(cfg.model, self.device, self.dist.world_size)
@@ -143,8 +160,8 @@ class Trainer:
         # each rank reads only its rows of every global micro-batch, in worker processes
         # ahead of the step when asked
         self.loader = make_loader(
-            self.train_rows, self.local_batch_size, t.seed, self.dist.rank,
-            self.dist.world_size, t.dataloader_num_workers, self.device.type == "cuda",
+            self.train_rows, self.local_batch_size, t.seed, self.dist.dp_rank,
+            self.dist.dp_size, t.dataloader_num_workers, self.device.type == "cuda",
         )  # fmt: skip
         self.noise = torch.Generator(device=self.device)
         self.noise.manual_seed(t.seed + 1)
@@ -261,9 +278,14 @@ class Trainer:
         from a generator seeded by (seed, where = (step, micro-batch), rank)."""
         if getattr(self.objective, "global_noise", False):
             b = self.local_batch_size
-            rows = (self.dist.rank * b, self.dist.world_size * b)
+            rows = (self.dist.dp_rank * b, self.dist.dp_size * b)
             return self.objective.with_noise(batch, self.noise, rows), self.noise
-        return batch, rank_generator(self.noise, where, self.dist.rank)
+        return batch, rank_generator(self.noise, where, self.dist.dp_rank)
+
+    def _once(self, value: torch.Tensor) -> torch.Tensor:
+        """value on tp rank 0, zero on its tp peers: they computed the same loss and count
+        from the same rows, which a sum over all ranks must count once."""
+        return value if self.dist.tp_rank == 0 else torch.zeros_like(value)
 
     def _prepared(self, batch: dict) -> dict:
         """A micro-batch on the device, cut to LLaDA's random length (seeded by the step, so
@@ -285,7 +307,7 @@ class Trainer:
         for count in counts:
             total += count.float()
         if self.sharded:
-            (total,) = all_reduce_sum(total)
+            (total,) = all_reduce_sum(self._once(total))
         return total
 
     def train_step(self, batches: list[dict]) -> dict:
@@ -322,16 +344,18 @@ class Trainer:
                 flops = flops + self._micro_batch_flops(batch)
         if scale is None:  # the count came with the forward: scale the gradients now
             if self.sharded:  # sum over ranks: the normalization stays global
-                loss_sum_total, counted, stop = all_reduce_sum(loss_sum_total, counted, stop)
+                loss_sum_total, counted, stop = all_reduce_sum(
+                    self._once(loss_sum_total), self._once(counted), stop
+                )
             scale = 1.0 / counted.clamp(min=1.0)
             for param in self.model.parameters():
                 if param.grad is not None:
                     param.grad.mul_(scale.to(param.grad.dtype))
         elif self.sharded:
-            loss_sum_total, stop = all_reduce_sum(loss_sum_total, stop)
+            loss_sum_total, stop = all_reduce_sum(self._once(loss_sum_total), stop)
         # the global gradient norm (clipped to max_grad_norm when set): also the guard's
         max_norm = self.cfg.optim.max_grad_norm if self.cfg.optim.max_grad_norm > 0 else math.inf
-        grad_norm = full_value(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
+        grad_norm = clip_grad_norm(self.model.parameters(), max_norm)
         loss = loss_sum_total * scale
         learning_rate = self.optimizer.param_groups[0]["lr"]  # the lr this step uses
         stats = {"loss": loss, "learning_rate": learning_rate}
