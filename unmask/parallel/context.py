@@ -33,42 +33,66 @@ TOKEN_KEYS = ("input_ids", "doc_ids", "position_ids", "maskable", "noisy_input_i
 
 
 def check_context_parallel(
-    cp: int,
-    *,
-    world_size: int,
-    heads: int,
-    kv_heads: int,
-    length: int,
-    key: str = "train.context_parallel",
+    cp: int, *, world_size: int, heads: int, kv_heads: int, length: int, tp: int = 1
 ) -> None:
-    """One-line InputError when `cp` cannot split this run: it must divide the world size,
-    the query heads and the row length, and divide or be divided by the K/V heads. Pure:
-    called before any process group exists."""
+    """One-line InputError when `cp` cannot split this run: it must divide the query heads
+    (per tensor-parallel rank, `tp`), the row length and the world size, and divide or be
+    divided by the K/V heads. Pure: called before any process group exists (the model's
+    limits first, so one process reports them too)."""
+    key = f"train.context_parallel={cp}"
     if cp < 1:
-        raise InputError(f"{key} must be >= 1, got {cp}")
+        raise InputError(f"train.context_parallel must be >= 1, got {cp}")
     if cp == 1:
         return
-    if world_size % cp:
+    per_tp = f" / train.tensor_parallel={tp}" if tp > 1 else ""
+    if (heads // tp) % cp:
         raise InputError(
-            f"{key}={cp} does not divide the world size {world_size}; launch a multiple of "
-            f"{cp} processes or pick a divisor of {world_size}"
+            f"{key} does not divide model.num_attention_heads={heads}{per_tp} (each rank "
+            f"attends with 1/{cp} of the heads); pick a divisor of {heads // tp}"
         )
-    if heads % cp:
+    kv = max(kv_heads // tp, 1)
+    if kv % cp and cp % kv:
         raise InputError(
-            f"{key}={cp} does not divide model.num_attention_heads={heads} (each rank "
-            f"attends with heads / {cp} heads); pick a divisor of {heads}"
-        )
-    if kv_heads % cp and cp % kv_heads:
-        raise InputError(
-            f"{key}={cp} and model.num_key_value_heads={kv_heads}: neither divides the "
+            f"{key} and model.num_key_value_heads={kv_heads}{per_tp}: neither divides the "
             f"other (K/V heads are split over, or repeated up to, the {cp} ranks); pick a "
-            f"divisor or a multiple of {kv_heads}"
+            f"divisor or a multiple of {kv}"
         )
     if length % cp:
         raise InputError(
-            f"{key}={cp} does not divide data.packing_length={length} (each rank holds "
-            f"length / {cp} tokens of every row); use a multiple of {cp}"
+            f"{key} does not divide data.packing_length={length} (each rank holds 1/{cp} "
+            f"of every row); use a multiple of {cp}"
         )
+    if world_size % cp:
+        raise InputError(
+            f"{key} does not divide the world size {world_size}; launch a multiple of "
+            f"{cp} processes or pick a divisor of {world_size}"
+        )
+
+
+def pad_rows(batch: dict, multiple: int) -> dict:
+    """Whole rows (noise drawn) padded at the end to a multiple of `multiple` tokens, for
+    rows cut to a random length. The padding is a document of its own (it and the real
+    tokens never attend to each other), neither maskable nor masked: it adds nothing to a
+    loss or a count, and the real tokens keep their positions."""
+    ids = batch["input_ids"]
+    rows, length = ids.shape
+    extra = -length % multiple
+    if extra == 0:
+        return batch
+    batch = dict(batch)
+    if batch.get("doc_ids") is None:
+        batch["doc_ids"] = torch.zeros_like(ids)
+    if batch.get("maskable") is None:
+        batch["maskable"] = torch.ones_like(ids, dtype=torch.bool)
+    pad_doc = batch["doc_ids"].max() + 1
+    for key in TOKEN_KEYS:
+        value = batch.get(key)
+        if value is None:
+            continue
+        fill = pad_doc if key == "doc_ids" else 0
+        tail = torch.full((rows, extra), fill, dtype=value.dtype, device=value.device)
+        batch[key] = torch.cat([value, tail], dim=1)
+    return batch
 
 
 @dataclass(frozen=True)
@@ -115,6 +139,12 @@ class ContextShard:
             k: (v[:, cols] if k in TOKEN_KEYS and v is not None else v) for k, v in batch.items()
         }
 
+    def sum(self, *values: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """0-d tensors summed over the group (the slices' parts of a row's total)."""
+        stacked = torch.stack([v.detach() for v in values])
+        dist.all_reduce(stacked, group=self.group)
+        return tuple(stacked.unbind(0))
+
     def gather_tokens(self, local: torch.Tensor) -> torch.Tensor:
         """(B, L/cp) ids of this rank -> (B, L) of the whole rows (no gradient: doc ids)."""
         parts = [torch.empty_like(local) for _ in range(self.size)]
@@ -137,6 +167,14 @@ class ContextShard:
             v = v.repeat_interleave(self.size // kv_heads, dim=1)
         q, k, v = (seq_to_heads(x, self) for x in (q, k, v))
         return heads_to_seq(attention(q, k, v), self)
+
+
+def attach_context(model: torch.nn.Module, shard: ContextShard | None) -> None:
+    """Make every native decoder inside `model` (under LoRA or FSDP2 wrappers too) take this
+    rank's slice of each row: it reads `context_parallel` at each forward."""
+    for module in model.modules():
+        if hasattr(module, "context_parallel"):
+            module.context_parallel = shard
 
 
 def _all_to_all(x: torch.Tensor, shard: ContextShard) -> torch.Tensor:

@@ -12,6 +12,7 @@ from unmask.errors import InputError
 from unmask.models import build_model, decoder_layers, folder_mask_token_id, max_positions
 from unmask.models.lora import apply_lora, lora_targets
 from unmask.models.quant import quantize_4bit
+from unmask.parallel.context import check_context_parallel
 from unmask.parallel.fsdp import apply_fsdp, compile_blocks
 from unmask.parallel.mesh import fsdp_mesh
 from unmask.parallel.tensor import apply_tensor_parallel
@@ -29,6 +30,53 @@ def check_model_fits(cfg: RunConfig) -> None:
             f"data.packing_length ({length}) is above the model's max_position_embeddings "
             f"({positions}); lower data.packing_length {fix}"
         )
+
+
+def check_context_request(cfg: RunConfig, world_size: int) -> None:
+    """train.context_parallel > 1: one-line InputError before any process group work for
+    what context parallelism cannot serve. It splits the rows of native decoders trained
+    with an objective that draws each row's noise on its own and normalizes by one global
+    token count (a per-row normalization would need whole rows); no sampler runs
+    context-parallel; the degree must fit the world size, heads and row length."""
+    cp = cfg.train.context_parallel
+    if cp == 1:
+        return
+    from unmask.diffusion.registry import OBJECTIVES
+    from unmask.models.build import is_encoder_folder
+    from unmask.models.families import FAMILIES
+
+    key = f"train.context_parallel={cp}"
+    model = cfg.model
+    if not FAMILIES[model.model_type].native or (
+        model.pretrained is not None and is_encoder_folder(model.pretrained)
+    ):
+        raise InputError(f"{key} needs a native decoder; model {model.pretrained or model.model_type!r} "
+                         "is a wrapped transformers model: set train.context_parallel=1")  # fmt: skip
+    objective = cfg.diffusion.objective
+    if not OBJECTIVES[objective].global_noise:
+        raise InputError(
+            f"{key} needs an objective that draws each row's noise on its own (mdlm, llada); "
+            f"diffusion.objective {objective!r} draws for its batch: set train.context_parallel=1"
+        )
+    normalization = cfg.diffusion.loss_normalization
+    if normalization not in ("auto", "token"):
+        raise InputError(
+            f"{key} needs diffusion.loss_normalization token (one global count), not "
+            f"{normalization!r} (divides each whole row): set it to token or auto"
+        )
+    if cfg.eval.generate_accuracy:
+        raise InputError(
+            f"{key} splits training forwards only; eval.generate_accuracy samples with the model "
+            "and no sampler runs context-parallel: set eval.generate_accuracy=false"
+        )
+    arch = model
+    if model.pretrained is not None:
+        from unmask.models.hf import config_from_hf, read_config
+
+        arch = config_from_hf(read_config(model.pretrained))
+    check_context_parallel(cp, world_size=world_size, heads=arch.num_attention_heads,
+                           kv_heads=arch.num_key_value_heads, length=cfg.data.packing_length,
+                           tp=cfg.train.tensor_parallel)  # fmt: skip
 
 
 def prepare_tokenizer(cfg: RunConfig):
