@@ -1,9 +1,11 @@
 """`unmask train` with train.context_parallel on gloo processes against one process.
 
-cp=2 (2 processes) and dp_shard=2 x cp=2 (4 processes), AdamW and MuonAdamW, 20 steps each:
+cp=2 (2 processes) and dp_shard=2 x cp=2 (4 processes), AdamW and MuonAdamW, and tp=2 x cp=2
+with MuonAdamW, 20 steps each:
 the loss curve equals the one-process run of the same config (the noise of every row is
 drawn whole, then sliced, so it does not depend on the cp degree). The AdamW config packs
-documents (document masks across the slice boundary), accumulates 2 micro-batches, cuts
+documents (document masks across the slice boundary), accumulates 2 micro-batches,
+recomputes activations in backward (gradient checkpointing: the all-to-alls run again), cuts
 rows to random lengths (seed 42 cuts steps 0, 7, 8 and 10 to 27, 11, 20 and 15 tokens: odd
 ones are padded to a multiple of cp) and evaluates. Every config uses
 split_batches, so the global batch is the same at every world size.
@@ -30,7 +32,7 @@ BASE = {
               "logging_steps": 1, "eval_steps": 10, "save_steps": 0},
 }  # fmt: skip
 CONFIGS = {
-    "adamw": {"train": {"gradient_accumulation_steps": 2},
+    "adamw": {"train": {"gradient_accumulation_steps": 2, "gradient_checkpointing": True},
               "diffusion": {"random_length_prob": 0.3}},
     "muon": {"optim": {"name": "muon", "ns_dtype": "float32"}},
 }  # fmt: skip
@@ -85,9 +87,12 @@ def cp2(root):
 
 
 @pytest.fixture(scope="module")
-def dp2_cp2(root):
+def four(root):
+    """dp_shard=2 x cp=2 for every config, and tp=2 x cp=2 for MuonAdamW."""
     names = {f"{name}-dp2cp2": deep_update(extra, {"train": {"context_parallel": 2}})
              for name, extra in CONFIGS.items()}  # fmt: skip
+    layout = {"train": {"context_parallel": 2, "tensor_parallel": 2}}
+    names["muon-tp2cp2"] = deep_update(CONFIGS["muon"], layout)
     return launch(4, root, [write_config(root, n, e) for n, e in names.items()])
 
 
@@ -113,10 +118,16 @@ def test_cp2_eval_loss_equals_one_process(root, cp2):
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_dp_shard2_x_cp2_losses_equal_one_process_for_20_steps(root, dp2_cp2, name):
+def test_dp_shard2_x_cp2_losses_equal_one_process_for_20_steps(root, four, name):
     run = f"{name}-dp2cp2"
-    assert dp2_cp2[run]["rc"] == 0, dp2_cp2[run]["stderr"][-2000:]
+    assert four[run]["rc"] == 0, four[run]["stderr"][-2000:]
     assert_same_curve(root, name, run)
+
+
+def test_tp2_x_cp2_muon_losses_equal_one_process_for_20_steps(root, four):
+    """Heads 4, K/V heads 2: 2 and 1 per tp rank, so cp repeats the K/V head."""
+    assert four["muon-tp2cp2"]["rc"] == 0, four["muon-tp2cp2"]["stderr"][-2000:]
+    assert_same_curve(root, "muon", "muon-tp2cp2")
 
 
 def test_bad_heads_refused_in_one_line_before_the_process_group(root, cp2):
