@@ -28,10 +28,22 @@ STEPS = 2
 OPTIM = dict(lr=0.02, weight_decay=0.1, ns_dtype="float32", verbose=False)
 #: 4 query and 4 key/value heads (tp=4 splits both), biases on q/k/v (Qwen2 / Dream) and
 #: q/k norms (Qwen3) at once, so every kind of split parameter is stepped.
-MODEL = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                    num_attention_heads=4, num_key_value_heads=4, qkv_bias=True, qk_norm=True)
-LAYOUTS = {"tp4": MeshLayout(tp=4), "dp2xtp2": MeshLayout(dp_shard=2, tp=2),
-           "dp4": MeshLayout(dp_shard=4), "rep2xtp2": MeshLayout(dp_replicate=2, tp=2)}
+MODEL = ModelConfig(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    qkv_bias=True,
+    qk_norm=True,
+)
+LAYOUTS = {
+    "tp4": MeshLayout(tp=4),
+    "dp2xtp2": MeshLayout(dp_shard=2, tp=2),
+    "dp4": MeshLayout(dp_shard=4),
+    "rep2xtp2": MeshLayout(dp_replicate=2, tp=2),
+}
 
 
 def make_model():
