@@ -8,9 +8,10 @@ optimizer are the code a run uses. Per layout and optimizer (AdamW, MuonAdamW), 
 ranks of:
 
 * parameter + optimizer-state bytes held by the rank (local shards, after one step);
-* peak resident memory during the timed steps above the resident memory before them (Linux
-  VmHWM, reset through /proc/self/clear_refs; includes gathered FSDP units, activations,
-  gradients and collective buffers);
+* peak step memory: the highest running total of tensor memory torch's CPU allocator
+  handed out during one step, above what was held before it (torch.profiler with
+  profile_memory: each operation's own allocations minus frees, in start order): gathered
+  FSDP units, activations, gradients and collective buffers;
 * the median step time (seconds) over the timed steps;
 * the payload bytes of every collective kind in one step (torch.profiler's c10d events:
   the tensor each rank hands to the collective), next to the analytic model:
@@ -88,18 +89,13 @@ def config_tree(out: Path, train: dict, optim: dict) -> dict:
 # ------------------------------------------------------------------ worker (every rank)
 
 
-def _vm(key: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(key):
-            return int(line.split()[1]) * 1024
-    return 0
-
-
-def _reset_peak() -> None:
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-    except OSError:
-        pass
+def peak_step_bytes(prof) -> int:
+    """Highest running total of the profiled step's own allocations minus frees (bytes)."""
+    total = peak = 0
+    for event in sorted(prof.events(), key=lambda e: e.time_range.start):
+        total += event.self_cpu_memory_usage
+        peak = max(peak, total)
+    return peak
 
 
 def _local_bytes(tensors) -> int:
@@ -156,11 +152,10 @@ def measure(config_path: str, timed: int) -> dict:
     trainer.train_step(batches())  # warm-up: optimizer state exists after it
     params, optim = state_bytes(trainer)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
-                                record_shapes=True) as prof:  # fmt: skip
+                                record_shapes=True, profile_memory=True) as prof:  # fmt: skip
         trainer.train_step(batches())
     comms = collective_bytes(prof)
-    base = _vm("VmRSS")
-    _reset_peak()
+    peak = peak_step_bytes(prof)
     times = []
     for _ in range(timed):
         if dist.is_initialized():
@@ -168,7 +163,6 @@ def measure(config_path: str, timed: int) -> dict:
         started = time.perf_counter()
         trainer.train_step(batches())
         times.append(time.perf_counter() - started)
-    peak = _vm("VmHWM") - base
     trainer.loader.close()
     return {"params": params, "optim": optim, "peak": peak,
             "step_s": statistics.median(times), "comms": comms}  # fmt: skip
@@ -249,7 +243,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
     layouts = {k: LAYOUTS[k] for k in ("dp2", "tp2")} if args.quick else LAYOUTS
-    timed = 1 if args.quick else 5
+    timed = 1 if args.quick else 3
     optims = {"adamw": OPTIMS["adamw"]} if args.quick else OPTIMS
     root = Path(tempfile.mkdtemp(prefix="unmask-parallel-"))
     by_world: dict[int, list[Path]] = defaultdict(list)
