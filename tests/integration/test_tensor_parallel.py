@@ -110,3 +110,26 @@ def test_dcp_checkpoint_saved_under_dp2_tp2_resumes_under_tp4_dp4_and_one_proces
         assert sorted(got) == [5, 6, 7, 8], layout
         for step in got:
             assert got[step] == pytest.approx(uninterrupted[step], rel=1e-5), (layout, step)
+
+
+def test_families_and_muon_step_under_tp_equal_one_process(tmp_path):
+    """Every native family's forward and backward split tp=4 equals the unsplit model's. Two MuonAdamW steps with the same full gradients on a decoder split tp4, dp_shard2 x
+    tp2 and dp_replicate2 x tp2 (dist_workers/tp_muon_worker.py) give the one-process
+    parameters bit for bit, and Newton-Schulz runs once per Muon matrix per step."""
+    worker = Path(__file__).parent / "dist_workers" / "tp_muon_worker.py"
+    out = tmp_path / "muon.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
+           str(worker), str(out), "families", "tp4", "dp2xtp2", "rep2xtp2"]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(out.read_text())
+    # every native family split tp=4 (q/k norms, q/k/v biases, packed rows' document masks)
+    # gives the unsplit model's losses and gradients within float32 rounding
+    families = results.pop("families")
+    assert sorted(families) == ["dream", "llada", "llama_dllm", "qwen2_dllm", "qwen3_dllm"]
+    for family, rel in families.items():
+        assert rel < 1e-5, (family, rel)
+    assert sorted(results) == ["dp2xtp2", "rep2xtp2", "tp4"]
+    for layout, result in results.items():
+        assert result["bitwise"], (layout, result["max_abs_diff"])
+        assert result["ns_matrices"] == result["muon_matrices"] == 14, layout

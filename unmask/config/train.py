@@ -107,7 +107,7 @@ class TrainConfig(BaseModel):
     dp_replicate: int = Field(1, ge=1)
     """Replica groups of the device mesh (HSDP when both dp_replicate and dp_shard > 1)."""
     dp_shard: int = -1
-    """Ranks each parameter is sharded over; -1 = world size / dp_replicate."""
+    """Ranks each parameter is sharded over; -1 = world size / (dp_replicate x context_parallel x tensor_parallel)."""
     tensor_parallel: int = Field(1, ge=1)
     """Ranks each decoder layer's matrices are split over (Megatron-style TP: heads / N and MLP columns / N per rank; native decoders only; docs/parallelism.md). Must divide the attention heads, key/value heads and intermediate_size."""
     context_parallel: int = Field(1, ge=1)

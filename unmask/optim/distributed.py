@@ -19,7 +19,12 @@ fewer rows or none). Newton-Schulz needs the whole matrix, so one step of a Muon
 
 Per rank and step that sends about 2 * 2 (W - 1) / W^2 * P_M bytes in bf16 (P_M = Muon
 elements) and runs 1/W of the NS FLOPs. Under HSDP the all-to-all stays inside the shard
-group; replicas compute the same result without talking. 3-D expert stacks sharded on the
+group; replicas compute the same result without talking. Under tensor parallelism a matrix is
+split over the tp ranks too (column-parallel: rows; row-parallel: columns; with FSDP2 on
+top, a strided row split): its NS input is first laid out by DTensor's redistribute as rows
+over every dim it is split on (:func:`rows_layout`), and the owner all-to-all runs over all
+those ranks together (dp_shard x tp), so W counts them all; the update goes back the same
+way. Exact as well: tests/integration/test_tensor_parallel.py compares bit for bit. 3-D expert stacks sharded on the
 expert dim hold whole experts locally and need no communication.
 
 Not done yet: overlapping the collectives of one shape group with the NS of another.
@@ -27,6 +32,7 @@ Not done yet: overlapping the collectives of one shape group with the NS of anot
 
 from __future__ import annotations
 
+import logging
 from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
@@ -298,4 +304,10 @@ def _redistributed(local: Tensor, p: DTensor, rows: tuple, back: bool = False) -
     whole = DTensor.from_local(
         local, p.device_mesh, source, run_check=False, shape=p.shape, stride=p.stride()
     )
-    return whole.redistribute(p.device_mesh, target).to_local()
+    quiet = logging.getLogger("torch.distributed.tensor._redistribute")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)  # its note that a strided split takes two all-gathers
+    try:
+        return whole.redistribute(p.device_mesh, target).to_local()
+    finally:
+        quiet.setLevel(level)

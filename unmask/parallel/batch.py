@@ -22,7 +22,11 @@ def per_rank_batch_size(
     if per_device % world_size:
         raise InputError(
             f"train.split_batches: per_device_train_batch_size={per_device} does not divide by "
-            f"{what} {world_size}; use a multiple of {world_size} or split_batches=false"
+            f"the world size {world_size}; use a multiple of {world_size} or split_batches=false"
+            if what == "the world size"
+            else f"train.split_batches: per_device_train_batch_size={per_device} does not "
+            f"divide by {what} {world_size}; use a multiple of {world_size} or "
+            "split_batches=false"
         )
     return per_device // world_size
 

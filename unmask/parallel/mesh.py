@@ -92,7 +92,8 @@ def resolve_layout(
         dp_shard = world_size // fixed
     if dp_shard < 1 or fixed * dp_shard != world_size:
         extra = "".join(
-            f" x train.{k}={v}" for k, v in (("context_parallel", cp), ("tensor_parallel", tp))
+            f" x train.{k}={v}"
+            for k, v in (("context_parallel", cp), ("tensor_parallel", tp))
             if v > 1
         )
         raise InputError(
