@@ -8,10 +8,12 @@ documents (document masks across the slice boundary), accumulates 2 micro-batche
 recomputes activations in backward (gradient checkpointing: the all-to-alls run again), cuts
 rows to random lengths (seed 42 cuts steps 0, 7, 8 and 10 to 27, 11, 20 and 15 tokens: odd
 ones are padded to a multiple of cp) and evaluates. Every config uses
-split_batches, so the global batch is the same at every world size.
+split_batches, so the global batch is the same at every world size. A MuonAdamW run under
+cp=2 saves a DCP checkpoint that resumes on one process with the uninterrupted run's losses.
 """
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -36,6 +38,9 @@ CONFIGS = {
               "diffusion": {"random_length_prob": 0.3}},
     "muon": {"optim": {"name": "muon", "ns_dtype": "float32"}},
 }  # fmt: skip
+#: MuonAdamW under cp=2 saving a DCP checkpoint at step 4, resumed on one process
+DCP = {"optim": {"name": "muon", "ns_dtype": "float32"},
+       "train": {"context_parallel": 2, "max_steps": 8, "save_steps": 4}}  # fmt: skip
 #: bad input under a real launch: refused in one line before any process group work
 BAD = {"bad_heads": {"train": {"context_parallel": 2}, "model": {"num_attention_heads": 3,
                                                               "num_key_value_heads": 1,
@@ -82,7 +87,7 @@ def one_process(root: Path, name: str) -> Path:
 def cp2(root):
     names = {f"{name}-cp2": deep_update(extra, {"train": {"context_parallel": 2}})
              for name, extra in CONFIGS.items()}  # fmt: skip
-    paths = [write_config(root, n, e) for n, e in {**names, **BAD}.items()]
+    paths = [write_config(root, n, e) for n, e in {**names, "dcp-cp2": DCP, **BAD}.items()]
     return launch(2, root, paths)
 
 
@@ -128,6 +133,22 @@ def test_tp2_x_cp2_muon_losses_equal_one_process_for_20_steps(root, four):
     """Heads 4, K/V heads 2: 2 and 1 per tp rank, so cp repeats the K/V head."""
     assert four["muon-tp2cp2"]["rc"] == 0, four["muon-tp2cp2"]["stderr"][-2000:]
     assert_same_curve(root, "muon", "muon-tp2cp2")
+
+
+def test_cp2_checkpoint_resumes_on_one_process_with_the_same_losses(root, cp2):
+    assert cp2["dcp-cp2"]["rc"] == 0, cp2["dcp-cp2"]["stderr"][-2000:]
+    out = root / "dcp-resumed-1"
+    out.mkdir()
+    shutil.copytree(root / "dcp-cp2" / "checkpoint-4", out / "checkpoint-4")
+    cfg = load_config(write_config(root, "dcp-resumed-1", DCP))
+    cfg.train = cfg.train.model_copy(update={"context_parallel": 1, "resume_from_checkpoint": True})
+    trainer = Trainer(cfg)
+    assert trainer.step == 4
+    trainer.train()
+    resumed, uninterrupted = losses(out), losses(root / "dcp-cp2")
+    assert sorted(resumed) == [5, 6, 7, 8]
+    for step in resumed:
+        assert resumed[step] == pytest.approx(uninterrupted[step], rel=1e-5), step
 
 
 def test_bad_heads_refused_in_one_line_before_the_process_group(root, cp2):
