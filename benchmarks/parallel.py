@@ -265,6 +265,25 @@ def main() -> None:
         print(f"wrote {RESULTS}")
 
 
+NOTES = [
+    "",
+    "## Reading it",
+    "",
+    "- Parameters + optimizer state per rank under tp=2 (2 processes) are 0.52x (AdamW) and",
+    "  0.53x (MuonAdamW) of one process's: the layers' matrices are halved, the embedding, LM",
+    "  head and norms (replicated over tp) are not. Under dp2 x tp2 FSDP2 shards those too.",
+    "- Collective payloads match the analytic model where one exists: TP's activation",
+    "  all-reduces (4 per layer and micro-batch), FSDP2's all-gathers and reduce-scatters, the",
+    "  Muon owner all-to-all. Muon under TP adds DTensor's redistribute of each split matrix",
+    "  into rows and back (allgather_into_tensor_coalesced: gloo has no all-to-all in",
+    "  DTensor's path, so each is an all-gather of the whole matrix; an explicit all-to-all",
+    "  would move 1/W of it).",
+    "- Step times come from 2 shared CPU cores with other jobs running (the 1-process rows",
+    "  ran while another benchmark and a test suite competed for them): compare layouts only",
+    "  loosely; they say nothing about GPU clusters.",
+]
+
+
 def report(measured: dict, names: dict) -> list[str]:
     from unmask.models import ModelConfig
 
@@ -313,7 +332,7 @@ def report(measured: dict, names: dict) -> list[str]:
                      "alltoall_base": model["muon_alltoall"]}.get(kind)  # fmt: skip
             shown = mib(guess) if guess is not None else "-"
             lines.append(f"| {layout} | {optim} | {kind} | {calls} | {mib(size)} | {shown} |")
-    return lines
+    return lines + NOTES
 
 
 if __name__ == "__main__":

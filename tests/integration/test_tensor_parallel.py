@@ -1,7 +1,8 @@
 """`unmask train` with tensor parallelism on 4 gloo processes against the one-process run.
 
 One torchrun launch (dist_workers/train_worker.py) runs every multi-process config in order:
-tp=4 and dp_shard=2 x tp=2 with AdamW and with MuonAdamW (20 steps), then a MuonAdamW run
+tp=4 and dp_shard=2 x tp=2 (with full and selective activation checkpointing) with AdamW
+and with MuonAdamW (20 steps), then a MuonAdamW run
 under dp_shard=2 x tp=2 that saves a DCP checkpoint at step 4, and two runs that resume it
 under tp=4 and under dp_shard=4. The one-process references run here. The tiny model has 4
 query and 4 key/value heads so that tp=4 splits them; every config uses split_batches, so
@@ -29,7 +30,12 @@ BASE = {
 }  # fmt: skip
 MUON = {"optim": {"name": "muon", "ns_dtype": "float32"}}
 DCP = deep_update(MUON, {"train": {"max_steps": 8, "save_steps": 4}})
-LAYOUTS = {"tp4": {"tensor_parallel": 4}, "dp2tp2": {"tensor_parallel": 2, "dp_shard": 2}}
+#: each layout also checkpoints activations (full, selective): TP, then checkpointing, then
+#: FSDP2, as the trainer composes them
+LAYOUTS = {
+    "tp4": {"tensor_parallel": 4, "activation_checkpointing": "full"},
+    "dp2tp2": {"tensor_parallel": 2, "dp_shard": 2, "activation_checkpointing": "selective"},
+}
 
 
 def write_config(root: Path, name: str, extra: dict) -> Path:
@@ -54,7 +60,8 @@ def runs(tmp_path_factory):
         cfg[f"adamw-{layout}"] = write_config(root, f"adamw-{layout}", {"train": train})
         cfg[f"muon-{layout}"] = write_config(root, f"muon-{layout}",
                                              deep_update(MUON, {"train": train}))  # fmt: skip
-    cfg["dcp"] = write_config(root, "dcp", deep_update(DCP, {"train": LAYOUTS["dp2tp2"]}))
+    dp2tp2 = {"tensor_parallel": 2, "dp_shard": 2}
+    cfg["dcp"] = write_config(root, "dcp", deep_update(DCP, {"train": dp2tp2}))
     saved = str(root / "dcp" / "checkpoint-4")
     for name, train in (("resume-tp4", {"tensor_parallel": 4}), ("resume-dp4", {})):
         train = {**train, "resume_from_checkpoint": saved}

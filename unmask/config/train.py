@@ -79,6 +79,10 @@ class TrainConfig(BaseModel):
     """Run forward/backward under bfloat16 autocast (weights and optimizer stay float32)."""
     gradient_checkpointing: bool = False
     """Recompute each layer's activations in backward to save memory."""
+    activation_checkpointing: Literal["none", "full", "selective"] | None = None
+    """Which decoder layers recompute their activations in backward: none, full (every layer; the same as gradient_checkpointing: true) or selective (every activation_checkpointing_every-th layer, counting from the first). Unset: gradient_checkpointing decides."""
+    activation_checkpointing_every: int = Field(2, ge=1)
+    """selective activation checkpointing: checkpoint layers 0, n, 2n, ... (n = this)."""
     torch_compile: bool = False
     """torch.compile each transformer block (after activation checkpointing, before FSDP2)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"

@@ -177,6 +177,15 @@ class DiffusionTransformer(nn.Module):
         self.tie_weights()
         self.init_weights()
 
+    def checkpoints(self, index: int) -> bool:
+        """Whether layer ``index`` recomputes its activations in backward:
+        ``gradient_checkpointing`` True = every layer, an int n = every n-th (0, n, 2n, ...:
+        selective), False = none."""
+        flag = self.gradient_checkpointing
+        if isinstance(flag, bool):
+            return flag
+        return flag > 0 and index % flag == 0
+
     def tie_weights(self) -> None:
         """Make lm_head share the embedding's Parameter when tie_word_embeddings is set."""
         if self.config.tie_word_embeddings:
@@ -233,7 +242,7 @@ class DiffusionTransformer(nn.Module):
         for index, layer in enumerate(self.model.layers):
             if kv_cache is not None:
                 x = layer(x, cos, sin, mask, (kv_cache, index))
-            elif self.gradient_checkpointing and torch.is_grad_enabled():
+            elif self.checkpoints(index) and torch.is_grad_enabled():
                 x = checkpoint(layer, x, cos, sin, mask, use_reentrant=False)
             else:
                 x = layer(x, cos, sin, mask)

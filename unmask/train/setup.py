@@ -98,6 +98,18 @@ def prepare_tokenizer(cfg: RunConfig):
     return tokenizer, as_loaded, added
 
 
+def checkpointing_choice(t) -> bool | int:
+    """The model's activation checkpointing flag: False (none), True (every layer) or n
+    (every n-th layer, selective); train.activation_checkpointing wins over the older
+    train.gradient_checkpointing boolean."""
+    choice = t.activation_checkpointing
+    if choice is None:
+        return t.gradient_checkpointing
+    if choice == "selective":
+        return t.activation_checkpointing_every
+    return choice == "full"
+
+
 def build_train_model(cfg: RunConfig, tokenizer, added_tokens: int, device: torch.device,
                       mesh) -> torch.nn.Module:  # fmt: skip
     """The model on its device, in torchtitan's order: vocabulary resize, 4-bit base, tensor
@@ -113,7 +125,7 @@ def build_train_model(cfg: RunConfig, tokenizer, added_tokens: int, device: torc
     if mesh is not None and mesh["tp"].size() > 1:
         model.to(device)
         apply_tensor_parallel(model, mesh["tp"])
-    model.gradient_checkpointing = t.gradient_checkpointing
+    model.gradient_checkpointing = checkpointing_choice(t)
     if t.torch_compile:
         compile_blocks(decoder_layers(model))
     if cfg.model.lora:  # peft wrapper: base frozen, LoRA factors train (AdamW)
