@@ -55,6 +55,7 @@ bench-long: $(STAMP)
 	$(BIN)/python benchmarks/muon_convergence.py
 	$(BIN)/python benchmarks/data.py
 	$(BIN)/python benchmarks/stopping.py
+	$(BIN)/python benchmarks/context_parallel.py
 
 # The smoke mode of every benchmark (tiny sizes, one round, no results files): CI runs it.
 bench-quick: $(STAMP)
@@ -67,6 +68,7 @@ bench-quick: $(STAMP)
 	$(BIN)/python benchmarks/train_step.py --quick
 	$(BIN)/python benchmarks/stopping.py --quick
 	$(BIN)/python benchmarks/checkpoint_stall.py --quick
+	$(BIN)/python benchmarks/context_parallel.py --quick
 
 clean-venv:
 	rm -rf $(VENV)

@@ -117,3 +117,44 @@ def test_seed_spellings_fsdp2_and_accelerator_config_split_batches():
     assert cfg.train.fsdp2 and cfg.train.split_batches
     with pytest.raises(InputError, match="unknown config key 'train.accelerator_config.dispatch"):
         validate_tree({"train": {"accelerator_config": {"dispatch_batches": True}}})
+
+
+@pytest.mark.parametrize(("rows", "sizes"), [(32, (2, 2)), (7, (2, 2)), (3, (2, 4)), (18, (3,))])
+def test_nested_chunk_rows_match_torch_chunk_twice(rows, sizes):
+    """DTensor's Shard(0) on two mesh dims: torch.chunk over the first, then each block."""
+    from unmask.optim.distributed import nested_chunk_rows
+
+    blocks = nested_chunk_rows(rows, sizes)
+    index = torch.arange(rows)
+    expected = []
+    outer = list(index.chunk(sizes[0])) + [index[:0]] * (sizes[0] - len(index.chunk(sizes[0])))
+    for piece in outer:
+        if len(sizes) == 1:
+            expected.append(piece)
+            continue
+        inner = list(piece.chunk(sizes[1])) if len(piece) else []
+        expected += inner + [index[:0]] * (sizes[1] - len(inner))
+    assert len(blocks) == len(expected)
+    for (start, stop), want in zip(blocks, expected):
+        assert torch.equal(index[start:stop], want), (blocks, expected)
+
+
+def test_layout_with_tensor_and_context_parallel_and_its_errors():
+    from unmask.parallel.mesh import MeshLayout, resolve_layout
+
+    assert resolve_layout(8, 1, -1, tp=2) == MeshLayout(1, 4, 1, 2)
+    assert resolve_layout(8, 2, -1, cp=2, tp=2) == MeshLayout(2, 1, 2, 2)
+    assert resolve_layout(4, 1, 2, tp=2).dp == 2
+    with pytest.raises(InputError) as err:
+        resolve_layout(6, 1, -1, tp=4)
+    assert str(err.value) == (
+        "train.tensor_parallel=4 does not divide the world size 6; launch a multiple of 4 "
+        "processes or lower it"
+    )
+    with pytest.raises(InputError) as err:
+        resolve_layout(4, 1, 4, tp=2)
+    assert str(err.value) == (
+        "mesh train.dp_replicate=1 x train.dp_shard=4 x train.tensor_parallel=2 = 8 processes "
+        "does not match the world size 4; make their product the number of processes "
+        "(dp_shard: -1 fills it in)"
+    )

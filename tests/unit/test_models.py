@@ -309,3 +309,42 @@ def test_models_package_imports_form_no_cycle():
 
     for module in graph:
         visit(module, ())
+
+
+@pytest.mark.parametrize(("flag", "layers"), [(False, []), (True, [0, 1, 2, 3]), (2, [0, 2]),
+                                              (3, [0, 3])])  # fmt: skip
+def test_activation_checkpointing_none_full_selective_same_gradients(monkeypatch, flag, layers):
+    """Selective checkpointing recomputes every n-th layer only; the gradients are those of
+    the plain backward (recomputation is exact)."""
+    import unmask.models.transformer as transformer
+    from unmask.config.train import TrainConfig
+    from unmask.models import ModelConfig, build_model
+    from unmask.train.setup import checkpointing_choice
+
+    cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                      num_attention_heads=2, num_key_value_heads=1)  # fmt: skip
+    ids = torch.randint(0, 64, (2, 10), generator=torch.Generator().manual_seed(0))
+    grads = []
+    seen = []
+    real = transformer.checkpoint
+
+    def counting(layer, *args, **kwargs):
+        seen.append(list(model.model.layers).index(layer))
+        return real(layer, *args, **kwargs)
+
+    monkeypatch.setattr(transformer, "checkpoint", counting)
+    for setting in (False, flag):
+        torch.manual_seed(0)
+        model = build_model(cfg)
+        model.gradient_checkpointing = setting
+        seen.clear()
+        model(ids, targets=ids).sum().backward()
+        grads.append([p.grad for p in model.parameters()])
+    assert seen == layers
+    for plain, checkpointed in zip(*grads):
+        assert torch.equal(plain, checkpointed)
+    choice = {"none": False, "full": True, "selective": 3}
+    for name, want in choice.items():
+        train = TrainConfig(activation_checkpointing=name, activation_checkpointing_every=3)
+        assert checkpointing_choice(train) == want
+    assert checkpointing_choice(TrainConfig(gradient_checkpointing=True)) is True

@@ -79,6 +79,10 @@ class TrainConfig(BaseModel):
     """Run forward/backward under bfloat16 autocast (weights and optimizer stay float32)."""
     gradient_checkpointing: bool = False
     """Recompute each layer's activations in backward to save memory."""
+    activation_checkpointing: Literal["none", "full", "selective"] | None = None
+    """Which decoder layers recompute their activations in backward: none, full (every layer; the same as gradient_checkpointing: true) or selective (every activation_checkpointing_every-th layer, counting from the first). Unset: gradient_checkpointing decides."""
+    activation_checkpointing_every: int = Field(2, ge=1)
+    """selective activation checkpointing: checkpoint layers 0, n, 2n, ... (n = this)."""
     torch_compile: bool = False
     """torch.compile each transformer block (after activation checkpointing, before FSDP2)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -107,7 +111,11 @@ class TrainConfig(BaseModel):
     dp_replicate: int = Field(1, ge=1)
     """Replica groups of the device mesh (HSDP when both dp_replicate and dp_shard > 1)."""
     dp_shard: int = -1
-    """Ranks each parameter is sharded over; -1 = world size / dp_replicate."""
+    """Ranks each parameter is sharded over; -1 = world size / (dp_replicate x context_parallel x tensor_parallel)."""
+    tensor_parallel: int = Field(1, ge=1)
+    """Ranks each decoder layer's matrices are split over (Megatron-style TP: heads / N and MLP columns / N per rank; native decoders only; docs/parallelism.md). Must divide the attention heads, key/value heads and intermediate_size."""
+    context_parallel: int = Field(1, ge=1)
+    """Ranks each sequence is split over (context parallelism, docs/parallelism.md)."""
     reshard_after_forward: bool = True
     """FSDP2: free gathered layer weights after forward (ZeRO-3-like); false keeps them until backward (ZeRO-2-like)."""
     split_batches: bool = False

@@ -8,7 +8,7 @@ shared by every layer.
 """
 
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -28,11 +28,15 @@ class AttentionMask:
 
     dense: (B, 1, L, L) bool for sdpa (True = may attend), None = full attention.
     block: a flex BlockMask, None = full attention.
+    context: context parallelism (unmask.parallel.context.ContextShard) or None: q, k, v
+    hold this rank's slice of each row and attention runs over whole rows by heads (the
+    masks above are then the whole rows').
     """
 
     backend: str
     dense: torch.Tensor | None = None
     block: Any = None
+    context: Any = None
 
 
 def flex_usable(device: torch.device) -> bool:
@@ -84,6 +88,9 @@ def attend(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask, scale: float
 ) -> torch.Tensor:
     """Non-causal attention. q: (B, Hq, L, D), k/v: (B, Hkv, L, D) -> (B, Hq, L, D)."""
+    if mask.context is not None:  # context parallelism: L is this rank's slice
+        whole = replace(mask, context=None)
+        return mask.context.attend(q, k, v, lambda q, k, v: attend(q, k, v, whole, scale))
     if mask.backend == "flex":
         with warnings.catch_warnings():
             warnings.filterwarnings(

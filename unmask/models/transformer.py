@@ -64,6 +64,23 @@ def document_positions(doc_ids: torch.Tensor) -> torch.Tensor:
     return index - last_start
 
 
+def context_rows(context, input_ids: torch.Tensor, doc_ids: torch.Tensor | None,
+                 position_ids: torch.Tensor | None):  # fmt: skip
+    """Context parallelism (input_ids: this rank's (B, L/cp) slice of each row): the whole
+    rows' doc ids (B, L) for the document mask, and the slice's global positions (B, L/cp)
+    (given ones are kept: they are the slice's already)."""
+    if doc_ids is not None:
+        doc_ids = context.gather_tokens(doc_ids)
+    if position_ids is None:
+        batch, length = input_ids.shape[0], input_ids.shape[1] * context.size
+        if doc_ids is not None:
+            whole = document_positions(doc_ids)
+        else:
+            whole = torch.arange(length, device=input_ids.device).expand(batch, length)
+        position_ids = whole[:, context.local(length)]
+    return doc_ids, position_ids
+
+
 class Attention(nn.Module):
     """Grouped-query self-attention with q/k RMSNorm per head and RoPE, no causal mask."""
 
@@ -155,10 +172,22 @@ class DiffusionTransformer(nn.Module):
         super().__init__()
         self.config = cfg
         self.gradient_checkpointing = False
+        # context parallelism (unmask.parallel.context.ContextShard), set by the trainer:
+        # every call then takes this rank's slice of each row
+        self.context_parallel = None
         self.model = DecoderStack(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
         self.init_weights()
+
+    def checkpoints(self, index: int) -> bool:
+        """Whether layer ``index`` recomputes its activations in backward:
+        ``gradient_checkpointing`` True = every layer, an int n = every n-th (0, n, 2n, ...:
+        selective), False = none."""
+        flag = self.gradient_checkpointing
+        if isinstance(flag, bool):
+            return flag
+        return flag > 0 and index % flag == 0
 
     def tie_weights(self) -> None:
         """Make lm_head share the embedding's Parameter when tie_word_embeddings is set."""
@@ -189,6 +218,12 @@ class DiffusionTransformer(nn.Module):
         kv_cache: KVCache | None = None,
     ) -> torch.Tensor:
         """Final-norm hidden states (B, L, H) for input_ids (B, L); see `forward`."""
+        context = self.context_parallel
+        if context is not None:
+            if kv_cache is not None or attention_mask is not None:
+                raise ValueError("context parallelism serves training forwards only (no KV "
+                                 "cache, no explicit attention mask)")  # fmt: skip
+            doc_ids, position_ids = context_rows(context, input_ids, doc_ids, position_ids)
         if position_ids is None:
             if doc_ids is not None:
                 position_ids = document_positions(doc_ids)
@@ -199,6 +234,7 @@ class DiffusionTransformer(nn.Module):
         if attention_mask is not None:  # an explicit mask (block diffusion) needs sdpa
             backend = "sdpa"
         mask = build_attention_mask(doc_ids, backend)
+        mask.context = context
         if attention_mask is not None:
             dense = attention_mask if mask.dense is None else mask.dense & attention_mask
             mask = AttentionMask("sdpa", dense=dense)
@@ -209,7 +245,7 @@ class DiffusionTransformer(nn.Module):
         for index, layer in enumerate(self.model.layers):
             if kv_cache is not None:
                 x = layer(x, cos, sin, mask, (kv_cache, index))
-            elif self.gradient_checkpointing and torch.is_grad_enabled():
+            elif self.checkpoints(index) and torch.is_grad_enabled():
                 x = checkpoint(layer, x, cos, sin, mask, use_reentrant=False)
             else:
                 x = layer(x, cos, sin, mask)

@@ -19,7 +19,12 @@ fewer rows or none). Newton-Schulz needs the whole matrix, so one step of a Muon
 
 Per rank and step that sends about 2 * 2 (W - 1) / W^2 * P_M bytes in bf16 (P_M = Muon
 elements) and runs 1/W of the NS FLOPs. Under HSDP the all-to-all stays inside the shard
-group; replicas compute the same result without talking. 3-D expert stacks sharded on the
+group; replicas compute the same result without talking. Under tensor parallelism a matrix is
+split over the tp ranks too (column-parallel: rows; row-parallel: columns; with FSDP2 on
+top, a strided row split): its NS input is first laid out by DTensor's redistribute as rows
+over every dim it is split on (:func:`rows_layout`), and the owner all-to-all runs over all
+those ranks together (dp_shard x tp), so W counts them all; the update goes back the same
+way. Exact as well: tests/integration/test_tensor_parallel.py compares bit for bit. 3-D expert stacks sharded on the
 expert dim hold whole experts locally and need no communication.
 
 Not done yet: overlapping the collectives of one shape group with the NS of another.
@@ -27,6 +32,7 @@ Not done yet: overlapping the collectives of one shape group with the NS of anot
 
 from __future__ import annotations
 
+import logging
 from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
@@ -34,7 +40,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
 from unmask.optim.newton_schulz import ns_flops
 from unmask.optim.updates import (
@@ -80,19 +86,15 @@ def chunk_rows(rows: int, world_size: int) -> list[tuple[int, int]]:
     return out
 
 
-def shard_dim_of(p: DTensor) -> int | None:
-    """Mesh dim along which p is Shard(0), or None if it is replicated on every dim."""
-    found = None
-    for mesh_dim, placement in enumerate(p.placements):
-        if isinstance(placement, Shard):
-            if placement.dim != 0 or found is not None:
-                raise NotImplementedError(
-                    f"MuonAdamW supports Shard(0) on one mesh dim (FSDP2/HSDP), got {p.placements}"
-                )
-            found = mesh_dim
-        elif not isinstance(placement, Replicate):
-            raise NotImplementedError(f"MuonAdamW: unsupported placement {placement}")
-    return found
+def nested_chunk_rows(rows: int, sizes: Sequence[int]) -> list[tuple[int, int]]:
+    """(start, stop) rows of each rank of a row-major mesh of ``sizes`` under DTensor's
+    Shard(0) on every one of its dims: rows are chunked over the first dim, each block over
+    the next, and so on. One dim: :func:`chunk_rows`."""
+    blocks = [(0, rows)]
+    for size in sizes:
+        blocks = [(start + a, start + b) for start, stop in blocks
+                  for a, b in chunk_rows(stop - start, size)]  # fmt: skip
+    return blocks
 
 
 def comm_dtype(ns_dtype: torch.dtype) -> torch.dtype:
@@ -106,12 +108,20 @@ class OwnerPlan:
     Built from global shapes only, so every rank of the shard group builds the same plan.
     """
 
-    def __init__(self, shapes: Sequence[torch.Size], world_size: int, ns_steps: int, gram: bool):
+    def __init__(
+        self,
+        shapes: Sequence[torch.Size],
+        world_size: int,
+        ns_steps: int,
+        gram: bool,
+        group_sizes: Sequence[int] | None = None,
+    ):
         self.shapes = [tuple(s) for s in shapes]
         self.world_size = world_size
         self.costs = [float(ns_flops(s[-2], s[-1], ns_steps, gram=gram)) for s in self.shapes]
         self.owners = assign_owners(self.costs, world_size)
-        self.rows = [chunk_rows(s[0], world_size) for s in self.shapes]
+        sizes = group_sizes or (world_size,)
+        self.rows = [nested_chunk_rows(s[0], sizes) for s in self.shapes]
 
     def numel(self, index: int, rank: int) -> int:
         start, stop = self.rows[index][rank]
@@ -176,14 +186,51 @@ def owner_all_to_all(
     return out  # type: ignore[return-value]
 
 
-#: Owner plans of the DTensor Muon groups, by (mesh, shard mesh dim, ids of the parameters).
+#: Owner plans of the DTensor Muon groups, by (mesh, owner mesh dims, ids of the parameters).
 OwnerPlans = dict[tuple, OwnerPlan]
+
+
+def owner_dims(p: DTensor) -> tuple[int, ...]:
+    """Mesh dims over which p is split (FSDP2's dp_shard, TP's tp); replicas are not."""
+    return tuple(i for i, placement in enumerate(p.placements) if not placement.is_replicate())
+
+
+def rows_layout(p: DTensor) -> tuple[Placement, ...]:
+    """The placements the owner all-to-all reads: Shard(0) on every dim p is split over,
+    Replicate elsewhere. FSDP2 alone already has it; under TP (column-parallel: a strided
+    row split; row-parallel: a column split) the NS input is moved into it and the update
+    back out of it by DTensor's redistribute (data movement only: exact)."""
+    dims = owner_dims(p)
+    return tuple(Shard(0) if i in dims else Replicate() for i in range(p.device_mesh.ndim))
+
+
+def _owner_group(mesh, dims: tuple[int, ...]):
+    """(process group, this rank's index in it, sizes) of the mesh dims ``dims`` taken
+    together, row-major: one dim's own group, or a flattened view of several."""
+    sizes = tuple(mesh.size(d) for d in dims)
+    if len(dims) == 1:
+        return mesh.get_group(dims[0]), mesh.get_local_rank(dims[0]), sizes
+    key = (id(mesh), dims)
+    if key not in _FLAT_GROUPS:
+        names = tuple(mesh.mesh_dim_names[d] for d in dims)
+        _FLAT_GROUPS[key] = mesh[names]._flatten("_".join(names) + "_muon")
+    flat = _FLAT_GROUPS[key]
+    return flat.get_group(), flat.get_local_rank(), sizes
+
+
+_FLAT_GROUPS: dict[tuple, Any] = {}
 
 
 def dtensor_muon_step(
     group: dict[str, Any], state: defaultdict[Tensor, dict[str, Any]], owner_plans: OwnerPlans
 ) -> None:
     """One Muon step for a param group of DTensor parameters (called by MuonAdamW.step).
+
+    FSDP2 / HSDP parameters (Shard(0) on one mesh dim) go straight to the owner all-to-all
+    over that dim. Parameters split over several dims (FSDP2 x TP) are first laid out as
+    rows over all of them (:func:`rows_layout`), so the owner all-to-all runs over the
+    dp_shard x tp ranks together: every matrix is orthogonalized whole, once, and the work
+    is balanced over every rank that holds a piece of it.
 
     Args:
         group: the Muon param group (its params, lr, weight decay and NS settings).
@@ -200,9 +247,9 @@ def dtensor_muon_step(
     for p in params:
         if not isinstance(p, DTensor):
             raise TypeError("MuonAdamW: a Muon group mixes DTensor and plain parameters")
-        dim = shard_dim_of(p)
-        by_layout[(id(p.device_mesh), dim, p.ndim)].append(p)
-    for (_, dim, ndim), layout_params in by_layout.items():
+        dims = () if p.ndim == 3 else owner_dims(p)  # expert stacks: split on the expert dim
+        by_layout[(id(p.device_mesh), dims)].append(p)
+    for (_, dims), layout_params in by_layout.items():
         inputs = [
             muon_ns_input(
                 momentum_buffer(state[p], p).to_local(),
@@ -213,21 +260,33 @@ def dtensor_muon_step(
             )
             for p in layout_params
         ]
-        if dim is None or ndim == 3:
+        if not dims:
             # replicated (every rank holds whole matrices) or expert stacks sharded on the
             # expert dim: NS on what is here, one input at a time, no communication.
             updates = [orthogonalize_inputs([u], group)[0] if u.numel() else u for u in inputs]
         else:
             mesh = layout_params[0].device_mesh
-            key = (id(mesh), dim, tuple(id(p) for p in layout_params))
+            moved = [rows_layout(p) != tuple(p.placements) for p in layout_params]
+            inputs = [
+                _redistributed(u, p, rows_layout(p)) if move else u
+                for u, p, move in zip(inputs, layout_params, moved)
+            ]
+            key = (id(mesh), dims, tuple(id(p) for p in layout_params))
+            pg, rank, sizes = _owner_group(mesh, dims)
             plan = owner_plans.get(key)
             if plan is None:
                 shapes = [p.shape for p in layout_params]
                 gram = ns_settings(group).gram
-                plan = OwnerPlan(shapes, mesh.size(dim), group["ns_steps"], gram)
+                world = 1
+                for size in sizes:
+                    world *= size
+                plan = OwnerPlan(shapes, world, group["ns_steps"], gram, group_sizes=sizes)
                 owner_plans[key] = plan
-            pg = mesh.get_group(dim)
-            updates = owner_all_to_all(inputs, plan, group, pg, mesh.get_local_rank(dim))
+            updates = owner_all_to_all(inputs, plan, group, pg, rank)
+            updates = [
+                _redistributed(u, p, rows_layout(p), back=True) if move else u
+                for u, p, move in zip(updates, layout_params, moved)
+            ]
         by_shape: dict[tuple, list[int]] = defaultdict(list)
         for index, p in enumerate(layout_params):
             by_shape[tuple(p.shape)].append(index)
@@ -236,3 +295,19 @@ def dtensor_muon_step(
             ups = [updates[i].to(local[0].dtype) for i in indices]
             scale = lr_scale(shape, group["adjust_lr"])
             apply_muon_update_(local, ups, group["lr"], group["weight_decay"], scale)
+
+
+def _redistributed(local: Tensor, p: DTensor, rows: tuple, back: bool = False) -> Tensor:
+    """The local piece of ``local`` (laid out as p, or as ``rows`` when ``back``) in the
+    other layout."""
+    source, target = (rows, tuple(p.placements)) if back else (tuple(p.placements), rows)
+    whole = DTensor.from_local(
+        local, p.device_mesh, source, run_check=False, shape=p.shape, stride=p.stride()
+    )
+    quiet = logging.getLogger("torch.distributed.tensor._redistribute")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)  # its note that a strided split takes two all-gathers
+    try:
+        return whole.redistribute(p.device_mesh, target).to_local()
+    finally:
+        quiet.setLevel(level)

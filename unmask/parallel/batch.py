@@ -8,11 +8,14 @@ import torch
 from unmask.errors import InputError
 
 
-def per_rank_batch_size(per_device: int, world_size: int, split_batches: bool) -> int:
+def per_rank_batch_size(
+    per_device: int, world_size: int, split_batches: bool, what: str = "the world size"
+) -> int:
     """Rows per micro-batch on one rank.
 
     ``split_batches`` (accelerate's meaning): ``per_device`` is the global micro-batch and is
-    divided by the world size; otherwise every rank takes ``per_device`` rows.
+    divided by the world size (under TP / CP: the data-parallel size, named by ``what``);
+    otherwise every rank takes ``per_device`` rows.
     """
     if not split_batches:
         return per_device
@@ -20,6 +23,10 @@ def per_rank_batch_size(per_device: int, world_size: int, split_batches: bool) -
         raise InputError(
             f"train.split_batches: per_device_train_batch_size={per_device} does not divide by "
             f"the world size {world_size}; use a multiple of {world_size} or split_batches=false"
+            if what == "the world size"
+            else f"train.split_batches: per_device_train_batch_size={per_device} does not "
+            f"divide by {what} {world_size}; use a multiple of {world_size} or "
+            "split_batches=false"
         )
     return per_device // world_size
 

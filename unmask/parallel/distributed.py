@@ -17,39 +17,58 @@ from torch.distributed.tensor import DTensor
 from unmask.errors import InputError
 from unmask.parallel.mesh import (
     LaunchEnv,
+    MeshLayout,
     build_mesh,
     init_process_group,
     launch_env,
-    resolve_mesh_shape,
+    resolve_layout,
 )
 
 
 @dataclass
 class DistState:
-    """This process's place in the run; mesh is None for a single process."""
+    """This process's place in the run; mesh (the world mesh, dims dp_replicate, dp_shard,
+    cp, tp) is None for a single process."""
 
     rank: int
     world_size: int
     device: torch.device
     mesh: DeviceMesh | None
+    layout: MeshLayout = MeshLayout()
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
 
+    @property
+    def dp_rank(self) -> int:
+        """Which rows of a global batch this rank reads: its place on the "dp" mesh dim
+        (tp and cp peers read the same rows)."""
+        return 0 if self.mesh is None else self.mesh["dp"].get_local_rank()
+
+    @property
+    def dp_size(self) -> int:
+        return self.layout.dp
+
+    @property
+    def tp_rank(self) -> int:
+        return 0 if self.mesh is None else self.mesh["tp"].get_local_rank()
+
     def describe(self) -> str:
         """' x 4 processes (FSDP2 over 4)' for the start-up line; '' for one process."""
         if self.mesh is None:
             return ""
-        sizes = dict(zip(self.mesh.mesh_dim_names, self.mesh.shape))
-        shard, replicate = sizes["dp_shard"], sizes.get("dp_replicate", 1)
+        shard, replicate = self.layout.dp_shard, self.layout.dp_replicate
         if shard == 1:
-            how = f"replicated {replicate}x"
+            how = f"replicated {replicate}x" if replicate > 1 else ""
         elif replicate > 1:
             how = f"HSDP {replicate} x {shard}"
         else:
             how = f"FSDP2 over {shard}"
-        return f" x {self.world_size} processes ({how})"
+        parts = [how] if how else []
+        parts += [f"{name} {size}" for name, size in (("CP", self.layout.cp),
+                                                     ("TP", self.layout.tp)) if size > 1]  # fmt: skip
+        return f" x {self.world_size} processes ({', '.join(parts)})"
 
 
 def setup(
@@ -58,26 +77,43 @@ def setup(
     shard: bool = True,
     dp_replicate: int = 1,
     dp_shard: int = -1,
+    tensor_parallel: int = 1,
+    context_parallel: int = 1,
     timeout_s: float = 1800,
     env: LaunchEnv | None = None,
 ) -> DistState:
     """Process group + mesh from the environment (torchrun, accelerate launch, srun).
 
     shard: shard parameters over the ranks (FSDP2 / HSDP with dp_replicate x dp_shard);
-    False replicates them on every rank (dp_replicate = world size).
+    False replicates them on every rank (dp_replicate = world size / (cp * tp)).
+    tensor_parallel / context_parallel: the tp and cp mesh dims (see MeshLayout). The
+    layout is checked (one-line InputError) before any process group work.
     """
     env = env or launch_env()
+    layout = plan_layout(env.world_size, shard, dp_replicate, dp_shard, tensor_parallel,
+                         context_parallel)  # fmt: skip
     if env.world_size == 1:
         return DistState(0, 1, device, None)
-    if shard:
-        replicate, shards = resolve_mesh_shape(env.world_size, dp_replicate, dp_shard)
-    else:
-        replicate, shards = env.world_size, 1
     if device.type == "cuda":
         device = torch.device("cuda", env.local_rank)
     init_process_group(env, device, timeout_s)
-    mesh = build_mesh(device, replicate, shards)
-    return DistState(env.rank, env.world_size, device, mesh)
+    mesh = build_mesh(device, layout)
+    return DistState(env.rank, env.world_size, device, mesh, layout)
+
+
+def plan_layout(world_size: int, shard: bool, dp_replicate: int, dp_shard: int, tp: int = 1,
+                cp: int = 1) -> MeshLayout:  # fmt: skip
+    """The mesh sizes setup() will build (pure: no process group), or a one-line InputError.
+    One process: the dp keys are ignored (as before), tensor_parallel / context_parallel are
+    not. ``shard`` False: dp_replicate = world size / (cp * tp), dp_shard = 1."""
+    if world_size == 1:
+        if tp * cp > 1:
+            resolve_layout(1, 1, -1, cp, tp)  # raises: tp * cp does not divide 1
+        return MeshLayout()
+    if shard:
+        return resolve_layout(world_size, dp_replicate, dp_shard, cp, tp)
+    rest = resolve_layout(world_size, 1, -1, cp, tp).dp_shard
+    return MeshLayout(rest, 1, cp, tp)
 
 
 def all_reduce_sum(*values: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -99,3 +135,24 @@ def resolve_device(name: str) -> torch.device:
     if name == "cuda" and not torch.cuda.is_available():
         raise InputError("device is 'cuda' but no CUDA device is visible; use auto or cpu")
     return torch.device(name)
+
+
+def clip_grad_norm(parameters, max_norm: float) -> torch.Tensor:
+    """torch.nn.utils.clip_grad_norm_ for gradients that live on several meshes (FSDP2 x TP:
+    the layers' matrices on (dp, tp), the rest on dp alone, which one stack cannot hold):
+    the norm of each mesh's gradients, combined; returns the total norm (a plain tensor)."""
+    params = [p for p in parameters if p.grad is not None]
+    grads = [p.grad for p in params]
+    by_mesh: dict = {}
+    for grad in grads:
+        mesh = grad.device_mesh if isinstance(grad, DTensor) else None
+        by_mesh.setdefault(id(mesh), []).append(grad)
+    if len(by_mesh) <= 1:
+        return full_value(torch.nn.utils.clip_grad_norm_(params, max_norm))
+    norms = [full_value(torch.nn.utils.get_total_norm(group)) for group in by_mesh.values()]
+    total = torch.linalg.vector_norm(torch.stack(norms))
+    if max_norm != float("inf"):
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for grad in grads:
+            (grad.to_local() if isinstance(grad, DTensor) else grad).mul_(coef.to(grad.dtype))
+    return total

@@ -41,24 +41,73 @@ def launch_env(environ: dict[str, str] | None = None) -> LaunchEnv:
     return LaunchEnv(rank=rank, world_size=world, local_rank=local)
 
 
-def resolve_mesh_shape(world_size: int, dp_replicate: int, dp_shard: int) -> tuple[int, int]:
-    """(replicate, shard) sizes; dp_shard -1 = world_size / dp_replicate. One-line errors."""
+@dataclass(frozen=True)
+class MeshLayout:
+    """Sizes of the four mesh dims, torchtitan's order: dp_replicate x dp_shard x cp x tp.
+
+    dp_replicate: replica groups (HSDP); dp_shard: ranks FSDP2 shards parameters over;
+    cp: ranks a sequence is split over (context parallelism); tp: ranks a layer's matrices
+    are split over (tensor parallelism). Their product is the world size.
+    """
+
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    cp: int = 1
+    tp: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.dp_replicate * self.dp_shard * self.cp * self.tp
+
+    @property
+    def dp(self) -> int:
+        """Ranks that read different rows of a batch (tp and cp peers read the same rows)."""
+        return self.dp_replicate * self.dp_shard
+
+
+def resolve_layout(
+    world_size: int, dp_replicate: int, dp_shard: int, cp: int = 1, tp: int = 1
+) -> MeshLayout:
+    """The mesh sizes; dp_shard -1 = world_size / (dp_replicate * cp * tp). One-line errors."""
+    for key, value in (("tensor_parallel", tp), ("context_parallel", cp)):
+        if value < 1:
+            raise InputError(f"train.{key} must be >= 1, got {value}")
     if dp_replicate < 1:
         raise InputError(f"train.dp_replicate must be >= 1, got {dp_replicate}")
+    fixed = dp_replicate * cp * tp
     if dp_shard == -1:
-        if world_size % dp_replicate:
+        if world_size % fixed:
+            if fixed == dp_replicate:
+                raise InputError(
+                    f"train.dp_replicate={dp_replicate} does not divide the world size "
+                    f"{world_size}; set dp_replicate to a divisor of the number of processes"
+                )
+            named = (("dp_replicate", dp_replicate), ("context_parallel", cp),
+                     ("tensor_parallel", tp))  # fmt: skip
+            what = " x ".join(f"train.{k}={v}" for k, v in named if v > 1)
             raise InputError(
-                f"train.dp_replicate={dp_replicate} does not divide the world size "
-                f"{world_size}; set dp_replicate to a divisor of the number of processes"
+                f"{what} does not divide the world size {world_size}; launch a multiple of "
+                f"{fixed} processes or lower {'them' if ' x ' in what else 'it'}"
             )
-        dp_shard = world_size // dp_replicate
-    if dp_shard < 1 or dp_replicate * dp_shard != world_size:
+        dp_shard = world_size // fixed
+    if dp_shard < 1 or fixed * dp_shard != world_size:
+        extra = "".join(
+            f" x train.{k}={v}"
+            for k, v in (("context_parallel", cp), ("tensor_parallel", tp))
+            if v > 1
+        )
         raise InputError(
-            f"mesh train.dp_replicate={dp_replicate} x train.dp_shard={dp_shard} = "
-            f"{dp_replicate * dp_shard} processes does not match the world size {world_size}; "
+            f"mesh train.dp_replicate={dp_replicate} x train.dp_shard={dp_shard}{extra} = "
+            f"{fixed * dp_shard} processes does not match the world size {world_size}; "
             "make their product the number of processes (dp_shard: -1 fills it in)"
         )
-    return dp_replicate, dp_shard
+    return MeshLayout(dp_replicate, dp_shard, cp, tp)
+
+
+def resolve_mesh_shape(world_size: int, dp_replicate: int, dp_shard: int) -> tuple[int, int]:
+    """(replicate, shard) sizes of a data-parallel-only mesh; see :func:`resolve_layout`."""
+    layout = resolve_layout(world_size, dp_replicate, dp_shard)
+    return layout.dp_replicate, layout.dp_shard
 
 
 def init_process_group(env: LaunchEnv, device: torch.device, timeout_s: float) -> None:
@@ -77,13 +126,27 @@ def init_process_group(env: LaunchEnv, device: torch.device, timeout_s: float) -
     )
 
 
-def build_mesh(device: torch.device, replicate: int, shard: int) -> DeviceMesh:
-    """1-D ("dp_shard",) mesh for FSDP2, 2-D ("dp_replicate", "dp_shard") for HSDP."""
-    if replicate == 1:
-        return init_device_mesh(device.type, (shard,), mesh_dim_names=("dp_shard",))
-    return init_device_mesh(
-        device.type, (replicate, shard), mesh_dim_names=("dp_replicate", "dp_shard")
-    )
+MESH_DIMS = ("dp_replicate", "dp_shard", "cp", "tp")
+
+
+def build_mesh(device: torch.device, layout: MeshLayout) -> DeviceMesh:
+    """The world mesh with all four dims (size-1 dims included, so every layout has the
+    same names), plus torchtitan's flattened views: "dp" (dp_replicate, dp_shard: ranks
+    that read different rows), "dp_shard_cp" (what FSDP2 shards over) and "dp_cp" (ranks
+    whose losses are summed)."""
+    sizes = (layout.dp_replicate, layout.dp_shard, layout.cp, layout.tp)
+    mesh = init_device_mesh(device.type, sizes, mesh_dim_names=MESH_DIMS)
+    mesh["dp_replicate", "dp_shard"]._flatten("dp")
+    mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+    mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
+    return mesh
+
+
+def fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The mesh FSDP2 shards over: dp_shard_cp, under dp_replicate when that is > 1 (HSDP)."""
+    if mesh["dp_replicate"].size() > 1:
+        return mesh["dp_replicate", "dp_shard_cp"]
+    return mesh["dp_shard_cp"]
 
 
 def share_from_rank0(fn):

@@ -12,7 +12,10 @@ from unmask.errors import InputError
 from unmask.models import build_model, decoder_layers, folder_mask_token_id, max_positions
 from unmask.models.lora import apply_lora, lora_targets
 from unmask.models.quant import quantize_4bit
+from unmask.parallel.context import check_context_parallel
 from unmask.parallel.fsdp import apply_fsdp, compile_blocks
+from unmask.parallel.mesh import fsdp_mesh
+from unmask.parallel.tensor import apply_tensor_parallel
 
 
 def check_model_fits(cfg: RunConfig) -> None:
@@ -27,6 +30,53 @@ def check_model_fits(cfg: RunConfig) -> None:
             f"data.packing_length ({length}) is above the model's max_position_embeddings "
             f"({positions}); lower data.packing_length {fix}"
         )
+
+
+def check_context_request(cfg: RunConfig, world_size: int) -> None:
+    """train.context_parallel > 1: one-line InputError before any process group work for
+    what context parallelism cannot serve. It splits the rows of native decoders trained
+    with an objective that draws each row's noise on its own and normalizes by one global
+    token count (a per-row normalization would need whole rows); no sampler runs
+    context-parallel; the degree must fit the world size, heads and row length."""
+    cp = cfg.train.context_parallel
+    if cp == 1:
+        return
+    from unmask.diffusion.registry import OBJECTIVES
+    from unmask.models.build import is_encoder_folder
+    from unmask.models.families import FAMILIES
+
+    key = f"train.context_parallel={cp}"
+    model = cfg.model
+    if not FAMILIES[model.model_type].native or (
+        model.pretrained is not None and is_encoder_folder(model.pretrained)
+    ):
+        raise InputError(f"{key} needs a native decoder; model {model.pretrained or model.model_type!r} "
+                         "is a wrapped transformers model: set train.context_parallel=1")  # fmt: skip
+    objective = cfg.diffusion.objective
+    if not OBJECTIVES[objective].global_noise:
+        raise InputError(
+            f"{key} needs an objective that draws each row's noise on its own (mdlm, llada); "
+            f"diffusion.objective {objective!r} draws for its batch: set train.context_parallel=1"
+        )
+    normalization = cfg.diffusion.loss_normalization
+    if normalization not in ("auto", "token"):
+        raise InputError(
+            f"{key} needs diffusion.loss_normalization token (one global count), not "
+            f"{normalization!r} (divides each whole row): set it to token or auto"
+        )
+    if cfg.eval.generate_accuracy:
+        raise InputError(
+            f"{key} splits training forwards only; eval.generate_accuracy samples with the model "
+            "and no sampler runs context-parallel: set eval.generate_accuracy=false"
+        )
+    arch = model
+    if model.pretrained is not None:
+        from unmask.models.hf import config_from_hf, read_config
+
+        arch = config_from_hf(read_config(model.pretrained))
+    check_context_parallel(cp, world_size=world_size, heads=arch.num_attention_heads,
+                           kv_heads=arch.num_key_value_heads, length=cfg.data.packing_length,
+                           tp=cfg.train.tensor_parallel)  # fmt: skip
 
 
 def prepare_tokenizer(cfg: RunConfig):
@@ -48,11 +98,23 @@ def prepare_tokenizer(cfg: RunConfig):
     return tokenizer, as_loaded, added
 
 
+def checkpointing_choice(t) -> bool | int:
+    """The model's activation checkpointing flag: False (none), True (every layer) or n
+    (every n-th layer, selective); train.activation_checkpointing wins over the older
+    train.gradient_checkpointing boolean."""
+    choice = t.activation_checkpointing
+    if choice is None:
+        return t.gradient_checkpointing
+    if choice == "selective":
+        return t.activation_checkpointing_every
+    return choice == "full"
+
+
 def build_train_model(cfg: RunConfig, tokenizer, added_tokens: int, device: torch.device,
                       mesh) -> torch.nn.Module:  # fmt: skip
-    """The model on its device, in torchtitan's order: vocabulary resize, 4-bit base,
-    activation checkpointing, per-block compile, LoRA, then FSDP2 over the mesh (None: one
-    process)."""
+    """The model on its device, in torchtitan's order: vocabulary resize, 4-bit base, tensor
+    parallelism over the mesh's tp dim, activation checkpointing, per-block compile, LoRA,
+    then FSDP2 over its dp_shard_cp dims (mesh None: one process)."""
     t = cfg.train
     model = build_model(cfg.model)
     if added_tokens or model.config.vocab_size < len(tokenizer):
@@ -60,13 +122,16 @@ def build_train_model(cfg: RunConfig, tokenizer, added_tokens: int, device: torc
     if cfg.model.load_in_4bit:  # QLoRA: frozen NF4 base, quantized onto the device
         compute = torch.bfloat16 if t.bf16 else torch.float32
         quantize_4bit(model, lora_targets(cfg.model, model), device, compute)
-    model.gradient_checkpointing = t.gradient_checkpointing
+    if mesh is not None and mesh["tp"].size() > 1:
+        model.to(device)
+        apply_tensor_parallel(model, mesh["tp"])
+    model.gradient_checkpointing = checkpointing_choice(t)
     if t.torch_compile:
         compile_blocks(decoder_layers(model))
     if cfg.model.lora:  # peft wrapper: base frozen, LoRA factors train (AdamW)
         model = apply_lora(model, cfg.model)
     model.to(device)
     if mesh is not None:
-        apply_fsdp(model, mesh, decoder_layers(model), bf16=t.bf16,
+        apply_fsdp(model, fsdp_mesh(mesh), decoder_layers(model), bf16=t.bf16,
                    reshard_after_forward=t.reshard_after_forward)  # fmt: skip
     return model

@@ -41,9 +41,17 @@ from unmask.models.quant import check_4bit
 from unmask.optim.config import build_optimizer
 from unmask.optim.schedule import build_scheduler
 from unmask.parallel.batch import per_rank_batch_size, rank_generator
-from unmask.parallel.distributed import all_reduce_sum, full_value, resolve_device, setup
+from unmask.parallel.context import ContextShard, attach_context, pad_rows
+from unmask.parallel.distributed import (
+    all_reduce_sum,
+    clip_grad_norm,
+    plan_layout,
+    resolve_device,
+    setup,
+)
 from unmask.parallel.fsdp import sync_gradients
 from unmask.parallel.mesh import launch_env, share_from_rank0
+from unmask.parallel.tensor import check_tensor_parallel
 from unmask.sampling.accuracy import heldout_accuracy
 from unmask.sampling.config import (
     GENERATION_FILE,
@@ -66,6 +74,7 @@ from unmask.train.report import run_summary
 from unmask.train.run_dir import prepare_output_dir, room_for_checkpoint, write_config
 from unmask.train.setup import (
     build_train_model,
+    check_context_request,
     check_model_fits,
     prepare_tokenizer,
 )
@@ -92,16 +101,27 @@ class Trainer:
         check_trackers(t.report_to)
         check_model_fits(cfg)
         env = launch_env()
+        check_tensor_parallel(cfg.model, t.tensor_parallel, lora=cfg.model.lora)
+        check_context_request(cfg, env.world_size)
+        # the mesh's sizes, checked before any process group work; tp and cp peers read the
+        # same rows, so batches are split over the data-parallel ranks only
+        layout = plan_layout(env.world_size, t.fsdp2, t.dp_replicate, t.dp_shard,
+                             t.tensor_parallel, t.context_parallel)  # fmt: skip
+        dp = layout.dp if env.world_size > 1 else 1
+        what = "the world size" if dp == env.world_size else "the data-parallel size"
         # rows per micro-batch on this rank; the global batch grows with the world size
         # unless split_batches (then per_device_train_batch_size is the global batch)
         self.local_batch_size = per_rank_batch_size(
-            t.per_device_train_batch_size, env.world_size, t.split_batches
+            t.per_device_train_batch_size, dp, t.split_batches, what
         )
-        batch_ranks = 1 if t.split_batches else env.world_size
+        batch_ranks = 1 if t.split_batches else dp
         self.dist = setup(resolve_device(t.device), shard=t.fsdp2, dp_replicate=t.dp_replicate,
-                          dp_shard=t.dp_shard, timeout_s=t.ddp_timeout, env=env)  # fmt: skip
+                          dp_shard=t.dp_shard, tensor_parallel=t.tensor_parallel,
+                          context_parallel=t.context_parallel, timeout_s=t.ddp_timeout,
+                          env=env)  # fmt: skip
         self.device = self.dist.device
         self.sharded = self.dist.mesh is not None  # world size 1: no process group, no mesh
+        self.context = ContextShard.from_mesh(self.dist.mesh)  # None: whole rows per rank
         check_4bit(cfg.model, self.device, self.dist.world_size)
         self.tokenizer, saved_tokenizer, added_tokens = prepare_tokenizer(cfg)
         data = build_datasets(cfg.data, self.tokenizer, saved_tokenizer)
@@ -128,6 +148,7 @@ class Trainer:
         torch.manual_seed(t.seed)
         self.model = build_train_model(cfg, self.tokenizer, added_tokens, self.device,
                                        self.dist.mesh)  # fmt: skip
+        attach_context(self.model, self.context)
         self.objective = build_objective(cfg.diffusion, self.tokenizer.mask_token_id,
                                          self.tokenizer.eos_token_id)  # fmt: skip
         self.flops = flop_model(self.model) if t.log_mfu else None  # mfu.py: the FLOP count
@@ -143,8 +164,8 @@ class Trainer:
         # each rank reads only its rows of every global micro-batch, in worker processes
         # ahead of the step when asked
         self.loader = make_loader(
-            self.train_rows, self.local_batch_size, t.seed, self.dist.rank,
-            self.dist.world_size, t.dataloader_num_workers, self.device.type == "cuda",
+            self.train_rows, self.local_batch_size, t.seed, self.dist.dp_rank,
+            self.dist.dp_size, t.dataloader_num_workers, self.device.type == "cuda",
         )  # fmt: skip
         self.noise = torch.Generator(device=self.device)
         self.noise.manual_seed(t.seed + 1)
@@ -261,9 +282,23 @@ class Trainer:
         from a generator seeded by (seed, where = (step, micro-batch), rank)."""
         if getattr(self.objective, "global_noise", False):
             b = self.local_batch_size
-            rows = (self.dist.rank * b, self.dist.world_size * b)
+            rows = (self.dist.dp_rank * b, self.dist.dp_size * b)
             return self.objective.with_noise(batch, self.noise, rows), self.noise
-        return batch, rank_generator(self.noise, where, self.dist.rank)
+        return batch, rank_generator(self.noise, where, self.dist.dp_rank)
+
+    def _context_slice(self, batch: dict) -> dict:
+        """Context parallelism: the micro-batch's noise drawn for whole rows as in
+        `_rank_noise` (so it does not depend on the cp degree), then this rank's slice of
+        every row (a row cut to a random length is padded to a multiple of cp first)."""
+        b = self.local_batch_size
+        rows = (self.dist.dp_rank * b, self.dist.dp_size * b)
+        batch = self.objective.with_noise(batch, self.noise, rows)
+        return self.context.shard_batch(pad_rows(batch, self.context.size))
+
+    def _once(self, value: torch.Tensor) -> torch.Tensor:
+        """value on tp rank 0, zero on its tp peers: they computed the same loss and count
+        from the same rows, which a sum over all ranks must count once."""
+        return value if self.dist.tp_rank == 0 else torch.zeros_like(value)
 
     def _prepared(self, batch: dict) -> dict:
         """A micro-batch on the device, cut to LLaDA's random length (seeded by the step, so
@@ -285,7 +320,7 @@ class Trainer:
         for count in counts:
             total += count.float()
         if self.sharded:
-            (total,) = all_reduce_sum(total)
+            (total,) = all_reduce_sum(self._once(total))
         return total
 
     def train_step(self, batches: list[dict]) -> dict:
@@ -300,6 +335,8 @@ class Trainer:
         guard needs to skip the update. In a multi-process run the same read carries `stop`
         (a stop signal reached some rank), summed in the loss's all-reduce."""
         batches = [self._prepared(batch) for batch in batches]
+        if self.context is not None:
+            batches = [self._context_slice(batch) for batch in batches]
         # a stop signal on any rank: reduced with the loss, read with the guard's flag
         requested = self._stop_signals is not None and self._stop_signals.requested
         stop = torch.full((), float(requested), device=self.device)
@@ -322,16 +359,18 @@ class Trainer:
                 flops = flops + self._micro_batch_flops(batch)
         if scale is None:  # the count came with the forward: scale the gradients now
             if self.sharded:  # sum over ranks: the normalization stays global
-                loss_sum_total, counted, stop = all_reduce_sum(loss_sum_total, counted, stop)
+                loss_sum_total, counted, stop = all_reduce_sum(
+                    self._once(loss_sum_total), self._once(counted), stop
+                )
             scale = 1.0 / counted.clamp(min=1.0)
             for param in self.model.parameters():
                 if param.grad is not None:
                     param.grad.mul_(scale.to(param.grad.dtype))
         elif self.sharded:
-            loss_sum_total, stop = all_reduce_sum(loss_sum_total, stop)
+            loss_sum_total, stop = all_reduce_sum(self._once(loss_sum_total), stop)
         # the global gradient norm (clipped to max_grad_norm when set): also the guard's
         max_norm = self.cfg.optim.max_grad_norm if self.cfg.optim.max_grad_norm > 0 else math.inf
-        grad_norm = full_value(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
+        grad_norm = clip_grad_norm(self.model.parameters(), max_norm)
         loss = loss_sum_total * scale
         learning_rate = self.optimizer.param_groups[0]["lr"]  # the lr this step uses
         stats = {"loss": loss, "learning_rate": learning_rate}
@@ -354,11 +393,14 @@ class Trainer:
 
     def _micro_batch_flops(self, batch: dict):
         """Model FLOPs of the micro-batch just computed (mfu.py), with the LM head on the
-        rows the objective masked (its `last_stats`; every token when it has none)."""
+        rows the objective masked (its `last_stats`; every token when it has none). Under
+        context parallelism the batch is this rank's slice; its tokens attend over whole
+        rows."""
         rows, length = batch["input_ids"].shape
+        whole = length * (self.context.size if self.context is not None else 1)
         masked = getattr(self.objective, "last_stats", {}).get("num_masked")
         head_rows = rows * length if masked is None else masked.double()
-        return self.flops.step_flops(rows * length, length, head_rows)
+        return self.flops.step_flops(rows * length, whole, head_rows)
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -379,10 +421,14 @@ class Trainer:
                 if index >= self.cfg.train.eval_max_batches:
                     break
             batch = self._eval_noise(self._to_device(batch), index * size)
+            if self.context is not None:  # this rank's slice of the rows (noise drawn)
+                batch = self.context.shard_batch(pad_rows(batch, self.context.size))
             with self._autocast():
                 loss_sum, count = self.objective(self.model, batch, noise)
             loss_sum_total += loss_sum.detach().double()  # on the device: one read at the end
             count_total += count.detach().double()
+        if self.context is not None:  # the slices' sums: every cp rank gets the rows' total
+            loss_sum_total, count_total = self.context.sum(loss_sum_total, count_total)
         self.model.train(was_training)
         return float(loss_sum_total / count_total.clamp(min=1.0))
 

@@ -1,0 +1,108 @@
+"""Tensor parallelism (Megatron-style) of the native decoder with DTensor's parallelize_module.
+
+Each decoder layer's q/k/v and gate/up projections are column-parallel (every tp rank holds
+heads / tp of the query and key/value heads, and intermediate / tp of the MLP's columns),
+o and down are row-parallel (their outputs are summed over the tp ranks). Attention reshapes
+its projections with ``view(B, L, -1, head_dim)``, so the forward runs on the local heads
+unchanged. Embedding, norms and the LM head stay replicated on the tp ranks: the
+masked-only chunked loss (diffusion/loss.py) keeps its plain path, and at the widths TP is
+for, the layers' matrices are what must be split (see docs/parallelism.md for the
+measurement and the reasons).
+
+Qwen3's q/k RMSNorm runs per head on a rank's own heads: it gets DTensor's
+SequenceParallel over the head dim, so its weight is a replicated DTensor whose gradient
+DTensor knows to be a partial sum over the tp ranks (FSDP2 reduces it to the weight's
+placement).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from unmask.errors import InputError
+from unmask.models.config import ModelConfig
+
+#: Column-parallel (output features split) and row-parallel (input features split) linears.
+COLWISE = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj",
+           "mlp.up_proj")  # fmt: skip
+ROWWISE = ("self_attn.o_proj", "mlp.down_proj")
+#: Per-head norms whose weights see only a rank's own heads.
+PER_HEAD_NORMS = ("self_attn.q_norm", "self_attn.k_norm")
+
+
+def check_tensor_parallel(model: ModelConfig, tp: int, *, lora: bool = False) -> None:
+    """One-line InputError when the model cannot be split tp ways (before any process
+    group work): wrapped transformers encoders, LoRA or 4-bit models, or a degree that does
+    not divide the heads, the key/value heads or the MLP width."""
+    if tp == 1:
+        return
+    from unmask.models.build import is_encoder_folder
+    from unmask.models.families import FAMILIES
+
+    key = f"train.tensor_parallel={tp}"
+    if model.pretrained is not None and is_encoder_folder(model.pretrained):
+        raise InputError(
+            f"{key} needs a native decoder; model.pretrained {model.pretrained!r} is a "
+            "transformers encoder (wrapped HF model): set train.tensor_parallel=1"
+        )
+    if not FAMILIES[model.model_type].native:
+        raise InputError(
+            f"{key} needs a native decoder (qwen3_dllm, qwen2_dllm, llama_dllm, dream, llada); "
+            f"model.model_type {model.model_type!r} is a wrapped HF model: set "
+            "train.tensor_parallel=1"
+        )
+    if lora or model.load_in_4bit:
+        raise InputError(
+            f"{key} does not combine with model.lora / model.load_in_4bit (adapters and "
+            "4-bit layers are not split); set train.tensor_parallel=1"
+        )
+    arch = model
+    if model.pretrained is not None:
+        from unmask.models.hf import config_from_hf, read_config
+
+        arch = config_from_hf(read_config(model.pretrained))
+    for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+        value = getattr(arch, name)
+        if value % tp:
+            raise InputError(
+                f"{key} does not divide model.{name}={value}; use a tensor_parallel degree "
+                f"that divides it"
+            )
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
+    """Split every decoder layer of a native model over ``tp_mesh`` (1-D), in place."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    # the attention and MLP inputs enter as one replicated DTensor, so the gradients of the
+    # q/k/v (gate/up) inputs are summed locally and all-reduced once per module, not once
+    # per projection (4 activation all-reduces per layer instead of 7)
+    replicated = Replicate()
+    plan = {
+        "self_attn": PrepareModuleInput(
+            input_layouts=(replicated, None, None, None, None),
+            desired_input_layouts=(replicated, None, None, None, None),
+            use_local_output=False,
+        ),
+        "mlp": PrepareModuleInput(
+            input_layouts=(replicated,), desired_input_layouts=(replicated,),
+            use_local_output=False,
+        ),
+    }  # fmt: skip
+    plan.update({name: ColwiseParallel() for name in COLWISE})
+    plan.update({name: RowwiseParallel() for name in ROWWISE})
+    for layer in model.model.layers:
+        layer_plan = dict(plan)
+        for name in PER_HEAD_NORMS:  # (B, L, heads, head_dim): the heads are split
+            if any(True for _ in layer.get_submodule(name).parameters()):
+                layer_plan[name] = SequenceParallel(sequence_dim=2, use_local_output=True)
+        parallelize_module(layer, tp_mesh, layer_plan)
+    return model
