@@ -44,6 +44,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/masked_loss_memory.py
 	$(BIN)/python benchmarks/muon.py
 	$(BIN)/python benchmarks/distributed_muon.py
+	$(BIN)/python benchmarks/parallel.py
 	$(BIN)/python benchmarks/checkpoint_stall.py
 	$(BIN)/python benchmarks/train_step.py
 
@@ -62,6 +63,7 @@ bench-quick: $(STAMP)
 	$(BIN)/python benchmarks/masked_loss_memory.py --quick
 	$(BIN)/python benchmarks/muon.py --quick
 	$(BIN)/python benchmarks/distributed_muon.py --quick
+	$(BIN)/python benchmarks/parallel.py --quick
 	$(BIN)/python benchmarks/muon_convergence.py --quick
 	$(BIN)/python benchmarks/sampling.py --quick
 	$(BIN)/python benchmarks/data.py --quick

@@ -32,7 +32,9 @@ Not done yet: overlapping the collectives of one shape group with the NS of anot
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import warnings
 from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
@@ -213,7 +215,9 @@ def _owner_group(mesh, dims: tuple[int, ...]):
     key = (id(mesh), dims)
     if key not in _FLAT_GROUPS:
         names = tuple(mesh.mesh_dim_names[d] for d in dims)
-        _FLAT_GROUPS[key] = mesh[names]._flatten("_".join(names) + "_muon")
+        with warnings.catch_warnings():  # slicing dims FSDP2 made from flattened ones
+            warnings.filterwarnings("ignore", message="Slicing a flattened dim")
+            _FLAT_GROUPS[key] = mesh[names]._flatten("_".join(names) + "_muon")
     flat = _FLAT_GROUPS[key]
     return flat.get_group(), flat.get_local_rank(), sizes
 
@@ -304,10 +308,25 @@ def _redistributed(local: Tensor, p: DTensor, rows: tuple, back: bool = False) -
     whole = DTensor.from_local(
         local, p.device_mesh, source, run_check=False, shape=p.shape, stride=p.stride()
     )
-    quiet = logging.getLogger("torch.distributed.tensor._redistribute")
-    level = quiet.level
-    quiet.setLevel(logging.ERROR)  # its note that a strided split takes two all-gathers
-    try:
+    with quiet_dtensor_notes():
         return whole.redistribute(p.device_mesh, target).to_local()
+
+
+#: Loggers whose notes on every run are about DTensor's choices, not the user's input: a
+#: strided split redistributed in two all-gathers, gloo's all-to-all done as an all-gather.
+_NOISY = ("torch.distributed.tensor._redistribute", "torch.distributed._functional_collectives",
+          "torch.distributed.tensor._collective_utils", "torch._logging._internal")  # fmt: skip
+
+
+@contextlib.contextmanager
+def quiet_dtensor_notes():
+    """Raise the loggers in _NOISY to ERROR for the duration."""
+    loggers = [logging.getLogger(name) for name in _NOISY]
+    levels = [log.level for log in loggers]
+    for log in loggers:
+        log.setLevel(logging.ERROR)
+    try:
+        yield
     finally:
-        quiet.setLevel(level)
+        for log, level in zip(loggers, levels):
+            log.setLevel(level)

@@ -15,6 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from unmask.errors import InputError
+from unmask.optim.distributed import quiet_dtensor_notes
 from unmask.parallel.mesh import (
     LaunchEnv,
     MeshLayout,
@@ -22,6 +23,7 @@ from unmask.parallel.mesh import (
     init_process_group,
     launch_env,
     resolve_layout,
+    sub_mesh,
 )
 
 
@@ -44,7 +46,7 @@ class DistState:
     def dp_rank(self) -> int:
         """Which rows of a global batch this rank reads: its place on the "dp" mesh dim
         (tp and cp peers read the same rows)."""
-        return 0 if self.mesh is None else self.mesh["dp"].get_local_rank()
+        return 0 if self.mesh is None else sub_mesh(self.mesh, "dp").get_local_rank()
 
     @property
     def dp_size(self) -> int:
@@ -149,7 +151,8 @@ def clip_grad_norm(parameters, max_norm: float) -> torch.Tensor:
         by_mesh.setdefault(id(mesh), []).append(grad)
     if len(by_mesh) <= 1:
         return full_value(torch.nn.utils.clip_grad_norm_(params, max_norm))
-    norms = [full_value(torch.nn.utils.get_total_norm(group)) for group in by_mesh.values()]
+    with quiet_dtensor_notes():  # a 2-D norm's reduction takes two all-reduces
+        norms = [full_value(torch.nn.utils.get_total_norm(group)) for group in by_mesh.values()]
     total = torch.linalg.vector_norm(torch.stack(norms))
     if max_norm != float("inf"):
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)

@@ -9,6 +9,7 @@ launcher means world size 1: no process group, the plain single-process path.
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -145,8 +146,16 @@ def build_mesh(device: torch.device, layout: MeshLayout) -> DeviceMesh:
 def fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
     """The mesh FSDP2 shards over: dp_shard_cp, under dp_replicate when that is > 1 (HSDP)."""
     if mesh["dp_replicate"].size() > 1:
-        return mesh["dp_replicate", "dp_shard_cp"]
-    return mesh["dp_shard_cp"]
+        return sub_mesh(mesh, "dp_replicate", "dp_shard_cp")
+    return sub_mesh(mesh, "dp_shard_cp")
+
+
+def sub_mesh(mesh: DeviceMesh, *names: str) -> DeviceMesh:
+    """mesh[names], without torch's note that slicing a flattened dim (dp, dp_shard_cp)
+    from the root mesh will change in a later release (the mesh is built here, once)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Slicing a flattened dim")
+        return mesh[names if len(names) > 1 else names[0]]
 
 
 def share_from_rank0(fn):
