@@ -44,18 +44,19 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/masked_loss_memory.py
 	$(BIN)/python benchmarks/muon.py
 	$(BIN)/python benchmarks/distributed_muon.py
-	$(BIN)/python benchmarks/parallel.py
 	$(BIN)/python benchmarks/checkpoint_stall.py
 	$(BIN)/python benchmarks/train_step.py
 
-# The long ones (about 90 minutes on 2 cores): Muon vs AdamW convergence (7 runs of 1000
-# steps), data loading at scale, stopping per pad policy (3 trained models).
+# The long ones (about 2 hours on 2 cores): Muon vs AdamW convergence (7 runs of 1000
+# steps), data loading at scale, stopping per pad policy (3 trained models), the tensor-
+# and context-parallel layouts (about 10 and 12 minutes: launches of 2 and 4 processes).
 # benchmarks/sampling.py runs on a trained quickstart model: `make quickstart`, then
 # `python benchmarks/sampling.py --model runs/quickstart/final`.
 bench-long: $(STAMP)
 	$(BIN)/python benchmarks/muon_convergence.py
 	$(BIN)/python benchmarks/data.py
 	$(BIN)/python benchmarks/stopping.py
+	$(BIN)/python benchmarks/parallel.py
 	$(BIN)/python benchmarks/context_parallel.py
 
 # The smoke mode of every benchmark (tiny sizes, one round, no results files): CI runs it.
