@@ -44,6 +44,7 @@ from unmask.parallel.batch import per_rank_batch_size, rank_generator
 from unmask.parallel.distributed import all_reduce_sum, full_value, resolve_device, setup
 from unmask.parallel.fsdp import sync_gradients
 from unmask.parallel.mesh import launch_env, share_from_rank0
+from unmask.posttrain import build_posttrain_objective, check_posttrain, is_posttrain
 from unmask.sampling.accuracy import heldout_accuracy
 from unmask.sampling.config import (
     GENERATION_FILE,
@@ -106,6 +107,7 @@ class Trainer:
         self.tokenizer, saved_tokenizer, added_tokens = prepare_tokenizer(cfg)
         data = build_datasets(cfg.data, self.tokenizer, saved_tokenizer)
         self.train_rows, self.eval_rows = data.train, data.eval
+        check_posttrain(cfg, self.tokenizer, data.train)  # rewards import and score, or exit 2
         self.notices = [*cfg.notices, *data.notices]  # the config file's, then the data's
         self.num_rows = None if isinstance(data.train, StreamSpec) else len(data.train)
         self.plan = make_plan(cfg, self.num_rows, batch_ranks)
@@ -128,8 +130,11 @@ class Trainer:
         torch.manual_seed(t.seed)
         self.model = build_train_model(cfg, self.tokenizer, added_tokens, self.device,
                                        self.dist.mesh)  # fmt: skip
-        self.objective = build_objective(cfg.diffusion, self.tokenizer.mask_token_id,
-                                         self.tokenizer.eos_token_id)  # fmt: skip
+        if is_posttrain(cfg.diffusion.objective):  # grpo (and preference): unmask.posttrain
+            self.objective = build_posttrain_objective(cfg, self.tokenizer)
+        else:
+            self.objective = build_objective(cfg.diffusion, self.tokenizer.mask_token_id,
+                                             self.tokenizer.eos_token_id)  # fmt: skip
         self.flops = flop_model(self.model) if t.log_mfu else None  # mfu.py: the FLOP count
         self.optimizer = build_optimizer(cfg.optim, self.model)
         self.scheduler = build_scheduler(
@@ -300,6 +305,8 @@ class Trainer:
         guard needs to skip the update. In a multi-process run the same read carries `stop`
         (a stop signal reached some rank), summed in the loss's all-reduce."""
         batches = [self._prepared(batch) for batch in batches]
+        if hasattr(self.objective, "begin_step"):  # grpo: inner iterations reuse rollouts
+            self.objective.begin_step(self.step)
         # a stop signal on any rank: reduced with the loss, read with the guard's flag
         requested = self._stop_signals is not None and self._stop_signals.requested
         stop = torch.full((), float(requested), device=self.device)
@@ -380,23 +387,29 @@ class Trainer:
                     break
             batch = self._eval_noise(self._to_device(batch), index * size)
             with self._autocast():
-                loss_sum, count = self.objective(self.model, batch, noise)
+                loss_sum, count = self._eval_objective(self.model, batch, noise)
             loss_sum_total += loss_sum.detach().double()  # on the device: one read at the end
             count_total += count.detach().double()
         self.model.train(was_training)
         return float(loss_sum_total / count_total.clamp(min=1.0))
 
+    @property
+    def _eval_objective(self):
+        """What eval_loss measures: the objective's own `eval_objective` when it has one
+        (grpo: the masked-diffusion loss of the held-out answers), else the objective."""
+        return getattr(self.objective, "eval_objective", None) or self.objective
+
     def _eval_noise(self, batch: dict, first_row: int) -> dict:
         """The eval batch with each row's noise drawn from its own generator, seeded by the
         row's index; unchanged for objectives that draw for the whole batch."""
-        if not getattr(self.objective, "global_noise", False):
+        if not getattr(self._eval_objective, "global_noise", False):
             return batch
         generator = torch.Generator(device=self.device)
         drawn = []
         for row in range(batch["input_ids"].shape[0]):
             generator.manual_seed(self.cfg.train.seed + 54321 + first_row + row)
             one = {k: v[row : row + 1] for k, v in batch.items()}
-            drawn.append(self.objective.with_noise(one, generator))
+            drawn.append(self._eval_objective.with_noise(one, generator))
         added = [k for k in drawn[0] if k not in batch]
         return {**batch, **{k: torch.cat([d[k] for d in drawn]) for k in added}}
 
@@ -459,6 +472,8 @@ class Trainer:
                         )
                         if self.guard.state.skipped_steps:
                             values["skipped_steps"] = self.guard.state.skipped_steps
+                        if hasattr(self.objective, "take_log"):  # grpo's rollout metrics
+                            values.update(self.objective.take_log())
                         if window.peak_raised:
                             window.peak_raised = False
                             dtype = matmul_dtype(self.device.type, cfg.train.bf16)
