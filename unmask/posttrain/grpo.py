@@ -19,7 +19,8 @@ log-likelihoods are measured then, so the ratio starts at 1 and the clip acts af
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import NamedTuple
 
 import torch
@@ -162,6 +163,34 @@ def group_random(seeds: list[int], group_size: int, device, salt: int) -> Callab
     return rand
 
 
+@contextmanager
+def unsharded(model: nn.Module) -> Iterator[None]:
+    """An FSDP2 model's weights gathered once for the whole rollout, so sampling runs no
+    collective: ranks decode different numbers of steps (EOS, threshold decoding), which
+    per-forward all-gathers would deadlock. Each FSDP unit is unsharded, kept so through its
+    forwards, and resharded after, with its reshard-after-forward setting restored. A model
+    without FSDP units is left alone."""
+    from torch.distributed.fsdp import FSDPModule
+
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    saved = []
+    for unit in units:
+        state = unit._get_fsdp_state()
+        saved.append((state._auto_reshard_after_forward,
+                       [g.post_forward_mesh_info for g in state._fsdp_param_groups]))  # fmt: skip
+        unit.set_reshard_after_forward(False, recurse=False)
+        unit.unshard()
+    try:
+        yield
+    finally:
+        for unit, (auto, infos) in zip(units, saved):
+            unit.reshard()
+            state = unit._get_fsdp_state()
+            state._auto_reshard_after_forward = auto
+            for group, info in zip(state._fsdp_param_groups, infos):
+                group.post_forward_mesh_info = info
+
+
 # ------------------------------------------------------------------ the objective
 
 
@@ -243,7 +272,7 @@ class GRPOObjective:
         started = time.perf_counter()
         sequences, prompt_lengths, prompts, records = [], [], [], []
         try:
-            with torch.no_grad():
+            with torch.no_grad(), unsharded(model):
                 for row, seed in enumerate(seeds):
                     prompt, answer = prompt_answer(input_ids[row], maskable[row], eos)
                     gen = torch.Generator(device=input_ids.device)
