@@ -66,6 +66,9 @@ class GRPOConfig(BaseModel):
     """The rollout sampler: every `unmask generate` option (threshold, cache, block_length,
     ...). Without gen_length, each completion fills the training row
     (row_length = data.packing_length)."""
+    shuffle_rewards: bool = False
+    """A control run: each group's rewards are permuted among its completions (seeded by the
+    prompt), so advantages no longer say which completion was better; a recipe's baseline."""
     log_samples: int = Field(2, ge=0)
     """Completions written to metrics.jsonl (prompt, completion, reward) at each logged step."""
 

@@ -147,6 +147,16 @@ def stack_rows(sequences: list[torch.Tensor], prompt_lengths: list[int], eos_id:
     return Rows(ids, prompt, canvas, scored, doc if bool(doc.any()) else None)
 
 
+def shuffled_in_groups(values: torch.Tensor, seeds: list[int], group_size: int) -> torch.Tensor:
+    """values (R,) with each group's entries permuted by a generator seeded from its seed."""
+    out = values.clone()
+    for i, seed in enumerate(seeds):
+        gen = torch.Generator().manual_seed((seed * 31 + 5) % _SEED_LIMIT)
+        order = torch.randperm(group_size, generator=gen).to(values.device)
+        out[i * group_size : (i + 1) * group_size] = values[i * group_size + order]
+    return out
+
+
 def group_random(seeds: list[int], group_size: int, device, salt: int) -> Callable:
     """rand(shape) -> (len(seeds) * group_size, *shape) uniforms, each group's from its own
     generator seeded by (seed, salt): independent of how groups are batched."""
@@ -298,6 +308,8 @@ class GRPOObjective:
         records_r = [r for r in records for _ in range(g)]
         scores = self.rewards(prompts_r, completions, records_r)
         total = torch.as_tensor(scores.total, dtype=torch.float32, device=input_ids.device)
+        if self.cfg.shuffle_rewards:
+            total = shuffled_in_groups(total, seeds, g)
         advantages = group_advantages(total, g, self.cfg.scale_rewards)
         old = None
         if self.cfg.inner_iterations > 1:
