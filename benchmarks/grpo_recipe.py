@@ -105,7 +105,7 @@ def main() -> None:
     parser.add_argument("--out", default="runs/grpo_recipe")
     parser.add_argument("--minutes", type=float, default=15.0)
     parser.add_argument("--segment", type=int, default=10)
-    parser.add_argument("--base-segment", type=int, default=50)
+    parser.add_argument("--base-segment", type=int, default=25)
     parser.add_argument("--base-max-steps", type=int, default=3000)
     parser.add_argument("--low", type=float, default=0.4)
     parser.add_argument("--high", type=float, default=0.7)

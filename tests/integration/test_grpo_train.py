@@ -21,10 +21,16 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 GRPO = {
     "diffusion": {"objective": "grpo"},
     "grpo": {"group_size": 2, "log_samples": 1},
-    "rewards": [{"fn": "format", "options": {"pattern": "[a-m]", "match": "search"}},
-                {"fn": "exact_match"}],  # fmt: skip
-    "train": {"per_device_train_batch_size": 2, "eval_steps": 2, "save_steps": 2,
-              "max_steps": 4},  # fmt: skip
+    "rewards": [
+        {"fn": "format", "options": {"pattern": "[a-m]", "match": "search"}},
+        {"fn": "exact_match"},
+    ],  # fmt: skip
+    "train": {
+        "per_device_train_batch_size": 2,
+        "eval_steps": 2,
+        "save_steps": 2,
+        "max_steps": 4,
+    },  # fmt: skip
 }
 
 

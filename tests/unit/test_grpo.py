@@ -213,8 +213,9 @@ def test_objective_loss_matches_a_hand_computation(setup):
                                   zip(prompts, completions)], dtype=torch.float32)  # fmt: skip
     # ratio 1: loss = -sum_i A_i |o_i| (scored tokens: answer and its EOS) / sum |o_i|
     assert float(out.count) == float(scored_tokens.sum())
-    assert float(out.loss_sum.detach()) == pytest.approx(float(-(adv * scored_tokens).sum()),
-                                                  abs=1e-5)
+    assert float(out.loss_sum.detach()) == pytest.approx(
+        float(-(adv * scored_tokens).sum()), abs=1e-5
+    )
     log = obj.take_log()
     assert log["reward_mean"] == pytest.approx(float(lengths.mean()), abs=1e-5)
     assert log["reward/length_mean"] == pytest.approx(float(lengths.mean()), abs=1e-5)

@@ -26,7 +26,9 @@ def check_config(cfg) -> None:
     if name != "grpo":
         return
     if cfg.data.packing:
-        raise ValueError("diffusion.objective grpo needs one prompt per row: set data.packing: false")
+        raise ValueError(
+            "diffusion.objective grpo needs one prompt per row: set data.packing: false"
+        )
     if cfg.diffusion.random_length_prob > 0:
         raise ValueError("diffusion.objective grpo cannot cut rows: set "
                          "diffusion.random_length_prob: 0")  # fmt: skip

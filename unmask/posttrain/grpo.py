@@ -365,8 +365,13 @@ class _RolloutLog:
 
     def add_rollouts(self, scores, total, advantages, rows: Rows, g: int, seconds: float,
                      prompts, completions, records, keep: int) -> None:  # fmt: skip
-        per_reward = {"reward": total, **{f"reward/{k}": torch.as_tensor(v, dtype=torch.float32)
-                                          for k, v in getattr(scores, "per_reward", {}).items()}}
+        per_reward = {
+            "reward": total,
+            **{
+                f"reward/{k}": torch.as_tensor(v, dtype=torch.float32)
+                for k, v in getattr(scores, "per_reward", {}).items()
+            },
+        }
         for name, values in per_reward.items():
             values = values.float().cpu()
             self._add(f"{name}_mean", float(values.mean()))
@@ -403,8 +408,10 @@ class _RolloutLog:
         if self.samples:
             values["samples"] = self.samples
         self.__init__()
-        return {k: (round(v, 6) if isinstance(v, float) and math.isfinite(v) else v)
-                for k, v in values.items()}
+        return {
+            k: (round(v, 6) if isinstance(v, float) and math.isfinite(v) else v)
+            for k, v in values.items()
+        }
 
 
 def build_eval_objective(diffusion_cfg, mask_id: int, eos_id: int) -> MaskedDiffusionObjective:
