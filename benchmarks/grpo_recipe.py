@@ -64,6 +64,17 @@ def run_segment(tree: dict, out: Path, steps: int, prompts: int, resume: bool):
     return trainer, seconds, heldout_em(trainer.model, trainer.tokenizer, trainer.cfg, prompts)
 
 
+def base_exact_match(folder: str, prompts: int) -> float:
+    from unmask.config import validate_tree
+    from unmask.data import build_tokenizer
+    from unmask.models import ModelConfig, build_model
+
+    cfg = validate_tree({"data": recipe()["data"]})
+    model = build_model(ModelConfig(pretrained=folder)).eval()
+    tokenizer = build_tokenizer(cfg.data.model_copy(update={"tokenizer": folder}))
+    return heldout_em(model, tokenizer, cfg, prompts)
+
+
 def train_base(args, out: Path) -> dict:
     r = recipe()
     tree = {"model": BASE_MODEL, "data": r["data"], "diffusion": {"objective": "mdlm"},
@@ -80,6 +91,7 @@ def train_base(args, out: Path) -> dict:
         print(f"base step {steps}: held-out exact match {em:.1%} ({total:.0f}s)", flush=True)
         if em >= args.low:
             break
+    (out / "base_history.json").write_text(json.dumps(history, indent=2))
     return {"history": history, "final": str(out / "final"), "exact_match": history[-1][
         "heldout_exact_match"]}  # fmt: skip
 
@@ -104,14 +116,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="runs/grpo_recipe")
     parser.add_argument("--minutes", type=float, default=15.0)
-    parser.add_argument("--segment", type=int, default=10)
+    parser.add_argument("--segment", type=int, default=50)
     parser.add_argument("--base-segment", type=int, default=25)
     parser.add_argument("--base-max-steps", type=int, default=3000)
     parser.add_argument("--low", type=float, default=0.4)
     parser.add_argument("--high", type=float, default=0.7)
     parser.add_argument("--eval-prompts", type=int, default=200)
     parser.add_argument("--arm", choices=["grpo", "shuffled"], help=argparse.SUPPRESS)
-    parser.add_argument("--base-final", help=argparse.SUPPRESS)
+    parser.add_argument("--base-final", help="start from this model folder (skip step 1)")
     args = parser.parse_args()
     torch.manual_seed(0)
     out = Path(args.out)
@@ -120,7 +132,13 @@ def main() -> None:
         (out / f"{args.arm}.json").write_text(json.dumps(result, indent=2))
         return
     started = time.perf_counter()
-    base = train_base(args, out / "base")
+    if args.base_final:  # a base trained before (its held-out exact match measured again)
+        saved = Path(args.base_final).parent / "base_history.json"  # train_base's, if any
+        history = json.loads(saved.read_text()) if saved.is_file() else []
+        base = {"history": history, "final": args.base_final,
+                "exact_match": base_exact_match(args.base_final, args.eval_prompts)}  # fmt: skip
+    else:
+        base = train_base(args, out / "base")
     if not args.low <= base["exact_match"] <= args.high:
         print(f"base exact match {base['exact_match']:.1%} is outside [{args.low}, {args.high}]")
     arms = {}
