@@ -190,7 +190,8 @@ class _Rewards:
     def __call__(self, prompts, completions, records):
         self.seen.append((prompts, completions, records))
         total = torch.tensor([float(len(c)) for c in completions])
-        return SimpleNamespace(total=total, per_reward={"length": total})
+        return SimpleNamespace(total=total, per_reward={"length": total}, failures={"length": 1},
+                               failure_lines=["length: completion 3 timed out"])  # fmt: skip
 
 
 def _objective(tok, rewards, **cfg):
@@ -220,6 +221,9 @@ def test_objective_loss_matches_a_hand_computation(setup):
     assert log["reward_mean"] == pytest.approx(float(lengths.mean()), abs=1e-5)
     assert log["reward/length_mean"] == pytest.approx(float(lengths.mean()), abs=1e-5)
     assert len(log["samples"]) == 2 and log["generations_per_second"] > 0
+    assert log["reward_failures/length"] == 1
+    assert log["reward_failure_lines"] == ["length: completion 3 timed out"]
+    assert obj.take_log() == {}  # taken: the next window starts empty
 
 
 def test_rollouts_do_not_depend_on_batching(setup):

@@ -255,6 +255,12 @@ class GRPOObjective:
         """Unknown before the rollouts (the completion tokens): the trainer scales after."""
         return None
 
+    def close(self) -> None:
+        """Stop the rewards' worker processes (the trainer calls this when train() ends)."""
+        close = getattr(self.rewards, "close", None)
+        if close is not None:
+            close()
+
     def take_log(self) -> dict:
         """Rollout metrics since the last call (reward mean/std per reward, length, KL, ...)."""
         return self._log.take()
@@ -356,6 +362,7 @@ class _RolloutLog:
         self.sums: dict[str, float] = {}
         self.counts: dict[str, int] = {}
         self.samples: list[dict] = []
+        self.failure_lines: list[str] = []  # what a reward that failed said (first 5)
         self.generations = 0
         self.seconds = 0.0
 
@@ -382,6 +389,9 @@ class _RolloutLog:
         self._add("zero_advantage_groups", float(zero.mean()))
         for name, count in getattr(scores, "failures", {}).items():
             self._add(f"reward_failures/{name}", float(count), 0)
+        self.failure_lines += list(getattr(scores, "failure_lines", []))[
+            : 5 - len(self.failure_lines)
+        ]
         self.generations += len(completions)
         self.seconds += seconds
         for i in range(min(keep - len(self.samples), len(completions))):
@@ -407,6 +417,8 @@ class _RolloutLog:
             values["generations_per_second"] = self.generations / max(self.seconds, 1e-9)
         if self.samples:
             values["samples"] = self.samples
+        if self.failure_lines:
+            values["reward_failure_lines"] = self.failure_lines
         self.__init__()
         return {
             k: (round(v, 6) if isinstance(v, float) and math.isfinite(v) else v)

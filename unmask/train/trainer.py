@@ -505,6 +505,8 @@ class Trainer:
                                          wall_seconds=time.perf_counter() - started))  # fmt: skip
         finally:
             self._stop_signals = None
+            if hasattr(self.objective, "close"):  # grpo: the rewards' worker processes
+                self.objective.close()
             self._finish_checkpoint()
             logger.close()
             self.logger = None
