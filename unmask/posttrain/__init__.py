@@ -7,8 +7,14 @@ them with `build_posttrain_objective(cfg, tokenizer)`; `check_posttrain` refuses
 (rewards that cannot be imported, raise or return non-numbers) before anything is written.
 """
 
+import torch
+
 from unmask.errors import InputError
 from unmask.posttrain.config import GRPOConfig
+from unmask.posttrain.grpo import GRPOObjective, build_eval_objective, prompt_answer
+from unmask.rewards import RewardSet, parse_rewards
+from unmask.sampling.accuracy import decode_answer
+from unmask.sampling.config import fixed_by_training
 
 #: diffusion.objective names built here (the preference objective adds its name)
 POSTTRAIN_OBJECTIVES = ("grpo",)
@@ -47,8 +53,6 @@ def check_config(cfg) -> None:
 
 def reward_set(cfg):
     """The run's RewardSet (unmask.rewards) from its `rewards:` list."""
-    from unmask.rewards import RewardSet, parse_rewards
-
     return RewardSet(parse_rewards(cfg.rewards))
 
 
@@ -62,11 +66,6 @@ def check_posttrain(cfg, tokenizer, train_rows) -> None:
         gather = getattr(train_rows, "gather", None)
         if gather is None or not len(train_rows):
             return
-        import torch
-
-        from unmask.posttrain.grpo import prompt_answer
-        from unmask.sampling.accuracy import decode_answer
-
         rows = gather(torch.arange(min(_CHECK_ROWS, len(train_rows))))
         records = []
         for ids, maskable in zip(rows["input_ids"], rows["maskable"].bool()):
@@ -83,9 +82,6 @@ def build_posttrain_objective(cfg, tokenizer):
     name = cfg.diffusion.objective
     mask_id, eos_id = tokenizer.mask_token_id, tokenizer.eos_token_id
     if name == "grpo":
-        from unmask.posttrain.grpo import GRPOObjective, build_eval_objective
-        from unmask.sampling.config import fixed_by_training
-
         sampling = cfg.grpo.sampling.updated(**fixed_by_training(cfg.diffusion))
         if "gen_length" not in cfg.grpo.sampling.model_fields_set and sampling.row_length is None:
             sampling = sampling.updated(row_length=cfg.data.packing_length)

@@ -25,6 +25,7 @@ from typing import NamedTuple
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from unmask.diffusion.objectives import MaskedDiffusionObjective, ObjectiveOutput, maskable_of
 from unmask.errors import InputError
@@ -180,8 +181,6 @@ def unsharded(model: nn.Module) -> Iterator[None]:
     per-forward all-gathers would deadlock. Each FSDP unit is unsharded, kept so through its
     forwards, and resharded after, with its reshard-after-forward setting restored. A model
     without FSDP units is left alone."""
-    from torch.distributed.fsdp import FSDPModule
-
     units = [m for m in model.modules() if isinstance(m, FSDPModule)]
     saved = []
     for unit in units:
