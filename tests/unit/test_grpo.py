@@ -290,3 +290,11 @@ def test_config_refusals(overrides, message):
 
 def test_rollout_sampling_stays_sampled():
     assert GRPOConfig.model_validate({"sampling": {"threshold": 0.9}}).sampling.temperature == 1
+
+
+def test_the_recipe_config_validates():
+    from pathlib import Path
+
+    cfg = load_config(Path(__file__).resolve().parents[2] / "recipes" / "grpo_reverse.yaml")
+    assert cfg.diffusion.objective == "grpo" and cfg.grpo.group_size == 8
+    assert cfg.rewards == [{"fn": "exact_match"}] and cfg.grpo.sampling.temperature == 1.0
