@@ -115,6 +115,19 @@ def raw_config(text: str):
     return lambda ctx: ["train", str(ctx.write("bad.yaml", text))]
 
 
+def grpo(rewards: list, module: str | None = None, **grpo_keys):
+    """Build: the tiny config as a grpo run with these rewards; module: the text of
+    user_rewards.py, written into the run's folder (the reward worker imports it from there)."""
+
+    def build(ctx):
+        if module is not None:
+            ctx.write("user_rewards.py", module)
+        return ctx.train({"diffusion": {"objective": "grpo"}, "rewards": rewards,
+                          "grpo": grpo_keys})  # fmt: skip
+
+    return build
+
+
 def data_file(name: str, content, **data):
     return lambda ctx: ctx.train({"data": {"dataset": str(ctx.write(name, content)), **data}})
 
@@ -633,6 +646,22 @@ CASES = [
                                             str(ctx.write("o", "x"))], "is a file", "folder"),
     case("runs-missing-folder", lambda ctx: ["runs", str(ctx.tmp / "runs")], "does not exist"),
     case("runs-folder-is-a-file", lambda ctx: ["runs", str(ctx.write("runs", ""))], "is a file"),
+    # -- grpo: rewards and groups ---------------------------------------------------------------
+    case("grpo-group-size-1", grpo([{"fn": "exact_match"}], group_size=1), "'grpo.group_size'",
+         "must be >= 2"),
+    case("grpo-no-rewards", grpo([]), "needs rewards", "rewards: [{fn: exact_match}]"),
+    case("grpo-reward-not-importable", grpo([{"fn": "no_such_module:score"}]),
+         "rewards[0]", "no_such_module"),
+    case("grpo-reward-raises", grpo([{"fn": "user_rewards:score"}],
+                                    "def score(prompt, completion, record):\n"
+                                    "    raise KeyError('label')\n"),
+         "rewards[0]", "KeyError"),
+    case("grpo-reward-not-a-number", grpo([{"fn": "user_rewards:score"}],
+                                          "def score(prompt, completion, record):\n"
+                                          "    return 'yes'\n"),
+         "rewards[0]", "'yes'"),
+    case("grpo-kl-without-lora", grpo([{"fn": "exact_match"}], kl_beta=0.1),
+         "grpo.kl_beta > 0 needs model.lora: true"),
     # -- the command line itself ---------------------------------------------------------------
     case("cli-unknown-command", lambda ctx: ["trian"], "invalid choice: 'trian'",
          "unmask --help"),

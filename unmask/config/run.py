@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
 from unmask.config.compat import sections_to_tree, translate
 from unmask.config.train import TrainConfig
@@ -22,6 +22,8 @@ from unmask.diffusion.config import DiffusionConfig
 from unmask.errors import InputError, describe_validation_error, did_you_mean
 from unmask.models.config import ModelConfig
 from unmask.optim.config import OptimConfig
+from unmask.posttrain import check_config as check_posttrain_config
+from unmask.posttrain.config import GRPOConfig
 from unmask.sampling.config import EvalConfig
 
 QUICKSTART = "quickstart.yaml"
@@ -44,8 +46,18 @@ class RunConfig(BaseModel):
     """The training loop, logging and checkpoints."""
     eval: EvalConfig = Field(default_factory=EvalConfig)
     """Generation-based evaluation after training."""
+    grpo: GRPOConfig = Field(default_factory=GRPOConfig)
+    """diffusion.objective grpo: rollouts, advantages, policy loss and likelihood estimator."""
+    rewards: list[dict[str, Any]] = Field(default_factory=list)
+    """Reward functions of a grpo run: `[{fn: exact_match}, {fn: my.module:score, weight:
+    0.5}]` (built-in names or module:function; unmask.rewards)."""
 
     _notices: list[str] = PrivateAttr(default_factory=list)
+
+    @model_validator(mode="after")
+    def _posttrain(self) -> "RunConfig":
+        check_posttrain_config(self)
+        return self
 
     @property
     def notices(self) -> list[str]:
@@ -75,7 +87,7 @@ def _suggest(loc: tuple[str, ...]) -> str:
     if hint:
         return hint
     for name, field in RunConfig.model_fields.items():
-        if loc[-1] in field.annotation.model_fields:
+        if loc[-1] in getattr(field.annotation, "model_fields", {}):
             return f" (it belongs in section '{name}': '{name}.{loc[-1]}')"
     return ""
 
@@ -221,9 +233,14 @@ def reference_markdown() -> str:
     for name, field in RunConfig.model_fields.items():
         section = field.annotation
         lines += [f"## `{name}`", "", field.description or "", ""]
+        if not (isinstance(section, type) and issubclass(section, BaseModel)):
+            lines += [f"Accepted: {accepted_values(field)}; default `[]`.", ""]
+            continue  # a top-level list (rewards)
         lines += ["| key | default | accepted | meaning |", "| --- | --- | --- | --- |"]
         for key, sub in section.model_fields.items():
             default = sub.get_default(call_default_factory=True)
+            if isinstance(default, BaseModel):  # a nested section: its own keys
+                default = default.model_dump(mode="json", exclude_defaults=True)
             shown = yaml.safe_dump(default, default_flow_style=True).strip().removesuffix("...")
             meaning = (sub.description or "").replace("\n", " ").replace("|", "\\|")
             lines.append(f"| `{key}` | `{shown.strip()}` | {accepted_values(sub)} | {meaning} |")

@@ -8,7 +8,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 _CART = re.compile(r"^cart(?:\[geo_p:([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\])?$")
 LOSS_WEIGHTS = ("inverse_t", "scheduler", "uniform", "cart[geo_p:P]")
 NORMALIZATIONS = ("auto", "token", "answer", "answer_padded")
-OBJECTIVE_NAMES = ("mdlm", "llada", "sft", "dream", "bert", "bd3lm")  # see registry.py
+OBJECTIVE_NAMES = ("mdlm", "llada", "sft", "dream", "bert", "bd3lm", "grpo")  # see registry.py;
+# post-training objectives (grpo) are built by unmask.posttrain
 
 
 def parse_loss_weight(text: str) -> tuple[str, float | None]:
@@ -35,7 +36,8 @@ class DiffusionConfig(BaseModel):
     over the number of maskable tokens). `sft`: LLaDA SFT (prompt never masked, each row
     normalized by its answer length). `dream`: logit shift + CART/scheduler weights, prompt
     cutoffs. `bert`: the mdlm loss on an encoder (model_type bert/modernbert). `bd3lm`: block
-    diffusion (x_t + x0 input, block attention mask, t per block)."""
+    diffusion (x_t + x0 input, block attention mask, t per block). `grpo`: reinforcement learning
+from rewards (the `grpo:` section and `rewards:`; docs/diffusion.md, Post-training)."""
 
     t_sampling: Literal["uniform", "antithetic"] = "uniform"
     """How the noise level t is drawn per sequence: `uniform` i.i.d. per row, or

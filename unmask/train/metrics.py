@@ -132,6 +132,8 @@ class MetricsLogger:
             for key, value in values.items():
                 if isinstance(value, (int, float)):
                     self.tensorboard.add_scalar(tensorboard_tag(key), value, step)
+                elif key == "samples":  # grpo's sample completions, as text
+                    self.tensorboard.add_text(key, json.dumps(value, indent=1), step)
             self.tensorboard.flush()
         numbers = {k: v for k, v in values.items() if isinstance(v, (int, float))}
         if self.wandb is not None:

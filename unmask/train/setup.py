@@ -53,7 +53,7 @@ def check_context_request(cfg: RunConfig, world_size: int) -> None:
         raise InputError(f"{key} needs a native decoder; model {model.pretrained or model.model_type!r} "
                          "is a wrapped transformers model: set train.context_parallel=1")  # fmt: skip
     objective = cfg.diffusion.objective
-    if not OBJECTIVES[objective].global_noise:
+    if objective not in OBJECTIVES or not OBJECTIVES[objective].global_noise:  # grpo, ...
         raise InputError(
             f"{key} needs an objective that draws each row's noise on its own (mdlm, llada); "
             f"diffusion.objective {objective!r} draws for its batch: set train.context_parallel=1"

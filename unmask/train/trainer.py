@@ -52,6 +52,7 @@ from unmask.parallel.distributed import (
 from unmask.parallel.fsdp import sync_gradients
 from unmask.parallel.mesh import launch_env, share_from_rank0
 from unmask.parallel.tensor import check_tensor_parallel
+from unmask.posttrain import build_posttrain_objective, check_posttrain, is_posttrain
 from unmask.sampling.accuracy import heldout_accuracy
 from unmask.sampling.config import (
     GENERATION_FILE,
@@ -126,6 +127,7 @@ class Trainer:
         self.tokenizer, saved_tokenizer, added_tokens = prepare_tokenizer(cfg)
         data = build_datasets(cfg.data, self.tokenizer, saved_tokenizer)
         self.train_rows, self.eval_rows = data.train, data.eval
+        check_posttrain(cfg, self.tokenizer, data.train)  # rewards import and score, or exit 2
         self.notices = [*cfg.notices, *data.notices]  # the config file's, then the data's
         self.num_rows = None if isinstance(data.train, StreamSpec) else len(data.train)
         self.plan = make_plan(cfg, self.num_rows, batch_ranks)
@@ -149,8 +151,11 @@ class Trainer:
         self.model = build_train_model(cfg, self.tokenizer, added_tokens, self.device,
                                        self.dist.mesh)  # fmt: skip
         attach_context(self.model, self.context)
-        self.objective = build_objective(cfg.diffusion, self.tokenizer.mask_token_id,
-                                         self.tokenizer.eos_token_id)  # fmt: skip
+        if is_posttrain(cfg.diffusion.objective):  # grpo (and preference): unmask.posttrain
+            self.objective = build_posttrain_objective(cfg, self.tokenizer)
+        else:
+            self.objective = build_objective(cfg.diffusion, self.tokenizer.mask_token_id,
+                                             self.tokenizer.eos_token_id)  # fmt: skip
         self.flops = flop_model(self.model) if t.log_mfu else None  # mfu.py: the FLOP count
         self.optimizer = build_optimizer(cfg.optim, self.model)
         self.scheduler = build_scheduler(
@@ -337,6 +342,8 @@ class Trainer:
         batches = [self._prepared(batch) for batch in batches]
         if self.context is not None:
             batches = [self._context_slice(batch) for batch in batches]
+        if hasattr(self.objective, "begin_step"):  # grpo: inner iterations reuse rollouts
+            self.objective.begin_step(self.step)
         # a stop signal on any rank: reduced with the loss, read with the guard's flag
         requested = self._stop_signals is not None and self._stop_signals.requested
         stop = torch.full((), float(requested), device=self.device)
@@ -424,7 +431,7 @@ class Trainer:
             if self.context is not None:  # this rank's slice of the rows (noise drawn)
                 batch = self.context.shard_batch(pad_rows(batch, self.context.size))
             with self._autocast():
-                loss_sum, count = self.objective(self.model, batch, noise)
+                loss_sum, count = self._eval_objective(self.model, batch, noise)
             loss_sum_total += loss_sum.detach().double()  # on the device: one read at the end
             count_total += count.detach().double()
         if self.context is not None:  # the slices' sums: every cp rank gets the rows' total
@@ -432,17 +439,23 @@ class Trainer:
         self.model.train(was_training)
         return float(loss_sum_total / count_total.clamp(min=1.0))
 
+    @property
+    def _eval_objective(self):
+        """What eval_loss measures: the objective's own `eval_objective` when it has one
+        (grpo: the masked-diffusion loss of the held-out answers), else the objective."""
+        return getattr(self.objective, "eval_objective", None) or self.objective
+
     def _eval_noise(self, batch: dict, first_row: int) -> dict:
         """The eval batch with each row's noise drawn from its own generator, seeded by the
         row's index; unchanged for objectives that draw for the whole batch."""
-        if not getattr(self.objective, "global_noise", False):
+        if not getattr(self._eval_objective, "global_noise", False):
             return batch
         generator = torch.Generator(device=self.device)
         drawn = []
         for row in range(batch["input_ids"].shape[0]):
             generator.manual_seed(self.cfg.train.seed + 54321 + first_row + row)
             one = {k: v[row : row + 1] for k, v in batch.items()}
-            drawn.append(self.objective.with_noise(one, generator))
+            drawn.append(self._eval_objective.with_noise(one, generator))
         added = [k for k in drawn[0] if k not in batch]
         return {**batch, **{k: torch.cat([d[k] for d in drawn]) for k in added}}
 
@@ -505,6 +518,8 @@ class Trainer:
                         )
                         if self.guard.state.skipped_steps:
                             values["skipped_steps"] = self.guard.state.skipped_steps
+                        if hasattr(self.objective, "take_log"):  # grpo's rollout metrics
+                            values.update(self.objective.take_log())
                         if window.peak_raised:
                             window.peak_raised = False
                             dtype = matmul_dtype(self.device.type, cfg.train.bf16)
@@ -536,6 +551,8 @@ class Trainer:
                                          wall_seconds=time.perf_counter() - started))  # fmt: skip
         finally:
             self._stop_signals = None
+            if hasattr(self.objective, "close"):  # grpo: the rewards' worker processes
+                self.objective.close()
             self._finish_checkpoint()
             logger.close()
             self.logger = None
