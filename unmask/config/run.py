@@ -22,6 +22,7 @@ from unmask.diffusion.config import DiffusionConfig
 from unmask.errors import InputError, describe_validation_error, did_you_mean
 from unmask.models.config import ModelConfig
 from unmask.optim.config import OptimConfig
+from unmask.posttrain.preference import PreferenceConfig
 from unmask.sampling.config import EvalConfig
 
 QUICKSTART = "quickstart.yaml"
@@ -44,6 +45,8 @@ class RunConfig(BaseModel):
     """The training loop, logging and checkpoints."""
     eval: EvalConfig = Field(default_factory=EvalConfig)
     """Generation-based evaluation after training."""
+    preference: PreferenceConfig = Field(default_factory=PreferenceConfig)
+    """diffusion.objective: preference: DPO on ELBO estimates (beta, samples, noise)."""
 
     _notices: list[str] = PrivateAttr(default_factory=list)
 
