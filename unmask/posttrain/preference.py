@@ -85,7 +85,9 @@ def draw_levels(
     elif method == "uniform":
         u = rand_rows((pairs, n), rows, generator, device)
     else:
-        raise ValueError(f"unknown t sampling {method!r}; expected stratified, antithetic or uniform")
+        raise ValueError(
+            f"unknown t sampling {method!r}; expected stratified, antithetic or uniform"
+        )
     return (1.0 - eps) * u.clamp(max=1.0 - 1e-7) + eps
 
 
@@ -184,8 +186,9 @@ class PreferenceObjective:
         targets = torch.where(hidden, clean, IGNORE_INDEX)
         kwargs = {k: torch.stack(v, 1).reshape(-1, length) if len(v) == 2 else None
                   for k, v in extra.items()}  # fmt: skip
-        ce = model(noisy, targets=targets, vocab_chunk=self.diffusion.vocab_chunk_size,
-                   **kwargs)  # (P * 2 * n, L) fmt: skip
+        ce = model(
+            noisy, targets=targets, vocab_chunk=self.diffusion.vocab_chunk_size, **kwargs
+        )  # (P * 2 * n, L) fmt: skip
         weight = loss_weight(t, self.diffusion.loss_weight, self.diffusion.schedule)  # (P, n)
         per_draw = ce.float().sum(1).view(pairs, 2, n) * weight[:, None, :]
         return -per_draw.mean(2)
@@ -241,4 +244,3 @@ def reference_memory_note(num_params: int, bytes_per_param: int) -> str:
     gib = num_params * bytes_per_param / 2**30
     return (f"preference: the frozen reference is a second copy of the weights "
             f"({gib:.2f} GiB); model.lora: true scores it with the adapters off instead")  # fmt: skip
-

@@ -41,11 +41,11 @@ from unmask.models.quant import check_4bit
 from unmask.optim.config import build_optimizer
 from unmask.optim.schedule import build_scheduler
 from unmask.parallel.batch import per_rank_batch_size, rank_generator
-from unmask.posttrain.pairs import build_pair_datasets, heldout_pair_examples
-from unmask.posttrain.preference import PreferenceObjective, reference_memory_note
 from unmask.parallel.distributed import all_reduce_sum, full_value, resolve_device, setup
 from unmask.parallel.fsdp import sync_gradients
 from unmask.parallel.mesh import launch_env, share_from_rank0
+from unmask.posttrain.pairs import build_pair_datasets, heldout_pair_examples
+from unmask.posttrain.preference import PreferenceObjective, reference_memory_note
 from unmask.sampling.accuracy import heldout_accuracy
 from unmask.sampling.config import (
     GENERATION_FILE,
