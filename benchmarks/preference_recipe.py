@@ -112,7 +112,7 @@ def common(base: Path, out: Path, name: str, args) -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="/tmp/unmask-preference-recipe")
-    parser.add_argument("--base-steps", type=int, default=300)
+    parser.add_argument("--base-steps", type=int, default=1800)
     parser.add_argument("--base", help="a trained base folder to start from (skips step 1)")
     parser.add_argument("--pair-prompts", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=120)
@@ -120,7 +120,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--samples", type=int, default=4)
     parser.add_argument("--beta", type=float, default=0.1)
-    parser.add_argument("--lr", type=float, default=5e-4)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--nll", type=float, default=0.0, help="preference.chosen_nll_weight")
+    parser.add_argument("--skip-control", action="store_true")
     parser.add_argument("--heldout", type=int, default=300)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
@@ -145,14 +147,15 @@ def main() -> None:
     heldout = make_synthetic_heldout(load_config(None, BASE).data)[: args.heldout]
     pref = [*common(base, out, "preference", args), "diffusion.objective=preference",
             f"data.dataset={out / 'pairs.jsonl'}", f"preference.beta={args.beta}",
-            f"preference.num_samples={args.samples}"]  # fmt: skip
+            f"preference.num_samples={args.samples}",
+            f"preference.chosen_nll_weight={args.nll}"]  # fmt: skip
     print("preference run", flush=True)
     pref_curve, pref_s = run_curve(pref, args.every, heldout)
     # the control sees each chosen answer as often as the preference run: same rows per step
     sft = [*common(base, out, "sft", args), "diffusion.objective=mdlm",
            f"data.dataset={out / 'chosen.jsonl'}"]  # fmt: skip
     print("control: the base objective on the chosen answers only", flush=True)
-    sft_curve, sft_s = run_curve(sft, args.every, heldout)
+    sft_curve, sft_s = ([], 0.0) if args.skip_control else run_curve(sft, args.every, heldout)
     metrics = [json.loads(line) for line in (out / "preference" / "metrics.jsonl").open()]
     result = {"args": vars(args), "pairs": num_pairs, "base_train_exact_match": base_train_acc,
               "preference": pref_curve, "control_sft": sft_curve,

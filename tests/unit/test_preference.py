@@ -133,3 +133,15 @@ def test_a_slice_of_the_global_draw_is_the_rank_s_noise():
     part = obj.with_noise(half, torch.Generator().manual_seed(0), rows=(2, 4))
     for key in NOISE_KEYS:
         assert torch.equal(part[key], whole[key][2:])
+
+
+def test_chosen_nll_weight_adds_the_chosen_negative_elbo_per_token():
+    policy, ref = tiny(), perturbed(tiny())
+    plain = objective(ref, num_samples=3)
+    batch = plain.with_noise(pair_batch(), torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        base = float(plain(policy, batch)[0])
+        chosen = plain.elbos(policy, batch, NOISE_KEYS)[:, 0]
+        rpo = float(objective(ref, num_samples=3, chosen_nll_weight=0.5)(policy, batch)[0])
+    tokens = batch["maskable"].sum(1).float()  # 6 answer tokens per row
+    assert rpo == pytest.approx(base + 0.5 * float((-chosen / tokens).sum()), rel=1e-5)

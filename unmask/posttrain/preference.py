@@ -66,6 +66,12 @@ class PreferenceConfig(BaseModel):
     """How a completion's n noise levels are drawn: `stratified` u_k = (u + k) / n (one per
     stratum of [0, 1)), `antithetic` pairs (u, 1 - u), `uniform` independent."""
 
+    chosen_nll_weight: float = Field(0.0, ge=0.0)
+    """alpha >= 0 adds alpha * (-B_pi(y_w)) / |y_w| per pair: the chosen completion's
+    negative ELBO per maskable token (the NLL term of Pang et al. 2024's iterative RPO), which
+    keeps DPO from lowering the chosen answers' likelihood along with the rejected ones'.
+    0: plain DPO (VRPO)."""
+
     shared_noise: bool = True
     """The reference scores the same noisy inputs as the policy (VRPO's antithetic
     sampling). false: independent noise for the reference (for comparison only)."""
@@ -208,6 +214,9 @@ class PreferenceObjective:
         reference = self.reference_elbos(model, batch)
         policy = self.elbos(model, batch, NOISE_KEYS)
         losses, margin = dpo_terms(policy, reference.float(), self.cfg.beta)
+        if self.cfg.chosen_nll_weight > 0:  # RPO's NLL term on the chosen completion
+            tokens = batch["maskable"].sum(1).clamp(min=1).float()
+            losses = losses - self.cfg.chosen_nll_weight * policy[:, 0] / tokens
         margin, rewards = margin.detach(), self.cfg.beta * (policy.detach() - reference.float())
         self.step_sums = {
             "reward_margin": margin.sum(),
