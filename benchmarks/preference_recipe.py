@@ -8,9 +8,10 @@ held-out exact match.
 2. Pairs: the base model answers --pair-prompts training prompts (greedy, the held-out
    sampler); every wrong answer gives a pair (chosen: the right answer, rejected: the
    model's own answer). Written to pairs.jsonl: the run reads them like any pair file.
-3. Preference run from the base (model.pretrained), the reference being the base itself;
-   held-out exact match (the task set's held-out prompts, never trained on) measured every
-   --every steps on the policy as it trains.
+3. Preference runs from the base (model.pretrained), the reference being the base itself:
+   plain DPO on ELBOs (VRPO), and the same with preference.chosen_nll_weight = --nll (an
+   NLL term on the chosen answers); held-out exact match (the task set's held-out prompts,
+   never trained on) measured every --every steps on the policy as it trains.
 4. Control: the same number of steps of the base's own objective (mdlm) on the chosen
    answers alone (SFT on the right answers of the same prompts), same optimizer settings:
    what the right answers alone buy, without the rejected ones.
@@ -120,8 +121,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--samples", type=int, default=4)
     parser.add_argument("--beta", type=float, default=0.1)
-    parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--nll", type=float, default=0.0, help="preference.chosen_nll_weight")
+    parser.add_argument("--lr", type=float, default=3e-4)
+    parser.add_argument("--nll", type=float, default=1.0, help="preference.chosen_nll_weight")
     parser.add_argument("--skip-control", action="store_true")
     parser.add_argument("--heldout", type=int, default=300)
     parser.add_argument("--seed", type=int, default=0)
@@ -145,12 +146,17 @@ def main() -> None:
     print(f"{num_pairs} pairs from {args.pair_prompts} training prompts "
           f"(base exact match on them {base_train_acc:.1%})", flush=True)  # fmt: skip
     heldout = make_synthetic_heldout(load_config(None, BASE).data)[: args.heldout]
-    pref = [*common(base, out, "preference", args), "diffusion.objective=preference",
-            f"data.dataset={out / 'pairs.jsonl'}", f"preference.beta={args.beta}",
-            f"preference.num_samples={args.samples}",
-            f"preference.chosen_nll_weight={args.nll}"]  # fmt: skip
-    print("preference run", flush=True)
-    pref_curve, pref_s = run_curve(pref, args.every, heldout)
+
+    def pref(name: str, nll: float) -> list[str]:
+        return [*common(base, out, name, args), "diffusion.objective=preference",
+                f"data.dataset={out / 'pairs.jsonl'}", f"preference.beta={args.beta}",
+                f"preference.num_samples={args.samples}",
+                f"preference.chosen_nll_weight={nll}"]  # fmt: skip
+
+    print("preference run: DPO on ELBOs (VRPO)", flush=True)
+    pref_curve, pref_s = run_curve(pref("preference", 0.0), args.every, heldout)
+    print(f"preference run with chosen_nll_weight {args.nll}", flush=True)
+    nll_curve, nll_s = run_curve(pref("preference_nll", args.nll), args.every, heldout)
     # the control sees each chosen answer as often as the preference run: same rows per step
     sft = [*common(base, out, "sft", args), "diffusion.objective=mdlm",
            f"data.dataset={out / 'chosen.jsonl'}"]  # fmt: skip
@@ -158,8 +164,9 @@ def main() -> None:
     sft_curve, sft_s = ([], 0.0) if args.skip_control else run_curve(sft, args.every, heldout)
     metrics = [json.loads(line) for line in (out / "preference" / "metrics.jsonl").open()]
     result = {"args": vars(args), "pairs": num_pairs, "base_train_exact_match": base_train_acc,
-              "preference": pref_curve, "control_sft": sft_curve,
-              "preference_seconds": pref_s, "control_seconds": sft_s,
+              "preference": pref_curve, "preference_nll": nll_curve, "control_sft": sft_curve,
+              "preference_seconds": pref_s, "preference_nll_seconds": nll_s,
+              "control_seconds": sft_s,
               "reward_accuracy": [(m["step"], m["reward_accuracy"]) for m in metrics
                                   if "reward_accuracy" in m],
               "total_seconds": time.perf_counter() - started}  # fmt: skip
@@ -177,7 +184,9 @@ def write_results(result: dict) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    for key, label in (("preference", "preference (DPO on ELBOs, VRPO)"),
+    a = result["args"]
+    for key, label in (("preference", "DPO on ELBOs (VRPO)"),
+                       ("preference_nll", f"DPO + NLL on chosen (weight {a['nll']})"),
                        ("control_sft", "control: mdlm on the chosen answers")):  # fmt: skip
         steps, accs = zip(*result[key])
         ax.plot(steps, [100 * a for a in accs], marker="o", label=label)
@@ -187,9 +196,10 @@ def write_results(result: dict) -> None:
     ax.legend()
     fig.tight_layout()
     fig.savefig(RESULTS / "preference_recipe.png", dpi=100)
-    a = result["args"]
-    rows = "\n".join(f"| {s} | {100 * p:.1f}% | {100 * c:.1f}% |"
-                     for (s, p), (_, c) in zip(result["preference"], result["control_sft"]))  # fmt: skip
+    rows = "\n".join(f"| {s} | {100 * p:.1f}% | {100 * n:.1f}% | {100 * c:.1f}% |"
+                     for (s, p), (_, n), (_, c) in zip(result["preference"],
+                                                       result["preference_nll"],
+                                                       result["control_sft"]))  # fmt: skip
     text = f"""# Preference optimization recipe (benchmarks/preference_recipe.py)
 
 Base: a smaller quickstart model (hidden 64, 3 layers; reverse, sort, add on 2-4
@@ -198,14 +208,16 @@ digits) trained {a["base_steps"]} steps at a constant learning rate. Pairs: its 
 prompts {100 * result["base_train_exact_match"]:.1f}%), chosen = the right answer.
 Preference: beta {a["beta"]}, {a["samples"]} ELBO samples per completion, stratified t,
 shared noise, {a["batch"]} pairs per step, AdamW lr {a["lr"]} (constant after 10 warmup
-steps). Control: the mdlm objective on the chosen answers alone, same steps, rows per step
-and optimizer. Held-out exact match on {a["heldout"]} held-out prompts (greedy).
+steps); plain DPO, and DPO with preference.chosen_nll_weight {a["nll"]}. Control: the mdlm
+objective on the chosen answers alone, same steps, rows per step and optimizer. Held-out
+exact match on {a["heldout"]} held-out prompts (greedy), scored on the live model.
 
-| step | preference | control (mdlm on chosen) |
-|---|---|---|
+| step | DPO (VRPO) | DPO + NLL | control (mdlm on chosen) |
+|---|---|---|---|
 {rows}
 
-Wall time: preference {result["preference_seconds"]:.0f} s, control
+Wall time: DPO {result["preference_seconds"]:.0f} s, DPO + NLL
+{result["preference_nll_seconds"]:.0f} s, control
 {result["control_seconds"]:.0f} s (held-out scoring included); whole script
 {result["total_seconds"]:.0f} s.
 
