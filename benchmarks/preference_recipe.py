@@ -203,7 +203,8 @@ def write_results(result: dict) -> None:
     text = f"""# Preference optimization recipe (benchmarks/preference_recipe.py)
 
 Base: a smaller quickstart model (hidden 64, 3 layers; reverse, sort, add on 2-4
-digits) trained {a["base_steps"]} steps at a constant learning rate. Pairs: its wrong answers to
+digits) trained {a["base_steps"]} steps at a constant learning rate (folder:
+{a["base"] or "step 1 of the script"}). Pairs: its wrong answers to
 {a["pair_prompts"]} training prompts ({result["pairs"]} pairs; base exact match on those
 prompts {100 * result["base_train_exact_match"]:.1f}%), chosen = the right answer.
 Preference: beta {a["beta"]}, {a["samples"]} ELBO samples per completion, stratified t,
