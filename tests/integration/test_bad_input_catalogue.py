@@ -132,6 +132,12 @@ def data_file(name: str, content, **data):
     return lambda ctx: ctx.train({"data": {"dataset": str(ctx.write(name, content)), **data}})
 
 
+def pair_file(name: str, content: str):
+    """Build: a preference run (diffusion.objective: preference) on a pair file."""
+    return lambda ctx: ctx.train({"data": {"dataset": str(ctx.write(name, content))},
+                                  "diffusion": {"objective": "preference"}})  # fmt: skip
+
+
 def tokenizer_folder(files: dict):
     def build(ctx):
         for name, content in files.items():
@@ -389,6 +395,19 @@ CASES = [
          "bad.jsonl", "line 2 is not valid JSON", "one JSON object per line"),
     case("data-jsonl-missing-text-field", data_file("rows.jsonl", '{"body": "a"}\n'),
          "no 'text' field", "data.text_field"),
+    case("preference-pair-without-rejected",
+         pair_file("pairs.jsonl", '{"prompt": "rev 12=", "chosen": "21"}\n'), "pairs.jsonl",
+         "row 1 has no 'rejected'", "need 'prompt', 'chosen' and 'rejected'"),
+    case("preference-pair-without-chosen",
+         pair_file("prefs.jsonl", '{"prompt": "a", "chosen": "b", "rejected": "c"}\n'
+                   '{"prompt": "rev 12=", "rejected": "12"}\n'),
+         "prefs.jsonl", "row 2 has no 'chosen'"),
+    case("preference-pair-without-prompt",
+         pair_file("pairs.jsonl", '{"chosen": "21", "rejected": "12"}\n'), "row 1 has no 'prompt'",
+         "chat message lists"),
+    case("preference-with-random-length",
+         with_config({"diffusion": {"objective": "preference", "random_length_prob": 0.1}}),
+         "diffusion.random_length_prob: 0"),
     case("data-unknown-extension", data_file("rows.csv", "a,b\n"), "cannot tell the format",
          "data.dataset_format"),
     case("data-missing-eval-file",

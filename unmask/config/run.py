@@ -24,6 +24,7 @@ from unmask.models.config import ModelConfig
 from unmask.optim.config import OptimConfig
 from unmask.posttrain import check_config as check_posttrain_config
 from unmask.posttrain.config import GRPOConfig
+from unmask.posttrain.preference import PreferenceConfig
 from unmask.sampling.config import EvalConfig
 
 QUICKSTART = "quickstart.yaml"
@@ -51,6 +52,8 @@ class RunConfig(BaseModel):
     rewards: list[dict[str, Any]] = Field(default_factory=list)
     """Reward functions of a grpo run: `[{fn: exact_match}, {fn: my.module:score, weight:
     0.5}]` (built-in names or module:function; unmask.rewards)."""
+    preference: PreferenceConfig = Field(default_factory=PreferenceConfig)
+    """diffusion.objective: preference: DPO on ELBO estimates (beta, samples, noise)."""
 
     _notices: list[str] = PrivateAttr(default_factory=list)
 

@@ -53,6 +53,16 @@ def load_records(
     return records
 
 
+def read_rows(path: str | Path, dataset_format: str = "auto") -> list[dict[str, Any]]:
+    """The raw rows (dicts) of a local jsonl / json / parquet file or save_to_disk folder, in
+    file order, for layouts other than documents and prompt/response pairs (preference
+    pairs: unmask/posttrain/pairs.py)."""
+    source = Path(path).expanduser()
+    if not source.exists():
+        raise InputError(f"data: dataset path {str(path)!r} does not exist; accepted: {ACCEPTED}")
+    return list(_read_rows(source, dataset_format))
+
+
 def detect_format(path: Path) -> str:
     """ "text", "jsonl", "parquet", "hf_dataset" or "folder" (a folder of data files)."""
     if path.is_dir():

@@ -8,8 +8,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 _CART = re.compile(r"^cart(?:\[geo_p:([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\])?$")
 LOSS_WEIGHTS = ("inverse_t", "scheduler", "uniform", "cart[geo_p:P]")
 NORMALIZATIONS = ("auto", "token", "answer", "answer_padded")
-OBJECTIVE_NAMES = ("mdlm", "llada", "sft", "dream", "bert", "bd3lm", "grpo")  # see registry.py;
-# post-training objectives (grpo) are built by unmask.posttrain
+# see registry.py; the post-training objectives (grpo, preference) are built by
+# unmask.posttrain, not in registry.py
+OBJECTIVE_NAMES = ("mdlm", "llada", "sft", "dream", "bert", "bd3lm", "grpo", "preference")
 
 
 def parse_loss_weight(text: str) -> tuple[str, float | None]:
@@ -36,8 +37,10 @@ class DiffusionConfig(BaseModel):
     over the number of maskable tokens). `sft`: LLaDA SFT (prompt never masked, each row
     normalized by its answer length). `dream`: logit shift + CART/scheduler weights, prompt
     cutoffs. `bert`: the mdlm loss on an encoder (model_type bert/modernbert). `bd3lm`: block
-    diffusion (x_t + x0 input, block attention mask, t per block). `grpo`: reinforcement learning
-from rewards (the `grpo:` section and `rewards:`; docs/diffusion.md, Post-training)."""
+    diffusion (x_t + x0 input, block attention mask, t per block). `grpo`: reinforcement
+    learning from rewards (the `grpo:` section and `rewards:`; docs/diffusion.md,
+    Post-training). `preference`: DPO on MC ELBOs of chosen/rejected pairs against the
+    frozen starting model (VRPO; section `preference:`)."""
 
     t_sampling: Literal["uniform", "antithetic"] = "uniform"
     """How the noise level t is drawn per sequence: `uniform` i.i.d. per row, or
@@ -111,7 +114,12 @@ from rewards (the `grpo:` section and `rewards:`; docs/diffusion.md, Post-traini
                 f"loss_weight {self.loss_weight!r} (CART) needs objective: dream, "
                 f"not {self.objective!r}"
             )
-        if self.loss_normalization != "auto" and self.objective in ("dream", "bd3lm"):
+        if self.objective == "preference" and self.random_length_prob > 0:
+            raise ValueError(
+                "random_length_prob needs a single-row objective; preference pairs are scored "
+                "whole (set diffusion.random_length_prob: 0)"
+            )
+        if self.loss_normalization != "auto" and self.objective in ("dream", "bd3lm", "preference"):
             raise ValueError(
                 f"loss_normalization {self.loss_normalization!r} needs objective mdlm, llada, "
                 f"bert or sft; {self.objective!r} normalizes its own way (use auto)"

@@ -16,7 +16,8 @@ from unmask.rewards import RewardSet, parse_rewards
 from unmask.sampling.accuracy import decode_answer
 from unmask.sampling.config import fixed_by_training
 
-#: diffusion.objective names built here (the preference objective adds its name)
+#: diffusion.objective names built here; `preference` (preference.py, pairs.py) is built by
+#: the trainer, which also holds its frozen reference model and reads its pair data
 POSTTRAIN_OBJECTIVES = ("grpo",)
 _CHECK_ROWS = 4  # training rows whose records the rewards are tried on before the run
 
@@ -92,7 +93,6 @@ def build_posttrain_objective(cfg, tokenizer):
             reference=reference, eval_objective=build_eval_objective(cfg.diffusion, mask_id,
                                                                      eos_id),
         )  # fmt: skip
-    # preference: its builder goes here (unmask/posttrain/preference.py)
     raise InputError(f"unknown post-training objective {name!r}")
 
 

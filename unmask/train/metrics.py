@@ -186,6 +186,7 @@ class LogWindow:
         """An empty window, starting now."""
         self.loss: float | torch.Tensor = 0.0
         self.flops: float | torch.Tensor = 0.0
+        self.objective: dict[str, torch.Tensor] = {}  # the objective's step means, summed
         self.steps, self.tokens = 0, 0
         self.started = time.perf_counter()
 
@@ -193,6 +194,8 @@ class LogWindow:
         loss = stats["loss"]
         self.loss = self.loss + (loss.detach().double() if isinstance(loss, torch.Tensor) else loss)
         self.flops = self.flops + stats.get("flops", 0.0)
+        for key, value in stats.get("objective", {}).items():
+            self.objective[key] = self.objective.get(key, 0.0) + value.detach().double()
         self.steps += 1
         self.tokens += tokens
 
@@ -204,6 +207,8 @@ class LogWindow:
                   "tokens_per_second": self.tokens / elapsed}  # fmt: skip
         if "grad_norm" in stats:
             values["grad_norm"] = float(stats["grad_norm"])
+        for key, total in self.objective.items():  # e.g. preference's reward_accuracy
+            values[key] = float(total) / max(self.steps, 1)
         if self.peak_flops and "flops" in stats:
             rate = float(self.flops) / elapsed
             if rate > self.peak_flops:  # the peak was measured low (a busy machine): the

@@ -53,6 +53,8 @@ from unmask.parallel.fsdp import sync_gradients
 from unmask.parallel.mesh import launch_env, share_from_rank0
 from unmask.parallel.tensor import check_tensor_parallel
 from unmask.posttrain import build_posttrain_objective, check_posttrain, is_posttrain
+from unmask.posttrain.pairs import build_pair_datasets, heldout_pair_examples
+from unmask.posttrain.preference import PreferenceObjective, reference_memory_note
 from unmask.sampling.accuracy import heldout_accuracy
 from unmask.sampling.config import (
     GENERATION_FILE,
@@ -125,7 +127,11 @@ class Trainer:
         self.context = ContextShard.from_mesh(self.dist.mesh)  # None: whole rows per rank
         check_4bit(cfg.model, self.device, self.dist.world_size)
         self.tokenizer, saved_tokenizer, added_tokens = prepare_tokenizer(cfg)
-        data = build_datasets(cfg.data, self.tokenizer, saved_tokenizer)
+        self.preference = cfg.diffusion.objective == "preference"
+        if self.preference:  # chosen/rejected pairs (posttrain/pairs.py)
+            data = build_pair_datasets(cfg.data, self.tokenizer)
+        else:
+            data = build_datasets(cfg.data, self.tokenizer, saved_tokenizer)
         self.train_rows, self.eval_rows = data.train, data.eval
         check_posttrain(cfg, self.tokenizer, data.train)  # rewards import and score, or exit 2
         self.notices = [*cfg.notices, *data.notices]  # the config file's, then the data's
@@ -151,7 +157,9 @@ class Trainer:
         self.model = build_train_model(cfg, self.tokenizer, added_tokens, self.device,
                                        self.dist.mesh)  # fmt: skip
         attach_context(self.model, self.context)
-        if is_posttrain(cfg.diffusion.objective):  # grpo (and preference): unmask.posttrain
+        if self.preference:  # chosen/rejected pairs against a frozen reference
+            self.objective = self._preference_objective(added_tokens)
+        elif is_posttrain(cfg.diffusion.objective):  # grpo: unmask.posttrain
             self.objective = build_posttrain_objective(cfg, self.tokenizer)
         else:
             self.objective = build_objective(cfg.diffusion, self.tokenizer.mask_token_id,
@@ -211,6 +219,22 @@ class Trainer:
                 )
             if self.resume_path is not None:  # the steps after the checkpoint: logged again
                 truncate_metrics(self.output_dir, self.step)
+
+    def _preference_objective(self, added_tokens: int) -> PreferenceObjective:
+        """DPO against the frozen starting model: the policy with its LoRA adapters off, else
+        a second copy built the same way (same seed and init_from, before any resume), held
+        frozen in memory."""
+        reference = None
+        if not self.cfg.model.lora:
+            torch.manual_seed(self.cfg.train.seed)  # the policy's initial weights
+            reference = build_train_model(self.cfg, self.tokenizer, added_tokens, self.device,
+                                          self.dist.mesh)  # fmt: skip
+            reference.eval()
+            params = sum(p.numel() for p in reference.parameters())
+            size = next(reference.parameters()).element_size()
+            self.notices.append(reference_memory_note(params, size))
+        return PreferenceObjective(self.cfg.preference, self.cfg.diffusion,
+                                   self.tokenizer.mask_token_id, reference)  # fmt: skip
 
     # -- state ---------------------------------------------------------------------------
     def _rng_state(self) -> dict:
@@ -352,6 +376,7 @@ class Trainer:
         loss_sum_total = torch.zeros((), device=self.device)
         counted = torch.zeros((), device=self.device)
         flops = 0.0
+        sums: dict[str, torch.Tensor] = {}  # the objective's `step_sums` (preference)
         for index, batch in enumerate(batches):
             noise = self.noise
             if self.sharded:
@@ -360,6 +385,8 @@ class Trainer:
             with self._autocast():
                 loss_sum, count = self.objective(self.model, batch, noise)
             (loss_sum if scale is None else loss_sum * scale).backward()
+            for key, value in getattr(self.objective, "step_sums", {}).items():
+                sums[key] = sums.get(key, 0.0) + value
             loss_sum_total += loss_sum.detach().float()
             counted += count.detach().float()
             if self.flops is not None:
@@ -381,6 +408,8 @@ class Trainer:
         loss = loss_sum_total * scale
         learning_rate = self.optimizer.param_groups[0]["lr"]  # the lr this step uses
         stats = {"loss": loss, "learning_rate": learning_rate}
+        if sums:  # means over the step's count (preference: reward margin, accuracy)
+            stats["objective"] = self._step_means(sums, scale)
         if self.flops is not None:
             stats["flops"] = flops
         if self.cfg.optim.max_grad_norm > 0:
@@ -397,6 +426,14 @@ class Trainer:
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return stats
+
+    def _step_means(self, sums: dict, scale: torch.Tensor) -> dict:
+        """The objective's per-step sums over micro-batches (and ranks) times 1 / count."""
+        stacked = torch.stack([torch.as_tensor(v, device=self.device).float()
+                               for v in sums.values()])  # fmt: skip
+        if self.sharded:
+            (stacked,) = all_reduce_sum(stacked)
+        return dict(zip(sums, stacked * scale))
 
     def _micro_batch_flops(self, batch: dict):
         """Model FLOPs of the micro-batch just computed (mfu.py), with the LM head on the
@@ -629,7 +666,10 @@ class Trainer:
     def _heldout_accuracy(self, logger: MetricsLogger) -> tuple[float, str]:
         """Exact match of greedy answers to held-out prompts; and one prompt, for the
         end-of-run summary's `unmask generate` line."""
-        examples = heldout_examples(self.cfg.data)
+        if self.preference:  # prompts and chosen answers of the held-out pairs
+            examples = heldout_pair_examples(self.cfg.data, self.tokenizer)
+        else:
+            examples = heldout_examples(self.cfg.data)
         started = time.perf_counter()
         shown = [0]  # quarters of the pass printed so far
 

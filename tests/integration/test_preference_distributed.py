@@ -1,0 +1,68 @@
+"""Preference runs on 2 gloo processes (FSDP2) against the one-process run of the same
+config: the same losses and reward margins within float tolerance, with a frozen reference
+copy and with LoRA (the reference is the base with adapters off)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import TINY, deep_update, read_metrics
+
+from unmask.config import load_config
+from unmask.train.trainer import Trainer
+
+pytestmark = pytest.mark.slow
+WORKER = Path(__file__).parent / "dist_workers" / "train_worker.py"
+BASE = {
+    "diffusion": {"objective": "preference"},
+    "preference": {"num_samples": 2, "beta": 0.5},
+    "train": {"split_batches": True, "eval_steps": 0, "save_steps": 0, "logging_steps": 1,
+              "max_steps": 4, "per_device_train_batch_size": 4,
+              "gradient_accumulation_steps": 2},
+    "eval": {"generate_accuracy": False},
+}  # fmt: skip
+# lora_dropout 0: dropout draws from each process's own RNG, for any objective
+LORA = {"model": {"lora": True, "lora_r": 4, "lora_alpha": 8, "lora_dropout": 0.0}}
+
+
+def write_config(root: Path, name: str, extra: dict) -> Path:
+    tree = deep_update(deep_update(TINY, BASE), extra)
+    tree = deep_update(tree, {"train": {"output_dir": str(root / name)}})
+    path = root / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(tree))
+    return path
+
+
+def records(run_dir: Path) -> dict[int, dict]:
+    return {r["step"]: r for r in read_metrics(run_dir) if "loss" in r}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    pytest.importorskip("peft")
+    root = tmp_path_factory.mktemp("pref_dist")
+    configs = [write_config(root, "full", {}), write_config(root, "lora", LORA)]
+    results = root / "results.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(WORKER), str(results), *map(str, configs)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return root, json.loads(results.read_text())
+
+
+@pytest.mark.parametrize("name", ["full", "lora"])
+def test_two_ranks_give_the_losses_of_one(runs, name):
+    root, results = runs
+    assert results[name]["rc"] == 0, results[name]["stderr"][-2000:]
+    cfg = load_config(root / f"{name}.yaml")
+    cfg.train = cfg.train.model_copy(update={"output_dir": str(root / f"{name}-1")})
+    Trainer(cfg).train()
+    one, two = records(root / f"{name}-1"), records(root / name)
+    assert sorted(one) == sorted(two) == [1, 2, 3, 4]
+    for step in one:
+        assert two[step]["loss"] == pytest.approx(one[step]["loss"], abs=1e-5), step
+        margin = one[step]["reward_margin"]
+        assert two[step]["reward_margin"] == pytest.approx(margin, abs=1e-5), step
