@@ -681,6 +681,10 @@ CASES = [
          "rewards[0]", "'yes'"),
     case("grpo-kl-without-lora", grpo([{"fn": "exact_match"}], kl_beta=0.1),
          "grpo.kl_beta > 0 needs model.lora: true"),
+    case("grpo-on-a-logit-shift-model",
+         lambda ctx: ctx.train({"diffusion": {"objective": "grpo"}, "model": {"model_type": "dream"},
+                                "rewards": [{"fn": "exact_match"}]}),
+         "grpo does not support logit-shift models (Dream)", "qwen3"),
     # -- the command line itself ---------------------------------------------------------------
     case("cli-unknown-command", lambda ctx: ["trian"], "invalid choice: 'trian'",
          "unmask --help"),

@@ -7,9 +7,13 @@ them with `build_posttrain_objective(cfg, tokenizer)`; `check_posttrain` refuses
 (rewards that cannot be imported, raise or return non-numbers) before anything is written.
 """
 
+import json
+from pathlib import Path
+
 import torch
 
 from unmask.errors import InputError
+from unmask.models.families import FAMILIES, samples_with_logit_shift
 from unmask.posttrain.config import GRPOConfig
 from unmask.posttrain.grpo import GRPOObjective, build_eval_objective, prompt_answer
 from unmask.rewards import RewardSet, parse_rewards
@@ -30,6 +34,14 @@ def check_config(cfg) -> None:
     """Config-level checks of a run (a RunConfig) with a post-training objective; ValueError
     (the config's one-line error) when settings cannot work together."""
     name = cfg.diffusion.objective
+    if name not in ("grpo", "preference"):
+        return
+    if _predicts_shifted(cfg.model):
+        raise ValueError(
+            f"diffusion.objective {name} does not support logit-shift models (Dream) yet: "
+            "its likelihoods would be read from the wrong positions; use a model without "
+            "the shift (qwen3, qwen2, llama, llada)"
+        )
     if name != "grpo":
         return
     if cfg.data.packing:
@@ -50,6 +62,19 @@ def check_config(cfg) -> None:
             "grpo.kl_beta > 0 needs model.lora: true (the frozen base is the KL reference; "
             "unmask keeps no second copy of the model) or grpo.kl_beta: 0"
         )
+
+
+def _predicts_shifted(model) -> bool:
+    """True when the model predicts position i from the output at i - 1 (Dream's family,
+    by model_type or by the config.json of its pretrained folder)."""
+    folder_config = Path(model.pretrained or "") / "config.json"
+    if model.pretrained is not None and folder_config.is_file():
+        try:
+            return samples_with_logit_shift(json.loads(folder_config.read_text()))
+        except (OSError, ValueError):
+            return False  # the model loader reports an unreadable folder in one line
+    family = FAMILIES.get(model.model_type)
+    return family is not None and family.logit_shift
 
 
 def reward_set(cfg):
