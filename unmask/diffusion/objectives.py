@@ -232,16 +232,22 @@ def maskable_of(batch: dict) -> torch.Tensor:
 
 
 def token_losses(
-    model: nn.Module, noisy: torch.Tensor, batch: dict, targets: torch.Tensor, vocab_chunk: int
+    model: nn.Module,
+    noisy: torch.Tensor,
+    batch: dict,
+    targets: torch.Tensor,
+    vocab_chunk: int,
+    **extra,
 ) -> torch.Tensor:
     """Per-token cross-entropy (B, L) float32 of the model on noisy ids (0 where targets is
-    -100; the LM head runs only on target rows)."""
+    -100; the LM head runs only on target rows); `extra` goes to the model's forward."""
     return model(
         noisy,
         doc_ids=batch.get("doc_ids"),
         position_ids=batch.get("position_ids"),
         targets=targets,
         vocab_chunk=vocab_chunk,
+        **extra,
     )
 
 
@@ -258,14 +264,7 @@ def weighted_token_loss(
     head's gradients in its forward pass when it offers that (`accepts_target_weights`:
     the native transformer; one pass over the head fewer, diffusion/loss.py)."""
     if getattr(model, "accepts_target_weights", False):
-        return model(
-            noisy,
-            doc_ids=batch.get("doc_ids"),
-            position_ids=batch.get("position_ids"),
-            targets=targets,
-            vocab_chunk=vocab_chunk,
-            target_weights=coef,
-        )
+        return token_losses(model, noisy, batch, targets, vocab_chunk, target_weights=coef)
     ce = token_losses(model, noisy, batch, targets, vocab_chunk)
     return torch.where(targets != IGNORE_INDEX, ce.float() * coef, 0.0).sum()
 

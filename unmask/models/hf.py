@@ -234,6 +234,14 @@ def _llada_config_dict(cfg: ModelConfig, family: Family, dtype_name: str) -> dic
 # --- folders: config.json, weights, mask id ------------------------------------------------
 
 
+def architecture(cfg: ModelConfig) -> ModelConfig:
+    """The architecture a run's model section builds: its own fields, or those of its
+    pretrained folder's config.json."""
+    if cfg.pretrained is None:
+        return cfg
+    return config_from_hf(read_config(Path(cfg.pretrained)))
+
+
 def read_config(folder: Path) -> dict[str, Any]:
     """A model folder's config.json as a dict; one clear error when it cannot be read."""
     if not folder.is_dir():

@@ -57,11 +57,9 @@ def check_tensor_parallel(model: ModelConfig, tp: int, *, lora: bool = False) ->
             f"{key} does not combine with model.lora / model.load_in_4bit (adapters and "
             "4-bit layers are not split); set train.tensor_parallel=1"
         )
-    arch = model
-    if model.pretrained is not None:
-        from unmask.models.hf import config_from_hf, read_config
+    from unmask.models.hf import architecture
 
-        arch = config_from_hf(read_config(model.pretrained))
+    arch = architecture(model)
     for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
         value = getattr(arch, name)
         if value % tp:

@@ -69,11 +69,9 @@ def check_context_request(cfg: RunConfig, world_size: int) -> None:
             f"{key} splits training forwards only; eval.generate_accuracy samples with the model "
             "and no sampler runs context-parallel: set eval.generate_accuracy=false"
         )
-    arch = model
-    if model.pretrained is not None:
-        from unmask.models.hf import config_from_hf, read_config
+    from unmask.models.hf import architecture
 
-        arch = config_from_hf(read_config(model.pretrained))
+    arch = architecture(model)
     check_context_parallel(cp, world_size=world_size, heads=arch.num_attention_heads,
                            kv_heads=arch.num_key_value_heads, length=cfg.data.packing_length,
                            tp=cfg.train.tensor_parallel)  # fmt: skip
