@@ -297,4 +297,5 @@ def test_every_command_block_runs_or_says_why():
     ]
     for name, reason in skipped:
         assert len(reason.split()) >= 3, f"{name}: say why the block does not run here"
-    assert len(skipped) <= 6, skipped
+    # each names the test that runs it instead (SLURM, hub downloads, 4-process launches)
+    assert len(skipped) <= 8, skipped
