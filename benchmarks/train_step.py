@@ -47,7 +47,7 @@ probe (2048^3, 1024 x 4096 x 1024 and 512 x 16384 x 512 products, best of 5 each
 its own child in every round with the same thread count.
 
 Run: python benchmarks/train_step.py          (writes benchmarks/results/train_step.md;
-                                              about 7-8 minutes on 2 idle cores; torch
+                                              about 15 minutes on 2 idle cores; torch
                                               threads: every core, --threads to change)
      python benchmarks/train_step.py --quick  (tiny sizes, 1 round, the same code path;
                                               prints the report, writes no file)
@@ -664,8 +664,9 @@ def report(results: dict, peaks: list[float], grid: Grid, args, load_before: str
             *levers_table(results),
             "",
             "Host memory trim off is `train.trim_host_memory: false` (glibc's defaults). "
-            "Activation checkpointing is `train.gradient_checkpointing` (every decoder layer "
-            "recomputed in backward; unmask has no selective mode). The masked-only chunked loss "
+            "Activation checkpointing is `train.activation_checkpointing: full` (every decoder "
+            "layer recomputed in backward; `selective`, every n-th layer, is not measured "
+            "here). The masked-only chunked loss "
             "against full-vocabulary logits, on its own, is in masked_loss_memory.md; in a "
             "whole step the reference rows above are its other side (with transformers' model "
             "code). bf16 parameters with fp32 master state are not measured (an fp32 CPU run).",
