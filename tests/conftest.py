@@ -1,5 +1,6 @@
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -62,6 +63,15 @@ def deep_update(base: dict, extra: dict) -> dict:
         else:
             out[key] = value
     return out
+
+
+def write_run_config(root: Path, name: str, base: dict, extra: dict) -> Path:
+    """root/<name>.yaml: TINY updated with base, then extra, running in root/<name>."""
+    tree = deep_update(deep_update(TINY, base), extra)
+    tree = deep_update(tree, {"train": {"output_dir": str(root / name)}})
+    path = root / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(tree))
+    return path
 
 
 @pytest.fixture

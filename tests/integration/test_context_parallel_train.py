@@ -19,8 +19,7 @@ import sys
 from pathlib import Path
 
 import pytest
-import yaml
-from conftest import TINY, deep_update
+from conftest import deep_update, write_run_config
 
 from unmask.config import load_config
 from unmask.train.trainer import Trainer
@@ -48,11 +47,7 @@ BAD = {"bad_heads": {"train": {"context_parallel": 2}, "model": {"num_attention_
 
 
 def write_config(root: Path, name: str, extra: dict) -> Path:
-    tree = deep_update(deep_update(TINY, BASE), extra)
-    tree = deep_update(tree, {"train": {"output_dir": str(root / name)}})
-    path = root / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(tree))
-    return path
+    return write_run_config(root, name, BASE, extra)
 
 
 def launch(nproc: int, root: Path, configs: list[Path]) -> dict:

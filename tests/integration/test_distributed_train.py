@@ -13,8 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
-from conftest import TINY, deep_update
+from conftest import deep_update, write_run_config
 from safetensors.torch import load_file
 
 from unmask.checkpoint import (
@@ -34,12 +33,7 @@ MUON = {"optim": {"name": "muon", "ns_dtype": "float32"}, "train": {"max_steps":
 
 
 def write_config(root: Path, name: str, extra: dict) -> Path:
-    tree = deep_update(TINY, BASE)
-    tree = deep_update(tree, {"train": {"output_dir": str(root / name)}})
-    tree = deep_update(tree, extra)
-    path = root / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(tree))
-    return path
+    return write_run_config(root, name, BASE, extra)
 
 
 def launch(nproc: int, root: Path, configs: list[Path]) -> dict:

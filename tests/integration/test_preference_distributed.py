@@ -8,8 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-import yaml
-from conftest import TINY, deep_update, read_metrics
+from conftest import read_metrics, write_run_config
 
 from unmask.config import load_config
 from unmask.train.trainer import Trainer
@@ -29,11 +28,7 @@ LORA = {"model": {"lora": True, "lora_r": 4, "lora_alpha": 8, "lora_dropout": 0.
 
 
 def write_config(root: Path, name: str, extra: dict) -> Path:
-    tree = deep_update(deep_update(TINY, BASE), extra)
-    tree = deep_update(tree, {"train": {"output_dir": str(root / name)}})
-    path = root / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(tree))
-    return path
+    return write_run_config(root, name, BASE, extra)
 
 
 def records(run_dir: Path) -> dict[int, dict]:

@@ -15,8 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
-import yaml
-from conftest import TINY, deep_update
+from conftest import deep_update, write_run_config
 
 from unmask.config import load_config
 from unmask.train.trainer import Trainer
@@ -39,12 +38,7 @@ LAYOUTS = {
 
 
 def write_config(root: Path, name: str, extra: dict) -> Path:
-    tree = deep_update(TINY, BASE)
-    tree = deep_update(tree, {"train": {"output_dir": str(root / name)}})
-    tree = deep_update(tree, extra)
-    path = root / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(tree))
-    return path
+    return write_run_config(root, name, BASE, extra)
 
 
 def losses(run_dir: Path) -> dict[int, float]:
