@@ -44,7 +44,7 @@ format: $(STAMP)
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
 
-# The benchmarks behind the README's numbers, in one run (22 minutes on this project's
+# The benchmarks behind the README's numbers, in one run (19 minutes on this project's
 # 2-core machine).
 bench: $(STAMP)
 	$(BIN)/python benchmarks/masked_loss_memory.py
@@ -54,14 +54,16 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/train_step.py
 
 # The long ones (about 2 hours on 2 cores): Muon vs AdamW convergence (7 runs of 1000
-# steps), data loading at scale, stopping per pad policy (3 trained models), the tensor-
-# and context-parallel layouts (about 10 and 12 minutes: launches of 2 and 4 processes).
+# steps), data loading at scale, stopping per pad policy (3 trained models, and 3 more on
+# open-ended answers), the tensor- and context-parallel layouts (about 10 and 12 minutes:
+# launches of 2 and 4 processes).
 # benchmarks/sampling.py runs on a trained quickstart model: `make quickstart`, then
 # `python benchmarks/sampling.py --model runs/quickstart/final`.
 bench-long: $(STAMP)
 	$(BIN)/python benchmarks/muon_convergence.py
 	$(BIN)/python benchmarks/data.py
 	$(BIN)/python benchmarks/stopping.py
+	$(BIN)/python benchmarks/stopping.py --task open
 	$(BIN)/python benchmarks/parallel.py
 	$(BIN)/python benchmarks/context_parallel.py
 
@@ -76,6 +78,7 @@ bench-quick: $(STAMP)
 	$(BIN)/python benchmarks/data.py --quick
 	$(BIN)/python benchmarks/train_step.py --quick
 	$(BIN)/python benchmarks/stopping.py --quick
+	$(BIN)/python benchmarks/stopping.py --quick --task open
 	$(BIN)/python benchmarks/checkpoint_stall.py --quick
 	$(BIN)/python benchmarks/context_parallel.py --quick
 
