@@ -196,6 +196,7 @@ def open_lengths(predictions: list[str], ended: list[bool]) -> dict[str, float]:
         "mean": sum(lengths) / n,
         "short": sum(0 < k <= 2 for k in lengths) / n,
         "empty": sum(k == 0 for k in lengths) / n,
+        "over": sum(k > max(OPEN_LENGTHS) for k in lengths) / n,
         "no_eos": sum(not e for e in ended) / n,
         "digits": sum(p.isdigit() or not p for p in predictions) / n,
         "lengths": lengths,
@@ -203,8 +204,10 @@ def open_lengths(predictions: list[str], ended: list[bool]) -> dict[str, float]:
 
 
 def open_options() -> list[tuple[str, dict]]:
-    """Sampler options on the `eos` model's row canvas: LLaDA's and the EOS penalty."""
-    return [("confidence_eos_eot_inf", {"confidence_eos_eot_inf": True}),
+    """Sampler options on the `eos` model's row canvas: sampling at temperature 1 (seeded),
+    LLaDA's `confidence_eos_eot_inf` and the EOS penalty."""
+    return [("temperature 1", {"temperature": 1.0}),
+            ("confidence_eos_eot_inf", {"confidence_eos_eot_inf": True}),
             *((f"eos_penalty {p:g}", {"eos_penalty": p}) for p in (1.0, 2.0, 4.0))]  # fmt: skip
 
 
@@ -218,13 +221,17 @@ def report_open(args, folder: Path) -> None:
         f"digits, lengths uniform: the prompt does not decide the length (mean "
         f"{sum(data) / len(data):.2f}, {pct(sum(k <= 2 for k in data) / len(data))} of 1-2 digits). "
         f"A 0.16M-parameter qwen3_dllm (hidden 64, 3 layers) trained {args.steps} steps per "
-        f"policy on a local jsonl file, rows of {ROW} tokens (packed: {4 * ROW}). Greedy, one "
-        "token per step, low-confidence remasking. Canvas `row`: row length - prompt length, "
-        "one block. Written by `python benchmarks/stopping.py --task open`; read in "
-        "docs/data.md (Pad policy).",
+        f"policy on a local jsonl file, rows of {ROW} tokens (packed: {4 * ROW}). One token "
+        "per step, low-confidence remasking, greedy (the temperature row: sampled, seed 0). "
+        "Canvas `row`: row length - prompt length, one block (15-18 positions). The prompt "
+        "says nothing about the length, so a greedy sampler stops at one or two lengths for "
+        "all prompts (by the prompt's length, which sets the canvas): the table shows where "
+        "it stops, not a distribution. "
+        "Written by `python benchmarks/stopping.py --task open` (plot: stopping_open.png); "
+        "read in docs/data.md (Pad policy).",
         "",
-        "| pad policy | canvas | sampler option | mean length | 1-2 digits | empty | no EOS "
-        "in the canvas | digits only |",
+        "| pad policy | canvas | sampler option | mean length | 1-2 digits | longer than any "
+        "training answer (> 12) | no EOS in the canvas | digits only |",
         "|---|---|---|---|---|---|---|---|",
         f"| (training data) | | | {sum(data) / len(data):.2f} | "
         f"{pct(sum(k <= 2 for k in data) / len(data))} | 0.0% | | 100.0% |",
@@ -244,11 +251,12 @@ def report_open(args, folder: Path) -> None:
             def configured(p, a, config_for=config_for, opts=opts):
                 return config_for(p, a).model_copy(update=opts)
 
+            torch.manual_seed(0)  # the temperature row's draws
             predictions, _, ended = decode(sm, examples, configured)
             s = open_lengths(predictions, ended)
             runs[f"{policy}, {canvas}" + (f", {option}" if option else "")] = s["lengths"]
             lines.append(f"| {policy} | {canvas} | {option or '-'} | {s['mean']:.2f} | "
-                         f"{pct(s['short'])} | {pct(s['empty'])} | {pct(s['no_eos'])} | "
+                         f"{pct(s['short'])} | {pct(s['over'])} | {pct(s['no_eos'])} | "
                          f"{pct(s['digits'])} |")  # fmt: skip
             print(lines[-1], flush=True)
     text = "\n".join(lines) + "\n"
@@ -268,11 +276,12 @@ def plot_open(runs: dict[str, list[int]], data: list[int], path: Path) -> None:
     top = max(OPEN_LENGTHS) + 8
     fig, ax = plt.subplots(figsize=(7, 3.6))
     for name, lengths in [("training data", data), *runs.items()]:
-        if name != "training data" and not name.endswith(", row") and "eos_penalty 2" not in name:
+        if "blocks" in name or "eos_penalty 1" in name or "eos_penalty 2" in name:
             continue
         share = [sum(k == n for k in lengths) / len(lengths) for n in range(top)]
         ax.plot(range(top), share, marker="o", markersize=3, label=name,
                 linewidth=2.5 if name == "training data" else 1.2)  # fmt: skip
+    ax.set_xticks(range(0, top, 2))
     ax.set_xlabel("answer length (tokens before the first EOS)")
     ax.set_ylabel("share of answers")
     ax.set_title("Open-ended answers: where the sampler stops, per pad policy")
