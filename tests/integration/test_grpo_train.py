@@ -8,9 +8,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from conftest import TINY, deep_update, losses, read_metrics
 
+from unmask.checkpoint.layout import write_manifest
 from unmask.config import load_config
 from unmask.train.trainer import Trainer
 
@@ -73,6 +75,82 @@ def test_grpo_logs_rollouts_and_resumes_exactly(tmp_path):
     assert again == {3: grad_norms[3], 4: grad_norms[4]}
     final = "final/model.safetensors"
     assert (tmp_path / "run" / final).read_bytes() == (stopped / final).read_bytes()
+
+
+# mu = 2: the rollouts of steps 0, 2 serve steps 1, 3 (0-based); checkpoint-1 and -3 are
+# written inside a cycle, so they carry each rank's cached rollouts (two micro-batches)
+CYCLE = {"grpo": {"inner_iterations": 2},
+         "train": {"max_steps": 4, "save_steps": 1, "eval_steps": 0,
+                   "gradient_accumulation_steps": 2}}  # fmt: skip
+
+
+def grad_norms(run_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["grad_norm"] for r in read_metrics(run_dir) if "grad_norm" in r}
+
+
+def resume_from(tmp_path: Path, name: str, checkpoint: Path, extra: dict) -> Trainer:
+    """A Trainer of a run `name` continuing from `checkpoint` (a copy in its own folder)."""
+    (tmp_path / name).mkdir()
+    shutil.copytree(checkpoint, tmp_path / name / checkpoint.name)
+    tree = deep_update(CYCLE, deep_update({"train": {"resume_from_checkpoint": True}}, extra))
+    return Trainer(load_config(write(tmp_path, name, tree)))
+
+
+def test_grpo_resumes_exactly_inside_a_rollout_cycle(tmp_path):
+    """Resumed from checkpoint-1 (mid-cycle), step 2 uses the saved rollouts, advantages,
+    seeds and old log-likelihoods: losses, grad norms and final weights equal the
+    uninterrupted run's; without the saved rollouts step 2's loss is another."""
+    Trainer(load_config(write(tmp_path, "run", CYCLE))).train()
+    run = tmp_path / "run"
+    saved = {n: (run / f"checkpoint-{n}" / "rank_state" / "rank-0.pt").is_file()
+             for n in (1, 2, 3, 4)}  # fmt: skip
+    assert saved == {1: True, 2: False, 3: True, 4: False}
+    state = torch.load(run / "checkpoint-1" / "rank_state" / "rank-0.pt", weights_only=True)
+    assert (state["world_size"], state["micro_batches"], state["rows"]) == (1, 2, 2)
+    assert state["objective"]["cycle_start"] == 0
+    assert [r["micro"] for r in state["objective"]["rollouts"]] == [0, 1]
+    full, norms = losses(run), grad_norms(run)
+    # ratio 1 at a cycle's first step; after an update the second step's loss is not 0
+    assert sorted(norms) == [1, 2, 3, 4] and min(norms.values()) > 0
+    assert full[2] != 0 and full[4] != 0
+
+    trainer = resume_from(tmp_path, "resumed", run / "checkpoint-1", {})
+    assert trainer.step == 1
+    trainer.train()
+    resumed = tmp_path / "resumed"
+    assert losses(resumed) == {s: full[s] for s in (2, 3, 4)}  # exactly, on CPU
+    assert grad_norms(resumed) == {s: norms[s] for s in (2, 3, 4)}
+    final = "final/model.safetensors"
+    assert (run / final).read_bytes() == (resumed / final).read_bytes()
+
+    # the same checkpoint without its rollouts (as before they were saved): step 2 differs
+    bare = tmp_path / "bare" / "checkpoint-1"
+    shutil.copytree(run / "checkpoint-1", bare)
+    shutil.rmtree(bare / "rank_state")
+    write_manifest(bare)
+    trainer = resume_from(tmp_path, "fresh", bare, {})
+    trainer.train()
+    assert losses(tmp_path / "fresh")[2] != full[2]
+
+
+def test_grpo_mid_cycle_checkpoint_with_other_inner_iterations(tmp_path, capsys):
+    """Resumed with another grpo.inner_iterations the saved rollouts do not fit: a notice
+    says so and the run goes on with fresh rollouts."""
+    extra = {"train": {"max_steps": 2}}
+    Trainer(load_config(write(tmp_path, "run", deep_update(CYCLE, extra)))).train()
+    capsys.readouterr()
+    other = {"grpo": {"inner_iterations": 3}, **extra}
+    trainer = resume_from(tmp_path, "other", tmp_path / "run" / "checkpoint-1", other)
+    assert trainer.objective._cache == {}
+    trainer.train()
+    out = capsys.readouterr().out
+    assert (
+        "checkpoint-1 holds cached rollouts this run cannot reuse (they were drawn with "
+        "grpo.inner_iterations 2, this run has 3): the next step draws fresh ones, so the run "
+        "differs from an uninterrupted one; resume with the settings it was written with to "
+        "reuse them"
+    ) in out
+    assert sorted(losses(tmp_path / "other")) == [2]
 
 
 def test_grpo_with_lora_and_kl_to_the_base(tmp_path):
