@@ -1,5 +1,6 @@
-"""`diffusion.objective: grpo` through the trainer: rollout metrics, exact resume, LoRA with
-the KL to the adapter-free base, and 2 gloo ranks against 1."""
+"""`diffusion.objective: grpo` through the trainer: rollout metrics, exact resume (also inside
+a cycle of inner iterations, on 1 and 2 ranks), LoRA with the KL to the adapter-free base,
+and 2 gloo ranks against 1."""
 
 import json
 import shutil
@@ -190,3 +191,43 @@ def test_grpo_two_ranks_match_one(tmp_path):
     assert any(v != 0 for v in single.values())
     for step in single:
         assert double[step] == pytest.approx(single[step], abs=1e-5), step
+
+
+@pytest.mark.slow
+def test_grpo_two_ranks_resume_exactly_inside_a_rollout_cycle(tmp_path, capsys):
+    """2 gloo ranks, each with its own rows: checkpoint-1 holds one rollout file per rank and
+    the resumed run (one torchrun launch with the uninterrupted one) matches it exactly.
+    Resumed in one process, the 2 ranks' rollouts do not fit: a notice, fresh rollouts."""
+    full = write(tmp_path, "full", CYCLE)
+    checkpoint = tmp_path / "full" / "checkpoint-1"
+    resumed = write(tmp_path, "resumed",
+                    deep_update(CYCLE, {"train": {"resume_from_checkpoint": str(checkpoint)}}))  # fmt: skip
+    worker = Path(__file__).parent / "dist_workers" / "train_worker.py"
+    results = tmp_path / "results.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(worker), str(results), str(full), str(resumed)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert {k: v["rc"] for k, v in json.loads(results.read_text()).items()} == {"full": 0,
+                                                                                 "resumed": 0}  # fmt: skip
+    files = sorted(p.name for p in (checkpoint / "rank_state").iterdir())
+    assert files == ["rank-0.pt", "rank-1.pt"]
+    saved = [torch.load(checkpoint / "rank_state" / name, weights_only=True) for name in files]
+    assert [state["rank"] for state in saved] == [0, 1]
+    rows = [state["objective"]["rollouts"][0]["rows"]["ids"] for state in saved]
+    assert not torch.equal(rows[0], rows[1])  # each rank's own completions
+    run, again = tmp_path / "full", tmp_path / "resumed"
+    assert losses(again) == {s: losses(run)[s] for s in (2, 3, 4)}
+    assert grad_norms(again) == {s: grad_norms(run)[s] for s in (2, 3, 4)}
+    assert min(grad_norms(run).values()) > 0 and losses(run)[2] != 0
+    final = "final/model.safetensors"
+    assert (run / final).read_bytes() == (again / final).read_bytes()
+
+    capsys.readouterr()
+    trainer = resume_from(tmp_path, "one", checkpoint, {})
+    trainer.train()
+    assert (
+        "checkpoint-1 holds cached rollouts this run cannot reuse (world_size 2 there, 1 "
+        "here): the next step draws fresh ones"
+    ) in capsys.readouterr().out
+    assert sorted(losses(tmp_path / "one")) == [2, 3, 4]

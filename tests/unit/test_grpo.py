@@ -295,7 +295,9 @@ def test_cached_rollouts_round_trip_through_a_weights_only_file(setup, tmp_path)
         "they were drawn with grpo.inner_iterations 3, this run has 2"
     )
     other_g = _objective(tok, _Rewards(), group_size=4, inner_iterations=3)
-    assert other_g.load_rank_state(state) == "they were drawn with grpo.group_size 2, this run has 4"
+    assert (
+        other_g.load_rank_state(state) == "they were drawn with grpo.group_size 2, this run has 4"
+    )
     assert other_g._cache == {}
 
 

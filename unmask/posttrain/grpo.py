@@ -288,7 +288,9 @@ class GRPOObjective:
         mu = self.cfg.inner_iterations
         if not self._cache or (self.step + 1) % mu == 0:
             return {}
-        cached = [{"micro": micro, **rollouts_to_dict(r)} for micro, r in sorted(self._cache.items())]
+        cached = [
+            {"micro": micro, **rollouts_to_dict(r)} for micro, r in sorted(self._cache.items())
+        ]
         return {"cycle_start": self._cycle, "inner_iterations": mu,
                 "group_size": self.cfg.group_size, "rollouts": cached}  # fmt: skip
 
