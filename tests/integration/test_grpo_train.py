@@ -134,23 +134,32 @@ def test_grpo_resumes_exactly_inside_a_rollout_cycle(tmp_path):
     assert losses(tmp_path / "fresh")[2] != full[2]
 
 
-def test_grpo_mid_cycle_checkpoint_with_other_inner_iterations(tmp_path, capsys):
-    """Resumed with another grpo.inner_iterations the saved rollouts do not fit: a notice
-    says so and the run goes on with fresh rollouts."""
-    extra = {"train": {"max_steps": 2}}
-    Trainer(load_config(write(tmp_path, "run", deep_update(CYCLE, extra)))).train()
+@pytest.mark.parametrize(
+    ("other", "why"),
+    [
+        ({"grpo": {"inner_iterations": 3}},
+         "they were drawn with grpo.inner_iterations 2, this run has 3"),
+        ({"grpo": {"group_size": 4}}, "they were drawn with grpo.group_size 2, this run has 4"),
+        ({"train": {"gradient_accumulation_steps": 1, "per_device_train_batch_size": 4}},
+         "2 micro-batches per step there, 1 here; 2 rows per micro-batch and process there, 4 "
+         "here"),
+    ],
+)  # fmt: skip
+def test_grpo_mid_cycle_checkpoint_resumed_with_other_settings(tmp_path, capsys, other, why):
+    """The saved rollouts do not fit a run with another mu, group size or batch layout: a
+    notice names the difference and the run goes on with fresh rollouts."""
+    two_steps = {"train": {"max_steps": 2}}
+    Trainer(load_config(write(tmp_path, "run", deep_update(CYCLE, two_steps)))).train()
     capsys.readouterr()
-    other = {"grpo": {"inner_iterations": 3}, **extra}
-    trainer = resume_from(tmp_path, "other", tmp_path / "run" / "checkpoint-1", other)
+    extra = deep_update(two_steps, other)
+    trainer = resume_from(tmp_path, "other", tmp_path / "run" / "checkpoint-1", extra)
     assert trainer.objective._cache == {}
     trainer.train()
-    out = capsys.readouterr().out
     assert (
-        "checkpoint-1 holds cached rollouts this run cannot reuse (they were drawn with "
-        "grpo.inner_iterations 2, this run has 3): the next step draws fresh ones, so the run "
-        "differs from an uninterrupted one; resume with the settings it was written with to "
-        "reuse them"
-    ) in out
+        f"checkpoint-1 holds cached rollouts this run cannot reuse ({why}): the next step draws "
+        "fresh ones, so the run differs from an uninterrupted one; resume with the settings it "
+        "was written with to reuse them"
+    ) in capsys.readouterr().out
     assert sorted(losses(tmp_path / "other")) == [2]
 
 
@@ -227,7 +236,7 @@ def test_grpo_two_ranks_resume_exactly_inside_a_rollout_cycle(tmp_path, capsys):
     trainer = resume_from(tmp_path, "one", checkpoint, {})
     trainer.train()
     assert (
-        "checkpoint-1 holds cached rollouts this run cannot reuse (world_size 2 there, 1 "
-        "here): the next step draws fresh ones"
+        "checkpoint-1 holds cached rollouts this run cannot reuse (2 processes there, 1 here): "
+        "the next step draws fresh ones"
     ) in capsys.readouterr().out
     assert sorted(losses(tmp_path / "one")) == [2, 3, 4]

@@ -278,9 +278,10 @@ class Trainer:
             self.objective.load_rank_state({})
             return
         layout = self._rank_layout()
-        changed = [f"{key} {saved.get(key)} there, {layout[key]} here"
-                   for key in ("world_size", "micro_batches", "rows")
-                   if saved.get(key) != layout[key]]  # fmt: skip
+        names = {"world_size": "processes", "micro_batches": "micro-batches per step",
+                 "rows": "rows per micro-batch and process"}  # fmt: skip
+        changed = [f"{saved.get(key)} {name} there, {layout[key]} here"
+                   for key, name in names.items() if saved.get(key) != layout[key]]  # fmt: skip
         why = "; ".join(changed) if changed else self.objective.load_rank_state(saved["objective"])
         if why is None:
             return
