@@ -3,7 +3,9 @@ a cycle of inner iterations, on 1 and 2 ranks), LoRA with the KL to the adapter-
 and 2 gloo ranks against 1."""
 
 import json
+import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -123,6 +125,27 @@ def test_grpo_resumes_exactly_inside_a_rollout_cycle(tmp_path):
     assert grad_norms(resumed) == {s: norms[s] for s in (2, 3, 4)}
     final = "final/model.safetensors"
     assert (run / final).read_bytes() == (resumed / final).read_bytes()
+
+    # SIGTERM during the first step: the stop saves checkpoint-1 with the rollouts; resumed,
+    # the run ends like the uninterrupted one
+    stopped = Trainer(load_config(write(tmp_path, "stopped", CYCLE)))
+    begin = stopped.objective.begin_step
+
+    def signal_at_the_first_step(step: int) -> None:
+        if step == 0:
+            os.kill(os.getpid(), signal.SIGTERM)
+        begin(step)
+
+    stopped.objective.begin_step = signal_at_the_first_step
+    stopped.train()
+    assert stopped.stopped_by == "SIGTERM" and stopped.step == 1
+    assert (tmp_path / "stopped" / "checkpoint-1" / "rank_state" / "rank-0.pt").is_file()
+    cfg = write(
+        tmp_path, "stopped", deep_update(CYCLE, {"train": {"resume_from_checkpoint": True}})
+    )
+    Trainer(load_config(cfg)).train()
+    assert losses(tmp_path / "stopped") == full
+    assert (run / final).read_bytes() == (tmp_path / "stopped" / final).read_bytes()
 
     # the same checkpoint without its rollouts (as before they were saved): step 2 differs
     bare = tmp_path / "bare" / "checkpoint-1"
