@@ -258,6 +258,49 @@ def test_inner_iterations_reuse_rollouts_with_old_logps(setup):
     assert len(rewards.seen) == 2
 
 
+def test_cached_rollouts_round_trip_through_a_weights_only_file(setup, tmp_path):
+    """rank_state mid-cycle: the cached rollouts, saved and loaded with weights_only=True,
+    give a fresh objective the same loss at the next inner iteration without a rollout;
+    at a cycle's last step there is nothing to carry; other mu / group size: refused."""
+    tok, model = setup
+    batch = _batch(tok, [("rev 12=", "21"), ("sort 931=", "139")])
+    obj = _objective(tok, _Rewards(), group_size=2, inner_iterations=3, estimator="coupled")
+    obj.begin_step(3)
+    obj(model, obj.with_noise(batch, torch.Generator().manual_seed(2)))
+    torch.save(obj.rank_state(), tmp_path / "rank.pt")
+    state = torch.load(tmp_path / "rank.pt", weights_only=True)
+    assert (state["cycle_start"], state["inner_iterations"], state["group_size"]) == (3, 3, 2)
+    assert [r["micro"] for r in state["rollouts"]] == [0]
+    assert state["rollouts"][0]["old_logps"].shape[:2] == (3, 4)  # (mu, B * G, L)
+    obj.begin_step(4)
+    expected = obj(model, batch)
+    assert obj.rank_state() != {}  # step 5 still needs them
+    obj.begin_step(5)
+    assert obj.rank_state() == {}  # step 6 draws fresh ones
+
+    rewards = _Rewards()
+    again = _objective(tok, rewards, group_size=2, inner_iterations=3, estimator="coupled")
+    assert again.load_rank_state(state) is None
+    again.begin_step(4)
+    got = again(model, batch)
+    assert rewards.seen == []  # no rollout: the saved ones
+    assert float(got.loss_sum) == float(expected.loss_sum)
+    assert float(got.count) == float(expected.count)
+    again.begin_step(6)  # the next cycle: fresh rollouts
+    again(model, again.with_noise(batch, torch.Generator().manual_seed(7)))
+    assert len(rewards.seen) == 1
+
+    other_mu = _objective(tok, _Rewards(), group_size=2, inner_iterations=2)
+    assert other_mu.load_rank_state(state) == (
+        "they were drawn with grpo.inner_iterations 3, this run has 2"
+    )
+    other_g = _objective(tok, _Rewards(), group_size=4, inner_iterations=3)
+    assert (
+        other_g.load_rank_state(state) == "they were drawn with grpo.group_size 2, this run has 4"
+    )
+    assert other_g._cache == {}
+
+
 def test_row_without_prompt_is_refused(setup):
     tok, model = setup
     batch = {"input_ids": torch.tensor([[5, 6, 7]]), "maskable": torch.ones(1, 3, dtype=torch.bool)}

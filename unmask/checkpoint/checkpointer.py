@@ -7,7 +7,11 @@ A checkpoint-N/ folder holds, for both kinds:
     dcp/, loadable at any world size, plus config.json for export;
   - optimizer.pt (one process), scheduler.pt, rng_state.pt (loaded with weights_only=True),
     trainer_state.json (step, data-loader position, ...), the tokenizer and the run's extra
-    files (generation_config.json).
+    files (generation_config.json);
+  - rank_state/rank-R.pt (weights_only), only when a rank has state of its own that the
+    steps after the checkpoint need: the rank's cached rollouts of a grpo run saved inside
+    a cycle of inner iterations (each rank holds other rows). Every rank writes its file
+    before its part of the model's save, which rank 0's publication waits for.
 Written into a temporary folder and published atomically (layout.py); under DCP, rank 0
 renames after every rank finished, so a rank dying mid-save leaves the previous checkpoint
 as the newest complete one.
@@ -36,6 +40,7 @@ from torch import nn
 from unmask.checkpoint.layout import (
     CONFIG_FILE,
     DCP_DIR,
+    RANK_STATE_DIR,
     STATE_FILE,
     damaged,
     is_distributed_checkpoint,
@@ -96,14 +101,18 @@ class Checkpointer:
 
     def save(
         self, step: int, model: nn.Module, optimizer, scheduler, trainer_state: dict,
-        rng_state: dict,
+        rng_state: dict, rank_state: dict | None = None,
     ) -> Path:  # fmt: skip
-        """Write checkpoint-{step}; every rank calls it when sharded. Asynchronous
-        (async_save): returns once the state is copied; the folder appears when the write
-        finished (wait())."""
+        """Write checkpoint-{step}; every rank calls it when sharded. rank_state: this
+        rank's own state (tensors, ints, lists, dicts), written to rank_state/rank-R.pt when
+        given. Asynchronous (async_save): returns once the state is copied; the folder
+        appears when the write finished (wait())."""
         self.wait()  # the previous asynchronous write is published first
         state = {**trainer_state, "step": step}
         tmp = self._temporary_folder(step)
+        if rank_state:  # before the model's save: its collectives order it before publish
+            (tmp / RANK_STATE_DIR).mkdir(exist_ok=True)
+            torch.save(rank_state, tmp / self._rank_state_file)
         if self.async_save:
             return self._save_async(step, tmp, model, optimizer, scheduler, state, rng_state)
         if self.sharded:
@@ -209,6 +218,18 @@ class Checkpointer:
             self.tokenizer.save_pretrained(str(folder))
         for name, text in self.files.items():
             (folder / name).write_text(text)
+
+    @property
+    def _rank_state_file(self) -> str:
+        return f"{RANK_STATE_DIR}/rank-{dist.get_rank() if self.sharded else 0}.pt"
+
+    def load_rank_state(self, path: Path, device: torch.device) -> dict | None:
+        """This rank's rank_state of checkpoint `path` with its tensors on `device`; None
+        when it wrote none."""
+        name = self._rank_state_file
+        if not (Path(path) / name).is_file():
+            return None
+        return _torch_load(Path(path), name, device)
 
     def load(self, path: Path, model: nn.Module, optimizer, scheduler) -> tuple[dict, dict]:
         """Restore model, optimizer and scheduler in place from checkpoint `path` (either
@@ -364,10 +385,10 @@ def _load_model(path: Path, model: nn.Module) -> None:
         )
 
 
-def _torch_load(path: Path, name: str):
+def _torch_load(path: Path, name: str, device: torch.device | None = None):
     """One torch file of checkpoint `path` (weights_only); a damaged one is an InputError."""
     try:
-        return torch.load(path / name, weights_only=True)
+        return torch.load(path / name, map_location=device, weights_only=True)
     except (RuntimeError, EOFError, OSError, ValueError, pickle.UnpicklingError) as err:
         first = (str(err).strip().splitlines() or [type(err).__name__])[0].split(". ")[0]
         raise damaged(path, f"{name} cannot be read: {first}") from None

@@ -21,6 +21,7 @@ from unmask.errors import InputError
 MANIFEST = "manifest.json"
 STATE_FILE = "trainer_state.json"
 DCP_DIR = "dcp"  # the sharded model + optimizer of a multi-process run
+RANK_STATE_DIR = "rank_state"  # rank-R.pt: one rank's own state (grpo's cached rollouts)
 CONFIG_FILE = "config.json"
 ADAPTER_CONFIG = "adapter_config.json"  # a LoRA adapter folder (peft's format)
 FINAL_DIR = "final"

@@ -36,6 +36,12 @@ class Objective(Protocol):
     (`with_noise(batch, generator, rows=(offset, total))`): losses then do not depend on the
     world size. False (or absent): each rank draws for its own rows from its own generator
     and `with_noise` is not needed.
+
+    Optional, for state an objective carries from one step to the next (grpo's rollouts
+    reused by inner iterations): `rank_state()` returns this rank's (tensors, ints, lists,
+    dicts; {} when there is none), which the trainer saves per rank in every checkpoint;
+    `load_rank_state(state)` restores it on resume ({}: forget any), returning None or why
+    the state does not fit this run (the trainer prints it and goes on without).
     """
 
     global_noise: bool

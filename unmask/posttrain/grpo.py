@@ -15,6 +15,8 @@ One call on a micro-batch of B prompt/answer rows:
 With inner_iterations mu > 1 the rollouts of step s (s a multiple of mu) serve steps s ..
 s + mu - 1; iteration j's estimator noise is fixed at rollout time and the old
 log-likelihoods are measured then, so the ratio starts at 1 and the clip acts afterwards.
+A checkpoint written inside such a cycle carries each rank's cached rollouts (`rank_state`),
+so a resumed run uses the same rollouts, advantages, seeds and old log-likelihoods.
 """
 
 import math
@@ -110,6 +112,23 @@ class Rollouts(NamedTuple):
     advantages: torch.Tensor  # (R,)
     seeds: list[int]  # one per prompt
     old_logps: torch.Tensor | None  # (mu, R, L) token estimates at rollout time (mu > 1)
+
+
+def rollouts_to_dict(rollouts: Rollouts) -> dict:
+    """Rollouts as a dict of CPU tensors, ints and None: what torch.load(weights_only=True)
+    reads back."""
+    rows = {name: (None if value is None else value.detach().cpu())
+            for name, value in rollouts.rows._asdict().items()}  # fmt: skip
+    old = rollouts.old_logps
+    return {"rows": rows, "advantages": rollouts.advantages.detach().cpu(),
+            "seeds": [int(s) for s in rollouts.seeds],
+            "old_logps": None if old is None else old.detach().cpu()}  # fmt: skip
+
+
+def rollouts_from_dict(state: dict) -> Rollouts:
+    """The inverse of rollouts_to_dict (tensors where they were loaded)."""
+    return Rollouts(Rows(**state["rows"]), state["advantages"],
+                    [int(s) for s in state["seeds"]], state["old_logps"])  # fmt: skip
 
 
 def prompt_answer(input_ids: torch.Tensor, maskable: torch.Tensor, eos_id: int):
@@ -230,6 +249,7 @@ class GRPOObjective:
         self.step = 0
         self._micro = 0  # calls since begin_step: the micro-batch index
         self._cache: dict[int, Rollouts] = {}
+        self._cycle = -1  # the step whose rollouts are cached (a multiple of mu)
         self._log = _RolloutLog()
         self.last_stats: dict[str, torch.Tensor] = {}
 
@@ -237,8 +257,10 @@ class GRPOObjective:
     def begin_step(self, step: int) -> None:
         """The trainer's step number before its micro-batches (inner iterations)."""
         self.step, self._micro = step, 0
-        if self.cfg.inner_iterations == 1 or step % self.cfg.inner_iterations == 0:
+        cycle = step - step % self.cfg.inner_iterations
+        if cycle != self._cycle:  # a new cycle (every step when mu = 1): fresh rollouts
             self._cache.clear()
+            self._cycle = cycle
 
     def with_noise(self, batch: dict, generator: torch.Generator | None = None,
                    rows=None) -> dict:  # fmt: skip
@@ -259,6 +281,35 @@ class GRPOObjective:
         close = getattr(self.rewards, "close", None)
         if close is not None:
             close()
+
+    def rank_state(self) -> dict:
+        """What the steps after the last begun one need from this rank: its cached rollouts
+        (tensors on the CPU, seeds as ints) while their cycle has steps left, else {}."""
+        mu = self.cfg.inner_iterations
+        if not self._cache or (self.step + 1) % mu == 0:
+            return {}
+        cached = [
+            {"micro": micro, **rollouts_to_dict(r)} for micro, r in sorted(self._cache.items())
+        ]
+        return {"cycle_start": self._cycle, "inner_iterations": mu,
+                "group_size": self.cfg.group_size, "rollouts": cached}  # fmt: skip
+
+    def load_rank_state(self, state: dict) -> str | None:
+        """Restore `rank_state()`'s rollouts (tensors already on this rank's device); {}
+        forgets any cached ones. Returns None, or why they were left out (they were drawn
+        with another grpo.inner_iterations or grpo.group_size): then the next step draws
+        fresh ones."""
+        self._cache.clear()
+        self._cycle = -1
+        if not state:
+            return None
+        for key in ("inner_iterations", "group_size"):
+            saved, now = int(state[key]), getattr(self.cfg, key)
+            if saved != now:
+                return f"they were drawn with grpo.{key} {saved}, this run has {now}"
+        self._cache = {int(r["micro"]): rollouts_from_dict(r) for r in state["rollouts"]}
+        self._cycle = int(state["cycle_start"])
+        return None
 
     def take_log(self) -> dict:
         """Rollout metrics since the last call (reward mean/std per reward, length, KL, ...)."""

@@ -253,6 +253,46 @@ class Trainer:
         self._scale_lr(self.guard.state.lr_scale)
         torch.set_rng_state(rng["torch"])
         self.noise.set_state(rng["noise"])
+        if hasattr(self.objective, "load_rank_state"):  # also {}: a rollback forgets
+            self._restore_rank_state(path)
+
+    def _rank_layout(self) -> dict:
+        """What a rank's own state depends on: which rows of which micro-batches it holds."""
+        return {"world_size": self.dist.world_size, "rank": self.dist.rank,
+                "micro_batches": self.cfg.train.gradient_accumulation_steps,
+                "rows": self.local_batch_size}  # fmt: skip
+
+    def _rank_state(self) -> dict | None:
+        """This rank's state for the checkpoint (grpo: its cached rollouts mid-cycle), with
+        the layout it belongs to; None when the objective has none."""
+        state = getattr(self.objective, "rank_state", dict)()
+        return {**self._rank_layout(), "objective": state} if state else None
+
+    def _restore_rank_state(self, path: Path) -> None:
+        """The objective's state of this rank from checkpoint `path` when the run holds
+        the same rows as the run that wrote it; otherwise (another world size, batch size
+        or accumulation, or settings the objective cannot take) a notice, and the objective
+        starts without it (grpo: fresh rollouts)."""
+        saved = self.checkpointer.load_rank_state(path, self.device)
+        if saved is None:
+            self.objective.load_rank_state({})
+            return
+        layout = self._rank_layout()
+        names = {"world_size": "processes", "micro_batches": "micro-batches per step",
+                 "rows": "rows per micro-batch and process"}  # fmt: skip
+        changed = [f"{saved.get(key)} {name} there, {layout[key]} here"
+                   for key, name in names.items() if saved.get(key) != layout[key]]  # fmt: skip
+        why = "; ".join(changed) if changed else self.objective.load_rank_state(saved["objective"])
+        if why is None:
+            return
+        self.objective.load_rank_state({})
+        line = (f"{Path(path).name} holds cached rollouts this run cannot reuse ({why}): the "
+                "next step draws fresh ones, so the run differs from an uninterrupted one; "
+                "resume with the settings it was written with to reuse them")  # fmt: skip
+        if self.logger is not None:  # a rollback during train()
+            self.logger.print(line)
+        else:
+            self.notices.append(line)
 
     def _scale_lr(self, scale: float) -> None:
         """Learning rates = the schedule's times `scale` (the non-finite guard's backoff)."""
@@ -293,7 +333,8 @@ class Trainer:
                 self.logger.print(notice)
             return None
         return self.checkpointer.save(self.step, self.model, self.optimizer, self.scheduler,
-                                      self._trainer_state(), self._rng_state())  # fmt: skip
+                                      self._trainer_state(), self._rng_state(),
+                                      self._rank_state())  # fmt: skip
 
     # -- one step ------------------------------------------------------------------------
     def _to_device(self, batch: dict) -> dict:
