@@ -195,7 +195,6 @@ def open_lengths(predictions: list[str], ended: list[bool]) -> dict[str, float]:
     return {
         "mean": sum(lengths) / n,
         "short": sum(0 < k <= 2 for k in lengths) / n,
-        "empty": sum(k == 0 for k in lengths) / n,
         "over": sum(k > max(OPEN_LENGTHS) for k in lengths) / n,
         "no_eos": sum(not e for e in ended) / n,
         "digits": sum(p.isdigit() or not p for p in predictions) / n,
