@@ -37,9 +37,9 @@ def gen(seed: int) -> torch.Generator:
 
 
 def tied_canvas(seed: int, batch: int, prompt: int, block: int, blocks_before: int, after: int):
-    """A canvas as the references see it mid-decoding: x (B, L) with a left-padded prompt
-    and finished blocks (no masks), the current block [start, end) partly masked, masks
-    after it; x0_p (B, L) float64 confidences from {0, 0.25, 0.5, 0.75} (0: LLaDA's EOS
+    """A canvas as the references see it mid-decoding: x (B, L) with the prompt (padding
+    or tokens alike: no masks) and finished blocks, the current block [start, end) partly
+    masked, masks after it; x0_p (B, L) float64 confidences from {0, 0.25, 0.5, 0.75} (0: LLaDA's EOS
     proposals under confidence_eos_eot_inf), so most rows have ties."""
     g = gen(seed)
     start = prompt + blocks_before * block
