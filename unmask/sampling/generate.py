@@ -395,23 +395,27 @@ class _BlockDecoder:
                 probs = probs.nan_to_num(0.0)
         conf = CONFIDENCE_FNS[cfg.remasking](logits, probs, x0, generator)
         conf = conf.masked_fill(~is_mask, float("-inf"))
+        # equal confidences are ranked as the references' torch.topk over the whole canvas
+        # row ranks them (LLaDA, Dream, Fast-dLLM): the block's place in that row
+        row = dict(offset=self.start, width=self.canvas.x.shape[1])
         if cfg.remasking == "confidence_threshold":
             nominal = step < self.steps_per_block
             quota = self.quota[:, step] if nominal else torch.zeros_like(self.carried)
             commit, self.carried = select_carried_threshold(conf, quota + self.carried,
-                                                            cfg.threshold)  # fmt: skip
+                                                            cfg.threshold, **row)  # fmt: skip
             return commit
-        if cfg.threshold is not None:
-            return select_threshold(conf, cfg.threshold)
+        if cfg.threshold is not None:  # v2 sub-blocks: v2's argmax, the first of equal tops
+            v2 = cfg.sub_block_length is not None
+            return select_threshold(conf, cfg.threshold, first_max=v2, **row)
         if cfg.factor is not None:
-            return select_factor(conf, cfg.factor)
+            return select_factor(conf, cfg.factor, **row)
         if cfg.schedule == "llada":
             k = self.quota[:, step]
         else:
             k = dream_transfer_count(is_mask.sum(1), step, self.steps_per_block, cfg.eps)
         if cfg.alg_temp:
             return select_sampled(conf, k, cfg.alg_temp, generator)
-        return select_top_k(conf, k)
+        return select_top_k(conf, k, **row)
 
 
 def _finish(out: GenerationOutput, x_all: torch.Tensor, mask_id: int, eos_id: int | None):

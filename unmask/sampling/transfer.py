@@ -9,12 +9,14 @@
 - transfer: top-k per row, sampled positions (`alg_temp`), Fast-dLLM `threshold` and
   `factor`, Dream's `confidence_threshold` (a quota per step, what falls under the
   threshold carried to the next step), or Dream `origin` / MDLM ddpm (each mask revealed
-  with probability 1 - s/t).
+  with probability 1 - s/t). Equal confidences are decided as the references decide them:
+  by their torch.topk over the whole canvas row (`ranked`), or v2's argmax.
 """
 
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 
 
 def add_gumbel_noise(
@@ -136,18 +138,91 @@ def sampling_probs(filtered: torch.Tensor, temperature: float) -> torch.Tensor:
     return torch.softmax(filtered.to(torch.float64) / scale, dim=-1)
 
 
-def select_top_k(confidence: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """Bool (B, L): the k[b] highest-confidence positions of each row b.
+def canvas_topk(
+    confidence: torch.Tensor, k: torch.Tensor, rows: torch.Tensor, offset: int, width: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference samplers' own ranking of rows `rows` (R,) long: for each row b,
+    torch.topk(canvas_b, k[b]), canvas_b being the whole canvas row (width,) with
+    confidence[b] (Lb,) at [offset, offset + Lb) and -inf elsewhere. LLaDA and Fast-dLLM
+    call exactly this per row, Dream on the (B, width) canvas with one k; torch orders
+    equal values by its partial-sort / nth_element pass, which depends on the row's length,
+    contents and k, so only this call reproduces their tie order. Rows that share k are
+    ranked in one call: torch's CPU topk ranks each row of a batch as it ranks that row
+    alone (tested). Returns (values, indices) (R, max k[rows]), best first, indices into the
+    block; past k[b], and where the pick is a -inf position outside the block, -inf."""
+    n = confidence.shape[1]
+    ks = k[rows]
+    canvas = confidence.new_full((len(ks), width), float("-inf"))
+    canvas[:, offset : offset + n] = confidence[rows]
+    values = confidence.new_full((len(ks), int(ks.max())), float("-inf"))
+    indices = torch.zeros(values.shape, dtype=torch.long, device=confidence.device)
+    for kr in ks.unique().tolist():
+        same = (ks == kr).nonzero().squeeze(1)
+        v, i = canvas[same].topk(kr, dim=-1)
+        inside = (i >= offset) & (i < offset + n)
+        values[same, :kr] = v.masked_fill(~inside, float("-inf"))
+        indices[same, :kr] = (i - offset).clamp(0, n - 1)
+    return values, indices
 
-    confidence (B, L) with -inf at positions that must not be chosen; k (B,) long.
+
+def ranked(
+    confidence: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    offset: int = 0,
+    width: int | None = None,
+    first: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's k[b] highest-confidence positions, best first, as the reference's
+    torch.topk over the whole canvas row returns them (`canvas_topk`).
+
+    confidence (B, Lb), -inf where not allowed: the block, at [offset, offset + Lb) of a
+    canvas row of `width` positions (None: the block is the row); k (B,) long. A batched
+    topk over the block gives the same set whenever the k-th and (k+1)-th values differ;
+    with `first` (rules that treat rank 0 apart) also the same rank 0 whenever the top two
+    differ. Only rows where they tie are ranked again by the reference's own call. Returns
+    (values, indices) (B, max k), indices into the block; past k[b] the value is -inf (use
+    only entries with a finite value).
     """
-    selected = torch.zeros(confidence.shape, dtype=torch.bool, device=confidence.device)
+    batch, n = confidence.shape
+    k = k.clamp(0, n)
     k_max = int(k.max()) if k.numel() else 0
     if k_max == 0:
-        return selected
-    top = confidence.topk(k_max, dim=-1).indices  # (B, k_max), sorted descending
-    keep = torch.arange(k_max, device=k.device)[None, :] < k[:, None]
-    return selected.scatter(1, top, keep)
+        return confidence.new_empty((batch, 0)), k.new_empty((batch, 0))
+    values, indices = confidence.topk(min(k_max + 1, n), dim=-1)  # (B, k_max [+ 1])
+    # ranks k - 1 and k (columns k and k + 1; NaN where a row has no such rank)
+    edge = F.pad(values, (1, 1), value=float("nan")).gather(1, torch.stack([k, k + 1], 1))
+    tied = (edge[:, 0] == edge[:, 1]) & (edge[:, 1] > float("-inf"))
+    if first and values.shape[1] > 1:  # ranks 0 and 1
+        tied |= (values[:, 0] == values[:, 1]) & (values[:, 1] > float("-inf")) & (k > 1)
+    past = torch.arange(k_max, device=k.device) >= k[:, None]
+    values, indices = values[:, :k_max].masked_fill(past, float("-inf")), indices[:, :k_max]
+    rows = tied.nonzero().squeeze(1)
+    if rows.numel():
+        v, i = canvas_topk(confidence, k, rows, offset, n if width is None else width)
+        values[rows, : v.shape[1]], indices[rows, : i.shape[1]] = v, i  # beyond: past k[b]
+    return values, indices
+
+
+def _positions(indices: torch.Tensor, keep: torch.Tensor, n: int) -> torch.Tensor:
+    """Bool (B, n): True at indices[b, r] where keep[b, r]."""
+    index = torch.where(keep, indices, n)  # column n: a bin for what is not kept
+    marked = torch.zeros((indices.shape[0], n + 1), dtype=torch.bool, device=indices.device)
+    return marked.scatter(1, index, True)[:, :n]
+
+
+def select_top_k(
+    confidence: torch.Tensor, k: torch.Tensor, *, offset: int = 0, width: int | None = None
+) -> torch.Tensor:
+    """Bool (B, Lb): the k[b] highest-confidence positions of each row b, equal confidences
+    decided as LLaDA's torch.topk over the canvas row decides them (`ranked`).
+
+    confidence (B, Lb) with -inf at positions that must not be chosen (never chosen, even
+    when k[b] exceeds what is allowed); k (B,) long; offset / width: the block's place in
+    the canvas row.
+    """
+    values, indices = ranked(confidence, k, offset=offset, width=width)
+    return _positions(indices, values > float("-inf"), confidence.shape[1])
 
 
 def select_sampled(
@@ -171,40 +246,75 @@ def select_sampled(
     return selected.scatter(1, draws, keep)
 
 
-def select_threshold(confidence: torch.Tensor, threshold: float) -> torch.Tensor:
-    """Bool (B, L): the top position of each row that has one, plus every position with
-    confidence >= threshold (Fast-dLLM parallel decoding)."""
+def select_threshold(
+    confidence: torch.Tensor,
+    threshold: float,
+    *,
+    offset: int = 0,
+    width: int | None = None,
+    first_max: bool = False,
+) -> torch.Tensor:
+    """Bool (B, Lb): the top position of each row that has one, plus every position with
+    confidence >= threshold (Fast-dLLM parallel decoding).
+
+    Among equal top confidences below the threshold the one committed is Fast-dLLM's: rank 0
+    of torch.topk over the canvas row with k = the allowed count (v1), or with `first_max`
+    the first of them, as v2's argmax over its sub-block picks.
+    """
     allowed = torch.isfinite(confidence)
-    top = select_top_k(confidence, allowed.any(-1).long())
-    return top | (allowed & (confidence >= threshold))
+    has = allowed.any(-1)
+    if first_max:
+        top = confidence.argmax(-1)  # the first of equal maxima
+    else:
+        values, order = confidence.topk(min(2, confidence.shape[1]), dim=-1)
+        top = order[:, 0]
+        if values.shape[1] > 1:
+            tied = torch.isfinite(values[:, 1]) & (values[:, 0] == values[:, 1])
+            rows = (tied & (values[:, 0] < threshold)).nonzero().squeeze(1)
+            if rows.numel():
+                width = confidence.shape[1] if width is None else width
+                top[rows] = canvas_topk(confidence, allowed.sum(-1), rows, offset, width)[1][:, 0]
+    first = torch.zeros_like(allowed).scatter(1, top[:, None], has[:, None])
+    return first | (allowed & (confidence >= threshold))
 
 
 def select_carried_threshold(
-    confidence: torch.Tensor, quota: torch.Tensor, threshold: float
+    confidence: torch.Tensor,
+    quota: torch.Tensor,
+    threshold: float,
+    *,
+    offset: int = 0,
+    width: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dream's `confidence_threshold`: of the quota[b] highest-confidence positions of row
     b, the top one and every one with confidence >= threshold; the rest of the quota is
     returned, to be added to the next step's. Returns (bool (B, L), carried (B,) long).
 
     confidence (B, L), -inf where not allowed; quota (B,) long (only positions allowed are
-    counted, so a row never carries more than it has left)."""
+    counted, so a row never carries more than it has left). Ranked as Dream's topk over the
+    canvas row ranks them (`ranked`)."""
     allowed = torch.isfinite(confidence)
     quota = torch.minimum(quota, allowed.sum(-1))
-    picked = select_top_k(confidence, quota)
-    top = select_top_k(confidence, (quota > 0).long())
-    commit = top | (picked & (confidence >= threshold))
+    values, indices = ranked(confidence, quota, offset=offset, width=width, first=True)
+    rank = torch.arange(values.shape[1], device=confidence.device)
+    keep = (values > float("-inf")) & ((rank[None, :] == 0) | (values >= threshold))
+    commit = _positions(indices, keep, confidence.shape[1])
     return commit, quota - commit.sum(-1)
 
 
-def select_factor(confidence: torch.Tensor, factor: float) -> torch.Tensor:
-    """Bool (B, L): ranks r = 1, 2, ... (by confidence) accepted while
-    conf_r >= 1 - factor / (r + 1); rank 1 always (Fast-dLLM factor rule)."""
-    ordered, order = confidence.sort(dim=-1, descending=True)
+def select_factor(
+    confidence: torch.Tensor, factor: float, *, offset: int = 0, width: int | None = None
+) -> torch.Tensor:
+    """Bool (B, Lb): ranks r = 1, 2, ... (by confidence) accepted while
+    conf_r >= 1 - factor / (r + 1); rank 1 always (Fast-dLLM factor rule). As in Fast-dLLM,
+    the count comes from the sorted values and the positions from topk over the canvas row
+    with that count (`select_top_k`)."""
+    ordered = confidence.sort(dim=-1, descending=True).values
     rank = torch.arange(1, confidence.shape[1] + 1, device=confidence.device)
     ok = (ordered >= 1.0 - factor / (rank + 1.0)) & torch.isfinite(ordered)
     ok[:, 0] = torch.isfinite(ordered[:, 0])
-    accepted = ok.long().cumprod(dim=-1).bool()  # a prefix of the ranking
-    return torch.zeros_like(accepted).scatter(1, order, accepted)
+    count = ok.long().cumprod(dim=-1).sum(-1)  # the accepted prefix of the ranking
+    return select_top_k(confidence, count, offset=offset, width=width)
 
 
 def select_origin(
