@@ -2,7 +2,8 @@
 The only module that reads argv.
 
 Bad input (an InputError from anywhere, or a bad command line) becomes one line on stderr
-and exit code 2; `--debug` also prints the traceback.
+and exit code 2, a run that cannot go on (RunStopped: non-finite losses, a full disk, a lost
+peer process) one line and exit code 1; `--debug` also prints the traceback.
 Each command imports what it needs inside its function (start-up time: `unmask generate`
 does not load the trainer, `unmask train` not lm-eval); the layering needs none of it.
 """
@@ -613,6 +614,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def resume_hint(command_line: list[str]) -> str:
+    """How to resume the run this command line started: its command with
+    train.resume_from_checkpoint=true, launched on every process again when a launcher
+    (torchrun, srun) started several."""
+    from unmask.parallel.mesh import launch_env
+    from unmask.train.run_dir import resume_command
+
+    command = resume_command(command_line)
+    if launch_env().world_size > 1:
+        return f"resume by launching every process as before, with: {command}"
+    return f"resume with: {command}"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     try:
@@ -634,7 +648,8 @@ def main(argv: list[str] | None = None) -> int:
     except RunStopped as exc:
         if ns.debug:
             traceback.print_exc()
-        print(f"unmask: stopped: {exc}", file=sys.stderr)
+        hint = f"; {resume_hint(ns.command_line)}" if exc.resume else ""
+        print(f"unmask: stopped: {exc}{hint}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         hint = "; resume with train.resume_from_checkpoint=true" if ns.command == "train" else ""

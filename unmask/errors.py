@@ -16,8 +16,14 @@ class InputError(Exception):
 
 
 class RunStopped(Exception):
-    """A run that cannot go on (non-finite losses, a full disk): the CLI prints its one line,
-    which names the last good checkpoint and what to try, and exits with code 1."""
+    """A run that cannot go on (non-finite losses, a full disk, a lost peer process): the CLI
+    prints its one line, which names the last good checkpoint and what to try, and exits with
+    code 1. resume: the CLI ends the line with the command that resumes the run (the user's
+    own command line with train.resume_from_checkpoint=true)."""
+
+    def __init__(self, message: str, *, resume: bool = False):
+        super().__init__(message)
+        self.resume = resume
 
 
 def did_you_mean(key: str, known: Iterable[str], prefix: str = "") -> str:

@@ -1,9 +1,13 @@
-"""A rank dies mid-run: the others stop within 60 s naming it, the last checkpoint resumes."""
+"""A rank dies mid-run: the others stop within 60 s naming it, the last checkpoint resumes.
+On another node (two torchrun agents), a lost or silent peer ends the surviving rank with one
+line (the step, the newest complete checkpoint, the resume command) and no traceback."""
 
 import json
 import os
 import re
+import shlex
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -148,3 +152,150 @@ def test_slurm_usr1_through_torchrun_stops_every_rank_at_one_checkpoint(tmp_path
     )
     trainer = Trainer(cfg)
     assert trainer.step == step
+
+
+# -- two nodes: one torchrun agent each --------------------------------------------------------
+LOST_LINE = re.compile(
+    r"^unmask: stopped: a peer process was lost after step (\d+): (.+); the newest complete "
+    r"checkpoint is (.+); resume by launching every process as before, with: (.+)$"
+)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class TwoNodes:
+    """Two torchrun agents, one process each, meeting through c10d rendezvous on loopback, as
+    two machines would (`--nnodes=2`): torchrun does not stop one node's process when the
+    other's dies, the process group's own failure has to. Node 0's agent hosts the store.
+    Each worker's stdout and stderr go to its node's log folder (`--redirects 3`)."""
+
+    def __init__(self, tmp_path: Path, cfg_path: Path, overrides: list[str]):
+        port = free_port()
+        self.tmp_path = tmp_path
+        self.agents: list[subprocess.Popen] = []
+        self.workers: dict[int, int] = {}  # rank -> pid
+        env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo"}
+        for node in (0, 1):
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2",
+                   "--nproc_per_node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+                   f"--rdzv-id=lost-peer-{port}", f"--rdzv-conf=is_host={node == 0}",
+                   "--local-addr=127.0.0.1", "--max-restarts=0", f"--log-dir={tmp_path / f'logs{node}'}",
+                   "--redirects=3", "-m", "unmask", "train", str(cfg_path), *overrides]  # fmt: skip
+            with open(tmp_path / f"agent{node}.err", "w") as err:
+                self.agents.append(subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL,
+                                                    stderr=err))  # fmt: skip
+
+    def wait_for_checkpoints(self, out: Path, count: int, limit_s: float = 240) -> None:
+        deadline = time.monotonic() + limit_s
+        while len(list_checkpoints(out)) < count or len(self.workers) < 2:
+            for agent in self.agents:
+                assert agent.poll() is None, self.agent_log(self.agents.index(agent))[-3000:]
+                for pid in children_of(agent.pid):
+                    if (rank := rank_of(pid)) is not None:
+                        self.workers[rank] = pid
+            assert time.monotonic() < deadline, f"{count} checkpoints not there in {limit_s} s"
+            time.sleep(0.2)
+
+    def agent_of(self, rank: int) -> int:
+        """The node whose agent runs the given rank (c10d rendezvous orders nodes itself)."""
+        return next(
+            n for n, a in enumerate(self.agents) if self.workers[rank] in children_of(a.pid)
+        )
+
+    def agent_log(self, node: int) -> str:
+        return (self.tmp_path / f"agent{node}.err").read_text()
+
+    def worker_log(self, node: int, stream: str) -> str:
+        (path,) = (self.tmp_path / f"logs{node}").glob(f"*/attempt_0/0/{stream}.log")
+        return path.read_text()
+
+    def close(self) -> None:
+        """Every process this run started ends, whatever the test did (a SIGSTOPped worker
+        too: SIGKILL ends a stopped process)."""
+        for pid in self.workers.values():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        for agent in self.agents:
+            if agent.poll() is None:
+                agent.kill()
+            agent.wait(timeout=30)
+
+
+def lost_peer_run(tmp_path: Path, stop_with: signal.Signals, train: dict) -> dict:
+    """Two nodes train (FSDP2 over 2); once two checkpoints are written rank 1's worker gets
+    `stop_with`; returns what rank 0's node printed, how long it took to stop, and the run."""
+    out = tmp_path / "run"
+    tree = deep_update(TINY, {"train": {"output_dir": str(out), "max_steps": 2000,
+                                        "save_steps": 2, "eval_steps": 0, "split_batches": True,
+                                        **train}})  # fmt: skip
+    cfg_path = tmp_path / "run.yaml"
+    cfg_path.write_text(yaml.safe_dump(tree))
+    overrides = ["train.logging_steps=1"]  # on the command line: the resume command keeps it
+    nodes = TwoNodes(tmp_path, cfg_path, overrides)
+    try:
+        nodes.wait_for_checkpoints(out, 2)
+        survivor = nodes.agent_of(0)
+        os.kill(nodes.workers[1], stop_with)
+        stopped_at = time.monotonic()
+        returncode = nodes.agents[survivor].wait(timeout=120)
+        left_after = time.monotonic() - stopped_at
+    finally:
+        nodes.close()
+    return {"returncode": returncode, "left_after": left_after, "out": out,
+            "stderr": nodes.worker_log(survivor, "stderr"),
+            "stdout": nodes.worker_log(survivor, "stdout"), "agent": nodes.agent_log(survivor),
+            "command": ["unmask", "train", str(cfg_path), *overrides]}  # fmt: skip
+
+
+def check_one_line(run: dict) -> re.Match:
+    """Rank 0's worker printed exactly one `unmask:` line on stderr, the lost-peer line, and no
+    traceback; its step is the last one it logged; its checkpoint is the newest complete one;
+    its command is the one the run was started with, resuming."""
+    stderr = run["stderr"]
+    assert "Traceback" not in stderr, stderr[-3000:]
+    lines = [line for line in stderr.splitlines() if line.startswith("unmask:")]
+    assert len(lines) == 1, stderr[-3000:]
+    match = LOST_LINE.match(lines[0])
+    assert match, lines[0]
+    logged = [r["step"] for r in map(json.loads, (run["out"] / "metrics.jsonl").read_text().splitlines())
+              if "loss" in r]  # fmt: skip
+    assert int(match[1]) == logged[-1]
+    newest = list_checkpoints(run["out"])[-1]
+    assert match[3] == str(newest) and is_distributed_checkpoint(newest)
+    assert match[4] == shlex.join([*run["command"], "train.resume_from_checkpoint=true"])
+    assert "unmask: stopped" not in run["stdout"]
+    # the worker exited with code 1 (torchrun's summary says so), torchrun exits non-zero
+    assert re.search(r"rank\s*:\s*0 \(local_rank: 0\)\s+exitcode\s*:\s*1 ", run["agent"])
+    assert run["returncode"] != 0
+    return match
+
+
+def test_a_peer_killed_on_another_node_stops_rank_0_with_one_line(tmp_path):
+    run = lost_peer_run(tmp_path, signal.SIGKILL, {"ddp_timeout": 120})
+    match = check_one_line(run)
+    assert match[2].startswith("its connection closed (")
+    assert run["left_after"] < 60  # the closed connection, not the 120 s timeout
+    # the printed command resumes the run (here in one process: the checkpoint is sharded)
+    step = int(list_checkpoints(run["out"])[-1].name.split("-")[1])
+    command = [sys.executable, "-m", "unmask", *shlex.split(match[4])[1:]]
+    resumed = subprocess.run(command + [f"train.max_steps={step + 1}"], capture_output=True,
+                             text=True, timeout=300, cwd=tmp_path)  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resuming from {run['out'] / f'checkpoint-{step}'} at step {step}" in resumed.stdout
+
+
+def test_a_peer_that_stops_answering_times_out_with_one_line(tmp_path):
+    """SIGSTOP: the peer is alive but silent; the surviving rank's collective gives up after
+    train.ddp_timeout (gloo's own words carry the 15 s) and it leaves with the same line.
+    (No MFU probe: rank 0 measuring the CPU at start-up must not look like a silent peer.)"""
+    run = lost_peer_run(tmp_path, signal.SIGSTOP, {"ddp_timeout": 15, "log_mfu": False})
+    match = check_one_line(run)
+    assert match[2].startswith("it did not answer within train.ddp_timeout (15 s: ")
+    assert "Timed out waiting 15000ms" in match[2]
+    assert run["left_after"] < 15 + 50

@@ -314,18 +314,22 @@ class _Pending:
 
 def _write_failed(err: BaseException, step: int, output_dir: Path) -> RunStopped:
     """An asynchronous write's error as a RunStopped naming the first failure (DCP wraps
-    each rank's in a CheckpointException) and the newest complete checkpoint."""
+    each rank's in a CheckpointException) and the newest complete checkpoint; `err` is its
+    cause, so the trainer can tell a lost peer process from a disk that failed."""
+    first_failure = err
     failures = getattr(err, "failures", None)
     if failures:
-        err = next(iter(failures.values()))[0]
-    first = (str(err).strip().splitlines() or [""])[0]
+        first_failure = next(iter(failures.values()))[0]
+    first = (str(first_failure).strip().splitlines() or [""])[0]
     saved = list_checkpoints(output_dir)
     last = str(saved[-1]) if saved else "none (no checkpoint yet)"
-    return RunStopped(
-        f"checkpoint-{step} could not be written ({type(err).__name__}: {first}); the last "
-        f"complete checkpoint is {last}: fix the cause and resume with "
+    stopped = RunStopped(
+        f"checkpoint-{step} could not be written ({type(first_failure).__name__}: {first}); the "
+        f"last complete checkpoint is {last}: fix the cause and resume with "
         "train.resume_from_checkpoint=true"
     )
+    stopped.__cause__ = err
+    return stopped
 
 
 def check_async_request(async_checkpoint: bool, lora: bool) -> None:

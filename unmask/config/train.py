@@ -123,7 +123,7 @@ class TrainConfig(BaseModel):
     accelerator_config: AcceleratorConfig | None = None
     """Seed spelling (HF/LMMs-Engine): accelerator_config.split_batches sets split_batches."""
     ddp_timeout: int = Field(1800, ge=1)
-    """Seconds a collective may wait for a peer before the run stops with an error."""
+    """Seconds a collective may wait for a peer before the run stops (one line naming the step, the newest checkpoint and the resume command; exit code 1)."""
 
     @model_validator(mode="after")
     def _accelerator_config(self):

@@ -7,6 +7,7 @@ returns a state with ``mesh=None`` and the caller takes its plain single-process
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import torch
@@ -123,6 +124,69 @@ def all_reduce_sum(*values: torch.Tensor) -> tuple[torch.Tensor, ...]:
     stacked = torch.stack([v.detach().float() for v in values])
     dist.all_reduce(stacked)
     return tuple(stacked.unbind(0))
+
+
+@dataclass(frozen=True)
+class CollectiveFailure:
+    """A collective that failed because another process of the run is gone (`timed_out`
+    False: its connection closed) or stopped answering within the process group's timeout
+    (train.ddp_timeout); `detail` is the backend's own words, shortened to one clause."""
+
+    timed_out: bool
+    detail: str
+
+
+# what gloo, NCCL and the c10d store say when a peer is gone, or silent past the timeout
+_PEER_GONE = ("connection closed by peer", "connection reset by peer", "broken pipe",
+              "remote worker crash", "remote process exited", "network error",
+              "connection refused", "failed to recv", "got 0 bytes", "ncclremoteerror")  # fmt: skip
+_PEER_SILENT = ("timed out", "timeout")
+# a plain RuntimeError (or DistBackendError) counts only when it comes from these layers: the
+# same phrases elsewhere (a DataLoader's "timed out") are not a lost peer
+_COMM_LAYERS = ("gloo", "nccl", "c10d", "tcpstore", "processgroup")
+
+
+def collective_failure(err: BaseException) -> CollectiveFailure | None:
+    """Whether `err` (or an error it wraps: its cause or context, the per-rank failures of a
+    torch.distributed.checkpoint CheckpointException) is a collective failing because a peer
+    process is lost; None for anything else, which keeps its traceback.
+
+    By type first: DistNetworkError and DistStoreError are the network and the rendezvous
+    store failing. Gloo on CPU raises a plain RuntimeError ("Connection closed by peer ...",
+    "Timed out waiting 1800000ms for recv operation to complete") and NCCL a DistBackendError,
+    types that also carry usage errors (a size mismatch), so those count only when their
+    message comes from a communication layer and says the peer closed or timed out."""
+    for cause in _wrapped(err):
+        if not isinstance(cause, RuntimeError):
+            continue
+        text = str(cause).lower()
+        silent = any(phrase in text for phrase in _PEER_SILENT)
+        network = isinstance(cause, dist.DistNetworkError | dist.DistStoreError)
+        from_comm = any(layer in text for layer in _COMM_LAYERS)
+        if network or (from_comm and (silent or any(p in text for p in _PEER_GONE))):
+            return CollectiveFailure(silent, _first_clause(str(cause)))
+    return None
+
+
+def _wrapped(err: BaseException, depth: int = 0) -> list[BaseException]:
+    """err, then what it wraps, depth-first (a few levels: chains are short)."""
+    found = [err]
+    if depth > 4:
+        return found
+    inner = [err.__cause__, err.__context__]
+    inner += [pair[0] for pair in (getattr(err, "failures", None) or {}).values()]  # DCP
+    for item in inner:
+        if isinstance(item, BaseException) and item is not err:
+            found += _wrapped(item, depth + 1)
+    return found
+
+
+def _first_clause(message: str) -> str:
+    """A backend message without its source location ("[.../pair.cc:553] ") and past its
+    first sentence: "Connection closed by peer [127.0.0.1]:62162"."""
+    text = (message.strip().splitlines() or [""])[0]
+    text = re.sub(r"^\[[^\]]*\.(cc|cpp|h|hpp):\d+\]\s*", "", text)
+    return re.split(r"\.\s", text, maxsplit=1)[0].rstrip(".")[:200]
 
 
 def full_value(x):

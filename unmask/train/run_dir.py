@@ -10,7 +10,9 @@ that were killed.
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
 
 import yaml
@@ -151,3 +153,12 @@ def write_config(out: Path, text: str, step: int) -> list[str]:
             kept.write_text(old)
     path.write_text(text)
     return changes
+
+
+def resume_command(command_line: Sequence[str]) -> str:
+    """The command that resumes the run `command_line` started (['unmask', 'train', FILE,
+    'key=value', ...], as the user typed it): the same, without the keys that say how to
+    start (an overwrite_output_dir=true would delete the run), with
+    train.resume_from_checkpoint=true; quoted for a shell."""
+    kept = [arg for arg in command_line if arg.split("=", 1)[0].strip() not in _START_KEYS]
+    return shlex.join([*kept, "train.resume_from_checkpoint=true"])

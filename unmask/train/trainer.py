@@ -10,11 +10,12 @@ import math
 import os
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
-from unmask.checkpoint import Checkpointer
+from unmask.checkpoint import Checkpointer, list_checkpoints
 from unmask.checkpoint.checkpointer import check_async_request
 from unmask.checkpoint.layout import newest_intact, read_trainer_state
 from unmask.config import RunConfig, dump_config
@@ -45,6 +46,7 @@ from unmask.parallel.context import ContextShard, attach_context, pad_rows
 from unmask.parallel.distributed import (
     all_reduce_sum,
     clip_grad_norm,
+    collective_failure,
     plan_layout,
     resolve_device,
     setup,
@@ -573,7 +575,7 @@ class Trainer:
         window.restart()
         last: dict = {}
         try:
-            with StopSignals() as stop:
+            with StopSignals() as stop, self._lost_peer_stops():
                 self._stop_signals = stop
                 while self.step < plan.total_steps:
                     batches = [
@@ -620,10 +622,11 @@ class Trainer:
                     if self._stop_requested(stop, stats):
                         self._stop(stop, logger, saved)
                         return last
-            self.model = self.checkpointer.save_final(self.model, cfg.model)
-            prompt = "..."
-            if cfg.eval.generate_accuracy:
-                last["heldout_exact_match"], prompt = self._heldout_accuracy(logger)
+            with self._lost_peer_stops():  # both gather the sharded model
+                self.model = self.checkpointer.save_final(self.model, cfg.model)
+                prompt = "..."
+                if cfg.eval.generate_accuracy:
+                    last["heldout_exact_match"], prompt = self._heldout_accuracy(logger)
             if self.dist.is_main:  # steps, tokens, time, losses, checkpoints, what next
                 logger.print(run_summary(self.output_dir, prompt=prompt,
                                          wall_seconds=time.perf_counter() - started))  # fmt: skip
@@ -636,6 +639,37 @@ class Trainer:
             self.logger = None
             self.loader.close()
         return last
+
+    @contextmanager
+    def _lost_peer_stops(self):
+        """A collective that fails because another process is lost (killed, its node gone,
+        or silent past train.ddp_timeout: see collective_failure) stops the run with one
+        line on every surviving rank: the step, the newest complete checkpoint and (added by
+        the CLI) the resume command, exit code 1. Any other error keeps its traceback.
+        Entered after StopSignals, so a launcher's SIGTERM that follows the lost peer only
+        sets the stop flag while the line is made."""
+        try:
+            yield
+        except (KeyboardInterrupt, SystemExit, GeneratorExit):
+            raise
+        except BaseException as err:  # DCP's CheckpointException is a BaseException
+            failure = collective_failure(err) if self.sharded else None
+            if failure is None:
+                raise
+            try:  # an async write the lost peer was part of fails too (within ddp_timeout)
+                self.checkpointer.wait()
+            except Exception:  # it stays unpublished: the line names the older one
+                pass
+            saved = list_checkpoints(self.output_dir)
+            newest = saved[-1] if saved else "none (no checkpoint yet)"
+            how = (f"it did not answer within train.ddp_timeout ({self.cfg.train.ddp_timeout} s: "
+                   f"{failure.detail})" if failure.timed_out
+                   else f"its connection closed ({failure.detail})")  # fmt: skip
+            raise RunStopped(
+                f"a peer process was lost after step {self.step}: {how}; the newest complete "
+                f"checkpoint is {newest}",
+                resume=True,
+            ) from err
 
     def _finish_checkpoint(self) -> None:
         """The end of train(), also by a signal or an error: an async checkpoint in flight
