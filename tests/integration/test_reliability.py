@@ -292,6 +292,19 @@ def test_finished_run_resumed_without_more_steps_changes_nothing(finished, tiny_
                                                         "checkpoint-5"]  # fmt: skip
 
 
+def test_run_killed_while_writing_final_is_resumed_to_write_it_again(finished, tiny_config,
+                                                                    tmp_path, capsys):  # fmt: skip
+    """final/ cut short (a kill after the last checkpoint, while final/ was written): not a
+    finished run; resuming writes final/ again, equal to the uninterrupted run's."""
+    run = _copy_run(finished, tmp_path / "run")
+    weights = run / "final" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    cfg = tiny_config({"train": FINISHED})
+    assert main(["train", str(cfg), "train.resume_from_checkpoint=true"]) == 0
+    assert f"resuming from {run / 'checkpoint-4'} at step 4" in capsys.readouterr().out
+    assert _same_weights(run, finished)
+
+
 def test_unfinished_save_is_passed_over_for_the_newest_published_checkpoint(finished,
                                                                             tiny_config,
                                                                             tmp_path, capsys):  # fmt: skip

@@ -14,6 +14,7 @@ temporary folders of saves that were killed.
 from __future__ import annotations
 
 import difflib
+import json
 import os
 import shlex
 import shutil
@@ -21,12 +22,14 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import yaml
+from safetensors import SafetensorError, safe_open
 
 from unmask.checkpoint import resolve_resume
 from unmask.checkpoint.layout import (
     FINAL_DIR,
     START_OVER,
     checkpoint_folders,
+    holds_model,
     list_checkpoints,
     newest_intact,
     read_trainer_state,
@@ -36,7 +39,7 @@ from unmask.config import RunConfig
 from unmask.errors import InputError, NothingToTrain, RunStopped
 from unmask.parallel.mesh import launch_env, share_from_rank0
 from unmask.train.metrics import METRICS_FILE
-from unmask.train.report import find_runs, run_info
+from unmask.train.report import EVAL_RESULTS, find_runs, run_info
 
 CONFIG_FILE = "config.yaml"
 CONFIG_HISTORY = "config_history"  # earlier config.yaml files of a resumed run
@@ -63,7 +66,7 @@ def prepare_output_dir(
     notices = []
     resume = resolve_resume(out, t.resume_from_checkpoint)
     if resume is not None:
-        check_steps_left(out, resume, total_steps)
+        check_steps_left(out, resume, total_steps, cfg.eval.generate_accuracy)
     holds_run = out.is_dir() and any(out.iterdir())
     fresh_after_resume = resume is None and t.resume_from_checkpoint is True and holds_run
     if fresh_after_resume:
@@ -95,18 +98,41 @@ def prepare_output_dir(
     return resume, notices
 
 
-def check_steps_left(out: Path, resume: Path, total_steps: int) -> None:
-    """NothingToTrain when output_dir holds a finished run (final/) and the checkpoint to
-    resume from is at or past the steps this config plans: resuming would only write
+def check_steps_left(out: Path, resume: Path, total_steps: int, heldout: bool) -> None:
+    """NothingToTrain when output_dir holds a finished run (`run_ended`) and the checkpoint
+    to resume from is at or past the steps this config plans: resuming would only write
     final/ and the logs again."""
     step = read_trainer_state(resume)["step"]
-    if step < total_steps or not (out / FINAL_DIR).is_dir():
+    if step < total_steps or not run_ended(out, heldout):
         return
     raise NothingToTrain(
         f"{str(out)!r} holds a finished run ({resume.name} and final/): this config plans "
         f"{total_steps} steps and the run has done {step}, so there is nothing to train and "
         f"nothing was changed; raise train.max_steps above {step} to train it further"
     )
+
+
+def run_ended(out: Path, heldout: bool) -> bool:
+    """True when what a run writes after its last checkpoint is all there: final/ with
+    whole weights (each safetensors header covers its file, every shard of an index) and,
+    when the run measures it (heldout), eval_results.json. A run killed among those
+    writes is resumed to write them again."""
+    final = Path(out) / FINAL_DIR
+    if not holds_model(final) or (heldout and not (Path(out) / EVAL_RESULTS).is_file()):
+        return False
+    index = final / "model.safetensors.index.json"
+    try:
+        if index.is_file():  # sharded weights: the index is written after every shard
+            shards = json.loads(index.read_text())["weight_map"].values()
+            if any(not (final / name).is_file() for name in shards):
+                return False
+        weights = sorted(final.glob("*.safetensors"))
+        for path in weights:
+            with safe_open(str(path), "pt"):
+                pass
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, SafetensorError):
+        return False
+    return bool(weights)
 
 
 def check_fresh_start(out: Path) -> None:
