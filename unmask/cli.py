@@ -16,7 +16,7 @@ import types
 from pathlib import Path
 from typing import Literal, Union, get_args, get_origin
 
-from unmask.errors import InputError, RunStopped
+from unmask.errors import InputError, NothingToTrain, RunStopped
 from unmask.sampling.config import SamplingConfig
 
 REFERENCE = (
@@ -89,10 +89,16 @@ def cmd_train(ns: argparse.Namespace) -> int:
         return 0
     if path is None:
         print("unmask: no config given, running the built-in quickstart", file=sys.stderr)
+    from unmask.train.run_dir import resume_command
     from unmask.train.trainer import Trainer  # after the config: a typo is refused fast
 
     trainer = Trainer(cfg)
-    trainer.train()
+    trainer.resume_command = resume_command(cfg.train.output_dir, path, overrides)
+    try:
+        trainer.train()
+    except KeyboardInterrupt:  # a second Ctrl-C: the newest complete checkpoint stays
+        print(f"unmask: interrupted; resume with: {trainer.resume_command}", file=sys.stderr)
+        return 130
     return trainer.exit_code  # 0, or 130 after a Ctrl-C stop (SIGTERM / SIGUSR1 stop: 0)
 
 
@@ -651,6 +657,9 @@ def main(argv: list[str] | None = None) -> int:
         hint = f"; {resume_hint(ns.command_line)}" if exc.resume else ""
         print(f"unmask: stopped: {exc}{hint}", file=sys.stderr)
         return 1
+    except NothingToTrain as exc:  # a finished run resumed: nothing was changed
+        print(f"unmask: {exc}", file=sys.stderr)
+        return 0
     except KeyboardInterrupt:
         hint = "; resume with train.resume_from_checkpoint=true" if ns.command == "train" else ""
         print(f"unmask: interrupted{hint}", file=sys.stderr)

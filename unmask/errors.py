@@ -2,7 +2,8 @@
 way a schema's validation error becomes its message.
 
 The CLI turns an InputError into one line on stderr and exit code 2, a RunStopped into one
-line and exit code 1; nothing else catches them. Messages say what is wrong and how to fix it: the key, the path, the expected form.
+line and exit code 1, a NothingToTrain into one line and exit code 0; nothing else catches
+them. Messages say what is wrong and how to fix it: the key, the path, the expected form.
 """
 
 import difflib
@@ -24,6 +25,12 @@ class RunStopped(Exception):
     def __init__(self, message: str, *, resume: bool = False):
         super().__init__(message)
         self.resume = resume
+
+
+class NothingToTrain(Exception):
+    """A resumed run that has already done what its config asks (final/ written, the
+    checkpoint at or past train.max_steps): the CLI prints its one line and exits with code
+    0, and nothing in output_dir was changed."""
 
 
 def did_you_mean(key: str, known: Iterable[str], prefix: str = "") -> str:

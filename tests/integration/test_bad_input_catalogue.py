@@ -161,6 +161,25 @@ def resume_damaged(name: str, how: str, manifest: bool = True):
     return lambda ctx: ctx.resume(damaged(ctx, name, manifest, how))
 
 
+def resume_run(change):
+    """Build: `resume_from_checkpoint=true` on a copy of the finished tiny run (checkpoint-1,
+    final/) after change(run folder)."""
+
+    def build(ctx):
+        run = ctx.tmp / "finished"
+        shutil.copytree(ctx.trained, run)
+        change(run)
+        return ctx.train(None, f"train.output_dir={run}", "train.resume_from_checkpoint=true")
+
+    return build
+
+
+def cut_copy(run: Path) -> None:
+    """checkpoint-1 as a copy cut short: its first files only, no manifest or state file."""
+    for name in ("manifest.json", "trainer_state.json", "tokenizer.json"):
+        (run / "checkpoint-1" / name).unlink()
+
+
 def generate(*flags: str, model=True):
     return lambda ctx: ["generate", "--model", str(ctx.model() if model else ctx.tmp / "none"),
                         *flags]  # fmt: skip
@@ -484,6 +503,19 @@ CASES = [
     case("resume-other-model-shape",
          lambda ctx: ctx.resume(ctx.checkpoint(), {"model": {"intermediate_size": 96}}),
          "does not match the model in the config", "the config it was written with"),
+    case("resume-true-damaged-checkpoint-of-a-finished-run",
+         resume_run(lambda run: truncate(run / "checkpoint-1" / "model.safetensors")),
+         "cannot resume", "checkpoint-1 is damaged (model.safetensors holds",
+         "No intact checkpoint is left", "train.overwrite_output_dir=true"),
+    case("resume-true-checkpoint-cut-short", resume_run(cut_copy),
+         "checkpoint-1 is damaged (no manifest.json or trainer_state.json)"),
+    case("resume-true-final-without-checkpoint",
+         resume_run(lambda run: shutil.rmtree(run / "checkpoint-1")),
+         "holds a finished run's final/ but no checkpoint", "train.overwrite_output_dir=true"),
+    case("resume-true-folder-of-other-files",
+         lambda ctx: ctx.train(None, f"train.output_dir={ctx.write('mine/notes.txt', 'x').parent}",
+                               "train.resume_from_checkpoint=true"),
+         "holds no checkpoint, and files no unmask run writes (notes.txt)", "check train.output_dir"),
     # -- output directories -------------------------------------------------------------------
     case("output-dir-is-a-file",
          lambda ctx: ctx.train(None, f"train.output_dir={ctx.write('f', 'x')}"),

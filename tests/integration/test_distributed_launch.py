@@ -158,3 +158,23 @@ def test_slurm_batch_script_finishes_or_requeues_after_usr1(tmp_path):
     assert "requeueing job 4242" in stdout and "stopped by SIGUSR1" in stdout
     assert (tmp_path / "requeued").read_text().split() == ["requeue", "4242"]
     assert not (tmp_path / "long" / "final").exists() and checkpoint.name != "checkpoint-5000"
+
+
+def test_slurm_batch_script_does_not_requeue_a_job_that_wrote_no_checkpoint(tmp_path):
+    """A job refused at start-up (here: resume_from_checkpoint=true on a folder of other
+    files) would be refused again: the script says so and exits 1 without requeueing."""
+    script = REPO / "configs" / "distributed" / "slurm.sbatch"
+    env = _fake_slurm(tmp_path)
+    cfg = write_config(tmp_path)
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("not a run\n")
+    proc = subprocess.run(["bash", str(script), str(cfg), f"train.output_dir={tmp_path / 'mine'}"],
+                          capture_output=True, text=True, timeout=300, env=env,
+                          cwd=tmp_path)  # fmt: skip
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "files no unmask run writes (notes.txt)" in proc.stderr
+    assert f"unmask: {tmp_path / 'mine'} not finished and this job wrote no checkpoint" in (
+        proc.stdout
+    )
+    assert "not requeueing" in proc.stdout and not (tmp_path / "requeued").exists()
+    assert sorted(p.name for p in (tmp_path / "mine").iterdir()) == ["notes.txt"]

@@ -2,9 +2,12 @@
 SIGINT, non-finite steps, damaged checkpoints, a full disk. Each ends with the parameters
 and logged losses of an uninterrupted run, or one line saying what to do."""
 
+import hashlib
 import json
 import os
 import random
+import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -18,6 +21,7 @@ from faults import NonFiniteAt, skipping_reference
 from safetensors.torch import load_file
 
 from unmask.checkpoint import list_checkpoints
+from unmask.checkpoint.layout import verify
 from unmask.cli import main
 from unmask.config import load_config
 from unmask.errors import RunStopped
@@ -162,21 +166,216 @@ def test_nan_rollback_goes_back_with_a_lower_learning_rate(tiny_config, tmp_path
     assert steps == sorted(set(steps)) and steps[-1] == 12  # rolled back: logged once
 
 
-def test_damaged_newest_checkpoint_is_passed_over_and_named(tiny_config, tmp_path, capsys):
-    cfg = tiny_config({"train": {"max_steps": 6, "save_steps": 2}})
-    assert main(["train", str(cfg)]) == 0
-    run = tmp_path / "run"
-    weights = run / "checkpoint-6" / "model.safetensors"
-    weights.write_bytes(weights.read_bytes()[:-10])  # a truncated copy
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    """A finished tiny run (4 steps): checkpoint-2, checkpoint-4 and final/; cases copy it."""
+    import yaml
+    from conftest import TINY, deep_update
+
+    root = tmp_path_factory.mktemp("finished")
+    tree = deep_update(TINY, {"train": {**FINISHED, "output_dir": str(root / "run")}})
+    (root / "run.yaml").write_text(yaml.safe_dump(tree))
+    assert main(["train", str(root / "run.yaml")]) == 0
+    return root / "run"
+
+
+FINISHED = {"max_steps": 4, "save_steps": 2}
+
+
+def _copy_run(finished: Path, to: Path, older: bool = True) -> Path:
+    """A copy of the finished run (modification times kept); older=False: without
+    checkpoint-2, so checkpoint-4 is its only checkpoint."""
+    shutil.copytree(finished, to)
+    if not older:
+        shutil.rmtree(to / "checkpoint-2")
+    return to
+
+
+def _files(run: Path) -> dict[str, tuple]:
+    """Every file and folder under run: its sha256 and size, and its modification time."""
+    out = {}
+    for path in sorted([run, *run.rglob("*")]):
+        stat = path.stat()
+        digest = hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else None
+        out[str(path.relative_to(run))] = (digest, stat.st_size if digest else None,
+                                          stat.st_mtime_ns)  # fmt: skip
+    return out
+
+
+def _damage(checkpoint: Path, how: str) -> None:
+    if how == "truncated model.safetensors":
+        path = checkpoint / "model.safetensors"
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    elif how == "truncated optimizer.pt":
+        path = checkpoint / "optimizer.pt"
+        path.write_bytes(path.read_bytes()[:-100])
+    elif how == "missing rng_state.pt":
+        (checkpoint / "rng_state.pt").unlink()
+    else:  # the same length, other bytes: only the checksum tells
+        path = checkpoint / "trainer_state.json"
+        path.write_bytes(b"{" + b" " * (path.stat().st_size - 2) + b"}")
+
+
+DAMAGES = {
+    "truncated model.safetensors": "model.safetensors holds",
+    "truncated optimizer.pt": "optimizer.pt holds",
+    "missing rng_state.pt": "rng_state.pt is missing",
+    "corrupt trainer_state.json": "trainer_state.json does not match its checksum",
+}
+
+
+@pytest.mark.parametrize("older", [False, True], ids=["only-checkpoint", "older-intact"])
+@pytest.mark.parametrize("how", list(DAMAGES))
+def test_damaged_checkpoint_of_a_finished_run_is_refused_and_nothing_changes(
+    finished, tiny_config, tmp_path, capsys, how, older
+):
+    """resume_from_checkpoint=true on a finished run whose newest checkpoint was damaged
+    after it was published: exit 2, one line naming the damage, the older intact checkpoint
+    (if any) and the overrides that resume from it or start over; every file and folder of
+    the run keeps its bytes and its modification time."""
+    run = _copy_run(finished, tmp_path / "run", older)
+    _damage(run / "checkpoint-4", how)
+    before = _files(run)
+    cfg = tiny_config({"train": FINISHED})
     capsys.readouterr()
-    bad = ["train", str(cfg), f"train.resume_from_checkpoint={run / 'checkpoint-6'}"]
-    assert main(bad) == 2
-    assert "is damaged (model.safetensors holds" in capsys.readouterr().err
+    assert main(["train", str(cfg), "train.resume_from_checkpoint=true"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert f"cannot resume {str(run)!r}: checkpoint-4 is damaged ({DAMAGES[how]}" in err[0]
+    assert "nothing was changed" in err[0]
+    assert "train.resume_from_checkpoint=false train.overwrite_output_dir=true" in err[0]
+    if older:
+        override = f"train.resume_from_checkpoint={run / 'checkpoint-2'}"
+        assert f"To resume from checkpoint-2, the newest intact one, set {override};" in err[0]
+    else:
+        assert "No intact checkpoint is left" in err[0]
+    assert _files(run) == before
+
+
+def test_the_named_override_resumes_from_the_older_intact_checkpoint(finished, tiny_config,
+                                                                     tmp_path, capsys):  # fmt: skip
+    """After the refusal, the override it names resumes from checkpoint-2 and ends with the
+    weights of the uninterrupted run (its damaged checkpoint-4 is replaced by a whole one)."""
+    run = _copy_run(finished, tmp_path / "run")
+    _damage(run / "checkpoint-4", "truncated model.safetensors")
+    cfg = tiny_config({"train": FINISHED})
+    override = f"train.resume_from_checkpoint={run / 'checkpoint-2'}"
+    assert main(["train", str(cfg), override]) == 0
+    assert f"resuming from {run / 'checkpoint-2'} at step 2" in capsys.readouterr().out
+    assert _same_weights(run, finished)
+    assert verify(run / "checkpoint-4") is None
+
+
+def test_finished_run_resumed_without_more_steps_changes_nothing(finished, tiny_config,
+                                                                 tmp_path, capsys):  # fmt: skip
+    """Nothing to train: exit 0 (the run is where the command asks it to be, so a requeue
+    loop ends), one line saying so and how to train further; no file touched. Raised
+    max_steps: it trains on."""
+    run = _copy_run(finished, tmp_path / "run")
+    before = _files(run)
+    cfg = tiny_config({"train": FINISHED})
+    for resume in ("true", str(run / "checkpoint-4")):
+        capsys.readouterr()
+        assert main(["train", str(cfg), f"train.resume_from_checkpoint={resume}"]) == 0
+        out, err = capsys.readouterr()
+        assert err.strip().splitlines() == [
+            f"unmask: {str(run)!r} holds a finished run (checkpoint-4 and final/): this config "
+            "plans 4 steps and the run has done 4, so there is nothing to train and nothing "
+            "was changed; raise train.max_steps above 4 to train it further"
+        ]
+        assert out == ""
+        assert _files(run) == before
     assert main(["train", str(cfg), "train.resume_from_checkpoint=true",
-                 "train.max_steps=7"]) == 0  # fmt: skip
+                 "train.max_steps=5"]) == 0  # fmt: skip
+    assert f"resuming from {run / 'checkpoint-4'} at step 4" in capsys.readouterr().out
+    assert [p.name for p in list_checkpoints(run)] == ["checkpoint-2", "checkpoint-4",
+                                                        "checkpoint-5"]  # fmt: skip
+
+
+def test_run_killed_while_writing_final_is_resumed_to_write_it_again(finished, tiny_config,
+                                                                    tmp_path, capsys):  # fmt: skip
+    """final/ cut short (a kill after the last checkpoint, while final/ was written): not a
+    finished run; resuming writes final/ again, equal to the uninterrupted run's."""
+    run = _copy_run(finished, tmp_path / "run")
+    weights = run / "final" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    cfg = tiny_config({"train": FINISHED})
+    assert main(["train", str(cfg), "train.resume_from_checkpoint=true"]) == 0
+    assert f"resuming from {run / 'checkpoint-4'} at step 4" in capsys.readouterr().out
+    assert _same_weights(run, finished)
+
+
+def test_unfinished_save_is_passed_over_for_the_newest_published_checkpoint(finished,
+                                                                            tiny_config,
+                                                                            tmp_path, capsys):  # fmt: skip
+    """A save killed mid-write leaves a temporary folder, never a published checkpoint: the
+    run resumes from the newest published one and the temporary folder is removed."""
+    run = _copy_run(finished, tmp_path / "run")
+    shutil.rmtree(run / "checkpoint-4")
+    shutil.rmtree(run / "final")
+    partial = run / ".tmp-checkpoint-4-999"
+    shutil.copytree(run / "checkpoint-2", partial)
+    (partial / "manifest.json").unlink()
+    _damage(partial, "truncated model.safetensors")
+    cfg = tiny_config({"train": FINISHED})
+    assert main(["train", str(cfg), "train.resume_from_checkpoint=true"]) == 0
     out = capsys.readouterr().out
-    assert "checkpoint-6 is damaged (model.safetensors holds" in out
-    assert "resuming from" in out and "checkpoint-4" in out
+    assert f"resuming from {run / 'checkpoint-2'} at step 2" in out
+    assert "removed 1 unfinished save(s) of a stopped run: ['.tmp-checkpoint-4-999']" in out
+    assert _same_weights(run, finished) and not partial.exists()
+
+
+def test_resume_true_on_a_folder_that_does_not_exist_says_so_and_names_runs_nearby(
+    finished, tiny_config, tmp_path, capsys
+):
+    """A mistyped output_dir with resume_from_checkpoint=true: the run starts (a requeued
+    job's first launch must), the start line says there was nothing to resume and a
+    warning names the folder and the run folders beside it that hold checkpoints, the
+    closest names first."""
+    runs = tmp_path / "runs"
+    _copy_run(finished, runs / "exp-large")
+    _copy_run(finished, runs / "other")
+    (runs / "no-checkpoint").mkdir()
+    (runs / "no-checkpoint" / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n')
+    cfg = tiny_config({"train": {"max_steps": 1}})
+    typo = runs / "exp-lareg"
+    assert main(["train", str(cfg), f"train.output_dir={typo}",
+                 "train.resume_from_checkpoint=true"]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    assert "| fresh: nothing to resume |" in out
+    assert (
+        f"warning: train.resume_from_checkpoint=true, but output_dir {str(typo)!r} does not "
+        f"exist: starting a NEW run there. If you meant to continue a run, stop this one and "
+        f"fix train.output_dir (runs with a checkpoint in {str(runs)!r}: "
+        f"{str(runs / 'exp-large')!r} (checkpoint-4, finished), "
+        f"{str(runs / 'other')!r} (checkpoint-4, finished))"
+    ) in out
+    assert (typo / "final").is_dir()
+
+
+def test_ctrl_c_prints_the_command_that_resumes_and_it_does(tiny_config, tmp_path, capsys,
+                                                           monkeypatch):  # fmt: skip
+    """The stop line names the config file and overrides the run was started with (not a
+    placeholder), and running that command resumes the run."""
+    cfg = tiny_config({"train": {"save_steps": 100}})
+    real_step = Trainer.train_step
+
+    def step_then_ctrl_c(self, batches):
+        stats = real_step(self, batches)
+        if self.step == 1:  # the second step: the loop stops after it
+            os.kill(os.getpid(), signal.SIGINT)
+        return stats
+
+    monkeypatch.setattr(Trainer, "train_step", step_then_ctrl_c)
+    assert main(["train", str(cfg), "train.max_steps=5", "train.overwrite_output_dir=true"]) == 130
+    out = capsys.readouterr().out
+    command = (f"unmask train {cfg} train.max_steps=5 train.output_dir={tmp_path / 'run'} "
+               "train.resume_from_checkpoint=true")  # fmt: skip
+    assert f"stopped by SIGINT at step 2; checkpoint-2 is saved. Resume with: {command}\n" in out
+    monkeypatch.setattr(Trainer, "train_step", real_step)
+    assert main(shlex.split(command)[1:]) == 0
+    assert f"resuming from {tmp_path / 'run' / 'checkpoint-2'} at step 2" in capsys.readouterr().out
+    assert [r["step"] for r in read_metrics(tmp_path / "run") if "loss" in r] == [1, 2, 3, 4, 5]
 
 
 def test_resume_true_without_a_checkpoint_starts_fresh(tiny_config, tmp_path, capsys):

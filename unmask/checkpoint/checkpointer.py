@@ -45,6 +45,7 @@ from unmask.checkpoint.layout import (
     damaged,
     is_distributed_checkpoint,
     list_checkpoints,
+    older_one,
     publish,
     read_trainer_state,
     temporary_folder,
@@ -369,10 +370,7 @@ def _load_model(path: Path, model: nn.Module) -> None:
             + ("; it was written by a LoRA run: set model.lora: true" if lora else "")
             + "; resume with the config it was written with"
         )
-    weights = read_safetensors(
-        path / "model.safetensors",
-        "resume from an older one (train.resume_from_checkpoint=true picks the newest intact one)",
-    )
+    weights = read_safetensors(path / "model.safetensors", older_one(path))
     wrong = shape_mismatch(model, weights)
     if wrong:
         raise InputError(

@@ -12,6 +12,7 @@ Checkpoints written before manifests existed count when they hold trainer_state.
 import json
 import os
 import re
+import shlex
 import shutil
 import zlib
 from pathlib import Path
@@ -25,21 +26,33 @@ RANK_STATE_DIR = "rank_state"  # rank-R.pt: one rank's own state (grpo's cached 
 CONFIG_FILE = "config.json"
 ADAPTER_CONFIG = "adapter_config.json"  # a LoRA adapter folder (peft's format)
 FINAL_DIR = "final"
+START_OVER = "train.resume_from_checkpoint=false train.overwrite_output_dir=true"  # overrides
 _NAME = re.compile(r"^checkpoint-(\d+)$")
 
 
-def list_checkpoints(output_dir: Path) -> list[Path]:
-    """Checkpoint folders in output_dir that look complete (a manifest, or the state file of
-    one written before manifests), oldest first; `verify` says whether one is intact."""
+def checkpoint_folders(output_dir: Path) -> list[Path]:
+    """Every checkpoint-N folder in output_dir, oldest first, complete or not. unmask only
+    ever renames a complete folder to that name, so one that lacks its manifest and state
+    file was damaged after it was published (a cut-short copy, files deleted)."""
     output_dir = Path(output_dir)
     if not output_dir.is_dir():
         return []
     found = []
     for child in output_dir.iterdir():
         match = _NAME.match(child.name)
-        if match and ((child / MANIFEST).is_file() or (child / STATE_FILE).is_file()):
+        if match and child.is_dir():
             found.append((int(match.group(1)), child))
     return [path for _, path in sorted(found)]
+
+
+def list_checkpoints(output_dir: Path) -> list[Path]:
+    """Checkpoint folders in output_dir that look complete (a manifest, or the state file of
+    one written before manifests), oldest first; `verify` says whether one is intact."""
+    return [
+        path
+        for path in checkpoint_folders(output_dir)
+        if (path / MANIFEST).is_file() or (path / STATE_FILE).is_file()
+    ]
 
 
 def _crc32(path: Path) -> str:
@@ -65,7 +78,7 @@ def verify(folder: Path, checksums: bool = True) -> str | None:
     changed file). A checkpoint without a manifest (written before them) is taken as is."""
     path = Path(folder) / MANIFEST
     if not path.is_file():
-        return None if (Path(folder) / STATE_FILE).is_file() else "no manifest.json"
+        return None if (Path(folder) / STATE_FILE).is_file() else f"no {MANIFEST} or {STATE_FILE}"
     try:
         files = json.loads(path.read_text())["files"]
     except (json.JSONDecodeError, KeyError, TypeError):
@@ -83,9 +96,10 @@ def verify(folder: Path, checksums: bool = True) -> str | None:
 
 
 def newest_intact(output_dir: Path) -> tuple[Path | None, list[str]]:
-    """The newest checkpoint that verifies, and one line per newer one that did not."""
+    """The newest checkpoint that verifies, and one line per newer checkpoint-N folder that
+    did not (the temporary folders of saves that did not finish are not checkpoints)."""
     skipped = []
-    for path in reversed(list_checkpoints(output_dir)):
+    for path in reversed(checkpoint_folders(output_dir)):
         problem = verify(path)
         if problem is None:
             return path, skipped
@@ -107,10 +121,26 @@ def remove_temporaries(output_dir: Path) -> list[str]:
 
 def damaged(path: Path, problem: str) -> InputError:
     """The error for a checkpoint that cannot be resumed from, and what to do instead."""
-    return InputError(
-        f"checkpoint {str(path)!r} is damaged ({problem}); resume from an older one "
-        "(train.resume_from_checkpoint=true picks the newest intact one)"
-    )
+    return InputError(f"checkpoint {str(path)!r} is damaged ({problem}); {older_one(path)}")
+
+
+def older_one(path: Path) -> str:
+    """'resume from an older one: ...' naming the newest intact checkpoint older than
+    checkpoint `path` and the override that resumes from it, or saying there is none."""
+    step = _NAME.match(Path(path).name)
+    if step is None:  # a folder renamed by hand: its run's checkpoints are not known
+        return "resume from an older one"
+    older = None
+    for candidate in reversed(checkpoint_folders(Path(path).parent)):
+        if int(_NAME.match(candidate.name).group(1)) < int(step.group(1)):
+            if verify(candidate) is None:
+                older = candidate
+                break
+    if older is None:
+        return (f"resume from an older one (none in {str(Path(path).parent)!r} is intact) or "
+                f"start over ({START_OVER})")  # fmt: skip
+    override = shlex.quote(f"train.resume_from_checkpoint={older}")
+    return f"resume from an older one: {older.name} is intact ({override})"
 
 
 def read_trainer_state(path: Path) -> dict:
@@ -131,14 +161,34 @@ def is_distributed_checkpoint(path: Path) -> bool:
     return (Path(path) / DCP_DIR / ".metadata").is_file()
 
 
+def damaged_run(output_dir: Path, newest: Path | None, skipped: list[str]) -> InputError:
+    """The error for `resume_from_checkpoint: true` on a run whose newest checkpoint was
+    published and then damaged: resuming from an older one (or from scratch) would replace
+    it and the steps after, so the user picks one with an explicit override."""
+    if newest is not None:
+        resume = shlex.quote(f"train.resume_from_checkpoint={newest}")
+        older = f"To resume from {newest.name}, the newest intact one, set {resume}; to"
+    else:
+        older = "No intact checkpoint is left: to"
+    return InputError(
+        f"cannot resume {str(output_dir)!r}: {'; '.join(skipped)}; nothing was changed. "
+        f"{older} start over, set {START_OVER} (deletes its checkpoints and logs), or "
+        "choose another output_dir"
+    )
+
+
 def resolve_resume(output_dir: Path, resume: bool | str | None) -> Path | None:
     """The checkpoint to resume from (train.resume_from_checkpoint), or None to start fresh:
-    `true` = the newest intact one in output_dir (damaged newer ones are passed over, see
-    `newest_intact`); a path = that one, which must be intact."""
+    `true` = the newest checkpoint in output_dir, which must be intact (an InputError naming
+    the damage and the newest intact one otherwise); a path = that one, which must be
+    intact."""
     if resume in (None, False):
         return None
     if resume is True:
-        return newest_intact(output_dir)[0]
+        newest, skipped = newest_intact(output_dir)
+        if skipped:  # published, then damaged: the user decides what to resume from
+            raise damaged_run(output_dir, newest, skipped)
+        return newest
     path = Path(resume)
     if not path.is_dir():
         listing = missing_from_run(path, final=False)

@@ -25,7 +25,9 @@ class TrainConfig(BaseModel):
     overwrite_output_dir: bool = False
     """Replace an existing run in output_dir (its checkpoints and metrics are removed)."""
     resume_from_checkpoint: bool | str | None = None
-    """true: continue from the newest checkpoint in output_dir; a path: from that checkpoint."""
+    """true: continue from the newest checkpoint in output_dir, which must be intact (a
+    folder with none yet starts fresh; a finished run is left as it is); a path: from that
+    checkpoint."""
     max_steps: int = -1
     """Optimizer steps to run; -1 = derive from num_train_epochs."""
     num_train_epochs: float = Field(1.0, ge=0)

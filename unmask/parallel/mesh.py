@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from unmask.errors import InputError
+from unmask.errors import InputError, NothingToTrain
 
 
 @dataclass(frozen=True)
@@ -159,18 +159,19 @@ def sub_mesh(mesh: DeviceMesh, *names: str) -> DeviceMesh:
 
 
 def share_from_rank0(fn):
-    """Run fn() on rank 0 only and give every rank its result; an InputError raised on rank
-    0 is raised on every rank (so all stop with the same one line instead of hanging)."""
+    """Run fn() on rank 0 only and give every rank its result; an InputError (or a
+    NothingToTrain) raised on rank 0 is raised on every rank (so all stop with the same one
+    line instead of hanging)."""
     if not dist.is_initialized():
         return fn()
     box: list = [None]
     if dist.get_rank() == 0:
         try:
             box[0] = ("ok", fn())
-        except InputError as err:
-            box[0] = ("error", str(err))
+        except (InputError, NothingToTrain) as err:
+            box[0] = (type(err).__name__, str(err))
     dist.broadcast_object_list(box, src=0)
     kind, value = box[0]
-    if kind == "error":
-        raise InputError(value)
+    if kind != "ok":
+        raise {"InputError": InputError, "NothingToTrain": NothingToTrain}[kind](value)
     return value

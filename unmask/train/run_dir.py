@@ -1,14 +1,20 @@
 """The run directory's life: checked before anything is written, resumed, or started fresh.
 
 `prepare_output_dir` runs before anything is written (on rank 0): it refuses a folder that
-holds another run unless asked to resume or overwrite, picks the newest intact checkpoint
-for `resume_from_checkpoint: true` (starting fresh, and saying so, when there is none yet,
-so one requeue command serves every launch) and removes the temporary folders of saves
-that were killed.
+holds another run unless asked to resume or overwrite, and for `resume_from_checkpoint:
+true` picks the newest checkpoint, which must be intact. It starts fresh only when no
+checkpoint was ever published there: a folder that does not exist yet (said loudly, with
+the runs nearby that could have been meant) or a run killed before its first save (so one
+requeue command serves every launch). A newest checkpoint damaged after it was published,
+a final/ without a checkpoint, or files no run writes are refused and left as they are; a
+run that already did the steps asked for is left as it is (NothingToTrain). It removes the
+temporary folders of saves that were killed.
 """
 
 from __future__ import annotations
 
+import difflib
+import json
 import os
 import shlex
 import shutil
@@ -16,41 +22,61 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import yaml
+from safetensors import SafetensorError, safe_open
 
-from unmask.checkpoint import list_checkpoints, resolve_resume
-from unmask.checkpoint.layout import newest_intact, remove_temporaries
+from unmask.checkpoint import resolve_resume
+from unmask.checkpoint.layout import (
+    FINAL_DIR,
+    START_OVER,
+    checkpoint_folders,
+    holds_model,
+    list_checkpoints,
+    newest_intact,
+    read_trainer_state,
+    remove_temporaries,
+)
 from unmask.config import RunConfig
-from unmask.errors import InputError, RunStopped
-from unmask.parallel.mesh import share_from_rank0
+from unmask.errors import InputError, NothingToTrain, RunStopped
+from unmask.parallel.mesh import launch_env, share_from_rank0
 from unmask.train.metrics import METRICS_FILE
+from unmask.train.report import EVAL_RESULTS, find_runs, run_info
 
 CONFIG_FILE = "config.yaml"
 CONFIG_HISTORY = "config_history"  # earlier config.yaml files of a resumed run
 RUN_ARTIFACTS = (CONFIG_FILE, CONFIG_HISTORY, METRICS_FILE, "tensorboard", "final",
                  "eval_results.json")  # fmt: skip
+# what a run killed before its first checkpoint can leave (besides hidden temporaries):
+# its logs, trackers' folders and `unmask plot`'s pictures
+_BEFORE_FIRST_SAVE = {CONFIG_FILE, CONFIG_HISTORY, METRICS_FILE, METRICS_FILE + ".tmp",
+                      "tensorboard", "wandb", "plots"}  # fmt: skip
 # keys that say how to start, not what the run is: never reported as changes
 _START_KEYS = {"train.resume_from_checkpoint", "train.overwrite_output_dir"}
 
 
-def prepare_output_dir(out: Path, cfg: RunConfig) -> tuple[Path | None, list[str]]:
+def prepare_output_dir(
+    out: Path, cfg: RunConfig, total_steps: int
+) -> tuple[Path | None, list[str]]:
     """Check output_dir before anything is written; returns the checkpoint to resume from
-    (None: start fresh) and lines to print at start-up."""
+    (None: start fresh) and lines to print at start-up. total_steps: the optimizer steps
+    this config plans (a finished run resumed without more is NothingToTrain)."""
     t = cfg.train
     if out.exists() and not out.is_dir():
         raise InputError(f"output_dir {str(out)!r} is a file; choose a folder path")
     check_writable(out)
     notices = []
     resume = resolve_resume(out, t.resume_from_checkpoint)
-    if t.resume_from_checkpoint is True:
-        _, damaged = newest_intact(out)
-        notices += [f"{line}; passed over" for line in damaged]
+    if resume is not None:
+        check_steps_left(out, resume, total_steps, cfg.eval.generate_accuracy)
     holds_run = out.is_dir() and any(out.iterdir())
     fresh_after_resume = resume is None and t.resume_from_checkpoint is True and holds_run
     if fresh_after_resume:
+        check_fresh_start(out)
         notices.append(
             f"no intact checkpoint in {str(out)!r} yet: starting fresh (the logs of the "
             "run that stopped before its first checkpoint are replaced)"
         )
+    elif resume is None and t.resume_from_checkpoint is True:
+        notices.append(nothing_to_resume(out))
     elif resume is None and holds_run and not t.overwrite_output_dir:
         raise InputError(
             f"output_dir {str(out)!r} already holds a run; set "
@@ -58,9 +84,9 @@ def prepare_output_dir(out: Path, cfg: RunConfig) -> tuple[Path | None, list[str
             "train.overwrite_output_dir=true to replace it, or choose another output_dir"
         )
     if resume is None and holds_run:
-        # overwrite: the whole old run; a fresh start after resume: its logs only (a
-        # damaged checkpoint stays for the user to look at)
-        old = list_checkpoints(out) if not fresh_after_resume else []
+        # overwrite: the whole old run; a fresh start after resume: its logs only (there
+        # is no checkpoint, see check_fresh_start)
+        old = checkpoint_folders(out) if not fresh_after_resume else []
         for path in old + [out / name for name in RUN_ARTIFACTS]:
             if path.is_dir():
                 shutil.rmtree(path)
@@ -70,6 +96,126 @@ def prepare_output_dir(out: Path, cfg: RunConfig) -> tuple[Path | None, list[str
     if removed:
         notices.append(f"removed {len(removed)} unfinished save(s) of a stopped run: {removed}")
     return resume, notices
+
+
+def check_steps_left(out: Path, resume: Path, total_steps: int, heldout: bool) -> None:
+    """NothingToTrain when output_dir holds a finished run (`run_ended`) and the checkpoint
+    to resume from is at or past the steps this config plans: resuming would only write
+    final/ and the logs again."""
+    step = read_trainer_state(resume)["step"]
+    if step < total_steps or not run_ended(out, heldout):
+        return
+    raise NothingToTrain(
+        f"{str(out)!r} holds a finished run ({resume.name} and final/): this config plans "
+        f"{total_steps} steps and the run has done {step}, so there is nothing to train and "
+        f"nothing was changed; raise train.max_steps above {step} to train it further"
+    )
+
+
+def run_ended(out: Path, heldout: bool) -> bool:
+    """True when what a run writes after its last checkpoint is all there: final/ with
+    whole weights (each safetensors header covers its file, every shard of an index) and,
+    when the run measures it (heldout), eval_results.json. A run killed among those
+    writes is resumed to write them again."""
+    final = Path(out) / FINAL_DIR
+    if not holds_model(final) or (heldout and not (Path(out) / EVAL_RESULTS).is_file()):
+        return False
+    index = final / "model.safetensors.index.json"
+    try:
+        if index.is_file():  # sharded weights: the index is written after every shard
+            shards = json.loads(index.read_text())["weight_map"].values()
+            if any(not (final / name).is_file() for name in shards):
+                return False
+        weights = sorted(final.glob("*.safetensors"))
+        for path in weights:
+            with safe_open(str(path), "pt"):
+                pass
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, SafetensorError):
+        return False
+    return bool(weights)
+
+
+def check_fresh_start(out: Path) -> None:
+    """`resume_from_checkpoint: true` found no checkpoint in a folder that holds files: it
+    starts fresh (replacing the logs) only when they are those of a run killed before its
+    first checkpoint; a final/ or files no run writes are refused, changing nothing."""
+    entries = sorted(p.name for p in out.iterdir() if not p.name.startswith("."))
+    if FINAL_DIR in entries:
+        raise InputError(
+            f"cannot resume {str(out)!r}: it holds a finished run's final/ but no checkpoint "
+            f"to resume from, and nothing was changed; to train it again from the start, "
+            f"set {START_OVER} (replaces final/), or choose another output_dir"
+        )
+    foreign = [name for name in entries if name not in _BEFORE_FIRST_SAVE]
+    if foreign:
+        shown = ", ".join(foreign[:3]) + (" ..." if len(foreign) > 3 else "")
+        raise InputError(
+            f"cannot resume {str(out)!r}: it holds no checkpoint, and files no unmask run "
+            f"writes ({shown}); check train.output_dir ({runs_nearby(out)}), or choose "
+            "an empty folder"
+        )
+
+
+def nothing_to_resume(out: Path) -> str:
+    """The start-up line for `resume_from_checkpoint: true` on a folder that does not exist
+    or is empty: a new run starts there (a first launch of a requeued job), but a mistyped
+    output_dir would start one too, so it names the folder and the runs nearby."""
+    state = "is empty" if out.is_dir() else "does not exist"
+    return (
+        f"warning: train.resume_from_checkpoint=true, but output_dir {str(out)!r} {state}: "
+        f"starting a NEW run there. If you meant to continue a run, stop this one and fix "
+        f"train.output_dir ({runs_nearby(out)})"
+    )
+
+
+def runs_nearby(out: Path, most: int = 5) -> str:
+    """'runs with a checkpoint in 'runs': 'runs/a' (checkpoint-400, stopped at step 400),
+    ...': run folders beside `out` that could be resumed (the names most like out's first),
+    or a line saying there are none."""
+    parent = Path(out).parent
+    if not parent.is_dir():
+        return f"{str(parent)!r} does not exist either"
+    try:
+        found = [p for p in find_runs(parent) if p != Path(out) and list_checkpoints(p)]
+    except OSError:
+        found = []
+    if not found:
+        return f"no run with a checkpoint in {str(parent)!r}"
+    name = Path(out).name
+
+    def likeness(path: Path) -> float:
+        return difflib.SequenceMatcher(None, name, path.name).ratio()
+
+    found.sort(key=likeness, reverse=True)
+    shown = []
+    for path in found[:most]:
+        info = run_info(path)
+        shown.append(f"{str(path)!r} ({info.checkpoint.name}, {info.status})")
+    more = f" and {len(found) - most} more (unmask runs {shlex.quote(str(parent))})"
+    return (f"runs with a checkpoint in {str(parent)!r}: {', '.join(shown)}"
+            + (more if len(found) > most else ""))  # fmt: skip
+
+
+def resume_command(output_dir: Path, config: str | None, overrides: Sequence[str] = ()) -> str:
+    """The command that resumes the run in output_dir: the config file and overrides it was
+    started with (config None: the built-in quickstart), less those that say how to start,
+    plus train.output_dir (when not among them) and train.resume_from_checkpoint=true.
+    Under torchrun, the torchrun line of one node."""
+    keys = [text.split("=", 1)[0].strip() for text in overrides]
+    kept = [text for text, key in zip(overrides, keys) if key not in _START_KEYS]
+    if "train.output_dir" not in keys:
+        kept.append(f"train.output_dir={output_dir}")
+    args = ["train", *([config] if config else []), *kept, "train.resume_from_checkpoint=true"]
+    env = launch_env()
+    if env.world_size == 1:
+        return shlex.join(["unmask", *args])
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", env.world_size))
+    nodes = max(1, env.world_size // max(per_node, 1))
+    if nodes == 1:
+        return f"torchrun --nproc_per_node={per_node} -m unmask {shlex.join(args)}"
+    # the rendezvous flags (endpoint, id) are the launcher's: not known here
+    return (f"torchrun --nnodes={nodes} --nproc_per_node={per_node} -m unmask "
+            f"{shlex.join(args)} on every node, with this launch's rendezvous flags")  # fmt: skip
 
 
 def check_writable(out: Path) -> None:

@@ -76,7 +76,13 @@ from unmask.train.metrics import (
 from unmask.train.mfu import device_peak, flop_model, matmul_dtype, raise_cached_peak
 from unmask.train.plan import make_plan
 from unmask.train.report import run_summary
-from unmask.train.run_dir import prepare_output_dir, room_for_checkpoint, write_config
+from unmask.train.run_dir import (
+    CONFIG_FILE,
+    prepare_output_dir,
+    resume_command,
+    room_for_checkpoint,
+    write_config,
+)
 from unmask.train.setup import (
     build_train_model,
     check_context_request,
@@ -151,9 +157,11 @@ class Trainer:
             )
         self.output_dir = Path(t.output_dir)
         self.resume_path, run_notices = share_from_rank0(
-            lambda: prepare_output_dir(self.output_dir, cfg)
+            lambda: prepare_output_dir(self.output_dir, cfg, self.plan.total_steps)
         )
         self.notices += run_notices
+        # printed when a signal stops the run; the CLI sets the command the user typed
+        self.resume_command = resume_command(self.output_dir, str(self.output_dir / CONFIG_FILE))
 
         torch.manual_seed(t.seed)
         self.model = build_train_model(cfg, self.tokenizer, added_tokens, self.device,
@@ -734,8 +742,7 @@ class Trainer:
         self.exit_code = stop.exit_code
         logger.print(
             f"stopped by {self.stopped_by} at step {self.step}; checkpoint-{self.step} is saved. "
-            f"Resume with: unmask train CONFIG train.output_dir={self.output_dir} "
-            "train.resume_from_checkpoint=true"
+            f"Resume with: {self.resume_command}"
         )
 
     def _heldout_accuracy(self, logger: MetricsLogger) -> tuple[float, str]:
@@ -787,6 +794,8 @@ class Trainer:
             size = f"{_millions(trainable)} trainable of {size}"
         rows = "streamed" if self.num_rows is None else self.num_rows
         start = f"resuming from {self.resume_path} at step {self.step}" if self.step else "fresh"
+        if not self.step and self.cfg.train.resume_from_checkpoint is True:
+            start = "fresh: nothing to resume"
         return (
             f"unmask: {size} | {rows} train rows, "
             f"{len(self.eval_rows)} eval rows of {self.cfg.data.packing_length} tokens | "

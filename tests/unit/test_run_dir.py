@@ -1,0 +1,67 @@
+"""The lines unmask/train/run_dir.py writes for a user: the resume command a stopped run
+prints, and the notice for `resume_from_checkpoint: true` on a folder with no run."""
+
+import shlex
+
+import pytest
+
+from unmask.config import load_config
+from unmask.train.run_dir import nothing_to_resume, resume_command
+
+
+@pytest.fixture
+def one_process(monkeypatch):
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_NTASKS"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def test_resume_command_repeats_the_config_and_overrides_less_the_start_keys(one_process):
+    command = resume_command("runs/x", "my run.yaml", ["train.max_steps=400",
+                             "train.resume_from_checkpoint=runs/x/checkpoint-2",
+                             "train.overwrite_output_dir=true"])  # fmt: skip
+    assert command == ("unmask train 'my run.yaml' train.max_steps=400 train.output_dir=runs/x "
+                       "train.resume_from_checkpoint=true")  # fmt: skip
+
+
+def test_resume_command_without_a_config_file_names_the_output_dir(one_process):
+    """The built-in quickstart (no file): its overrides, once each."""
+    overrides = ["train.output_dir=runs/quickstart", "train.overwrite_output_dir=true"]
+    command = resume_command("runs/quickstart", None, overrides)
+    assert command == ("unmask train train.output_dir=runs/quickstart "
+                       "train.resume_from_checkpoint=true")  # fmt: skip
+    args = shlex.split(command)[2:]  # what `unmask train` reads back
+    cfg = load_config(None, args)
+    assert cfg.train.output_dir == "runs/quickstart" and cfg.train.resume_from_checkpoint is True
+    assert cfg.train.overwrite_output_dir is False
+
+
+def test_resume_command_under_torchrun_is_its_torchrun_line(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert resume_command("runs/x", "run.yaml") == (
+        "torchrun --nproc_per_node=4 -m unmask train run.yaml train.output_dir=runs/x "
+        "train.resume_from_checkpoint=true"
+    )
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert resume_command("runs/x", "run.yaml").startswith(
+        "torchrun --nnodes=2 --nproc_per_node=2 -m unmask train run.yaml"
+    )
+    assert resume_command("runs/x", "run.yaml").endswith(
+        "on every node, with this launch's rendezvous flags"
+    )
+
+
+def test_nothing_to_resume_names_the_folder_and_says_when_there_are_no_runs_nearby(tmp_path):
+    empty = tmp_path / "runs" / "new"
+    empty.mkdir(parents=True)
+    assert nothing_to_resume(empty) == (
+        f"warning: train.resume_from_checkpoint=true, but output_dir {str(empty)!r} is empty: "
+        "starting a NEW run there. If you meant to continue a run, stop this one and fix "
+        f"train.output_dir (no run with a checkpoint in {str(tmp_path / 'runs')!r})"
+    )
+    lost = tmp_path / "runz" / "x"
+    assert nothing_to_resume(lost).endswith(
+        f"does not exist: starting a NEW run there. If you meant to continue a run, stop this "
+        f"one and fix train.output_dir ({str(tmp_path / 'runz')!r} does not exist either)"
+    )
