@@ -89,15 +89,17 @@ def cmd_train(ns: argparse.Namespace) -> int:
         return 0
     if path is None:
         print("unmask: no config given, running the built-in quickstart", file=sys.stderr)
-    from unmask.train.run_dir import resume_command
+    from unmask.train.run_dir import resume_advice, resume_command
     from unmask.train.trainer import Trainer  # after the config: a typo is refused fast
 
+    # what a stop prints (a signal, a lost peer, a second Ctrl-C): the user's own command
+    ns.resume_command = resume_command(cfg.train.output_dir, path, overrides)
     trainer = Trainer(cfg)
-    trainer.resume_command = resume_command(cfg.train.output_dir, path, overrides)
+    trainer.resume_command = ns.resume_command
     try:
         trainer.train()
     except KeyboardInterrupt:  # a second Ctrl-C: the newest complete checkpoint stays
-        print(f"unmask: interrupted; resume with: {trainer.resume_command}", file=sys.stderr)
+        print(f"unmask: interrupted; {resume_advice(ns.resume_command)}", file=sys.stderr)
         return 130
     return trainer.exit_code  # 0, or 130 after a Ctrl-C stop (SIGTERM / SIGUSR1 stop: 0)
 
@@ -620,17 +622,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def resume_hint(command_line: list[str]) -> str:
-    """How to resume the run this command line started: its command with
-    train.resume_from_checkpoint=true, launched on every process again when a launcher
-    (torchrun, srun) started several."""
-    from unmask.parallel.mesh import launch_env
-    from unmask.train.run_dir import resume_command
+def _resume_advice(command: str) -> str:
+    from unmask.train.run_dir import resume_advice
 
-    command = resume_command(command_line)
-    if launch_env().world_size > 1:
-        return f"resume by launching every process as before, with: {command}"
-    return f"resume with: {command}"
+    return resume_advice(command)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -654,7 +649,8 @@ def main(argv: list[str] | None = None) -> int:
     except RunStopped as exc:
         if ns.debug:
             traceback.print_exc()
-        hint = f"; {resume_hint(ns.command_line)}" if exc.resume else ""
+        command = getattr(ns, "resume_command", None)
+        hint = f"; {_resume_advice(command)}" if exc.resume and command else ""
         print(f"unmask: stopped: {exc}{hint}", file=sys.stderr)
         return 1
     except NothingToTrain as exc:  # a finished run resumed: nothing was changed

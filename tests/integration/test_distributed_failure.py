@@ -268,7 +268,8 @@ def check_one_line(run: dict) -> re.Match:
     assert int(match[1]) == logged[-1]
     newest = list_checkpoints(run["out"])[-1]
     assert match[3] == str(newest) and is_distributed_checkpoint(newest)
-    assert match[4] == shlex.join([*run["command"], "train.resume_from_checkpoint=true"])
+    assert match[4] == shlex.join([*run["command"], f"train.output_dir={run['out']}",
+                                   "train.resume_from_checkpoint=true"])  # fmt: skip
     assert "unmask: stopped" not in run["stdout"]
     # the worker exited with code 1 (torchrun's summary says so), torchrun exits non-zero
     assert re.search(r"rank\s*:\s*0 \(local_rank: 0\)\s+exitcode\s*:\s*1 ", run["agent"])

@@ -7,6 +7,7 @@ for real)."""
 
 import pytest
 import torch.distributed as dist
+import yaml
 from torch.distributed.checkpoint.api import CheckpointException
 
 from unmask.cli import main
@@ -88,13 +89,15 @@ def test_other_errors_are_not_collective_failures(error):
 
 
 def test_the_resume_command_is_the_users_own_with_resume_from_checkpoint():
-    typed = ["unmask", "train", "my runs/run.yaml", "train.max_steps=900",
-             "train.overwrite_output_dir=true", "train.resume_from_checkpoint=false", "--debug"]  # fmt: skip
-    assert resume_command(typed) == (
-        "unmask train 'my runs/run.yaml' train.max_steps=900 --debug "
+    overrides = ["train.max_steps=900", "train.overwrite_output_dir=true",
+                 "train.resume_from_checkpoint=false"]  # fmt: skip
+    assert resume_command("runs/r", "my runs/run.yaml", overrides) == (
+        "unmask train 'my runs/run.yaml' train.max_steps=900 train.output_dir=runs/r "
         "train.resume_from_checkpoint=true"
     )
-    assert resume_command(["unmask", "train"]) == "unmask train train.resume_from_checkpoint=true"
+    assert resume_command("runs/quickstart", None) == (
+        "unmask train train.output_dir=runs/quickstart train.resume_from_checkpoint=true"
+    )
 
 
 @pytest.fixture
@@ -122,20 +125,21 @@ def lost_peer(monkeypatch, tiny_config):
 def test_the_cli_prints_one_line_with_the_resume_command(lost_peer, capsys, monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     monkeypatch.delenv("SLURM_NTASKS", raising=False)
+    run_dir = yaml.safe_load(lost_peer.read_text())["train"]["output_dir"]
     assert main(["train", str(lost_peer), "train.max_steps=900"]) == 1
     err = capsys.readouterr().err
     assert err.splitlines() == [
         "unmask: stopped: a peer process was lost after step 7: its connection closed "
         "(Connection closed by peer [127.0.0.1]:62162); the newest complete checkpoint is "
         f"runs/run/checkpoint-6; resume with: unmask train {lost_peer} train.max_steps=900 "
-        "train.resume_from_checkpoint=true"
+        f"train.output_dir={run_dir} train.resume_from_checkpoint=true"
     ]
     monkeypatch.setenv("WORLD_SIZE", "2")  # under torchrun: every process, as launched
     monkeypatch.setenv("RANK", "0")
     assert main(["train", str(lost_peer)]) == 1
     assert capsys.readouterr().err.endswith(
         "; resume by launching every process as before, with: unmask train "
-        f"{lost_peer} train.resume_from_checkpoint=true\n"
+        f"{lost_peer} train.output_dir={run_dir} train.resume_from_checkpoint=true\n"
     )
 
 

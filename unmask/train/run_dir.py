@@ -198,24 +198,23 @@ def runs_nearby(out: Path, most: int = 5) -> str:
 
 def resume_command(output_dir: Path, config: str | None, overrides: Sequence[str] = ()) -> str:
     """The command that resumes the run in output_dir: the config file and overrides it was
-    started with (config None: the built-in quickstart), less those that say how to start,
-    plus train.output_dir (when not among them) and train.resume_from_checkpoint=true.
-    Under torchrun, the torchrun line of one node."""
+    started with (config None: the built-in quickstart), less those that say how to start
+    (an overwrite_output_dir=true would delete the run), plus train.output_dir (when not
+    among them) and train.resume_from_checkpoint=true; quoted for a shell."""
     keys = [text.split("=", 1)[0].strip() for text in overrides]
     kept = [text for text, key in zip(overrides, keys) if key not in _START_KEYS]
     if "train.output_dir" not in keys:
         kept.append(f"train.output_dir={output_dir}")
     args = ["train", *([config] if config else []), *kept, "train.resume_from_checkpoint=true"]
-    env = launch_env()
-    if env.world_size == 1:
-        return shlex.join(["unmask", *args])
-    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", env.world_size))
-    nodes = max(1, env.world_size // max(per_node, 1))
-    if nodes == 1:
-        return f"torchrun --nproc_per_node={per_node} -m unmask {shlex.join(args)}"
-    # the rendezvous flags (endpoint, id) are the launcher's: not known here
-    return (f"torchrun --nnodes={nodes} --nproc_per_node={per_node} -m unmask "
-            f"{shlex.join(args)} on every node, with this launch's rendezvous flags")  # fmt: skip
+    return shlex.join(["unmask", *args])
+
+
+def resume_advice(command: str) -> str:
+    """'resume with: COMMAND', or under a launcher (torchrun, srun: several processes) that
+    every process must be launched again as before, with it."""
+    if launch_env().world_size > 1:  # the launcher's own flags (rendezvous) are not known here
+        return f"resume by launching every process as before, with: {command}"
+    return f"resume with: {command}"
 
 
 def check_writable(out: Path) -> None:
@@ -299,12 +298,3 @@ def write_config(out: Path, text: str, step: int) -> list[str]:
             kept.write_text(old)
     path.write_text(text)
     return changes
-
-
-def resume_command(command_line: Sequence[str]) -> str:
-    """The command that resumes the run `command_line` started (['unmask', 'train', FILE,
-    'key=value', ...], as the user typed it): the same, without the keys that say how to
-    start (an overwrite_output_dir=true would delete the run), with
-    train.resume_from_checkpoint=true; quoted for a shell."""
-    kept = [arg for arg in command_line if arg.split("=", 1)[0].strip() not in _START_KEYS]
-    return shlex.join([*kept, "train.resume_from_checkpoint=true"])

@@ -79,6 +79,7 @@ from unmask.train.report import run_summary
 from unmask.train.run_dir import (
     CONFIG_FILE,
     prepare_output_dir,
+    resume_advice,
     resume_command,
     room_for_checkpoint,
     write_config,
@@ -742,7 +743,7 @@ class Trainer:
         self.exit_code = stop.exit_code
         logger.print(
             f"stopped by {self.stopped_by} at step {self.step}; checkpoint-{self.step} is saved. "
-            f"Resume with: {self.resume_command}"
+            f"{_sentence(resume_advice(self.resume_command))}"
         )
 
     def _heldout_accuracy(self, logger: MetricsLogger) -> tuple[float, str]:
@@ -807,3 +808,8 @@ class Trainer:
 def _millions(count: int) -> str:
     """A parameter count in millions: two decimals, or two significant digits below 0.01M."""
     return f"{count / 1e6:.2f}M" if count >= 10_000 else f"{count / 1e6:.2g}M"
+
+
+def _sentence(text: str) -> str:
+    """text with its first letter in upper case (the rest unchanged)."""
+    return text[:1].upper() + text[1:]
