@@ -10,6 +10,7 @@ from unmask.errors import InputError
 from unmask.rewards import RewardSet, extract_number, parse_rewards
 from unmask.rewards.builtin import RecordError, exact_match, format_match, numeric_match
 from unmask.rewards.code_tests import fenced_code, run_tests
+from unmask.rewards.sandbox import PASSED_ENV, checked_result, left_open, worker_environment
 
 # --- numeric_match ------------------------------------------------------------------------
 
@@ -206,3 +207,53 @@ def test_run_tests_scores():
         run_tests("", "def add(a, b) return a + b", humaneval)
     with pytest.raises(ValueError, match=r"the record has no 'tests' \(its keys: \['entry'\]\)"):
         run_tests("", "", {"entry": "add"})
+
+
+# --- what the training process takes from a reward worker ---------------------------------
+
+
+def test_worker_results_are_checked_again_in_the_training_process():
+    assert checked_result([0.5, None]) == [0.5, None]
+    assert checked_result([3, None]) == [3.0, None]
+    assert checked_result([-1e6, None]) == [-1e6, None]
+    assert checked_result([None, "timed out"]) == [None, "timed out"]
+    limit = "beyond the reward limit of ±1e+06"
+    assert checked_result([1e39, None]) == [None, f"returned 1e+39, {limit}"]
+    assert checked_result([float("nan"), None]) == [None, f"returned nan, {limit}"]
+    malformed = [None, "the reward worker sent a malformed result"]
+    for result in (["1.0", None], [True, None], [1.0, "x"], [None, None], {"score": 1}, [1.0]):
+        assert checked_result(result) == malformed
+
+
+def test_worker_environment_is_an_allow_list(monkeypatch):
+    monkeypatch.setenv("HF_TOKEN", "hf_secret")
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-secret")
+    monkeypatch.setenv("LC_ALL", "C.UTF-8")
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    env = worker_environment("/tmp/w", ["OPENAI_API_KEY"])
+    assert env["HOME"] == env["TMPDIR"] == "/tmp/w"
+    assert env["PATH"] == "/usr/bin:/bin" and env["LC_ALL"] == "C.UTF-8"
+    assert env["OPENAI_API_KEY"] == "sk-secret"  # named by the reward's `env:`
+    assert "HF_TOKEN" not in env
+    assert set(env) - {"HOME", "TMPDIR", "PYTHONDONTWRITEBYTECODE", "OPENAI_API_KEY"} <= (
+        set(PASSED_ENV) | {k for k in env if k.startswith("LC_")}
+    )
+
+
+def test_left_open_names_what_missing_guards_allow():
+    held = {"write_guard": True, "network_namespace": True, "pid_namespace": True,
+            "own_proc": True, "call_namespaces": True, "process_limit": True}  # fmt: skip
+    assert left_open(held, network=False) == []
+    assert left_open({}, network=True) == [
+        "change files outside its folder",
+        "see and signal your other processes (the trainer too)",
+        "read your other processes' environment in /proc",
+        "leave processes behind that start their own session",
+        "start processes without limit",
+    ]
+    fallback = {"write_guard": True, "tcp_blocked": True, "signals_scoped": True}
+    assert left_open(fallback, network=False) == [
+        "read your other processes' environment in /proc",
+        "leave processes behind that start their own session",
+        "start processes without limit",
+    ]
