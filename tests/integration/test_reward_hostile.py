@@ -221,14 +221,16 @@ def test_rewards_see_no_secret_of_the_training_process(hostile, namespaces, monk
     path = os.environ["PATH"]
     out = run_trainer(hostile, namespaces, specs, [secret, path], UNMASK_TEST_SECRET=secret)
     assert out["scores"]["sees"][0] != 1.0  # not in the worker's environment, in any case
+    assert out["scores"]["sees"][1] == 1.0  # PATH is on the allow-list
     own_proc = out["guards"]["sees"]["own_proc"]
-    assert out["scores"]["sees"] == [0.0 if own_proc else 2.0, 1.0]  # PATH: on the allow-list
+    assert out["scores"]["sees"][0] == 0.0 or not own_proc  # /proc: without it, it may be
     monkeypatch.setenv("UNMASK_TEST_SECRET", secret)
     given = {"fn": "rw_hostile:sees", "env": ["UNMASK_TEST_SECRET"], **FAST}
     with RewardSet(parse_rewards([given])) as rewards:
         assert score_all(rewards, [secret], {}).per_reward["sees"].tolist() == [1.0]
     if not own_proc:
-        pytest.skip(f"no /proc of its own here ({out['guards']['sees']['why']})")
+        pytest.skip(f"no /proc of its own here ({out['guards']['sees']['why']}): the secret "
+                    f"{'was' if out['scores']['sees'][0] else 'was not'} in /proc/<pid>/environ")  # fmt: skip
 
 
 def test_rewards_cannot_reach_the_loopback_network(hostile, namespaces):

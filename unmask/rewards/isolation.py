@@ -81,13 +81,27 @@ def unshare_namespaces(network: bool) -> tuple[int, str | None]:
     why = _call("unshare", flags)
     if why is None:
         return flags, None
+    probe = os.fork()  # a user namespace whose ids cannot be mapped cannot be left: try first
+    if probe == 0:
+        os._exit(0 if _enter_user_namespace(flags) else 1)
+    if os.waitpid(probe, 0)[1] != 0 or not _enter_user_namespace(flags):
+        return 0, why
+    return flags | CLONE_NEWUSER, None
+
+
+def _enter_user_namespace(flags: int) -> bool:
+    """unshare(flags) inside a new user namespace, this process's uid and gid mapped to
+    themselves; False when the kernel refuses either."""
     uid, gid = os.getuid(), os.getgid()
     if _call("unshare", flags | CLONE_NEWUSER) is not None:
-        return 0, why
-    _write("/proc/self/setgroups", "deny")
-    _write("/proc/self/uid_map", f"{uid} {uid} 1")
-    _write("/proc/self/gid_map", f"{gid} {gid} 1")
-    return flags | CLONE_NEWUSER, None
+        return False
+    try:
+        _write("/proc/self/setgroups", "deny")
+        _write("/proc/self/uid_map", f"{uid} {uid} 1")
+        _write("/proc/self/gid_map", f"{gid} {gid} 1")
+    except OSError:
+        return False
+    return True
 
 
 def become_namespace_init(private: tuple, cgroup: str | None) -> None:
@@ -112,7 +126,10 @@ def become_namespace_init(private: tuple, cgroup: str | None) -> None:
             continue
     remove_cgroup(cgroup)
     if os.WIFSIGNALED(status):
-        signal.signal(os.WTERMSIG(status), signal.SIG_DFL)
+        try:
+            signal.signal(os.WTERMSIG(status), signal.SIG_DFL)
+        except (OSError, ValueError):
+            pass  # SIGKILL and SIGSTOP keep their default
         os.kill(os.getpid(), os.WTERMSIG(status))
     os._exit(os.WEXITSTATUS(status) if os.WIFEXITED(status) else 1)
 
@@ -298,6 +315,20 @@ class _CapData(ctypes.Structure):
     _fields_ = [(name, ctypes.c_uint32) for name in ("effective", "permitted", "inheritable")]
 
 
+_LAST_CAP = []
+
+
+def last_capability() -> int:
+    """The kernel's highest capability number (read once: the worker reads it before its
+    calls fork, so they need not)."""
+    if not _LAST_CAP:
+        try:
+            _LAST_CAP.append(int(open("/proc/sys/kernel/cap_last_cap").read()))
+        except (OSError, ValueError):
+            _LAST_CAP.append(63)
+    return _LAST_CAP[0]
+
+
 def _status_caps() -> dict[str, int]:
     with open("/proc/self/status") as f:
         return {line[:6]: int(line.split()[1], 16) for line in f if line.startswith("Cap")}
@@ -309,11 +340,7 @@ def drop_privileges() -> str | None:
     namespaces, or reach other users' processes. None, or why it could not."""
     if not LINUX:
         return f"not Linux ({sys.platform})"
-    try:
-        last = int(open("/proc/sys/kernel/cap_last_cap").read())
-    except (OSError, ValueError):
-        last = 63
-    for cap in range(last + 1):  # needs CAP_SETPCAP: fails harmlessly for other users
+    for cap in range(last_capability() + 1):  # needs CAP_SETPCAP: fails harmlessly for other users
         _call("prctl", PR_CAPBSET_DROP, cap, 0, 0, 0)
     _call("prctl", PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0)
     if os.geteuid() == 0:

@@ -209,7 +209,7 @@ class Worker:
         if not lost:
             return
         why = "; ".join(self.guards.get("why", [])) or "not available here"
-        line = (f"unmask: reward workers run with fewer guards here ({why}): reward code can "
+        line = (f"unmask: reward workers run with fewer guards here ({why}): reward code may "
                 f"{', '.join(lost)} (docs/rewards.md, What the sandbox is)")  # fmt: skip
         if line not in _said:
             _said.add(line)

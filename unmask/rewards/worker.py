@@ -395,6 +395,7 @@ def isolate(init: dict, private: tuple):
         "no_inspection": isolation.forbid_inspection(),
     }
     guards.update(isolation.landlock(init["root"], init["network"]))
+    isolation.last_capability()  # read once here, not in each code call
     forker = isolation.CallForker(guards["pid_namespace"])
     guards["call_namespaces"] = forker.enabled
     return {**guards, "pid": pid, "cgroup": cgroup, "why": why}, forker
