@@ -3,6 +3,7 @@
 sandboxed runs are in tests/integration/test_reward_sandbox.py)."""
 
 from fractions import Fraction
+from pathlib import Path
 
 import pytest
 
@@ -10,7 +11,13 @@ from unmask.errors import InputError
 from unmask.rewards import RewardSet, extract_number, parse_rewards
 from unmask.rewards.builtin import RecordError, exact_match, format_match, numeric_match
 from unmask.rewards.code_tests import fenced_code, run_tests
-from unmask.rewards.sandbox import PASSED_ENV, checked_result, left_open, worker_environment
+from unmask.rewards.sandbox import (
+    PASSED_ENV,
+    checked_result,
+    left_open,
+    notice_line,
+    worker_environment,
+)
 
 # --- numeric_match ------------------------------------------------------------------------
 
@@ -219,7 +226,7 @@ def test_worker_results_are_checked_again_in_the_training_process():
     assert checked_result([None, "timed out"]) == [None, "timed out"]
     limit = "beyond the reward limit of ±1e+06"
     assert checked_result([1e39, None]) == [None, f"returned 1e+39, {limit}"]
-    assert checked_result([float("nan"), None]) == [None, f"returned nan, {limit}"]
+    assert checked_result([float("nan"), None]) == [None, "returned nan, not a finite number"]
     malformed = [None, "the reward worker sent a malformed result"]
     for result in (["1.0", None], [True, None], [1.0, "x"], [None, None], {"score": 1}, [1.0]):
         assert checked_result(result) == malformed
@@ -244,6 +251,10 @@ def test_left_open_names_what_missing_guards_allow():
     held = {"write_guard": True, "network_namespace": True, "pid_namespace": True,
             "own_proc": True, "call_namespaces": True, "process_limit": True}  # fmt: skip
     assert left_open(held, network=False) == []
+    assert left_open({}, network=False)[:2] == [
+        "change files outside its folder",
+        "use the network",
+    ]
     assert left_open({}, network=True) == [
         "change files outside its folder",
         "see and signal your other processes (the trainer too)",
@@ -253,7 +264,20 @@ def test_left_open_names_what_missing_guards_allow():
     ]
     fallback = {"write_guard": True, "tcp_blocked": True, "signals_scoped": True}
     assert left_open(fallback, network=False) == [
+        "use the network but TCP (UDP, for one)",
         "read your other processes' environment in /proc",
         "leave processes behind that start their own session",
         "start processes without limit",
     ]
+
+
+def test_the_notice_in_the_docs_is_the_one_printed():
+    """docs/rewards.md's example: a user without user namespaces, on Linux 6.12 or later."""
+    guards = {"write_guard": True, "tcp_blocked": True, "signals_scoped": True,
+              "why": ["namespaces: unshare: Operation not permitted"]}  # fmt: skip
+    line = notice_line(guards, network=False)
+    assert line.startswith("unmask: reward workers run with fewer guards here (namespaces: ")
+    assert line in (Path(__file__).parents[2] / "docs" / "rewards.md").read_text()
+    every = {name: True for name in ("write_guard", "network_namespace", "pid_namespace",
+                                     "own_proc", "call_namespaces", "process_limit")}  # fmt: skip
+    assert notice_line(every, network=False) is None

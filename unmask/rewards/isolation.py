@@ -1,7 +1,7 @@
 """The operating-system guards of a reward worker (docs/rewards.md, What the sandbox is).
 
-Loaded by path by unmask/rewards/worker.py, never imported by the training process: standard
-library only. Each guard is best-effort: one the kernel or the user's rights do not allow is
+Loaded by path by unmask/rewards/worker.py (the training process imports it only to remove
+a killed worker's cgroup): standard library only. Each guard is best-effort: one the kernel or the user's rights do not allow is
 reported as off (the training process says so once), never a reason to refuse a reward.
 
 - namespaces (Linux): the worker is the first process of new PID, mount and network
@@ -118,12 +118,7 @@ def become_namespace_init(private: tuple, cgroup: str | None) -> None:
     if cgroup is not None:
         leave_cgroup(cgroup)
     signal.signal(signal.SIGTERM, lambda *_: os.kill(child, signal.SIGKILL))
-    while True:
-        try:
-            _, status = os.waitpid(child, 0)
-            break
-        except InterruptedError:
-            continue
+    _, status = os.waitpid(child, 0)
     remove_cgroup(cgroup)
     if os.WIFSIGNALED(status):
         try:
@@ -168,13 +163,19 @@ class CallForker:
             except OSError:
                 self.fd = None
         self.enabled = self.fd is not None and self._works()
+        if not self.enabled and self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
 
     def fork(self) -> int:
         fresh = (self.fd is not None and _call("setns", self.fd, CLONE_NEWPID) is None
                  and _call("unshare", CLONE_NEWPID) is None)  # fmt: skip
-        pid = os.fork()
-        if pid != 0 and fresh:  # this process's next children in its own namespace again
-            _call("setns", self.fd, CLONE_NEWPID)
+        pid = -1
+        try:
+            pid = os.fork()
+        finally:
+            if pid != 0 and fresh:  # this process's next children in its own namespace
+                _call("setns", self.fd, CLONE_NEWPID)
         return pid
 
     def _works(self) -> bool:
@@ -191,27 +192,26 @@ class CallForker:
 
 
 def _cgroup_mount() -> tuple[str, str] | None:
-    """(the pids controller's mount point, this process's cgroup under it), v1 or v2."""
+    """(the pids controller's mount point, this process's cgroup under it): cgroup v1's
+    pids hierarchy, else the v2 one (where pids may be enabled for children)."""
     try:
         mounts = open("/proc/self/mountinfo").read().splitlines()
-        groups = open("/proc/self/cgroup").read().splitlines()
+        groups = [line.split(":", 2) for line in open("/proc/self/cgroup").read().splitlines()]
     except OSError:
         return None
+    points = {}
     for line in mounts:
         fields = line.split(" - ")
-        if len(fields) != 2:
-            continue
-        point, (fstype, _, options) = fields[0].split()[4], fields[1].split()[:3]
-        if fstype == "cgroup" and "pids" in options.split(","):
-            wanted = lambda c: "pids" in c.split(",")  # noqa: E731
-        elif fstype == "cgroup2":
-            wanted = lambda c: c == ""  # noqa: E731
-        else:
-            continue
-        for group in groups:
-            _, controllers, path = group.split(":", 2)
-            if wanted(controllers):
-                return point, path
+        if len(fields) == 2 and len(fields[1].split()) >= 3:
+            fstype, _, options = fields[1].split()[:3]
+            if fstype == "cgroup" and "pids" in options.split(","):
+                points.setdefault("v1", fields[0].split()[4])
+            elif fstype == "cgroup2":
+                points.setdefault("v2", fields[0].split()[4])
+    for version, wanted in (("v1", lambda c: "pids" in c.split(",")), ("v2", lambda c: not c)):
+        path = next((g[2] for g in groups if len(g) == 3 and wanted(g[1])), None)
+        if version in points and path is not None:
+            return points[version], path
     return None
 
 

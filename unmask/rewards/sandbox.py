@@ -49,6 +49,7 @@ PASSED_ENV = frozenset(
 _LEFT_OPEN = {
     "write_guard": "change files outside its folder",
     "network": "use the network",
+    "udp": "use the network but TCP (UDP, for one)",
     "signals": "see and signal your other processes (the trainer too)",
     "own_proc": "read your other processes' environment in /proc",
     "call_namespaces": "leave processes behind that start their own session",
@@ -95,9 +96,11 @@ def worker_environment(root: str, names=()) -> dict[str, str]:
 def left_open(guards: dict, network: bool) -> list[str]:
     """What reward code can do here that docs/rewards.md says the guards stop, given which
     guards the worker has (Worker.guards)."""
+    no_network = network or guards.get("network_namespace")
     held = {
         "write_guard": guards.get("write_guard"),
-        "network": network or guards.get("network_namespace") or guards.get("tcp_blocked"),
+        "network": no_network or guards.get("tcp_blocked"),
+        "udp": no_network or not guards.get("tcp_blocked"),  # said instead of "network"
         "signals": guards.get("pid_namespace") or guards.get("signals_scoped"),
         "own_proc": guards.get("own_proc"),
         "call_namespaces": guards.get("call_namespaces"),
@@ -106,13 +109,26 @@ def left_open(guards: dict, network: bool) -> list[str]:
     return [_LEFT_OPEN[name] for name, holds in held.items() if not holds]
 
 
+def notice_line(guards: dict, network: bool) -> str | None:
+    """The line that names what reward code can do here because a guard could not be had
+    (and why not), or None when every guard holds."""
+    lost = left_open(guards, network)
+    if not lost:
+        return None
+    why = "; ".join(guards.get("why", [])) or "not available here"
+    return (f"unmask: reward workers run with fewer guards here ({why}): reward code may "
+            f"{', '.join(lost)} (docs/rewards.md, What the sandbox is)")  # fmt: skip
+
+
 def checked_result(result, limit: float = MAX_ABS_REWARD) -> list:
     """A worker's [score, None] or [None, error], checked: a score that is no finite number
     within ±limit, or anything else, becomes a failure."""
     if isinstance(result, list) and len(result) == 2:
         score, error = result
         if error is None and type(score) in (int, float):
-            if math.isfinite(score) and abs(score) <= limit:
+            if not math.isfinite(score):
+                return [None, f"returned {score}, not a finite number"]
+            if abs(score) <= limit:
                 return [float(score), None]
             return [None, f"returned {score:g}, beyond the reward limit of ±{limit:g}"]
         if score is None and isinstance(error, str):
@@ -203,15 +219,9 @@ class Worker:
         return bool(self.guards.get("write_guard"))
 
     def _say_what_is_left_open(self) -> None:
-        """One line on stderr, once per process and situation, naming what reward code can
-        do here because a guard could not be had."""
-        lost = left_open(self.guards, self.network)
-        if not lost:
-            return
-        why = "; ".join(self.guards.get("why", [])) or "not available here"
-        line = (f"unmask: reward workers run with fewer guards here ({why}): reward code may "
-                f"{', '.join(lost)} (docs/rewards.md, What the sandbox is)")  # fmt: skip
-        if line not in _said:
+        """notice_line on stderr, once per process and situation."""
+        line = notice_line(self.guards, self.network)
+        if line is not None and line not in _said:
             _said.add(line)
             print(line, file=sys.stderr)
 
