@@ -229,8 +229,9 @@ def test_rewards_see_no_secret_of_the_training_process(hostile, namespaces, monk
     with RewardSet(parse_rewards([given])) as rewards:
         assert score_all(rewards, [secret], {}).per_reward["sees"].tolist() == [1.0]
     if not own_proc:
-        pytest.skip(f"no /proc of its own here ({out['guards']['sees']['why']}): the secret "
-                    f"{'was' if out['scores']['sees'][0] else 'was not'} in /proc/<pid>/environ")  # fmt: skip
+        seen = "was" if out["scores"]["sees"][0] else "was not"
+        why = out["guards"]["sees"]["why"]
+        pytest.skip(f"no /proc of its own here ({why}): the secret {seen} in /proc/<pid>/environ")
 
 
 def test_rewards_cannot_reach_the_loopback_network(hostile, namespaces):

@@ -136,6 +136,9 @@ def test_parse_rewards_forms():
     assert specs[0].timeout_s == 2.0 and specs[0].memory_mb == 1024
     assert specs[2].options["partial"] is True and specs[2].options["tests_key"] == "tests"
     assert [s.runs_user_code for s in specs] == [True, False, True, True]
+    assert specs[0].network is False and specs[0].env == []  # no network, no extra variables
+    judge = parse_rewards([{"fn": "j:score", "network": True, "env": ["OPENAI_API_KEY"]}])[0]
+    assert judge.network is True and judge.env == ["OPENAI_API_KEY"]
     assert parse_rewards(None) == []
 
 
@@ -148,6 +151,8 @@ BAD = [
      "rewards[0].fn: 'my rewards.py:score' is neither a built-in reward (exact_match, "
      "numeric_match, format, code) nor module:function (e.g. my_rewards:score)"),
     ({"fn": "m:f", "weigth": 1}, "unknown config key 'rewards[0].weigth' (did you mean 'weight'?)"),
+    ({"fn": "m:f", "netwrok": True},
+     "unknown config key 'rewards[0].netwrok' (did you mean 'network'?)"),
     ({"fn": "m:f", "timeout_s": 0},
      "bad value for config key 'rewards[0].timeout_s': must be > 0 (got 0)"),
     ({"fn": "m:f", "weight": float("nan")},

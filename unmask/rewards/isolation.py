@@ -1,8 +1,9 @@
 """The operating-system guards of a reward worker (docs/rewards.md, What the sandbox is).
 
 Loaded by path by unmask/rewards/worker.py (the training process imports it only to remove
-a killed worker's cgroup): standard library only. Each guard is best-effort: one the kernel or the user's rights do not allow is
-reported as off (the training process says so once), never a reason to refuse a reward.
+a killed worker's cgroup): standard library only. Each guard is best-effort: one the kernel
+or the user's rights do not allow is reported as off (the training process says so once),
+never a reason to refuse a reward.
 
 - namespaces (Linux): the worker is the first process of new PID, mount and network
   namespaces (as root, or inside a new user namespace where unprivileged ones are allowed),
@@ -335,11 +336,12 @@ def _status_caps() -> dict[str, int]:
 
 
 def drop_privileges() -> str | None:
-    """No capability, now or after an execve, and no new privileges (setuid files): a
-    process that runs a completion's code cannot open the worker's /proc/<pid>/fd, undo the
-    namespaces, or reach other users' processes. None, or why it could not."""
+    """No capability, now or after an execve (no_new_privs; the bounding set and uid 0's
+    securebits too where CAP_SETPCAP allows): a process that runs a completion's code cannot
+    open the worker's /proc/<pid>/fd, undo the namespaces, or reach other users' processes.
+    None, or why it could not."""
     if not LINUX:
-        return f"not Linux ({sys.platform})"
+        return None  # no capabilities, no /proc/<pid>/fd: the closed descriptors are all
     for cap in range(last_capability() + 1):  # needs CAP_SETPCAP: fails harmlessly for other users
         _call("prctl", PR_CAPBSET_DROP, cap, 0, 0, 0)
     _call("prctl", PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0)
@@ -356,9 +358,7 @@ def drop_privileges() -> str | None:
         return "cannot read /proc/self/status"
     if caps.get("CapEff") or caps.get("CapPrm") or caps.get("CapAmb"):
         return "capabilities remain"
-    if os.geteuid() == 0 and caps.get("CapBnd"):
-        return "the capability bounding set remains (no CAP_SETPCAP)"
-    return None
+    return None  # no_new_privs: an execve, even as uid 0, gains none back
 
 
 # --- Landlock -----------------------------------------------------------------------------
