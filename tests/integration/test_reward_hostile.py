@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 import uuid
 
 import pytest
@@ -284,26 +285,32 @@ def test_rewards_cannot_signal_the_training_process(hostile, namespaces):
     assert [line.split(": ", 1)[1] in denied for line in out["lines"]] == [True, True]
 
 
-def tagged_processes(tag: str) -> list[int]:
-    """Processes (not zombies) with `tag` among their command-line arguments."""
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            if tag.encode() in open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0"):
-                found.append(int(pid))
-        except OSError:
-            pass
-    return found
+def tagged_processes(tag: str, wait_s: float = 0.0) -> list[int]:
+    """Processes (not zombies) with `tag` among their command-line arguments, after waiting
+    up to wait_s for them to go (a SIGKILLed process takes a moment to end)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        found = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                if tag.encode() in open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0"):
+                    found.append(int(pid))
+            except OSError:
+                pass
+        if not found or time.monotonic() > deadline:
+            return found
+        time.sleep(0.05)
 
 
 @pytest.mark.parametrize("how", ["child", "setsid"])
 def test_what_a_call_leaves_running_is_killed_with_it(hostile, namespaces, how):
     tag = f"unmask-test-{uuid.uuid4().hex}"
     try:
-        with RewardSet(parse_rewards([{"fn": "rw_hostile:escape", **FAST}])) as rewards:
+        spec = {"fn": "rw_hostile:escape", "timeout_s": 10}  # it starts an interpreter
+        with RewardSet(parse_rewards([spec])) as rewards:
             scores = score_all(rewards, [how], {"tag": tag})
             guards = rewards.guards()["escape"]
-            left = tagged_processes(tag)  # while the worker still runs: the call's end did it
+            left = tagged_processes(tag, wait_s=2.0)  # the worker still runs: the call's end
     finally:
         for pid in tagged_processes(tag):
             os.kill(pid, signal.SIGKILL)
