@@ -3,6 +3,7 @@
 sandboxed runs are in tests/integration/test_reward_sandbox.py)."""
 
 from fractions import Fraction
+from pathlib import Path
 
 import pytest
 
@@ -10,6 +11,13 @@ from unmask.errors import InputError
 from unmask.rewards import RewardSet, extract_number, parse_rewards
 from unmask.rewards.builtin import RecordError, exact_match, format_match, numeric_match
 from unmask.rewards.code_tests import fenced_code, run_tests
+from unmask.rewards.sandbox import (
+    PASSED_ENV,
+    checked_result,
+    left_open,
+    notice_line,
+    worker_environment,
+)
 
 # --- numeric_match ------------------------------------------------------------------------
 
@@ -128,6 +136,9 @@ def test_parse_rewards_forms():
     assert specs[0].timeout_s == 2.0 and specs[0].memory_mb == 1024
     assert specs[2].options["partial"] is True and specs[2].options["tests_key"] == "tests"
     assert [s.runs_user_code for s in specs] == [True, False, True, True]
+    assert specs[0].network is False and specs[0].env == []  # no network, no extra variables
+    judge = parse_rewards([{"fn": "j:score", "network": True, "env": ["OPENAI_API_KEY"]}])[0]
+    assert judge.network is True and judge.env == ["OPENAI_API_KEY"]
     assert parse_rewards(None) == []
 
 
@@ -140,6 +151,8 @@ BAD = [
      "rewards[0].fn: 'my rewards.py:score' is neither a built-in reward (exact_match, "
      "numeric_match, format, code) nor module:function (e.g. my_rewards:score)"),
     ({"fn": "m:f", "weigth": 1}, "unknown config key 'rewards[0].weigth' (did you mean 'weight'?)"),
+    ({"fn": "m:f", "netwrok": True},
+     "unknown config key 'rewards[0].netwrok' (did you mean 'network'?)"),
     ({"fn": "m:f", "timeout_s": 0},
      "bad value for config key 'rewards[0].timeout_s': must be > 0 (got 0)"),
     ({"fn": "m:f", "weight": float("nan")},
@@ -206,3 +219,70 @@ def test_run_tests_scores():
         run_tests("", "def add(a, b) return a + b", humaneval)
     with pytest.raises(ValueError, match=r"the record has no 'tests' \(its keys: \['entry'\]\)"):
         run_tests("", "", {"entry": "add"})
+
+
+# --- what the training process takes from a reward worker ---------------------------------
+
+
+def test_worker_results_are_checked_again_in_the_training_process():
+    assert checked_result([0.5, None]) == [0.5, None]
+    assert checked_result([3, None]) == [3.0, None]
+    assert checked_result([-1e6, None]) == [-1e6, None]
+    assert checked_result([None, "timed out"]) == [None, "timed out"]
+    limit = "beyond the reward limit of ±1e+06"
+    assert checked_result([1e39, None]) == [None, f"returned 1e+39, {limit}"]
+    assert checked_result([float("nan"), None]) == [None, "returned nan, not a finite number"]
+    malformed = [None, "the reward worker sent a malformed result"]
+    for result in (["1.0", None], [True, None], [1.0, "x"], [None, None], {"score": 1}, [1.0]):
+        assert checked_result(result) == malformed
+
+
+def test_worker_environment_is_an_allow_list(monkeypatch):
+    monkeypatch.setenv("HF_TOKEN", "hf_secret")
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-secret")
+    monkeypatch.setenv("LC_ALL", "C.UTF-8")
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    env = worker_environment("/tmp/w", ["OPENAI_API_KEY"])
+    assert env["HOME"] == env["TMPDIR"] == "/tmp/w"
+    assert env["PATH"] == "/usr/bin:/bin" and env["LC_ALL"] == "C.UTF-8"
+    assert env["OPENAI_API_KEY"] == "sk-secret"  # named by the reward's `env:`
+    assert "HF_TOKEN" not in env
+    assert set(env) - {"HOME", "TMPDIR", "PYTHONDONTWRITEBYTECODE", "OPENAI_API_KEY"} <= (
+        set(PASSED_ENV) | {k for k in env if k.startswith("LC_")}
+    )
+
+
+def test_left_open_names_what_missing_guards_allow():
+    held = {"write_guard": True, "network_namespace": True, "pid_namespace": True,
+            "own_proc": True, "call_namespaces": True, "process_limit": True}  # fmt: skip
+    assert left_open(held, network=False) == []
+    assert left_open({}, network=False)[:2] == [
+        "change files outside its folder",
+        "use the network",
+    ]
+    assert left_open({}, network=True) == [
+        "change files outside its folder",
+        "see and signal your other processes (the trainer too)",
+        "read your other processes' environment in /proc",
+        "leave processes behind that start their own session",
+        "start processes without limit",
+    ]
+    fallback = {"write_guard": True, "tcp_blocked": True, "signals_scoped": True}
+    assert left_open(fallback, network=False) == [
+        "use the network but TCP (UDP, for one)",
+        "read your other processes' environment in /proc",
+        "leave processes behind that start their own session",
+        "start processes without limit",
+    ]
+
+
+def test_the_notice_in_the_docs_is_the_one_printed():
+    """docs/rewards.md's example: a user without user namespaces, on Linux 6.12 or later."""
+    guards = {"write_guard": True, "tcp_blocked": True, "signals_scoped": True,
+              "why": ["namespaces: unshare: Operation not permitted"]}  # fmt: skip
+    line = notice_line(guards, network=False)
+    assert line.startswith("unmask: reward workers run with fewer guards here (namespaces: ")
+    assert line in (Path(__file__).parents[2] / "docs" / "rewards.md").read_text()
+    every = {name: True for name in ("write_guard", "network_namespace", "pid_namespace",
+                                     "own_proc", "call_namespaces", "process_limit")}  # fmt: skip
+    assert notice_line(every, network=False) is None

@@ -16,7 +16,7 @@ import torch
 from unmask.errors import InputError, did_you_mean
 from unmask.rewards.builtin import IN_PROCESS, RecordError, reference_answer, reference_key
 from unmask.rewards.code_tests import test_units
-from unmask.rewards.sandbox import Worker, WorkerError
+from unmask.rewards.sandbox import MAX_ABS_REWARD, Worker, WorkerError
 from unmask.rewards.spec import RewardSpec
 
 #: records check() calls each reward on
@@ -101,7 +101,7 @@ class RewardSet:
         if worker is None:
             target = "builtin:code" if spec.fn == "code" else spec.fn
             worker = Worker(target, timeout_s=spec.timeout_s, memory_mb=spec.memory_mb,
-                            parallel=spec.parallel_calls,
+                            parallel=spec.parallel_calls, network=spec.network, env=spec.env,
                             options=spec.options if spec.builtin else {})  # fmt: skip
             self._workers[i] = worker
         if not worker.alive:
@@ -115,6 +115,11 @@ class RewardSet:
     def write_guarded(self) -> dict[str, bool]:
         """Per running worker: whether file-system changes are confined to its folder."""
         return {self.specs[i].label: w.write_guard for i, w in self._workers.items() if w.alive}
+
+    def guards(self) -> dict[str, dict]:
+        """Per running worker: which of its guards hold (docs/rewards.md, What the sandbox
+        is), by name, and "why" those that do not."""
+        return {self.specs[i].label: dict(w.guards) for i, w in self._workers.items() if w.alive}
 
     # --- checks before training -----------------------------------------------------------
 
@@ -213,6 +218,8 @@ def _start_error(spec: RewardSpec, where: str, err: WorkerError) -> str:
 
 
 def _fix(where: str, error: str) -> str:
+    if "beyond the reward limit" in error:
+        return f": keep rewards within ±{MAX_ABS_REWARD:g} (rescale them)"
     if error.startswith("returned"):
         return ": return a float (an int or a bool also works)"
     if error.startswith("raised"):

@@ -3,7 +3,9 @@ it batches of calls, take back their scores, and stop it when it does not answer
 
 The worker is a separate interpreter, started once and kept for the whole run; each call it
 makes runs in a fork of it (about a millisecond, against tens of milliseconds for a fresh
-interpreter, docs/rewards.md). Replies are JSON, never pickles.
+interpreter, docs/rewards.md). Replies are JSON, never pickles, and every score is checked
+again here. It gets an environment of allow-listed variables only (PASSED_ENV), and puts
+itself behind the guards of isolation.py; the guards it could not have are said once.
 """
 
 from __future__ import annotations
@@ -23,12 +25,37 @@ import time
 import weakref
 from pathlib import Path
 
+from unmask.rewards import isolation
+
 WORKER_SCRIPT = Path(__file__).with_name("worker.py")
 HEADER = struct.Struct(">I")
 #: seconds a worker may take to start and import the user's module
 START_TIMEOUT_S = 60.0
 #: seconds of slack on top of the calls' own limits before the worker counts as hung
 SLACK_S = 10.0
+#: False: workers make no namespace (what a kernel without them gives; for tests)
+USE_NAMESPACES = True
+#: largest |score| a reward may return: beyond it (or not finite) a call is a failure, so
+#: that the float32 weighted total stays exact enough and finite
+MAX_ABS_REWARD = 1e6
+#: environment variables a worker gets from the training process (and LC_*), besides HOME
+#: and TMPDIR (its folder) and the names in a reward's `env:`: none of them a secret
+PASSED_ENV = frozenset(
+    "PATH LANG LANGUAGE TZ TERM PYTHONPATH PYTHONHASHSEED PYTHONUTF8 PYTHONIOENCODING "
+    "VIRTUAL_ENV LD_LIBRARY_PATH CUDA_VISIBLE_DEVICES OMP_NUM_THREADS MKL_NUM_THREADS "
+    "OPENBLAS_NUM_THREADS HF_HOME HF_HUB_CACHE HF_HUB_OFFLINE TRANSFORMERS_OFFLINE".split()
+)
+#: what a guard that is missing leaves reward code free to do, by guard (docs/rewards.md)
+_LEFT_OPEN = {
+    "write_guard": "change files outside its folder",
+    "network": "use the network",
+    "udp": "use the network but TCP (UDP, for one)",
+    "signals": "see and signal your other processes (the trainer too)",
+    "own_proc": "read your other processes' environment in /proc",
+    "call_namespaces": "leave processes behind that start their own session",
+    "process_limit": "start processes without limit",
+}
+_said: set[str] = set()
 
 
 class WorkerError(Exception):
@@ -52,6 +79,63 @@ def search_path() -> list[str]:
     return out
 
 
+def process_limit(parallel: int) -> int:
+    """Most tasks (processes and threads) a worker and its calls may have at once: room for
+    each call, the worker and a thread pool per CPU (torch, numpy) in each."""
+    return (parallel + 1) * (64 + 2 * (os.cpu_count() or 1))
+
+
+def worker_environment(root: str, names=()) -> dict[str, str]:
+    """The worker's environment: PASSED_ENV, LC_* and `names` from this process's, HOME
+    and TMPDIR set to its folder; nothing else (tokens, keys, passwords stay here)."""
+    env = {k: v for k, v in os.environ.items()
+           if k in PASSED_ENV or k.startswith("LC_") or k in names}  # fmt: skip
+    return {**env, "HOME": root, "TMPDIR": root, "PYTHONDONTWRITEBYTECODE": "1"}
+
+
+def left_open(guards: dict, network: bool) -> list[str]:
+    """What reward code can do here that docs/rewards.md says the guards stop, given which
+    guards the worker has (Worker.guards)."""
+    no_network = network or guards.get("network_namespace")
+    held = {
+        "write_guard": guards.get("write_guard"),
+        "network": no_network or guards.get("tcp_blocked"),
+        "udp": no_network or not guards.get("tcp_blocked"),  # said instead of "network"
+        "signals": guards.get("pid_namespace") or guards.get("signals_scoped"),
+        "own_proc": guards.get("own_proc"),
+        "call_namespaces": guards.get("call_namespaces"),
+        "process_limit": guards.get("process_limit"),
+    }
+    return [_LEFT_OPEN[name] for name, holds in held.items() if not holds]
+
+
+def notice_line(guards: dict, network: bool) -> str | None:
+    """The line that names what reward code can do here because a guard could not be had
+    (and why not), or None when every guard holds."""
+    lost = left_open(guards, network)
+    if not lost:
+        return None
+    why = "; ".join(guards.get("why", [])) or "not available here"
+    return (f"unmask: reward workers run with fewer guards here ({why}): reward code may "
+            f"{', '.join(lost)} (docs/rewards.md, What the sandbox is)")  # fmt: skip
+
+
+def checked_result(result, limit: float = MAX_ABS_REWARD) -> list:
+    """A worker's [score, None] or [None, error], checked: a score that is no finite number
+    within ±limit, or anything else, becomes a failure."""
+    if isinstance(result, list) and len(result) == 2:
+        score, error = result
+        if error is None and type(score) in (int, float):
+            if not math.isfinite(score):
+                return [None, f"returned {score}, not a finite number"]
+            if abs(score) <= limit:
+                return [float(score), None]
+            return [None, f"returned {score:g}, beyond the reward limit of ±{limit:g}"]
+        if score is None and isinstance(error, str):
+            return [None, error]
+    return [None, "the reward worker sent a malformed result"]
+
+
 def _stop(proc: subprocess.Popen | None, root: str | None) -> None:
     if proc is not None and proc.poll() is None:
         try:
@@ -69,22 +153,29 @@ def _stop(proc: subprocess.Popen | None, root: str | None) -> None:
                 stream.close()
             except OSError:
                 pass
+    if proc is not None:  # its pids cgroup: gone already unless the worker was killed
+        isolation.remove_cgroup(isolation.cgroup_folder(proc.pid))
     if root is not None:
         shutil.rmtree(root, ignore_errors=True)
 
 
 class Worker:
-    """One worker process for one reward: `target` is `module:function` or "builtin:code"."""
+    """One worker process for one reward: `target` is `module:function` or "builtin:code";
+    `network` lets its calls use the network, `env` names variables it gets besides
+    PASSED_ENV."""
 
     def __init__(self, target: str, *, timeout_s: float, memory_mb: int, parallel: int,
-                 options: dict | None = None, start_timeout_s: float | None = None):  # fmt: skip
+                 options: dict | None = None, start_timeout_s: float | None = None,
+                 network: bool = False, env=()):  # fmt: skip
         self.target, self.timeout_s, self.memory_mb = target, timeout_s, memory_mb
         self.parallel, self.options = parallel, options or {}
+        self.network, self.env = network, tuple(env)
         self.start_timeout_s = start_timeout_s or START_TIMEOUT_S
         self.proc: subprocess.Popen | None = None
         self.root: str | None = None
         self.pid: int | None = None
-        self.write_guard = self.memory_limit = False
+        self.guards: dict = {}
+        """What the worker's guards are (isolation.py names; "why": what it could not have)."""
         self._pending = 0
         self._unsendable: str | None = None
         self._finalizer = None
@@ -97,15 +188,19 @@ class Worker:
         """Start the worker and load the function; WorkerError when it cannot."""
         self.close()
         self.root = tempfile.mkdtemp(prefix="unmask-reward-")
-        env = dict(os.environ, HOME=self.root, TMPDIR=self.root, PYTHONDONTWRITEBYTECODE="1")
         self.proc = subprocess.Popen(
             [sys.executable, str(WORKER_SCRIPT)], stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE, cwd=self.root, env=env, start_new_session=True,
+            stdout=subprocess.PIPE, cwd=self.root, start_new_session=True,
+            env=worker_environment(self.root, self.env),
         )  # fmt: skip
+        self.guards = {}
         self._finalizer = weakref.finalize(self, _stop, self.proc, self.root)
         init = {"path": search_path(), "target": self.target, "root": self.root,
                 "timeout_s": self.timeout_s, "memory_mb": self.memory_mb,
-                "parallel": self.parallel, "options": self.options}  # fmt: skip
+                "parallel": self.parallel, "options": self.options, "network": self.network,
+                "namespaces": USE_NAMESPACES,
+                "max_abs_reward": MAX_ABS_REWARD,
+                "process_limit": process_limit(self.parallel)}  # fmt: skip
         reply = self._send(init) and self._receive(self.start_timeout_s)
         if not isinstance(reply, dict):
             why = self._gone(reply, self.start_timeout_s)
@@ -116,7 +211,19 @@ class Worker:
             error = reply["error"]
             raise WorkerError(error["kind"], error["message"], error.get("names"))
         self.pid = reply["pid"]
-        self.write_guard, self.memory_limit = reply["write_guard"], reply["memory_limit"]
+        self.guards.update(reply["guards"])
+        self._say_what_is_left_open()
+
+    @property
+    def write_guard(self) -> bool:
+        return bool(self.guards.get("write_guard"))
+
+    def _say_what_is_left_open(self) -> None:
+        """notice_line on stderr, once per process and situation."""
+        line = notice_line(self.guards, self.network)
+        if line is not None and line not in _said:
+            _said.add(line)
+            print(line, file=sys.stderr)
 
     def submit(self, items: list[tuple[str, str, dict]]) -> None:
         """Send a batch of (prompt, completion, record) calls; collect() takes the scores."""
@@ -143,7 +250,7 @@ class Worker:
         if self._unsendable is not None:
             return [[None, self._unsendable] for _ in range(n)]
         if isinstance(reply, dict) and len(reply.get("results", ())) == n:
-            return reply["results"]
+            return [checked_result(result) for result in reply["results"]]
         error = self._gone(reply, budget)
         self.close()
         return [[None, error] for _ in range(n)]
@@ -153,6 +260,7 @@ class Worker:
             self._finalizer()
         self.proc = self._finalizer = None
         self.root = self.pid = None
+        self.guards = {}
 
     # --- pipes --------------------------------------------------------------------------
 

@@ -114,6 +114,12 @@ class RewardSpec(BaseModel):
     """Calls of this reward that run at once, each in its own process."""
     options: dict[str, Any] = {}
     """Options of a built-in reward (docs/rewards.md lists them); user functions take none."""
+    network: bool = False
+    """Let the reward's calls use the network (a judge behind an API). Off: the worker has
+    no network at all, 127.0.0.1 included, where the kernel allows it."""
+    env: list[str] = []
+    """Names of environment variables the worker gets from the training process besides the
+    allow-list (an API key for a judge); no other variable reaches it."""
 
     @field_validator("weight")
     @classmethod
