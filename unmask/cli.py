@@ -130,10 +130,10 @@ def cmd_generate(ns: argparse.Namespace) -> int:
         with open(ns.out, "w") as handle:
             handle.writelines(json.dumps(r) + "\n" for r in records)
         print(f"unmask: wrote {len(records)} record(s) to {ns.out}", file=sys.stderr)
-    elif ns.jsonl or len(records) > 1:
+    elif ns.jsonl:
         sys.stdout.writelines(json.dumps(r) + "\n" for r in records)
-    else:
-        print(records[0]["prompt"] + records[0]["completion"])
+    else:  # the form depends on the flags only, never on how many prompts there are
+        sys.stdout.writelines(r["prompt"] + r["completion"] + "\n" for r in records)
     print(f"unmask: {throughput(records)}", file=sys.stderr)
     return 0
 
@@ -476,7 +476,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompt", action="append", help="text to continue (repeatable)")
     gen.add_argument("--prompts", help='jsonl file, one {"prompt": ...} per line')
     gen.add_argument("--out", help="write one jsonl record per prompt here")
-    gen.add_argument("--jsonl", action="store_true", help="print jsonl records to stdout")
+    gen.add_argument("--jsonl", action="store_true", help="print jsonl records to stdout "
+                     "(default: each prompt and its completion as one plain line, in order)")  # fmt: skip
     gen.add_argument("--show", action="store_true", help="animate the denoising (stderr)")
     gen.add_argument("--show-delay", type=float, default=0.05, help="seconds per frame")
     gen.add_argument("--tokenizer", help="tokenizer folder (default: the model folder)")

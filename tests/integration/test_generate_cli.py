@@ -69,6 +69,25 @@ def test_generate_single_prompt_prints_text_and_show_animates(model_dir, capsys)
     assert "tokens/s" in captured.err and "tokens per forward" in captured.err
 
 
+def test_several_prompts_print_plain_lines_unless_jsonl_is_asked(model_dir, tmp_path, capsys):
+    """The output's form follows the flags, not the number of prompts: several --prompt (or
+    a --prompts file) print one plain line per prompt, in order, like one --prompt does;
+    --jsonl prints the records."""
+    prompts = ["rev 12=", "sort 31=", "add 1+2="]
+    expected = expected_completions(model_dir, prompts, steps=6, gen_length=6)
+    argv = ["generate", "--model", str(model_dir), "--gen-length", "6"]
+    flags = [arg for p in prompts for arg in ("--prompt", p)]
+    assert main([*argv, *flags]) == 0
+    assert capsys.readouterr().out == "".join(p + e + "\n" for p, e in zip(prompts, expected))
+    src = tmp_path / "prompts.jsonl"
+    src.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts[1:]))
+    assert main([*argv, "--prompt", prompts[0], "--prompts", str(src)]) == 0
+    assert capsys.readouterr().out == "".join(p + e + "\n" for p, e in zip(prompts, expected))
+    assert main([*argv, *flags, "--jsonl"]) == 0
+    records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(r["prompt"], r["completion"]) for r in records] == list(zip(prompts, expected))
+
+
 def test_show_on_a_terminal_redraws_in_place():
     import io
 
