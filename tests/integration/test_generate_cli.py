@@ -127,7 +127,20 @@ def test_eval_ppl_prints_the_bound(model_dir, tmp_path, capsys):
     text.write_text("rev 123=321\n")
     assert main(["eval", "--model", str(model_dir), "--ppl", str(text), "--context", "1",
                  "--mc-num", "1"]) == 0  # fmt: skip
-    result = json.loads(capsys.readouterr().out)
+    captured = capsys.readouterr()
+    result = json.loads(captured.out)
+    # stderr: the numbers, then what the bound is (ELBO, Monte Carlo rows, why it is large)
+    numbers, meaning = captured.err.splitlines()[-2:]
+    assert numbers == (
+        f"unmask: {result['tokens']} scored tokens: NELBO {result['nelbo_per_token']:.4g} "
+        f"nats/token, standard error 0; perplexity <= {result['ppl_upper_bound']:.4g}"
+    )
+    assert meaning.startswith(
+        "unmask: perplexity <= exp(NELBO/token) is an upper bound: a diffusion LM has no exact "
+        "likelihood, only the ELBO below it, here a Monte Carlo estimate from --mc-num 1 masked "
+        "rows per chunk of <= 1 tokens). Every token is masked and scored, with no prompt: "
+    )
+    assert "an undertrained model" in meaning and meaning.endswith("with --pairs")
     # context 1: each token scored alone, masked -> the bound is exact: check it by hand
     from unmask.data.tokenizer import load_local_tokenizer as load_tokenizer
 
