@@ -580,7 +580,9 @@ def build_parser() -> argparse.ArgumentParser:
     pre.add_argument(
         "--output-prefix", required=True, metavar="PREFIX", help="writes PREFIX.bin/.idx/.json"
     )
-    pre.add_argument("--tokenizer", required=True, metavar="DIR", help="local tokenizer folder")
+    pre.add_argument("--tokenizer", required=True, metavar="DIR", help="char (the built-in "
+                     "character tokenizer, data.tokenizer's default) or a local tokenizer folder "
+                     "(a run's final/ or checkpoint-N/ holds its run's)")  # fmt: skip
     pre.add_argument("--workers", type=int, default=1, metavar="N", help="tokenizing processes")
     pre.add_argument("--json-key", default="text", metavar="KEY",
                      help="field holding the text (jsonl, parquet, save_to_disk)")  # fmt: skip
