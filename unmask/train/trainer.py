@@ -69,6 +69,7 @@ from unmask.train.metrics import (
     MetricsLogger,
     SilentLogger,
     check_trackers,
+    progress_postfix,
     truncate_metrics,
 )
 from unmask.train.mfu import device_peak, flop_model, matmul_dtype, raise_cached_peak
@@ -602,8 +603,7 @@ class Trainer:
                             window.peak_raised = False
                             dtype = matmul_dtype(self.device.type, cfg.train.bf16)
                             logger.print(raise_cached_peak(self.device, dtype, window.peak_flops))
-                    shown = {"loss": f"{values['loss']:.3f}"} if "loss" in values else None
-                    logger.advance(self.step, shown)
+                    logger.advance(self.step, progress_postfix(values))
                     if (plan.eval_every and self.step % plan.eval_every == 0) or at_end:
                         if len(self.eval_rows):
                             values["eval_loss"] = self.last_eval_loss = self.evaluate()
