@@ -111,6 +111,7 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     if ns.out:
         _check_out_file(Path(ns.out))
     sm = load_for_sampling(ns.model, ns.tokenizer, ns.device, ns.mask_id, base=ns.base)
+    _auto_threads(sm)
     config = resolve_sampling(sm.saved, sampling_flags(ns))
     generator = (
         torch.Generator(device=sm.device).manual_seed(ns.seed) if ns.seed is not None else None
@@ -136,6 +137,15 @@ def cmd_generate(ns: argparse.Namespace) -> int:
         sys.stdout.writelines(r["prompt"] + r["completion"] + "\n" for r in records)
     print(f"unmask: {throughput(records)}", file=sys.stderr)
     return 0
+
+
+def _auto_threads(sm) -> None:
+    """One torch thread for a tiny model on a CPU unless OMP_NUM_THREADS is set (train's
+    `train.num_threads: auto`, unmask/parallel/threads.py): on a small shared machine two
+    threads made a quickstart-sized model's generation many times slower."""
+    from unmask.parallel.threads import set_threads
+
+    set_threads("auto", sum(p.numel() for p in sm.model.parameters()), sm.device.type)
 
 
 def _check_out_file(path: Path) -> None:
@@ -221,6 +231,7 @@ def cmd_eval(ns: argparse.Namespace) -> int:
         pairs = scores.parse_pairs(text, str(path), ns.separator, ns.prompt_field or "prompt",
                                    ns.answer_field)  # fmt: skip
     sm = load_for_sampling(ns.model, ns.tokenizer, ns.device, ns.mask_id, base=ns.base)
+    _auto_threads(sm)
     config = resolve_sampling(sm.saved)
     if config.block_causal:
         raise InputError(
@@ -318,6 +329,7 @@ def _eval_tasks(ns: argparse.Namespace) -> int:
                       **flags)  # fmt: skip
     except ValueError as err:
         raise InputError(str(err)) from None
+    _auto_threads(lm.sm)
     limit = ns.limit if ns.limit is None or ns.limit < 1 else int(ns.limit)
     bootstrap = 100000 if ns.bootstrap_iters is None else ns.bootstrap_iters
     run = lm_tasks.TaskRun(names, preset, ns.include_path, limit, ns.num_fewshot, ns.seed,

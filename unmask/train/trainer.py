@@ -52,6 +52,7 @@ from unmask.parallel.distributed import (
 from unmask.parallel.fsdp import sync_gradients
 from unmask.parallel.mesh import launch_env, share_from_rank0
 from unmask.parallel.tensor import check_tensor_parallel
+from unmask.parallel.threads import set_threads
 from unmask.posttrain import build_posttrain_objective, check_posttrain, is_posttrain
 from unmask.posttrain.pairs import build_pair_datasets, heldout_pair_examples
 from unmask.posttrain.preference import PreferenceObjective, reference_memory_note
@@ -158,6 +159,9 @@ class Trainer:
         self.model = build_train_model(cfg, self.tokenizer, added_tokens, self.device,
                                        self.dist.mesh)  # fmt: skip
         attach_context(self.model, self.context)
+        params = sum(p.numel() for p in self.model.parameters())
+        if line := set_threads(t.num_threads, params, self.device.type):  # tiny: one thread
+            self.notices.append(line)
         if self.preference:  # chosen/rejected pairs against a frozen reference
             self.objective = self._preference_objective(added_tokens)
         elif is_posttrain(cfg.diffusion.objective):  # grpo: unmask.posttrain
