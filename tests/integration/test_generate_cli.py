@@ -138,7 +138,7 @@ def test_eval_ppl_prints_the_bound(model_dir, tmp_path, capsys):
     assert meaning.startswith(
         "unmask: perplexity <= exp(NELBO/token) is an upper bound: a diffusion LM has no exact "
         "likelihood, only the ELBO below it, here a Monte Carlo estimate from --mc-num 1 masked "
-        "rows per chunk of <= 1 tokens). Every token is masked and scored, with no prompt: "
+        "rows per chunk of <= 1 tokens. Every token is masked and scored, with no prompt: "
     )
     assert "an undertrained model" in meaning and meaning.endswith("with --pairs")
     # context 1: each token scored alone, masked -> the bound is exact: check it by hand

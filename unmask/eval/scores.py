@@ -279,8 +279,9 @@ def describe(result: dict[str, Any]) -> str:
     return line + (
         f"\nunmask: perplexity <= exp(NELBO/token) is an upper bound: a diffusion LM has no "
         f"exact likelihood, only the ELBO below it, here a Monte Carlo estimate from --mc-num "
-        f"{result['mc_num']} masked rows per chunk of <= {result['context']} tokens). Every token is masked and "
-        f"scored, with no prompt: tokens the model cannot predict (an undertrained model, or "
+        f"{result['mc_num']} masked rows per chunk of <= {result['context']} tokens. Every "
+        f"token is masked and scored, with no prompt: tokens the model cannot predict (an "
+        f"undertrained model, or "
         f"prompts it was never trained to predict, as in prompt/answer training) make the bound "
         f"large. Compare models on the same file and flags; score answers given prompts with "
         f"--pairs"
