@@ -140,9 +140,9 @@ def cmd_generate(ns: argparse.Namespace) -> int:
 
 
 def _auto_threads(sm) -> None:
-    """One torch thread for a tiny model on a CPU unless OMP_NUM_THREADS is set (train's
-    `train.num_threads: auto`, unmask/parallel/threads.py): on a small shared machine two
-    threads made a quickstart-sized model's generation many times slower."""
+    """A tiny model on a CPU gets one torch thread per idle core unless OMP_NUM_THREADS is set
+    (train's `train.num_threads: auto`, unmask/parallel/threads.py): on a shared 2-core machine
+    two threads made a quickstart-sized model's generation 2-40x slower."""
     from unmask.parallel.threads import set_threads
 
     set_threads("auto", sum(p.numel() for p in sm.model.parameters()), sm.device.type)

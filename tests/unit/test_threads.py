@@ -1,5 +1,8 @@
-"""Torch threads (unmask/parallel/threads.py): `auto` gives a tiny CPU model one thread unless
-OMP_NUM_THREADS is set; train.num_threads sets a count; `unmask generate` applies `auto`."""
+"""Torch threads (unmask/parallel/threads.py): `auto` gives a tiny CPU model one thread per idle
+core unless OMP_NUM_THREADS is set; train.num_threads sets a count; `unmask generate` applies
+`auto`. The machine's load is set by the tests (`busy`), never read from the shared machine."""
+
+import os
 
 import pytest
 import torch
@@ -8,29 +11,46 @@ from conftest import TINY, deep_update, save_tiny_model
 from unmask.cli import main
 from unmask.config import validate_tree
 from unmask.errors import InputError
+from unmask.parallel import threads
 from unmask.parallel.threads import TINY_MODEL_PARAMS, auto_threads, set_threads
 from unmask.train.trainer import Trainer
 
 
 @pytest.fixture
 def two_threads(monkeypatch):
-    """Torch at 2 threads with OMP_NUM_THREADS unset (a user's plain shell); restored."""
+    """Torch at 2 threads with OMP_NUM_THREADS unset (a user's plain shell) on a 2-core
+    machine with one core busy with other work; restored."""
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(threads, "busy_cores", lambda: (1.0, 2))
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     yield
     torch.set_num_threads(before)
 
 
-def test_auto_is_one_thread_for_a_tiny_cpu_model_only(monkeypatch):
-    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+def test_auto_is_one_thread_per_idle_core_for_a_tiny_cpu_model_only(two_threads, monkeypatch):
     assert TINY_MODEL_PARAMS == 5_000_000
-    assert auto_threads(800_000, "cpu") == 1  # the quickstart's size
-    assert auto_threads(TINY_MODEL_PARAMS - 1, "cpu") == 1
-    assert auto_threads(TINY_MODEL_PARAMS, "cpu") is None  # large enough: torch's default
+    chosen, why = auto_threads(800_000, "cpu")  # the quickstart's size, one core busy
+    assert chosen == 1
+    assert why.startswith("auto: a 0.80M-parameter model, 1.0 of 2 cores busy with other work")
+    assert auto_threads(TINY_MODEL_PARAMS - 1, "cpu")[0] == 1
+    assert auto_threads(TINY_MODEL_PARAMS, "cpu") is None  # large enough: torch's count
     assert auto_threads(800_000, "cuda") is None
+    for busy, cores, expected in [(0.0, 2, None), (0.4, 2, None), (0.6, 2, 1), (7.5, 2, 1),
+                                  (5.0, 8, None)]:  # fmt: skip
+        monkeypatch.setattr(threads, "busy_cores", lambda b=busy, c=cores: (b, c))
+        got = auto_threads(800_000, "cpu")  # idle cores: torch's 2 threads are kept
+        assert (got and got[0]) == expected, (busy, cores, got)
+    monkeypatch.setattr(threads, "busy_cores", lambda: None)  # no load average: kept
+    assert auto_threads(800_000, "cpu") is None
+    monkeypatch.setattr(threads, "busy_cores", lambda: (1.0, 2))
     monkeypatch.setenv("OMP_NUM_THREADS", "2")  # the user chose: kept
     assert auto_threads(800_000, "cpu") is None
+
+
+def test_busy_cores_reads_this_machine():
+    busy, cores = threads.busy_cores(window_s=0.01)
+    assert 0 <= busy and 1 <= cores <= os.cpu_count()
 
 
 def test_set_threads_applies_auto_or_a_count_and_says_so(two_threads):

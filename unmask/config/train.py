@@ -88,10 +88,11 @@ class TrainConfig(BaseModel):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """auto = cuda when available, else cpu."""
     num_threads: Literal["auto"] | Annotated[int, Field(ge=1)] = "auto"
-    """Torch's intra-op threads (torch.set_num_threads). auto: one thread for a model under
-    5M parameters on a CPU (several times faster for tiny models on a small, shared machine:
-    README, Threads), unless OMP_NUM_THREADS is set; otherwise torch's default (every core).
-    A number sets that many."""
+    """Torch's intra-op threads (torch.set_num_threads). auto: a model under 5M parameters on
+    a CPU gets one thread per core not busy with other work at start-up (on a shared 2-core
+    machine one thread trained a tiny model 2-12x faster than two; idle, two are 1.7x faster:
+    README, CPU threads), unless OMP_NUM_THREADS is set; otherwise torch's default (every
+    core). A number sets that many."""
     trim_host_memory: bool = True
     """CPU runs on Linux: return freed memory to the OS at once (glibc malloc's trim
     threshold set to 0) instead of keeping freed activations in the heap, where the next
