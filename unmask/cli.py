@@ -120,6 +120,7 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     if ns.out:
         _check_out_file(Path(ns.out))
     sm = load_for_sampling(ns.model, ns.tokenizer, ns.device, ns.mask_id, base=ns.base)
+    _auto_threads(sm)
     config = resolve_sampling(sm.saved, sampling_flags(ns))
     generator = (
         torch.Generator(device=sm.device).manual_seed(ns.seed) if ns.seed is not None else None
@@ -139,12 +140,21 @@ def cmd_generate(ns: argparse.Namespace) -> int:
         with open(ns.out, "w") as handle:
             handle.writelines(json.dumps(r) + "\n" for r in records)
         print(f"unmask: wrote {len(records)} record(s) to {ns.out}", file=sys.stderr)
-    elif ns.jsonl or len(records) > 1:
+    elif ns.jsonl:
         sys.stdout.writelines(json.dumps(r) + "\n" for r in records)
-    else:
-        print(records[0]["prompt"] + records[0]["completion"])
+    else:  # the form depends on the flags only, never on how many prompts there are
+        sys.stdout.writelines(r["prompt"] + r["completion"] + "\n" for r in records)
     print(f"unmask: {throughput(records)}", file=sys.stderr)
     return 0
+
+
+def _auto_threads(sm) -> None:
+    """A tiny model on a CPU gets one torch thread per idle core unless OMP_NUM_THREADS is set
+    (train's `train.num_threads: auto`, unmask/parallel/threads.py): on a shared 2-core machine
+    two threads made a quickstart-sized model's generation 2-40x slower."""
+    from unmask.parallel.threads import set_threads
+
+    set_threads("auto", sum(p.numel() for p in sm.model.parameters()), sm.device.type)
 
 
 def _check_out_file(path: Path) -> None:
@@ -230,6 +240,7 @@ def cmd_eval(ns: argparse.Namespace) -> int:
         pairs = scores.parse_pairs(text, str(path), ns.separator, ns.prompt_field or "prompt",
                                    ns.answer_field)  # fmt: skip
     sm = load_for_sampling(ns.model, ns.tokenizer, ns.device, ns.mask_id, base=ns.base)
+    _auto_threads(sm)
     config = resolve_sampling(sm.saved)
     if config.block_causal:
         raise InputError(
@@ -327,6 +338,7 @@ def _eval_tasks(ns: argparse.Namespace) -> int:
                       **flags)  # fmt: skip
     except ValueError as err:
         raise InputError(str(err)) from None
+    _auto_threads(lm.sm)
     limit = ns.limit if ns.limit is None or ns.limit < 1 else int(ns.limit)
     bootstrap = 100000 if ns.bootstrap_iters is None else ns.bootstrap_iters
     run = lm_tasks.TaskRun(names, preset, ns.include_path, limit, ns.num_fewshot, ns.seed,
@@ -485,7 +497,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompt", action="append", help="text to continue (repeatable)")
     gen.add_argument("--prompts", help='jsonl file, one {"prompt": ...} per line')
     gen.add_argument("--out", help="write one jsonl record per prompt here")
-    gen.add_argument("--jsonl", action="store_true", help="print jsonl records to stdout")
+    gen.add_argument("--jsonl", action="store_true", help="print jsonl records to stdout "
+                     "(default: each prompt and its completion as one plain line, in order)")  # fmt: skip
     gen.add_argument("--show", action="store_true", help="animate the denoising (stderr)")
     gen.add_argument("--show-delay", type=float, default=0.05, help="seconds per frame")
     gen.add_argument("--tokenizer", help="tokenizer folder (default: the model folder)")
@@ -588,7 +601,9 @@ def build_parser() -> argparse.ArgumentParser:
     pre.add_argument(
         "--output-prefix", required=True, metavar="PREFIX", help="writes PREFIX.bin/.idx/.json"
     )
-    pre.add_argument("--tokenizer", required=True, metavar="DIR", help="local tokenizer folder")
+    pre.add_argument("--tokenizer", required=True, metavar="DIR", help="char (the built-in "
+                     "character tokenizer, data.tokenizer's default) or a local tokenizer folder "
+                     "(a run's final/ or checkpoint-N/ holds its run's)")  # fmt: skip
     pre.add_argument("--workers", type=int, default=1, metavar="N", help="tokenizing processes")
     pre.add_argument("--json-key", default="text", metavar="KEY",
                      help="field holding the text (jsonl, parquet, save_to_disk)")  # fmt: skip

@@ -69,6 +69,25 @@ def test_generate_single_prompt_prints_text_and_show_animates(model_dir, capsys)
     assert "tokens/s" in captured.err and "tokens per forward" in captured.err
 
 
+def test_several_prompts_print_plain_lines_unless_jsonl_is_asked(model_dir, tmp_path, capsys):
+    """The output's form follows the flags, not the number of prompts: several --prompt (or
+    a --prompts file) print one plain line per prompt, in order, like one --prompt does;
+    --jsonl prints the records."""
+    prompts = ["rev 12=", "sort 31=", "add 1+2="]
+    expected = expected_completions(model_dir, prompts, steps=6, gen_length=6)
+    argv = ["generate", "--model", str(model_dir), "--gen-length", "6"]
+    flags = [arg for p in prompts for arg in ("--prompt", p)]
+    assert main([*argv, *flags]) == 0
+    assert capsys.readouterr().out == "".join(p + e + "\n" for p, e in zip(prompts, expected))
+    src = tmp_path / "prompts.jsonl"
+    src.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts[1:]))
+    assert main([*argv, "--prompt", prompts[0], "--prompts", str(src)]) == 0
+    assert capsys.readouterr().out == "".join(p + e + "\n" for p, e in zip(prompts, expected))
+    assert main([*argv, *flags, "--jsonl"]) == 0
+    records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(r["prompt"], r["completion"]) for r in records] == list(zip(prompts, expected))
+
+
 def test_show_on_a_terminal_redraws_in_place():
     import io
 
@@ -108,7 +127,20 @@ def test_eval_ppl_prints_the_bound(model_dir, tmp_path, capsys):
     text.write_text("rev 123=321\n")
     assert main(["eval", "--model", str(model_dir), "--ppl", str(text), "--context", "1",
                  "--mc-num", "1"]) == 0  # fmt: skip
-    result = json.loads(capsys.readouterr().out)
+    captured = capsys.readouterr()
+    result = json.loads(captured.out)
+    # stderr: the numbers, then what the bound is (ELBO, Monte Carlo rows, why it is large)
+    numbers, meaning = captured.err.splitlines()[-2:]
+    assert numbers == (
+        f"unmask: {result['tokens']} scored tokens: NELBO {result['nelbo_per_token']:.4g} "
+        f"nats/token, standard error 0; perplexity <= {result['ppl_upper_bound']:.4g}"
+    )
+    assert meaning.startswith(
+        "unmask: perplexity <= exp(NELBO/token) is an upper bound: a diffusion LM has no exact "
+        "likelihood, only the ELBO below it, here a Monte Carlo estimate from --mc-num 1 masked "
+        "rows per chunk of <= 1 tokens. Every token is masked and scored, with no prompt: "
+    )
+    assert "an undertrained model" in meaning and meaning.endswith("with --pairs")
     # context 1: each token scored alone, masked -> the bound is exact: check it by hand
     from unmask.data.tokenizer import load_local_tokenizer as load_tokenizer
 

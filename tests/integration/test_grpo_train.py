@@ -46,11 +46,20 @@ def write(root: Path, name: str, extra: dict) -> Path:
     return path
 
 
-def test_grpo_logs_rollouts_and_resumes_exactly(tmp_path):
+def test_grpo_logs_rollouts_and_resumes_exactly(tmp_path, capsys):
     Trainer(load_config(write(tmp_path, "run", {}))).train()
     records = read_metrics(tmp_path / "run")
     steps = [r for r in records if "loss" in r]
     assert [r["step"] for r in steps] == [1, 2, 3, 4]
+    # the progress line shows the mean reward (and its std), not the policy loss (near 0 by
+    # construction: advantages are centered per group)
+    printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
+    assert len(printed) == 4
+    for line, r in zip(printed, steps):
+        assert line.startswith(
+            f"step {r['step']}/4 | reward {r['reward_mean']:.3f} (std {r['reward_std']:.2f}) | "
+        ), line
+        assert "loss" not in line.split(" | eval_loss")[0]
     for r in steps:
         keys = {"reward_mean", "reward_std", "reward/format_mean", "reward/exact_match_std",
                 "completion_length", "zero_advantage_groups", "clip_fraction",

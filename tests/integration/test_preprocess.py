@@ -278,3 +278,44 @@ def test_only_empty_documents(bad_setup, char_tok, capsys):
     code, err = run(["--input", empty, "--output-prefix", tmp / "out" / "s",
                      "--tokenizer", char_tok], capsys)  # fmt: skip
     assert_refused(code, err, "no non-empty document", "2 empty", out=tmp / "out")
+
+
+def test_char_store_trains_and_a_runs_final_folder_is_a_tokenizer(tmp_path, capsys):
+    """`--tokenizer char` (data.tokenizer's default) makes a store that a run with
+    `data.tokenizer: char` trains from; that run's final/ is a tokenizer folder too, and
+    tokenizes to the same bytes (same fingerprint)."""
+    import yaml
+    from conftest import TINY, deep_update, read_metrics
+
+    docs = [f"rev {i}{i + 7}={i + 7}{i}" for i in range(40)]
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    code, err = run(["--input", corpus, "--output-prefix", tmp_path / "char", "--tokenizer",
+                     "char", "--append-eod"], capsys)  # fmt: skip
+    assert code == 0, err
+    char = build_char_tokenizer()
+    store = IndexedStore(tmp_path / "char")
+    want = [ids + [char.eos_token_id] for ids in char(docs, add_special_tokens=False)["input_ids"]]
+    assert [store.document(i).tolist() for i in range(len(docs))] == want
+    assert store.meta["tokenizer"] == "char" and store.meta["vocab_size"] == 101
+
+    tree = deep_update(TINY, {
+        "data": {"dataset": str(tmp_path / "char"), "tokenizer": "char", "packing": True,
+                 "eval_split": 4},
+        "train": {"max_steps": 2, "eval_steps": 0, "save_steps": 0,
+                  "output_dir": str(tmp_path / "run")},
+    })  # fmt: skip
+    for key in ("synthetic_train_size", "synthetic_eval_size"):
+        tree["data"].pop(key)
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(tree))
+    assert main(["train", str(tmp_path / "run.yaml")]) == 0
+    assert [r["step"] for r in read_metrics(tmp_path / "run") if "loss" in r] == [1, 2]
+
+    final = tmp_path / "run" / "final"
+    code, err = run(["--input", corpus, "--output-prefix", tmp_path / "final", "--tokenizer",
+                     final, "--append-eod"], capsys)  # fmt: skip
+    assert code == 0, err
+    assert (tmp_path / "final.bin").read_bytes() == (tmp_path / "char.bin").read_bytes()
+    again = IndexedStore(tmp_path / "final")
+    assert again.meta["tokenizer_fingerprint"] == store.meta["tokenizer_fingerprint"]
+    assert check_store_tokenizer(store, load_local_tokenizer(str(final))) is None

@@ -42,6 +42,40 @@ def test_unknown_key_names_nearest_valid_key():
         validate_tree({"trian": {}})
 
 
+@pytest.mark.parametrize(
+    ("override", "meant"),
+    [
+        ("optim.lr=1e-3", "optim.learning_rate"),  # HF / PyTorch users type it
+        ("train.lr=1e-3", "optim.learning_rate"),  # in the wrong section too
+        ("optim.wd=0.1", "optim.weight_decay"),
+        ("train.num_epochs=2", "train.num_train_epochs"),
+        ("train.batch_size=8", "train.per_device_train_batch_size"),  # not eval.batch_size
+        ("data.max_seq_length=64", "data.packing_length"),
+        ("optim.grad_clip=1.0", "optim.max_grad_norm"),
+        ("model.n_layer=2", "model.num_hidden_layers"),
+        ("lr=1e-3", "optim.learning_rate"),  # no section at all
+    ],
+)
+def test_names_from_other_tools_are_refused_with_the_unmask_key(override, meant):
+    """Suggestions only: a foreign name is never accepted in place of unmask's."""
+    key = override.split("=")[0]
+    with pytest.raises(InputError) as err:
+        load_config(None, [override])
+    assert str(err.value) == f"unknown config key '{key}' (did you mean '{meant}'?)"
+
+
+def test_every_foreign_name_points_at_a_real_key_and_shadows_none():
+    from unmask.config.foreign import _NAMES_OF, FOREIGN_KEYS
+
+    assert len(FOREIGN_KEYS) == sum(len(names.split()) for names in _NAMES_OF.values())  # unique
+    sections = RunConfig.model_fields
+    for name, meant in FOREIGN_KEYS.items():
+        section, key = meant.split(".")
+        assert key in sections[section].annotation.model_fields, (name, meant)
+        # the name is unknown in the section it points to (it never hides a real key there)
+        assert name not in sections[section].annotation.model_fields, name
+
+
 def test_wrong_type_names_key_and_value():
     with pytest.raises(InputError, match=r"bad value for config key 'train.max_steps'.*'ten'"):
         load_config(None, ["train.max_steps=ten"])

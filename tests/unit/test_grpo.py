@@ -335,9 +335,16 @@ def test_rollout_sampling_stays_sampled():
     assert GRPOConfig.model_validate({"sampling": {"threshold": 0.9}}).sampling.temperature == 1
 
 
-def test_the_recipe_config_validates():
+def test_the_recipe_config_validates_and_its_base_recipe_makes_its_model():
     from pathlib import Path
 
-    cfg = load_config(Path(__file__).resolve().parents[2] / "recipes" / "grpo_reverse.yaml")
+    recipes = Path(__file__).resolve().parents[2] / "recipes"
+    cfg = load_config(recipes / "grpo_reverse.yaml")
     assert cfg.diffusion.objective == "grpo" and cfg.grpo.group_size == 8
     assert cfg.rewards == [{"fn": "exact_match"}] and cfg.grpo.sampling.temperature == 1.0
+    # `unmask train recipes/grpo_reverse_base.yaml` writes the folder the recipe starts from,
+    # trained on the same task and rows
+    base = load_config(recipes / "grpo_reverse_base.yaml")
+    assert base.diffusion.objective == "mdlm"
+    assert f"{base.train.output_dir}/final" == cfg.model.pretrained
+    assert base.data == cfg.data

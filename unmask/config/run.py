@@ -16,6 +16,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
 from unmask.config.compat import sections_to_tree, translate
+from unmask.config.foreign import FOREIGN_KEYS
 from unmask.config.train import TrainConfig
 from unmask.data.config import DataConfig
 from unmask.diffusion.config import DiffusionConfig
@@ -82,8 +83,11 @@ def _model_at(model: type[BaseModel], path: tuple) -> type[BaseModel] | None:
 
 
 def _suggest(loc: tuple[str, ...]) -> str:
-    """' (did you mean ...?)' for an unknown key at loc: the nearest key of its own section,
-    else the section that has it."""
+    """' (did you mean ...?)' for an unknown key at loc: the unmask key a name from another
+    tool means (foreign.py: `optim.lr` -> `optim.learning_rate`), else the nearest key of its
+    own section, else the section that has it."""
+    if len(loc) <= 2 and loc[-1] in FOREIGN_KEYS:  # a section's key, or a section
+        return f" (did you mean '{FOREIGN_KEYS[loc[-1]]}'?)"
     owner = _model_at(RunConfig, loc) or RunConfig
     prefix = ".".join(loc[:-1])
     hint = did_you_mean(loc[-1], owner.model_fields, prefix + "." if prefix else "")

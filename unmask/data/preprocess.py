@@ -33,7 +33,7 @@ from unmask.data.indexed import (
     tokenizer_fingerprint,
     vocab_size,
 )
-from unmask.data.tokenizer import load_local_tokenizer
+from unmask.data.tokenizer import build_char_tokenizer, load_local_tokenizer
 from unmask.errors import InputError
 
 BAD_RECORD_CHOICES = ("error", "skip")
@@ -149,7 +149,8 @@ def preprocess(
     command: list[str] | None = None,
     progress: bool = True,
 ) -> Summary:
-    """Tokenize `inputs` (files, save_to_disk folders, globs) into the store `output_prefix`.
+    """Tokenize `inputs` (files, save_to_disk folders, globs) into the store `output_prefix`
+    with `tokenizer`: "char" (the built-in one) or a local tokenizer folder.
 
     Every check that can reject input runs before anything is written; a bad record found
     later removes the temporary files, so nothing that looks like a store is left behind.
@@ -160,9 +161,12 @@ def preprocess(
     if on_bad_record not in BAD_RECORD_CHOICES:
         raise InputError(f"--on-bad-record must be one of {BAD_RECORD_CHOICES}")
     files = resolve_inputs(inputs)
-    tok = load_local_tokenizer(
-        tokenizer, setting="--tokenizer", fix="save one there with tokenizer.save_pretrained"
-    )
+    if tokenizer == "char":  # the built-in character tokenizer, data.tokenizer's default
+        tok = build_char_tokenizer()
+    else:  # a folder: any save_pretrained one, a run's final/ or checkpoint-N/ among them
+        tok = load_local_tokenizer(
+            tokenizer, setting="--tokenizer", fix="save one there with tokenizer.save_pretrained"
+        )
     eod = None
     if append_eod:
         if tok.eos_token_id is None:

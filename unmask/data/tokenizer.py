@@ -68,7 +68,7 @@ def load_local_tokenizer(
     replaces the advice when the folder holds no tokenizer files."""
     folder = Path(path).expanduser()
     if not folder.is_dir():
-        char = '"char" or ' if setting == "data.tokenizer" else ""
+        char = '"char" or ' if setting in ("data.tokenizer", "--tokenizer") else ""
         raise InputError(
             f"{setting}: folder {path!r} does not exist; use {char}a local folder holding "
             "tokenizer.json / tokenizer_config.json"

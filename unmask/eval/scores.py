@@ -264,12 +264,25 @@ def _exp(value: float) -> float:
 
 
 def describe(result: dict[str, Any]) -> str:
-    """One human line for stderr: the per-token NELBO with its standard error ("unknown"
-    where it cannot be estimated)."""
+    """The human lines for stderr: the per-token NELBO with its standard error ("unknown"
+    where it cannot be estimated) and the perplexity bound; for a text (--ppl), a second
+    line on what the bound is, since a DLM's is often far above an autoregressive model's."""
     stderr = result.get("stderr_per_token")
     error = "unknown (one Monte Carlo draw: raise --mc-num above --batch-size)" \
         if stderr is None else f"{stderr:.4g}"  # fmt: skip
-    return (
+    line = (
         f"unmask: {result['scored_tokens']} scored tokens: NELBO {result['nelbo_per_token']:.4g} "
         f"nats/token, standard error {error}; perplexity <= {result['ppl_upper_bound']:.4g}"
+    )
+    if result.get("mode") not in ("text", "text-lines"):
+        return line
+    return line + (
+        f"\nunmask: perplexity <= exp(NELBO/token) is an upper bound: a diffusion LM has no "
+        f"exact likelihood, only the ELBO below it, here a Monte Carlo estimate from --mc-num "
+        f"{result['mc_num']} masked rows per chunk of <= {result['context']} tokens. Every "
+        f"token is masked and scored, with no prompt: tokens the model cannot predict (an "
+        f"undertrained model, or "
+        f"prompts it was never trained to predict, as in prompt/answer training) make the bound "
+        f"large. Compare models on the same file and flags; score answers given prompts with "
+        f"--pairs"
     )

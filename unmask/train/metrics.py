@@ -23,10 +23,28 @@ def format_duration(seconds: float) -> str:
     return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"
 
 
+def progress_postfix(values: dict) -> dict | None:
+    """What the progress bar shows beside the step: the mean reward of a reward-driven run
+    (grpo: see `format_line`), else the loss; None when neither was logged."""
+    if "reward_mean" in values:
+        return {"reward": f"{values['reward_mean']:.3f}"}
+    return {"loss": f"{values['loss']:.3f}"} if "loss" in values else None
+
+
 def format_line(step: int, total: int, values: dict, eta_s: float | None) -> str:
-    """'step 40/400 | loss 1.234 | lr 1.00e-03 | 5.1k tok/s | mfu 41.2% | eta 2m10s'."""
+    """'step 40/400 | loss 1.234 | lr 1.00e-03 | 5.1k tok/s | mfu 41.2% | eta 2m10s'.
+
+    A grpo run shows 'reward 0.625 (std 0.48)' (the mean and std of its rollouts' total
+    reward since the last line) instead of the loss: the policy loss of group-centered
+    advantages sits near 0 by construction and says nothing about progress (metrics.jsonl
+    keeps it)."""
     parts = [f"step {step}/{total}"]
-    if "loss" in values:
+    if "reward_mean" in values:
+        reward = f"reward {values['reward_mean']:.3f}"
+        if "reward_std" in values:
+            reward += f" (std {values['reward_std']:.2f})"
+        parts.append(reward)
+    elif "loss" in values:
         parts.append(f"loss {values['loss']:.4f}")
     if "eval_loss" in values:
         parts.append(f"eval_loss {values['eval_loss']:.4f}")

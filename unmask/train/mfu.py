@@ -19,8 +19,10 @@ FLOPs of one optimizer step on one device (forward and backward, 3x the forward'
 MFU = FLOPs / (wall seconds x peak FLOP/s). The peak is the dense datasheet number of a
 known GPU for the step's matmul dtype (`KNOWN_PEAKS`), or else a short matmul measurement
 at start-up (`measure_peak`: the best of a few large GEMMs, under a second; on a CPU, at
-least one thread's rate), cached per machine (`peak_cache_file`) by device name, dtype and thread count. A measured peak is what
-the device reaches on one plain GEMM, not its datasheet number, so it is a stricter bar.
+least one thread's rate), cached per machine (`peak_cache_file`) by device name, dtype,
+thread count and torch version; every later start probes again, cheaply, and the cache keeps
+the best rate seen (a probe on a busy machine measures low). A measured peak is what the
+device reaches on one plain GEMM, not its datasheet number, so it is a stricter bar.
 """
 
 from __future__ import annotations
@@ -52,6 +54,11 @@ KNOWN_PEAKS: tuple[tuple[str, dict[str, float]], ...] = (
 
 PEAK_CACHE_FILE = "peak_flops.json"
 PROBE_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "tf32": torch.float32}
+FIRST_PROBE_BUDGET_S = 0.3
+"""Seconds of repeats of the first probe of a machine (after finding the GEMM size)."""
+REPROBE_BUDGET_S = 0.03
+"""Seconds of repeats of the probe at every later start: a cheap check that the cached
+number was not measured on a busy machine."""
 
 
 # -- FLOPs --------------------------------------------------------------------------------
@@ -188,20 +195,10 @@ class Peak:
         return f"MFU against a peak of {self.flops / 1e12:.3g} TFLOP/s ({self.source})"
 
 
-def device_peak(device: torch.device, dtype: str) -> Peak:
-    """The peak for matmuls in `dtype` (bfloat16, float32, tf32) on `device`: a known GPU's
-    datasheet number, else a cached measurement, else `measure_peak` (then cached; a cache
-    that cannot be read or written is ignored)."""
-    name = device_name(device)
-    known = known_peak(name, dtype) if device.type == "cuda" else None
-    if known is not None:
-        return Peak(known, f"{name}, {dtype}, datasheet")
-    key = _cache_key(device, dtype)
-    path = peak_cache_file()
-    cache = _read_cache(path)
-    if isinstance(cache.get(key), (int, float)):
-        return Peak(float(cache[key]), f"{key}, measured once and cached in {path}")
-    flops = measure_peak(device, PROBE_DTYPES[dtype])
+def probe_peak(device: torch.device, dtype: str, budget_s: float) -> float:
+    """`measure_peak` for `dtype` (bfloat16, float32, tf32); on a CPU with several threads,
+    the better of that and one thread's rate."""
+    flops = measure_peak(device, PROBE_DTYPES[dtype], budget_s)
     threads = torch.get_num_threads()
     if device.type == "cpu" and threads > 1:
         # on a busy machine the threads of one GEMM wait for each other and the rate can
@@ -209,11 +206,42 @@ def device_peak(device: torch.device, dtype: str) -> Peak:
         # what one thread reaches
         torch.set_num_threads(1)
         try:
-            flops = max(flops, measure_peak(device, PROBE_DTYPES[dtype]))
+            flops = max(flops, measure_peak(device, PROBE_DTYPES[dtype], budget_s))
         finally:
             torch.set_num_threads(threads)
-    _write_cache(path, {**cache, key: flops})
-    return Peak(flops, f"{key}, measured by a matmul probe, cached in {path}")
+    return flops
+
+
+def device_peak(device: torch.device, dtype: str) -> Peak:
+    """The peak for matmuls in `dtype` (bfloat16, float32, tf32) on `device`: a known GPU's
+    datasheet number, else the best of every probe this machine has run (`measure_peak`).
+
+    A probe taken while other work shared the device measures low, so one probe is not
+    trusted for good: with no cached number for this machine the probe is a full one
+    (`budget_s` 0.3), with one it is a cheap one (`REPROBE_BUDGET_S`, about 0.1-0.2 s on a
+    2-core CPU), and the larger of it and the cached number is the peak and stays cached
+    (a cache that cannot be read or written is ignored). The cache key is the machine's
+    identity (`_cache_key`): a cache copied with a home folder to another machine, or kept
+    across a torch upgrade, is not read there."""
+    name = device_name(device)
+    known = known_peak(name, dtype) if device.type == "cuda" else None
+    if known is not None:
+        return Peak(known, f"{name}, {dtype}, datasheet")
+    key = _cache_key(device, dtype)
+    path = peak_cache_file()
+    cache = _read_cache(path)
+    cached = cache.get(key)
+    if not isinstance(cached, (int, float)) or isinstance(cached, bool):
+        flops = probe_peak(device, dtype, FIRST_PROBE_BUDGET_S)
+        _write_cache(path, {**cache, key: flops})
+        return Peak(flops, f"{key}, measured by a matmul probe, cached in {path}")
+    probed = probe_peak(device, dtype, REPROBE_BUDGET_S)
+    if probed > cached:
+        _write_cache(path, {**cache, key: probed})
+        return Peak(probed, f"{key}, measured by a matmul probe now, above the "
+                            f"{cached / 1e9:.3g} GFLOP/s cached in {path} (raised there)")  # fmt: skip
+    return Peak(float(cached), f"{key}, the best matmul probe so far, cached in {path} (this "
+                               f"start's probe: {probed / 1e9:.3g} GFLOP/s)")  # fmt: skip
 
 
 def raise_cached_peak(device: torch.device, dtype: str, flops: float) -> str:
@@ -231,10 +259,13 @@ def raise_cached_peak(device: torch.device, dtype: str, flops: float) -> str:
 
 
 def _cache_key(device: torch.device, dtype: str) -> str:
+    """The machine's identity for a measured peak: the device's name (a CPU's model, vector
+    ISA and core count; a GPU's name), the dtype, on a CPU the torch thread count, and the
+    torch version (its kernels set the rate)."""
     key = f"{device_name(device)} | {dtype}"
     if device.type == "cpu":
         key += f" | {torch.get_num_threads()} threads"
-    return key
+    return f"{key} | torch {torch.__version__}"
 
 
 def _read_cache(path: Path) -> dict:

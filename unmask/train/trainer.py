@@ -54,6 +54,7 @@ from unmask.parallel.distributed import (
 from unmask.parallel.fsdp import sync_gradients
 from unmask.parallel.mesh import launch_env, share_from_rank0
 from unmask.parallel.tensor import check_tensor_parallel
+from unmask.parallel.threads import set_threads
 from unmask.posttrain import build_posttrain_objective, check_posttrain, is_posttrain
 from unmask.posttrain.pairs import build_pair_datasets, heldout_pair_examples
 from unmask.posttrain.preference import PreferenceObjective, reference_memory_note
@@ -71,6 +72,7 @@ from unmask.train.metrics import (
     MetricsLogger,
     SilentLogger,
     check_trackers,
+    progress_postfix,
     truncate_metrics,
 )
 from unmask.train.mfu import device_peak, flop_model, matmul_dtype, raise_cached_peak
@@ -168,6 +170,9 @@ class Trainer:
         self.model = build_train_model(cfg, self.tokenizer, added_tokens, self.device,
                                        self.dist.mesh)  # fmt: skip
         attach_context(self.model, self.context)
+        params = sum(p.numel() for p in self.model.parameters())
+        if line := set_threads(t.num_threads, params, self.device.type):  # tiny: one thread
+            self.notices.append(line)
         if self.preference:  # chosen/rejected pairs against a frozen reference
             self.objective = self._preference_objective(added_tokens)
         elif is_posttrain(cfg.diffusion.objective):  # grpo: unmask.posttrain
@@ -613,8 +618,7 @@ class Trainer:
                             window.peak_raised = False
                             dtype = matmul_dtype(self.device.type, cfg.train.bf16)
                             logger.print(raise_cached_peak(self.device, dtype, window.peak_flops))
-                    shown = {"loss": f"{values['loss']:.3f}"} if "loss" in values else None
-                    logger.advance(self.step, shown)
+                    logger.advance(self.step, progress_postfix(values))
                     if (plan.eval_every and self.step % plan.eval_every == 0) or at_end:
                         if len(self.eval_rows):
                             values["eval_loss"] = self.last_eval_loss = self.evaluate()

@@ -1,0 +1,96 @@
+"""Torch's intra-op threads on a CPU for a tiny model: one per idle core, unless the user chose.
+
+Torch's default is one thread per core. A thread that waits for a descheduled peer stalls
+every op at OpenMP's barrier, and a tiny model's ops are short, so on a machine whose cores
+are taken by other work two threads are far slower than one. On this project's 2-core
+machine, quickstart model (0.8M parameters), benchmarks/results/threads.md:
+
+- idle: 2 threads train 1.7x faster than 1 (11.9 vs 6.8 steps/s), generation is the same;
+- one core kept busy by another process: 1 thread trains 2.0x faster (6.9 vs 3.4 steps/s)
+  and generates 2.3x faster;
+- shared with other jobs (load average 3-10): 1 thread trained 5-12x faster and `unmask
+  generate` took 0.05-0.4 s against 1.5-8 s.
+
+So `auto` (train.num_threads, and `unmask generate` / `eval`) gives a model under
+`TINY_MODEL_PARAMS` on a CPU as many threads as the machine has idle cores at start-up
+(`busy_cores`; at least 1, at most torch's count), unless
+OMP_NUM_THREADS is set: a count the user chose is kept. Larger models keep torch's count.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+TINY_MODEL_PARAMS = 5_000_000
+"""Below this many parameters `auto` fits a CPU model's threads to the idle cores."""
+
+
+def busy_cores(window_s: float = 0.1) -> tuple[float, int] | None:
+    """(cores busy with other work now, cores this process may use), or None where the OS
+    tells neither. Busy: the smaller of the 1-minute load average (slow to fall after a job
+    that just ended, a `pip install` say) and the busy share of all cores over `window_s`
+    (/proc/stat; noisy alone)."""
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    first = _cpu_jiffies()
+    if first is not None:
+        time.sleep(window_s)
+        second = _cpu_jiffies()
+        total, idle = second[0] - first[0], second[1] - first[1]
+        if total > 0:
+            load = min(load, (1 - idle / total) * (os.cpu_count() or 1))
+    return load, cores or 1
+
+
+def _cpu_jiffies() -> tuple[int, int] | None:
+    """(all, idle + iowait) CPU time of every core since boot, from /proc/stat."""
+    try:
+        with open("/proc/stat") as handle:
+            fields = [int(x) for x in handle.readline().split()[1:9]]
+    except (OSError, ValueError):
+        return None
+    return (sum(fields), fields[3] + fields[4]) if len(fields) >= 5 else None
+
+
+def auto_threads(params: int, device_type: str) -> tuple[int, str] | None:
+    """(threads, why) when `auto` lowers torch's thread count for a model of `params`
+    parameters on `device_type`, else None (OMP_NUM_THREADS set, a GPU, a model large enough
+    to split, or enough idle cores)."""
+    if os.environ.get("OMP_NUM_THREADS") or device_type != "cpu" or params >= TINY_MODEL_PARAMS:
+        return None
+    current = torch.get_num_threads()
+    measured = busy_cores() if current > 1 else None  # one thread: nothing to lower
+    if measured is None:
+        return None
+    busy, cores = measured
+    threads = max(1, min(current, round(cores - busy)))
+    if threads >= current:
+        return None
+    return threads, (
+        f"auto: a {params / 1e6:.2f}M-parameter model, {busy:.1f} of {cores} cores busy with "
+        "other work: one thread per idle core; OMP_NUM_THREADS or train.num_threads sets "
+        "another count"
+    )
+
+
+def set_threads(setting: int | str, params: int, device_type: str) -> str | None:
+    """Apply `setting` (`auto` or a thread count) for a model of `params` parameters; return
+    the line that says what changed (None when torch's count is kept)."""
+    before = torch.get_num_threads()
+    if setting == "auto":
+        chosen = auto_threads(params, device_type)
+        if chosen is None:
+            return None
+        threads, why = chosen
+    else:
+        threads, why = int(setting), "train.num_threads"
+        if threads == before:
+            return None
+    torch.set_num_threads(threads)
+    return f"torch threads: {threads} instead of {before} ({why})"
