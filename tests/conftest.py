@@ -32,6 +32,9 @@ TINY = {
         "eval_max_batches": 1,
         "save_steps": 3,
         "disable_tqdm": True,
+        # one thread, whatever the machine's load: runs a test compares (an interrupted and an
+        # uninterrupted one, say) use the same CPU kernels (auto would follow the load)
+        "num_threads": 1,
     },
     "eval": {"generate_accuracy": False},
 }

@@ -70,14 +70,14 @@ def trainer(tmp_path, train: dict) -> Trainer:
 
 
 def test_the_trainer_gives_a_tiny_model_one_thread_unless_told(tmp_path, two_threads, monkeypatch):
-    run = trainer(tmp_path / "auto", {})
+    run = trainer(tmp_path / "auto", {"num_threads": "auto"})
     assert torch.get_num_threads() == 1
     assert any(n.startswith("torch threads: 1 instead of 2 (auto: ") for n in run.notices)
     torch.set_num_threads(2)
     run = trainer(tmp_path / "two", {"num_threads": 2})  # asked for: kept
     assert torch.get_num_threads() == 2 and not any("torch threads" in n for n in run.notices)
     monkeypatch.setenv("OMP_NUM_THREADS", "2")  # the environment chose: kept
-    trainer(tmp_path / "omp", {})
+    trainer(tmp_path / "omp", {"num_threads": "auto"})
     assert torch.get_num_threads() == 2
     with pytest.raises(InputError, match="train.num_threads"):
         trainer(tmp_path / "bad", {"num_threads": 0})
@@ -88,3 +88,16 @@ def test_generate_runs_a_tiny_model_on_one_thread(tmp_path, two_threads, capsys)
     assert main(["generate", "--model", str(folder), "--prompt", "ab", "--gen-length", "4"]) == 0
     assert torch.get_num_threads() == 1
     assert capsys.readouterr().out.startswith("ab")
+
+
+def test_auto_keeps_the_thread_count_of_the_run_it_resumes(two_threads, monkeypatch):
+    """Another count sums in another order on a CPU: the resume would not be exact."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert set_threads("auto", 800_000, "cpu", resumed=1) == (
+        "torch threads: 1 instead of 2 (auto: the count the resumed run was trained with, so "
+        "it continues exactly)"
+    )
+    assert torch.get_num_threads() == 1
+    assert set_threads("auto", 800_000, "cpu", resumed=1) is None  # already so
+    assert set_threads(2, 800_000, "cpu", resumed=1) is not None  # a count asked for wins
+    assert torch.get_num_threads() == 2

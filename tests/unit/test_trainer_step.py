@@ -348,3 +348,15 @@ def test_matmul_probe_measures_a_plausible_rate():
 
     flops = measure_peak(torch.device("cpu"), torch.float32, budget_s=0.1)
     assert 1e8 < flops < 1e14  # between a very slow core and far beyond any 2-core CPU
+
+
+def test_the_peak_probe_leaves_the_global_rng_as_it_was():
+    """The probe runs at every start; a resumed run has just restored the global RNG
+    (dropout draws from it), so the probe must not draw from it."""
+    from unmask.train.mfu import measure_peak
+
+    torch.manual_seed(3)
+    expected = torch.rand(4)
+    torch.manual_seed(3)
+    assert measure_peak(torch.device("cpu"), torch.float32, budget_s=0.01) > 0
+    assert torch.equal(torch.rand(4), expected)

@@ -79,10 +79,20 @@ def auto_threads(params: int, device_type: str) -> tuple[int, str] | None:
     )
 
 
-def set_threads(setting: int | str, params: int, device_type: str) -> str | None:
+def set_threads(
+    setting: int | str, params: int, device_type: str, resumed: int | None = None
+) -> str | None:
     """Apply `setting` (`auto` or a thread count) for a model of `params` parameters; return
-    the line that says what changed (None when torch's count is kept)."""
+    the line that says what changed (None when torch's count is kept). `resumed`: the count
+    the checkpoint being resumed was trained with, which `auto` keeps (on a CPU another
+    count sums in another order, and the resumed run would not equal an uninterrupted one)."""
     before = torch.get_num_threads()
+    if setting == "auto" and resumed is not None and device_type == "cpu":
+        if resumed == before or os.environ.get("OMP_NUM_THREADS"):
+            return None
+        torch.set_num_threads(resumed)
+        return (f"torch threads: {resumed} instead of {before} (auto: the count the resumed "
+                "run was trained with, so it continues exactly)")  # fmt: skip
     if setting == "auto":
         chosen = auto_threads(params, device_type)
         if chosen is None:

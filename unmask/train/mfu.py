@@ -158,8 +158,12 @@ def measure_peak(device: torch.device, dtype: torch.dtype, budget_s: float = 0.3
 
     largest = 2048 if device.type == "cpu" else 8192
     n = 256
+    # its own generator: the run's global RNG (dropout, a resumed run's restored state) is
+    # left as it was, so a probe at start-up never changes a run
+    values = torch.Generator(device=device)
+    values.manual_seed(0)
     while True:
-        a, b = (torch.randn(n, n, device=device).to(dtype) for _ in range(2))
+        a, b = (torch.randn(n, n, device=device, generator=values).to(dtype) for _ in range(2))
         out = torch.empty(n, n, device=device, dtype=dtype)
         timed(a, b, out)  # warm-up: kernel choice, page faults
         best = timed(a, b, out)

@@ -171,7 +171,12 @@ class Trainer:
                                        self.dist.mesh)  # fmt: skip
         attach_context(self.model, self.context)
         params = sum(p.numel() for p in self.model.parameters())
-        if line := set_threads(t.num_threads, params, self.device.type):  # tiny: one thread
+        # a resumed run keeps the thread count it was trained with: another count changes
+        # the CPU kernels' summation order, and the resume would not be exact
+        resumed = None
+        if self.resume_path is not None:
+            resumed = read_trainer_state(self.resume_path).get("num_threads")
+        if line := set_threads(t.num_threads, params, self.device.type, resumed):
             self.notices.append(line)
         if self.preference:  # chosen/rejected pairs against a frozen reference
             self.objective = self._preference_objective(added_tokens)
@@ -330,6 +335,7 @@ class Trainer:
 
     def _trainer_state(self) -> dict:
         state = {"loader": self.loader.state_dict(), "tokens_seen": self.tokens_seen,
+                 "num_threads": torch.get_num_threads(),
                  "guard": self.guard.state.to_dict(), "eval_loss": self.last_eval_loss}  # fmt: skip
         if self.cfg.model.lora:
             state["lora"] = lora_settings(self.cfg.model)
