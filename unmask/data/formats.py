@@ -167,11 +167,6 @@ def unregister_format(name: str) -> None:
     _FORMATS.pop(name, None)
 
 
-def all_formats() -> list[DataFormat]:
-    """Built-in formats first, then registered ones in registration order."""
-    return list(_FORMATS.values())
-
-
 def get_format(name: str) -> DataFormat | None:
     return _FORMATS.get(name)
 
