@@ -92,14 +92,18 @@ def test_compressed_shards_stream_the_plain_shards_rows_and_resume_exactly(tmp_p
     text = _shards(tmp_path / "text", ["p0.txt.zst", "p1.txt.gz", "p2.txt", "p3.txt.zst"], _txt)
     assert torch.equal(_streamed(_stream_cfg(text), 12), reference)
 
-    data = build_datasets(_stream_cfg(packed), build_char_tokenizer())
+    assert torch.equal(_resumed_after_5(_stream_cfg(packed), 12), reference[5 * 4 :])
+
+
+def _resumed_after_5(cfg, batches: int) -> torch.Tensor:
+    """Batches 5 .. batches-1 of a stream resumed from the state after batch 4."""
+    data = build_datasets(cfg, build_char_tokenizer())
     first = make_loader(data.train, 4, 0)
     for _ in range(5):
         next(first)
     resumed = make_loader(data.train, 4, 0)
     resumed.load_state_dict(first.state_dict())
-    rest = torch.cat([next(resumed)["input_ids"] for _ in range(7)])
-    assert torch.equal(rest, reference[5 * 4 :])
+    return torch.cat([next(resumed)["input_ids"] for _ in range(batches - 5)])
 
 
 def test_a_blend_of_compressed_sources_draws_the_plain_blend_s_rows(tmp_path):
@@ -171,9 +175,9 @@ def test_a_toy_format_registered_from_outside_is_read_by_training_preprocess_and
     )
 
     # unmask preprocess: the store holds the plain file's documents
-    def store(path, prefix):
+    def store(path, prefix, workers=1):
         args = ["preprocess", "--input", str(path), "--output-prefix", str(tmp_path / prefix),
-                "--tokenizer", "char", "--append-eod"]  # fmt: skip
+                "--tokenizer", "char", "--append-eod", "--workers", str(workers)]  # fmt: skip
         assert main(args) == 0
         s = IndexedStore(tmp_path / prefix)
         return [s.document(i).tolist() for i in range(s.num_documents)]
@@ -181,13 +185,16 @@ def test_a_toy_format_registered_from_outside_is_read_by_training_preprocess_and
     capsys.readouterr()
     toy_docs = store(tmp_path / "z.rev.zst", "toy_store")
     assert len(toy_docs) == len(DOCS) and toy_docs == store(plain, "plain_store")
+    assert store(toy, "toy_store_2", workers=2) == toy_docs
 
     # streaming: shards of the toy format (one compressed) stream the text shards' rows
     text = _shards(tmp_path / "text_shards", [f"p{s}.txt" for s in range(4)], _txt)
     shards = _shards(tmp_path / "toy_shards", ["p0.rev", "p1.rev.gz", "p2.rev", "p3.rev"], _rev)
-    assert torch.equal(_streamed(_stream_cfg(shards), 12), _streamed(_stream_cfg(text), 12))
+    streamed = _streamed(_stream_cfg(shards), 12)
+    assert torch.equal(streamed, _streamed(_stream_cfg(text), 12))
     assert torch.equal(_streamed(_stream_cfg(shards), 12, workers=2),
                        _streamed(_stream_cfg(text), 12, workers=2))  # fmt: skip
+    assert torch.equal(_resumed_after_5(_stream_cfg(shards), 12), streamed[5 * 4 :])
 
     # the accepted-formats messages list it while it is registered
     with pytest.raises(InputError, match=r"\.parquet, \.rev \(lines reversed\).*\.rev\.zst"):
