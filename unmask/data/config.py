@@ -42,10 +42,11 @@ class DataConfig(BaseModel):
 
     dataset: str = "synthetic"
     """"synthetic" (built-in offline tasks) or a local path: a .txt file (one document per
-    non-empty line), .jsonl/.json, .parquet, a folder written by `save_to_disk` (the "train"
-    split of a DatasetDict), a folder of such files, or the prefix of a token store written by
-    `unmask preprocess` or Megatron (PREFIX.bin + PREFIX.idx, memory-mapped: start-up reads
-    only the index)."""
+    non-empty line), .jsonl/.json, .parquet (text and JSON files also compressed: .gz, .zst),
+    a file of a format added with `unmask.data.formats.register_format`, a folder written by
+    `save_to_disk` (the "train" split of a DatasetDict), a folder of such files, or the prefix
+    of a token store written by `unmask preprocess` or Megatron (PREFIX.bin + PREFIX.idx,
+    memory-mapped: start-up reads only the index)."""
 
     dataset_format: DatasetFormat = "auto"
     """How to read `dataset`; "auto" guesses from the file extension or folder contents
@@ -55,8 +56,8 @@ class DataConfig(BaseModel):
     """Read `dataset` (or each of `sources`) as a stream: documents are read, tokenized and
     packed as training needs them, in DataLoader workers, each rank reading its own share;
     start-up and memory do not depend on the corpus size. `dataset` is then a local file or
-    folder of jsonl / parquet / text shards, or a hub dataset id (where the hub is
-    reachable). Needs train.max_steps. The first eval_split documents (a count; a fraction
+    folder of jsonl / parquet / text shards (.gz, .zst too), or a hub dataset id (where the
+    hub is reachable). Needs train.max_steps. The first eval_split documents (a count; a fraction
     means 100) are held out for the eval loss unless eval_dataset is set."""
 
     sources: list[SourceConfig] = []

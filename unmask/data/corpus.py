@@ -5,44 +5,55 @@ The reading process only splits files into `Chunk`s (raw lines, or column values
 workers, parses them. Chunk borders depend on the input only, never on the worker count,
 and no file is ever held in memory whole.
 
-Formats: .jsonl (also .jsonl.gz, .jsonl.zst), .txt (one document per non-empty line; also
-.gz, .zst), .parquet, and a folder written by `datasets` `save_to_disk` (its "train" split).
+Formats (formats.py holds the table): .jsonl (also .jsonl.gz, .jsonl.zst), .txt (one document
+per non-empty line; also .gz, .zst), .parquet, a folder written by `datasets` `save_to_disk`
+(its "train" split), and any format registered with `register_format` (its rows, read in the
+reading process). `.json` is refused: it may be one JSON document, which cannot be cut into
+chunks of lines.
 """
 
 from __future__ import annotations
 
 import glob
-import gzip
-import io
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import zstandard
-
+from unmask.data.formats import (
+    DECOMPRESSION_ERRORS,
+    accepted_files,
+    compressed_files,
+    format_of,
+    get_format,
+    is_saved_dataset,
+    open_binary,
+    split_compression,
+)
 from unmask.errors import InputError
 
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 CHUNK_DOCS = 1024
 CHUNK_BYTES = 1 << 20
-_LINE_FORMATS = {".jsonl": "jsonl", ".txt": "text", ".text": "text"}
-_COMPRESSED = (".gz", ".zst")
-_HF_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
-ACCEPTED = (
-    ".jsonl, .jsonl.gz, .jsonl.zst, .txt (one document per line; also .gz/.zst), .parquet, "
-    "or a folder written by datasets' save_to_disk"
-)
+_LINE_KINDS = ("jsonl", "text")  # read as raw lines, parsed in the workers
+
+
+def accepted() -> str:
+    """What `--input` accepts (for messages), from the format table."""
+    return (
+        f"{accepted_files(line_by_line=True)}, or a folder written by datasets' save_to_disk "
+        f"({compressed_files()})"
+    )
 
 
 @dataclass
 class Chunk:
     """Consecutive records of one file: raw lines (kind "jsonl" / "text", `first` = 1-based
-    line number of items[0]) or values of the text column (kind "column", `first` = 0-based
-    row)."""
+    line number of items[0]), values of the text column (kind "column", `first` = 0-based
+    row) or row dicts of a registered format (kind "rows", `first` = 0-based row)."""
 
     source: str
     kind: str
@@ -61,7 +72,7 @@ def resolve_inputs(patterns: list[str]) -> list[tuple[Path, str]]:
             if not matches:
                 raise InputError(f"--input {pattern!r} matches no file")
         elif not os.path.exists(expanded):
-            raise InputError(f"--input {pattern!r} does not exist; accepted: {ACCEPTED}")
+            raise InputError(f"--input {pattern!r} does not exist; accepted: {accepted()}")
         else:
             matches = [expanded]
         found.extend((Path(m), input_format(Path(m))) for m in matches)
@@ -69,52 +80,47 @@ def resolve_inputs(patterns: list[str]) -> list[tuple[Path, str]]:
 
 
 def input_format(path: Path) -> str:
-    """ "jsonl", "text", "parquet" or "hf_dataset", from the name (or folder markers)."""
+    """ "jsonl", "text", "parquet", a registered format's name or "hf_dataset", from the name
+    (or folder markers)."""
     if path.is_dir():
-        if any((path / marker).is_file() for marker in _HF_MARKERS):
+        if is_saved_dataset(path):
             return "hf_dataset"
         raise InputError(
             f"--input {str(path)!r} is a folder but not a save_to_disk dataset; give its files "
             "with a glob such as DIR/*.jsonl"
         )
-    name = path.name.lower()
-    for suffix in _COMPRESSED:
-        name = name.removesuffix(suffix)
-    fmt = _LINE_FORMATS.get(Path(name).suffix)
-    if fmt is None and path.name.lower().endswith(".parquet"):
-        fmt = "parquet"
-    if fmt is None:
-        raise InputError(f"--input {str(path)!r}: unknown file type; accepted: {ACCEPTED}")
-    return fmt
+    fmt = format_of(path)
+    if fmt is None or split_compression(path)[0] in fmt.whole_file_suffixes:
+        raise InputError(f"--input {str(path)!r}: unknown file type; accepted: {accepted()}")
+    return fmt.name
 
 
 def read_chunks(path: Path, fmt: str, key: str) -> Iterator[Chunk]:
     """The records of one input, chunk by chunk."""
-    if fmt in ("jsonl", "text"):
+    if fmt in _LINE_KINDS:
         return _line_chunks(path, fmt)
     if fmt == "parquet":
         return _column_chunks(str(path), _parquet_values(path, key))
-    return _column_chunks(str(path), _saved_dataset_values(path, key))
+    if fmt == "hf_dataset":
+        return _column_chunks(str(path), _saved_dataset_values(path, key))
+    return _column_chunks(str(path), _registered_rows(path, fmt), kind="rows")
 
 
-def _open_lines(path: Path):
-    """A binary stream of the file, decompressed by its suffix (.gz, .zst)."""
-    name = path.name.lower()
-    if name.endswith(".gz"):
-        return gzip.open(path, "rb")
-    if name.endswith(".zst"):
-        raw = open(path, "rb")  # closed with the returned stream (closefd)
-        reader = zstandard.ZstdDecompressor().stream_reader(
-            raw, read_across_frames=True, closefd=True
-        )
-        return io.BufferedReader(reader)
-    return open(path, "rb")
+def _registered_rows(path: Path, fmt: str) -> Iterator[dict[str, Any]]:
+    """The row dicts of a file of a registered format, through its reader."""
+    try:
+        with open_binary(path) as stream:
+            yield from get_format(fmt).read(stream)
+    except InputError:
+        raise
+    except Exception as exc:  # a damaged compressed file, or whatever a reader raises
+        raise InputError(f"{path}: cannot read as {fmt} ({_first_line(exc)})") from None
 
 
 def _line_chunks(path: Path, kind: str) -> Iterator[Chunk]:
     items: list[bytes] = []
     first, size = 1, 0
-    with _open_lines(path) as stream:
+    with open_binary(path) as stream:
         try:
             for number, line in enumerate(stream, 1):
                 items.append(line)
@@ -122,23 +128,30 @@ def _line_chunks(path: Path, kind: str) -> Iterator[Chunk]:
                 if len(items) >= CHUNK_DOCS or size >= CHUNK_BYTES:
                     yield Chunk(str(path), kind, first, items)
                     items, first, size = [], number + 1, 0
-        except (OSError, EOFError, zstandard.ZstdError) as exc:
+        except DECOMPRESSION_ERRORS as exc:
             raise InputError(f"{path}: cannot read ({_first_line(exc)})") from None
     if items:
         yield Chunk(str(path), kind, first, items)
 
 
-def _column_chunks(source: str, values: Iterator[Any]) -> Iterator[Chunk]:
+def _column_chunks(source: str, values: Iterable[Any], kind: str = "column") -> Iterator[Chunk]:
     items: list[Any] = []
     first = size = 0
     for row, value in enumerate(values):
         items.append(value)
-        size += len(value) if isinstance(value, str) else 0
+        size += _text_size(value)
         if len(items) >= CHUNK_DOCS or size >= CHUNK_BYTES:
-            yield Chunk(source, "column", first, items)
+            yield Chunk(source, kind, first, items)
             items, first, size = [], row + 1, 0
     if items:
-        yield Chunk(source, "column", first, items)
+        yield Chunk(source, kind, first, items)
+
+
+def _text_size(value: Any) -> int:
+    """Characters of a column value, or of a row dict's string values."""
+    if isinstance(value, dict):
+        return sum(len(v) for v in value.values() if isinstance(v, str))
+    return len(value) if isinstance(value, str) else 0
 
 
 def _missing_column(path: Path, key: str, columns: list[str]) -> InputError:
@@ -189,6 +202,8 @@ def chunk_texts(chunk: Chunk, key: str, skip_bad: bool) -> tuple[list[str], int]
     for offset, item in enumerate(chunk.items):
         if chunk.kind == "column":
             text, problem = _column_text(item, key)
+        elif chunk.kind == "rows":
+            text, problem = _record_text(item, key)
         else:
             text, problem = _line_text(item, chunk.kind, key)
         if problem is None:
@@ -198,7 +213,7 @@ def chunk_texts(chunk: Chunk, key: str, skip_bad: bool) -> tuple[list[str], int]
         if not skip_bad:
             where = (
                 f"{chunk.source} row {chunk.first + offset}"
-                if chunk.kind == "column"
+                if chunk.kind in ("column", "rows")
                 else f"{chunk.source}:{chunk.first + offset}"
             )
             raise InputError(f"{where}: {problem}; fix it or pass --on-bad-record skip")
@@ -220,6 +235,11 @@ def _line_text(line: bytes, kind: str, key: str) -> tuple[str | None, str | None
         record = json.loads(decoded)
     except json.JSONDecodeError as exc:
         return "", f"not valid JSON ({exc.msg} at column {exc.colno})"
+    return _record_text(record, key)
+
+
+def _record_text(record: Any, key: str) -> tuple[str, str | None]:
+    """(text, problem or None) of one parsed record (a JSON line, a registered format's row)."""
     if not isinstance(record, dict):
         return "", f"expected a JSON object, got {type(record).__name__}"
     if key not in record:

@@ -1,31 +1,46 @@
 """Read local data into records: {"text": str} documents or {"prompt": str, "response": str} pairs.
 
-Formats: .txt (one document per non-empty line), .jsonl/.json, .parquet, a folder written by
-`datasets` `save_to_disk` (the "train" split of a DatasetDict), or a folder of such files.
-Everything here is local (hub datasets are streamed, see streaming.py); `datasets`' cache goes
-to a temporary folder, never beside the user's data.
+Formats (formats.py holds the table): .txt (one document per non-empty line), .jsonl/.json,
+.parquet, each text or JSON file also compressed (.gz, .zst), any format registered with
+`register_format`, a folder written by `datasets` `save_to_disk` (the "train" split of a
+DatasetDict), or a folder of such files. Everything here is local (hub datasets are streamed,
+see streaming.py); `datasets`' cache goes to a temporary folder, never beside the user's data.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import shutil
 import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from unmask.data.formats import (
+    DECOMPRESSION_ERRORS,
+    DataFormat,
+    accepted_files,
+    compressed_files,
+    format_of,
+    get_format,
+    is_saved_dataset,
+    open_binary,
+    split_compression,
+)
 from unmask.data.sft import check_messages
 from unmask.errors import InputError
 
 Record = dict[str, str]
-FORMAT_BY_SUFFIX = {".txt": "text", ".text": "text", ".jsonl": "jsonl", ".json": "jsonl"}
-FORMAT_BY_SUFFIX[".parquet"] = "parquet"
-ACCEPTED = (
-    ".txt (one document per line), .jsonl/.json, .parquet, a save_to_disk folder, "
-    "or a folder of such files"
-)
-_HF_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
+
+
+def accepted() -> str:
+    """What `data.dataset` accepts as a local file or folder (for messages), from the
+    format table: registered formats included."""
+    return (
+        f"{accepted_files()}, a save_to_disk folder, or a folder of such files "
+        f"({compressed_files()})"
+    )
 
 
 def load_records(
@@ -42,7 +57,7 @@ def load_records(
     """
     source = Path(path).expanduser()
     if not source.exists():
-        raise InputError(f"data: dataset path {str(path)!r} does not exist; accepted: {ACCEPTED}")
+        raise InputError(f"data: dataset path {str(path)!r} does not exist; accepted: {accepted()}")
     rows = list(_read_rows(source, dataset_format))
     records = _to_records(rows, str(path), text_field, prompt_field, response_field)
     if not records:
@@ -59,23 +74,22 @@ def read_rows(path: str | Path, dataset_format: str = "auto") -> list[dict[str, 
     pairs: unmask/posttrain/pairs.py)."""
     source = Path(path).expanduser()
     if not source.exists():
-        raise InputError(f"data: dataset path {str(path)!r} does not exist; accepted: {ACCEPTED}")
+        raise InputError(f"data: dataset path {str(path)!r} does not exist; accepted: {accepted()}")
     return list(_read_rows(source, dataset_format))
 
 
 def detect_format(path: Path) -> str:
-    """ "text", "jsonl", "parquet", "hf_dataset" or "folder" (a folder of data files)."""
+    """The format's name ("text", "jsonl", "parquet" or a registered one), "hf_dataset" or
+    "folder" (a folder of data files)."""
     if path.is_dir():
-        if any((path / marker).is_file() for marker in _HF_MARKERS):
-            return "hf_dataset"
-        return "folder"
-    fmt = FORMAT_BY_SUFFIX.get(path.suffix.lower())
+        return "hf_dataset" if is_saved_dataset(path) else "folder"
+    fmt = format_of(path)
     if fmt is None:
         raise InputError(
             f"data: cannot tell the format of {str(path)!r} (extension {path.suffix!r}); "
-            f"accepted: {ACCEPTED}, or set data.dataset_format"
+            f"accepted: {accepted()}, or set data.dataset_format"
         )
-    return fmt
+    return fmt.name
 
 
 def _read_rows(path: Path, dataset_format: str) -> Iterable[dict[str, Any]]:
@@ -84,64 +98,94 @@ def _read_rows(path: Path, dataset_format: str) -> Iterable[dict[str, Any]]:
         return _read_folder(path, only=fmt)
     if fmt == "folder":
         return _read_folder(path, only=None)
-    if fmt == "text":
-        return _read_text(path)
-    if fmt in ("jsonl", "parquet"):
-        return _read_with_builder(path, "json" if fmt == "jsonl" else "parquet")
     if fmt == "hf_dataset":
         return _read_saved_dataset(path)
-    raise InputError(
-        f"data.dataset_format: unknown format {dataset_format!r}; accepted: {ACCEPTED}"
-    )
+    data_format = get_format(fmt)
+    if data_format is None:
+        raise InputError(
+            f"data.dataset_format: unknown format {dataset_format!r}; accepted: {accepted()}"
+        )
+    if data_format.read is not None:
+        return _read_with_reader(path, data_format)
+    return _read_with_builder(path, data_format.builder)
 
 
 def _read_folder(folder: Path, only: str | None) -> list[dict[str, Any]]:
     """Every data file under `folder` (sorted by path), optionally of one format only."""
-    files = sorted(p for p in folder.rglob("*") if p.is_file() and p.suffix in FORMAT_BY_SUFFIX)
+    files = sorted(p for p in folder.rglob("*") if p.is_file() and format_of(p) is not None)
     if only is not None:
-        files = [p for p in files if FORMAT_BY_SUFFIX[p.suffix] == only]
+        files = [p for p in files if format_of(p).name == only]
     if not files:
-        raise InputError(f"data: folder {str(folder)!r} holds no data files; accepted: {ACCEPTED}")
+        raise InputError(
+            f"data: folder {str(folder)!r} holds no data files; accepted: {accepted()}"
+        )
     rows: list[dict[str, Any]] = []
     for file in files:
-        rows.extend(_read_rows(file, FORMAT_BY_SUFFIX[file.suffix]))
+        rows.extend(_read_rows(file, format_of(file).name))
     return rows
 
 
-def _read_text(path: Path) -> list[dict[str, Any]]:
+def _read_with_reader(path: Path, fmt: DataFormat) -> list[dict[str, Any]]:
+    """The rows of one file through its format's reader, decompressed on the way."""
     try:
-        with open(path, encoding="utf-8") as f:
-            return [{"text": line.rstrip("\r\n")} for line in f if line.strip()]
+        with open_binary(path) as stream:
+            return list(fmt.read(stream))
     except UnicodeDecodeError as exc:
         raise InputError(
             f"data: {str(path)!r} is not UTF-8 text ({exc.reason} at byte {exc.start}); give a "
             "text file, or the prefix of a token store (PREFIX.bin + PREFIX.idx)"
         ) from None
+    except InputError:
+        raise
+    except Exception as exc:  # a damaged compressed file, or whatever a reader raises
+        raise InputError(
+            f"data: cannot read {str(path)!r} as {fmt.name}: {_first_line(exc)}"
+        ) from exc
 
 
 def _read_with_builder(path: Path, builder: str) -> list[dict[str, Any]]:
-    """jsonl/json/parquet through `datasets`, cached in a temporary folder, kept in memory."""
+    """jsonl/json/parquet through `datasets`, cached in a temporary folder, kept in memory.
+    A compressed file is decompressed into that folder first (by formats.py: a file cut
+    short is an error, never a silently shorter dataset)."""
     import datasets  # at call time: importing datasets costs a second of start-up
 
-    if path.stat().st_size == 0:
-        return []
     with tempfile.TemporaryDirectory(prefix="unmask-datasets-") as cache, _quiet_datasets():
+        try:
+            plain = _decompressed(path, Path(cache))
+        except DECOMPRESSION_ERRORS as exc:
+            raise InputError(
+                f"data: cannot read {str(path)!r} as {builder}: {_first_line(exc)}"
+            ) from None
+        if plain.stat().st_size == 0:
+            return []
         try:
             ds = datasets.load_dataset(
                 builder,
-                data_files=str(path),
+                data_files=str(plain),
                 split="train",
                 cache_dir=cache,
                 keep_in_memory=True,
             )
         except Exception as exc:  # datasets raises many types for a malformed file
             form = "one JSON object per line" if builder == "json" else "a parquet file"
-            problem = _bad_json_line(path) if path.suffix == ".jsonl" else None
+            jsonl = split_compression(path)[0] == ".jsonl"
+            problem = _bad_json_line(plain) if jsonl else None
             raise InputError(
                 f"data: cannot read {str(path)!r} as {builder}: "
                 f"{problem or _first_line(_root(exc))}; give {form}, or set data.dataset_format"
             ) from exc
         return ds.to_list()
+
+
+def _decompressed(path: Path, folder: Path) -> Path:
+    """`path` itself, or for a compressed file its decompressed copy in `folder`."""
+    suffix, compression = split_compression(path)
+    if not compression:
+        return path
+    plain = folder / f"decompressed{suffix}"
+    with open_binary(path) as source, open(plain, "wb") as target:
+        shutil.copyfileobj(source, target, 1 << 20)
+    return plain
 
 
 @contextlib.contextmanager

@@ -30,36 +30,51 @@ import torch
 from torch.utils.data import IterableDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from unmask.data.formats import (
+    accepted_files,
+    compressed_files,
+    format_names,
+    format_of,
+    get_format,
+    open_binary,
+)
 from unmask.data.mixing import BlockMixer
 from unmask.data.packing import tokenize_records
 from unmask.data.rows import segment_layout
-from unmask.data.sources import FORMAT_BY_SUFFIX, Record, to_record
+from unmask.data.sources import Record, detect_format, to_record
 from unmask.errors import InputError
 
 # torchdata 0.11 calls a torch API that torch deprecated; nothing for users to act on
 warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
-_BUILDERS = {"jsonl": "json", "parquet": "parquet", "text": "text"}
 
 
 def open_stream(path: str, dataset_format: str = "auto"):
-    """A datasets IterableDataset over a local file or folder of shards, or a hub id."""
+    """A datasets IterableDataset over a local file or folder of shards, or a hub id.
+
+    Built-in formats stream through their `datasets` builder (which decompresses .gz/.zst
+    shards itself); a registered format through its reader, one shard per file."""
     import datasets  # at call time: importing datasets costs a second of start-up
 
     local = Path(path).expanduser()
     try:
         if local.exists():
-            files = sorted(p for p in local.rglob("*") if p.suffix in FORMAT_BY_SUFFIX)
+            files = sorted(p for p in local.rglob("*") if p.is_file() and format_of(p) is not None)
             files = [local] if local.is_file() else files
             if not files:
                 raise InputError(
-                    f"data: folder {path!r} holds no data files to stream "
-                    "(.jsonl, .json, .parquet or .txt shards)"
+                    f"data: folder {path!r} holds no data files to stream; shards accepted: "
+                    f"{accepted_files()} ({compressed_files()})"
                 )
-            fmt = dataset_format if dataset_format != "auto" else FORMAT_BY_SUFFIX[files[0].suffix]
-            builder = _BUILDERS.get(fmt)
-            if builder is None:
-                raise InputError(f"data.streaming reads jsonl, parquet or text shards, not {fmt}")
-            return datasets.load_dataset(builder, data_files=[str(f) for f in files],
+            fmt = dataset_format if dataset_format != "auto" else detect_format(files[0])
+            data_format = get_format(fmt)
+            if data_format is None:
+                raise InputError(f"data.streaming reads {format_names()} shards, not {fmt}")
+            names = [str(f) for f in files]
+            if data_format.builder is None:
+                return datasets.IterableDataset.from_generator(
+                    _registered_rows, gen_kwargs={"files": names, "fmt": fmt}
+                )
+            return datasets.load_dataset(data_format.builder, data_files=names,
                                          split="train", streaming=True)  # fmt: skip
         _check_hub_reachable()
         return datasets.load_dataset(path, split="train", streaming=True)
@@ -73,6 +88,20 @@ def open_stream(path: str, dataset_format: str = "auto"):
             f"reached from here ({_first_line(exc)}); download its parquet or jsonl shards and "
             "set data.dataset to that local folder (data.streaming: true reads it as it is)"
         ) from None
+
+
+def _registered_rows(files: list[str], fmt: str) -> Iterator[dict[str, Any]]:
+    """The rows of a registered format's files, in order (datasets gives each rank and
+    worker its own share of `files`: one shard per file)."""
+    read = get_format(fmt).read
+    for file in files:
+        try:
+            with open_binary(Path(file)) as stream:
+                yield from read(stream)
+        except InputError:
+            raise
+        except Exception as exc:  # a damaged compressed file, or whatever a reader raises
+            raise InputError(f"data: cannot stream {file!r} as {fmt}: {_first_line(exc)}") from exc
 
 
 def _check_hub_reachable(timeout_s: float = 5.0) -> None:
