@@ -112,21 +112,21 @@ class DiffusionConfig(BaseModel):
     def _fits_the_objective(self) -> "DiffusionConfig":
         """Settings the objective does not take (what each takes: its registry entry)."""
         spec = objective_spec(self.objective)
-        if self.loss_weight.startswith("cart") and not spec.cart_weights:
+        if self.loss_weight.startswith("cart") and not spec.accepts_cart_weights:
             raise ValueError(
                 f"loss_weight {self.loss_weight!r} (CART) needs objective: "
-                f"{names_that('cart_weights')}, not {self.objective!r}"
+                f"{names_that('accepts_cart_weights')}, not {self.objective!r}"
             )
         spec.check_diffusion(self)
-        if self.loss_normalization != "auto" and not spec.loss_normalization:
+        if self.loss_normalization != "auto" and not spec.accepts_loss_normalization:
             raise ValueError(
                 f"loss_normalization {self.loss_normalization!r} needs objective "
-                f"{names_that('loss_normalization')}; {self.objective!r} normalizes its own "
-                "way (use auto)"
+                f"{names_that('accepts_loss_normalization')}; {self.objective!r} normalizes its "
+                "own way (use auto)"
             )
-        if self.logit_shift and not spec.logit_shift:
+        if self.logit_shift and not spec.accepts_logit_shift:
             raise ValueError(
-                f"logit_shift: true needs objective {names_that('logit_shift')}, not "
+                f"logit_shift: true needs objective {names_that('accepts_logit_shift')}, not "
                 f"{self.objective!r}"
             )
         return self

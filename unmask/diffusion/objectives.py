@@ -338,6 +338,6 @@ def masked_builder(cls: type[MaskedDiffusionObjective]):
 
 for _name in ("mdlm", "llada", "bert"):  # bert: the mdlm loss on a transformers encoder
     register_objective(ObjectiveSpec(
-        _name, masked_builder(MaskedDiffusionObjective), loss_normalization=True,
-        context_parallel=True,
+        _name, masked_builder(MaskedDiffusionObjective), accepts_loss_normalization=True,
+        accepts_context_parallel=True,
     ))  # fmt: skip

@@ -273,9 +273,11 @@ def _block_causal(cfg: DiffusionConfig) -> dict:
     return {"block_causal": True, "block_length": cfg.block_size}
 
 
-register_objective(ObjectiveSpec("sft", masked_builder(SFTObjective), loss_normalization=True,
-                                 logit_shift=True))  # fmt: skip
-register_objective(ObjectiveSpec("dream", masked_builder(DreamObjective), logit_shift=True,
-                                 logit_shift_default=True, cart_weights=True))  # fmt: skip
+register_objective(ObjectiveSpec("sft", masked_builder(SFTObjective),
+                                 accepts_loss_normalization=True,
+                                 accepts_logit_shift=True))  # fmt: skip
+register_objective(ObjectiveSpec("dream", masked_builder(DreamObjective),
+                                 accepts_logit_shift=True, logit_shift_default=True,
+                                 accepts_cart_weights=True))  # fmt: skip
 register_objective(ObjectiveSpec("bd3lm", masked_builder(BlockDiffusionObjective),
                                  fixed_sampling=_block_causal))  # fmt: skip

@@ -61,15 +61,15 @@ class ObjectiveSpec:
     """The `diffusion.objective` value."""
     build: Callable[[ObjectiveContext], Any]
     """context -> the objective (an `Objective`, objectives.py)."""
-    loss_normalization: bool = False
+    accepts_loss_normalization: bool = False
     """Takes `diffusion.loss_normalization` other than auto (token / answer / answer_padded)."""
-    logit_shift: bool = False
+    accepts_logit_shift: bool = False
     """Takes `diffusion.logit_shift: true` (predict position i from the output at i - 1)."""
     logit_shift_default: bool = False
     """What `diffusion.logit_shift: null` means for it (Dream: true)."""
-    cart_weights: bool = False
+    accepts_cart_weights: bool = False
     """Takes Dream's CART loss weight (`diffusion.loss_weight: cart[...]`)."""
-    context_parallel: bool = False
+    accepts_context_parallel: bool = False
     """Trains under train.context_parallel > 1: each row's noise drawn on its own
     (`global_noise`) and one global token count (rows cut in slices lose per-row sums)."""
     fixed_sampling: Callable[[Any], dict[str, Any]] = _fixes_nothing

@@ -154,7 +154,7 @@ def _pair_datasets(cfg, tokenizer, as_loaded):
 
 
 register_objective(ObjectiveSpec(
-    "grpo", build_grpo, loss_normalization=True, check_run=check_grpo_run,
+    "grpo", build_grpo, accepts_loss_normalization=True, check_run=check_grpo_run,
     check_rows=check_rewards_on_rows,
 ))  # fmt: skip
 register_objective(ObjectiveSpec(

@@ -62,11 +62,11 @@ def check_context_request(cfg: RunConfig, world_size: int) -> None:
         raise InputError(f"{key} needs a native decoder; model {model.pretrained or model.model_type!r} "
                          "is a wrapped transformers model: set train.context_parallel=1")  # fmt: skip
     objective = cfg.diffusion.objective
-    if not objective_spec(objective).context_parallel:  # its registry entry says
+    if not objective_spec(objective).accepts_context_parallel:  # its registry entry says
         raise InputError(
             f"{key} needs an objective that draws each row's noise on its own "
-            f"({names_that('context_parallel')}); diffusion.objective {objective!r} draws for "
-            "its batch: set train.context_parallel=1"
+            f"({names_that('accepts_context_parallel')}); diffusion.objective {objective!r} "
+            "draws for its batch: set train.context_parallel=1"
         )
     normalization = cfg.diffusion.loss_normalization
     if normalization not in ("auto", "token"):

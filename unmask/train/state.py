@@ -145,8 +145,11 @@ class ObjectiveRankState:
         if not saved:  # none written: the objective forgets any (a rollback)
             self.objective.load_rank_state({})
             return
-        changed = [f"{saved.get(key)} {name} there, {self.layout[key]} here"
-                   for key, name in self._NAMES.items() if saved.get(key) != self.layout[key]]  # fmt: skip
+        changed = [
+            f"{saved.get(key)} {name} there, {self.layout[key]} here"
+            for key, name in self._NAMES.items()
+            if saved.get(key) != self.layout[key]
+        ]
         why = "; ".join(changed) if changed else self.objective.load_rank_state(saved["objective"])
         if why is None:
             return
