@@ -1,10 +1,11 @@
 """Faults the reliability tests inject into a real Trainer, and the oracles they are
 compared with."""
 
+from unmask.diffusion import Objective
 from unmask.train.trainer import Trainer
 
 
-class NonFiniteAt:
+class NonFiniteAt(Objective):
     """The objective, with a NaN loss at the given steps (the trainer's step counter); with
     once=True only the first time a step is computed (a rollback computes it again); with
     rank=r only on that rank."""

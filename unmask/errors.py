@@ -10,6 +10,7 @@ import difflib
 from collections.abc import Callable, Iterable
 
 from pydantic import ValidationError
+from pydantic_core import core_schema
 
 
 class InputError(Exception):
@@ -37,6 +38,31 @@ def did_you_mean(key: str, known: Iterable[str], prefix: str = "") -> str:
     """' (did you mean 'PREFIX+closest'?)' for a misspelled key, or ''."""
     close = difflib.get_close_matches(key, list(known), n=1, cutoff=0.6)
     return f" (did you mean '{prefix}{close[0]}'?)" if close else ""
+
+
+def quoted_choices(names: Iterable[str]) -> str:
+    """ "'a', 'b' or 'c'": choices as pydantic lists a Literal's."""
+    quoted = [repr(str(name)) for name in names]
+    return quoted[0] if len(quoted) == 1 else f"{', '.join(quoted[:-1])} or {quoted[-1]}"
+
+
+class OneOf:
+    """pydantic field metadata, `Annotated[str, OneOf(names)]`: the value must be one of
+    `names()`, read when a config is validated, so the names a registry gains after the
+    schema was defined (a plug-in's) are accepted; refused in pydantic's own words for a
+    fixed choice ("Input should be 'a' or 'b'"). docs/configuration.md lists `names()`."""
+
+    def __init__(self, names: Callable[[], Iterable[str]]):
+        self.names = names
+
+    def __get_pydantic_core_schema__(self, source, handler):
+        return core_schema.no_info_after_validator_function(self._check, handler(source))
+
+    def _check(self, value: str) -> str:
+        names = tuple(self.names())
+        if value not in names:
+            raise ValueError(f"Input should be {quoted_choices(names)}")
+        return value
 
 
 def describe_validation_error(

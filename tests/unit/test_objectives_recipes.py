@@ -369,14 +369,22 @@ def test_dream_cutoffs_leave_the_count_to_the_forward():
 
 
 def test_every_objective_name_has_one_class():
-    from typing import get_args
+    import unmask.posttrain  # noqa: F401  (registers grpo and preference)
+    from unmask.diffusion import (
+        BlockDiffusionObjective,
+        DreamObjective,
+        MaskedDiffusionObjective,
+        SFTObjective,
+        objective_names,
+    )
 
-    from unmask.diffusion import OBJECTIVES
-
-    names = get_args(DiffusionConfig.model_fields["objective"].annotation)
-    # the post-training objectives are built above the diffusion layer (unmask.posttrain,
-    # the trainer for preference: it holds the frozen reference)
-    assert set(names) - set(OBJECTIVES) == {"grpo", "preference"}
-    assert set(OBJECTIVES) < set(names)
-    for name in OBJECTIVES:
-        assert type(build_objective(DiffusionConfig(objective=name), MASK)) is OBJECTIVES[name]
+    classes = {"mdlm": MaskedDiffusionObjective, "llada": MaskedDiffusionObjective,
+               "bert": MaskedDiffusionObjective, "sft": SFTObjective, "dream": DreamObjective,
+               "bd3lm": BlockDiffusionObjective}  # fmt: skip
+    names = objective_names()  # the config's choices
+    # the post-training objectives are built from a whole run (unmask.posttrain: rewards,
+    # pairs and the frozen reference)
+    assert set(names) - set(classes) == {"grpo", "preference"}
+    assert set(classes) < set(names)
+    for name in classes:
+        assert type(build_objective(DiffusionConfig(objective=name), MASK)) is classes[name]

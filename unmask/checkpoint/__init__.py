@@ -12,10 +12,14 @@ from unmask.checkpoint.layout import (
 )
 from unmask.checkpoint.open import load_for_sampling
 from unmask.checkpoint.saved import gather_distributed_checkpoint, saved_kind
+from unmask.checkpoint.state import RunState, Stateful, Under
 
 __all__ = [
     "STATE_FILE",
     "Checkpointer",
+    "RunState",
+    "Stateful",
+    "Under",
     "export_distributed_checkpoint",
     "export_model",
     "gather_distributed_checkpoint",

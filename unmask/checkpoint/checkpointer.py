@@ -50,6 +50,7 @@ from unmask.checkpoint.layout import (
     read_trainer_state,
     temporary_folder,
 )
+from unmask.checkpoint.state import RunState
 from unmask.errors import InputError, RunStopped
 from unmask.models import ModelConfig, build_empty, hf_config_dict
 from unmask.models.hf import read_safetensors, shape_mismatch
@@ -142,6 +143,27 @@ class Checkpointer:
         if self.sharded:
             dist.barrier()
         return self.output_dir / f"checkpoint-{step}"
+
+    def save_state(
+        self, step: int, model: nn.Module, optimizer, scheduler, state: RunState
+    ) -> Path:
+        """`save` with the trainer state, RNG state and this rank's state collected from the
+        run's parts (state.py)."""
+        trainer_state, rng_state, rank_state = state.collect()
+        return self.save(step, model, optimizer, scheduler, trainer_state, rng_state,
+                         rank_state or None)  # fmt: skip
+
+    def restore(self, path: Path, model: nn.Module, optimizer, scheduler, state: RunState,
+                device: torch.device) -> int:  # fmt: skip
+        """Load checkpoint `path` into model, optimizer, scheduler and every part of `state`
+        (its checks first, on trainer_state.json alone); returns the checkpoint's step."""
+        path = Path(path)
+        saved = read_trainer_state(path)  # settings first, then tensors
+        for check in state.checks:
+            check(saved, path)
+        trainer_state, rng_state = self.load(path, model, optimizer, scheduler)
+        state.load(trainer_state, rng_state, self.load_rank_state(path, device) or {})
+        return trainer_state["step"]
 
     def _save_async(self, step, tmp, model, optimizer, scheduler, state, rng_state) -> Path:
         import torch.distributed.checkpoint as dcp

@@ -20,12 +20,11 @@ from unmask.config.foreign import FOREIGN_KEYS
 from unmask.config.train import TrainConfig
 from unmask.data.config import DataConfig
 from unmask.diffusion.config import DiffusionConfig
-from unmask.errors import InputError, describe_validation_error, did_you_mean
+from unmask.diffusion.registry import objective_spec
+from unmask.errors import InputError, OneOf, describe_validation_error, did_you_mean
 from unmask.models.config import ModelConfig
 from unmask.optim.config import OptimConfig
-from unmask.posttrain import check_config as check_posttrain_config
-from unmask.posttrain.config import GRPOConfig
-from unmask.posttrain.preference import PreferenceConfig
+from unmask.posttrain import GRPOConfig, PreferenceConfig  # also registers grpo, preference
 from unmask.sampling.config import EvalConfig
 
 QUICKSTART = "quickstart.yaml"
@@ -59,8 +58,9 @@ class RunConfig(BaseModel):
     _notices: list[str] = PrivateAttr(default_factory=list)
 
     @model_validator(mode="after")
-    def _posttrain(self) -> "RunConfig":
-        check_posttrain_config(self)
+    def _objective_fits_the_run(self) -> "RunConfig":
+        """The objective's own checks of the other sections (grpo: rewards, unpacked rows)."""
+        objective_spec(self.diffusion.objective).check_run(self)
         return self
 
     @property
@@ -196,6 +196,9 @@ def accepted_values(field) -> str:
     optional = type(None) in args
     kinds = [a for a in args if a is not type(None)] if optional else [annotation]
     parts = [_kind_text(kind) for kind in kinds]
+    for item in field.metadata:  # a choice read from a registry (diffusion.objective)
+        if isinstance(item, OneOf):
+            parts = [", ".join(f"`{choice}`" for choice in item.names())]
     bounds = [
         f"{sign} {getattr(item, attr):g}"
         for item in field.metadata

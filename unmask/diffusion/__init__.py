@@ -9,15 +9,32 @@ from unmask.diffusion.objectives import (
     ObjectiveOutput,
     mdlm_loss_terms,
 )
-from unmask.diffusion.registry import OBJECTIVES, build_objective
+from unmask.diffusion.recipes import BlockDiffusionObjective, DreamObjective, SFTObjective
+from unmask.diffusion.registry import (
+    OBJECTIVES,
+    ObjectiveContext,
+    ObjectiveSpec,
+    build_objective,
+    objective_names,
+    objective_spec,
+    register_objective,
+)
 
 __all__ = [
     "OBJECTIVES",
+    "BlockDiffusionObjective",
     "DiffusionConfig",
+    "DreamObjective",
     "MaskedDiffusionObjective",
     "Objective",
+    "ObjectiveContext",
     "ObjectiveOutput",
+    "ObjectiveSpec",
+    "SFTObjective",
     "build_objective",
+    "objective_names",
+    "objective_spec",
+    "register_objective",
     "chunked_cross_entropy",
     "loss_weight",
     "mask_prob",

@@ -1,16 +1,16 @@
 """Configuration of the masked-diffusion forward process and training objective."""
 
 import re
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from unmask.diffusion.registry import names_that, objective_names, objective_spec
+from unmask.errors import OneOf
 
 _CART = re.compile(r"^cart(?:\[geo_p:([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\])?$")
 LOSS_WEIGHTS = ("inverse_t", "scheduler", "uniform", "cart[geo_p:P]")
 NORMALIZATIONS = ("auto", "token", "answer", "answer_padded")
-# see registry.py; the post-training objectives (grpo, preference) are built by
-# unmask.posttrain, not in registry.py
-OBJECTIVE_NAMES = ("mdlm", "llada", "sft", "dream", "bert", "bd3lm", "grpo", "preference")
 
 
 def parse_loss_weight(text: str) -> tuple[str, float | None]:
@@ -32,8 +32,9 @@ class DiffusionConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
-    objective: Literal[OBJECTIVE_NAMES] = "mdlm"
-    """Training objective. `mdlm`/`llada`: pretraining (sum of weighted masked cross-entropy
+    objective: Annotated[str, OneOf(objective_names)] = "mdlm"
+    """Training objective: one of those registered (unmask/diffusion/registry.py; a plug-in
+    registers its own). `mdlm`/`llada`: pretraining (sum of weighted masked cross-entropy
     over the number of maskable tokens). `sft`: LLaDA SFT (prompt never masked, each row
     normalized by its answer length). `dream`: logit shift + CART/scheduler weights, prompt
     cutoffs. `bert`: the mdlm loss on an encoder (model_type bert/modernbert). `bd3lm`: block
@@ -108,24 +109,32 @@ class DiffusionConfig(BaseModel):
         return value.strip()
 
     @model_validator(mode="after")
-    def _cart_needs_dream(self) -> "DiffusionConfig":
-        if self.loss_weight.startswith("cart") and self.objective != "dream":
+    def _fits_the_objective(self) -> "DiffusionConfig":
+        """Settings the objective does not take (what each takes: its registry entry)."""
+        spec = objective_spec(self.objective)
+        if self.loss_weight.startswith("cart") and not spec.accepts_cart_weights:
             raise ValueError(
-                f"loss_weight {self.loss_weight!r} (CART) needs objective: dream, "
-                f"not {self.objective!r}"
+                f"loss_weight {self.loss_weight!r} (CART) needs objective: "
+                f"{names_that('accepts_cart_weights')}, not {self.objective!r}"
             )
-        if self.objective == "preference" and self.random_length_prob > 0:
+        spec.check_diffusion(self)
+        if self.loss_normalization != "auto" and not spec.accepts_loss_normalization:
             raise ValueError(
-                "random_length_prob needs a single-row objective; preference pairs are scored "
-                "whole (set diffusion.random_length_prob: 0)"
+                f"loss_normalization {self.loss_normalization!r} needs objective "
+                f"{names_that('accepts_loss_normalization')}; {self.objective!r} normalizes its "
+                "own way (use auto)"
             )
-        if self.loss_normalization != "auto" and self.objective in ("dream", "bd3lm", "preference"):
+        if self.logit_shift and not spec.accepts_logit_shift:
             raise ValueError(
-                f"loss_normalization {self.loss_normalization!r} needs objective mdlm, llada, "
-                f"bert or sft; {self.objective!r} normalizes its own way (use auto)"
-            )
-        if self.logit_shift and self.objective not in ("sft", "dream"):
-            raise ValueError(
-                f"logit_shift: true needs objective sft or dream, not {self.objective!r}"
+                f"logit_shift: true needs objective {names_that('accepts_logit_shift')}, not "
+                f"{self.objective!r}"
             )
         return self
+
+    @property
+    def shifts_logits(self) -> bool:
+        """Position i is predicted from the output at i - 1: `logit_shift`, or when it is
+        null the objective's default (Dream)."""
+        if self.logit_shift is not None:
+            return self.logit_shift
+        return objective_spec(self.objective).logit_shift_default

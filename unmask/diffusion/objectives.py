@@ -7,7 +7,9 @@ the same gradient as one big batch however many tokens each micro-batch masks.
 so the trainer can scale each micro-batch's loss instead of every gradient afterwards.
 """
 
-from typing import NamedTuple, Protocol
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -15,6 +17,7 @@ from torch import nn
 from unmask.diffusion.config import DiffusionConfig
 from unmask.diffusion.loss import IGNORE_INDEX
 from unmask.diffusion.noise import RowSlice, loss_weight, mask_tokens, sample_t
+from unmask.diffusion.registry import ObjectiveContext, ObjectiveSpec, register_objective
 
 _NOISE_KEYS = ("t", "noisy_input_ids", "masked")
 
@@ -28,37 +31,74 @@ class ObjectiveOutput(NamedTuple):
     """0-d float32: the normalizer this objective wants (summed before dividing)."""
 
 
-class Objective(Protocol):
-    """The trainer's single entry point for any objective.
+class Objective:
+    """Every hook the trainer calls on an objective, with the default a plain per-row
+    objective wants; an objective subclasses this and overrides what it has.
 
-    global_noise: True when each row's noise is drawn on its own, so each rank of a
-    multi-process run draws the randomness of the whole global batch and keeps its rows'
-    (`with_noise(batch, generator, rows=(offset, total))`): losses then do not depend on the
-    world size. False (or absent): each rank draws for its own rows from its own generator
-    and `with_noise` is not needed.
+    `objective(model, batch, generator) -> ObjectiveOutput(loss_sum, count)` is the one
+    required method. The others:
 
-    Optional, for state an objective carries from one step to the next (grpo's rollouts
-    reused by inner iterations): `rank_state()` returns this rank's (tensors, ints, lists,
-    dicts; {} when there is none), which the trainer saves per rank in every checkpoint;
-    `load_rank_state(state)` restores it on resume ({}: forget any), returning None or why
-    the state does not fit this run (the trainer prints it and goes on without).
+    - `global_noise` True: each row's noise is drawn on its own, so each rank of a
+      multi-process run draws the randomness of the whole global batch and keeps its rows'
+      (`with_noise(batch, generator, rows=(offset, total))`): losses then do not depend on
+      the world size. False: each rank draws for its own rows from its own generator and
+      `with_noise` is not called (but in evaluation, see there).
+    - `count(batch)`: the `count` a call on this batch returns, from the batch alone (0-d
+      float32), or None when it depends on what the call draws; then the trainer scales
+      the gradients after the backward instead of each micro-batch's loss before it.
+    - `begin_step(step)`: called with the trainer's step before its micro-batches (grpo:
+      inner iterations reuse the rollouts of their cycle).
+    - `last_stats`: after each call, detached 0-d tensors (no device sync); the trainer
+      reads `num_masked` for the LM head's FLOPs (absent: every token).
+    - `step_sums`: after each call, detached sums over the call's rows that the trainer adds
+      over micro-batches and ranks and logs divided by the step's count (preference: the
+      reward margin and accuracy).
+    - `take_log()`: metrics gathered since the last call, logged at logging steps (grpo:
+      rewards, lengths, samples).
+    - `eval_objective`: what eval_loss measures instead of this objective (grpo: the
+      masked-diffusion loss of the held-out answers); None: this objective.
+    - `rank_state()` / `load_rank_state(state)`: state carried from one step to the next
+      that is this rank's own (grpo's rollouts reused by inner iterations): tensors, ints,
+      lists, dicts, {} when there is none; saved per rank in every checkpoint. Loading
+      returns None, or why the state does not fit this run (the trainer says so and goes on
+      without it); {} forgets any.
+    - `close()`: when train() ends, also by an error (grpo: the rewards' worker processes).
     """
 
-    global_noise: bool
+    global_noise: bool = False
+    last_stats: Mapping[str, torch.Tensor] = MappingProxyType({})
+    step_sums: Mapping[str, torch.Tensor] = MappingProxyType({})
+    eval_objective: "Objective | None" = None
 
     def __call__(
         self, model: nn.Module, batch: dict, generator: torch.Generator | None = None
-    ) -> ObjectiveOutput: ...
+    ) -> ObjectiveOutput:
+        raise NotImplementedError(f"{type(self).__name__} does not define __call__")
 
     def with_noise(
         self, batch: dict, generator: torch.Generator | None = None, rows: RowSlice | None = None
-    ) -> dict: ...
+    ) -> dict:
+        """The batch with the noise this objective would draw for it (`global_noise`);
+        rows: the batch is that slice of a larger one (`RowSlice`). Default: unchanged."""
+        return batch
 
     def count(self, batch: dict) -> torch.Tensor | None:
-        """The `count` a call on this batch returns, computed from the batch alone (0-d
-        float32), or None when it depends on what the call draws (optional: an objective
-        without this method is treated as returning None)."""
-        ...
+        return None
+
+    def begin_step(self, step: int) -> None:
+        return None
+
+    def take_log(self) -> dict:
+        return {}
+
+    def rank_state(self) -> dict:
+        return {}
+
+    def load_rank_state(self, state: dict) -> str | None:
+        return None
+
+    def close(self) -> None:
+        return None
 
 
 def mdlm_loss_terms(
@@ -125,7 +165,7 @@ def normalized_terms(
     return ObjectiveOutput((terms.sum(1) * scale).sum(), count)
 
 
-class MaskedDiffusionObjective:
+class MaskedDiffusionObjective(Objective):
     """MDLM / LLaDA pretraining: weighted cross-entropy on masked tokens.
 
     Batch keys: `input_ids` (B, L) long; optional `doc_ids`, `position_ids` (passed to
@@ -282,3 +322,22 @@ def objective_stats(t: torch.Tensor, masked: torch.Tensor, maskable: torch.Tenso
         "num_masked": masked.sum().detach().float(),
         "num_maskable": maskable.sum().detach().float(),
     }
+
+
+def masked_builder(cls: type[MaskedDiffusionObjective]):
+    """The registry builder of a masked-diffusion objective class: (cfg, mask_id), and the
+    EOS id where answers end."""
+
+    def build(context: ObjectiveContext) -> MaskedDiffusionObjective:
+        objective = cls(context.diffusion, context.mask_id)
+        objective.eos_id = context.eos_id
+        return objective
+
+    return build
+
+
+for _name in ("mdlm", "llada", "bert"):  # bert: the mdlm loss on a transformers encoder
+    register_objective(ObjectiveSpec(
+        _name, masked_builder(MaskedDiffusionObjective), accepts_loss_normalization=True,
+        accepts_context_parallel=True,
+    ))  # fmt: skip

@@ -22,9 +22,11 @@ from unmask.diffusion.objectives import (
     MaskedDiffusionObjective,
     ObjectiveOutput,
     maskable_of,
+    masked_builder,
     objective_stats,
     weighted_token_loss,
 )
+from unmask.diffusion.registry import ObjectiveSpec, register_objective
 
 # -- pure pieces ---------------------------------------------------------------------------
 
@@ -264,3 +266,18 @@ def _weighted_loss(
         coef_ahead[:, :-1] = coef[:, 1:]
         targets, coef = ahead, coef_ahead
     return weighted_token_loss(model, noisy, batch, targets, coef, cfg.vocab_chunk_size)
+
+
+def _block_causal(cfg: DiffusionConfig) -> dict:
+    """A BD3LM model is sampled block by block, with the blocks it was trained on."""
+    return {"block_causal": True, "block_length": cfg.block_size}
+
+
+register_objective(ObjectiveSpec("sft", masked_builder(SFTObjective),
+                                 accepts_loss_normalization=True,
+                                 accepts_logit_shift=True))  # fmt: skip
+register_objective(ObjectiveSpec("dream", masked_builder(DreamObjective),
+                                 accepts_logit_shift=True, logit_shift_default=True,
+                                 accepts_cart_weights=True))  # fmt: skip
+register_objective(ObjectiveSpec("bd3lm", masked_builder(BlockDiffusionObjective),
+                                 fixed_sampling=_block_causal))  # fmt: skip

@@ -27,6 +27,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 from unmask.errors import InputError
+from unmask.models.transformer import document_positions
 
 #: batch keys holding one value per token, (B, L): sliced along the sequence
 TOKEN_KEYS = ("input_ids", "doc_ids", "position_ids", "maskable", "noisy_input_ids", "masked")
@@ -121,8 +122,6 @@ class ContextShard:
         """This rank's slice of every per-token tensor of a batch of whole rows. Position ids
         are filled in first (restarting at each document, as the model does), so the slice
         keeps the global positions; (B,) tensors (the noise level t) are kept whole."""
-        from unmask.models.transformer import document_positions
-
         ids = batch["input_ids"]
         length = ids.shape[1]
         if length % self.size:

@@ -21,7 +21,10 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from unmask.errors import InputError
+from unmask.models.build import is_encoder_folder
 from unmask.models.config import ModelConfig
+from unmask.models.families import FAMILIES
+from unmask.models.hf import architecture
 
 #: Column-parallel (output features split) and row-parallel (input features split) linears.
 COLWISE = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj",
@@ -37,9 +40,6 @@ def check_tensor_parallel(model: ModelConfig, tp: int, *, lora: bool = False) ->
     not divide the heads, the key/value heads or the MLP width."""
     if tp == 1:
         return
-    from unmask.models.build import is_encoder_folder
-    from unmask.models.families import FAMILIES
-
     key = f"train.tensor_parallel={tp}"
     if model.pretrained is not None and is_encoder_folder(model.pretrained):
         raise InputError(
@@ -57,8 +57,6 @@ def check_tensor_parallel(model: ModelConfig, tp: int, *, lora: bool = False) ->
             f"{key} does not combine with model.lora / model.load_in_4bit (adapters and "
             "4-bit layers are not split); set train.tensor_parallel=1"
         )
-    from unmask.models.hf import architecture
-
     arch = architecture(model)
     for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
         value = getattr(arch, name)

@@ -29,7 +29,12 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from unmask.diffusion.objectives import MaskedDiffusionObjective, ObjectiveOutput, maskable_of
+from unmask.diffusion.objectives import (
+    MaskedDiffusionObjective,
+    Objective,
+    ObjectiveOutput,
+    maskable_of,
+)
 from unmask.errors import InputError
 from unmask.posttrain.config import GRPOConfig
 from unmask.posttrain.estimators import Passes, Rows, estimate, upper_bound_tokens
@@ -222,7 +227,7 @@ def unsharded(model: nn.Module) -> Iterator[None]:
 # ------------------------------------------------------------------ the objective
 
 
-class GRPOObjective:
+class GRPOObjective(Objective):
     """Diffusion GRPO / wd1 / SPG with the trainer's Objective signature (module doc).
 
     rewards(prompts, completions, records) returns an object with `total` (R,) and

@@ -40,7 +40,7 @@ from torch import nn
 from unmask.diffusion.config import DiffusionConfig
 from unmask.diffusion.loss import IGNORE_INDEX
 from unmask.diffusion.noise import RowSlice, loss_weight, mask_prob, rand_rows
-from unmask.diffusion.objectives import ObjectiveOutput
+from unmask.diffusion.objectives import Objective, ObjectiveOutput
 
 SIDES = ("chosen", "rejected")
 ROW_KEYS = ("input_ids", "maskable", "doc_ids", "position_ids")
@@ -117,7 +117,7 @@ def dpo_terms(
     return -F.logsigmoid(margin), margin
 
 
-class PreferenceObjective:
+class PreferenceObjective(Objective):
     """DPO on ELBO estimates (module docstring). count = the number of pairs, so the
     trainer's global normalization is the mean over pairs across micro-batches and ranks.
 

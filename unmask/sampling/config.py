@@ -15,6 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from unmask.diffusion.config import DiffusionConfig
+from unmask.diffusion.registry import objective_spec
 from unmask.errors import InputError, describe_validation_error, did_you_mean
 from unmask.models.families import samples_with_logit_shift
 from unmask.sampling.hooks import import_hook
@@ -280,15 +281,13 @@ def _hint(loc: tuple[str, ...]) -> str:
 
 
 def fixed_by_training(diffusion: DiffusionConfig) -> dict[str, Any]:
-    """What sampling must match of how a model was trained: Dream's logit shift, BD3LM's
-    block-causal attention and block size. Every checkpoint's generation_config.json
-    carries these, so generate, export and lm-eval need no flags."""
-    shift = diffusion.logit_shift
-    if shift if shift is not None else diffusion.objective == "dream":
+    """What sampling must match of how a model was trained: Dream's logit shift, or what
+    the objective's registry entry fixes (BD3LM's block-causal attention and block size).
+    Every checkpoint's generation_config.json carries these, so generate, export and
+    lm-eval need no flags."""
+    if diffusion.shifts_logits:
         return {"shift_logits": True}
-    if diffusion.objective == "bd3lm":
-        return {"block_causal": True, "block_length": diffusion.block_size}
-    return {}
+    return objective_spec(diffusion.objective).fixed_sampling(diffusion)
 
 
 def fitted_to_rows(data) -> dict[str, Any]:

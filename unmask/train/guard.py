@@ -32,7 +32,12 @@ class NonFiniteGuard:
         self.lr_backoff = lr_backoff
         self.state = GuardState()
 
-    def load(self, saved: dict | None) -> None:
+    def state_dict(self) -> dict:
+        """What it has seen (every checkpoint's trainer_state.json "guard")."""
+        return self.state.to_dict()
+
+    def load_state_dict(self, saved: dict | None) -> None:
+        """A checkpoint's state; None (a checkpoint from before the guard): a fresh one."""
         self.state = GuardState(**(saved or {}))
 
     def record(self, step: int, finite: bool) -> str:

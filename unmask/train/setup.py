@@ -1,15 +1,28 @@
 """What the trainer builds before its first step, in order: the device, the tokenizer
-(with the mask and EOS tokens the objective needs) and the model (vocabulary, 4-bit base,
-activation checkpointing, compiled blocks, LoRA, FSDP2)."""
+(with the mask and EOS tokens the objective needs), the data the objective trains on, the
+model (vocabulary, 4-bit base, activation checkpointing, compiled blocks, LoRA, FSDP2) and
+the objective with what it needs beside the model (its registry entry says what)."""
 
 import copy
 
 import torch
 
 from unmask.config import RunConfig
-from unmask.data import adopt_mask_token, build_tokenizer, ensure_special_tokens
+from unmask.data import (
+    Datasets,
+    adopt_mask_token,
+    build_datasets,
+    build_tokenizer,
+    ensure_special_tokens,
+    heldout_examples,
+)
+from unmask.diffusion import Objective, build_objective, objective_spec
+from unmask.diffusion.registry import names_that
 from unmask.errors import InputError
 from unmask.models import build_model, decoder_layers, folder_mask_token_id, max_positions
+from unmask.models.build import is_encoder_folder
+from unmask.models.families import FAMILIES
+from unmask.models.hf import architecture
 from unmask.models.lora import apply_lora, lora_targets
 from unmask.models.quant import quantize_4bit
 from unmask.parallel.context import check_context_parallel
@@ -41,10 +54,6 @@ def check_context_request(cfg: RunConfig, world_size: int) -> None:
     cp = cfg.train.context_parallel
     if cp == 1:
         return
-    from unmask.diffusion.registry import OBJECTIVES
-    from unmask.models.build import is_encoder_folder
-    from unmask.models.families import FAMILIES
-
     key = f"train.context_parallel={cp}"
     model = cfg.model
     if not FAMILIES[model.model_type].native or (
@@ -53,10 +62,11 @@ def check_context_request(cfg: RunConfig, world_size: int) -> None:
         raise InputError(f"{key} needs a native decoder; model {model.pretrained or model.model_type!r} "
                          "is a wrapped transformers model: set train.context_parallel=1")  # fmt: skip
     objective = cfg.diffusion.objective
-    if objective not in OBJECTIVES or not OBJECTIVES[objective].global_noise:  # grpo, ...
+    if not objective_spec(objective).accepts_context_parallel:  # its registry entry says
         raise InputError(
-            f"{key} needs an objective that draws each row's noise on its own (mdlm, llada); "
-            f"diffusion.objective {objective!r} draws for its batch: set train.context_parallel=1"
+            f"{key} needs an objective that draws each row's noise on its own "
+            f"({names_that('accepts_context_parallel')}); diffusion.objective {objective!r} "
+            "draws for its batch: set train.context_parallel=1"
         )
     normalization = cfg.diffusion.loss_normalization
     if normalization not in ("auto", "token"):
@@ -69,8 +79,6 @@ def check_context_request(cfg: RunConfig, world_size: int) -> None:
             f"{key} splits training forwards only; eval.generate_accuracy samples with the model "
             "and no sampler runs context-parallel: set eval.generate_accuracy=false"
         )
-    from unmask.models.hf import architecture
-
     arch = architecture(model)
     check_context_parallel(cp, world_size=world_size, heads=arch.num_attention_heads,
                            kv_heads=arch.num_key_value_heads, length=cfg.data.packing_length,
@@ -133,3 +141,37 @@ def build_train_model(cfg: RunConfig, tokenizer, added_tokens: int, device: torc
         apply_fsdp(model, fsdp_mesh(mesh), decoder_layers(model), bf16=t.bf16,
                    reshard_after_forward=t.reshard_after_forward)  # fmt: skip
     return model
+
+
+def objective_datasets(cfg: RunConfig, tokenizer, as_loaded) -> Datasets:
+    """The training and eval rows: the objective's own kind (preference: chosen/rejected
+    pairs) or the `data:` section's rows."""
+    own = objective_spec(cfg.diffusion.objective).datasets
+    if own is not None:
+        return own(cfg, tokenizer, as_loaded)
+    return build_datasets(cfg.data, tokenizer, as_loaded)
+
+
+def objective_heldout(cfg: RunConfig, tokenizer) -> list[tuple[str, str]]:
+    """Held-out (prompt, answer) pairs for eval.generate_accuracy: the objective's own
+    (preference: the held-out pairs' prompts and chosen answers) or the data's."""
+    own = objective_spec(cfg.diffusion.objective).heldout_examples
+    if own is not None:
+        return own(cfg.data, tokenizer)
+    return heldout_examples(cfg.data)
+
+
+def build_run_objective(cfg: RunConfig, tokenizer, added_tokens: int, device: torch.device,
+                        mesh, notices: list[str]) -> Objective:  # fmt: skip
+    """The run's objective from the registry, given what any objective may need: the run's
+    sections, the tokenizer and, on request, a copy of the starting model (same seed and
+    init_from, before any resume: preference's frozen reference). Its start-up lines go to
+    `notices`."""
+
+    def starting_model() -> torch.nn.Module:
+        torch.manual_seed(cfg.train.seed)  # the policy's initial weights
+        return build_train_model(cfg, tokenizer, added_tokens, device, mesh)
+
+    return build_objective(cfg.diffusion, tokenizer.mask_token_id, tokenizer.eos_token_id,
+                           run=cfg, tokenizer=tokenizer, starting_model=starting_model,
+                           notices=notices)  # fmt: skip
