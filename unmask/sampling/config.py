@@ -370,4 +370,3 @@ def _family_shifts(folder: Path) -> bool:
         return samples_with_logit_shift(json.loads((folder / "config.json").read_text()))
     except (OSError, json.JSONDecodeError, AttributeError):
         return False
-
