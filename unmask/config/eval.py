@@ -44,7 +44,8 @@ class EvalConfig(BaseModel):
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     """The sampler: every `unmask generate` option (temperature, block_length, remasking,
     threshold, cache, ...); each answer fills the training row, so gen_length, row_length and
-    steps are not set here. What training fixes (Dream's logit shift, BD3LM's blocks) wins."""
+    steps are not set here. What training fixes (Dream's logit shift, BD3LM's blocks) wins.
+    Older configs' eval.temperature, eval.block_length and eval.remasking are read as these."""
 
     @model_validator(mode="before")
     @classmethod
