@@ -20,6 +20,9 @@ after an answer, read from the run's config.yaml next to the checkpoint: padded 
 (data.packing: false) with supervised padding -> `pad` to data.packing_length (the
 quickstart); packed rows, or padding kept out of the loss -> `eos` (one EOS, the one the
 loss saw); no run config (an exported or downloaded folder) -> `none`.
+
+`score_file` does the whole job for the command line (a `ScoreRequest`: the flags, checked):
+the model loaded, the file scored, the records and the summary record returned.
 """
 
 from __future__ import annotations
