@@ -62,6 +62,12 @@ def test_eval_sampling_refuses_what_the_heldout_rows_decide():
                                "eval.sampling.gen_length_max=16"])  # fmt: skip
     with pytest.raises(InputError, match="unknown config key 'eval.sampling.temprature'"):
         load_config(None, ["eval.sampling.temprature=0.5"])
+    with pytest.raises(InputError) as err:  # a sampling key in the wrong section
+        load_config(None, ["train.temperature=0.5"])
+    assert str(err.value) == (
+        "unknown config key 'train.temperature' (it belongs in 'eval.sampling': "
+        "'eval.sampling.temperature')"
+    )
     # the full sampler: any remasking (the old section took two), threshold, cache, ...
     cfg = load_config(None, ["eval.sampling.remasking=topk_margin", "eval.sampling.cache=dual"])
     assert (cfg.eval.sampling.remasking, cfg.eval.sampling.cache) == ("topk_margin", "dual")

@@ -96,6 +96,10 @@ def _suggest(loc: tuple[str, ...]) -> str:
     for name, field in RunConfig.model_fields.items():
         if loc[-1] in getattr(field.annotation, "model_fields", {}):
             return f" (it belongs in section '{name}': '{name}.{loc[-1]}')"
+    for name, field in RunConfig.model_fields.items():  # a sampler's: eval.sampling.temperature
+        for sub, inner in getattr(field.annotation, "model_fields", {}).items():
+            if loc[-1] in getattr(inner.annotation, "model_fields", {}):
+                return f" (it belongs in '{name}.{sub}': '{name}.{sub}.{loc[-1]}')"
     return ""
 
 
