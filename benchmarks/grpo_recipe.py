@@ -40,9 +40,9 @@ def recipe(path: Path = RECIPE) -> dict:
 
 
 def heldout_em(model, tokenizer, cfg, prompts: int) -> float:
+    from unmask.config import EvalConfig
     from unmask.data import heldout_examples
     from unmask.sampling.accuracy import heldout_accuracy
-    from unmask.sampling.config import EvalConfig
 
     examples = heldout_examples(cfg.data)[:prompts]
     acc, _ = heldout_accuracy(model, tokenizer, examples, EvalConfig(max_examples=prompts,

@@ -2,6 +2,7 @@
 loaded with `section.key=value` overrides; seed schemas (LMMs-Engine, Transformer Lab)
 are translated first. `python -m unmask.config` prints docs/configuration.md."""
 
+from unmask.config.eval import EvalConfig
 from unmask.config.run import (
     RunConfig,
     apply_override,
@@ -16,6 +17,7 @@ from unmask.config.run import (
 from unmask.config.train import TrainConfig
 
 __all__ = [
+    "EvalConfig",
     "RunConfig",
     "TrainConfig",
     "apply_override",

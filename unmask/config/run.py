@@ -1,9 +1,9 @@
 """One YAML file = one run: the schema, loading, command-line overrides, error messages.
 
 Each component owns its section class (models.ModelConfig, data.DataConfig, ...; the
-training loop's is config/train.py); this module composes them, translates seed schemas
-(compat/), applies `section.key=value` overrides and turns validation errors into one
-line that names the key and the nearest valid one.
+training loop's is config/train.py, the held-out generation's config/eval.py); this module
+composes them, translates seed schemas (compat/), applies `section.key=value` overrides and
+turns validation errors into one line that names the key and the nearest valid one.
 """
 
 import types
@@ -16,6 +16,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
 from unmask.config.compat import sections_to_tree, translate
+from unmask.config.eval import EvalConfig, moved_key_notices
 from unmask.config.foreign import FOREIGN_KEYS
 from unmask.config.train import TrainConfig
 from unmask.data.config import DataConfig
@@ -25,7 +26,6 @@ from unmask.errors import InputError, OneOf, describe_validation_error, did_you_
 from unmask.models.config import ModelConfig
 from unmask.optim.config import OptimConfig
 from unmask.posttrain import GRPOConfig, PreferenceConfig  # also registers grpo, preference
-from unmask.sampling.config import EvalConfig
 
 QUICKSTART = "quickstart.yaml"
 
@@ -96,6 +96,10 @@ def _suggest(loc: tuple[str, ...]) -> str:
     for name, field in RunConfig.model_fields.items():
         if loc[-1] in getattr(field.annotation, "model_fields", {}):
             return f" (it belongs in section '{name}': '{name}.{loc[-1]}')"
+    for name, field in RunConfig.model_fields.items():  # a sampler's: eval.sampling.temperature
+        for sub, inner in getattr(field.annotation, "model_fields", {}).items():
+            if loc[-1] in getattr(inner.annotation, "model_fields", {}):
+                return f" (it belongs in '{name}.{sub}': '{name}.{sub}.{loc[-1]}')"
     return ""
 
 
@@ -171,12 +175,13 @@ def default_output_dir(path: str | Path) -> str:
 
 
 def validate_tree(tree: dict, notices: list[str] | tuple = ()) -> RunConfig:
-    """The RunConfig of unmask's own tree; `notices` become its start-up lines."""
+    """The RunConfig of unmask's own tree; `notices` become its start-up lines (with those
+    of keys that moved, config/eval.py)."""
     try:
         cfg = RunConfig.model_validate(tree)
     except ValidationError as err:
         raise InputError(describe_validation_error(err, "config key", _suggest)) from None
-    cfg._notices = list(notices)
+    cfg._notices = [*notices, *moved_key_notices(tree)]
     return cfg
 
 

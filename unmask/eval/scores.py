@@ -20,6 +20,9 @@ after an answer, read from the run's config.yaml next to the checkpoint: padded 
 (data.packing: false) with supervised padding -> `pad` to data.packing_length (the
 quickstart); packed rows, or padding kept out of the loss -> `eos` (one EOS, the one the
 loss saw); no run config (an exported or downloaded folder) -> `none`.
+
+`score_file` does the whole job for the command line (a `ScoreRequest`: the flags, checked):
+the model loaded, the file scored, the records and the summary record returned.
 """
 
 from __future__ import annotations
@@ -33,8 +36,11 @@ from typing import Any
 
 import yaml
 
+from unmask.checkpoint import load_for_sampling, resolve_model_folder
 from unmask.data.config import DataConfig
 from unmask.errors import InputError
+from unmask.parallel.threads import set_sampling_threads
+from unmask.sampling.config import resolve_sampling
 from unmask.sampling.likelihood import (
     answer_log_likelihood,
     combined_stderr,
@@ -56,6 +62,29 @@ class AnswerEnd:
     end: str  # none | eos | pad
     row_length: int | None  # pad: prompt + answer + EOS fill, in tokens
     source: str  # where the choice came from, for the summary record
+
+
+@dataclass
+class ScoreRequest:
+    """`unmask eval --pairs / --ppl` once its flags are checked: the file, the model and the
+    estimator's settings (`score_file`)."""
+
+    flag: str  # --pairs or --ppl: named in messages
+    path: Path
+    text: str  # the file's text
+    pairs: list[tuple[str, str]] | None  # --pairs: parsed before the model loads
+    model: str
+    tokenizer: str | None = None
+    device: str = "auto"
+    mask_id: int | None = None
+    base: str | None = None
+    mc_num: int = 32
+    batch_size: int = 16
+    seed: int = 0
+    context: int = 512  # --ppl: tokens per scored chunk
+    each_line: bool = False  # --ppl: each line scored as a text of its own
+    eos: str | None = None  # --pairs: --eos (None = auto)
+    row_length: int | None = None  # --pairs: --row-length
 
 
 @dataclass
@@ -240,6 +269,60 @@ def score_text(sm: SamplingModel, ids: list[int], context: int, mc: MonteCarlo, 
                             mc_num=mc.mc_num, batch_size=mc.batch_size,
                             generator=item_generator(mc.seed, index), device=sm.device,
                             shift_logits=mc.shift_logits)  # fmt: skip
+
+
+def score_file(request: ScoreRequest) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The records of a file's items and its summary record (`"summary": true`, with how it
+    was scored): answers given prompts (request.pairs), each line of a text
+    (request.each_line) or the whole text. Loads the model; its folder's sampling options
+    give the guidance scale and the logit shift."""
+    sm = load_for_sampling(request.model, request.tokenizer, request.device, request.mask_id,
+                           base=request.base)  # fmt: skip
+    set_sampling_threads(sm.model, sm.device)
+    config = resolve_sampling(sm.saved)
+    if config.block_causal:
+        raise InputError(
+            f"{request.flag}: likelihoods of block-causal (bd3lm) models are not implemented "
+            "yet (the MC estimator is the bidirectional one)"
+        )
+    mc = MonteCarlo(request.mc_num, request.batch_size, request.seed, config.cfg_scale,
+                    config.shift_logits)  # fmt: skip
+    path, context = request.path, request.context
+    head = {"file": str(path), "mc_num": mc.mc_num, "batch_size": mc.batch_size,
+            "seed": mc.seed}  # fmt: skip
+    if request.pairs is not None:
+        folder = resolve_model_folder(request.model)
+        end = choose_answer_end(request.eos, request.row_length, folder)
+        records = score_pairs(sm, request.pairs, end, mc)
+        return records, {
+            "summary": True, "mode": "pairs", **head,
+            "scores": "answers given prompts: answer tokens and their EOS tail masked and "
+                      "scored, prompt clean",
+            "eos": end.end, "row_length": end.row_length, "eos_from": end.source,
+            "answer_tokens": sum(r["answer_tokens"] for r in records), **summary(records),
+        }  # fmt: skip
+    if request.each_line:
+        lines = [line for line in request.text.splitlines() if line.strip()]
+        if not lines:
+            raise InputError(f"--ppl {str(path)!r} holds no text; give a file with text")
+        records = score_lines(sm, lines, context, mc)
+        return records, {
+            "summary": True, "mode": "text-lines", **head,
+            "scores": "each line on its own, every token masked and scored (no prompt)",
+            "context": context, **summary(records),
+        }  # fmt: skip
+    ids = sm.tokenizer(request.text, add_special_tokens=False)["input_ids"]
+    if not ids:
+        raise InputError(f"--ppl {str(path)!r} holds no tokens; give a file with text to score")
+    bound = score_text(sm, ids, context, mc)
+    return [], {
+        "summary": True, "mode": "text", **head,
+        "scores": "the whole file as one text, every token masked and scored (no prompt)",
+        "ppl_upper_bound": bound.perplexity, "nelbo_per_token": bound.nll_per_token,
+        "stderr_per_token": bound.stderr_per_token, "tokens": bound.tokens,
+        "scored_tokens": bound.tokens, "nelbo": bound.nelbo, "stderr": bound.stderr,
+        "chunks": bound.chunks, "context": context,
+    }  # fmt: skip
 
 
 def summary(records: list[dict[str, Any]]) -> dict[str, Any]:

@@ -104,3 +104,10 @@ def set_threads(
             return None
     torch.set_num_threads(threads)
     return f"torch threads: {threads} instead of {before} ({why})"
+
+
+def set_sampling_threads(model: torch.nn.Module, device: torch.device) -> None:
+    """`auto` for a model loaded to sample or score (`unmask generate`, `unmask eval`): on a
+    shared 2-core machine two threads made a quickstart-sized model's generation 2-40x
+    slower. OMP_NUM_THREADS, when set, is kept."""
+    set_threads("auto", sum(p.numel() for p in model.parameters()), device.type)

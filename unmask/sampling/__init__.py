@@ -4,7 +4,7 @@
 from unmask.sampling.config import SamplingConfig, resolve_sampling
 from unmask.sampling.generate import GenerationOutput, cfg_combine, generate, left_pad, sample
 from unmask.sampling.schedules import dream_schedule, num_transfer_tokens
-from unmask.sampling.transfer import add_gumbel_noise, select_top_k
+from unmask.sampling.transfer import add_gumbel_noise, register_confidence, select_top_k
 
 __all__ = [
     "GenerationOutput",
@@ -15,6 +15,7 @@ __all__ = [
     "generate",
     "left_pad",
     "num_transfer_tokens",
+    "register_confidence",
     "resolve_sampling",
     "sample",
     "select_top_k",

@@ -2,10 +2,11 @@
 
 from collections import defaultdict
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 
-from unmask.sampling.config import EvalConfig, SamplingConfig
+from unmask.sampling.config import SamplingConfig
 from unmask.sampling.generate import generate
 from unmask.sampling.texts import before_eos
 
@@ -15,12 +16,22 @@ def decode_answer(tokenizer, ids: list[int]) -> str:
     return tokenizer.decode(before_eos(ids, tokenizer.eos_token_id), skip_special_tokens=True)
 
 
+class HeldoutSettings(Protocol):
+    """What heldout_accuracy reads of the run config's `eval:` section (EvalConfig,
+    unmask/config/eval.py, which this layer cannot import)."""
+
+    max_examples: int
+    batch_size: int
+    steps_per_token: float
+    sampling: SamplingConfig
+
+
 @torch.no_grad()
 def heldout_accuracy(
     model,
     tokenizer,
     examples: list[tuple[str, str]],
-    cfg: EvalConfig,
+    cfg: HeldoutSettings,
     row_length: int,
     device: torch.device,
     sampling: dict | None = None,
@@ -29,16 +40,18 @@ def heldout_accuracy(
     """Generate an answer for each prompt so that prompt + answer fills `row_length` tokens
     (the shape rows had in training) and score exact match.
 
-    sampling: what the training objective fixes (`fixed_by_training`): Dream's
-    `shift_logits`; BD3LM's `block_causal` with its `block_length`, where the answer is
-    rounded up to whole blocks (later blocks cannot change earlier ones).
+    cfg.sampling: the sampler (SamplingConfig.fitted sets each answer's gen_length and
+    blocks; steps = steps_per_token per answer token, whole steps per block).
+    sampling: what the training objective fixes (`fixed_by_training`), winning over
+    cfg.sampling: Dream's `shift_logits`; BD3LM's `block_causal` with its `block_length`,
+    where the answer is rounded up to whole blocks (later blocks cannot change earlier ones).
 
     Prompts are grouped by token length so each group is one rectangular batch;
     on_progress(done, total) is called after each batch.
     Returns (accuracy, [(prompt, expected, predicted), ...]).
     """
     examples = examples[: cfg.max_examples]
-    fixed = dict(sampling or {})
+    rows_config = cfg.sampling.updated(**(sampling or {}), row_length=row_length)
     groups: dict[int, list[int]] = defaultdict(list)
     encoded = [tokenizer(p, add_special_tokens=False)["input_ids"] for p, _ in examples]
     for index, ids in enumerate(encoded):
@@ -50,20 +63,10 @@ def heldout_accuracy(
         gen_length = row_length - prompt_len
         if gen_length <= 0:
             raise ValueError(f"prompt of {prompt_len} tokens leaves no room in {row_length}")
-        block = (
-            cfg.block_length
-            if cfg.block_length and gen_length % cfg.block_length == 0
-            else gen_length
-        )
-        if fixed.get("block_causal"):
-            block = fixed["block_length"]
-            gen_length = -(-gen_length // block) * block
-        blocks = gen_length // block
-        steps = max(blocks, round(gen_length * cfg.steps_per_token / blocks) * blocks)
-        config = SamplingConfig.model_validate(
-            {**fixed, "steps": steps, "gen_length": gen_length, "block_length": block,
-             "temperature": cfg.temperature, "remasking": cfg.remasking}
-        )  # fmt: skip
+        fitted = rows_config.fitted(prompt_len)
+        blocks = fitted.gen_length // fitted.block_length
+        steps = max(blocks, round(fitted.gen_length * cfg.steps_per_token / blocks) * blocks)
+        config = fitted.updated(steps=steps)
         for start in range(0, len(indices), cfg.batch_size):
             chunk = indices[start : start + cfg.batch_size]
             prompt = torch.tensor([encoded[i] for i in chunk], device=device)

@@ -3,8 +3,8 @@
 Every sampling option lives in `SamplingConfig` and nowhere else: `sample` reads it, the
 `unmask generate` flags and the lm-eval adapter's model_args are its fields, and a model
 folder's generation_config.json carries them in its "unmask" entry (written by the trainer
-and by `unmask export`, read here). `EvalConfig` is the run config's `eval:` section, the
-held-out generation at the end of training.
+and by `unmask export`, read here). The run config's `eval:` section (the held-out
+generation at the end of training) holds one too: unmask/config/eval.py.
 """
 
 import json
@@ -20,11 +20,17 @@ from unmask.errors import InputError, describe_validation_error, did_you_mean
 from unmask.models.families import samples_with_logit_shift
 from unmask.sampling.hooks import import_hook
 from unmask.sampling.schedules import SCHEDULES
-from unmask.sampling.transfer import REMASKING
+from unmask.sampling.transfer import remasking_choices
 
 CACHES = ("none", "prefix", "dual")
 GENERATION_FILE = "generation_config.json"
-_CHOICES = {"remasking": REMASKING, "schedule": SCHEDULES, "cache": CACHES}
+# the options that take one of a set of names; remasking's set grows with
+# transfer.register_confidence, so each is read when a value is checked
+_CHOICES = {
+    "remasking": remasking_choices,
+    "schedule": lambda: SCHEDULES,
+    "cache": lambda: CACHES,
+}
 # Options of one call, never of a model folder: generation_config.json neither holds nor
 # gives them (a downloaded folder must not name code to run), model_dump leaves them out.
 RUNTIME_OPTIONS = ("logits_hook", "tokens_hook", "history")
@@ -69,10 +75,11 @@ class SamplingConfig(BaseModel):
     confidence_eos_eot_inf: bool = False
     """LLaDA: proposals of EOS or the end-of-turn token get confidence 0, so they are
     committed last (ids from the tokenizer: its EOS and <|eot_id|> or <|im_end|>)."""
-    remasking: Literal[REMASKING] = "low_confidence"
+    remasking: str = "low_confidence"
     """Which proposals to commit: `low_confidence` (LLaDA), `random`, Dream's `maskgit_plus`,
     `topk_margin`, `entropy`, `confidence_threshold` (Dream: steps' quotas, what falls
-    under `threshold` carried to the next step), or `origin` (masks revealed at random)."""
+    under `threshold` carried to the next step), or `origin` (masks revealed at random);
+    or a score added with `unmask.sampling.register_confidence`."""
     schedule: Literal[SCHEDULES] = "llada"
     """Tokens committed per step: `llada` per-block quotas or `dream` timesteps."""
     eps: float = Field(1e-3, gt=0.0, lt=1.0)
@@ -135,7 +142,7 @@ class SamplingConfig(BaseModel):
     @field_validator(*_CHOICES, mode="before")
     @classmethod
     def _known_choice(cls, value, info):
-        choices = _CHOICES[info.field_name]
+        choices = option_choices(info.field_name)
         if value not in choices:
             raise ValueError(
                 f"unknown {info.field_name} {value!r}; expected one of {list(choices)}"
@@ -237,6 +244,13 @@ class SamplingConfig(BaseModel):
             fields["row_length"] = options["row_length"]
         runtime = {name: getattr(self, name) for name in RUNTIME_OPTIONS}
         return self.model_validate({**self.model_dump(), **runtime, **fields})
+
+
+def option_choices(name: str) -> tuple[str, ...] | None:
+    """The names option `name` accepts now (remasking: with the registered scores), or None
+    for an option that is not a choice of names."""
+    choices = _CHOICES.get(name)
+    return None if choices is None else tuple(choices())
 
 
 def check_auto_length(config: SamplingConfig) -> None:
@@ -355,24 +369,3 @@ def _family_shifts(folder: Path) -> bool:
         return samples_with_logit_shift(json.loads((folder / "config.json").read_text()))
     except (OSError, json.JSONDecodeError, AttributeError):
         return False
-
-
-class EvalConfig(BaseModel):
-    """Held-out generation after training (prompt/answer data such as the synthetic tasks)."""
-
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
-
-    generate_accuracy: bool = False
-    """After training, generate answers for held-out prompts and report exact match."""
-    max_examples: int = 300
-    """Held-out prompts to generate for (the first N of the eval split)."""
-    batch_size: int = 64
-    """Prompts decoded together (grouped by prompt length)."""
-    steps_per_token: float = 1.0
-    """Denoising steps per generated token (1.0 = one token committed per step)."""
-    block_length: int | None = None
-    """Semi-autoregressive block length; None = the whole answer is one block."""
-    temperature: float = Field(0.0, ge=0.0)
-    """Gumbel temperature; 0 = greedy, deterministic."""
-    remasking: Literal["low_confidence", "random"] = "low_confidence"
-    """Which predicted tokens to commit each step."""

@@ -5,7 +5,8 @@
   tempered first, then nucleus (top_p), then top_k, so the nucleus is taken on softmax(l / T).
 - confidence (`CONFIDENCE_FNS`): `low_confidence` softmax(l)[x0] on the untempered logits
   (LLaDA); `random`; Dream's `maskgit_plus` p(x0), `topk_margin` p1 - p2 and `entropy`
-  sum p log p on the tempered, filtered distribution. All float64.
+  sum p log p on the tempered, filtered distribution. All float64. More are added with
+  `register_confidence` (from outside the package too).
 - transfer: top-k per row, sampled positions (`alg_temp`), Fast-dLLM `threshold` and
   `factor`, Dream's `confidence_threshold` (a quota per step, what falls under the
   threshold carried to the next step), or Dream `origin` / MDLM ddpm (each mask revealed
@@ -114,7 +115,34 @@ CONFIDENCE_FNS: dict[str, ConfidenceFn] = {
     "entropy": neg_entropy,
     "confidence_threshold": maskgit_plus,
 }
-REMASKING = (*CONFIDENCE_FNS, "origin")
+#: remasking rules that use no confidence score (each mask revealed at random)
+REVEAL_RULES = ("origin",)
+
+
+def remasking_choices() -> tuple[str, ...]:
+    """Every `remasking` value, read when asked (not at import), so a score registered later
+    (`register_confidence`) is a valid option, `--remasking` value and model_arg."""
+    return (*CONFIDENCE_FNS, *REVEAL_RULES)
+
+
+def register_confidence(name: str, fn: ConfidenceFn) -> None:
+    """Add a confidence score under `name`, from inside unmask or outside it: it becomes a
+    `remasking` choice of SamplingConfig (and so of `unmask generate --remasking`,
+    generation_config.json and the lm-eval model_args) once registered, before the config
+    or the command line is read.
+
+    fn(logits, probs, x0, generator) -> (B, L) float64, higher = committed first: logits
+    (B, L, V) untempered (EOS / EoT at -inf under confidence_eos_eot_inf), probs (B, L, V)
+    the tempered, filtered distribution (None for `low_confidence` and `random`, which do
+    not need it), x0 (B, L) long the proposals, generator the sampler's. The positions to
+    commit are its top ones (the quota of the step, or threshold / factor when given)."""
+    if not isinstance(name, str) or not name.isidentifier():
+        raise ValueError(f"a confidence name is a Python identifier (got {name!r})")
+    if name in CONFIDENCE_FNS or name in REVEAL_RULES:
+        raise ValueError(f"remasking {name!r} is already registered; choose another name")
+    if not callable(fn):
+        raise ValueError(f"confidence {name!r} must be callable (got {type(fn).__name__})")
+    CONFIDENCE_FNS[name] = fn
 
 
 def propose_tokens(

@@ -1,0 +1,85 @@
+"""The command line: `unmask train | generate | eval | export | preprocess | plot | runs`.
+The only package that reads argv.
+
+One module per command family (train.py; generate.py and evaluate.py, with
+sampling_flags.py; preprocess.py; runs.py: export, plot, runs), each with an `add_<command>`
+that adds its subparser and a `cmd_<command>` that runs it; `COMMANDS` below lists them.
+A new command: a new module with those two functions and one line in `COMMANDS`.
+
+Bad input (an InputError from anywhere, or a bad command line) becomes one line on stderr
+and exit code 2, a run that cannot go on (RunStopped: non-finite losses, a full disk, a lost
+peer process) one line and exit code 1; `--debug` also prints the traceback.
+Each command imports what it needs inside its function (start-up time: `unmask generate`
+does not load the trainer, `unmask train` not lm-eval); the layering needs none of it.
+"""
+
+import argparse
+import sys
+import traceback
+
+from unmask.cli import evaluate, generate, preprocess, runs, train
+from unmask.cli.flags import REFERENCE, Parser, UsageError, version_line
+from unmask.cli.sampling_flags import SAMPLING_GROUP, sampling_flags
+from unmask.errors import InputError, NothingToTrain, RunStopped
+
+#: each command's subparser, in the order `unmask --help` lists them
+COMMANDS = (
+    train.add_train,
+    generate.add_generate,
+    evaluate.add_eval,
+    runs.add_export,
+    preprocess.add_preprocess,
+    runs.add_plot,
+    runs.add_runs,
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = Parser(prog="unmask", description="Train and sample masked-diffusion language models.",
+                    epilog=REFERENCE)  # fmt: skip
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
+    parser.add_argument("--version", action="version", version=version_line())
+    sub = parser.add_subparsers(dest="command", required=True)
+    for add_command in COMMANDS:
+        add_command(sub)
+    for command in sub.choices.values():  # `unmask CMD ... --debug` works too
+        command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                             help="show the traceback of an error")  # fmt: skip
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        ns, extra = parser.parse_known_args(argv)
+        if extra:  # named with the subcommand whose --help lists what it takes
+            raise UsageError(f"unrecognized arguments: {' '.join(extra)}; see "
+                             f"`unmask {ns.command} --help`")  # fmt: skip
+    except UsageError as exc:
+        print(f"unmask: error: {exc}", file=sys.stderr)
+        return 2
+    ns.command_line = ["unmask", *(sys.argv[1:] if argv is None else argv)]
+    try:
+        return ns.func(ns)
+    except InputError as exc:
+        if ns.debug:
+            traceback.print_exc()
+        print(f"unmask: error: {exc}", file=sys.stderr)
+        return 2
+    except RunStopped as exc:
+        if ns.debug:
+            traceback.print_exc()
+        command = getattr(ns, "resume_command", None)
+        hint = f"; {train.resume_hint(command)}" if exc.resume and command else ""
+        print(f"unmask: stopped: {exc}{hint}", file=sys.stderr)
+        return 1
+    except NothingToTrain as exc:  # a finished run resumed: nothing was changed
+        print(f"unmask: {exc}", file=sys.stderr)
+        return 0
+    except KeyboardInterrupt:
+        hint = "; resume with train.resume_from_checkpoint=true" if ns.command == "train" else ""
+        print(f"unmask: interrupted{hint}", file=sys.stderr)
+        return 130
+
+
+__all__ = ["COMMANDS", "SAMPLING_GROUP", "build_parser", "main", "sampling_flags"]

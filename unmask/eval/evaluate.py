@@ -1,0 +1,104 @@
+"""`unmask eval --tasks` end to end: the lm-eval model built from the request, the tasks
+loaded, checked against the preset and run, and the results file and summary lines built.
+
+Imports the lm-eval adapter (harness.py), so importing this module needs lm-eval (the
+`eval` extra): the CLI imports it only for --tasks, after every check of its flags.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from unmask.checkpoint import resolve_model_folder
+from unmask.errors import InputError
+from unmask.eval import tasks as lm_tasks
+from unmask.eval.harness import UnmaskLM
+from unmask.eval.presets import PRESETS, preset_sampling
+from unmask.parallel.threads import set_sampling_threads
+from unmask.sampling.config import saved_sampling
+
+#: lm-eval's default bootstrap rounds for the stderr of non-mean metrics
+BOOTSTRAP_ITERS = 100000
+#: prompts decoded together by default
+GEN_BATCH_SIZE = 16
+
+
+@dataclass
+class TaskRequest:
+    """What `unmask eval --tasks` runs, its flags checked (None: the preset's or lm-eval's
+    default)."""
+
+    tasks: list[str]  # task names or task YAML files
+    model: str
+    preset: str | None = None  # base (default) or instruct
+    include_path: str | None = None
+    tokenizer: str | None = None
+    base: str | None = None
+    device: str = "auto"
+    mask_id: int | None = None
+    mc_num: int | None = None
+    batch_size: int | None = None  # Monte Carlo rows per forward pass
+    gen_batch_size: int | None = None
+    seed: int = 0
+    limit: float | None = None  # examples per task, or a fraction below 1
+    num_fewshot: int | None = None
+    bootstrap_iters: int | None = None
+    log_samples: bool = False
+    system_instruction: str | None = None
+    sampling: dict[str, Any] = field(default_factory=dict)  # sampling flags given
+    command_line: list[str] = field(default_factory=list)  # recorded in the results
+
+
+@dataclass
+class TaskResults:
+    """The results file's tree and text (the same for the same command but `wall_clock`),
+    how many tasks ran, and the lines for stderr."""
+
+    tree: dict[str, Any]
+    text: str
+    tasks: int
+    lines: list[str]
+
+
+def evaluate_tasks(request: TaskRequest) -> TaskResults:
+    """Run the tasks with the preset (presets.py) in this process (tasks.py: every seed set,
+    the results file). The model folder is read first, so a missing one is named before any
+    task data is read."""
+    preset = PRESETS[request.preset or "base"]
+    clock = lm_tasks.Clock()
+    defaults = preset_sampling(preset, saved_sampling(resolve_model_folder(request.model)))
+    names = request.tasks
+    loaded = lm_tasks.load_tasks(lm_tasks.task_manager(names, request.include_path), names)
+    kinds = lm_tasks.check_modes(loaded, preset)
+    try:
+        lm = UnmaskLM(pretrained=request.model, tokenizer=request.tokenizer, base=request.base,
+                      device=request.device, mask_id=request.mask_id,
+                      mc_num=request.mc_num or preset.mc_num,
+                      mc_batch_size=request.batch_size or preset.mc_batch_size,
+                      batch_size=request.gen_batch_size or GEN_BATCH_SIZE, seed=request.seed,
+                      defaults=defaults, **request.sampling)  # fmt: skip
+    except ValueError as err:
+        raise InputError(str(err)) from None
+    set_sampling_threads(lm.sm.model, lm.sm.device)
+    limit = request.limit
+    limit = limit if limit is None or limit < 1 else int(limit)
+    bootstrap = BOOTSTRAP_ITERS if request.bootstrap_iters is None else request.bootstrap_iters
+    run = lm_tasks.TaskRun(names, preset, request.include_path, limit, request.num_fewshot,
+                           request.seed, bootstrap, request.log_samples,
+                           request.system_instruction)  # fmt: skip
+    results = lm_tasks.run_tasks(lm, run, loaded)
+    where = {"command": request.command_line, "model": request.model,
+             "tokenizer": request.tokenizer, "base": request.base,
+             "system_instruction": request.system_instruction}  # fmt: skip
+    tree = lm_tasks.results_tree(results, lm, run, kinds, defaults, request.sampling, where,
+                                 clock)  # fmt: skip
+    lines = lm_tasks.summary_lines(results)
+    stats = tree["throughput"]
+    if stats["generation_requests"]:
+        wall = tree["wall_clock"]
+        lines.append(f"unmask: {stats['generated_tokens']} generated tokens for "
+                     f"{stats['generation_requests']} prompt(s) in "
+                     f"{wall['generation_seconds']:.2f}s: "
+                     f"{wall['generated_tokens_per_second']} generated tokens/s")  # fmt: skip
+    return TaskResults(tree, lm_tasks.results_text(tree), len(kinds), lines)
