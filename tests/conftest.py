@@ -1,4 +1,5 @@
 import contextlib
+import copy
 import json
 import math
 import os
@@ -61,13 +62,11 @@ def one_thread():
 
 
 def deep_update(base: dict, extra: dict) -> dict:
-    out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in base.items()}
-    for key, value in extra.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = deep_update(out[key], value)
-        else:
-            out[key] = value
-    return out
+    """A copy of base updated by extra, recursively (extra wins): unmask's own merge of
+    config trees, on a deep copy of base, so that no result shares a section with TINY."""
+    from unmask.config.compat.tree import merge
+
+    return merge(copy.deepcopy(base), extra)
 
 
 def write_run_config(root: Path, name: str, base: dict, extra: dict) -> Path:
@@ -77,6 +76,20 @@ def write_run_config(root: Path, name: str, base: dict, extra: dict) -> Path:
     path = root / f"{name}.yaml"
     path.write_text(yaml.safe_dump(tree))
     return path
+
+
+def train_in_process(config: Path, out: Path, **train) -> Path:
+    """The run of `config` in this process (world size 1) into `out`, with train.KEY = value
+    for each keyword: the reference a multi-process run is compared with. Once: an `out`
+    that exists is returned as it is."""
+    from unmask.config import load_config
+    from unmask.train.trainer import Trainer
+
+    if not out.exists():
+        cfg = load_config(config)
+        cfg.train = cfg.train.model_copy(update={"output_dir": str(out), **train})
+        Trainer(cfg).train()
+    return out
 
 
 @pytest.fixture

@@ -32,8 +32,9 @@ def torchrun_command(nproc: int, *args: str | Path, flags: tuple[str, ...] = ())
             f"--nproc_per_node={nproc}", *flags, *map(str, args)]  # fmt: skip
 
 
-def launch_env(env: dict[str, str] | None = None) -> dict[str, str]:
-    """This process's environment plus `env`, with one OpenMP thread per rank."""
+def rank_env(env: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of launched ranks: this process's, plus `env`, with one OpenMP thread
+    per rank."""
     return {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
 
 
@@ -54,7 +55,7 @@ def torchrun(
     """Run `torchrun_command(nproc, *args)` to its end (at most `timeout` seconds) and
     assert it exited 0; returns the finished process (stdout and stderr as text)."""
     proc = subprocess.run(torchrun_command(nproc, *args, flags=flags), capture_output=True,
-                          text=True, timeout=timeout, env=launch_env(env), cwd=cwd)  # fmt: skip
+                          text=True, timeout=timeout, env=rank_env(env), cwd=cwd)  # fmt: skip
     assert proc.returncode == 0, failure(proc)
     return proc
 

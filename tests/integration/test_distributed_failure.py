@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from conftest import losses, write_run_config
-from launch import children_of, free_port, launch_env, rank_of, torchrun_command
+from launch import children_of, free_port, rank_env, rank_of, torchrun_command
 
 from unmask.checkpoint import is_distributed_checkpoint, list_checkpoints
 from unmask.config import load_config
@@ -29,7 +29,7 @@ def test_killed_rank_stops_the_run_and_the_last_checkpoint_resumes(tmp_path):
         "max_steps": 500, "save_steps": 2, "eval_steps": 0, "split_batches": True,
         "ddp_timeout": 60}})  # fmt: skip
     launcher = subprocess.Popen(torchrun_command(2, "-m", "unmask", "train", cfg_path),
-                                env=launch_env(), stdout=subprocess.DEVNULL,
+                                env=rank_env(), stdout=subprocess.DEVNULL,
                                 stderr=subprocess.PIPE, text=True)  # fmt: skip
     try:
         deadline = time.monotonic() + 180
@@ -77,7 +77,7 @@ def test_slurm_usr1_through_torchrun_stops_every_rank_at_one_checkpoint(tmp_path
         "max_steps": 2000, "save_steps": 0, "eval_steps": 0, "split_batches": True}})  # fmt: skip
     flags = ("--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1", "--shutdown-timeout=60")
     cmd = torchrun_command(2, "-m", "unmask", "train", cfg_path, flags=flags)
-    launcher = subprocess.Popen(cmd, env=launch_env(), stdout=subprocess.PIPE,
+    launcher = subprocess.Popen(cmd, env=rank_env(), stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True)  # fmt: skip
     try:
         deadline = time.monotonic() + 180

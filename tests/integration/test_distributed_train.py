@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import deep_update, losses, write_run_config
+from conftest import deep_update, losses, train_in_process, write_run_config
 from launch import train_in_ranks
 from safetensors.torch import load_file
 
@@ -91,13 +91,7 @@ def runs(tmp_path_factory):
 
 def one_process(runs, name: str, **train) -> Path:
     """The same config in this process (world size 1), written to <name>-1 (run once)."""
-    out = runs["root"] / f"{name}-1"
-    if out.exists():
-        return out
-    cfg = load_config(runs["cfg"][name])
-    cfg.train = cfg.train.model_copy(update={"output_dir": str(out), **train})
-    Trainer(cfg).train()
-    return out
+    return train_in_process(runs["cfg"][name], runs["root"] / f"{name}-1", **train)
 
 
 def test_runs_succeeded(runs):

@@ -9,7 +9,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import by_step, deep_update, losses, read_metrics, write_run_config
+from conftest import (
+    by_step,
+    deep_update,
+    losses,
+    read_metrics,
+    train_in_process,
+    write_run_config,
+)
 from launch import train_in_ranks
 
 from unmask.checkpoint.layout import write_manifest
@@ -211,9 +218,7 @@ def test_grpo_two_ranks_match_one(tmp_path):
              "grpo": {"estimator": "coupled", "loss": "spg"}}  # fmt: skip
     cfg = write(tmp_path, "two", extra)
     assert train_in_ranks(2, tmp_path / "results.json", cfg)["two"]["rc"] == 0
-    one = load_config(cfg)
-    one.train = one.train.model_copy(update={"output_dir": str(tmp_path / "one")})
-    Trainer(one).train()
+    train_in_process(cfg, tmp_path / "one")
     single, double = losses(tmp_path / "one"), losses(tmp_path / "two")
     assert sorted(single) == sorted(double) == [1, 2, 3]
     assert any(v != 0 for v in single.values())

@@ -5,11 +5,8 @@ copy and with LoRA (the reference is the base with adapters off)."""
 from pathlib import Path
 
 import pytest
-from conftest import read_metrics, write_run_config
+from conftest import read_metrics, train_in_process, write_run_config
 from launch import train_in_ranks
-
-from unmask.config import load_config
-from unmask.train.trainer import Trainer
 
 pytestmark = pytest.mark.slow
 BASE = {
@@ -44,9 +41,7 @@ def runs(tmp_path_factory):
 def test_two_ranks_give_the_losses_of_one(runs, name):
     root, results = runs
     assert results[name]["rc"] == 0, results[name]["stderr"][-2000:]
-    cfg = load_config(root / f"{name}.yaml")
-    cfg.train = cfg.train.model_copy(update={"output_dir": str(root / f"{name}-1")})
-    Trainer(cfg).train()
+    train_in_process(root / f"{name}.yaml", root / f"{name}-1")
     one, two = records(root / f"{name}-1"), records(root / name)
     assert sorted(one) == sorted(two) == [1, 2, 3, 4]
     for step in one:

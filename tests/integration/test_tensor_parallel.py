@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import deep_update, losses, write_run_config
+from conftest import deep_update, losses, train_in_process, write_run_config
 from launch import WORKERS, torchrun, train_in_ranks
 
 from unmask.config import load_config
@@ -59,13 +59,8 @@ def runs(tmp_path_factory):
 
 def one_process(runs, name: str, source: str, **train) -> Path:
     """Config `source` run in this process (world size 1, tp=1), written to <name>-1."""
-    out = runs["root"] / f"{name}-1"
-    if not out.exists():
-        cfg = load_config(runs["cfg"][source])
-        update = {"output_dir": str(out), "tensor_parallel": 1, "dp_shard": -1, **train}
-        cfg.train = cfg.train.model_copy(update=update)
-        Trainer(cfg).train()
-    return out
+    return train_in_process(runs["cfg"][source], runs["root"] / f"{name}-1", tensor_parallel=1,
+                            dp_shard=-1, **train)  # fmt: skip
 
 
 def test_runs_succeeded(runs):
