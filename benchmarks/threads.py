@@ -161,8 +161,8 @@ def main() -> None:
     lines = [
         "# Torch threads for the quickstart model on this CPU",
         "",
-        f"`python benchmarks/threads.py` on {machine()}, {rounds} round(s); load average (1 min) before each "
-        f"measurement {min(loads):.1f}-{max(loads):.1f} (other jobs share the machine). "
+        f"`python benchmarks/threads.py` on {machine()}, {rounds} round(s); load average "
+        f"(1 min) before each measurement {min(loads):.1f}-{max(loads):.1f} (other jobs share the machine). "
         "Medians over rounds, min-max in brackets.",
         "",
         "| machine | threads | train steps/s | generate seconds (one prompt) |",

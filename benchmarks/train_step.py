@@ -594,8 +594,8 @@ def report(results: dict, peaks: list[float], grid: Grid, args, load_before: str
             "# One training step: unmask vs transformers + F.cross_entropy + AdamW (CPU, fp32)",
             "",
             f"Written by `benchmarks/train_step.py{mode}` on {machine(*PACKAGES)}; "
-            f"{args.threads} torch thread(s); {grid.rounds} interleaved round(s) of every case, each in its own "
-            f"process ({grid.warmup} warm-up step(s), then the median of {grid.steps} timed "
+            f"{args.threads} torch thread(s); {grid.rounds} interleaved round(s) of every case, "
+            f"each in its own process ({grid.warmup} warm-up step(s), then the median of {grid.steps} timed "
             f"step(s)); {wall / 60:.1f} minutes in all; load average {load_before} before, "
             f"{load_average()} after. fp32 GEMM peak (probe): "
             f"{with_spread([p / 1e9 for p in peaks], '{:.1f}')} GFLOP/s. Medians with the "

@@ -180,7 +180,8 @@ def lost_peer_run(tmp_path: Path, stop_with: signal.Signals, train: dict) -> dic
     `stop_with`; returns what rank 0's node printed, how long it took to stop, and the run."""
     out = tmp_path / "run"
     cfg_path = write_run_config(tmp_path, "run", {}, {"train": {
-        "max_steps": 2000, "save_steps": 2, "eval_steps": 0, "split_batches": True, **train}})  # fmt: skip
+        "max_steps": 2000, "save_steps": 2, "eval_steps": 0, "split_batches": True,
+        **train}})  # fmt: skip
     overrides = ["train.logging_steps=1"]  # on the command line: the resume command keeps it
     nodes = TwoNodes(tmp_path, cfg_path, overrides)
     try:

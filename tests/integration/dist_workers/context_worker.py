@@ -33,7 +33,8 @@ CASES = {
 
 def make_model(heads: int, kv_heads: int, backend: str) -> DiffusionTransformer:
     return tiny_model(vocab_size=64, intermediate_size=48, num_attention_heads=heads,
-                      num_key_value_heads=kv_heads, head_dim=8, attn_implementation=backend)  # fmt: skip
+                      num_key_value_heads=kv_heads, head_dim=8,
+                      attn_implementation=backend)  # fmt: skip
 
 
 def make_batch(packed: bool) -> dict:
