@@ -26,19 +26,18 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import shutil
-import statistics
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+from common import RESULTS, machine, publish, rotated, with_spread
 
 from unmask.checkpoint import Checkpointer
 from unmask.models import ModelConfig, build_model
 
-RESULTS = Path(__file__).parent / "results" / "checkpoint_stall.md"
+REPORT = RESULTS / "checkpoint_stall.md"
 FULL = {"hidden_size": 768, "intermediate_size": 2048, "num_hidden_layers": 8,
         "num_attention_heads": 12, "num_key_value_heads": 4, "vocab_size": 32000}  # fmt: skip
 QUICK = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
@@ -80,10 +79,6 @@ def measure(kind: str, root: Path, step: int, parts, work: tuple[int, int]) -> d
     return {"stall": stall, "work": during}
 
 
-def spread(values: list[float], fmt: str = "{:.2f}") -> str:
-    return f"{fmt.format(statistics.median(values))} ({fmt.format(min(values))}-{fmt.format(max(values))})"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny model, one round, no file")
@@ -104,8 +99,9 @@ def main() -> None:
     try:
         workload(*work)  # warm-up
         for index in range(rounds):
-            order = ["sync", "async"] if index % 2 == 0 else ["async", "sync"]
-            for kind in order:  # the workload alone just before each save: its reference
+            for kind in rotated(
+                ["sync", "async"], index
+            ):  # the workload alone just before each save: its reference
                 alone.append(workload(*work))
                 row = measure(kind, root, index + 1, parts, work)
                 results[kind].append({**row, "alone": alone[-1]})
@@ -118,26 +114,26 @@ def main() -> None:
         "# Checkpoint stall: synchronous vs train.async_checkpoint (CPU)",
         "",
         f"Model: qwen3_dllm {params / 1e6:.1f}M parameters fp32 ({dims}), AdamW state; "
-        f"checkpoint state {state_bytes / 2**30:.2f} GiB. Machine: {platform.processor() or platform.machine()}, "
-        f"{os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads. "
+        f"checkpoint state {state_bytes / 2**30:.2f} GiB. Machine: {machine('torch')}, "
+        f"{torch.get_num_threads()} threads. "
         f"Medians of {rounds} interleaved rounds (min-max). Command: "
         "`python benchmarks/checkpoint_stall.py`.",
         "",
         "| variant | loop stalled by save() (s) | workload right after save (s) | "
         "stall + workload slowdown (s) |",
         "|---|---|---|---|",
-        f"| (workload alone) | | {spread(alone)} | |",
+        f"| (workload alone) | | {with_spread(alone)} | |",
     ]
     for kind in ("sync", "async"):
         rows = results[kind]
         lines.append(
-            f"| {kind} | {spread([r['stall'] for r in rows])} | "
-            f"{spread([r['work'] for r in rows])} | "
-            f"{spread([r['stall'] + r['work'] - r['alone'] for r in rows])} |"
+            f"| {kind} | {with_spread([r['stall'] for r in rows])} | "
+            f"{with_spread([r['work'] for r in rows])} | "
+            f"{with_spread([r['stall'] + r['work'] - r['alone'] for r in rows])} |"
         )
     lines += [
         "",
-        f"Stall sync / async: {spread(ratios, '{:.1f}')}x (per round). The async stall is the "
+        f"Stall sync / async: {with_spread(ratios, '{:.1f}')}x (per round). The async stall is the "
         "copy of the state to CPU memory (DCP's staging, so the next in-place optimizer step "
         "cannot change what is written) plus the small files; the files are then written in a "
         "background thread, which on this 2-core machine slows the work running beside it: "
@@ -147,12 +143,7 @@ def main() -> None:
         "written.",
         "",
     ]
-    report = "\n".join(lines)
-    print(report)
-    if not args.quick:
-        RESULTS.parent.mkdir(parents=True, exist_ok=True)
-        RESULTS.write_text(report)
-        print(f"written: {RESULTS}")
+    publish("\n".join(lines), None if args.quick else REPORT)
 
 
 if __name__ == "__main__":

@@ -33,16 +33,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from common import RESULTS, run_workers, write_report
 from torch.utils._python_dispatch import TorchDispatchMode
 
-RESULTS = Path(__file__).parent / "results" / "context_parallel.md"
+REPORT = RESULTS / "context_parallel.md"
 MODEL = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=32, vocab_size=256, attn_implementation="sdpa")  # fmt: skip
 MIB = 2**20
@@ -185,12 +184,7 @@ def worker(out: str, length: int) -> None:
 
 
 def launch(cp: int, out: Path, length: int) -> list[dict]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc_per_node={cp}", __file__, "--worker", str(out), "--length", str(length)]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1200)
-    if proc.returncode:
-        sys.exit(proc.stderr[-3000:])
+    run_workers(cp, __file__, "--worker", out, "--length", length, timeout=1200)
     return [json.loads((out / f"cp{cp}-rank{r}.json").read_text()) for r in range(cp)]
 
 
@@ -242,12 +236,12 @@ def main() -> None:
         runs = {cp: launch(cp, Path(tmp), length) for cp in (1, 2)}
     text = table(length, runs)
     print(text)
-    if not args.quick:
-        RESULTS.write_text(
-            "# Context parallelism: per-rank activation memory and all-to-all bytes\n\n"
-            "`python benchmarks/context_parallel.py` (gloo, CPU processes, one thread each; "
-            "see its docstring for what each column measures).\n\n" + text + "\n\n" + NOTES
-        )
+    report = (
+        "# Context parallelism: per-rank activation memory and all-to-all bytes\n\n"
+        "`python benchmarks/context_parallel.py` (gloo, CPU processes, one thread each; "
+        "see its docstring for what each column measures).\n\n" + text + "\n\n" + NOTES
+    )
+    write_report(report, None if args.quick else REPORT)
 
 
 if __name__ == "__main__":

@@ -43,7 +43,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
 import shutil
 import statistics
@@ -52,15 +51,15 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
-from importlib.metadata import version
 from pathlib import Path
+
+from common import REPO, load_average, machine, median_spread, publish, rotated
 
 # The clock of the part 3 / 4 children, started before torch and unmask are imported: that
 # is why those imports live inside the functions below, not up here.
 _STARTED = time.perf_counter()
 
-REPO = Path(__file__).resolve().parent.parent
-RESULTS = Path(__file__).parent / "results" / "data.md"
+RESULTS = REPO / "benchmarks" / "results" / "data.md"
 
 
 @dataclass(frozen=True)
@@ -79,21 +78,11 @@ class Sizes:
 
 FULL = Sizes(20_000_000, 8000, True, 4000, 16, 3, 15, 10_000_000, 500_000_000, 200)
 QUICK = Sizes(1_000_000, 1000, False, 300, 4, 1, 2, 1_000_000, 20_000_000, 5)
+#: the packages whose versions the report names
+PACKAGES = ("torch", "tokenizers", "datasets")
 
 
 # ------------------------------------------------------------------------------ helpers
-
-
-def median_spread(values: list[float], fmt: str = "{:.2f}") -> tuple[str, str]:
-    """(median, "min-max") formatted."""
-    lo, hi = min(values), max(values)
-    return fmt.format(statistics.median(values)), f"{fmt.format(lo)}-{fmt.format(hi)}"
-
-
-def rotated(items: list, round_index: int) -> list:
-    """The variants in a different order each round, so load drift hits all of them alike."""
-    k = round_index % len(items)
-    return items[k:] + items[:k]
 
 
 def child_env(**overrides: str | None) -> dict[str, str]:
@@ -117,23 +106,6 @@ def run_child(kind: str, spec: dict, **env: str | None) -> dict:
     if done.returncode != 0:
         raise RuntimeError(f"child {kind} failed ({done.returncode}):\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
-
-
-def machine() -> str:
-    cpu = "unknown CPU"
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            cpu = line.split(":", 1)[1].strip()
-            break
-    return (
-        f"{cpu}, {os.cpu_count()} cores, Python {platform.python_version()}, "
-        f"torch {version('torch')}, tokenizers {version('tokenizers')}, "
-        f"datasets {version('datasets')}"
-    )
-
-
-def load_average() -> str:
-    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
 
 
 def run_config(data: dict, train: dict) -> dict:
@@ -824,7 +796,7 @@ def main() -> None:
     base = args.out or Path(tempfile.mkdtemp(prefix="unmask-data-bench-"))
     ws = Workspace(base / "work", sizes)
     load_before = load_average()
-    print(f"{machine()}; {rounds} round(s); temporary files in {ws.root}", flush=True)
+    print(f"{machine(*PACKAGES)}; {rounds} round(s); temporary files in {ws.root}", flush=True)
     sections = []
     runners = {
         1: lambda: part_preprocess(ws, rounds),
@@ -846,7 +818,8 @@ def main() -> None:
     header = [
         "# Data pipeline: preprocessing, loader wait, start-up at scale, resume",
         "",
-        f"Written by `benchmarks/data.py{' --quick' if args.quick else ''}` on {machine()}; "
+        f"Written by `benchmarks/data.py{' --quick' if args.quick else ''}` on "
+        f"{machine(*PACKAGES)}; "
         f"parts {','.join(map(str, parts))}, {rounds} interleaved round(s), {wall / 60:.1f} "
         f"minutes in all; load average {load_before} before, {load_average()} after. Medians "
         "with the min-max spread over rounds; ratios are per round, against a reference "
@@ -854,12 +827,7 @@ def main() -> None:
         "",
     ]
     text = "\n".join(header + sections)
-    print(text)
-    results = args.results or (None if args.quick else RESULTS)
-    if results is not None:
-        results.parent.mkdir(parents=True, exist_ok=True)
-        results.write_text(text)
-        print(f"wrote {results}")
+    publish(text, args.results or (None if args.quick else RESULTS))
 
 
 if __name__ == "__main__":

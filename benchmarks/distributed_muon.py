@@ -31,18 +31,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from common import RESULTS, run_workers, write_report
 from torch import nn
 
-RESULTS = Path(__file__).parent / "results" / "distributed_muon.md"
+REPORT = RESULTS / "distributed_muon.md"
 REPEATS = 5
 LR, WD = 0.02, 0.1
 
@@ -296,15 +294,13 @@ def main() -> None:
         "",
     ]
     for w in (int(v) for v in args.worlds.split(",")):
-        out = RESULTS.parent / f".distributed_muon_{w}.json"
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={w}"]
-        cmd += [__file__, "--worker", str(out), "--repeats", str(args.repeats)]
-        subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        out = RESULTS / f".distributed_muon_{w}.json"
+        run_workers(w, __file__, "--worker", out, "--repeats", args.repeats, timeout=1800,
+                    env={"OMP_NUM_THREADS": "1"})  # fmt: skip
         lines += table(json.loads(out.read_text())) + [""]
         out.unlink()
     text = "\n".join(lines)
-    if not args.quick:
-        RESULTS.write_text(text)
+    write_report(text, None if args.quick else REPORT)
     print(text)
 
 

@@ -26,16 +26,16 @@ Run: python benchmarks/masked_loss_memory.py   (writes benchmarks/results/masked
 
 import argparse
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from common import RESULTS, publish
 from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile
 
 from unmask.diffusion.loss import chunked_cross_entropy, weighted_cross_entropy
 
-RESULTS = Path(__file__).parent / "results" / "masked_loss_memory.md"
+REPORT = RESULTS / "masked_loss_memory.md"
 
 
 def naive_loss(hidden, weight, targets):
@@ -175,12 +175,7 @@ def main():
         "# Masked-only chunked loss vs. full-logits loss: peak CPU memory\n\n"
         f"{table(rows)}\n{method}\n"
     )
-    print(text)
-    if args.quick:
-        return
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(text)
-    print(f"wrote {RESULTS}")
+    publish(text, None if args.quick else REPORT)
 
 
 if __name__ == "__main__":

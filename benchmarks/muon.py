@@ -28,19 +28,19 @@ Run: python benchmarks/muon.py           (writes benchmarks/results/muon.md; ~2 
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from common import RESULTS, median_seconds, publish
 
 from unmask.models import ModelConfig, build_model
 from unmask.optim import MuonAdamW, route_parameters
 from unmask.optim.newton_schulz import coefficient_schedule, newton_schulz, ns_flops
 
-RESULTS = Path(__file__).parent / "results" / "muon.md"
+REPORT = RESULTS / "muon.md"
 
 
 @dataclass(frozen=True)
@@ -60,18 +60,6 @@ ADAMW = "torch AdamW (all params)"
 TORCH_MUON = "torch Muon + torch AdamW (bf16 NS)"
 
 
-def timed(fn: Callable[[], object], repeats: int, warmup: int = 1) -> float:
-    """Median wall seconds of fn over `repeats` calls after `warmup` untimed calls."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 # ------------------------------------------------------------------------------ (a) NS
 
 
@@ -80,8 +68,10 @@ def bench_ns(n: int, repeats: int) -> list[str]:
     rows = []
     for m in (n, 2 * n, 4 * n):
         x = torch.randn(1, n, m)
-        std = timed(lambda x=x: newton_schulz(x, sched, dtype=torch.float32), repeats)
-        gram = timed(lambda x=x: newton_schulz(x, sched, dtype=torch.float32, gram=True), repeats)
+        std = median_seconds(lambda x=x: newton_schulz(x, sched, dtype=torch.float32), repeats)
+        gram = median_seconds(
+            lambda x=x: newton_schulz(x, sched, dtype=torch.float32, gram=True), repeats
+        )
         a = newton_schulz(x, sched, dtype=torch.float32)
         b = newton_schulz(x, sched, dtype=torch.float32, gram=True)
         diff = ((a - b).norm() / a.norm()).item()
@@ -164,7 +154,7 @@ def _step_time(opts: list, repeats: int, warmup: int = 1) -> float:
         for opt in opts:
             opt.step()
 
-    return timed(run, repeats, warmup)
+    return median_seconds(run, repeats, warmup)
 
 
 def _time_optimizers(
@@ -265,7 +255,7 @@ def bench_share(
             model.zero_grad(set_to_none=True)
             model(ids, targets=targets).mean().backward()
 
-        t_fb = timed(fwd_bwd, repeats)
+        t_fb = median_seconds(fwd_bwd, repeats)
         whole = t_fb + t_adamw
         predicted = ns / (6 * matmul_params * tokens)
         rows.append(
@@ -350,7 +340,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=1, help="layers of the 100M model in (b)")
     parser.add_argument("--step-repeats", type=int, default=2)
     parser.add_argument("--torch-100m", action="store_true", help="bf16 rows on the 100M slice")
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--out", type=Path, default=REPORT)
     parser.add_argument("--quick", action="store_true",
                         help="smoke run: tiny shapes, 1 repeat; prints, writes no file")  # fmt: skip
     args = parser.parse_args()
@@ -376,10 +366,7 @@ def main() -> None:
         f"{time.perf_counter() - start:.0f} s in all"
     )
     text = _report(env, ns_rows, big_rows, big_what, small_rows, share_rows, share_what)
-    print(text)
-    if not args.quick:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text)
+    publish(text, None if args.quick else args.out)
 
 
 if __name__ == "__main__":

@@ -39,13 +39,14 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from collections import defaultdict
 from pathlib import Path
 
-RESULTS = Path(__file__).parent / "results" / "parallel.md"
+from common import RESULTS, publish, run_workers
+
+REPORT = RESULTS / "parallel.md"
 MODEL = {"hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 4,
          "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 256}  # fmt: skip
 ROWS, LENGTH = 8, 64
@@ -217,16 +218,7 @@ def analytic(world: int, tp: int, optim: str) -> dict[str, float]:
 
 
 def launch(nproc: int, out: Path, timed: int, configs: list[Path]) -> dict:
-    if nproc == 1:
-        cmd = [sys.executable, __file__, "--worker", str(out), str(timed)]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc_per_node={nproc}", __file__, "--worker", str(out), str(timed)]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    proc = subprocess.run(cmd + [str(c) for c in configs], capture_output=True, text=True,
-                          env=env, timeout=1800)  # fmt: skip
-    if proc.returncode:
-        sys.exit(proc.stderr[-4000:])
+    run_workers(nproc, __file__, "--worker", out, timed, *configs, timeout=1800)
     return json.loads(out.read_text())
 
 
@@ -258,11 +250,7 @@ def main() -> None:
     measured = {}
     for nproc, configs in sorted(by_world.items()):
         measured.update(launch(nproc, root / f"results-{nproc}.json", timed, configs))
-    lines = report(measured, names)
-    print("\n".join(lines))
-    if not args.quick:
-        RESULTS.write_text("\n".join(lines) + "\n")
-        print(f"wrote {RESULTS}")
+    publish("\n".join(report(measured, names)) + "\n", None if args.quick else REPORT)
 
 
 NOTES = [

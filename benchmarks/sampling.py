@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 
 import torch
+from common import write_report
 
 from unmask.checkpoint import load_for_sampling
 from unmask.config import load_config
@@ -163,10 +164,7 @@ def report(args: argparse.Namespace) -> None:
                 )
                 print(line, flush=True)
                 lines.append(line)
-    if args.out is not None:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text("\n".join(lines) + "\n")
-        print(f"wrote {args.out}")
+    write_report("\n".join(lines) + "\n", args.out)
 
 
 if __name__ == "__main__":

@@ -48,6 +48,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
+from common import publish
 
 from unmask.checkpoint import load_for_sampling
 from unmask.config import load_config
@@ -258,11 +259,9 @@ def report_open(args, folder: Path) -> None:
                          f"{pct(s['short'])} | {pct(s['over'])} | {pct(s['no_eos'])} | "
                          f"{pct(s['digits'])} |")  # fmt: skip
             print(lines[-1], flush=True)
-    text = "\n".join(lines) + "\n"
+    publish("\n".join(lines) + "\n", args.out)
     if args.out:
-        Path(args.out).write_text(text)
         plot_open(runs, data, Path(args.out).with_suffix(".png"))
-    print(text)
 
 
 def plot_open(runs: dict[str, list[int]], data: list[int], path: Path) -> None:
@@ -382,10 +381,7 @@ def report(args, folder: Path) -> None:
         lines.append(f"| {name} | {pct(s['exact'])} | {pct(s['stops_right'])} | "
                      f"{row_forwards / len(examples):.2f} |")  # fmt: skip
         print(lines[-1], flush=True)
-    text = "\n".join(lines) + "\n"
-    if args.out:
-        Path(args.out).write_text(text)
-    print(text)
+    publish("\n".join(lines) + "\n", args.out)
 
 
 if __name__ == "__main__":

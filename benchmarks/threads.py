@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -41,8 +40,9 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-RESULTS = Path(__file__).parent / "results" / "threads.md"
+from common import REPO, RESULTS, machine, median_seconds, publish, rotated, with_spread
+
+REPORT = RESULTS / "threads.md"
 SIZES = (128, 256, 512)  # hidden sizes of the sweep (128: the quickstart's)
 LABELS = {"idle": "as found", "busy": "as found + one core kept busy"}
 
@@ -78,13 +78,8 @@ def worker_generate(folder: str, repeats: int) -> dict:
 
     sm = load_for_sampling(folder, None, "cpu", None)
     config = resolve_sampling(sm.saved, {})
-    generate_texts(sm, ["rev 90417="], config)  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        generate_texts(sm, ["rev 90417="], config)
-        times.append(time.perf_counter() - start)
-    return {"threads": torch.get_num_threads(), "seconds": statistics.median(times)}
+    seconds = median_seconds(lambda: generate_texts(sm, ["rev 90417="], config), repeats)
+    return {"threads": torch.get_num_threads(), "seconds": seconds}
 
 
 def run_worker(args: list[str], threads: int) -> dict:
@@ -104,13 +99,6 @@ def make_model_folder(root: Path) -> str:
                     "train.disable_tqdm=true"], env=env, check=True,
                    capture_output=True)  # fmt: skip
     return str(out / "final")
-
-
-def spread(values: list[float], fmt: str) -> str:
-    med = statistics.median(values)
-    if len(values) == 1:
-        return format(med, fmt)
-    return f"{format(med, fmt)} ({format(min(values), fmt)}-{format(max(values), fmt)})"
 
 
 def main() -> None:
@@ -134,12 +122,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         folder = make_model_folder(Path(tmp))
         for r in range(rounds):
-            for condition in ("idle", "busy") if r % 2 == 0 else ("busy", "idle"):
+            for condition in rotated(["idle", "busy"], r):
                 spinner = None
                 if condition == "busy":
                     spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
                 try:
-                    for threads in (1, 2) if r % 2 == 0 else (2, 1):
+                    for threads in rotated([1, 2], r):
                         loads.append(os.getloadavg()[0])
                         train = run_worker(["train", str(steps), str(warmup),
                                             str(Path(tmp) / "run")], threads)  # fmt: skip
@@ -162,7 +150,7 @@ def main() -> None:
         params: dict[int, int] = {}
         for r in range(rounds):
             for hidden in SIZES:
-                for threads in (1, 2) if r % 2 == 0 else (2, 1):
+                for threads in rotated([1, 2], r):
                     dims = [f"model.hidden_size={hidden}", f"model.intermediate_size={3 * hidden}"]
                     train = run_worker(["train", str(steps // 2), "2", str(Path(tmp) / "run"),
                                         *dims], threads)  # fmt: skip
@@ -173,9 +161,8 @@ def main() -> None:
     lines = [
         "# Torch threads for the quickstart model on this CPU",
         "",
-        f"`python benchmarks/threads.py` on {platform.processor() or platform.machine()}, "
-        f"{os.cpu_count()} cores, {rounds} round(s); load average (1 min) before each "
-        f"measurement {min(loads):.1f}-{max(loads):.1f} (other jobs share the machine). "
+        f"`python benchmarks/threads.py` on {machine()}, {rounds} round(s); load average "
+        f"(1 min) before each measurement {min(loads):.1f}-{max(loads):.1f} (other jobs share the machine). "
         "Medians over rounds, min-max in brackets.",
         "",
         "| machine | threads | train steps/s | generate seconds (one prompt) |",
@@ -185,8 +172,8 @@ def main() -> None:
         for threads in (1, 2):
             lines.append(
                 f"| {LABELS[condition]} | {threads} | "
-                f"{spread(results[('train', condition, threads)], '.2f')} | "
-                f"{spread(results[('generate', condition, threads)], '.3f')} |"
+                f"{with_spread(results[('train', condition, threads)], '{:.2f}')} | "
+                f"{with_spread(results[('generate', condition, threads)], '{:.3f}')} |"
             )
     lines += [
         "",
@@ -198,12 +185,9 @@ def main() -> None:
     for hidden in SIZES:
         one, two = sizes[(hidden, 1)], sizes[(hidden, 2)]
         ratio = statistics.median(b / a for a, b in zip(one, two))
-        lines.append(f"| {hidden} | {params[hidden] / 1e6:.2f}M | {spread(one, '.2f')} | "
-                     f"{spread(two, '.2f')} | {ratio:.2f}x |")  # fmt: skip
-    report = "\n".join(lines) + "\n"
-    print(report)
-    if not args.quick:
-        RESULTS.write_text(report)
+        lines.append(f"| {hidden} | {params[hidden] / 1e6:.2f}M | {with_spread(one, '{:.2f}')} | "
+                     f"{with_spread(two, '{:.2f}')} | {ratio:.2f}x |")  # fmt: skip
+    publish("\n".join(lines) + "\n", None if args.quick else REPORT)
 
 
 if __name__ == "__main__":

@@ -58,19 +58,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import tempfile
 import time
 import traceback
 import zlib
 from dataclasses import asdict, dataclass, replace
-from importlib.metadata import version
 from pathlib import Path
 
+from common import REPO, load_average, machine, publish, rotated, with_spread
+
 _STARTED = time.perf_counter()
-REPO = Path(__file__).resolve().parent.parent
-RESULTS = Path(__file__).parent / "results" / "train_step.md"
+RESULTS = REPO / "benchmarks" / "results" / "train_step.md"
+#: the packages whose versions the report names
+PACKAGES = ("torch", "transformers")
 HEAD_DIM = 64
 
 
@@ -161,36 +162,6 @@ def cases(grid: Grid) -> list[Case]:
 
 
 # ------------------------------------------------------------------------------ helpers
-
-
-def median_spread(values: list[float], fmt: str = "{:.2f}") -> str:
-    """The median and "(min-max)", formatted; just the value for one round."""
-    if len(values) == 1:
-        return fmt.format(values[0])
-    med = fmt.format(statistics.median(values))
-    return f"{med} ({fmt.format(min(values))}-{fmt.format(max(values))})"
-
-
-def rotated(items: list, round_index: int) -> list:
-    """The cases in a different order each round, so load drift hits all of them alike."""
-    k = round_index % len(items)
-    return items[k:] + items[:k]
-
-
-def machine() -> str:
-    cpu = "unknown CPU"
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            cpu = line.split(":", 1)[1].strip()
-            break
-    return (
-        f"{cpu}, {os.cpu_count()} cores, Python {platform.python_version()}, "
-        f"torch {version('torch')}, transformers {version('transformers')}"
-    )
-
-
-def load_average() -> str:
-    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
 
 
 def proc_status_kib(field: str) -> int:
@@ -514,14 +485,14 @@ def comparison_table(results: dict) -> list[str]:
         rows.append(
             f"| {case.label()} | {case.optim} | {'on' if case.compile else 'off'} | "
             f"{on_off(case.trim)} / {on_off(ref.trim)} | "
-            f"{median_spread([case.tokens / r['seconds'] for r in results[case]], '{:.0f}')} | "
-            f"{median_spread([ref.tokens / r['seconds'] for r in results[ref]], '{:.0f}')} | "
-            f"{median_spread(speed)}x | "
-            f"{median_spread([peak_mib(r) for r in results[case]], '{:.0f}')} | "
-            f"{median_spread([peak_mib(r) for r in results[ref]], '{:.0f}')} | "
-            f"{median_spread(memory)}x | "
-            f"{median_spread([r['hfu'] * 100 for r in results[case]], '{:.0f}')}% | "
-            f"{median_spread([r['hfu'] * 100 for r in results[ref]], '{:.0f}')}% | "
+            f"{with_spread([case.tokens / r['seconds'] for r in results[case]], '{:.0f}')} | "
+            f"{with_spread([ref.tokens / r['seconds'] for r in results[ref]], '{:.0f}')} | "
+            f"{with_spread(speed)}x | "
+            f"{with_spread([peak_mib(r) for r in results[case]], '{:.0f}')} | "
+            f"{with_spread([peak_mib(r) for r in results[ref]], '{:.0f}')} | "
+            f"{with_spread(memory)}x | "
+            f"{with_spread([r['hfu'] * 100 for r in results[case]], '{:.0f}')}% | "
+            f"{with_spread([r['hfu'] * 100 for r in results[ref]], '{:.0f}')}% | "
             f"{max(loss):.1e} |"
         )
     return rows
@@ -551,12 +522,12 @@ def detail_table(results: dict) -> list[str]:
         rows.append(
             f"| {case.impl} | {case.label()} | {case.optim} | {'on' if case.compile else 'off'} | "
             f"{'full' if case.checkpointing else 'none'} | {on_off(case.trim)} | "
-            f"{median_spread([r['seconds'] for r in runs])} | "
-            f"{median_spread([r['warmup_seconds'] for r in runs], '{:.1f}')} | "
-            f"{median_spread([r['rss_before_kib'] / 1024 for r in runs], '{:.0f}')} | "
-            f"{median_spread([peak_mib(r) for r in runs], '{:.0f}')} | {runs[0]['masked']} | "
+            f"{with_spread([r['seconds'] for r in runs])} | "
+            f"{with_spread([r['warmup_seconds'] for r in runs], '{:.1f}')} | "
+            f"{with_spread([r['rss_before_kib'] / 1024 for r in runs], '{:.0f}')} | "
+            f"{with_spread([peak_mib(r) for r in runs], '{:.0f}')} | {runs[0]['masked']} | "
             f"{gflop(f['total'])} = {parts} | "
-            f"{median_spread([r['hfu'] * 100 for r in runs], '{:.0f}')}% |"
+            f"{with_spread([r['hfu'] * 100 for r in runs], '{:.0f}')}% |"
         )
     return rows
 
@@ -578,10 +549,10 @@ def muon_table(results: dict, grid: Grid) -> list[str]:
         ratio = [c / m for c, m in zip(cost, model)]
         rows.append(
             f"| {muon.label()} | {muon.tokens} | "
-            f"{median_spread([r['seconds'] for r in results[adamw]])} | "
-            f"{median_spread([r['seconds'] for r in results[muon]])} | "
-            f"{median_spread([c * 100 for c in cost], '{:+.1f}')}% | "
-            f"{statistics.median(model):.1%} | {median_spread(ratio)}x |"
+            f"{with_spread([r['seconds'] for r in results[adamw]])} | "
+            f"{with_spread([r['seconds'] for r in results[muon]])} | "
+            f"{with_spread([c * 100 for c in cost], '{:+.1f}')}% | "
+            f"{statistics.median(model):.1%} | {with_spread(ratio)}x |"
         )
     return rows
 
@@ -601,10 +572,10 @@ def levers_table(results: dict) -> list[str]:
             m = per_round(results, c, base, peak_mib)
             rows.append(
                 f"| {c.label()} | {lever(c)} | "
-                f"{median_spread([r['seconds'] for r in results[c]])} | "
-                f"{median_spread([c.tokens / r['seconds'] for r in results[c]], '{:.0f}')} | "
-                f"{median_spread([peak_mib(r) for r in results[c]], '{:.0f}')} | "
-                f"{median_spread(t)}x | {median_spread(m)}x |"
+                f"{with_spread([r['seconds'] for r in results[c]])} | "
+                f"{with_spread([c.tokens / r['seconds'] for r in results[c]], '{:.0f}')} | "
+                f"{with_spread([peak_mib(r) for r in results[c]], '{:.0f}')} | "
+                f"{with_spread(t)}x | {with_spread(m)}x |"
             )
     return rows
 
@@ -622,12 +593,12 @@ def report(results: dict, peaks: list[float], grid: Grid, args, load_before: str
         [
             "# One training step: unmask vs transformers + F.cross_entropy + AdamW (CPU, fp32)",
             "",
-            f"Written by `benchmarks/train_step.py{mode}` on {machine()}; {args.threads} torch "
-            f"thread(s); {grid.rounds} interleaved round(s) of every case, each in its own "
-            f"process ({grid.warmup} warm-up step(s), then the median of {grid.steps} timed "
+            f"Written by `benchmarks/train_step.py{mode}` on {machine(*PACKAGES)}; "
+            f"{args.threads} torch thread(s); {grid.rounds} interleaved round(s) of every case, "
+            f"each in its own process ({grid.warmup} warm-up step(s), then the median of {grid.steps} timed "
             f"step(s)); {wall / 60:.1f} minutes in all; load average {load_before} before, "
             f"{load_average()} after. fp32 GEMM peak (probe): "
-            f"{median_spread([p / 1e9 for p in peaks], '{:.1f}')} GFLOP/s. Medians with the "
+            f"{with_spread([p / 1e9 for p in peaks], '{:.1f}')} GFLOP/s. Medians with the "
             "min-max spread over rounds; ratios are per round (unmask / reference: above 1 is "
             "faster for tokens/s, below 1 is smaller for memory).",
             "",
@@ -703,15 +674,10 @@ def main() -> None:
     if args.rounds:
         grid = replace(grid, rounds=args.rounds)
     load_before = load_average()
-    print(f"{machine()}; {grid.rounds} round(s), {len(cases(grid))} cases", flush=True)
+    print(f"{machine(*PACKAGES)}; {grid.rounds} round(s), {len(cases(grid))} cases", flush=True)
     results, peaks = collect(grid, args.threads, args.seed)
     text = report(results, peaks, grid, args, load_before)
-    print(text)
-    path = args.results or (None if args.quick else RESULTS)
-    if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
-        print(f"wrote {path}")
+    publish(text, args.results or (None if args.quick else RESULTS))
 
 
 if __name__ == "__main__":

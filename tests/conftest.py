@@ -1,4 +1,7 @@
+import contextlib
+import copy
 import json
+import math
 import os
 from pathlib import Path
 
@@ -59,13 +62,11 @@ def one_thread():
 
 
 def deep_update(base: dict, extra: dict) -> dict:
-    out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in base.items()}
-    for key, value in extra.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = deep_update(out[key], value)
-        else:
-            out[key] = value
-    return out
+    """A copy of base updated by extra, recursively (extra wins): unmask's own merge of
+    config trees, on a deep copy of base, so that no result shares a section with TINY."""
+    from unmask.config.compat.tree import merge
+
+    return merge(copy.deepcopy(base), extra)
 
 
 def write_run_config(root: Path, name: str, base: dict, extra: dict) -> Path:
@@ -75,6 +76,20 @@ def write_run_config(root: Path, name: str, base: dict, extra: dict) -> Path:
     path = root / f"{name}.yaml"
     path.write_text(yaml.safe_dump(tree))
     return path
+
+
+def train_in_process(config: Path, out: Path, **train) -> Path:
+    """The run of `config` in this process (world size 1) into `out`, with train.KEY = value
+    for each keyword: the reference a multi-process run is compared with. Once: an `out`
+    that exists is returned as it is."""
+    from unmask.config import load_config
+    from unmask.train.trainer import Trainer
+
+    if not out.exists():
+        cfg = load_config(config)
+        cfg.train = cfg.train.model_copy(update={"output_dir": str(out), **train})
+        Trainer(cfg).train()
+    return out
 
 
 @pytest.fixture
@@ -91,20 +106,75 @@ def tiny_config(tmp_path):
     return make
 
 
+#: the tiny native model every test builds: a qwen3_dllm (4 query and 2 key/value heads, as
+#: ModelConfig's defaults) of ~30k parameters; `tiny_model` overrides what a test needs
+TINY_MODEL = {"vocab_size": 128, "hidden_size": 32, "intermediate_size": 64,
+              "num_hidden_layers": 2}  # fmt: skip
+
+
+def tiny_model(seed: int = 0, **fields):
+    """`build_model` of TINY_MODEL updated with `fields` (any ModelConfig field, model_type
+    too), after torch.manual_seed(seed): the same seed and fields give the same weights."""
+    from unmask.models import ModelConfig, build_model
+
+    torch.manual_seed(seed)
+    return build_model(ModelConfig(**(TINY_MODEL | fields)))
+
+
+def perturb_norms(model):
+    """Norm weights drawn from U(0.5, 1.5) and biases from N(0, 0.5) (in place, from the
+    global RNG), so a parity test sees a swapped norm or a dropped bias; returns the model
+    in eval mode."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.uniform_(0.5, 1.5)
+            if name.endswith("bias"):
+                param.normal_(0, 0.5)
+    return model.eval()
+
+
+#: transformers-side sizes of the logit parity tests (unmask's folders load from them)
+PARITY_SIZES = {"vocab_size": 97, "hidden_size": 64, "intermediate_size": 96,
+                "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                "max_position_embeddings": 128}  # fmt: skip
+
+
 def save_tiny_model(folder, seed: int = 0):
     """A random tiny qwen3_dllm + the char tokenizer saved as an HF folder; returns folder."""
     from unmask.data.tokenizer import build_char_tokenizer, ensure_special_tokens
-    from unmask.models import ModelConfig, build_model
 
     tokenizer = build_char_tokenizer()
     ensure_special_tokens(tokenizer)
-    torch.manual_seed(seed)
-    cfg = ModelConfig(vocab_size=max(128, len(tokenizer)), hidden_size=32, intermediate_size=64,
-                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                      initializer_range=0.2)  # fmt: skip
-    build_model(cfg).save_pretrained(str(folder))
+    model = tiny_model(seed, vocab_size=max(128, len(tokenizer)), initializer_range=0.2)
+    model.save_pretrained(str(folder))
     tokenizer.save_pretrained(str(folder))
     return folder
+
+
+@contextlib.contextmanager
+def newton_schulz_calls():
+    """Yields a list that gets the input shape of every Newton-Schulz call MuonAdamW makes
+    inside the block ((n, rows, cols) for a batch of n same-shape matrices)."""
+    import unmask.optim.updates as updates
+
+    calls: list[tuple[int, ...]] = []
+    original = updates.newton_schulz
+
+    def recording(x, *args, **kwargs):
+        calls.append(tuple(x.shape))
+        return original(x, *args, **kwargs)
+
+    updates.newton_schulz = recording
+    try:
+        yield calls
+    finally:
+        updates.newton_schulz = original
+
+
+def matrices_in(calls: list[tuple[int, ...]]) -> int:
+    """How many matrices the recorded Newton-Schulz calls orthogonalized."""
+    return sum(math.prod(shape[:-2]) for shape in calls)
 
 
 def read_metrics(run_dir) -> list[dict]:
@@ -112,9 +182,14 @@ def read_metrics(run_dir) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+def by_step(run_dir, key: str) -> dict[int, float]:
+    """{step: value of `key`} over the records of a run's metrics.jsonl that have it."""
+    return {r["step"]: r[key] for r in read_metrics(run_dir) if key in r}
+
+
 def losses(run_dir) -> dict[int, float]:
     """{step: training loss} from a run's metrics.jsonl."""
-    return {r["step"]: r["loss"] for r in read_metrics(run_dir) if "loss" in r}
+    return by_step(run_dir, "loss")
 
 
 def value_rows(n: int, base: int = 0, length: int = 3):

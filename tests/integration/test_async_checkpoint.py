@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
-from conftest import TINY, deep_update, losses, read_metrics
+from conftest import by_step, losses, read_metrics, tiny_model, write_run_config
+from launch import train_in_ranks
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
@@ -21,11 +21,9 @@ from unmask.checkpoint import Checkpointer, is_distributed_checkpoint, list_chec
 from unmask.cli import main
 from unmask.config import load_config
 from unmask.errors import RunStopped
-from unmask.models import ModelConfig, build_model
 from unmask.train.trainer import Trainer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-WORKER = Path(__file__).parent / "dist_workers" / "train_worker.py"
 TRAIN = {"max_steps": 9, "save_steps": 3, "eval_steps": 3, "logging_steps": 1}
 
 
@@ -50,8 +48,7 @@ def test_async_run_and_resume_match_the_synchronous_run(tiny_config, tmp_path):
     assert all(
         torch.equal(final[k], v) for k, v in load_file(str(out / "model.safetensors")).items()
     )
-    stalls = {r["step"]: r["save_stall_seconds"] for r in read_metrics(run)
-              if "save_stall_seconds" in r}  # fmt: skip
+    stalls = by_step(run, "save_stall_seconds")
     assert sorted(stalls) == [3, 6, 9] and all(s >= 0 for s in stalls.values())
     # resume from the middle checkpoint: the same losses and weights as the uninterrupted run
     resume = f"train.resume_from_checkpoint={run / 'checkpoint-3'}"
@@ -62,10 +59,8 @@ def test_async_run_and_resume_match_the_synchronous_run(tiny_config, tmp_path):
 
 
 def _tiny_model_and_optimizer():
-    torch.manual_seed(0)
-    model = build_model(ModelConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
-                                    num_hidden_layers=1, num_attention_heads=2,
-                                    num_key_value_heads=1))  # fmt: skip
+    model = tiny_model(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                       num_attention_heads=2, num_key_value_heads=1)  # fmt: skip
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
     model(torch.zeros(1, 4, dtype=torch.long)).float().sum().backward()
     optimizer.step()  # optimizer state to save
@@ -176,22 +171,14 @@ def test_two_processes_async_match_one_process_and_resume(tmp_path):
     train = {**TRAIN, "split_batches": True, "eval_steps": 0}
 
     def config(name: str, extra: dict) -> Path:
-        tree = deep_update(TINY, {"train": {**train, "output_dir": str(tmp_path / name)}})
-        path = tmp_path / f"{name}.yaml"
-        path.write_text(yaml.safe_dump(deep_update(tree, extra)))
-        return path
+        return write_run_config(tmp_path, name, {"train": train}, extra)
 
     assert main(["train", str(config("ref", {}))]) == 0
     run = config("run", {"train": {"async_checkpoint": True}})
     middle = tmp_path / "run" / "checkpoint-3"
     resumed = config("resumed", {"train": {"async_checkpoint": True,
                                            "resume_from_checkpoint": str(middle)}})  # fmt: skip
-    results = tmp_path / "results.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(WORKER), str(results), str(run), str(resumed)]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    for name, result in json.loads(results.read_text()).items():
+    for name, result in train_in_ranks(2, tmp_path / "results.json", run, resumed).items():
         assert result["rc"] == 0, (name, result["stderr"][-2000:])
     reference = losses(tmp_path / "ref")
     for name, first in (("run", 1), ("resumed", 4)):

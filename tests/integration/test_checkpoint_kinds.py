@@ -14,14 +14,12 @@ each against an oracle that does not go through the code under test:
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-import yaml
-from conftest import TINY, deep_update, save_tiny_model
+from conftest import TINY, deep_update, save_tiny_model, write_run_config
+from launch import TRAIN_WORKER, torchrun
 from safetensors.torch import load_file
 
 from unmask.checkpoint import load_for_sampling, resolve_model_folder, saved_kind
@@ -35,18 +33,13 @@ from unmask.train.trainer import Trainer
 
 peft = pytest.importorskip("peft")
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
-WORKER = Path(__file__).parent / "dist_workers" / "train_worker.py"
 PROMPTS = ["rev 123=", "sort 4=", "add 12+7=", "rev 9="]
 LORA = {"lora": True, "lora_r": 4, "lora_alpha": 8}
 SHORT = {"max_steps": 2, "save_steps": 2, "eval_steps": 0, "logging_steps": 1}
 
 
 def write_config(root: Path, name: str, extra: dict) -> Path:
-    tree = deep_update(TINY, {"train": {**SHORT, "output_dir": str(root / name)}})
-    tree = deep_update(tree, extra)
-    path = root / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(tree))
-    return path
+    return write_run_config(root, name, {"train": SHORT}, extra)
 
 
 @pytest.fixture(scope="module")
@@ -64,10 +57,7 @@ def runs(tmp_path_factory):
         ),
     }
     results = root / "results.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(WORKER), str(results), *map(str, two.values())]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = torchrun(2, TRAIN_WORKER, results, *two.values(), timeout=300)
     assert all(r["rc"] == 0 for r in json.loads(results.read_text()).values())
     lines = [line for line in proc.stdout.splitlines() if line.startswith("unmask: ")]
     starts = {name: next(x for x in lines if x.endswith(f"output_dir {root / name}"))

@@ -1,18 +1,12 @@
 """train.torch_compile: per-block torch.compile gives the same training run as eager."""
 
-import json
-
 import pytest
+from conftest import losses
 
 from unmask.config import load_config
 from unmask.train.trainer import Trainer
 
 pytestmark = pytest.mark.slow
-
-
-def losses(run_dir):
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return [r["loss"] for r in map(json.loads, lines) if "loss" in r]
 
 
 def test_compiled_blocks_train_like_eager(tiny_config, tmp_path):

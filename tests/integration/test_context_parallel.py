@@ -5,31 +5,22 @@ forward and backward with each rank holding half of every row; the reference is 
 model on whole rows in this process.
 """
 
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
+from launch import WORKERS, torchrun
 
-WORKERS = Path(__file__).parent / "dist_workers"
 sys.path.insert(0, str(WORKERS))
 import context_worker as worker  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
 
-def torchrun(nproc: int, *args: str, timeout: float = 240) -> None:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc_per_node={nproc}", *args]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-
-
 @pytest.fixture(scope="module")
 def cp2(tmp_path_factory):
     out = tmp_path_factory.mktemp("cp")
-    torchrun(2, str(WORKERS / "context_worker.py"), str(out))
+    torchrun(2, WORKERS / "context_worker.py", out, timeout=240)
     return torch.load(out / "cp2.pt")
 
 

@@ -12,20 +12,17 @@ split_batches, so the global batch is the same at every world size. A MuonAdamW 
 cp=2 saves a DCP checkpoint that resumes on one process with the uninterrupted run's losses.
 """
 
-import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from conftest import deep_update, write_run_config
+from conftest import by_step, deep_update, losses, write_run_config
+from launch import train_in_ranks
 
 from unmask.config import load_config
 from unmask.train.trainer import Trainer
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
-WORKER = Path(__file__).parent / "dist_workers" / "train_worker.py"
 BASE = {
     "model": {"num_attention_heads": 4, "num_key_value_heads": 2},
     "data": {"packing": True, "packing_length": 32},
@@ -51,17 +48,7 @@ def write_config(root: Path, name: str, extra: dict) -> Path:
 
 
 def launch(nproc: int, root: Path, configs: list[Path]) -> dict:
-    results = root / f"results-{nproc}.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc_per_node={nproc}", str(WORKER), str(results), *map(str, configs)]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(results.read_text())
-
-
-def losses(run_dir: Path, key: str = "loss") -> dict[int, float]:
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return {r["step"]: r[key] for r in map(json.loads, lines) if key in r}
+    return train_in_ranks(nproc, root / f"results-{nproc}.json", *configs)
 
 
 @pytest.fixture(scope="module")
@@ -110,8 +97,8 @@ def test_cp2_losses_equal_one_process_for_20_steps(root, cp2, name):
 
 
 def test_cp2_eval_loss_equals_one_process(root, cp2):
-    single = losses(one_process(root, "adamw"), "eval_loss")
-    split = losses(root / "adamw-cp2", "eval_loss")
+    single = by_step(one_process(root, "adamw"), "eval_loss")
+    split = by_step(root / "adamw-cp2", "eval_loss")
     assert sorted(single) == sorted(split) == [10, 20]
     for step in single:
         assert split[step] == pytest.approx(single[step], rel=1e-5), step

@@ -8,6 +8,7 @@ import shutil
 import pytest
 import torch
 from conftest import losses
+from launch import WORKERS, torchrun, train_in_ranks
 from safetensors.torch import load_file
 
 from unmask.cli import main
@@ -104,18 +105,9 @@ def test_store_start_up_prints_the_missing_sidecar_notice(tiny_config, tmp_path,
     assert "fingerprint check was skipped" in capsys.readouterr().out
 
 
-WORKER = __import__("pathlib").Path(__file__).parent / "dist_workers" / "loader_worker.py"
-
-
 def _read_as_ranks(tmp_path, config, world: int, batches: int) -> list[list]:
-    import subprocess
-    import sys
-
     out = tmp_path / f"rows-w{world}"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc_per_node={world}", str(WORKER), str(config), str(out), str(batches)]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    torchrun(world, WORKERS / "loader_worker.py", config, out, batches, timeout=300)
     return [json.loads((tmp_path / f"rows-w{world}-{r}.json").read_text()) for r in range(world)]
 
 
@@ -147,9 +139,6 @@ def test_two_ranks_on_a_store_or_blend_log_the_one_process_losses(tiny_config, t
     """The 1-vs-2-rank agreement of test_distributed_train, with rows from a token store or
     a blend: each rank reads its slice of the global batch and draws its slice of the
     global noise, so the logged losses are the one-process run's."""
-    import subprocess
-    import sys
-
     train = {"max_steps": 6, "split_batches": True, "per_device_train_batch_size": 8,
              "eval_steps": 0, "save_steps": 0, "logging_steps": 1}  # fmt: skip
     data = {**_data(corpus, kind), "packing_length": 32}
@@ -158,11 +147,7 @@ def test_two_ranks_on_a_store_or_blend_log_the_one_process_losses(tiny_config, t
     two = tiny_config({"data": data, "train": {**train, "output_dir": str(tmp_path / "two")}},
                       "two.yaml")  # fmt: skip
     assert main(["train", str(one)]) == 0
-    worker = WORKER.parent / "train_worker.py"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(worker), str(tmp_path / "results.json"), str(two)]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    train_in_ranks(2, tmp_path / "results.json", two, timeout=300)
     single, double = losses(tmp_path / "one"), losses(tmp_path / "two")
     assert sorted(double) == sorted(single) == [1, 2, 3, 4, 5, 6]
     for step in single:

@@ -7,15 +7,14 @@ import os
 import re
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
-import yaml
-from conftest import TINY, deep_update
+from conftest import losses, write_run_config
+from launch import children_of, free_port, rank_env, rank_of, torchrun_command
 
 from unmask.checkpoint import is_distributed_checkpoint, list_checkpoints
 from unmask.config import load_config
@@ -24,54 +23,14 @@ from unmask.train.trainer import Trainer
 pytestmark = pytest.mark.slow
 
 
-def children_of(pid: int) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                found.append(int(entry.name))
-    return found
-
-
-def rank_of(pid: int) -> int | None:
-    try:
-        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    except OSError:
-        return None
-    for item in environ:
-        if item.startswith(b"RANK="):
-            return int(item[5:])
-    return None
-
-
 def test_killed_rank_stops_the_run_and_the_last_checkpoint_resumes(tmp_path):
     out = tmp_path / "run"
-    tree = deep_update(
-        TINY,
-        {
-            "train": {
-                "output_dir": str(out),
-                "max_steps": 500,
-                "save_steps": 2,
-                "eval_steps": 0,
-                "split_batches": True,
-                "ddp_timeout": 60,
-            }
-        },
-    )
-    cfg_path = tmp_path / "run.yaml"
-    cfg_path.write_text(yaml.safe_dump(tree))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    launcher = subprocess.Popen(
-        cmd + ["-m", "unmask", "train", str(cfg_path)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    cfg_path = write_run_config(tmp_path, "run", {}, {"train": {
+        "max_steps": 500, "save_steps": 2, "eval_steps": 0, "split_batches": True,
+        "ddp_timeout": 60}})  # fmt: skip
+    launcher = subprocess.Popen(torchrun_command(2, "-m", "unmask", "train", cfg_path),
+                                env=rank_env(), stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, text=True)  # fmt: skip
     try:
         deadline = time.monotonic() + 180
         while len(list_checkpoints(out)) < 2:
@@ -95,11 +54,7 @@ def test_killed_rank_stops_the_run_and_the_last_checkpoint_resumes(tmp_path):
     last = list_checkpoints(out)[-1]
     assert is_distributed_checkpoint(last)
     step = json.loads((last / "trainer_state.json").read_text())["step"]
-    logged = {
-        r["step"]: r["loss"]
-        for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
-        if "loss" in r
-    }
+    logged = losses(out)
     cfg = load_config(
         cfg_path, ["train.resume_from_checkpoint=true", f"train.max_steps={step + 1}"]
     )
@@ -118,15 +73,12 @@ def test_slurm_usr1_through_torchrun_stops_every_rank_at_one_checkpoint(tmp_path
     from unmask.checkpoint.layout import verify
 
     out = tmp_path / "run"
-    tree = deep_update(TINY, {"train": {"output_dir": str(out), "max_steps": 2000,
-                                        "save_steps": 0, "eval_steps": 0,
-                                        "split_batches": True}})  # fmt: skip
-    cfg_path = tmp_path / "run.yaml"
-    cfg_path.write_text(yaml.safe_dump(tree))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1", "--shutdown-timeout=60",
-           "-m", "unmask", "train", str(cfg_path)]  # fmt: skip
-    launcher = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    cfg_path = write_run_config(tmp_path, "run", {}, {"train": {
+        "max_steps": 2000, "save_steps": 0, "eval_steps": 0, "split_batches": True}})  # fmt: skip
+    flags = ("--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1", "--shutdown-timeout=60")
+    cmd = torchrun_command(2, "-m", "unmask", "train", cfg_path, flags=flags)
+    launcher = subprocess.Popen(cmd, env=rank_env(), stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)  # fmt: skip
     try:
         deadline = time.monotonic() + 180
         while (
@@ -161,17 +113,13 @@ LOST_LINE = re.compile(
 )
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class TwoNodes:
     """Two torchrun agents, one process each, meeting through c10d rendezvous on loopback, as
     two machines would (`--nnodes=2`): torchrun does not stop one node's process when the
     other's dies, the process group's own failure has to. Node 0's agent hosts the store.
-    Each worker's stdout and stderr go to its node's log folder (`--redirects 3`)."""
+    Each worker's stdout and stderr go to its node's log folder (`--redirects 3`). Not
+    launch.torchrun_command: `--standalone` is one node's private rendezvous; two agents
+    need one c10d endpoint on a port chosen here."""
 
     def __init__(self, tmp_path: Path, cfg_path: Path, overrides: list[str]):
         port = free_port()
@@ -231,11 +179,9 @@ def lost_peer_run(tmp_path: Path, stop_with: signal.Signals, train: dict) -> dic
     """Two nodes train (FSDP2 over 2); once two checkpoints are written rank 1's worker gets
     `stop_with`; returns what rank 0's node printed, how long it took to stop, and the run."""
     out = tmp_path / "run"
-    tree = deep_update(TINY, {"train": {"output_dir": str(out), "max_steps": 2000,
-                                        "save_steps": 2, "eval_steps": 0, "split_batches": True,
-                                        **train}})  # fmt: skip
-    cfg_path = tmp_path / "run.yaml"
-    cfg_path.write_text(yaml.safe_dump(tree))
+    cfg_path = write_run_config(tmp_path, "run", {}, {"train": {
+        "max_steps": 2000, "save_steps": 2, "eval_steps": 0, "split_batches": True,
+        **train}})  # fmt: skip
     overrides = ["train.logging_steps=1"]  # on the command line: the resume command keeps it
     nodes = TwoNodes(tmp_path, cfg_path, overrides)
     try:
@@ -263,9 +209,7 @@ def check_one_line(run: dict) -> re.Match:
     assert len(lines) == 1, stderr[-3000:]
     match = LOST_LINE.match(lines[0])
     assert match, lines[0]
-    logged = [r["step"] for r in map(json.loads, (run["out"] / "metrics.jsonl").read_text().splitlines())
-              if "loss" in r]  # fmt: skip
-    assert int(match[1]) == logged[-1]
+    assert int(match[1]) == max(losses(run["out"]))
     newest = list_checkpoints(run["out"])[-1]
     assert match[3] == str(newest) and is_distributed_checkpoint(newest)
     assert match[4] == shlex.join([*run["command"], f"train.output_dir={run['out']}",

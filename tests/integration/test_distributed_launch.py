@@ -4,15 +4,14 @@ config, and srun-style processes that only have SLURM's variables (no torchrun).
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
-import yaml
-from conftest import TINY, deep_update
+from conftest import losses, write_run_config
+from launch import descendants_of, free_port
 
 from unmask.checkpoint import is_distributed_checkpoint, list_checkpoints
 
@@ -23,19 +22,11 @@ STEPS = 3
 
 
 def write_config(tmp_path: Path) -> Path:
-    extra = {"train": {"output_dir": str(tmp_path / "run"), "max_steps": STEPS}}
-    tree = deep_update(TINY, deep_update({"train": {"split_batches": True}}, extra))
-    path = tmp_path / "run.yaml"
-    path.write_text(yaml.safe_dump(tree))
-    return path
+    return write_run_config(tmp_path, "run", {"train": {"split_batches": True}},
+                            {"train": {"max_steps": STEPS}})  # fmt: skip
 
 
-def losses(run: Path) -> list[float]:
-    rows = map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
-    return [r["loss"] for r in rows if "loss" in r]
-
-
-def assert_two_rank_run(run: Path, reference: list[float]) -> None:
+def assert_two_rank_run(run: Path, reference: dict[int, float]) -> None:
     last = list_checkpoints(run)[-1]
     assert is_distributed_checkpoint(last)
     assert json.loads((last / "trainer_state.json").read_text())["world_size"] == 2
@@ -61,12 +52,6 @@ def test_accelerate_launch_with_the_shipped_config(tmp_path, reference):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert_two_rank_run(tmp_path / "run", reference)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_srun_style_processes_with_slurm_variables_only(tmp_path, reference):
@@ -107,23 +92,6 @@ def _fake_slurm(tmp_path: Path) -> dict:
             "MASTER_PORT": str(free_port())}  # fmt: skip
 
 
-def _descendants(pid: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(parent, []).append(int(entry.name))
-    found, todo = [], [pid]
-    while todo:
-        kids = children.get(todo.pop(), [])
-        found += kids
-        todo += kids
-    return found
-
-
 def test_slurm_batch_script_finishes_or_requeues_after_usr1(tmp_path):
     """configs/distributed/slurm.sbatch with srun/scontrol stand-ins: a run that finishes
     is not requeued; one that gets SLURM's SIGUSR1 stops at a checkpoint and requeues."""
@@ -145,7 +113,7 @@ def test_slurm_batch_script_finishes_or_requeues_after_usr1(tmp_path):
         while not metrics.is_file() or len(metrics.read_text().splitlines()) < 3:
             assert job.poll() is None, job.stderr.read()[-3000:]
             time.sleep(0.2)
-        for pid in _descendants(job.pid):  # srun -> torchrun: SLURM signals the job step
+        for pid in descendants_of(job.pid):  # srun -> torchrun: SLURM signals the job step
             if b"torchrun" in Path(f"/proc/{pid}/cmdline").read_bytes():
                 os.kill(pid, signal.SIGUSR1)
         stdout, stderr = job.communicate(timeout=120)

@@ -5,16 +5,14 @@ reference is MuonAdamW on a plain module fed the same gradients, in this process
 thread (torchrun's workers use one thread too, so both use the same GEMM kernels).
 """
 
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
+from launch import WORKERS, torchrun
 
 from unmask.optim import MuonAdamW
 
-WORKERS = Path(__file__).parent / "dist_workers"
 sys.path.insert(0, str(WORKERS))
 import muon_worker as worker  # noqa: E402
 
@@ -23,25 +21,11 @@ pytestmark = pytest.mark.slow
 SPECS = ["2", "4", "2x2", "4:bfloat16"]
 
 
-def torchrun(nproc: int, *args: str, timeout: float = 240) -> None:
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={nproc}",
-    ]
-    proc = subprocess.run(
-        cmd + [*args], capture_output=True, text=True, timeout=timeout, cwd=WORKERS.parent
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-
-
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("muon")
-    torchrun(2, str(WORKERS / "muon_worker.py"), str(out), "2")
-    torchrun(4, str(WORKERS / "muon_worker.py"), str(out), *SPECS[1:])
+    torchrun(2, WORKERS / "muon_worker.py", out, "2", timeout=240)
+    torchrun(4, WORKERS / "muon_worker.py", out, *SPECS[1:], timeout=240)
     return {spec: torch.load(out / f"{spec}.pt") for spec in SPECS}
 
 

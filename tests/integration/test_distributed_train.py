@@ -7,13 +7,12 @@ split_batches, so the global batch (8 rows) is the same at every world size.
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import deep_update, write_run_config
+from conftest import deep_update, losses, train_in_process, write_run_config
+from launch import train_in_ranks
 from safetensors.torch import load_file
 
 from unmask.checkpoint import (
@@ -25,7 +24,6 @@ from unmask.config import load_config
 from unmask.train.trainer import Trainer
 
 pytestmark = pytest.mark.slow
-WORKER = Path(__file__).parent / "dist_workers" / "train_worker.py"
 BASE = {
     "train": {"split_batches": True, "eval_steps": 0, "save_steps": 0, "logging_steps": 1},
 }
@@ -37,23 +35,7 @@ def write_config(root: Path, name: str, extra: dict) -> Path:
 
 
 def launch(nproc: int, root: Path, configs: list[Path]) -> dict:
-    results = root / f"results-{nproc}.json"
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={nproc}",
-    ]
-    cmd += [str(WORKER), str(results)] + [str(c) for c in configs]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(results.read_text())
-
-
-def losses(run_dir: Path) -> dict[int, float]:
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return {r["step"]: r["loss"] for r in map(json.loads, lines) if "loss" in r}
+    return train_in_ranks(nproc, root / f"results-{nproc}.json", *configs)
 
 
 def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
@@ -109,13 +91,7 @@ def runs(tmp_path_factory):
 
 def one_process(runs, name: str, **train) -> Path:
     """The same config in this process (world size 1), written to <name>-1 (run once)."""
-    out = runs["root"] / f"{name}-1"
-    if out.exists():
-        return out
-    cfg = load_config(runs["cfg"][name])
-    cfg.train = cfg.train.model_copy(update={"output_dir": str(out), **train})
-    Trainer(cfg).train()
-    return out
+    return train_in_process(runs["cfg"][name], runs["root"] / f"{name}-1", **train)
 
 
 def test_runs_succeeded(runs):

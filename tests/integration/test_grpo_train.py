@@ -2,18 +2,22 @@
 a cycle of inner iterations, on 1 and 2 ranks), LoRA with the KL to the adapter-free base,
 and 2 gloo ranks against 1."""
 
-import json
 import os
 import shutil
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-import yaml
-from conftest import TINY, deep_update, losses, read_metrics
+from conftest import (
+    by_step,
+    deep_update,
+    losses,
+    read_metrics,
+    train_in_process,
+    write_run_config,
+)
+from launch import train_in_ranks
 
 from unmask.checkpoint.layout import write_manifest
 from unmask.config import load_config
@@ -40,10 +44,7 @@ GRPO = {
 
 
 def write(root: Path, name: str, extra: dict) -> Path:
-    tree = deep_update(deep_update(TINY, GRPO), {"train": {"output_dir": str(root / name)}})
-    path = root / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(deep_update(tree, extra)))
-    return path
+    return write_run_config(root, name, GRPO, extra)
 
 
 def test_grpo_logs_rollouts_and_resumes_exactly(tmp_path, capsys):
@@ -83,8 +84,7 @@ def test_grpo_logs_rollouts_and_resumes_exactly(tmp_path, capsys):
     assert sorted(resumed) == [3, 4]
     for step in (3, 4):
         assert resumed[step] == full[step]  # exactly, on CPU
-    again = {r["step"]: r["grad_norm"] for r in read_metrics(stopped) if "grad_norm" in r}
-    assert again == {3: grad_norms[3], 4: grad_norms[4]}
+    assert by_step(stopped, "grad_norm") == {3: grad_norms[3], 4: grad_norms[4]}
     final = "final/model.safetensors"
     assert (tmp_path / "run" / final).read_bytes() == (stopped / final).read_bytes()
 
@@ -97,7 +97,7 @@ CYCLE = {"grpo": {"inner_iterations": 2},
 
 
 def grad_norms(run_dir: Path) -> dict[int, float]:
-    return {r["step"]: r["grad_norm"] for r in read_metrics(run_dir) if "grad_norm" in r}
+    return by_step(run_dir, "grad_norm")
 
 
 def resume_from(tmp_path: Path, name: str, checkpoint: Path, extra: dict) -> Trainer:
@@ -202,7 +202,7 @@ def test_grpo_with_lora_and_kl_to_the_base(tmp_path):
              "optim": {"learning_rate": 0.05}, "train": {"max_steps": 3, "eval_steps": 0,
                                                          "save_steps": 0}}  # fmt: skip
     Trainer(load_config(write(tmp_path, "lora", extra))).train()
-    kl = {r["step"]: r["kl"] for r in read_metrics(tmp_path / "lora") if "kl" in r}
+    kl = by_step(tmp_path / "lora", "kl")
     assert sorted(kl) == [1, 2, 3]
     assert kl[1] == 0.0
     assert kl[3] > 0.0
@@ -217,16 +217,8 @@ def test_grpo_two_ranks_match_one(tmp_path):
                        "eval_steps": 0, "save_steps": 0},
              "grpo": {"estimator": "coupled", "loss": "spg"}}  # fmt: skip
     cfg = write(tmp_path, "two", extra)
-    worker = Path(__file__).parent / "dist_workers" / "train_worker.py"
-    results = tmp_path / "results.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(worker), str(results), str(cfg)]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert json.loads(results.read_text())["two"]["rc"] == 0
-    one = load_config(cfg)
-    one.train = one.train.model_copy(update={"output_dir": str(tmp_path / "one")})
-    Trainer(one).train()
+    assert train_in_ranks(2, tmp_path / "results.json", cfg)["two"]["rc"] == 0
+    train_in_process(cfg, tmp_path / "one")
     single, double = losses(tmp_path / "one"), losses(tmp_path / "two")
     assert sorted(single) == sorted(double) == [1, 2, 3]
     assert any(v != 0 for v in single.values())
@@ -243,14 +235,8 @@ def test_grpo_two_ranks_resume_exactly_inside_a_rollout_cycle(tmp_path, capsys):
     checkpoint = tmp_path / "full" / "checkpoint-1"
     resumed = write(tmp_path, "resumed",
                     deep_update(CYCLE, {"train": {"resume_from_checkpoint": str(checkpoint)}}))  # fmt: skip
-    worker = Path(__file__).parent / "dist_workers" / "train_worker.py"
-    results = tmp_path / "results.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(worker), str(results), str(full), str(resumed)]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert {k: v["rc"] for k, v in json.loads(results.read_text()).items()} == {"full": 0,
-                                                                                 "resumed": 0}  # fmt: skip
+    results = train_in_ranks(2, tmp_path / "results.json", full, resumed)
+    assert {k: v["rc"] for k, v in results.items()} == {"full": 0, "resumed": 0}
     files = sorted(p.name for p in (checkpoint / "rank_state").iterdir())
     assert files == ["rank-0.pt", "rank-1.pt"]
     saved = [torch.load(checkpoint / "rank_state" / name, weights_only=True) for name in files]

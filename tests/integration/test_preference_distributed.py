@@ -2,19 +2,13 @@
 config: the same losses and reward margins within float tolerance, with a frozen reference
 copy and with LoRA (the reference is the base with adapters off)."""
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from conftest import read_metrics, write_run_config
-
-from unmask.config import load_config
-from unmask.train.trainer import Trainer
+from conftest import read_metrics, train_in_process, write_run_config
+from launch import train_in_ranks
 
 pytestmark = pytest.mark.slow
-WORKER = Path(__file__).parent / "dist_workers" / "train_worker.py"
 BASE = {
     "diffusion": {"objective": "preference"},
     "preference": {"num_samples": 2, "beta": 0.5},
@@ -40,21 +34,14 @@ def runs(tmp_path_factory):
     pytest.importorskip("peft")
     root = tmp_path_factory.mktemp("pref_dist")
     configs = [write_config(root, "full", {}), write_config(root, "lora", LORA)]
-    results = root / "results.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(WORKER), str(results), *map(str, configs)]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return root, json.loads(results.read_text())
+    return root, train_in_ranks(2, root / "results.json", *configs)
 
 
 @pytest.mark.parametrize("name", ["full", "lora"])
 def test_two_ranks_give_the_losses_of_one(runs, name):
     root, results = runs
     assert results[name]["rc"] == 0, results[name]["stderr"][-2000:]
-    cfg = load_config(root / f"{name}.yaml")
-    cfg.train = cfg.train.model_copy(update={"output_dir": str(root / f"{name}-1")})
-    Trainer(cfg).train()
+    train_in_process(root / f"{name}.yaml", root / f"{name}-1")
     one, two = records(root / f"{name}-1"), records(root / name)
     assert sorted(one) == sorted(two) == [1, 2, 3, 4]
     for step in one:

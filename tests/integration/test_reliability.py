@@ -16,8 +16,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import losses, read_metrics
+from conftest import by_step, losses, read_metrics
 from faults import NonFiniteAt, skipping_reference
+from launch import WORKERS, torchrun
 from safetensors.torch import load_file
 
 from unmask.checkpoint import list_checkpoints
@@ -418,13 +419,10 @@ def test_keep_best_keeps_the_lowest_eval_loss_checkpoint(tiny_config, tmp_path):
     states = {p.name: json.loads((p / "trainer_state.json").read_text())
               for p in list_checkpoints(run)}  # fmt: skip
     assert "checkpoint-8" in states  # the newest is never deleted
-    evals = {r["step"]: r["eval_loss"] for r in read_metrics(run) if "eval_loss" in r}
+    evals = by_step(run, "eval_loss")
     best = min(evals, key=evals.get)
     assert f"checkpoint-{best}" in states and len(states) <= 2
     assert os.listdir(run)  # sanity
-
-
-GUARD_WORKER = Path(__file__).parent / "dist_workers" / "guard_worker.py"
 
 
 @pytest.mark.slow
@@ -445,10 +443,7 @@ def test_non_finite_on_one_rank_every_rank_skips_rolls_back_or_stops(tiny_config
                           f"{name}.yaml")  # fmt: skip
         specs.append(f"{cfg}:{mode}:1:{steps}")
     results_path = tmp_path / "results.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(GUARD_WORKER), str(results_path), *specs]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    torchrun(2, WORKERS / "guard_worker.py", results_path, *specs)
     results = json.loads(results_path.read_text())
     assert results["skipped"]["rc"] == 0 and results["oracle"]["rc"] == 0
     assert _same_weights(tmp_path / "skipped", tmp_path / "oracle")

@@ -10,18 +10,16 @@ the global batch (8 rows) is the same in every layout.
 """
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from conftest import deep_update, write_run_config
+from conftest import deep_update, losses, train_in_process, write_run_config
+from launch import WORKERS, torchrun, train_in_ranks
 
 from unmask.config import load_config
 from unmask.train.trainer import Trainer
 
 pytestmark = pytest.mark.slow
-WORKER = Path(__file__).parent / "dist_workers" / "train_worker.py"
 BASE = {
     "model": {"num_attention_heads": 4, "num_key_value_heads": 4},
     "train": {"split_batches": True, "eval_steps": 0, "save_steps": 0, "logging_steps": 1,
@@ -41,11 +39,6 @@ def write_config(root: Path, name: str, extra: dict) -> Path:
     return write_run_config(root, name, BASE, extra)
 
 
-def losses(run_dir: Path) -> dict[int, float]:
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return {r["step"]: r["loss"] for r in map(json.loads, lines) if "loss" in r}
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("tp")
@@ -60,23 +53,14 @@ def runs(tmp_path_factory):
     for name, train in (("resume-tp4", {"tensor_parallel": 4}), ("resume-dp4", {})):
         train = {**train, "resume_from_checkpoint": saved}
         cfg[name] = write_config(root, name, deep_update(DCP, {"train": train}))
-    results = root / "results.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
-           str(WORKER), str(results), *map(str, cfg.values())]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return {"root": root, "cfg": cfg, "results": json.loads(results.read_text())}
+    results = train_in_ranks(4, root / "results.json", *cfg.values(), timeout=600)
+    return {"root": root, "cfg": cfg, "results": results}
 
 
 def one_process(runs, name: str, source: str, **train) -> Path:
     """Config `source` run in this process (world size 1, tp=1), written to <name>-1."""
-    out = runs["root"] / f"{name}-1"
-    if not out.exists():
-        cfg = load_config(runs["cfg"][source])
-        update = {"output_dir": str(out), "tensor_parallel": 1, "dp_shard": -1, **train}
-        cfg.train = cfg.train.model_copy(update=update)
-        Trainer(cfg).train()
-    return out
+    return train_in_process(runs["cfg"][source], runs["root"] / f"{name}-1", tensor_parallel=1,
+                            dp_shard=-1, **train)  # fmt: skip
 
 
 def test_runs_succeeded(runs):
@@ -117,12 +101,9 @@ def test_families_and_muon_step_under_tp_equal_one_process(tmp_path):
     """Every native family's forward and backward split tp=4 equals the unsplit model's. Two MuonAdamW steps with the same full gradients on a decoder split tp4, dp_shard2 x
     tp2 and dp_replicate2 x tp2 (dist_workers/tp_muon_worker.py) give the one-process
     parameters bit for bit, and Newton-Schulz runs once per Muon matrix per step."""
-    worker = Path(__file__).parent / "dist_workers" / "tp_muon_worker.py"
     out = tmp_path / "muon.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
-           str(worker), str(out), "families", "tp4", "dp2xtp2", "rep2xtp2"]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    torchrun(4, WORKERS / "tp_muon_worker.py", out, "families", "tp4", "dp2xtp2", "rep2xtp2",
+             timeout=300)  # fmt: skip
     results = json.loads(out.read_text())
     # every native family split tp=4 (q/k norms, q/k/v biases, packed rows' document masks)
     # gives the unsplit model's losses and gradients within float32 rounding

@@ -4,10 +4,10 @@ growth the tokens are those of a fixed canvas of one block."""
 
 import pytest
 import torch
+from conftest import tiny_model
 from torch import nn
 
 from unmask.errors import InputError
-from unmask.models import ModelConfig, build_model
 from unmask.sampling import SamplingConfig, autolength, sample
 from unmask.sampling.autolength import eos_confidence
 
@@ -31,10 +31,7 @@ class EndsAt(nn.Module):
 
 
 def _tiny():
-    torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, initializer_range=0.2)  # fmt: skip
-    return build_model(cfg).eval()
+    return tiny_model(vocab_size=V, initializer_range=0.2).eval()
 
 
 def _auto(**options) -> SamplingConfig:

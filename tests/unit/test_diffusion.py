@@ -6,6 +6,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import tiny_model
 from pydantic import ValidationError
 from torch import nn
 
@@ -19,7 +20,6 @@ from unmask.diffusion import (
     mdlm_loss_terms,
     sample_t,
 )
-from unmask.models import ModelConfig, build_model
 
 V, H, MASK_ID = 37, 16, 36
 
@@ -51,9 +51,7 @@ class StandIn(nn.Module):
 
 def real_model():
     """unmask's own model at a tiny size."""
-    torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2)
-    return build_model(cfg)
+    return tiny_model(vocab_size=V)
 
 
 def gen(seed: int = 0) -> torch.Generator:

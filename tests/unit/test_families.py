@@ -9,6 +9,7 @@ import typing
 import pytest
 import torch
 import transformers
+from conftest import PARITY_SIZES, perturb_norms, tiny_model
 from safetensors.torch import save_file
 
 from unmask.models import (
@@ -28,16 +29,6 @@ from unmask.models import (
 from unmask.models.families import LLADA_KEY_MAP, family_for_hf_type
 from unmask.models.hf_wrapped import build_encoder
 
-SIZES = dict(
-    vocab_size=97,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=128,
-)
-
 # LLaDA (OLMo-style) names for layer 0 and the top level, as found in LLaDA-8B folders.
 LLADA_LAYOUT = {
     "model.embed_tokens.weight": "model.transformer.wte.weight",
@@ -55,25 +46,15 @@ LLADA_LAYOUT = {
 }
 
 
-def _perturb_norms(model):
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.uniform_(0.5, 1.5)
-            if name.endswith("bias"):
-                param.normal_(0, 0.5)
-    return model.eval()
-
-
 def qwen2_model():
     torch.manual_seed(0)
-    return _perturb_norms(transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**SIZES)))
+    return perturb_norms(transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**PARITY_SIZES)))
 
 
 def llama_model(**extra):
     torch.manual_seed(1)
-    cfg = transformers.LlamaConfig(**SIZES, rope_theta=5e4, rms_norm_eps=1e-5, **extra)
-    return _perturb_norms(transformers.LlamaForCausalLM(cfg))
+    cfg = transformers.LlamaConfig(**PARITY_SIZES, rope_theta=5e4, rms_norm_eps=1e-5, **extra)
+    return perturb_norms(transformers.LlamaForCausalLM(cfg))
 
 
 def bidirectional_logits(model, ids):
@@ -136,7 +117,7 @@ def test_dream_layout_loads_and_round_trips(tmp_path):
         "rope_theta": 10000.0,
         "rms_norm_eps": 1e-6,
         "tie_word_embeddings": False,
-        **SIZES,
+        **PARITY_SIZES,
     }
     state = {k: v.contiguous() for k, v in hf.state_dict().items()}
     _write(tmp_path / "dream", config, state)
@@ -189,11 +170,8 @@ def test_llada_layout_key_map_loads_and_round_trips(tmp_path):
 def test_family_defaults_and_fresh_family_folders(tmp_path):
     assert ModelConfig(model_type="dream").qkv_bias and not ModelConfig(model_type="llada").qk_norm
     assert ModelConfig().qk_norm and not ModelConfig().qkv_bias
-    from unmask.models import build_model
-
     for family in ("qwen2_dllm", "llama_dllm", "dream", "llada"):
-        torch.manual_seed(0)
-        model = build_model(ModelConfig(model_type=family, **SIZES)).eval()
+        model = tiny_model(model_type=family, **PARITY_SIZES).eval()
         model.save_pretrained(tmp_path / family)
         again = from_pretrained(tmp_path / family).eval()
         assert again.config.model_type == family
@@ -205,20 +183,8 @@ def test_family_defaults_and_fresh_family_folders(tmp_path):
 def test_encoder_wrapper_matches_transformers_and_isolates_documents(tmp_path, family):
     import torch.nn.functional as F
 
-    from unmask.models import build_model
-
-    torch.manual_seed(0)
-    cfg = ModelConfig(
-        model_type=family,
-        vocab_size=97,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    model = build_model(cfg).eval()
+    model = tiny_model(model_type=family, vocab_size=97, num_attention_heads=2,
+                       num_key_value_heads=2, max_position_embeddings=64).eval()  # fmt: skip
     x = ids()
     targets = torch.where(x % 3 == 0, x, -100)
     with torch.no_grad():
@@ -256,7 +222,7 @@ def test_registry_and_model_config_choices_agree():
 @pytest.mark.parametrize("name", [n for n, f in FAMILIES.items() if f.native])
 def test_native_family_config_json_round_trip(name):
     family = FAMILIES[name]
-    cfg = ModelConfig(model_type=name, rope_theta=5e4, tie_word_embeddings=True, **SIZES)
+    cfg = ModelConfig(model_type=name, rope_theta=5e4, tie_word_embeddings=True, **PARITY_SIZES)
     written = hf_config_dict(cfg)
     assert written["model_type"] == family.hf_model_type
     assert written["architectures"] == [family.architecture]
@@ -279,16 +245,16 @@ def _folder(folder, config):
 
 
 def test_mask_token_id_falls_back_to_the_familys_released_id(tmp_path):
-    llada = hf_config_dict(ModelConfig(model_type="llada", **SIZES))
+    llada = hf_config_dict(ModelConfig(model_type="llada", **PARITY_SIZES))
     assert llada["model_type"] == "llada" and "mask_token_id" not in llada
     released = {k: v for k, v in llada.items() if k != "unmask"}
     assert folder_mask_token_id(_folder(tmp_path / "a", released)) == 126336
     own = {**released, "mask_token_id": 7}
     assert folder_mask_token_id(_folder(tmp_path / "b", own)) == 7  # config.json wins
     assert folder_mask_token_id(_folder(tmp_path / "c", llada)) is None  # written by unmask
-    dream = {"model_type": "Dream", "architectures": ["DreamModel"], **SIZES}
+    dream = {"model_type": "Dream", "architectures": ["DreamModel"], **PARITY_SIZES}
     assert folder_mask_token_id(_folder(tmp_path / "d", dream)) == 151666
-    qwen2 = hf_config_dict(ModelConfig(model_type="qwen2_dllm", **SIZES))
+    qwen2 = hf_config_dict(ModelConfig(model_type="qwen2_dllm", **PARITY_SIZES))
     qwen2.pop("unmask")
     assert folder_mask_token_id(_folder(tmp_path / "e", qwen2)) is None  # no released id
     assert folder_mask_token_id(tmp_path) is None  # no config.json
@@ -297,8 +263,8 @@ def test_mask_token_id_falls_back_to_the_familys_released_id(tmp_path):
 def test_logit_shift_helper():
     dream = {"model_type": "Dream", "architectures": ["DreamModel"], "mask_token_id": 151666}
     assert samples_with_logit_shift(dream)
-    assert samples_with_logit_shift(hf_config_dict(ModelConfig(model_type="dream", **SIZES)))
-    qwen2 = hf_config_dict(ModelConfig(model_type="qwen2_dllm", **SIZES))
+    assert samples_with_logit_shift(hf_config_dict(ModelConfig(model_type="dream", **PARITY_SIZES)))
+    qwen2 = hf_config_dict(ModelConfig(model_type="qwen2_dllm", **PARITY_SIZES))
     assert not samples_with_logit_shift(qwen2)
     assert not samples_with_logit_shift({"model_type": "qwen2"})
     assert not samples_with_logit_shift({"model_type": "mistral"})
@@ -306,7 +272,7 @@ def test_logit_shift_helper():
 
 def test_build_empty_is_the_meta_path_from_pretrained_uses(tmp_path):
     torch.manual_seed(0)
-    cfg = ModelConfig(model_type="llada", tie_word_embeddings=True, **SIZES)
+    cfg = ModelConfig(model_type="llada", tie_word_embeddings=True, **PARITY_SIZES)
     model = DiffusionTransformer(cfg).eval()
     empty = build_empty(cfg)
     assert empty.lm_head.weight is empty.model.embed_tokens.weight  # tied again
@@ -320,4 +286,4 @@ def test_build_empty_is_the_meta_path_from_pretrained_uses(tmp_path):
     assert decoder_layers(model) == list(model.model.layers) and len(decoder_layers(model)) == 2
     assert decoder_layers(torch.nn.Linear(2, 2)) == []
     with pytest.raises(ValueError, match="encoder"):
-        build_empty(ModelConfig(model_type="bert", **SIZES))
+        build_empty(ModelConfig(model_type="bert", **PARITY_SIZES))

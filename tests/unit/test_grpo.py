@@ -6,11 +6,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import tiny_model
 
 from unmask.config import load_config
 from unmask.data.tokenizer import build_char_tokenizer, ensure_special_tokens
 from unmask.errors import InputError
-from unmask.models import ModelConfig, build_model
 from unmask.posttrain.config import GRPOConfig
 from unmask.posttrain.estimators import Passes, Rows, coupled, estimate, mc_times, one_step
 from unmask.posttrain.grpo import (
@@ -166,10 +166,7 @@ L = 12
 def setup():
     tok = build_char_tokenizer()
     ensure_special_tokens(tok)
-    torch.manual_seed(0)
-    model = build_model(ModelConfig(vocab_size=128, hidden_size=32, intermediate_size=64,
-                                    num_hidden_layers=2, num_attention_heads=2,
-                                    num_key_value_heads=1))  # fmt: skip
+    model = tiny_model(num_attention_heads=2, num_key_value_heads=1)
     return tok, model
 
 

@@ -5,30 +5,17 @@ import json
 import pytest
 import torch
 import transformers
+from conftest import PARITY_SIZES, perturb_norms
 
 from unmask.models import from_pretrained
 
 
 def _tiny_hf_model(tied: bool) -> "transformers.Qwen3ForCausalLM":
     torch.manual_seed(0)
-    cfg = transformers.Qwen3Config(
-        vocab_size=97,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        tie_word_embeddings=tied,
-        rope_theta=1e4,
-        max_position_embeddings=128,
-    )
-    model = transformers.Qwen3ForCausalLM(cfg).eval()
-    with torch.no_grad():  # non-trivial norms so a q_norm/k_norm mix-up shows
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.uniform_(0.5, 1.5)
-    return model
+    cfg = transformers.Qwen3Config(**PARITY_SIZES, head_dim=16, tie_word_embeddings=tied,
+                                   rope_theta=1e4)  # fmt: skip
+    # non-trivial norms so a q_norm/k_norm mix-up shows (Qwen3 has no biases to perturb)
+    return perturb_norms(transformers.Qwen3ForCausalLM(cfg))
 
 
 def _hf_bidirectional_logits(model, ids: torch.Tensor) -> torch.Tensor:

@@ -9,10 +9,10 @@ import statistics
 
 import pytest
 import torch
+from conftest import tiny_model
 from torch import nn
 
 from unmask.data.tokenizer import build_char_tokenizer, ensure_special_tokens
-from unmask.models import ModelConfig, build_model
 from unmask.sampling.likelihood import (
     answer_log_likelihood,
     combined_stderr,
@@ -32,10 +32,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny():
-    torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      initializer_range=0.1)  # fmt: skip
-    return build_model(cfg).eval()
+    return tiny_model(vocab_size=V, initializer_range=0.1).eval()
 
 
 def gen(seed=0):
@@ -199,10 +196,7 @@ def llada_reference(model, canvases, prompt_len, target, mask_id):
 def test_answer_likelihood_is_llada_formula_on_the_drawn_masks(end):
     tok = build_char_tokenizer()
     ensure_special_tokens(tok)
-    torch.manual_seed(1)
-    cfg = ModelConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      initializer_range=0.1)  # fmt: skip
-    model = build_model(cfg).eval()
+    model = tiny_model(seed=1, initializer_range=0.1).eval()
     recorder = Recorder(model)
     sm = SamplingModel(recorder, tok, tok.mask_token_id, tok.eos_token_id, tok.eos_token_id,
                        torch.device("cpu"), {})  # fmt: skip

@@ -4,6 +4,7 @@ weighted_cross_entropy (gradients in the forward) against the plain path."""
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import tiny_model
 
 from unmask.diffusion.loss import chunked_cross_entropy, weighted_cross_entropy
 
@@ -161,14 +162,7 @@ def test_weighted_loss_with_a_frozen_head_or_bf16_or_no_rows():
 def test_native_model_target_weights_equal_the_weighted_per_token_losses():
     """model(..., target_weights=w) is sum(w * model(..., targets)) with every parameter's
     gradient the same (tied head: the embedding gets both of its gradients)."""
-    from unmask.models.build import build_model
-    from unmask.models.config import ModelConfig
-
-    torch.manual_seed(0)
-    cfg = ModelConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, vocab_size=97,
-                      tie_word_embeddings=True)  # fmt: skip
-    model = build_model(cfg)
+    model = tiny_model(vocab_size=97, tie_word_embeddings=True)
     ids = torch.randint(0, 97, (2, 12))
     targets = torch.where(torch.rand(2, 12) < 0.5, ids, -100)
     w = torch.rand(2, 12)

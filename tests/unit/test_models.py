@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import tiny_model
 
 import unmask.models
 from unmask.errors import InputError
@@ -26,18 +27,9 @@ VOCAB = 61
 
 
 def _model(**overrides) -> DiffusionTransformer:
-    torch.manual_seed(0)
-    fields = dict(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        rope_theta=1e4,
-        initializer_range=0.2,  # large enough that attention patterns matter
-    )
-    return build_model(ModelConfig(**(fields | overrides))).eval()
+    # initializer_range large enough that attention patterns matter
+    fields = dict(vocab_size=VOCAB, intermediate_size=48, rope_theta=1e4, initializer_range=0.2)
+    return tiny_model(**(fields | overrides)).eval()
 
 
 def _ids(batch: int, length: int, seed: int = 1) -> torch.Tensor:

@@ -5,11 +5,11 @@ import io
 
 import pytest
 import torch
+from conftest import TINY_MODEL, newton_schulz_calls, tiny_model
 from pydantic import ValidationError
 from torch import nn
 
 from unmask.errors import InputError
-from unmask.models import ModelConfig, build_model
 from unmask.optim import MuonAdamW, OptimConfig, build_optimizer, lr_scale, route_parameters
 from unmask.optim import updates as updates_module
 from unmask.optim.newton_schulz import orthogonalize
@@ -17,29 +17,16 @@ from unmask.optim.newton_schulz import orthogonalize
 VOCAB = 64
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
+#: the tiny model's fields here (2 layers unless a test says otherwise)
+QWEN = {"vocab_size": VOCAB, "intermediate_size": 48, "num_attention_heads": 2,
+        "num_key_value_heads": 1}  # fmt: skip
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny GEMMs on a shared 2-core box spin far longer with 2 OpenMP threads than 1."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _qwen(layers: int = 2, tied: bool = False, seed: int = 0) -> nn.Module:
-    torch.manual_seed(seed)
-    cfg = ModelConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=layers,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        tie_word_embeddings=tied,
-    )
-    return build_model(cfg)
+    return tiny_model(seed, **QWEN, num_hidden_layers=layers, tie_word_embeddings=tied)
 
 
 def _batches(n: int, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -202,15 +189,7 @@ def test_routing_peft_lora():
     peft = pytest.importorskip("peft")
     import transformers
 
-    cfg = transformers.Qwen3Config(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
-    )
+    cfg = transformers.Qwen3Config(**(TINY_MODEL | QWEN), head_dim=16)
     torch.manual_seed(0)
     base = transformers.Qwen3ForCausalLM(cfg)
     lora = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj", "down_proj"])
@@ -296,17 +275,10 @@ def test_split_is_printed_once(capsys):
 # ------------------------------------------------------------------------ step details
 
 
-def test_same_shape_matrices_run_as_one_batch(monkeypatch):
-    calls = []
-    real = updates_module.newton_schulz
-
-    def counting(x, *args, **kwargs):
-        calls.append(tuple(x.shape))
-        return real(x, *args, **kwargs)
-
-    monkeypatch.setattr(updates_module, "newton_schulz", counting)
+def test_same_shape_matrices_run_as_one_batch():
     model = _qwen(layers=2)
-    _train(model, [MuonAdamW(model, verbose=False)], _batches(1))
+    with newton_schulz_calls() as calls:
+        _train(model, [MuonAdamW(model, verbose=False)], _batches(1))
     # q/o (32x32), k/v (16x32), gate/up (48x32), down (32x48): four calls for 14 matrices.
     assert sorted(calls) == [(2, 32, 48), (4, 16, 32), (4, 32, 32), (4, 48, 32)]
 

@@ -22,13 +22,7 @@ TOL = {"bfloat16": 0.03, "float16": 0.01, "float32": 1e-3}
 GRAM_BF16_TOL = 0.05
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny GEMMs on a shared 2-core box spin far longer with 2 OpenMP threads than 1."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:

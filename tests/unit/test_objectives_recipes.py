@@ -1,6 +1,7 @@
 """Hand-computed checks of the SFT, Dream (CART, logit shift, cutoffs), BD3LM and
 random-length pieces (formulas in docs/diffusion.md)."""
 
+import conftest
 import pytest
 import torch
 import torch.nn.functional as F
@@ -23,7 +24,6 @@ from unmask.diffusion.recipes import (
     cart_weights,
     shift_logits,
 )
-from unmask.models import DiffusionTransformer, ModelConfig
 
 MASK = 1
 
@@ -46,16 +46,8 @@ class PositionCE(torch.nn.Module):
 
 
 def tiny_model(seed=0):
-    torch.manual_seed(seed)
-    cfg = ModelConfig(
-        vocab_size=40,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-    )
-    return DiffusionTransformer(cfg).eval()
+    return conftest.tiny_model(seed, vocab_size=40, intermediate_size=48, num_attention_heads=2,
+                                num_key_value_heads=1).eval()  # fmt: skip
 
 
 # ---- config --------------------------------------------------------------------------------

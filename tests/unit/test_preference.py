@@ -6,9 +6,9 @@ import math
 
 import pytest
 import torch
+from conftest import tiny_model
 
 from unmask.diffusion.config import DiffusionConfig
-from unmask.models import ModelConfig, build_model
 from unmask.posttrain.preference import (
     NOISE_KEYS,
     PreferenceConfig,
@@ -21,10 +21,8 @@ MASK = 127
 
 
 def tiny(seed: int = 0):
-    torch.manual_seed(seed)
-    cfg = ModelConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=1, initializer_range=0.2)  # fmt: skip
-    return build_model(cfg).eval()
+    return tiny_model(seed, num_attention_heads=2, num_key_value_heads=1,
+                      initializer_range=0.2).eval()  # fmt: skip
 
 
 def pair_batch(pairs: int = 3, length: int = 10, prompt: int = 4, seed: int = 1) -> dict:

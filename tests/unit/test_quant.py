@@ -2,10 +2,10 @@
 
 import pytest
 import torch
+from conftest import tiny_model
 from torch import nn
 
 from unmask.errors import InputError
-from unmask.models import ModelConfig, build_model
 from unmask.models.quant import quantize_4bit
 
 bnb = pytest.importorskip("bitsandbytes")
@@ -14,10 +14,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny():
-    torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=False)  # fmt: skip
-    return build_model(cfg)
+    return tiny_model(vocab_size=64, hidden_size=64, intermediate_size=128, num_attention_heads=2,
+                      num_key_value_heads=1, tie_word_embeddings=False)  # fmt: skip
 
 
 def quantized(model):

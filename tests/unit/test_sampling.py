@@ -6,9 +6,9 @@ import math
 import numpy as np
 import pytest
 import torch
+from conftest import tiny_model
 from torch import nn
 
-from unmask.models import ModelConfig, build_model
 from unmask.sampling import add_gumbel_noise, cfg_combine, generate, num_transfer_tokens
 
 V, H, MASK_ID = 23, 16, 22
@@ -36,9 +36,7 @@ class StandIn(nn.Module):
 
 def real_model():
     """unmask's own model at a tiny size."""
-    torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2)
-    return build_model(cfg).eval()
+    return tiny_model(vocab_size=V).eval()
 
 
 def gen(seed: int = 0) -> torch.Generator:

@@ -6,10 +6,10 @@ sampler at commit f964ca3 on a model made of fixed random tables)."""
 
 import pytest
 import torch
+from conftest import tiny_model
 from torch import nn
 
 from unmask.errors import InputError
-from unmask.models import ModelConfig, build_model
 from unmask.sampling import SamplingConfig, resolve_sampling, sample
 from unmask.sampling.generate import canvas_blocks, end_of_turn_id
 from unmask.sampling.hooks import import_hook
@@ -403,10 +403,7 @@ def test_hooks_by_name():
 
 
 def block_causal_tiny():
-    torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, initializer_range=0.2)  # fmt: skip
-    return build_model(cfg).eval()
+    return tiny_model(vocab_size=V, initializer_range=0.2).eval()
 
 
 def fast_dllm_v2_reference(model, prompt, gen_length, block, sub, threshold):

@@ -5,8 +5,8 @@ import math
 
 import pytest
 import torch
+from conftest import tiny_model
 
-from unmask.models import ModelConfig, build_model
 from unmask.models.attention import KVCache
 from unmask.sampling import SamplingConfig, dream_schedule, left_pad, sample
 from unmask.sampling.generate import canvas_blocks
@@ -25,17 +25,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny(layers: int = 2, seed: int = 0):
-    torch.manual_seed(seed)
-    cfg = ModelConfig(
-        vocab_size=V,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        initializer_range=0.2,  # peaked predictions, so confidences differ visibly
-    )
-    return build_model(cfg).eval()
+    # initializer_range 0.2: peaked predictions, so confidences differ visibly
+    return tiny_model(seed, vocab_size=V, num_hidden_layers=layers, initializer_range=0.2).eval()
 
 
 def run(model, prompts, **kw):

@@ -10,9 +10,9 @@ Fast-dLLM, Dream) on models whose logits tie exactly (`sample`, token for token)
 
 import pytest
 import torch
+from conftest import tiny_model
 from torch import nn
 
-from unmask.models import ModelConfig, build_model
 from unmask.sampling import SamplingConfig, left_pad, sample
 from unmask.sampling.generate import canvas_blocks
 from unmask.sampling.schedules import dream_transfer_count
@@ -390,10 +390,7 @@ def test_fast_dllm_rules_on_tied_confidences_equal_fast_dllm(rule, gen_length, b
 
 
 def block_causal_tiny():
-    torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, initializer_range=0.2)  # fmt: skip
-    return build_model(cfg).eval()
+    return tiny_model(vocab_size=V, initializer_range=0.2).eval()
 
 
 class EndBoost(nn.Module):

@@ -6,7 +6,7 @@ import os
 
 import pytest
 import torch
-from conftest import deep_update, read_metrics
+from conftest import deep_update, losses, read_metrics, tiny_model
 
 from unmask.config import load_config
 from unmask.train.trainer import Trainer
@@ -154,7 +154,7 @@ def test_no_host_sync_on_non_logging_steps_but_the_guards_one(tiny_config, tmp_p
         assert reads[step] == ["tolist"], (step, reads[step])
     for step in (3, 6):
         assert len(reads[step]) > 1
-    logged = {r["step"]: r["loss"] for r in read_metrics(tmp_path / "sync") if "loss" in r}
+    logged = losses(tmp_path / "sync")
     for end in (3, 6):
         window = [float(step_losses[s]) for s in range(end - 2, end + 1)]
         total = 0.0
@@ -168,12 +168,9 @@ def test_no_host_sync_on_non_logging_steps_but_the_guards_one(tiny_config, tmp_p
 
 def test_flop_count_of_a_tiny_model_by_hand():
     """hidden 32, 2 heads of 16, 1 KV head, MLP 64, 2 layers, vocab 128."""
-    from unmask.models import ModelConfig, build_model
     from unmask.train.mfu import flop_model
 
-    cfg = ModelConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=1)  # fmt: skip
-    fm = flop_model(build_model(cfg))
+    fm = flop_model(tiny_model(num_attention_heads=2, num_key_value_heads=1))
     q, k, v, o = 32 * 32, 32 * 16, 32 * 16, 32 * 32
     gate, up, down = 32 * 64, 32 * 64, 64 * 32
     assert fm.matmul_params == 2 * (q + k + v + o + gate + up + down) == 18432

@@ -81,6 +81,17 @@ def eos_confidence(
     return torch.softmax(logits, dim=-1)[:, eos_id]
 
 
+def prompt_mask(prompt_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    """(B, P) bool, True on real prompt tokens (attention_mask's non-zeros, all of them
+    without one); ValueError on an empty prompt. Both decoders (this one and `sample`)
+    start from it."""
+    if prompt_ids.shape[1] == 0:
+        raise ValueError("the prompt is empty; give at least one token")
+    if attention_mask is None:
+        return torch.ones_like(prompt_ids, dtype=torch.bool)
+    return attention_mask.to(device=prompt_ids.device, dtype=torch.bool)
+
+
 def check_room(model: nn.Module, prompt_len: int, cap: int) -> None:
     """InputError when prompt + gen_length_max does not fit the model's positions."""
     limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
@@ -112,16 +123,10 @@ def sample_auto(
         raise ValueError("gen_length auto needs the EOS id (eos_id): growth stops at EOS")
     started = time.perf_counter()
     batch, prompt_len = prompt_ids.shape
-    if prompt_len == 0:
-        raise ValueError("the prompt is empty; give at least one token")
+    valid = prompt_mask(prompt_ids, attention_mask)
     cap = config.gen_length_max
     check_room(model, prompt_len, cap)
     device = prompt_ids.device
-    valid = (
-        torch.ones_like(prompt_ids, dtype=torch.bool)
-        if attention_mask is None
-        else attention_mask.to(device=device, dtype=torch.bool)
-    )
     work = {"nfe": 0, "row_forwards": 0, "decoded": 0}
     lengths = _settle_lengths(model, prompt_ids, valid, config, mask_id, eos_id, work)
     answers: list[torch.Tensor | None] = [None] * batch

@@ -28,7 +28,7 @@ from torch import nn
 
 from unmask.errors import InputError
 from unmask.models.attention import KVCache
-from unmask.sampling.autolength import sample_auto
+from unmask.sampling.autolength import prompt_mask, sample_auto
 from unmask.sampling.config import SamplingConfig
 from unmask.sampling.hooks import call_logits_hook, call_tokens_hook
 from unmask.sampling.schedules import dream_transfer_count, num_transfer_tokens, unmask_fraction
@@ -198,18 +198,12 @@ def sample(
                            attention_mask=attention_mask, generator=generator,
                            on_step=on_step)  # fmt: skip
     batch, prompt_len = prompt_ids.shape
-    if prompt_len == 0:
-        raise ValueError("the prompt is empty; give at least one token")
+    prompt_valid = prompt_mask(prompt_ids, attention_mask)  # ValueError on an empty prompt
     config = config.fitted(prompt_len)  # row_length: the canvas that fills a training row
     num_blocks = config.check_lengths()
     special = special_ids(config, eos_id, pad_id, eot_id)
     started = time.perf_counter()
     device = prompt_ids.device
-    prompt_valid = (
-        torch.ones_like(prompt_ids, dtype=torch.bool)
-        if attention_mask is None
-        else attention_mask.to(device=device, dtype=torch.bool)
-    )
     gen_length, block_length = config.gen_length, config.resolved_block_length
     masks = torch.full((batch, gen_length), mask_id, dtype=prompt_ids.dtype, device=device)
     x_all = torch.cat([prompt_ids, masks], dim=1)  # (B, P + G)

@@ -14,9 +14,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from unmask.models import ModelConfig
-from unmask.models.transformer import DiffusionTransformer
-from unmask.parallel.context import ContextShard, heads_to_seq, seq_to_heads
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/: conftest.py
+
+from conftest import tiny_model  # noqa: E402
+
+from unmask.models.transformer import DiffusionTransformer  # noqa: E402
+from unmask.parallel.context import ContextShard, heads_to_seq, seq_to_heads  # noqa: E402
 
 LENGTH = 24
 #: name -> (heads, kv heads, packed rows (doc ids), attention backend)
@@ -29,11 +32,9 @@ CASES = {
 
 
 def make_model(heads: int, kv_heads: int, backend: str) -> DiffusionTransformer:
-    torch.manual_seed(0)
-    cfg = ModelConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                      num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=8,
-                      vocab_size=64, attn_implementation=backend)  # fmt: skip
-    return DiffusionTransformer(cfg)
+    return tiny_model(vocab_size=64, intermediate_size=48, num_attention_heads=heads,
+                      num_key_value_heads=kv_heads, head_dim=8,
+                      attn_implementation=backend)  # fmt: skip
 
 
 def make_batch(packed: bool) -> dict:

@@ -9,6 +9,7 @@ usage: torchrun --nproc_per_node=W muon_worker.py OUT 4 2x2 4:bfloat16 ...
 """
 
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -17,8 +18,11 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import distribute_tensor
 
-import unmask.optim.updates as muon_updates
-from unmask.optim import MuonAdamW
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/: conftest.py
+
+from conftest import matrices_in, newton_schulz_calls  # noqa: E402
+
+from unmask.optim import MuonAdamW  # noqa: E402
 
 STEPS = 5
 #: (rows, cols): rows below the world size leave ranks with zero rows; 7 and 18 are uneven;
@@ -63,25 +67,15 @@ def run(mesh_shape: tuple[int, ...], ns_dtype: str) -> tuple[dict[str, torch.Ten
         fully_shard(block, mesh=mesh)
     fully_shard(net, mesh=mesh)
     opt = MuonAdamW(net, **{**OPTIM, "ns_dtype": ns_dtype})
-    counted = [0]
-    original = muon_updates.newton_schulz
-
-    def counting(x, *args, **kwargs):
-        counted[0] += x.reshape(-1, *x.shape[-2:]).shape[0]
-        return original(x, *args, **kwargs)
-
-    muon_updates.newton_schulz = counting
-    try:
+    with newton_schulz_calls() as calls:
         for step in range(STEPS):
             grads = full_grads(net, step)
             for name, p in net.named_parameters():
                 p.grad = distribute_tensor(grads[name], p.device_mesh, p.placements)
             opt.step()
             opt.zero_grad()
-    finally:
-        muon_updates.newton_schulz = original
     # NS calls inside one shard group; replicas repeat them without talking
-    total = torch.tensor([counted[0]])
+    total = torch.tensor([matrices_in(calls)])
     dist.all_reduce(total)
     replicas = mesh_shape[0] if len(mesh_shape) == 2 else 1
     params = {n: p.full_tensor() for n, p in net.named_parameters()}

@@ -11,33 +11,26 @@ usage: torchrun --nproc_per_node=4 tp_muon_worker.py OUT.json tp4 dp2xtp2
 
 import json
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import Replicate, distribute_tensor
 
-import unmask.optim.updates as muon_updates
-from unmask.models import ModelConfig, build_model
-from unmask.models.transformer import decoder_layers
-from unmask.optim import MuonAdamW
-from unmask.parallel.fsdp import apply_fsdp
-from unmask.parallel.mesh import MeshLayout, build_mesh, fsdp_mesh
-from unmask.parallel.tensor import apply_tensor_parallel
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/: conftest.py
+
+from conftest import matrices_in, newton_schulz_calls, tiny_model  # noqa: E402
+
+from unmask.models.transformer import decoder_layers  # noqa: E402
+from unmask.optim import MuonAdamW  # noqa: E402
+from unmask.parallel.fsdp import apply_fsdp  # noqa: E402
+from unmask.parallel.mesh import MeshLayout, build_mesh, fsdp_mesh  # noqa: E402
+from unmask.parallel.tensor import apply_tensor_parallel  # noqa: E402
 
 STEPS = 2
 OPTIM = dict(lr=0.02, weight_decay=0.1, ns_dtype="float32", verbose=False)
-#: 4 query and 4 key/value heads (tp=4 splits both), biases on q/k/v (Qwen2 / Dream) and
-#: q/k norms (Qwen3) at once, so every kind of split parameter is stepped.
-MODEL = ModelConfig(
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=4,
-    qkv_bias=True,
-    qk_norm=True,
-)
+#: the tiny model with 64 tokens and 4 query and 4 key/value heads (tp=4 splits both)
+SPLIT = {"vocab_size": 64, "num_key_value_heads": 4}
 LAYOUTS = {
     "tp4": MeshLayout(tp=4),
     "dp2xtp2": MeshLayout(dp_shard=2, tp=2),
@@ -47,8 +40,9 @@ LAYOUTS = {
 
 
 def make_model():
-    torch.manual_seed(0)
-    return build_model(MODEL)
+    """Biases on q/k/v (Qwen2 / Dream) and q/k norms (Qwen3) at once, so every kind of split
+    parameter is stepped."""
+    return tiny_model(**SPLIT, qkv_bias=True, qk_norm=True)
 
 
 def full_grads(model, step: int) -> dict[str, torch.Tensor]:
@@ -74,15 +68,7 @@ def run(layout: MeshLayout) -> tuple[dict[str, torch.Tensor], int, int]:
         apply_tensor_parallel(model, mesh["tp"])
     apply_fsdp(model, fsdp_mesh(mesh), decoder_layers(model))
     opt = MuonAdamW(model, **OPTIM)
-    counted = [0]
-    original = muon_updates.newton_schulz
-
-    def counting(x, *args, **kwargs):
-        counted[0] += x.reshape(-1, *x.shape[-2:]).shape[0]
-        return original(x, *args, **kwargs)
-
-    muon_updates.newton_schulz = counting
-    try:
+    with newton_schulz_calls() as calls:
         for step in range(STEPS):
             grads = full_grads(model, step)
             for name, p in model.named_parameters():
@@ -91,9 +77,7 @@ def run(layout: MeshLayout) -> tuple[dict[str, torch.Tensor], int, int]:
                 p.grad = whole.redistribute(p.device_mesh, p.placements)
             opt.step()
             opt.zero_grad()
-    finally:
-        muon_updates.newton_schulz = original
-    total = torch.tensor([counted[0]])
+    total = torch.tensor([matrices_in(calls)])
     dist.all_reduce(total)
     muon = sum(1 for g in opt.param_groups if g["use_muon"] for _ in g["params"])
     params = {n: p.full_tensor() for n, p in model.named_parameters()}
@@ -103,12 +87,8 @@ def run(layout: MeshLayout) -> tuple[dict[str, torch.Tensor], int, int]:
 def family_forward(family: str, mesh) -> float:
     """Largest relative difference, over the per-token losses and every gradient, between
     ``family``'s tiny decoder split over ``mesh`` (1-D tp) and the unsplit one."""
-    cfg = ModelConfig(model_type=family, vocab_size=64, hidden_size=32, intermediate_size=64,
-                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4)  # fmt: skip
-    torch.manual_seed(0)
-    plain = build_model(cfg)
-    torch.manual_seed(0)
-    split = apply_tensor_parallel(build_model(cfg), mesh)
+    plain = tiny_model(model_type=family, **SPLIT)
+    split = apply_tensor_parallel(tiny_model(model_type=family, **SPLIT), mesh)
     gen = torch.Generator().manual_seed(7)
     ids = torch.randint(0, 64, (2, 12), generator=gen)
     targets = torch.where(torch.rand(2, 12, generator=gen) < 0.5, ids, -100)
