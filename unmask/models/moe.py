@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from unmask.models.config import ModelConfig
 from unmask.models.fused import swiglu
@@ -68,6 +69,8 @@ class AuxLossScaler(torch.autograd.Function):
 
 class Router(nn.Module):
     """Linear router (E x H) with the routing rules of the module docstring."""
+
+    is_moe_router = True  # optim/routing.py: AdamW, not Muon
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -136,6 +139,16 @@ class _ContiguousGrad(torch.autograd.Function):
         return grad.contiguous()
 
 
+def local_experts(weight: torch.Tensor) -> torch.Tensor:
+    """This rank's experts of a stack: the tensor itself, or under expert parallelism
+    (parallel/expert.py) the local part of a DTensor sharded on the expert dim, whose
+    gradient stays a partial sum over the replicas (reduced once per optimizer step)."""
+    if not isinstance(weight, DTensor):
+        return weight
+    grad = [Partial() if isinstance(pl, Replicate) else pl for pl in weight.placements]
+    return weight.to_local(grad_placements=grad)
+
+
 class Experts(nn.Module):
     """`num_local` SwiGLU experts as stacked weights, applied to rows sorted by expert."""
 
@@ -167,7 +180,7 @@ class Experts(nn.Module):
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x (N, H) rows sorted by local expert, counts (num_local,) rows per expert ->
         (N, H) each row through its expert."""
-        gate, up, down = self.gate_proj, self.up_proj, self.down_proj
+        gate, up, down = (local_experts(w) for w in (self.gate_proj, self.up_proj, self.down_proj))
         if torch.is_autocast_enabled(x.device.type):
             dtype = torch.get_autocast_dtype(x.device.type)
             x, gate, up, down = x.to(dtype), gate.to(dtype), up.to(dtype), down.to(dtype)
