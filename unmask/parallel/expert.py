@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.nn.functional import all_to_all_single
+from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from unmask.errors import InputError
@@ -195,16 +195,14 @@ class ExpertShard:
         send = counts.view(size, local).sum(dim=1).tolist()
         matrix = received.view(size, local)
         recv = matrix.sum(dim=1).tolist()
-        out = rows.new_empty(sum(recv), rows.shape[1])
-        there = all_to_all_single(out, rows.contiguous(), recv, send, group=self.group)
+        there = all_to_all_single_autograd(rows.contiguous(), recv, send, self.group)
         # received rows are grouped by (source rank, local expert): regroup by expert
         order = _regroup(matrix)
         result = experts(there[order], matrix.sum(dim=0))
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(order.numel())
         back = result[inverse]
-        home = rows.new_empty(rows.shape[0], result.shape[1])
-        return all_to_all_single(home, back, send, recv, group=self.group)
+        return all_to_all_single_autograd(back, send, recv, self.group)
 
 
 def _regroup(matrix: torch.Tensor) -> torch.Tensor:
