@@ -35,6 +35,8 @@ def test_moe_trains_with_muon_logs_load_and_exports(tiny_config, tmp_path, capsy
         assert record["moe_load_max_over_mean/layer_1"] >= 1.0
         assert record["moe_tokens_per_expert_cv"] >= 0.0
     assert "mfu" in capsys.readouterr().out  # MFU counts active parameters (test_moe.py)
+    assert main(["plot", str(tmp_path / "run")]) == 0
+    assert (tmp_path / "run" / "plots" / "moe_load.png").is_file()
     final = tmp_path / "run" / "final"
     assert json.loads((final / "config.json").read_text())["model_type"] == "qwen3_moe"
     assert len(moe_blocks(from_pretrained(final))) == 2
