@@ -224,3 +224,45 @@ def test_fused_transformers_layout_is_read(tmp_path):
     save_file(fused, tmp_path / "model.safetensors")
     again = from_pretrained(tmp_path)
     assert all(torch.equal(v, again.state_dict()[k]) for k, v in model.state_dict().items())
+
+
+def test_activation_checkpointing_counts_the_load_once_and_keeps_gradients():
+    results = []
+    for checkpointing in (False, True):
+        torch.manual_seed(0)
+        model = build_model(_tiny("qwen3_moe_dllm", router_aux_loss_coef=0.1)).train()
+        model.gradient_checkpointing = checkpointing
+        ids = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(1))
+        model(ids).square().mean().backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        loads = [b.load.clone() for b in moe_blocks(model)]
+        results.append((grads, loads, [b.aux_sum.clone() for b in moe_blocks(model)]))
+    (g0, l0, a0), (g1, l1, a1) = results
+    assert all(torch.equal(x, y) for x, y in zip(l0, l1)) and l0[0].sum() == 2 * 12 * 2
+    assert all(torch.equal(x, y) for x, y in zip(a0, a1)) and a0[0] > 0
+    for name in g0:
+        torch.testing.assert_close(g0[name], g1[name], rtol=1e-5, atol=1e-7)
+
+
+def test_aux_and_z_loss_gradients_equal_the_written_out_losses():
+    from unmask.models.moe import SparseMoE
+
+    torch.manual_seed(0)
+    cfg = _tiny("qwen3_moe_dllm", router_aux_loss_coef=0.3, router_z_loss_coef=0.2)
+    block = SparseMoE(cfg).train()
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0, 0.2)
+    x = torch.randn(1, 10, 64)
+    block(x).sum().backward()
+    ours = block.gate.weight.grad.clone()
+    block.zero_grad()
+    block.aux_coef = block.z_coef = 0.0  # the plain output, then the losses by hand
+    out = block(x).sum()
+    logits = x[0] @ block.gate.weight.T
+    probs = logits.softmax(-1)
+    counts = torch.bincount(probs.topk(2).indices.reshape(-1), minlength=8).float()
+    aux = 0.3 * 8 * ((counts / (10 * 2)) * probs.mean(0)).sum()
+    z = 0.2 * logits.logsumexp(-1).square().mean()
+    (out + aux + z).backward()
+    torch.testing.assert_close(ours, block.gate.weight.grad, rtol=1e-5, atol=1e-6)
