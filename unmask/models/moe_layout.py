@@ -123,7 +123,7 @@ def llada2_fields(hf: dict[str, Any]) -> dict[str, Any]:
         "max_position_embeddings": hf.get("max_position_embeddings", 16384),
         "tie_word_embeddings": bool(hf.get("tie_word_embeddings", False)),
         "attention_bias": bool(hf.get("use_bias", False)),
-        "qk_norm": bool(hf.get("use_qk_norm", True)),
+        "qk_norm": True,  # LLaDA2.0's attention always has query/key_layernorm
         "initializer_range": hf.get("initializer_range", 0.02),
         "num_experts": hf.get("num_experts") or 0,
         "num_experts_per_tok": hf.get("num_experts_per_tok", 2),
@@ -155,7 +155,7 @@ def llada2_config(cfg, architecture: str, dtype_name: str) -> dict[str, Any]:
         "hidden_act": "silu",
         "use_qkv_bias": cfg.attention_bias,
         "use_bias": cfg.attention_bias,
-        "use_qk_norm": cfg.qk_norm,
+        "use_qk_norm": True,
         "rms_norm_eps": cfg.rms_norm_eps,
         "rope_theta": cfg.rope_theta,
         "max_position_embeddings": cfg.max_position_embeddings,
