@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -213,8 +214,7 @@ def main(quick: bool) -> None:
         for name in rotated(list(kernels), r):
             kernels[name].append(kernel_seconds(name, kernel_tokens, 2 if quick else 5,
                                                 kernel_fields))  # fmt: skip
-    out = Path(RESULTS if not quick else "/tmp") / "moe_workers"
-    out.mkdir(parents=True, exist_ok=True)
+    out = Path(tempfile.mkdtemp(prefix="unmask-moe-bench-"))  # the workers' runs and files
     ranks = {}
     for ep in (1, 2):
         run_workers(2, __file__, "--worker", out, ep, rows, length, timeout=900)
