@@ -66,6 +66,7 @@ bench-long: $(STAMP)
 	$(BIN)/python benchmarks/stopping.py --task open
 	$(BIN)/python benchmarks/parallel.py
 	$(BIN)/python benchmarks/context_parallel.py
+	$(BIN)/python benchmarks/moe.py
 
 # The smoke mode of every benchmark (tiny sizes, one round, no results files): CI runs it.
 bench-quick: $(STAMP)
@@ -81,6 +82,7 @@ bench-quick: $(STAMP)
 	$(BIN)/python benchmarks/stopping.py --quick --task open
 	$(BIN)/python benchmarks/checkpoint_stall.py --quick
 	$(BIN)/python benchmarks/context_parallel.py --quick
+	$(BIN)/python benchmarks/moe.py --quick
 
 clean-venv:
 	rm -rf $(VENV)

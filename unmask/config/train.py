@@ -124,6 +124,8 @@ class TrainConfig(BaseModel):
     """Ranks each decoder layer's matrices are split over (Megatron-style TP: heads / N and MLP columns / N per rank; native decoders only; docs/parallelism.md). Must divide the attention heads, key/value heads and intermediate_size."""
     context_parallel: int = Field(1, ge=1)
     """Ranks each sequence is split over (context parallelism, docs/parallelism.md)."""
+    expert_parallel: int = Field(1, ge=1)
+    """Ranks each MoE layer's experts are split over (expert parallelism: tokens reach their experts by all-to-all; docs/parallelism.md). Carved out of the data-parallel x context ranks, which it must divide; must divide model.num_experts."""
     reshard_after_forward: bool = True
     """FSDP2: free gathered layer weights after forward (ZeRO-3-like); false keeps them until backward (ZeRO-2-like)."""
     split_batches: bool = False

@@ -23,6 +23,7 @@ from unmask.models.hf import (
     read_state_dict,
 )
 from unmask.models.hf_wrapped import build_encoder, is_encoder_folder, load_encoder
+from unmask.models.moe import moe_blocks
 from unmask.models.transformer import DiffusionTransformer
 
 MODEL_BUILDERS: dict[str, Callable[[ModelConfig], nn.Module]] = {
@@ -89,6 +90,9 @@ def build_empty(
         model = DiffusionTransformer(cfg)
     model.to_empty(device=device)
     model.tie_weights()
+    for buffer_owner in moe_blocks(model):  # statistics buffers: not in the state dict
+        buffer_owner.load.zero_()
+        buffer_owner.aux_sum.zero_()
     if dtype is not None:
         model = model.to(dtype)
     return model
@@ -106,7 +110,7 @@ def from_pretrained(
     source = read_config(folder)
     cfg = config_from_hf(source)
     cfg = cfg.model_copy(update={"attn_implementation": attn_implementation})
-    state = read_state_dict(folder, cfg.model_type)
+    state = read_state_dict(folder, cfg.model_type, cfg)
     model = build_empty(cfg, dtype=dtype or torch.float32)
     load_weights(model, state, folder)
     model.hf_source_config = source

@@ -19,8 +19,10 @@ class ModelConfig(BaseModel):
     model_type: Literal[FAMILY_NAMES] = DEFAULT_FAMILY  # the names in models/families.py
     """Model family, a name in the registry models/families.py. `qwen3_dllm`, `qwen2_dllm`,
     `llama_dllm`, `dream`, `llada`: the native bidirectional decoder with that family's
-    switches and HF layout; `bert`, `modernbert`: transformers' masked-LM encoders built
-    from the size fields here."""
+    switches and HF layout; `qwen3_moe_dllm`, `llada_moe`, `llada2_moe`: the same decoder with
+    mixture-of-experts MLPs (Qwen3-MoE, OLMoE / LLaDA-MoE and LLaDA2.0 layouts, the MoE fields
+    below); `bert`, `modernbert`: transformers' masked-LM encoders built from the size fields
+    here."""
 
     vocab_size: int = Field(256, ge=1)
     """Number of token ids (rows of the embedding and of the LM head)."""
@@ -64,6 +66,71 @@ class ModelConfig(BaseModel):
     qk_norm: bool = True
     """RMSNorm on each head's queries and keys before RoPE (Qwen3); false for Qwen2, Llama,
     LLaDA and Dream."""
+
+    num_experts: int = Field(0, ge=0)
+    """Routed experts per MoE layer; 0 = dense model (every layer a SwiGLU MLP)."""
+
+    num_experts_per_tok: int = Field(2, ge=1)
+    """Experts each token is sent to (top-k)."""
+
+    moe_intermediate_size: int | None = Field(None, ge=1)
+    """Hidden width of each routed expert's SwiGLU; None = intermediate_size (an MoE config
+    resolves it on load)."""
+
+    num_shared_experts: int = Field(0, ge=0)
+    """Always-on experts (one SwiGLU of width num_shared_experts x moe_intermediate_size,
+    LLaDA2.0's `shared_experts`) added to the routed output."""
+
+    first_k_dense_replace: int = Field(0, ge=0)
+    """The first k layers keep a dense MLP (width intermediate_size), LLaDA2.0's key."""
+
+    mlp_only_layers: list[int] = Field(default_factory=list)
+    """Further layer indices with a dense MLP (Qwen3-MoE's key)."""
+
+    router_score: Literal["softmax", "sigmoid"] = "softmax"
+    """Router scores: softmax over experts (Qwen3-MoE, OLMoE) or per-expert sigmoid
+    (LLaDA2.0, DeepSeek-V3); sigmoid routers carry an `expert_bias` buffer."""
+
+    norm_topk_prob: bool = False
+    """Renormalize the top-k weights of each token to sum to 1 (always on for sigmoid)."""
+
+    routed_scaling_factor: float = Field(1.0, gt=0)
+    """Factor on the routed experts' weights (LLaDA2.0: 2.5)."""
+
+    n_group: int = Field(1, ge=1)
+    """Expert groups for group-limited routing; a token picks its experts inside its
+    topk_group best groups (group score: sum of the group's top-2 scores). 1 = off."""
+
+    topk_group: int = Field(1, ge=1)
+    """Groups each token may route into (<= n_group)."""
+
+    router_aux_loss_coef: float = Field(0.0, ge=0)
+    """Weight of the Switch/OLMoE load-balancing loss E * sum_e f_e P_e (f: fraction of
+    routed slots, P: mean router probability), computed over each micro-batch of the whole
+    data-parallel group and added to the objective's loss."""
+
+    router_z_loss_coef: float = Field(0.0, ge=0)
+    """Weight of the router z-loss mean(logsumexp(logits)^2) (ST-MoE); 0 = off."""
+
+    expert_bias_update_rate: float = Field(0.0, ge=0)
+    """Aux-loss-free balancing (sigmoid routers): once per optimizer step every expert's
+    bias moves by this rate toward the mean load, bias += rate * sign(mean - load), with the
+    load summed over the step's micro-batches and ranks. 0 = bias frozen (as loaded)."""
+
+    partial_rotary_factor: float = Field(1.0, gt=0, le=1)
+    """Fraction of each head's features that RoPE rotates (LLaDA2.0: 0.5); the rest pass."""
+
+    qk_norm_scope: Literal["head", "projection"] = "head"
+    """q/k RMSNorm over each head (Qwen3, LLaDA2.0) or over the whole q / k projection
+    (OLMoE / LLaDA-MoE)."""
+
+    clip_qkv: float | None = Field(None, gt=0)
+    """Clamp q, k, v to [-clip_qkv, clip_qkv] after projection (OLMoE's key); None = off."""
+
+    moe_implementation: Literal["auto", "grouped_mm", "loop"] = "auto"
+    """Expert compute: `grouped_mm` (torch._grouped_mm over tokens sorted by expert),
+    `loop` (one matmul per expert over the same sorted tokens), `auto` (grouped_mm where
+    the shapes allow it). Both give the same result."""
 
     initializer_range: float = Field(0.02, ge=0)
     """Standard deviation of the normal init of linear and embedding weights."""
@@ -134,7 +201,59 @@ class ModelConfig(BaseModel):
             )
         if self.resolved_head_dim % 2 != 0:
             raise ValueError(f"head_dim ({self.resolved_head_dim}) must be even for RoPE")
+        if self.rotary_dim % 2 != 0 or self.rotary_dim == 0:
+            raise ValueError(
+                f"partial_rotary_factor ({self.partial_rotary_factor}) x head_dim "
+                f"({self.resolved_head_dim}) must be a positive even number of features"
+            )
+        if self.num_experts:
+            self._check_experts()
         return self
+
+    def _check_experts(self) -> None:
+        if self.moe_intermediate_size is None:  # resolved, so folders round-trip it
+            self.moe_intermediate_size = self.intermediate_size
+        experts, top_k = self.num_experts, self.num_experts_per_tok
+        if top_k > experts:
+            raise ValueError(
+                f"num_experts_per_tok ({top_k}) is above num_experts ({experts}); lower it"
+            )
+        if experts % self.n_group != 0:
+            raise ValueError(f"n_group ({self.n_group}) must divide num_experts ({experts})")
+        if self.topk_group > self.n_group:
+            raise ValueError(
+                f"topk_group ({self.topk_group}) is above n_group ({self.n_group}); lower it"
+            )
+        if self.n_group > 1 and top_k > self.topk_group * (experts // self.n_group):
+            raise ValueError(
+                f"num_experts_per_tok ({top_k}) is above the experts of topk_group "
+                f"({self.topk_group}) groups of {experts // self.n_group}"
+            )
+        if self.n_group > 1 and experts // self.n_group < 2:
+            raise ValueError("group-limited routing needs at least 2 experts per group")
+        if self.expert_bias_update_rate > 0 and self.router_score != "sigmoid":
+            raise ValueError(
+                "expert_bias_update_rate needs router_score: sigmoid (the expert bias lives "
+                "on sigmoid routers)"
+            )
+
+    @property
+    def resolved_moe_intermediate_size(self) -> int:
+        """moe_intermediate_size, or intermediate_size when it is None."""
+        return self.moe_intermediate_size or self.intermediate_size
+
+    @property
+    def rotary_dim(self) -> int:
+        """Features per head that RoPE rotates: head_dim x partial_rotary_factor."""
+        return int(self.resolved_head_dim * self.partial_rotary_factor)
+
+    def is_moe_layer(self, index: int) -> bool:
+        """Whether decoder layer `index` has routed experts (else a dense MLP)."""
+        return (
+            self.num_experts > 0
+            and index >= self.first_k_dense_replace
+            and index not in self.mlp_only_layers
+        )
 
     @property
     def resolved_head_dim(self) -> int:

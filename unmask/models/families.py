@@ -12,7 +12,13 @@ names things; encoder families run transformers' own masked-LM classes (models/h
 | llama_dllm | llama | no | attention_bias | HF | - |
 | dream | Dream (DreamModel, remote code) | no | yes | HF (Qwen2) | 151666 |
 | llada | llada (LLaDAModelLM, remote code) | no | include_qkv_bias | `LLADA_KEY_MAP` | 126336 |
+| qwen3_moe_dllm | qwen3_moe | yes | no | HF, experts per expert | - |
+| llada_moe | olmoe, llada_moe | over the projection | no | HF (OLMoE), experts per expert | - |
+| llada2_moe | llada2_moe (LLaDA2MoeModelLM, remote code) | yes | use_qkv_bias | LLaDA2.0 | 156895 |
 | bert, modernbert | bert, modernbert (transformers encoders) | | | HF | - |
+
+MoE families (`moe_layout` set) run the same decoder with mixture-of-experts MLPs
+(models/moe.py); their folder layouts are in models/moe_layout.py.
 
 AR checkpoints converted to diffusion (A2D) keep their weights and simply run with full
 (bidirectional) attention. Dream was trained to predict position i from the output at i - 1,
@@ -73,8 +79,12 @@ class Family:
     key_map: Mapping[str, str] = field(default_factory=dict)
     """Native state-dict key -> the key in this family's folders (N = layer index);
     empty = HF Llama names, which are the native names."""
-    config_style: Literal["hf", "llada"] = "hf"
-    """How config.json fields convert: "hf" (Llama/Qwen names) or "llada" (OLMo-style)."""
+    config_style: Literal["hf", "llada", "llada2"] = "hf"
+    """How config.json fields convert: "hf" (Llama/Qwen names), "llada" (OLMo-style) or
+    "llada2" (LLaDA2.0's own names, models/moe_layout.py)."""
+    moe_layout: Literal["", "hf", "llada2"] = ""
+    """MoE families: how folders store experts and MoE config keys ("hf": transformers'
+    Qwen3-MoE / OLMoE keys, one matrix per expert; "llada2": LLaDA2.0's); "" = dense."""
     hf_absent_keys: tuple[str, ...] = ()
     """HF-style keys this family's transformers config lacks (not written)."""
     hf_extra: Mapping[str, Any] = field(default_factory=dict)
@@ -149,6 +159,47 @@ _ENTRIES = (
         hf_rope_theta_default=10000.0,  # LLaDA / OLMo default
         keeps_source_config=True,
         mask_token_id=126336,
+    ),
+    Family(
+        "qwen3_moe_dllm",
+        "native",
+        ("qwen3_moe",),
+        "Qwen3MoeForCausalLM",
+        config_defaults={"num_experts": 8, "num_experts_per_tok": 2},
+        moe_layout="hf",
+    ),
+    Family(
+        "llada_moe",
+        "native",
+        ("olmoe", "llada_moe"),
+        "OlmoeForCausalLM",
+        config_defaults={
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "qk_norm_scope": "projection",
+            "rms_norm_eps": 1e-5,
+        },  # fmt: skip
+        moe_layout="hf",
+        hf_absent_keys=("head_dim", "layer_types", "use_sliding_window", "sliding_window"),
+        hf_rope_theta_default=10000.0,  # transformers' OLMoE default
+    ),
+    Family(
+        "llada2_moe",
+        "native",
+        ("llada2_moe",),
+        "LLaDA2MoeModelLM",
+        config_defaults={
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "router_score": "sigmoid",
+            "norm_topk_prob": True,
+            "partial_rotary_factor": 0.5,
+            "num_shared_experts": 1,
+        },  # fmt: skip
+        config_style="llada2",
+        moe_layout="llada2",
+        keeps_source_config=True,
+        mask_token_id=156895,
     ),
     Family("bert", "encoder", ("bert",), "BertForMaskedLM"),
     Family(

@@ -34,6 +34,19 @@ from unmask.models.families import (
     released_mask_token_id,
     to_folder_keys,
 )
+from unmask.models.moe_layout import (
+    expert_counts,
+    hf_moe_config,
+    hf_moe_fields,
+    llada2_config,
+    llada2_fields,
+    llada2_to_native,
+    moe_tag,
+    native_to_llada2,
+    split_experts,
+    stack_experts,
+    tagged_moe_fields,
+)
 
 HF_DIRECT_KEYS = (
     "vocab_size",
@@ -143,7 +156,16 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
             return ModelConfig(model_type=family.name, **_llada_fields(hf, family))
         except (KeyError, ValueError) as err:
             raise InputError(f"config.json: LLaDA config is missing or has bad {err}") from err
-    fields = _hf_fields(hf, family)
+    if family.config_style == "llada2":
+        try:
+            fields = {**llada2_fields(hf), **tagged_moe_fields(hf)}
+        except KeyError as err:
+            raise InputError(f"config.json: LLaDA2.0 config is missing {err}") from None
+    else:
+        fields = _hf_fields(hf, family)
+        if family.moe_layout == "hf":
+            fields.update(hf_moe_fields(hf, model_type))
+        fields.update(tagged_moe_fields(hf))
     try:
         return ModelConfig(model_type=family.name, **fields)
     except ValidationError as err:
@@ -163,8 +185,15 @@ def hf_config_dict(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict
         family = FAMILIES[DEFAULT_FAMILY]
     if family.config_style == "llada":
         out = _llada_config_dict(cfg, family, dtype_name)
+    elif family.config_style == "llada2":
+        out = llada2_config(cfg, family.architecture, dtype_name)
+        out["unmask"] = {"model_type": cfg.model_type}
     else:
         out = _hf_config_dict(cfg, family, dtype_name)
+        if family.moe_layout == "hf":
+            out.update(hf_moe_config(cfg, family.hf_model_type))
+    if family.moe_layout:
+        out["unmask"].update(moe_tag(cfg))
     for key in family.hf_absent_keys:
         out.pop(key, None)
     out.update(family.hf_extra)
@@ -310,16 +339,36 @@ def check_weight_files(folder: Path) -> None:
             ) from None
 
 
-def read_state_dict(folder: Path, family: str) -> dict[str, torch.Tensor]:
-    """The folder's safetensors weights under native key names (family: its key map)."""
+def read_state_dict(
+    folder: Path, family: str, cfg: ModelConfig | None = None
+) -> dict[str, torch.Tensor]:
+    """The folder's safetensors weights under native key names (family: its key map; MoE
+    families: experts stacked, LLaDA2.0 names converted, which needs the folder's cfg)."""
     state: dict[str, torch.Tensor] = {}
     for path in _weight_files(folder):
         state.update(read_safetensors(path))
     if FAMILIES[family].key_map:
         state = from_folder_keys(state, family)
+    if FAMILIES[family].moe_layout == "llada2":
+        state = llada2_to_native(state, cfg)
+    if FAMILIES[family].moe_layout:
+        state = stack_experts(state)
+        _check_expert_counts(state, cfg, folder)
     if not any(key.startswith("model.") for key in state):  # a bare Qwen3Model checkpoint
         state = {(k if k == "lm_head.weight" else f"model.{k}"): v for k, v in state.items()}
     return {k: v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}
+
+
+def _check_expert_counts(state: dict, cfg: ModelConfig | None, folder: Path) -> None:
+    """One clear line when config.json's num_experts disagrees with the weights."""
+    if cfg is None:
+        return
+    for layer, count in expert_counts(state).items():
+        if count != cfg.num_experts:
+            raise InputError(
+                f"{str(folder)!r}: config.json says num_experts={cfg.num_experts} but the "
+                f"weights of {layer} hold {count} experts; fix config.json or the weights"
+            )
 
 
 def load_weights(model: nn.Module, state: dict[str, torch.Tensor], folder: Path) -> None:
@@ -386,14 +435,18 @@ def save_pretrained(model: nn.Module, folder: str | Path) -> None:
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     state = to_folder_keys(state, family.name)
+    if family.moe_layout:
+        state = split_experts(state)
+    if family.moe_layout == "llada2":
+        state = native_to_llada2(state)
     config = hf_config_dict(model.config, dtype)
     source = getattr(model, "hf_source_config", None)
     if source is not None and config_from_hf(source) == _plain(model.config):
         # unchanged architecture: keep the folder's own config.json; remote-code configs
         # (Dream, LLaDA) stay byte for byte, transformers-native ones get the tag
         config = dict(source)
-        if not family.keeps_source_config:
-            config["unmask"] = {"model_type": family.name}
+        if not family.keeps_source_config:  # an MoE tag of a folder unmask wrote stays
+            config["unmask"] = {**(source.get("unmask") or {}), "model_type": family.name}
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
 

@@ -21,6 +21,7 @@ from unmask.models.attention import (
 from unmask.models.config import ModelConfig
 from unmask.models.fused import rms_norm, swiglu
 from unmask.models.hf import save_pretrained
+from unmask.models.moe import SparseMoE, init_moe_weights
 
 
 class RMSNorm(nn.Module):
@@ -47,7 +48,12 @@ def rotary_cos_sin(
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate (B, H, L, D) by the RoPE tables, rotate-half convention (as HF Qwen3)."""
+    """Rotate (B, H, L, D) by the RoPE tables, rotate-half convention (as HF Qwen3). Tables
+    narrower than D (partial rotary, LLaDA2.0) rotate the first features and pass the rest."""
+    rotary = cos.shape[-1]
+    if rotary < x.shape[-1]:
+        rotated = apply_rotary(x[..., :rotary], cos, sin)
+        return torch.cat((rotated, x[..., rotary:]), dim=-1)
     cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -82,20 +88,25 @@ def context_rows(context, input_ids: torch.Tensor, doc_ids: torch.Tensor | None,
 
 
 class Attention(nn.Module):
-    """Grouped-query self-attention with q/k RMSNorm per head and RoPE, no causal mask."""
+    """Grouped-query self-attention with q/k RMSNorm per head (or over the whole q / k
+    projection: OLMoE) and RoPE, no causal mask."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         hidden, head_dim, bias = cfg.hidden_size, cfg.resolved_head_dim, cfg.attention_bias
         self.head_dim = head_dim
+        self.clip = cfg.clip_qkv
+        self.norm_projection = cfg.qk_norm_scope == "projection"
+        q_width, kv_width = cfg.num_attention_heads * head_dim, cfg.num_key_value_heads * head_dim
         qkv_bias = bias or cfg.qkv_bias  # Qwen2/Dream: bias on q, k, v but not o
         self.q_proj = nn.Linear(hidden, cfg.num_attention_heads * head_dim, bias=qkv_bias)
         self.k_proj = nn.Linear(hidden, cfg.num_key_value_heads * head_dim, bias=qkv_bias)
         self.v_proj = nn.Linear(hidden, cfg.num_key_value_heads * head_dim, bias=qkv_bias)
         self.o_proj = nn.Linear(cfg.num_attention_heads * head_dim, hidden, bias=bias)
         # Qwen3 normalizes q and k per head; Qwen2 / Llama / LLaDA / Dream do not.
-        self.q_norm = RMSNorm(head_dim, cfg.rms_norm_eps) if cfg.qk_norm else nn.Identity()
-        self.k_norm = RMSNorm(head_dim, cfg.rms_norm_eps) if cfg.qk_norm else nn.Identity()
+        q_dim, k_dim = (q_width, kv_width) if self.norm_projection else (head_dim, head_dim)
+        self.q_norm = RMSNorm(q_dim, cfg.rms_norm_eps) if cfg.qk_norm else nn.Identity()
+        self.k_norm = RMSNorm(k_dim, cfg.rms_norm_eps) if cfg.qk_norm else nn.Identity()
 
     def forward(
         self,
@@ -107,9 +118,15 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         batch, length, _ = x.shape
         shape = (batch, length, -1, self.head_dim)
-        q = self.q_norm(self.q_proj(x).view(shape)).transpose(1, 2)  # (B, Hq, L, D)
-        k = self.k_norm(self.k_proj(x).view(shape)).transpose(1, 2)  # (B, Hkv, L, D)
-        v = self.v_proj(x).view(shape).transpose(1, 2)
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.norm_projection:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.clip is not None:
+            q, k, v = (t.clamp(-self.clip, self.clip) for t in (q, k, v))
+        q, k, v = q.view(shape), k.view(shape), v.view(shape)
+        if not self.norm_projection:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, L, D)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if cache is not None:  # sampling: record, or attend over cached K/V of the canvas
             k, v = cache[0].update(cache[1], k, v)
@@ -131,12 +148,13 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x)); the MLP is a
+    mixture of experts (models/moe.py) in the MoE layers of an MoE config."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, index: int = 0) -> None:
         super().__init__()
         self.self_attn = Attention(cfg)
-        self.mlp = MLP(cfg)
+        self.mlp = SparseMoE(cfg) if cfg.is_moe_layer(index) else MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -158,7 +176,7 @@ class DecoderStack(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -208,6 +226,7 @@ class DiffusionTransformer(nn.Module):
                     module.bias.zero_()
             elif isinstance(module, RMSNorm):
                 module.weight.fill_(1.0)
+        init_moe_weights(self, std)
 
     def hidden_states(
         self,
@@ -238,9 +257,7 @@ class DiffusionTransformer(nn.Module):
         if attention_mask is not None:
             dense = attention_mask if mask.dense is None else mask.dense & attention_mask
             mask = AttentionMask("sdpa", dense=dense)
-        cos, sin = rotary_cos_sin(
-            position_ids, self.config.resolved_head_dim, self.config.rope_theta
-        )
+        cos, sin = rotary_cos_sin(position_ids, self.config.rotary_dim, self.config.rope_theta)
         x = self.model.embed_tokens(input_ids)
         for index, layer in enumerate(self.model.layers):
             if kv_cache is not None:

@@ -9,6 +9,11 @@ shape:
   ``lm_head``, ``wte``, ``wpe`` or ``lora``, and parameters with more than three dims.
   Embeddings and the head are decayed like the other matrices, as nanoGPT and the HF
   Trainer do; only norms, biases and 1-D parameters are exempt.
+* AdamW with weight decay also: MoE routers (``is_moe_router`` modules, models/moe.py). A
+  router's rows are one logit per expert, not a hidden transform; orthogonalizing them would
+  force every expert's score direction to equal norm and tie the experts' loads to the
+  update rather than to the data (torchtitan and Moonlight keep routers on AdamW). The
+  sigmoid routers' expert bias is a buffer, updated by the load rule, never by an optimizer.
 * Muon: the remaining 2-D matrices (and 3-D expert stacks, orthogonalized per expert).
 * Frozen parameters (``requires_grad=False``) are left out of the optimizer.
 
@@ -106,6 +111,8 @@ def _roles(model: nn.Module) -> tuple[dict[int, set[str]], dict[int, list[str]]]
                 roles[id(p)].add("output head")
             if _is_norm(module):
                 roles[id(p)].add("norm")
+            if getattr(module, "is_moe_router", False):
+                roles[id(p)].add("router")
     return roles, aliases
 
 
@@ -141,6 +148,8 @@ def _default_route(p: Tensor, names: Sequence[str], roles: set[str]) -> tuple[st
         return "decay", "embedding" + tied
     if "output head" in roles:
         return "decay", "output head"
+    if "router" in roles:
+        return "decay", "MoE router"
     if len(names) > 1:
         return "decay", "shared by several modules (tied)"
     for part in ADAMW_NAME_PARTS:

@@ -30,6 +30,7 @@ def apply_fsdp(
     *,
     bf16: bool = False,
     reshard_after_forward: bool = True,
+    ignored_params: set[nn.Parameter] | None = None,
 ) -> nn.Module:
     """Shard ``model`` in place over ``mesh`` (1-D: FSDP2; 2-D replicate x shard: HSDP).
 
@@ -39,15 +40,19 @@ def apply_fsdp(
     ``reshard_after_forward``: True frees each block's gathered weights after its forward
     (ZeRO-3-like, least memory); False keeps them until backward (ZeRO-2-like, one
     all-gather fewer per block). Gradients are summed over ranks (no averaging): the caller
-    normalizes by the global token count itself.
+    normalizes by the global token count itself. ``ignored_params``: parameters FSDP2 leaves
+    alone (expert-parallel expert stacks, DTensors on their own grid: parallel/expert.py).
     """
     policy = MixedPrecisionPolicy(
         param_dtype=torch.bfloat16 if bf16 else None,
         reduce_dtype=torch.float32 if bf16 else None,
     )
+    options = {"mesh": mesh, "mp_policy": policy, "reshard_after_forward": reshard_after_forward}
+    if ignored_params:
+        options["ignored_params"] = ignored_params
     for block in blocks:
-        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+        fully_shard(block, **options)
+    fully_shard(model, **options)
     for module in model.modules():  # per FSDP unit (these setters do not recurse)
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)

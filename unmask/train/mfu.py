@@ -5,7 +5,8 @@ FLOPs of one optimizer step on one device (forward and backward, 3x the forward'
 
     6 N T  +  12 n_layers d_attn sum_mb(L T_mb)  +  6 d V R
 
-- N: the weights of the model's matmuls, every ``nn.Linear`` (in x out) except the LM head.
+- N: the weights of the model's matmuls, every ``nn.Linear`` (in x out) except the LM head;
+  in a mixture of experts only the active ones (router + top-k experts per token).
   The embedding is a lookup, not a matmul, and is left out; norms and biases too.
 - T: the tokens the model reads, rows x length of every micro-batch (padding included).
 - Attention: per token and layer, the forward's Q K^T and A V take 2 L d_attn FLOPs each
@@ -98,12 +99,19 @@ def flop_model(model: nn.Module) -> FlopModel:
     linears = [m for m in model.modules() if isinstance(m, nn.Linear) and m is not head]
     cfg = model.config
     return FlopModel(
-        matmul_params=sum(m.in_features * m.out_features for m in linears),
+        matmul_params=sum(m.in_features * m.out_features for m in linears) + _active_experts(model),
         layers=cfg.num_hidden_layers,
         attention_width=cfg.num_attention_heads * cfg.resolved_head_dim,
         head_params=head.in_features * head.out_features,
         head_on_masked=on_masked,
     )
+
+
+def _active_experts(model: nn.Module) -> int:
+    """Matmul weights one token uses in the MoE layers (router + its top-k experts; the
+    experts are stacked parameters, not nn.Linear): MFU counts active parameters only."""
+    return sum(m.active_matmul_params() for m in model.modules()
+               if hasattr(m, "active_matmul_params"))  # fmt: skip
 
 
 # -- peak FLOP/s --------------------------------------------------------------------------

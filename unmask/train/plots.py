@@ -43,6 +43,10 @@ QUANTITIES = (
              "tokens / second"),
     Quantity("skipped_steps", SKIP_KEYS, "Skipped (non-finite) steps",
              "skipped steps (logged count)"),
+    # mixture of experts only (dense runs never log it, and get no note about it)
+    Quantity("moe_load", ("moe_load_max_over_mean",),
+             "Expert load: largest expert over the mean (1 = balanced), worst layer",
+             "max / mean tokens per expert"),
 )  # fmt: skip
 
 
@@ -86,6 +90,8 @@ def build_figures(runs: list[Run]) -> tuple[dict[str, object], list[str]]:
     figures, notes = {}, []
     for quantity in QUANTITIES:
         drawn = [(index, run) for index, run in enumerate(runs) if _logged(run, quantity)]
+        if not drawn and quantity.name == "moe_load":
+            continue
         if not drawn:
             what = "skipped a step" if quantity.name == "skipped_steps" else "logged it"
             notes.append(f"no {quantity.name}.png: no run {what}")

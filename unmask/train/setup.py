@@ -26,6 +26,7 @@ from unmask.models.hf import architecture
 from unmask.models.lora import apply_lora, lora_targets
 from unmask.models.quant import quantize_4bit
 from unmask.parallel.context import check_context_parallel
+from unmask.parallel.expert import expert_mesh, shard_experts
 from unmask.parallel.fsdp import apply_fsdp, compile_blocks
 from unmask.parallel.mesh import fsdp_mesh
 from unmask.parallel.tensor import apply_tensor_parallel
@@ -138,8 +139,13 @@ def build_train_model(cfg: RunConfig, tokenizer, added_tokens: int, device: torc
         model = apply_lora(model, cfg.model)
     model.to(device)
     if mesh is not None:
+        experts = []  # expert parallelism: expert stacks on their own (replica, ep) grid
+        if t.expert_parallel > 1:
+            grid = expert_mesh(device, mesh["dp_cp"].size(), t.expert_parallel)
+            experts = shard_experts(model, grid)
         apply_fsdp(model, fsdp_mesh(mesh), decoder_layers(model), bf16=t.bf16,
-                   reshard_after_forward=t.reshard_after_forward)  # fmt: skip
+                   reshard_after_forward=t.reshard_after_forward,
+                   ignored_params=set(experts))  # fmt: skip
     return model
 
 

@@ -28,6 +28,7 @@ from unmask.optim.schedule import build_scheduler
 from unmask.parallel.batch import per_rank_batch_size
 from unmask.parallel.context import ContextShard, attach_context
 from unmask.parallel.distributed import collective_failure, plan_layout, resolve_device, setup
+from unmask.parallel.expert import attach_moe_training, check_moe_request
 from unmask.parallel.mesh import launch_env, share_from_rank0
 from unmask.parallel.tensor import check_tensor_parallel
 from unmask.parallel.threads import set_threads
@@ -101,6 +102,7 @@ class Trainer(TrainStep, Evaluation, CheckpointedState):
         layout = plan_layout(env.world_size, t.fsdp2, t.dp_replicate, t.dp_shard,
                              t.tensor_parallel, t.context_parallel)  # fmt: skip
         dp = layout.dp if env.world_size > 1 else 1
+        check_moe_request(cfg.model, t.expert_parallel, dp * layout.cp, t.tensor_parallel)
         what = "the world size" if dp == env.world_size else "the data-parallel size"
         # rows per micro-batch on this rank; the global batch grows with the world size
         # unless split_batches (then per_device_train_batch_size is the global batch)
@@ -156,6 +158,9 @@ class Trainer(TrainStep, Evaluation, CheckpointedState):
                                              self.dist.mesh, self.notices)  # fmt: skip
         self.flops = flop_model(self.model) if t.log_mfu else None  # mfu.py: the FLOP count
         self.optimizer = build_optimizer(cfg.optim, self.model)
+        # MoE: the step's expert load over micro-batches and ranks, the expert-bias update
+        self.moe = attach_moe_training(self.model, self.optimizer, self.dist,
+                                       t.gradient_accumulation_steps)  # fmt: skip
         self.scheduler = build_scheduler(
             self.optimizer,
             cfg.optim.lr_scheduler_type,
@@ -269,6 +274,8 @@ class Trainer(TrainStep, Evaluation, CheckpointedState):
                         if self.guard.state.skipped_steps:
                             values["skipped_steps"] = self.guard.state.skipped_steps
                         values.update(self.objective.take_log())  # grpo's rollouts
+                        if self.moe is not None:  # aux loss, expert load per layer
+                            values.update(self.moe.take_log())
                         if window.peak_raised:
                             window.peak_raised = False
                             dtype = matmul_dtype(self.device.type, cfg.train.bf16)

@@ -1,0 +1,268 @@
+"""MoE families: logit parity with transformers' Qwen3-MoE and OLMoE, folder round trips,
+grouped GEMM vs the sorted-token loop, routing rules, refusals of bad configs."""
+
+import json
+
+import pytest
+import torch
+import transformers
+from conftest import PARITY_SIZES, perturb_norms
+from safetensors.torch import load_file, save_file
+
+from unmask.errors import InputError
+from unmask.models import from_pretrained
+from unmask.models.build import build_model
+from unmask.models.config import ModelConfig
+from unmask.models.moe import Experts, Router, grouped_mm_fits, moe_blocks
+
+MOE_SIZES = {"num_experts": 8, "num_experts_per_tok": 2}
+
+
+def _hf_bidirectional_logits(model, ids: torch.Tensor) -> torch.Tensor:
+    """transformers logits with an all-True 4-D mask (a 4-D mask replaces the causal one)."""
+    batch, length = ids.shape
+    full = torch.ones(batch, 1, length, length, dtype=torch.bool)
+    with torch.no_grad():
+        return model(input_ids=ids, attention_mask=full).logits
+
+
+def _tiny_hf(kind: str):
+    torch.manual_seed(0)
+    if kind == "qwen3_moe":
+        cfg = transformers.Qwen3MoeConfig(
+            **PARITY_SIZES, **MOE_SIZES, head_dim=16, moe_intermediate_size=32,
+            norm_topk_prob=True, rope_theta=1e4, mlp_only_layers=[1],
+        )  # fmt: skip
+        model = transformers.Qwen3MoeForCausalLM(cfg)
+    else:
+        sizes = {**PARITY_SIZES, "intermediate_size": 32}
+        cfg = transformers.OlmoeConfig(**sizes, **MOE_SIZES, rope_theta=1e4, clip_qkv=4.0)
+        model = transformers.OlmoeForCausalLM(cfg)
+    with torch.no_grad():  # routers start at zero in transformers: every expert ties
+        for name, param in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                param.normal_(0.0, 0.5)
+    return perturb_norms(model)
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "olmoe"])
+def test_logits_match_transformers_moe(tmp_path, kind):
+    hf_model = _tiny_hf(kind)
+    hf_model.save_pretrained(tmp_path)
+    ours = from_pretrained(tmp_path).eval()
+    assert ours.config.model_type == {"qwen3_moe": "qwen3_moe_dllm", "olmoe": "llada_moe"}[kind]
+    assert len(moe_blocks(ours)) == (1 if kind == "qwen3_moe" else 2)
+    ids = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(1))
+    reference = _hf_bidirectional_logits(hf_model, ids)
+    changed = ids.clone()
+    changed[:, -1] = (changed[:, -1] + 1) % 97
+    assert (_hf_bidirectional_logits(hf_model, changed)[:, 0] - reference[:, 0]).abs().max() > 1e-4
+    with torch.no_grad():
+        logits = ours(ids)
+    assert (logits - reference).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "olmoe"])
+def test_export_reloads_in_transformers_with_equal_logits(tmp_path, kind):
+    hf_model = _tiny_hf(kind)
+    hf_model.save_pretrained(tmp_path / "hf")
+    ours = from_pretrained(tmp_path / "hf")
+    ours.save_pretrained(tmp_path / "ours")
+    written = json.loads((tmp_path / "ours" / "config.json").read_text())
+    assert written["model_type"] == kind
+    cls = transformers.Qwen3MoeForCausalLM if kind == "qwen3_moe" else transformers.OlmoeForCausalLM
+    reloaded = cls.from_pretrained(tmp_path / "ours").eval()
+    ids = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(2))
+    assert torch.equal(_hf_bidirectional_logits(reloaded, ids),
+                       _hf_bidirectional_logits(hf_model, ids))  # fmt: skip
+
+
+def _tiny(model_type: str, **extra) -> ModelConfig:
+    sizes = {**PARITY_SIZES, "moe_intermediate_size": 32, "head_dim": 16}
+    return ModelConfig(model_type=model_type, **{**sizes, **MOE_SIZES, **extra})
+
+
+LLADA2 = {"n_group": 4, "topk_group": 2, "routed_scaling_factor": 2.5,
+          "first_k_dense_replace": 1, "num_shared_experts": 1}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "model_type, extra",
+    [("qwen3_moe_dllm", {}), ("llada_moe", {"clip_qkv": 3.0}), ("llada2_moe", LLADA2)],
+)
+def test_read_save_read_is_bit_exact(tmp_path, model_type, extra):
+    torch.manual_seed(0)
+    first = build_model(_tiny(model_type, **extra))
+    if model_type == "llada2_moe":
+        with torch.no_grad():
+            moe_blocks(first)[0].gate.expert_bias.normal_()
+    first.save_pretrained(tmp_path / "a")
+    loaded = from_pretrained(tmp_path / "a")
+    loaded.save_pretrained(tmp_path / "b")
+    a, b = (
+        load_file(tmp_path / "a" / "model.safetensors"),
+        load_file(tmp_path / "b" / "model.safetensors"),
+    )
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+    assert all(torch.equal(v, loaded.state_dict()[k]) for k, v in first.state_dict().items())
+    assert (tmp_path / "a" / "config.json").read_bytes() == (
+        tmp_path / "b" / "config.json"
+    ).read_bytes()
+
+
+def test_llada2_layout_names(tmp_path):
+    torch.manual_seed(0)
+    model = build_model(_tiny("llada2_moe", **LLADA2))
+    model.save_pretrained(tmp_path)
+    keys = set(load_file(tmp_path / "model.safetensors"))
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["model_type"] == "llada2_moe" and config["partial_rotary_factor"] == 0.5
+    assert {config[k] for k in ("n_group", "topk_group", "num_shared_experts")} == {4, 2, 1}
+    for key in ("model.word_embeddings.weight", "model.layers.1.attention.query_key_value.weight",
+                "model.layers.1.attention.dense.weight", "model.layers.1.attention.query_layernorm.weight",
+                "model.layers.1.mlp.gate.weight", "model.layers.1.mlp.gate.expert_bias",
+                "model.layers.1.mlp.experts.7.down_proj.weight",
+                "model.layers.1.mlp.shared_experts.up_proj.weight",
+                "model.layers.0.mlp.gate_proj.weight"):  # fmt: skip
+        assert key in keys, key
+    assert load_file(tmp_path / "model.safetensors")[
+        "model.layers.1.attention.query_key_value.weight"
+    ].shape == ((4 + 2 * 2) * 16, 64)
+
+
+def test_expert_count_disagreeing_with_weights_is_refused(tmp_path):
+    torch.manual_seed(0)
+    build_model(_tiny("qwen3_moe_dllm")).save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["num_experts"] = 4
+    config["unmask"]["moe"]["num_experts"] = 4
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(InputError, match="num_experts=4 but the weights of .* hold 8 experts"):
+        from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_mm_equals_sorted_loop_and_gradients(dtype):
+    cfg = _tiny("qwen3_moe_dllm")
+    experts = Experts(cfg).to(dtype)
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.normal_(0, 0.1)
+    assert grouped_mm_fits(64, 32, dtype=dtype)
+    counts = torch.tensor([3, 0, 5, 1, 0, 7, 2, 2])
+    x = torch.randn(int(counts.sum()), 64, dtype=dtype, requires_grad=True)
+    results = []
+    for implementation in ("grouped_mm", "loop"):
+        experts.implementation = implementation
+        out = experts(x, counts)
+        grads = torch.autograd.grad(out.float().square().sum(), [x, *experts.parameters()])
+        results.append((out, grads))
+    tol = 0 if dtype == torch.float32 else 2e-2
+    (a, ga), (b, gb) = results
+    torch.testing.assert_close(a, b, atol=tol + 1e-5, rtol=tol + 1e-5)
+    for u, v in zip(ga, gb):
+        torch.testing.assert_close(u, v, atol=tol + 1e-4, rtol=tol + 1e-4)
+
+
+def test_group_limited_sigmoid_router_matches_a_per_token_reference():
+    cfg = _tiny("llada2_moe", **LLADA2)
+    router = Router(cfg)
+    torch.manual_seed(3)
+    with torch.no_grad():
+        router.weight.normal_()
+        router.expert_bias.normal_(0, 0.3)
+    x = torch.randn(20, 64)
+    experts, weights, logits = router(x)
+    for t in range(20):  # reference: plain Python over groups, per token
+        scores = torch.sigmoid(x[t] @ router.weight.T)
+        biased = scores + router.expert_bias
+        groups = [sorted(biased[g * 2 : g * 2 + 2].tolist(), reverse=True) for g in range(4)]
+        best = sorted(range(4), key=lambda g: -(groups[g][0] + groups[g][1]))[:2]
+        allowed = [e for e in range(8) if e // 2 in best]
+        chosen = sorted(allowed, key=lambda e: -biased[e].item())[:2]
+        assert sorted(experts[t].tolist()) == sorted(chosen)
+        want = scores[chosen] / scores[chosen].sum() * 2.5
+        got = dict(zip(experts[t].tolist(), weights[t].tolist()))
+        assert [got[e] for e in chosen] == pytest.approx(want.tolist(), rel=1e-6)
+
+
+def test_mfu_counts_active_parameters_only():
+    from unmask.train.mfu import flop_model
+
+    model = build_model(_tiny("qwen3_moe_dllm"))
+    dense = build_model(ModelConfig(**{**PARITY_SIZES, "intermediate_size": 64}))
+    # top-2 experts of width 32 = one dense MLP of width 64, plus the 8 x 64 router
+    assert flop_model(model).matmul_params == flop_model(dense).matmul_params + 2 * 8 * 64
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"num_experts_per_tok": 9}, r"num_experts_per_tok \(9\) is above num_experts \(8\)"),
+        ({"n_group": 3}, r"n_group \(3\) must divide num_experts \(8\)"),
+        ({"n_group": 2, "topk_group": 3}, r"topk_group \(3\) is above n_group \(2\)"),
+    ],
+)
+def test_bad_moe_configs_are_refused(fields, message):
+    with pytest.raises(ValueError, match=message):
+        _tiny("qwen3_moe_dllm", **fields)
+
+
+def test_fused_transformers_layout_is_read(tmp_path):
+    torch.manual_seed(0)
+    model = build_model(_tiny("qwen3_moe_dllm"))
+    model.save_pretrained(tmp_path)
+    state = load_file(tmp_path / "model.safetensors")
+    fused = {k: v for k, v in state.items() if ".experts." not in k}
+    for layer in range(2):
+        prefix = f"model.layers.{layer}.mlp.experts"
+        gate = torch.stack([state[f"{prefix}.{e}.gate_proj.weight"] for e in range(8)])
+        up = torch.stack([state[f"{prefix}.{e}.up_proj.weight"] for e in range(8)])
+        fused[f"{prefix}.gate_up_proj"] = torch.cat([gate, up], dim=1)
+        fused[f"{prefix}.down_proj"] = torch.stack(
+            [state[f"{prefix}.{e}.down_proj.weight"] for e in range(8)])  # fmt: skip
+    save_file(fused, tmp_path / "model.safetensors")
+    again = from_pretrained(tmp_path)
+    assert all(torch.equal(v, again.state_dict()[k]) for k, v in model.state_dict().items())
+
+
+def test_activation_checkpointing_counts_the_load_once_and_keeps_gradients():
+    results = []
+    for checkpointing in (False, True):
+        torch.manual_seed(0)
+        model = build_model(_tiny("qwen3_moe_dllm", router_aux_loss_coef=0.1)).train()
+        model.gradient_checkpointing = checkpointing
+        ids = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(1))
+        model(ids).square().mean().backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        loads = [b.load.clone() for b in moe_blocks(model)]
+        results.append((grads, loads, [b.aux_sum.clone() for b in moe_blocks(model)]))
+    (g0, l0, a0), (g1, l1, a1) = results
+    assert all(torch.equal(x, y) for x, y in zip(l0, l1)) and l0[0].sum() == 2 * 12 * 2
+    assert all(torch.equal(x, y) for x, y in zip(a0, a1)) and a0[0] > 0
+    for name in g0:
+        torch.testing.assert_close(g0[name], g1[name], rtol=1e-5, atol=1e-7)
+
+
+def test_aux_and_z_loss_gradients_equal_the_written_out_losses():
+    from unmask.models.moe import SparseMoE
+
+    torch.manual_seed(0)
+    cfg = _tiny("qwen3_moe_dllm", router_aux_loss_coef=0.3, router_z_loss_coef=0.2)
+    block = SparseMoE(cfg).train()
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0, 0.2)
+    x = torch.randn(1, 10, 64)
+    block(x).sum().backward()
+    ours = block.gate.weight.grad.clone()
+    block.zero_grad()
+    block.aux_coef = block.z_coef = 0.0  # the plain output, then the losses by hand
+    out = block(x).sum()
+    logits = x[0] @ block.gate.weight.T
+    probs = logits.softmax(-1)
+    counts = torch.bincount(probs.topk(2).indices.reshape(-1), minlength=8).float()
+    aux = 0.3 * 8 * ((counts / (10 * 2)) * probs.mean(0)).sum()
+    z = 0.2 * logits.logsumexp(-1).square().mean()
+    (out + aux + z).backward()
+    torch.testing.assert_close(ours, block.gate.weight.grad, rtol=1e-5, atol=1e-6)

@@ -1,0 +1,314 @@
+"""Mixture-of-experts MLPs: a router, experts as stacked 3-D weights, shared experts.
+
+One `SparseMoE` replaces a decoder layer's SwiGLU MLP (`model.layers.N.mlp`) when
+`ModelConfig.num_experts > 0` (and the layer is not one of the dense ones). Its state-dict
+names are the stacked layout of transformers' MoE models and LLaDA2.0's fused experts:
+
+    mlp.gate.weight               (E, H)     router
+    mlp.gate.expert_bias          (E,)       sigmoid routers only: a buffer, not a parameter
+    mlp.experts.gate_proj         (E, I, H)  one SwiGLU per expert, stacked
+    mlp.experts.up_proj           (E, I, H)
+    mlp.experts.down_proj         (E, H, I)
+    mlp.shared_experts.{gate,up,down}_proj.weight   num_shared_experts > 0
+
+Hugging Face folders store one matrix per expert; models/moe_layout.py converts.
+
+Routing (per token, fp32): scores = softmax(logits) or sigmoid(logits); the choice of the
+top-k experts reads scores + expert_bias (sigmoid) inside the topk_group best of n_group
+groups (group score: sum of its top-2 scores); the weights are the chosen unbiased scores,
+renormalized when norm_topk_prob (always for sigmoid, as LLaDA2.0), times
+routed_scaling_factor.
+
+Tokens are sorted by expert and run as one grouped GEMM (`torch._grouped_mm`) or one matmul
+per expert over the same sorted rows (`loop`); `expert_parallel` (parallel/expert.py) sends
+the sorted rows to the ranks that own their experts and back.
+
+Balancing, computed over each micro-batch of the whole data-parallel group (`balance_group`)
+so the gradients do not depend on the world size: the load-balancing loss
+coef * E * sum_e f_e P_e (f_e: share of the micro-batch's routed slots that went to e, P_e:
+mean routing probability of e) and the z-loss coef * mean(logsumexp(logits)^2), both added to
+the objective's loss through `AuxLossScaler` (their gradients join the backward, scaled by
+`aux_loss_scale` = 1 / micro-batches per step). The load of every expert is summed over the
+step (`load`) for the metrics and for the aux-loss-free bias update (`update_expert_bias`),
+which the optimizer runs once per step (`attach_moe_training`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor, Partial, Replicate
+
+from unmask.models.config import ModelConfig
+from unmask.models.fused import swiglu
+
+
+def _in_backward() -> bool:
+    """True while autograd runs a backward (activation-checkpoint recomputation): statistics
+    of a forward must count once."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class AuxLossScaler(torch.autograd.Function):
+    """Identity on `output`; in backward the auxiliary loss gets gradient `scale`, so it joins
+    the objective's loss without the objective knowing (Megatron's MoEAuxLossAutoScaler)."""
+
+    @staticmethod
+    def forward(ctx, output: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.save_for_backward(aux)
+        ctx.scale = scale
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (aux,) = ctx.saved_tensors
+        return grad, torch.full_like(aux, ctx.scale), None
+
+
+class Router(nn.Module):
+    """Linear router (E x H) with the routing rules of the module docstring."""
+
+    is_moe_router = True  # optim/routing.py: AdamW, not Muon
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.num_experts = cfg.num_experts
+        self.top_k = cfg.num_experts_per_tok
+        self.score = cfg.router_score
+        self.norm_topk_prob = cfg.norm_topk_prob or cfg.router_score == "sigmoid"
+        self.scaling = cfg.routed_scaling_factor
+        self.n_group, self.topk_group = cfg.n_group, cfg.topk_group
+        self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size))
+        if cfg.router_score == "sigmoid":
+            self.register_buffer("expert_bias", torch.zeros(cfg.num_experts))
+        else:
+            self.expert_bias = None
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x (T, H) -> experts (T, k) long, weights (T, k) float32, logits (T, E) float32."""
+        logits = F.linear(x.float(), self.weight.float())
+        if self.score == "softmax":
+            scores = logits.softmax(dim=-1)
+        else:
+            scores = logits.sigmoid()
+        choice = scores if self.expert_bias is None else scores + self.expert_bias.float()
+        if self.n_group > 1:
+            choice = self._group_limited(choice)
+        experts = choice.topk(self.top_k, dim=-1).indices
+        weights = scores.gather(1, experts)
+        if self.norm_topk_prob and self.top_k > 1:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return experts, weights * self.scaling, logits
+
+    def _group_limited(self, choice: torch.Tensor) -> torch.Tensor:
+        """choice (T, E) with the experts outside each token's topk_group best groups at -inf."""
+        tokens = choice.shape[0]
+        grouped = choice.view(tokens, self.n_group, -1)
+        group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # (T, G)
+        keep = group_scores.topk(self.topk_group, dim=-1).indices
+        mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
+        return grouped.masked_fill(~mask[..., None], float("-inf")).view(tokens, -1)
+
+    def probabilities(self, logits: torch.Tensor) -> torch.Tensor:
+        """Per-token routing probabilities (T, E) for the balancing loss: softmax scores, or
+        sigmoid scores normalized to sum 1 (DeepSeek-V3's sequence-wise loss)."""
+        if self.score == "softmax":
+            return logits.softmax(dim=-1)
+        scores = logits.sigmoid()
+        return scores / scores.sum(dim=-1, keepdim=True)
+
+
+def grouped_mm_fits(*sizes: int, dtype: torch.dtype) -> bool:
+    """torch._grouped_mm needs row strides that are multiples of 16 bytes."""
+    item = torch.empty((), dtype=dtype).element_size()
+    return hasattr(torch, "_grouped_mm") and all(s * item % 16 == 0 for s in sizes)
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose gradient is made contiguous (grouped_mm's CPU backward refuses the
+    expanded gradients a `.sum()` produces)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
+
+
+def local_experts(weight: torch.Tensor) -> torch.Tensor:
+    """This rank's experts of a stack: the tensor itself, or under expert parallelism
+    (parallel/expert.py) the local part of a DTensor sharded on the expert dim, whose
+    gradient stays a partial sum over the replicas (reduced once per optimizer step)."""
+    if not isinstance(weight, DTensor):
+        return weight
+    grad = [Partial() if isinstance(pl, Replicate) else pl for pl in weight.placements]
+    return weight.to_local(grad_placements=grad)
+
+
+class Experts(nn.Module):
+    """`num_local` SwiGLU experts as stacked weights, applied to rows sorted by expert."""
+
+    def __init__(self, cfg: ModelConfig, num_local: int | None = None) -> None:
+        super().__init__()
+        experts = cfg.num_experts if num_local is None else num_local
+        hidden, inner = cfg.hidden_size, cfg.resolved_moe_intermediate_size
+        self.gate_proj = nn.Parameter(torch.empty(experts, inner, hidden))
+        self.up_proj = nn.Parameter(torch.empty(experts, inner, hidden))
+        self.down_proj = nn.Parameter(torch.empty(experts, hidden, inner))
+        self.implementation = cfg.moe_implementation
+
+    @property
+    def num_local(self) -> int:
+        return self.gate_proj.shape[0]
+
+    def uses_grouped_mm(self, dtype: torch.dtype) -> bool:
+        if self.implementation == "loop":
+            return False
+        inner, hidden = self.gate_proj.shape[1:]
+        fits = grouped_mm_fits(inner, hidden, dtype=dtype)
+        if self.implementation == "grouped_mm" and not fits:
+            raise ValueError(
+                "moe_implementation grouped_mm needs hidden_size and moe_intermediate_size "
+                "whose rows are multiples of 16 bytes (torch._grouped_mm); use loop or auto"
+            )
+        return fits
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """x (N, H) rows sorted by local expert, counts (num_local,) rows per expert ->
+        (N, H) each row through its expert."""
+        gate, up, down = (local_experts(w) for w in (self.gate_proj, self.up_proj, self.down_proj))
+        if torch.is_autocast_enabled(x.device.type):
+            dtype = torch.get_autocast_dtype(x.device.type)
+            x, gate, up, down = x.to(dtype), gate.to(dtype), up.to(dtype), down.to(dtype)
+        else:
+            x = x.to(gate.dtype)
+        if self.uses_grouped_mm(x.dtype):
+            offsets = counts.cumsum(0).to(torch.int32)
+            x = _ContiguousGrad.apply(x)
+            hidden = swiglu(
+                torch._grouped_mm(x, gate.transpose(1, 2), offs=offsets),
+                torch._grouped_mm(x, up.transpose(1, 2), offs=offsets),
+            )
+            return torch._grouped_mm(hidden, down.transpose(1, 2), offs=offsets)
+        return self.loop(x, counts.tolist(), gate, up, down)
+
+    @staticmethod
+    def loop(x, counts: list[int], gate, up, down) -> torch.Tensor:
+        """The sorted-token loop: one matmul per expert over its contiguous rows."""
+        outputs, start = [], 0
+        for expert, count in enumerate(counts):
+            rows = x[start : start + count]
+            start += count
+            hidden = swiglu(rows @ gate[expert].T, rows @ up[expert].T)
+            outputs.append(hidden @ down[expert].T)
+        return torch.cat(outputs) if outputs else x.new_zeros(0, down.shape[1])
+
+
+class SharedExperts(nn.Module):
+    """The always-on SwiGLU (LLaDA2.0's `shared_experts`; HF Linear names)."""
+
+    def __init__(self, hidden: int, inner: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inner, bias=False)
+        self.up_proj = nn.Linear(hidden, inner, bias=False)
+        self.down_proj = nn.Linear(inner, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+
+
+class SparseMoE(nn.Module):
+    """Router + routed experts (+ shared experts): the MLP of an MoE decoder layer."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.num_experts = cfg.num_experts
+        self.top_k = cfg.num_experts_per_tok
+        self.aux_coef = cfg.router_aux_loss_coef
+        self.z_coef = cfg.router_z_loss_coef
+        self.bias_rate = cfg.expert_bias_update_rate
+        self.gate = Router(cfg)
+        self.experts = Experts(cfg)
+        inner = cfg.resolved_moe_intermediate_size * cfg.num_shared_experts
+        self.shared_experts = SharedExperts(cfg.hidden_size, inner) if inner else None
+        # set by the trainer (parallel/expert.py, attach_moe_training)
+        self.expert_parallel = None  # an ExpertShard: experts live on several ranks
+        self.balance_group = None  # data-parallel process group the balancing spans
+        self.aux_loss_scale = 1.0  # 1 / micro-batches per optimizer step
+        self.register_buffer("load", torch.zeros(cfg.num_experts), persistent=False)
+        self.register_buffer("aux_sum", torch.zeros(()), persistent=False)
+
+    def active_matmul_params(self) -> int:
+        """Matmul weights one token uses (router + its top-k experts; MFU counts these)."""
+        _, inner, hidden = self.experts.gate_proj.shape
+        return self.num_experts * hidden + self.top_k * 3 * inner * hidden
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        experts, weights, logits = self.gate(flat)
+        order = experts.reshape(-1).argsort(stable=True)
+        token = order // self.top_k
+        counts = torch.bincount(experts.reshape(-1), minlength=self.num_experts)
+        rows = flat[token]
+        if self.expert_parallel is not None:
+            out = self.expert_parallel.run(self.experts, rows, counts)
+        else:
+            out = self.experts(rows, counts)
+        out = out * weights.reshape(-1)[order, None].to(out.dtype)
+        y = torch.zeros_like(flat, dtype=out.dtype).index_add_(0, token, out)
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(flat)
+        if self.training and torch.is_grad_enabled():
+            y = self._balancing(y, counts, logits)
+        return y.view(shape).to(x.dtype) if y.dtype != x.dtype else y.view(shape)
+
+    def _balancing(self, y, counts: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """Record the load; attach the aux and z losses (over the whole balance group)."""
+        stats = torch.cat([counts.float(), counts.new_full((1,), logits.shape[0]).float()])
+        if self.balance_group is not None and (self.aux_coef or self.z_coef):
+            dist.all_reduce(stats, group=self.balance_group)
+        if not _in_backward():
+            self.load += counts.float()  # this rank's; summed over ranks at the step
+        if not (self.aux_coef or self.z_coef):
+            return y
+        tokens = stats[-1]
+        aux = logits.new_zeros(())
+        if self.aux_coef:
+            share = stats[:-1] / (tokens * self.top_k)  # f_e, no gradient
+            probs = self.gate.probabilities(logits).sum(dim=0) / tokens  # this rank's part of P_e
+            aux = aux + self.aux_coef * self.num_experts * (share * probs).sum()
+        if self.z_coef:
+            aux = aux + self.z_coef * logits.logsumexp(dim=-1).square().sum() / tokens
+        if not _in_backward():
+            self.aux_sum += aux.detach() * self.aux_loss_scale
+        return AuxLossScaler.apply(y, aux, self.aux_loss_scale)
+
+    @torch.no_grad()
+    def update_expert_bias(self, load: torch.Tensor) -> None:
+        """Aux-loss-free balancing: bias += rate * sign(mean load - load) (load: the step's,
+        summed over micro-batches and ranks)."""
+        bias = self.gate.expert_bias
+        if bias is None or self.bias_rate == 0:
+            return
+        bias += self.bias_rate * torch.sign(load.mean() - load).to(bias.dtype)
+
+
+def moe_blocks(model: nn.Module) -> list[SparseMoE]:
+    """The model's MoE MLPs in layer order ([] for a dense model)."""
+    return [m for m in model.modules() if isinstance(m, SparseMoE)]
+
+
+@torch.no_grad()
+def init_moe_weights(model: nn.Module, std: float) -> None:
+    """normal(0, std) for routers and expert stacks, zero expert biases."""
+    for block in moe_blocks(model):
+        block.gate.weight.normal_(0.0, std)
+        if block.gate.expert_bias is not None:
+            block.gate.expert_bias.zero_()
+        for param in (block.experts.gate_proj, block.experts.up_proj, block.experts.down_proj):
+            param.normal_(0.0, std)

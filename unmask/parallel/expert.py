@@ -1,0 +1,235 @@
+"""Mixture-of-experts training: balancing statistics per optimizer step, and expert
+parallelism (`train.expert_parallel: N`).
+
+Balancing (`MoETraining`): every MoE layer (models/moe.py) sums its experts' load over the
+step's micro-batches; an optimizer pre-step hook sums it over the ranks that read different
+tokens (the "dp_cp" mesh group), moves the sigmoid routers' expert bias once per step
+(aux-loss-free balancing) and keeps the load and aux loss for the metrics. The aux and z
+losses themselves are normalized over each micro-batch of the whole group, so a run's
+gradients, losses and biases do not depend on its world size or on gradient accumulation
+when the micro-batches are the same.
+
+Expert parallelism: the dp x cp ranks (D of them) form a (D / N) x N grid, rank r at
+(r // N, r % N). Each layer's E experts are split over the N ranks of a row (rank r % N holds
+experts [(r % N) E / N, (r % N + 1) E / N)), and the rows are replicas. Expert weights are
+DTensors on that grid, placements (Replicate, Shard(0)): FSDP2 leaves them alone
+(`ignored_params`), each rank computes with its whole expert matrices (so Muon orthogonalizes
+each expert on the rank that owns it, with no gather), DCP saves one global (E, ., .) tensor
+that a run of any other layout reads. Their gradients are partial sums over the replicas
+(`Partial` on the first grid dim) until the pre-step hook all-reduces them (the gradient
+norm reads them right: the DTensor norm reduces first; clipping scales the partial sums).
+
+Tokens reach their experts by two all-to-alls per layer and direction (forward: the
+per-expert counts, then the rows; the reverse all-to-all brings the outputs back); rows stay
+sorted by expert, so each rank runs its experts as one grouped GEMM. Per layer and forward,
+a rank sends and receives sum over the rows it routes away of H x bytes (its local tokens x
+top-k x (N - 1) / N on average, under balanced routing), twice (there and back), and the
+backward the same again: all-to-all bytes per step and rank =
+4 x tokens x top_k x (N - 1) / N x H x bytes x MoE layers (docs/parallelism.md).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed._functional_collectives import all_to_all_single_autograd
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+from unmask.errors import InputError
+from unmask.models.config import ModelConfig
+from unmask.models.families import FAMILIES
+from unmask.models.hf import architecture
+from unmask.models.hf_wrapped import is_encoder_folder
+from unmask.models.moe import SparseMoE, moe_blocks
+
+EXPERT_PARAMS = ("gate_proj", "up_proj", "down_proj")
+
+
+def check_moe_request(model: ModelConfig, expert_parallel: int, dp_cp: int, tp: int) -> None:
+    """One-line InputErrors for an MoE / expert-parallel layout that cannot work (before any
+    process group): EP on a wrapped HF model or a dense one, experts not divisible by
+    expert_parallel, expert_parallel not dividing the dp x cp ranks, MoE with tensor
+    parallelism."""
+    wrapped = not FAMILIES[model.model_type].native or (
+        model.pretrained is not None and is_encoder_folder(model.pretrained)
+    )
+    if wrapped:
+        if expert_parallel > 1:
+            raise InputError(
+                f"train.expert_parallel={expert_parallel} needs a native MoE model "
+                "(qwen3_moe_dllm, llada_moe, llada2_moe); this model is wrapped from "
+                "transformers: set train.expert_parallel: 1"
+            )
+        return
+    if expert_parallel == 1 and tp == 1:
+        return
+    arch = architecture(model)  # a pretrained folder's own config.json
+    experts = arch.num_experts
+    if experts and tp > 1:
+        raise InputError(
+            "train.tensor_parallel does not split mixture-of-experts layers; use "
+            "train.expert_parallel for the experts and set tensor_parallel: 1"
+        )
+    if expert_parallel == 1:
+        return
+    if experts == 0:
+        raise InputError(
+            f"train.expert_parallel={expert_parallel} needs a mixture-of-experts model; "
+            f"model.model_type {arch.model_type!r} has num_experts 0: set expert_parallel: 1"
+        )
+    if experts % expert_parallel:
+        raise InputError(
+            f"model.num_experts={experts} is not divisible by train.expert_parallel="
+            f"{expert_parallel}; pick an expert_parallel that divides the experts"
+        )
+    if dp_cp % expert_parallel:
+        raise InputError(
+            f"train.expert_parallel={expert_parallel} does not divide the data-parallel x "
+            f"context ranks ({dp_cp}); launch a multiple of {expert_parallel} of them"
+        )
+
+
+# --- balancing -----------------------------------------------------------------------------
+
+
+class MoETraining:
+    """Per-step load bookkeeping of a model's MoE layers (see the module docstring)."""
+
+    def __init__(self, model: nn.Module, optimizer, group, micro_batches: int) -> None:
+        self.blocks = moe_blocks(model)
+        self.group = group
+        self.expert_params: list[nn.Parameter] = []  # EP: partial grads, reduced per step
+        for block in self.blocks:
+            block.balance_group = group
+            block.aux_loss_scale = 1.0 / micro_batches
+        self.loads = torch.zeros(len(self.blocks), self.blocks[0].num_experts)
+        self.aux = torch.zeros(())
+        self.steps = 0
+        optimizer.register_step_pre_hook(lambda *args: self.before_step())
+
+    def before_step(self) -> None:
+        """Sum the step's load over the ranks, move the expert biases, reset the counters;
+        all-reduce the replicas' partial expert gradients (expert parallelism)."""
+        for param in self.expert_params:
+            if param.grad is not None:
+                param.grad = param.grad.redistribute(placements=[Replicate(), Shard(0)])
+        loads = torch.stack([block.load for block in self.blocks])
+        stats = torch.cat([loads.reshape(-1), sum(b.aux_sum for b in self.blocks).reshape(1)])
+        if self.group is not None:
+            dist.all_reduce(stats, group=self.group)
+        loads = stats[:-1].view_as(loads)
+        for block, load in zip(self.blocks, loads):
+            block.update_expert_bias(load)
+            block.load.zero_()
+            block.aux_sum.zero_()
+        self.loads += loads.cpu()
+        self.aux += stats[-1].cpu()
+        self.steps += 1
+
+    def take_log(self) -> dict:
+        """Since the last call: the mean aux loss per step and each layer's max / mean expert
+        load (1.0 = perfectly balanced), plus the largest over layers and the largest
+        coefficient of variation (std / mean) of tokens per expert."""
+        if not self.steps:
+            return {}
+        mean = self.loads.mean(dim=1).clamp(min=1e-9)
+        ratio = self.loads.max(dim=1).values / mean
+        spread = self.loads.std(dim=1, unbiased=False) / mean
+        values = {"moe_aux_loss": float(self.aux) / self.steps,
+                  "moe_load_max_over_mean": float(ratio.max()),
+                  "moe_tokens_per_expert_cv": float(spread.max())}  # fmt: skip
+        for index, value in enumerate(ratio.tolist()):
+            values[f"moe_load_max_over_mean/layer_{index}"] = value
+        self.loads.zero_()
+        self.aux.zero_()
+        self.steps = 0
+        return values
+
+
+def attach_moe_training(model, optimizer, dist_state, micro_batches: int) -> MoETraining | None:
+    """MoETraining for a model with MoE layers (None for a dense one); balancing spans the
+    "dp_cp" ranks (tokens differ across them)."""
+    if not moe_blocks(model):
+        return None
+    group = None
+    if dist_state.mesh is not None:
+        from unmask.parallel.mesh import sub_mesh
+
+        group = sub_mesh(dist_state.mesh, "dp_cp").get_group()
+    training = MoETraining(model, optimizer, group, micro_batches)
+    training.expert_params = [
+        p for block in training.blocks if block.expert_parallel is not None
+        for p in block.experts.parameters()
+    ]  # fmt: skip
+    return training
+
+
+# --- expert parallelism --------------------------------------------------------------------
+
+
+def expert_mesh(device: torch.device, dp_cp: int, expert_parallel: int) -> DeviceMesh:
+    """The (replica, ep) grid over the dp x cp ranks (tensor_parallel is 1 under EP)."""
+    return init_device_mesh(
+        device.type, (dp_cp // expert_parallel, expert_parallel),
+        mesh_dim_names=("ep_replica", "ep"),
+    )  # fmt: skip
+
+
+class ExpertShard:
+    """A layer's experts split over the "ep" ranks; `run` sends rows to their experts' ranks."""
+
+    def __init__(self, mesh: DeviceMesh, num_experts: int) -> None:
+        self.mesh = mesh
+        self.group = mesh.get_group("ep")
+        self.size = mesh.size(1)
+        self.num_local = num_experts // self.size
+
+    def run(self, experts: nn.Module, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """rows (N, H) sorted by global expert, counts (E,) -> the rows' expert outputs,
+        in the same order."""
+        size, local = self.size, self.num_local
+        received = torch.empty_like(counts)
+        dist.all_to_all_single(received, counts, group=self.group)  # (source, local expert)
+        send = counts.view(size, local).sum(dim=1).tolist()
+        matrix = received.view(size, local)
+        recv = matrix.sum(dim=1).tolist()
+        there = all_to_all_single_autograd(rows.contiguous(), recv, send, self.group)
+        # received rows are grouped by (source rank, local expert): regroup by expert
+        order = _regroup(matrix)
+        result = experts(there[order], matrix.sum(dim=0))
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(order.numel())
+        back = result[inverse]
+        return all_to_all_single_autograd(back, send, recv, self.group)
+
+
+def _regroup(matrix: torch.Tensor) -> torch.Tensor:
+    """Row indices that turn blocks ordered (source, expert) into (expert, source) order;
+    matrix[s, e] = rows from source s for local expert e."""
+    sizes = matrix.reshape(-1)
+    starts = torch.cumsum(sizes, 0) - sizes  # start of block (s, e) in received order
+    transposed = starts.view_as(matrix).T.reshape(-1), matrix.T.reshape(-1)
+    pieces = [torch.arange(int(a), int(a) + int(n)) for a, n in zip(*transposed) if n]
+    return torch.cat(pieces) if pieces else sizes.new_zeros(0)
+
+
+def shard_experts(model: nn.Module, mesh: DeviceMesh) -> list[nn.Parameter]:
+    """Turn every MoE layer's expert stacks into DTensors on `mesh` (Replicate, Shard(0))
+    and give the layer its ExpertShard; returns the new expert parameters (for FSDP2's
+    ignored_params)."""
+    params: list[nn.Parameter] = []
+    for block in moe_blocks(model):
+        block.expert_parallel = ExpertShard(mesh, block.num_experts)
+        for name in EXPERT_PARAMS:
+            whole = getattr(block.experts, name).detach()
+            shard = distribute_tensor(whole, mesh, [Replicate(), Shard(0)])
+            param = nn.Parameter(shard)
+            setattr(block.experts, name, param)
+            params.append(param)
+    return params
+
+
+def is_moe_model(model: nn.Module) -> bool:
+    return any(isinstance(m, SparseMoE) for m in model.modules())
