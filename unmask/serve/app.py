@@ -116,13 +116,18 @@ class Server:
                      ) -> AsyncIterator[tuple[int, dict]]:  # fmt: skip
         """The jobs' events until each is done; a client gone cancels the jobs left."""
         left = set(range(len(jobs)))
+        checked = time.monotonic()
         try:
             while left:
                 try:
-                    index, event = await asyncio.wait_for(queue.get(), timeout=0.5)
+                    index, event = await asyncio.wait_for(queue.get(), timeout=0.25)
                 except asyncio.TimeoutError:
+                    index, event = None, None
+                if time.monotonic() - checked >= 0.25:  # events or not, now and then
+                    checked = time.monotonic()
                     if await request.is_disconnected():
                         return
+                if event is None:
                     continue
                 if event["type"] == "error":
                     raise RequestError(500, event["message"], kind="server_error")

@@ -139,8 +139,9 @@ class Engine:
         with self.cond:
             if self.closing:
                 raise Draining("the server is shutting down")
-            if len(self.waiting) >= self.max_queue:
-                raise QueueFull(f"{len(self.waiting)} requests are waiting (the bound)")
+            free = max(0, self.max_batch - len(self.active))  # taken at the next block
+            if len(self.waiting) >= self.max_queue + free:
+                raise QueueFull(f"{len(self.waiting) - free} requests are waiting (the bound)")
             self.waiting.append(job)
             self.cond.notify()
 

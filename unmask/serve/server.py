@@ -5,6 +5,7 @@ process exits 0."""
 
 from __future__ import annotations
 
+import signal
 import sys
 from pathlib import Path
 
@@ -14,6 +15,15 @@ from unmask.errors import InputError
 from unmask.sampling.texts import SamplingModel
 from unmask.serve.app import Server, build_app
 from unmask.serve.engine import Engine
+
+
+class _Server(uvicorn.Server):
+    """uvicorn raises the signal it stopped on again once it has shut down (the process then
+    dies of SIGTERM); a drained SIGTERM is a clean stop here: exit status 0."""
+
+    def handle_exit(self, sig, frame) -> None:
+        super().handle_exit(sig, frame)
+        self._captured_signals = [s for s in self._captured_signals if s != signal.SIGTERM]
 
 
 def run_server(sm: SamplingModel, *, model_name: str, host: str = "127.0.0.1",
@@ -32,7 +42,7 @@ def run_server(sm: SamplingModel, *, model_name: str, host: str = "127.0.0.1",
                             timeout_graceful_shutdown=drain_seconds, lifespan="off")  # fmt: skip
     print(f"unmask: serving {model_name!r} on http://{host}:{port} (max batch {max_batch}, "
           f"queue {max_queue})", file=sys.stderr, flush=True)  # fmt: skip
-    uvicorn.Server(config).run()
+    _Server(config).run()
     engine.close(timeout=drain_seconds)
     print("unmask: server stopped", file=sys.stderr, flush=True)
     return 0
