@@ -134,7 +134,7 @@ def test_streamed_blocks_concatenate_to_the_completion(client):
     chunks = list(client.completions.create(stream=True, **kwargs))
     texts = [c.choices[0].text for c in chunks]
     assert "".join(texts) == whole.choices[0].text
-    assert 1 <= sum(bool(t) for t in texts) <= 4  # at most one chunk per block of 4 tokens
+    assert len(chunks) <= 4 + 1  # one chunk per block of 4 tokens (while it is not over)
     assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
     assert all(c.choices[0].finish_reason is None for c in chunks[:-1])
 
@@ -257,8 +257,13 @@ def test_32_concurrent_greedy_requests_equal_32_generate_calls(client, server, m
 def test_a_client_that_disconnects_frees_its_slot(server, client):
     before = metric(server, 'requests_total{outcome="cancelled"}')
     forwards = metric(server, "forward_passes_total")
-    body = {"model": "tiny", "prompt": "rev 1=", "max_tokens": 512, "stream": True,
-            "unmask": {"block_length": 4}}  # 128 blocks: ~1000 forwards if it ran on
+    body = {
+        "model": "tiny",
+        "prompt": "rev 1=",
+        "max_tokens": 512,
+        "stream": True,
+        "unmask": {"block_length": 4},
+    }  # 128 blocks: ~1000 forwards if it ran on
     with httpx.stream("POST", server + "/v1/completions", json=body, timeout=30) as response:
         for line in response.iter_lines():
             if line.startswith("data: {"):
@@ -268,7 +273,7 @@ def test_a_client_that_disconnects_frees_its_slot(server, client):
         time.sleep(0.1)
     assert metric(server, "running_requests") == 0
     assert metric(server, 'requests_total{outcome="cancelled"}') == before + 1
-    assert metric(server, "forward_passes_total") - forwards < 300
+    assert metric(server, "forward_passes_total") - forwards < 100
     ok = client.completions.create(model="tiny", prompt="rev 12=", max_tokens=8)
     assert ok.choices[0].text is not None
 

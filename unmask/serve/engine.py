@@ -58,7 +58,7 @@ class Draining(Exception):
 @dataclass
 class Job:
     """One prompt being answered. `emit(event)` is called from the scheduler thread with
-    dicts: {"type": "block", "text": new text} after each finished block, {"type": "step",
+    dicts: {"type": "block", "text": new text, maybe ""} after each finished block, {"type": "step",
     "canvas": [...]} after each step when `trace`, then {"type": "done", ...} or {"type":
     "error", "message": ...}."""
 
@@ -283,9 +283,10 @@ class Engine:
         if not last:
             hold = max((len(s) - 1 for s in job.stops), default=0)
             ready = text[: len(text) - hold] if hold else text
+            new = ""  # a block with no new text still says it finished
             if ready.startswith(job.sent) and len(ready) > len(job.sent):
-                job.emit({"type": "block", "text": ready[len(job.sent) :]})
-                job.sent = ready
+                new, job.sent = ready[len(job.sent) :], ready
+            job.emit({"type": "block", "text": new})
             return
         if text.startswith(job.sent) and len(text) > len(job.sent):
             job.emit({"type": "block", "text": text[len(job.sent) :]})
