@@ -354,6 +354,7 @@ def metrics_text(engine: Engine) -> str:
     metric("running_requests", "gauge", "Prompts in the running batch.", engine.running)
     metric("forward_passes_total", "counter", "Model forward calls.", s.forwards)
     metric("row_forwards_total", "counter", "Forward calls times rows in them.", s.row_forwards)
+    metric("positions_decoded_total", "counter", "Canvas positions committed.", s.decoded)
     metric("block_calls_total", "counter", "Blocks decoded (one call each).", s.blocks)
     metric("tokens_generated_total", "counter", "Answer tokens returned.", s.tokens)
     metric("tokens_per_forward", "gauge", "Positions committed per row per forward.",
