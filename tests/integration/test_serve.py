@@ -24,6 +24,8 @@ from unmask.cli import main
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 BLOCK = {"block_length": 4}
+KEY = "test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
 def free_port() -> int:
@@ -66,7 +68,8 @@ def model_dir(tmp_path_factory):
 def served(model_dir):
     """One server for the module (start-up is slow on a shared machine); the last test
     stops it with SIGTERM."""
-    proc, base = start_server(model_dir, "--max-batch", "32", "--max-queue", "8")
+    proc, base = start_server(model_dir, "--max-batch", "32", "--max-queue", "8",
+                              "--api-key", KEY)  # fmt: skip
     yield proc, base
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
@@ -80,7 +83,7 @@ def server(served):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0)
+    return openai.OpenAI(base_url=server + "/v1", api_key=KEY, max_retries=0)
 
 
 def generate(model_dir, tmp_path, prompts, *flags) -> list[str]:
@@ -93,7 +96,7 @@ def generate(model_dir, tmp_path, prompts, *flags) -> list[str]:
 
 
 def metric(base: str, name: str) -> float:
-    text = httpx.get(base + "/metrics").text
+    text = httpx.get(base + "/metrics", headers=AUTH).text
     found = re.search(rf"^unmask_{re.escape(name)} (\S+)$", text, re.M)
     return float(found.group(1)) if found else 0.0
 
@@ -137,6 +140,9 @@ def test_streamed_blocks_concatenate_to_the_completion(client):
     assert len(chunks) <= 4 + 1  # one chunk per block of 4 tokens (while it is not over)
     assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
     assert all(c.choices[0].finish_reason is None for c in chunks[:-1])
+    with_usage = list(client.completions.create(stream=True, stream_options={"include_usage":
+                                                True}, **kwargs))  # fmt: skip
+    assert with_usage[-1].choices == [] and with_usage[-1].usage == whole.usage
 
 
 def test_chat_prompt_is_the_role_lines_template(client):
@@ -213,13 +219,31 @@ def test_bad_requests_raise_the_clients_typed_errors(client, change, error, mess
 
 def test_malformed_json_gets_openais_error_body(client, server):
     response = httpx.post(server + "/v1/completions", content=b'{"model": "tiny", "prompt": ',
-                          headers={"content-type": "application/json"})  # fmt: skip
+                          headers={"content-type": "application/json", **AUTH})  # fmt: skip
     assert response.status_code == 400
     error = client._make_status_error_from_response(response)  # the client's own mapping
     assert isinstance(error, openai.BadRequestError)
     assert "not valid JSON" in response.json()["error"]["message"]
-    chat = httpx.post(server + "/v1/chat/completions", json={"model": "tiny", "messages": []})
+    chat = httpx.post(server + "/v1/chat/completions", json={"model": "tiny", "messages": []},
+                      headers=AUTH)  # fmt: skip
     assert chat.status_code == 400 and chat.json()["error"]["param"] == "messages"
+
+
+def test_the_api_key_guards_every_route_but_health(server):
+    stranger = openai.OpenAI(base_url=server + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError, match="API key"):
+        stranger.models.list()
+    with pytest.raises(openai.AuthenticationError):
+        stranger.completions.create(model="tiny", prompt="rev 1=", max_tokens=4)
+    body = {"model": "tiny", "prompt": "rev 1=", "max_tokens": 4}
+    assert httpx.post(server + "/v1/completions", json=body).status_code == 401  # no header
+    for route in ("/metrics", "/api/info", "/api/runs"):
+        assert httpx.get(server + route).status_code == 401, route
+        assert httpx.get(server + route, headers={"Authorization": "Bearer x"}).status_code == 401
+    assert httpx.get(server + "/metrics", headers=AUTH).status_code == 200
+    assert httpx.get(server + "/health").json() == {"status": "ok"}
+    page = httpx.get(server + "/")  # the page holds no data; its calls send the key
+    assert page.status_code == 200 and "<title>unmask serve</title>" in page.text
 
 
 # ------------------------------------------------------------- batching, streaming
@@ -264,7 +288,8 @@ def test_a_client_that_disconnects_frees_its_slot(server, client):
         "stream": True,
         "unmask": {"block_length": 4},
     }  # 128 blocks: ~1000 forwards if it ran on
-    with httpx.stream("POST", server + "/v1/completions", json=body, timeout=30) as response:
+    with httpx.stream("POST", server + "/v1/completions", json=body, timeout=30,
+                      headers=AUTH) as response:  # fmt: skip
         for line in response.iter_lines():
             if line.startswith("data: {"):
                 break  # the first block arrived; leave
@@ -282,7 +307,8 @@ def test_canvas_route_streams_every_step(server, client):
     """The playground's data: the answer canvas after each step, masks filling in."""
     frames, done = [], None
     body = {"prompt": "rev 123=", "max_tokens": 8, "unmask": {"block_length": 4}}
-    with httpx.stream("POST", server + "/v1/unmask/canvas", json=body, timeout=30) as response:
+    with httpx.stream("POST", server + "/v1/unmask/canvas", json=body, timeout=30,
+                      headers=AUTH) as response:  # fmt: skip
         for line in response.iter_lines():
             if line.startswith("data: "):
                 event = json.loads(line[6:])

@@ -39,8 +39,13 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
 
 def cmd_serve(ns: argparse.Namespace) -> int:
     from unmask.checkpoint import load_for_sampling
+    from unmask.errors import InputError
     from unmask.parallel.threads import set_sampling_threads
-    from unmask.serve import run_server
+
+    try:
+        from unmask.serve import run_server
+    except ModuleNotFoundError as err:  # starlette and uvicorn: the serve extra
+        raise InputError(f"unmask serve needs {err.name}; pip install 'unmask[serve]'") from None
 
     sm = load_for_sampling(ns.model, ns.tokenizer, ns.device, ns.mask_id, base=ns.base)
     set_sampling_threads(sm.model, sm.device)

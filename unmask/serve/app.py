@@ -94,10 +94,18 @@ class Server:
     def start(self, jobs: list[Job]) -> asyncio.Queue:
         """Submit the jobs; their events arrive on the returned queue as (index, event)."""
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
+
+        def sink(index: int) -> Callable[[dict], None]:
+            def emit(event: dict) -> None:
+                try:
+                    loop.call_soon_threadsafe(events.put_nowait, (index, event))
+                except RuntimeError:  # the loop is closed: nobody is listening any more
+                    pass
+
+            return emit
+
         for index, job in enumerate(jobs):
-            job.emit = lambda event, i=index: loop.call_soon_threadsafe(
-                events.put_nowait, (i, event)
-            )
+            job.emit = sink(index)
         for count, job in enumerate(jobs):
             try:
                 self.engine.submit(job)
@@ -207,7 +215,8 @@ def build_app(server: Server) -> Starlette:
                 "created": int(time.time()), "model": server.model_name}  # fmt: skip
         queue = server.start(jobs)
         if req.stream:
-            return StreamingResponse(stream(request, jobs, queue, head, chat),
+            usage = bool(req.stream_options and req.stream_options.include_usage)
+            return StreamingResponse(stream(request, jobs, queue, head, chat, usage),
                                      media_type="text/event-stream")  # fmt: skip
         done: dict[int, dict] = {}
         async for index, event in server.events(request, jobs, queue):
@@ -226,7 +235,7 @@ def build_app(server: Server) -> Starlette:
                                 "finish_reason": d["finish_reason"]})  # fmt: skip
         return JSONResponse({**head, "choices": choices, "usage": _usage(list(done.values()))})
 
-    async def stream(request, jobs, queue, head, chat):
+    async def stream(request, jobs, queue, head, chat, usage):
         kind = "chat.completion.chunk" if chat else "text_completion"
         head = {**head, "object": kind}
 
@@ -239,14 +248,18 @@ def build_app(server: Server) -> Starlette:
         if chat:  # the role first, as OpenAI sends it
             yield _sse({**head, "choices": [{"index": 0, "delta": {"role": "assistant",
                         "content": ""}, "finish_reason": None}]})  # fmt: skip
+        done = []
         try:
             async for index, event in server.events(request, jobs, queue):
                 if event["type"] == "block":
                     yield _sse({**head, "choices": [chunk(index, event["text"], None)]})
                 elif event["type"] == "done":
+                    done.append(event)
                     yield _sse({**head, "choices": [chunk(index, None, event["finish_reason"])]})
         except RequestError as err:  # headers are sent: the error goes in the stream
             yield _sse(err.body())
+        if usage and len(done) == len(jobs):
+            yield _sse({**head, "choices": [], "usage": _usage(done)})
         yield "data: [DONE]\n\n"
 
     async def canvas(request: Request):

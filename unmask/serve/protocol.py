@@ -46,6 +46,11 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+class StreamOptions(_Strict):
+    include_usage: bool = False
+    """A last chunk with no choices and the usage of the request."""
+
+
 class _Sampling(_Strict):
     """Fields completions and chat completions share."""
 
@@ -59,6 +64,7 @@ class _Sampling(_Strict):
     stop: str | list[str] | None = None
     seed: int | None = None
     stream: bool = False
+    stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=1)
     user: str | None = None
     unmask: dict[str, Any] | None = None
