@@ -703,7 +703,7 @@ CASES = [
     case("runs-folder-is-a-file", lambda ctx: ["runs", str(ctx.write("runs", ""))], "is a file"),
     # -- unmask serve: refused before it binds a port ------------------------------------------
     case("serve-missing-model", lambda ctx: ["serve", "--model", str(ctx.tmp / "nope")],
-         "does not exist"),
+         "--model", "is not a folder"),
     case("serve-runs-not-a-folder", lambda ctx: ["serve", "--model", str(ctx.model()), "--runs",
                                                  str(ctx.write("runs", ""))],
          "--runs", "is not a folder"),
