@@ -2,6 +2,8 @@
 
 import argparse
 import os
+import signal
+import sys
 from pathlib import Path
 
 from unmask.cli.flags import add_base_flag, positive_int
@@ -38,6 +40,8 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_serve(ns: argparse.Namespace) -> int:
+    # SIGTERM before the server runs (while the model loads): nothing to drain, a clean stop
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
     from unmask.checkpoint import load_for_sampling
     from unmask.errors import InputError
     from unmask.parallel.threads import set_sampling_threads
