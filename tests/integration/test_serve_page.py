@@ -92,15 +92,20 @@ def test_playground_shows_the_canvas_filling_in(page, tmp_path):
     driver.find_element(By.ID, "run").click()
     canvas = driver.find_element(By.ID, "canvas")
     states = {}  # step -> masks left, as the DOM showed them
-    while canvas.get_attribute("data-done") != "1":
-        step = int(canvas.get_attribute("data-step") or 0)
+    read = (  # the step and the masks drawn, in one script: the page redraws in between
+        "const c = document.getElementById('canvas');"
+        "return [Number(c.dataset.step || 0), c.querySelectorAll('.mask').length,"
+        "        c.dataset.done === '1'];"
+    )
+    done = False
+    while not done:
+        step, masks, done = driver.execute_script(read)
         if step and step not in states:
-            states[step] = len(canvas.find_elements(By.CSS_SELECTOR, ".mask"))
+            states[step] = masks
             if step == 2:
                 driver.save_screenshot(str(tmp_path / "playground-mid.png"))
         time.sleep(0.02)
-    final = int(canvas.get_attribute("data-step"))
-    states[final] = len(canvas.find_elements(By.CSS_SELECTOR, ".mask"))
+    final, states[step] = step, masks
     # one token per step, blocks of 4; the answer may end (EOS) after any block
     assert final in (4, 8, 12), states
     assert len(states) >= 3, states  # frames 250 ms apart: the steps were seen one by one
