@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	@echo "unmask: installing torch 2.13.0"
 	$(BIN)/pip install -q torch==2.13.0
 	@echo "unmask: installing unmask with its extras"
-	$(BIN)/pip install -q -e ".[dev,lora,qlora,plot,eval,wandb,trackio]"
+	$(BIN)/pip install -q -e ".[dev,lora,qlora,plot,eval,wandb,trackio,serve]"
 	touch $(STAMP)
 	@echo "unmask: $(VENV) is ready"
 
@@ -79,6 +79,7 @@ bench-quick: $(STAMP)
 	$(BIN)/python benchmarks/data.py --quick
 	$(BIN)/python benchmarks/train_step.py --quick
 	$(BIN)/python benchmarks/stopping.py --quick
+	$(BIN)/python benchmarks/serve.py --quick
 	$(BIN)/python benchmarks/stopping.py --quick --task open
 	$(BIN)/python benchmarks/checkpoint_stall.py --quick
 	$(BIN)/python benchmarks/context_parallel.py --quick

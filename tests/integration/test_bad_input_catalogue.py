@@ -701,6 +701,12 @@ CASES = [
                                             str(ctx.write("o", "x"))], "is a file", "folder"),
     case("runs-missing-folder", lambda ctx: ["runs", str(ctx.tmp / "runs")], "does not exist"),
     case("runs-folder-is-a-file", lambda ctx: ["runs", str(ctx.write("runs", ""))], "is a file"),
+    # -- unmask serve: refused before it binds a port ------------------------------------------
+    case("serve-missing-model", lambda ctx: ["serve", "--model", str(ctx.tmp / "nope")],
+         "--model", "is not a folder"),
+    case("serve-runs-not-a-folder", lambda ctx: ["serve", "--model", str(ctx.model()), "--runs",
+                                                 str(ctx.write("runs", ""))],
+         "--runs", "is not a folder"),
     # -- grpo: rewards and groups ---------------------------------------------------------------
     case("grpo-group-size-1", grpo([{"fn": "exact_match"}], group_size=1), "'grpo.group_size'",
          "must be >= 2"),

@@ -1,8 +1,9 @@
-"""The command line: `unmask train | generate | eval | export | preprocess | plot | runs`.
+"""The command line: `unmask train | generate | eval | export | preprocess | plot | runs |
+serve`.
 The only package that reads argv.
 
 One module per command family (train.py; generate.py and evaluate.py, with
-sampling_flags.py; preprocess.py; runs.py: export, plot, runs), each with an `add_<command>`
+sampling_flags.py; preprocess.py; runs.py: export, plot, runs; serve.py), each with an `add_<command>`
 that adds its subparser and a `cmd_<command>` that runs it; `COMMANDS` below lists them.
 A new command: a new module with those two functions and one line in `COMMANDS`.
 
@@ -17,7 +18,7 @@ import argparse
 import sys
 import traceback
 
-from unmask.cli import evaluate, generate, preprocess, runs, train
+from unmask.cli import evaluate, generate, preprocess, runs, serve, train
 from unmask.cli.flags import REFERENCE, Parser, UsageError, version_line
 from unmask.cli.sampling_flags import SAMPLING_GROUP, sampling_flags
 from unmask.errors import InputError, NothingToTrain, RunStopped
@@ -31,6 +32,7 @@ COMMANDS = (
     preprocess.add_preprocess,
     runs.add_plot,
     runs.add_runs,
+    serve.add_serve,
 )
 
 

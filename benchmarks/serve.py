@@ -1,0 +1,271 @@
+"""`unmask serve` under load on loopback: output tokens/s with 32 concurrent clients vs one
+client at a time, latency percentiles, tokens per forward, and the queue bound.
+
+One server (`python -m unmask serve`, a subprocess, --max-batch 32) on 127.0.0.1; the real
+`openai` client in threads. Each round runs, in rotated order:
+  - sequential: one client sends `--requests` requests one after another;
+  - concurrent: 32 clients each send `--requests` requests back to back (a bounded loop:
+    every client waits for its answer before sending the next);
+reporting answer tokens per second of wall time (completion_tokens from each response),
+p50 / p99 request latency, and from /metrics the positions committed per row per forward
+(1.0: one token per step) and the rows per forward call (the batch the engine ran).
+Then the bound: a server with --max-batch 32 --max-queue 8 gets 64 requests at once;
+reported: how many were answered, how many got 429, and that none was lost or hung (every
+request returns within the timeout, answered + 429 = 64).
+
+Model: `--model FOLDER` (a trained quickstart model: runs/quickstart/final), else the
+quickstart architecture (configs/quickstart.yaml: 4 layers, hidden 128) with random
+weights and the char tokenizer, built in a temporary folder: speed depends on the
+architecture and the canvas, not on the weights (a random model rarely emits EOS, so every
+answer fills its canvas). Requests: synthetic prompts ("rev 90417="), max_tokens 32,
+blocks of 8, one token per step, greedy.
+
+Run: python benchmarks/serve.py            (writes benchmarks/results/serve.md)
+     python benchmarks/serve.py --quick    (tiny model, 1 round, fewer requests; prints only)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from common import REPO, RESULTS, load_average, machine, publish, rotated, with_spread
+
+PROMPTS = ["rev 90417=", "sort 5213=", "add 58+67=", "rev 123456=", "sort 98=", "add 12+7="]
+
+
+def build_model(folder: Path, quick: bool) -> Path:
+    """The quickstart architecture (quick: the tests' tiny one) with random weights and the
+    char tokenizer, saved as an HF folder."""
+    import torch
+    import yaml
+
+    from unmask.data.tokenizer import build_char_tokenizer, ensure_special_tokens
+    from unmask.models import ModelConfig, build_model
+
+    tokenizer = build_char_tokenizer()
+    ensure_special_tokens(tokenizer)
+    if quick:
+        fields = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2}
+    else:
+        quickstart = yaml.safe_load((REPO / "configs" / "quickstart.yaml").read_text())
+        fields = dict(quickstart["model"])
+    fields["vocab_size"] = max(fields.get("vocab_size", 128), len(tokenizer))
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(**fields))
+    model.save_pretrained(str(folder))
+    tokenizer.save_pretrained(str(folder))
+    return folder
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Served:
+    """`unmask serve` in a subprocess; stopped with SIGTERM."""
+
+    def __init__(self, model: Path, threads: int, *flags: str):
+        import httpx
+
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads),
+               "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}  # fmt: skip
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "unmask", "serve", "--model", str(model), "--model-name",
+             "bench", "--port", str(self.port), *flags],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )  # fmt: skip
+        deadline = time.time() + 180
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                sys.exit(f"unmask serve exited: {self.proc.stdout.read()}")
+            try:
+                if httpx.get(self.base + "/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                time.sleep(0.3)
+        self.proc.kill()
+        sys.exit("unmask serve did not start in 180 s")
+
+    def metrics(self) -> dict[str, float]:
+        import httpx
+
+        text = httpx.get(self.base + "/metrics").text
+        return {m.group(1): float(m.group(2))
+                for m in re.finditer(r"^unmask_(\w+) (\S+)$", text, re.M)}  # fmt: skip
+
+    def stop(self) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(120)
+
+
+def client(base: str):
+    import openai
+
+    return openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+def ask(api, index: int, max_tokens: int) -> tuple[int, float]:
+    """(completion tokens, seconds) of one greedy request."""
+    start = time.perf_counter()
+    out = api.completions.create(model="bench", prompt=PROMPTS[index % len(PROMPTS)],
+                                 max_tokens=max_tokens,
+                                 extra_body={"unmask": {"block_length": 8}})  # fmt: skip
+    return out.usage.completion_tokens, time.perf_counter() - start
+
+
+def load(served: Served, clients: int, requests: int, max_tokens: int) -> dict:
+    """`clients` threads, each sending `requests` requests back to back."""
+    before = served.metrics()
+    api = client(served.base)
+    latencies: list[float] = []
+    tokens = [0]
+    lock = threading.Lock()
+
+    def worker(c: int) -> None:
+        for r in range(requests):
+            n, seconds = ask(api, c * requests + r, max_tokens)
+            with lock:
+                latencies.append(seconds)
+                tokens[0] += n
+
+    start = time.perf_counter()
+    threads = [threading.Thread(target=worker, args=(c,)) for c in range(clients)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    wall = time.perf_counter() - start
+    after = served.metrics()
+    delta = {k: after[k] - before.get(k, 0.0) for k in after}
+    latencies.sort()
+    return {
+        "tok_s": tokens[0] / wall,
+        "p50": statistics.median(latencies),
+        "p99": latencies[min(len(latencies) - 1, round(0.99 * (len(latencies) - 1)))],
+        "tok_fwd": delta["positions_decoded_total"] / max(1.0, delta["row_forwards_total"]),
+        "rows_fwd": delta["row_forwards_total"] / max(1.0, delta["forward_passes_total"]),
+        "requests": len(latencies),
+    }
+
+
+def bound(model: Path, threads: int, max_tokens: int, burst: int = 64) -> dict:
+    """`burst` requests at once at a server bounded to 32 running + 8 waiting."""
+    import openai
+
+    served = Served(model, threads, "--max-batch", "32", "--max-queue", "8")
+    api = client(served.base)
+    outcome: dict[int, str] = {}
+
+    def one(i: int) -> None:
+        try:
+            ask(api, i, max_tokens)
+            outcome[i] = "answered"
+        except openai.RateLimitError:
+            outcome[i] = "429"
+        except Exception as err:  # counted: a lost request would show here
+            outcome[i] = type(err).__name__
+
+    threads_ = [threading.Thread(target=one, args=(i,)) for i in range(burst)]
+    for thread in threads_:
+        thread.start()
+    for thread in threads_:
+        thread.join(300)
+    hung = sum(thread.is_alive() for thread in threads_)
+    code = served.stop()
+    values = list(outcome.values())
+    return {"burst": burst, "answered": values.count("answered"), "429": values.count("429"),
+            "other": len(values) - values.count("answered") - values.count("429"),
+            "hung": hung, "exit": code}  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", help="model folder (default: the quickstart architecture, "
+                        "random weights)")  # fmt: skip
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--requests", type=int, default=4, help="requests per client")
+    parser.add_argument("--sequential-requests", type=int, default=24,
+                        help="requests of the one-at-a-time client")  # fmt: skip
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--threads", type=int, default=1, help="server torch threads")
+    parser.add_argument("--out", default=str(RESULTS / "serve.md"))
+    parser.add_argument("--quick", action="store_true", help="tiny model, one round, fewer "
+                        "requests, no results file (CI)")  # fmt: skip
+    args = parser.parse_args()
+    if args.quick:
+        args.rounds, args.requests, args.sequential_requests, args.out = 1, 1, 4, None
+    with tempfile.TemporaryDirectory() as tmp:
+        model = Path(args.model) if args.model else build_model(Path(tmp) / "model", args.quick)
+        served = Served(model, args.threads, "--max-batch", "32", "--max-queue", "64")
+        load(served, 1, 2, args.max_tokens)  # warm-up
+        runs: dict[str, list[dict]] = {"one at a time": [], "32 concurrent": []}
+        for round_index in range(args.rounds):
+            for name in rotated(list(runs), round_index):
+                if name == "one at a time":
+                    runs[name].append(load(served, 1, args.sequential_requests, args.max_tokens))
+                else:
+                    runs[name].append(load(served, 32, args.requests, args.max_tokens))
+        served.stop()
+        limits = bound(model, args.threads, args.max_tokens)
+    publish(report(args, runs, limits), args.out)
+    ratios = [c["tok_s"] / s["tok_s"] for s, c in zip(runs["one at a time"], runs["32 concurrent"])]
+    if limits["hung"] or limits["other"] or limits["exit"] != 0:
+        sys.exit(f"the queue bound lost or hung requests: {limits}")
+    print(f"32 concurrent / one at a time: {with_spread(ratios)}x output tokens/s")
+
+
+def report(args, runs: dict[str, list[dict]], limits: dict) -> str:
+    model = args.model or ("tiny random model" if args.quick else
+                           "quickstart architecture, random weights")  # fmt: skip
+    lines = [
+        "# Serving benchmark (`unmask serve`, loopback, CPU)",
+        "",
+        f"{machine('torch', 'uvicorn', 'openai')}; load average before: {load_average()}.",
+        f"Model: {model}. Requests: max_tokens {args.max_tokens}, blocks of 8, one token per "
+        f"step, greedy; server with {args.threads} torch thread(s), --max-batch 32. "
+        f"{args.rounds} interleaved round(s); median (min-max) over rounds.",
+        "",
+        "| clients | requests | output tok/s | p50 latency s | p99 latency s | tok/forward "
+        "| rows/forward |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, rows in runs.items():
+
+        def cell(key: str, fmt: str = "{:.2f}", rows=rows) -> str:
+            return with_spread([r[key] for r in rows], fmt)
+
+        lines.append(f"| {name} | {rows[0]['requests']} | {cell('tok_s', '{:.1f}')} | "
+                     f"{cell('p50', '{:.3f}')} | {cell('p99', '{:.3f}')} | {cell('tok_fwd')} | "
+                     f"{cell('rows_fwd', '{:.1f}')} |")  # fmt: skip
+    ratios = [c["tok_s"] / s["tok_s"] for s, c in zip(runs["one at a time"], runs["32 concurrent"])]
+    lines += [
+        "",
+        f"32 concurrent clients / one client at a time, output tokens/s: "
+        f"**{with_spread(ratios)}x** (each round's ratio; target >= 4x).",
+        "",
+        f"Queue bound (--max-batch 32 --max-queue 8, {limits['burst']} requests at once): "
+        f"{limits['answered']} answered, {limits['429']} got 429 (Retry-After: 1), "
+        f"{limits['other']} other errors, {limits['hung']} hung; the server exited "
+        f"{limits['exit']} on SIGTERM.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,60 @@
+"""`unmask serve`: an OpenAI-compatible HTTP server for a trained model (docs/serving.md)."""
+
+import argparse
+import os
+import signal
+import sys
+from pathlib import Path
+
+from unmask.cli.flags import add_base_flag, positive_int
+
+
+def add_serve(sub: argparse._SubParsersAction) -> None:
+    srv = sub.add_parser(
+        "serve",
+        help="serve a model over HTTP (OpenAI completions and chat) with a web page",
+        description="OpenAI-compatible routes, continuous batching at block boundaries, "
+        "a playground and a runs view at / (docs/serving.md).",
+    )
+    srv.add_argument("--model", required=True, help="checkpoint-N, final/, run output_dir "
+                     "or exported folder (fixed for the server's life)")  # fmt: skip
+    srv.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: "
+                     "this machine only)")  # fmt: skip
+    srv.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 = any free)")
+    srv.add_argument("--max-batch", type=positive_int, default=32,
+                     help="requests decoded together (default 32)")  # fmt: skip
+    srv.add_argument("--max-queue", type=positive_int, default=64, help="requests waiting for "
+                     "a slot before new ones get 429 (default 64)")  # fmt: skip
+    srv.add_argument("--runs", metavar="DIR", help="folder of run directories shown on the page")
+    srv.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every route but "
+                     "/health and the page itself (default: $UNMASK_API_KEY, else none)")  # fmt: skip
+    srv.add_argument("--model-name", help="the name clients pass as `model` (default: the "
+                     "model folder's name)")  # fmt: skip
+    srv.add_argument("--tokenizer", help="tokenizer folder (default: the model folder)")
+    srv.add_argument("--mask-id", type=int, help="mask token id (default: the tokenizer's)")
+    srv.add_argument("--device", default="auto", help="auto (cuda when visible), cpu or cuda")
+    srv.add_argument("--drain-timeout", type=float, default=60.0, help="seconds SIGTERM waits "
+                     "for requests in flight (default 60)")  # fmt: skip
+    add_base_flag(srv)
+    srv.set_defaults(func=cmd_serve)
+
+
+def cmd_serve(ns: argparse.Namespace) -> int:
+    # SIGTERM before the server runs (while the model loads): nothing to drain, a clean stop
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
+    from unmask.checkpoint import load_for_sampling
+    from unmask.errors import InputError
+    from unmask.parallel.threads import set_sampling_threads
+
+    try:
+        from unmask.serve import run_server
+    except ModuleNotFoundError as err:  # starlette and uvicorn: the serve extra
+        raise InputError(f"unmask serve needs {err.name}; pip install 'unmask[serve]'") from None
+
+    sm = load_for_sampling(ns.model, ns.tokenizer, ns.device, ns.mask_id, base=ns.base)
+    set_sampling_threads(sm.model, sm.device)
+    name = ns.model_name or Path(ns.model).resolve().name
+    return run_server(sm, model_name=name, host=ns.host, port=ns.port,
+                      max_batch=ns.max_batch, max_queue=ns.max_queue,
+                      api_key=ns.api_key or os.environ.get("UNMASK_API_KEY") or None,
+                      runs_dir=ns.runs, drain_seconds=ns.drain_timeout)  # fmt: skip

@@ -1,0 +1,379 @@
+"""The HTTP side of `unmask serve`: a Starlette app with OpenAI's routes, the metrics, and
+the web page's data (docs/serving.md).
+
+Every request becomes one `Job` per prompt for the engine (engine.py); the handler waits
+for the job's events on an asyncio queue the engine thread feeds. Errors are OpenAI's error
+body with a 4xx status, so the openai client raises its typed errors; the server goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import FileResponse, JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.routing import Route
+
+from unmask.data.sft import split_chat
+from unmask.errors import InputError
+from unmask.sampling.show import EOS_GLYPH
+from unmask.sampling.texts import SamplingModel
+from unmask.serve import runs_view
+from unmask.serve.engine import Draining, Engine, Job, QueueFull
+from unmask.serve.protocol import (
+    CanvasRequest,
+    ChatRequest,
+    CompletionRequest,
+    RequestError,
+    check_lengths,
+    parse_request,
+    sampling_config,
+)
+
+STATIC = Path(__file__).resolve().parent / "static"
+#: seconds a client is told to wait after a 429
+RETRY_AFTER = 1
+
+
+class Server:
+    """What the routes share: the model, the engine, the served name and the options."""
+
+    def __init__(self, sm: SamplingModel, engine: Engine, model_name: str,
+                 api_key: str | None = None, runs_dir: Path | None = None):  # fmt: skip
+        self.sm, self.engine, self.model_name = sm, engine, model_name
+        self.api_key, self.runs_dir = api_key, runs_dir
+        config = getattr(sm.model, "config", None)
+        self.max_context = getattr(config, "max_position_embeddings", None)
+        self.created = int(time.time())
+
+    # ------------------------------------------------------------------- request checks
+
+    def authorize(self, request: Request) -> None:
+        if self.api_key is None:
+            return
+        if request.headers.get("authorization", "") != f"Bearer {self.api_key}":
+            raise RequestError(401, "missing or wrong API key; send Authorization: Bearer KEY",
+                               kind="authentication_error", code="invalid_api_key")  # fmt: skip
+
+    def check_model(self, name: str) -> None:
+        if name != self.model_name:
+            raise RequestError(404, f"model {name!r} does not exist; this server serves "
+                               f"{self.model_name!r}", param="model",
+                               code="model_not_found")  # fmt: skip
+
+    def make_job(self, text: str, request, max_tokens: int | None, **extra) -> Job:
+        """The Job of one prompt, its options checked (RequestError 400)."""
+        sm = self.sm
+        ids = sm.tokenizer(text, add_special_tokens=False)["input_ids"]
+        if not ids:
+            raise RequestError(400, "the prompt is empty after tokenization", param="prompt")
+        config = sampling_config(request, sm.saved, max_tokens)
+        try:
+            config = config.fitted(len(ids))
+        except InputError as err:
+            raise RequestError(400, str(err), param="max_tokens",
+                               code="context_length_exceeded") from None  # fmt: skip
+        config = check_lengths(config)
+        canvas = config.gen_length_max if config.gen_length == "auto" else config.gen_length
+        if self.max_context is not None and len(ids) + canvas > self.max_context:
+            raise RequestError(
+                400, f"the prompt ({len(ids)} tokens) and the answer ({canvas}) exceed the "
+                f"model's {self.max_context} positions; shorten the prompt or max_tokens",
+                param="prompt", code="context_length_exceeded")  # fmt: skip
+        return Job(ids, config, emit=lambda event: None, seed=request.seed, **extra)
+
+    # ------------------------------------------------------------------------- running
+
+    def start(self, jobs: list[Job]) -> asyncio.Queue:
+        """Submit the jobs; their events arrive on the returned queue as (index, event)."""
+        loop, events = asyncio.get_running_loop(), asyncio.Queue()
+
+        def sink(index: int) -> Callable[[dict], None]:
+            def emit(event: dict) -> None:
+                try:
+                    loop.call_soon_threadsafe(events.put_nowait, (index, event))
+                except RuntimeError:  # the loop is closed: nobody is listening any more
+                    pass
+
+            return emit
+
+        for index, job in enumerate(jobs):
+            job.emit = sink(index)
+        for count, job in enumerate(jobs):
+            try:
+                self.engine.submit(job)
+            except (QueueFull, Draining) as err:
+                for earlier in jobs[:count]:
+                    self.engine.cancel(earlier)
+                if isinstance(err, Draining):
+                    raise RequestError(503, "the server is shutting down", kind="server_error",
+                                       code="shutting_down") from None  # fmt: skip
+                raise RequestError(429, f"the queue is full ({err}); retry later",
+                                   kind="rate_limit_error", code="queue_full",
+                                   headers={"Retry-After": str(RETRY_AFTER)}) from None  # fmt: skip
+        return events
+
+    async def events(self, request: Request, jobs: list[Job], queue: asyncio.Queue
+                     ) -> AsyncIterator[tuple[int, dict]]:  # fmt: skip
+        """The jobs' events until each is done; a client gone cancels the jobs left."""
+        left = set(range(len(jobs)))
+        checked = time.monotonic()
+        try:
+            while left:
+                try:
+                    index, event = await asyncio.wait_for(queue.get(), timeout=0.25)
+                except asyncio.TimeoutError:
+                    index, event = None, None
+                if time.monotonic() - checked >= 0.25:  # events or not, now and then
+                    checked = time.monotonic()
+                    if await request.is_disconnected():
+                        return
+                if event is None:
+                    continue
+                if event["type"] == "error":
+                    raise RequestError(500, event["message"], kind="server_error")
+                if event["type"] == "done":
+                    left.discard(index)
+                yield index, event
+        finally:
+            for index in left:
+                self.engine.cancel(jobs[index])
+
+
+def _sse(payload: Any) -> str:
+    return f"data: {json.dumps(payload)}\n\n"
+
+
+def _usage(done: list[dict]) -> dict[str, int]:
+    prompt = sum(d["prompt_tokens"] for d in done)
+    completion = sum(d["tokens"] for d in done)
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion}  # fmt: skip
+
+
+async def _read_json(request: Request) -> Any:
+    try:
+        return json.loads(await request.body())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise RequestError(400, f"the request body is not valid JSON ({err})") from None
+
+
+def _chat_prompt(tokenizer, messages) -> str:
+    """The prompt of a conversation: the tokenizer's chat template with the generation
+    prompt, or (no template, as the char tokenizer) the "role: content" lines unmask trains
+    chat data with, ending in "assistant: " (data/sft.py)."""
+    turns = [{"role": m.role, "content": m.text()} for m in messages]
+    try:
+        return split_chat(tokenizer, [*turns, {"role": "assistant", "content": ""}])[0]
+    except InputError as err:
+        raise RequestError(400, str(err), param="messages") from None
+
+
+def build_app(server: Server) -> Starlette:
+    """The ASGI app: OpenAI routes, /health, /metrics, the page and its data."""
+
+    def route(handler: Callable, open_route: bool = False):
+        async def wrapped(request: Request):
+            try:
+                if not open_route:
+                    server.authorize(request)
+                return await handler(request)
+            except RequestError as err:
+                server.engine.stats.count(f"http_{err.status}")
+                return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+        return wrapped
+
+    async def completions(request: Request):
+        req = parse_request(CompletionRequest, await _read_json(request))
+        server.check_model(req.model)
+        prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
+        if not prompts:
+            raise RequestError(400, "prompt is an empty list", param="prompt")
+        stops = req.stops()
+        jobs = [server.make_job(p, req, req.max_tokens, stops=stops) for p in prompts]
+        return await respond(request, req, jobs, chat=False)
+
+    async def chat(request: Request):
+        req = parse_request(ChatRequest, await _read_json(request))
+        server.check_model(req.model)
+        prompt = _chat_prompt(server.sm.tokenizer, req.messages)
+        max_tokens = req.max_completion_tokens or req.max_tokens
+        jobs = [server.make_job(prompt, req, max_tokens, stops=req.stops())]
+        return await respond(request, req, jobs, chat=True)
+
+    async def respond(request: Request, req, jobs: list[Job], chat: bool):
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        head = {"id": rid, "object": "chat.completion" if chat else "text_completion",
+                "created": int(time.time()), "model": server.model_name}  # fmt: skip
+        queue = server.start(jobs)
+        if req.stream:
+            usage = bool(req.stream_options and req.stream_options.include_usage)
+            return StreamingResponse(stream(request, jobs, queue, head, chat, usage),
+                                     media_type="text/event-stream")  # fmt: skip
+        done: dict[int, dict] = {}
+        async for index, event in server.events(request, jobs, queue):
+            if event["type"] == "done":
+                done[index] = event
+        if len(done) < len(jobs):  # the client left
+            return PlainTextResponse("", status_code=499)
+        choices = []
+        for index in range(len(jobs)):
+            d = done[index]
+            if chat:
+                choices.append({"index": index, "finish_reason": d["finish_reason"],
+                                "message": {"role": "assistant", "content": d["text"]}})  # fmt: skip
+            else:
+                choices.append({"index": index, "text": d["text"], "logprobs": None,
+                                "finish_reason": d["finish_reason"]})  # fmt: skip
+        return JSONResponse({**head, "choices": choices, "usage": _usage(list(done.values()))})
+
+    async def stream(request, jobs, queue, head, chat, usage):
+        kind = "chat.completion.chunk" if chat else "text_completion"
+        head = {**head, "object": kind}
+
+        def chunk(index: int, text: str | None, reason: str | None) -> dict:
+            if chat:
+                delta = {} if text is None else {"content": text}
+                return {"index": index, "delta": delta, "finish_reason": reason}
+            return {"index": index, "text": text or "", "logprobs": None, "finish_reason": reason}
+
+        if chat:  # the role first, as OpenAI sends it
+            yield _sse({**head, "choices": [{"index": 0, "delta": {"role": "assistant",
+                        "content": ""}, "finish_reason": None}]})  # fmt: skip
+        done = []
+        try:
+            async for index, event in server.events(request, jobs, queue):
+                if event["type"] == "block":
+                    yield _sse({**head, "choices": [chunk(index, event["text"], None)]})
+                elif event["type"] == "done":
+                    done.append(event)
+                    yield _sse({**head, "choices": [chunk(index, None, event["finish_reason"])]})
+        except RequestError as err:  # headers are sent: the error goes in the stream
+            yield _sse(err.body())
+        if usage and len(done) == len(jobs):
+            yield _sse({**head, "choices": [], "usage": _usage(done)})
+        yield "data: [DONE]\n\n"
+
+    async def canvas(request: Request):
+        """The playground: the answer canvas after every denoising step (null = a mask)."""
+        req = parse_request(CanvasRequest, await _read_json(request))
+        job = server.make_job(req.prompt, req, req.max_tokens, trace=True)
+        queue = server.start([job])
+        sm = server.sm
+
+        def token_text(token: int) -> str | None:
+            if token == sm.mask_id:
+                return None
+            if token == sm.eos_id:
+                return EOS_GLYPH
+            return sm.tokenizer.decode([token])
+
+        async def steps():
+            count = 0
+            try:
+                async for _, event in server.events(request, [job], queue):
+                    if event["type"] == "step":
+                        count += 1
+                        yield _sse({"step": count,
+                                    "canvas": [token_text(t) for t in event["canvas"]]})  # fmt: skip
+                    elif event["type"] == "done":
+                        yield _sse({"done": True, "text": event["text"],
+                                    "finish_reason": event["finish_reason"],
+                                    "forwards": event["forwards"]})  # fmt: skip
+            except RequestError as err:
+                yield _sse(err.body())
+
+        return StreamingResponse(steps(), media_type="text/event-stream")
+
+    async def models(request: Request):
+        return JSONResponse({"object": "list", "data": [
+            {"id": server.model_name, "object": "model", "created": server.created,
+             "owned_by": "unmask"}]})  # fmt: skip
+
+    async def health(request: Request):
+        if server.engine.closing:
+            return JSONResponse({"status": "shutting down"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    async def metrics(request: Request):
+        return PlainTextResponse(metrics_text(server.engine),
+                                 media_type="text/plain; version=0.0.4")  # fmt: skip
+
+    async def page(request: Request):
+        return FileResponse(STATIC / "index.html")
+
+    async def script(request: Request):
+        return FileResponse(STATIC / "app.js", media_type="text/javascript")
+
+    async def runs(request: Request):
+        if server.runs_dir is None:
+            raise RequestError(404, "this server was started without --runs DIR")
+        return JSONResponse({"runs": runs_view.list_runs(server.runs_dir)})
+
+    async def run_curves(request: Request):
+        if server.runs_dir is None:
+            raise RequestError(404, "this server was started without --runs DIR")
+        name = request.path_params["name"]
+        found = runs_view.run_dir(server.runs_dir, name)
+        if found is None:  # names only: never a path from the request
+            raise RequestError(404, f"no run named {name!r} in the runs folder")
+        return JSONResponse(runs_view.curves(found))
+
+    async def info(request: Request):
+        return JSONResponse({"model": server.model_name, "runs": server.runs_dir is not None,
+                             "defaults": server.sm.saved})  # fmt: skip
+
+    routes = [
+        Route("/v1/completions", route(completions), methods=["POST"]),
+        Route("/v1/chat/completions", route(chat), methods=["POST"]),
+        Route("/v1/models", route(models), methods=["GET"]),
+        Route("/v1/unmask/canvas", route(canvas), methods=["POST"]),
+        Route("/health", route(health, open_route=True), methods=["GET"]),
+        Route("/metrics", route(metrics), methods=["GET"]),
+        # the page and its script hold no data: they load without the key, the page asks it
+        Route("/", route(page, open_route=True), methods=["GET"]),
+        Route("/app.js", route(script, open_route=True), methods=["GET"]),
+        Route("/api/info", route(info), methods=["GET"]),
+        Route("/api/runs", route(runs), methods=["GET"]),
+        Route("/api/runs/{name}", route(run_curves), methods=["GET"]),
+    ]
+    return Starlette(routes=routes)
+
+
+def metrics_text(engine: Engine) -> str:
+    """Prometheus text exposition of the engine's counters."""
+    s = engine.stats
+    lines = []
+
+    def metric(name: str, kind: str, help_text: str, values: dict[str, float] | float):
+        lines.append(f"# HELP unmask_{name} {help_text}")
+        lines.append(f"# TYPE unmask_{name} {kind}")
+        if isinstance(values, dict):
+            for label, value in sorted(values.items()):
+                lines.append(f'unmask_{name}{{outcome="{label}"}} {value}')
+        else:
+            lines.append(f"unmask_{name} {values}")
+
+    metric("requests_total", "counter", "Prompts by outcome (http_N: refused).", dict(s.requests))
+    metric("queue_depth", "gauge", "Prompts waiting for a batch slot.", engine.queue_depth)
+    metric("running_requests", "gauge", "Prompts in the running batch.", engine.running)
+    metric("forward_passes_total", "counter", "Model forward calls.", s.forwards)
+    metric("row_forwards_total", "counter", "Forward calls times rows in them.", s.row_forwards)
+    metric("positions_decoded_total", "counter", "Canvas positions committed.", s.decoded)
+    metric("block_calls_total", "counter", "Blocks decoded (one call each).", s.blocks)
+    metric("tokens_generated_total", "counter", "Answer tokens returned.", s.tokens)
+    metric("tokens_per_forward", "gauge", "Positions committed per row per forward.",
+           round(s.decoded / max(1, s.row_forwards), 4))  # fmt: skip
+    metric("tokens_per_second", "gauge", "Answer tokens per second, last 10 s.",
+           round(s.tokens_per_second(), 3))  # fmt: skip
+    metric("busy_seconds_total", "counter", "Seconds the engine spent decoding.",
+           round(s.busy_seconds, 3))  # fmt: skip
+    return "\n".join(lines) + "\n"

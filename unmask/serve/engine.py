@@ -1,0 +1,304 @@
+"""Continuous batching for `unmask serve`: one scheduler thread decodes a block at a time for
+the requests being served, and requests join and leave between blocks.
+
+A masked-diffusion answer is decoded block by block (sampling/generate.py); everything a
+block's steps need is the canvas at its start: the prompt, the finished blocks and masks
+for the current and later blocks. So the scheduler keeps, per request, only its prompt,
+its finished blocks and its sampling config, and runs each block with the sampler's own
+block decoder (`_BlockDecoder` on a `_Canvas`: the code `sample`, hence `unmask generate`,
+runs, no copy). Rows of one block call may be at different blocks of different answers:
+each row is laid out [left padding | prompt + finished blocks | current block | later
+masks | right padding], aligned on the current block, and padding is masked out of
+attention with position ids counted over real tokens, as `sample` does for left-padded
+prompts. Requests whose options change a block's steps (block length, steps per block,
+remasking, threshold, temperature, ...) are decoded in separate calls, taken in turn.
+
+Greedy rows give the tokens `unmask generate` gives for the prompt alone (batch
+invariance: tests/integration/test_serve.py). A request with a `seed` owns its generator
+and is decoded alone, so it draws exactly what `unmask generate --seed` draws. gen_length
+`auto` (a growing canvas) is decoded by `sample` in one piece, alone.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any
+
+import torch
+
+from unmask.sampling.config import SamplingConfig
+from unmask.sampling.generate import (
+    GenerationOutput,
+    _BlockDecoder,
+    _Canvas,
+    canvas_blocks,
+    end_of_turn_id,
+    sample,
+    special_ids,
+)
+from unmask.sampling.texts import SamplingModel, before_eos
+
+#: SamplingConfig fields that do not change how one block is decoded (lengths: per row)
+_PER_ROW = ("gen_length", "row_length", "steps", "gen_length_max", "auto_eos_threshold")
+
+
+class QueueFull(Exception):
+    """The queue holds its bound of requests (HTTP 429)."""
+
+
+class Draining(Exception):
+    """The server is shutting down and takes no new request (HTTP 503)."""
+
+
+@dataclass
+class Job:
+    """One prompt being answered. `emit(event)` is called from the scheduler thread with
+    dicts: {"type": "block", "text": new text, maybe ""} after each finished block, {"type": "step",
+    "canvas": [...]} after each step when `trace`, then {"type": "done", ...} or {"type":
+    "error", "message": ...}."""
+
+    prompt_ids: list[int]
+    config: SamplingConfig
+    emit: Callable[[dict[str, Any]], None]
+    stops: tuple[str, ...] = ()
+    seed: int | None = None
+    trace: bool = False
+    answer: list[int] = field(default_factory=list)  # tokens of the finished blocks
+    block: int = 0
+    sent: str = ""  # text already emitted in block events
+    cancelled: bool = False
+    served: float = 0.0  # when its last block was decoded (turns between groups)
+    generator: torch.Generator | None = None
+    forwards: int = 0
+
+    def __post_init__(self):
+        if self.seed is not None:
+            self.generator = torch.Generator().manual_seed(self.seed)
+
+    @property
+    def auto(self) -> bool:
+        return self.config.gen_length == "auto"
+
+    @cached_property
+    def group(self) -> tuple:
+        """Rows with the same group share block calls."""
+        if self.seed is not None or self.auto:
+            return ("alone", id(self))
+        options = self.config.model_dump(exclude=set(_PER_ROW))
+        spb = self.config.resolved_steps // self.config.check_lengths()
+        return (self.config.resolved_block_length, spb, *sorted(options.items()))
+
+
+@dataclass
+class Stats:
+    """Counters for /metrics (read without the lock: plain ints and floats)."""
+
+    requests: dict[str, int] = field(default_factory=dict)  # by outcome
+    forwards: int = 0  # model forward calls
+    row_forwards: int = 0  # forward calls times rows in them
+    decoded: int = 0  # positions committed
+    tokens: int = 0  # answer tokens returned (before EOS / stop)
+    blocks: int = 0  # block calls
+    busy_seconds: float = 0.0
+    started: float = field(default_factory=time.time)
+    recent: deque = field(default_factory=lambda: deque(maxlen=256))  # (time, tokens)
+
+    def count(self, outcome: str) -> None:
+        self.requests[outcome] = self.requests.get(outcome, 0) + 1
+
+    def tokens_per_second(self, window: float = 10.0) -> float:
+        """Answer tokens finished in the last `window` seconds, per second."""
+        now = time.time()
+        return sum(n for t, n in list(self.recent) if now - t <= window) / window
+
+
+class Engine:
+    """The scheduler: `submit` queues a Job (QueueFull past `max_queue` waiting, Draining
+    after `close`); a thread admits waiting jobs up to `max_batch` at each block boundary,
+    decodes one block for one group, and drops finished and cancelled jobs."""
+
+    def __init__(self, sm: SamplingModel, max_batch: int = 32, max_queue: int = 64,
+                 start: bool = True):  # fmt: skip
+        self.sm, self.max_batch, self.max_queue = sm, max_batch, max_queue
+        self.eot_id = end_of_turn_id(sm.tokenizer)
+        self.cond = threading.Condition()
+        self.waiting: deque[Job] = deque()
+        self.active: list[Job] = []
+        self.closing = False
+        self.stats = Stats()
+        self.thread = threading.Thread(target=self._loop, name="unmask-serve", daemon=True)
+        if start:  # start=False: a test drives run_block itself
+            self.thread.start()
+
+    # --------------------------------------------------------------------- the API side
+
+    def submit(self, job: Job) -> None:
+        with self.cond:
+            if self.closing:
+                raise Draining("the server is shutting down")
+            free = max(0, self.max_batch - len(self.active))  # taken at the next block
+            if len(self.waiting) >= self.max_queue + free:
+                raise QueueFull(f"{len(self.waiting) - free} requests are waiting (the bound)")
+            self.waiting.append(job)
+            self.cond.notify()
+
+    def cancel(self, job: Job) -> None:
+        """The client is gone: the job leaves at the next block boundary."""
+        job.cancelled = True
+        with self.cond:
+            if job in self.waiting:
+                self.waiting.remove(job)
+                self.stats.count("cancelled")
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Refuse new jobs, finish the ones queued and running (up to timeout seconds)."""
+        with self.cond:
+            self.closing = True
+            self.cond.notify()
+        self.thread.join(timeout)
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def running(self) -> int:
+        return len(self.active)
+
+    # ----------------------------------------------------------------- the scheduler side
+
+    def _loop(self) -> None:
+        while True:
+            with self.cond:
+                while not self.waiting and not self.active and not self.closing:
+                    self.cond.wait()
+                if self.closing and not self.waiting and not self.active:
+                    return
+                while self.waiting and len(self.active) < self.max_batch:
+                    self.active.append(self.waiting.popleft())
+                for job in [j for j in self.active if j.cancelled]:
+                    self.active.remove(job)
+                    self.stats.count("cancelled")
+                if not self.active:
+                    continue
+                first = min(self.active, key=lambda j: j.served)  # the longest unserved
+                rows = [j for j in self.active if j.group == first.group]
+            started = time.perf_counter()
+            try:
+                if first.auto:
+                    self._run_whole(first)
+                else:
+                    self.run_block(rows)
+            except Exception as err:  # a bad option the checks missed: those rows fail
+                for job in rows:
+                    job.emit({"type": "error", "message": f"{type(err).__name__}: {err}"})
+                    job.block = -1
+                    self.stats.count("failed")
+            self.stats.busy_seconds += time.perf_counter() - started
+            with self.cond:
+                now = time.perf_counter()
+                for job in rows:
+                    job.served = now
+                self.active = [j for j in self.active if j.block >= 0]
+
+    def run_block(self, rows: list[Job]) -> None:
+        """Decode the current block of every row (one group) with the sampler's decoder."""
+        sm, cfg = self.sm, rows[0].config
+        block = cfg.resolved_block_length
+        steps_per_block = cfg.resolved_steps // cfg.check_lengths()
+        prefixes = [job.prompt_ids + job.answer for job in rows]
+        later = [job.config.gen_length - (job.block + 1) * block for job in rows]
+        start = max(len(p) for p in prefixes)  # the block's first column, every row
+        width = start + block + max(later)
+        x = torch.full((len(rows), width), sm.pad_id, dtype=torch.long)
+        valid = torch.zeros((len(rows), width), dtype=torch.bool)
+        in_prompt = torch.zeros_like(valid)
+        for row, (job, prefix, after) in enumerate(zip(rows, prefixes, later)):
+            left = start - len(prefix)
+            x[row, left:start] = torch.tensor(prefix)
+            x[row, start : start + block + after] = sm.mask_id
+            valid[row, left : start + block + after] = True
+            in_prompt[row, left : left + len(job.prompt_ids)] = True
+        blocks = None
+        if cfg.block_causal:  # a row's blocks are these shifted by its block index
+            blocks = canvas_blocks(start, width - start, block, sm.device)
+        canvas = _Canvas(x.to(sm.device), valid.to(sm.device), in_prompt.to(sm.device),
+                         sm.mask_id, cfg.cfg_scale, cfg.cache, blocks)  # fmt: skip
+        special = special_ids(cfg, sm.eos_id, sm.pad_id, self.eot_id)
+        decoder = _BlockDecoder(cfg, sm.model, canvas, start, start + block, steps_per_block,
+                                sm.mask_id, special)  # fmt: skip
+        out = GenerationOutput(x, start)
+        traced = [row for row, job in enumerate(rows) if job.trace]
+        for step in range(decoder.max_steps):
+            if not decoder.step(step, rows[0].generator, out):
+                break
+            for row in traced:
+                current = canvas.x[row, start : start + block + later[row]].tolist()
+                rows[row].emit({"type": "step", "canvas": rows[row].answer + current})
+        self.stats.forwards += out.nfe
+        self.stats.row_forwards += out.row_forwards
+        self.stats.decoded += out.decoded
+        self.stats.blocks += 1
+        finished = canvas.x[:, start : start + block].tolist()
+        for job, tokens in zip(rows, finished):
+            job.forwards += out.nfe
+            job.answer += tokens
+            job.block += 1
+            ended = sm.eos_id is not None and sm.eos_id in job.answer
+            self._advance(job, ended or job.block * block >= job.config.gen_length)
+
+    def _run_whole(self, job: Job) -> None:
+        """gen_length auto: `sample` grows and decodes the canvas in one call."""
+        sm = self.sm
+        prompt_len = len(job.prompt_ids)
+
+        def on_step(canvas: torch.Tensor) -> None:
+            job.emit({"type": "step", "canvas": canvas[0, prompt_len:].tolist()})
+
+        ids = torch.tensor([job.prompt_ids], device=sm.device)
+        out = sample(sm.model, ids, job.config, mask_id=sm.mask_id, eos_id=sm.eos_id,
+                     generator=job.generator,
+                     on_step=on_step if job.trace else None, pad_id=sm.pad_id,
+                     eot_id=self.eot_id)  # fmt: skip
+        self.stats.forwards += out.nfe
+        self.stats.row_forwards += out.row_forwards
+        self.stats.decoded += out.decoded
+        job.forwards += out.nfe
+        job.answer = out.answers[0].tolist()
+        self._advance(job, True)
+
+    def _advance(self, job: Job, last: bool) -> None:
+        """After a block: emit the new text (held back where a stop string may be starting),
+        or the whole answer when it ended (EOS, a stop string, the canvas full)."""
+        sm = self.sm
+        answer = before_eos(job.answer, sm.eos_id)
+        text = sm.tokenizer.decode(answer, skip_special_tokens=True)
+        reason = "stop" if last and len(answer) < len(job.answer) else "length"
+        cut = min((i for i in (text.find(s) for s in job.stops) if i >= 0), default=-1)
+        if cut >= 0:
+            text, last, reason = text[:cut], True, "stop"
+        if not last:
+            hold = max((len(s) - 1 for s in job.stops), default=0)
+            ready = text[: len(text) - hold] if hold else text
+            new = ""  # a block with no new text still says it finished
+            if ready.startswith(job.sent) and len(ready) > len(job.sent):
+                new, job.sent = ready[len(job.sent) :], ready
+            job.emit({"type": "block", "text": new})
+            return
+        if text.startswith(job.sent) and len(text) > len(job.sent):
+            job.emit({"type": "block", "text": text[len(job.sent) :]})
+            job.sent = text
+        tokens = len(answer)
+        if cut >= 0:  # the text before the stop string, tokenized again
+            tokens = len(sm.tokenizer(text, add_special_tokens=False)["input_ids"])
+        self.stats.tokens += tokens
+        self.stats.recent.append((time.time(), tokens))
+        self.stats.count("finished")
+        job.emit({"type": "done", "text": text, "finish_reason": reason, "tokens": tokens,
+                  "prompt_tokens": len(job.prompt_ids), "forwards": job.forwards})  # fmt: skip
+        job.block = -1  # leaves the batch

@@ -1,0 +1,48 @@
+"""Start-up and shut-down: the model loaded once, the engine's thread, uvicorn on the host
+and port given. SIGTERM (or Ctrl-C): uvicorn stops listening and waits up to
+`drain_seconds` for the requests in flight, then the engine finishes what is left and the
+process exits 0."""
+
+from __future__ import annotations
+
+import signal
+import sys
+from pathlib import Path
+
+import uvicorn
+
+from unmask.errors import InputError
+from unmask.sampling.texts import SamplingModel
+from unmask.serve.app import Server, build_app
+from unmask.serve.engine import Engine
+
+
+class _Server(uvicorn.Server):
+    """uvicorn raises the signal it stopped on again once it has shut down (the process then
+    dies of SIGTERM); a drained SIGTERM is a clean stop here: exit status 0."""
+
+    def handle_exit(self, sig, frame) -> None:
+        super().handle_exit(sig, frame)
+        self._captured_signals = [s for s in self._captured_signals if s != signal.SIGTERM]
+
+
+def run_server(sm: SamplingModel, *, model_name: str, host: str = "127.0.0.1",
+               port: int = 8000, max_batch: int = 32, max_queue: int = 64,
+               api_key: str | None = None, runs_dir: str | Path | None = None,
+               drain_seconds: float = 60.0, log_level: str = "warning") -> int:  # fmt: skip
+    """Serve until SIGTERM / SIGINT; returns the exit code (0)."""
+    if runs_dir is not None:
+        runs_dir = Path(runs_dir)
+        if not runs_dir.is_dir():
+            raise InputError(f"--runs {str(runs_dir)!r} is not a folder; give the folder that "
+                             "holds the run directories")  # fmt: skip
+    engine = Engine(sm, max_batch=max_batch, max_queue=max_queue)
+    server = Server(sm, engine, model_name, api_key=api_key, runs_dir=runs_dir)
+    config = uvicorn.Config(build_app(server), host=host, port=port, log_level=log_level,
+                            timeout_graceful_shutdown=drain_seconds, lifespan="off")  # fmt: skip
+    print(f"unmask: serving {model_name!r} on http://{host}:{port} (max batch {max_batch}, "
+          f"queue {max_queue})", file=sys.stderr, flush=True)  # fmt: skip
+    _Server(config).run()
+    engine.close(timeout=drain_seconds)
+    print("unmask: server stopped", file=sys.stderr, flush=True)
+    return 0
