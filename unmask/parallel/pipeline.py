@@ -175,8 +175,6 @@ class PipelineModel(nn.Module):
     the schedule runs its `stages` (`StageModule`, one per stage), which share its modules.
     """
 
-    accepts_target_weights = True
-
     def __init__(self, whole: nn.Module, plan: PipelinePlan, pp_rank: int) -> None:
         super().__init__()
         self.config = whole.config
@@ -190,7 +188,6 @@ class PipelineModel(nn.Module):
                                      for i in plan.layers[s]})  # fmt: skip
         self.model.norm = whole.model.norm if last in held else None
         self.lm_head = whole.lm_head if last in held else None
-        self.stage_ids = held
         # plain list: the stages share these modules and must not rename them
         self.stages = [StageModule(self, s) for s in held]
 
