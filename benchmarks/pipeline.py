@@ -56,6 +56,7 @@ def config_tree(out: Path, train: dict, optim: dict) -> dict:
         "optim": {"learning_rate": 1e-3, **optim},
         "train": {"per_device_train_batch_size": ROWS, "split_batches": True, "max_steps": 100,
                   "eval_steps": 0, "save_steps": 0, "disable_tqdm": True, "log_mfu": False,
+                  "overwrite_output_dir": True,
                   "output_dir": str(out), **train},
         "eval": {"generate_accuracy": False},
     }  # fmt: skip
