@@ -98,6 +98,8 @@ PP2 = {"model": {"num_hidden_layers": 4}, "train": {"pipeline_parallel": 2}}
         ({"train": {"context_parallel": 2}}, "does not combine with train.context_parallel"),
         ({"diffusion": {"random_length_prob": 0.1}}, "diffusion.random_length_prob=0.1 cuts rows"),
         ({"eval": {"generate_accuracy": True}}, "no sampler runs through the pipeline"),
+        ({"train": {"pipeline_schedule": "zero_bubble", "pipeline_stages_per_rank": 2,
+                    "bf16": True}}, "zero_bubble does not run under train.bf16 yet"),
     ],
 )  # fmt: skip
 def test_bad_pipeline_requests_exit_2_with_one_line(two_processes, tiny_config, tmp_path,
