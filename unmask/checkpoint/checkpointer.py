@@ -119,9 +119,8 @@ class Checkpointer:
             return self._save_async(step, tmp, model, optimizer, scheduler, state, rng_state)
         if self.sharded:
             import torch.distributed.checkpoint as dcp  # only multi-process runs (0.6 s import)
-            from torch.distributed.checkpoint.state_dict import get_state_dict
 
-            model_state, optim_state = get_state_dict(model, optimizer)
+            model_state, optim_state = sharded_state(model, optimizer)
             dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp / DCP_DIR))
             state["world_size"] = dist.get_world_size()
         elif hasattr(model, "peft_config"):  # a LoRA run: its adapter
@@ -167,12 +166,11 @@ class Checkpointer:
 
     def _save_async(self, step, tmp, model, optimizer, scheduler, state, rng_state) -> Path:
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict
 
         if not self.sharded:  # one process: DCP warns that it saves in a single one (the
             # intent); the warning comes from its writer thread, so the filter is global
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        model_state, optim_state = get_state_dict(model, optimizer)
+        model_state, optim_state = sharded_state(model, optimizer)
         # staged synchronously: a CPU copy of every tensor before this returns, so the next
         # optimizer step (in place) cannot change what is written
         upload = dcp.async_save(
@@ -431,10 +429,42 @@ def _load_into(path: Path, name: str, target, section: str) -> None:
         ) from None
 
 
-def _load_sharded(path: Path, model: nn.Module, optimizer) -> None:
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+#: the optimizer's per-group list of parameter names: it differs between layouts (a
+#: pipeline stage's groups hold that stage's names), so it is neither saved nor loaded
+_GROUP_NAMES = ".param_names"
 
-    model_state, optim_state = get_state_dict(model, optimizer)
+
+def sharded_state(model: nn.Module, optimizer, legacy: bool = False) -> tuple[dict, dict]:
+    """(model, optimizer) state for DCP, the optimizer's flattened by parameter name
+    ("state.<fqn>.<key>", "param_groups.<fqn>.<key>"): every entry names its parameter,
+    so the state loads into any layout, also one whose optimizer groups the parameters
+    otherwise (a pipeline stage holds only its own). legacy: groups by their index, as
+    checkpoints written before were."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    options = StateDictOptions(flatten_optimizer_state_dict=not legacy)
+    model_state, optim_state = get_state_dict(model, optimizer, options=options)
+    if not legacy:
+        optim_state = {k: v for k, v in optim_state.items() if not k.endswith(_GROUP_NAMES)}
+    return model_state, optim_state
+
+
+def _is_legacy(folder: Path) -> bool:
+    """Whether a DCP folder holds the optimizer's groups by index (before flattening)."""
+    import torch.distributed.checkpoint as dcp
+
+    keys = dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+    return any(key.startswith("optim.param_groups.0.") for key in keys)
+
+
+def _load_sharded(path: Path, model: nn.Module, optimizer) -> None:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    try:
+        legacy = _is_legacy(path / DCP_DIR)
+    except Exception:  # an unreadable folder: dcp_load below says so
+        legacy = False
+    model_state, optim_state = sharded_state(model, optimizer, legacy)
     state = {"model": model_state, "optim": optim_state}
     try:
         dcp_load(state, path / DCP_DIR)
@@ -443,9 +473,16 @@ def _load_sharded(path: Path, model: nn.Module, optimizer) -> None:
             f"checkpoint {str(path)!r} does not match the model and optimizer in the config "
             f"({type(err).__name__}); resume with the config it was written with"
         ) from None
-    set_state_dict(
-        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
-    )
+    optim_loaded = state["optim"]
+    options = StateDictOptions(flatten_optimizer_state_dict=not legacy)
+    if not legacy:  # this layout's group names, with everything else loaded
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        current = get_optimizer_state_dict(model, optimizer, options=options)
+        names = {k: v for k, v in current.items() if k.endswith(_GROUP_NAMES)}
+        optim_loaded = {**optim_loaded, **names}
+    set_state_dict(model, optimizer, model_state_dict=state["model"],
+                   optim_state_dict=optim_loaded, options=options)  # fmt: skip
 
 
 def dcp_load(state: dict, folder: Path, no_dist: bool = False) -> None:

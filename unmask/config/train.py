@@ -126,6 +126,16 @@ class TrainConfig(BaseModel):
     """Ranks each sequence is split over (context parallelism, docs/parallelism.md)."""
     expert_parallel: int = Field(1, ge=1)
     """Ranks each MoE layer's experts are split over (expert parallelism: tokens reach their experts by all-to-all; docs/parallelism.md). Carved out of the data-parallel x context ranks, which it must divide; must divide model.num_experts."""
+    pipeline_parallel: int = Field(1, ge=1)
+    """Pipeline stages' ranks: the decoder layers are split into consecutive stages, embeddings with the first, the final norm and LM head with the last (torch.distributed.pipelining; native decoders; docs/parallelism.md). The outermost mesh dim."""
+    pipeline_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"] = "1f1b"
+    """How micro-batches flow through the stages (torch's ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble); the interleaved ones take pipeline_stages_per_rank >= 2."""
+    pipeline_stages_per_rank: int = Field(1, ge=1)
+    """Stages each pipeline rank holds (interleaved_1f1b, zero_bubble: >= 2, stage s on pipeline rank s mod pipeline_parallel)."""
+    pipeline_microbatches: int | None = Field(None, ge=1)
+    """Pipeline micro-batches per optimizer step; null = one per row of the step on a data-parallel rank (rows x gradient_accumulation_steps). Must divide those rows, and be >= pipeline_parallel."""
+    pipeline_split: list[int] | None = None
+    """Decoder layers per stage, first stage first (e.g. [3, 5]); null = an even split (the layers must then divide by the stages)."""
     reshard_after_forward: bool = True
     """FSDP2: free gathered layer weights after forward (ZeRO-3-like); false keeps them until backward (ZeRO-2-like)."""
     split_batches: bool = False

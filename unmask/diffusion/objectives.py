@@ -17,7 +17,12 @@ from torch import nn
 from unmask.diffusion.config import DiffusionConfig
 from unmask.diffusion.loss import IGNORE_INDEX
 from unmask.diffusion.noise import RowSlice, loss_weight, mask_tokens, sample_t
-from unmask.diffusion.registry import ObjectiveContext, ObjectiveSpec, register_objective
+from unmask.diffusion.registry import (
+    ObjectiveContext,
+    ObjectiveSpec,
+    always,
+    register_objective,
+)
 
 _NOISE_KEYS = ("t", "noisy_input_ids", "masked")
 
@@ -339,5 +344,5 @@ def masked_builder(cls: type[MaskedDiffusionObjective]):
 for _name in ("mdlm", "llada", "bert"):  # bert: the mdlm loss on a transformers encoder
     register_objective(ObjectiveSpec(
         _name, masked_builder(MaskedDiffusionObjective), accepts_loss_normalization=True,
-        accepts_context_parallel=True,
+        accepts_context_parallel=True, accepts_pipeline_parallel=always,
     ))  # fmt: skip

@@ -26,7 +26,7 @@ from unmask.diffusion.objectives import (
     objective_stats,
     weighted_token_loss,
 )
-from unmask.diffusion.registry import ObjectiveSpec, register_objective
+from unmask.diffusion.registry import ObjectiveSpec, always, register_objective
 
 # -- pure pieces ---------------------------------------------------------------------------
 
@@ -273,11 +273,19 @@ def _block_causal(cfg: DiffusionConfig) -> dict:
     return {"block_causal": True, "block_length": cfg.block_size}
 
 
+def _dream_counts_first(cfg: DiffusionConfig) -> bool:
+    """Dream's count is known before the forward unless a cutoff draws the layout."""
+    return not (cfg.perbatch_cutoff or cfg.resp_cutoff_ratio > 0)
+
+
 register_objective(ObjectiveSpec("sft", masked_builder(SFTObjective),
                                  accepts_loss_normalization=True,
-                                 accepts_logit_shift=True))  # fmt: skip
+                                 accepts_logit_shift=True,
+                                 accepts_pipeline_parallel=always))  # fmt: skip
 register_objective(ObjectiveSpec("dream", masked_builder(DreamObjective),
                                  accepts_logit_shift=True, logit_shift_default=True,
-                                 accepts_cart_weights=True))  # fmt: skip
+                                 accepts_cart_weights=True,
+                                 accepts_pipeline_parallel=_dream_counts_first))  # fmt: skip
 register_objective(ObjectiveSpec("bd3lm", masked_builder(BlockDiffusionObjective),
-                                 fixed_sampling=_block_causal))  # fmt: skip
+                                 fixed_sampling=_block_causal,
+                                 accepts_pipeline_parallel=always))  # fmt: skip

@@ -52,6 +52,11 @@ def _fixes_nothing(diffusion) -> dict[str, Any]:
     return {}
 
 
+def always(diffusion) -> bool:
+    """A capability that holds for any settings of the `diffusion:` section."""
+    return True
+
+
 @dataclass(frozen=True)
 class ObjectiveSpec:
     """One registered objective: its builder and what it declares. Everything but `name`
@@ -72,6 +77,11 @@ class ObjectiveSpec:
     accepts_context_parallel: bool = False
     """Trains under train.context_parallel > 1: each row's noise drawn on its own
     (`global_noise`) and one global token count (rows cut in slices lose per-row sums)."""
+    accepts_pipeline_parallel: Callable[[Any], bool] | None = None
+    """Trains under train.pipeline_parallel > 1 with this DiffusionConfig (-> True): its
+    `count(batch)` says the normalizer before the forward, and its loss is one call of the
+    model with targets, which the pipeline runs over its stages. None: never (a loss of
+    several calls, or of a reference model: grpo, preference). `always` for any settings."""
     fixed_sampling: Callable[[Any], dict[str, Any]] = _fixes_nothing
     """DiffusionConfig -> the sampling options (SamplingConfig fields) a model trained with
     it must be sampled with, beside the logit shift (bd3lm: block-causal attention). Every

@@ -57,6 +57,11 @@ class DistState:
     def tp_rank(self) -> int:
         return 0 if self.mesh is None else self.mesh["tp"].get_local_rank()
 
+    @property
+    def pp_rank(self) -> int:
+        """This rank's place in its pipeline (0: holds the first stage)."""
+        return 0 if self.mesh is None else self.mesh["pp"].get_local_rank()
+
     def describe(self) -> str:
         """' x 4 processes (FSDP2 over 4)' for the start-up line; '' for one process."""
         if self.mesh is None:
@@ -70,7 +75,8 @@ class DistState:
             how = f"FSDP2 over {shard}"
         parts = [how] if how else []
         parts += [f"{name} {size}" for name, size in (("CP", self.layout.cp),
-                                                     ("TP", self.layout.tp)) if size > 1]  # fmt: skip
+                                                     ("TP", self.layout.tp),
+                                                     ("PP", self.layout.pp)) if size > 1]  # fmt: skip
         return f" x {self.world_size} processes ({', '.join(parts)})"
 
 
@@ -82,6 +88,7 @@ def setup(
     dp_shard: int = -1,
     tensor_parallel: int = 1,
     context_parallel: int = 1,
+    pipeline_parallel: int = 1,
     timeout_s: float = 1800,
     env: LaunchEnv | None = None,
 ) -> DistState:
@@ -89,12 +96,12 @@ def setup(
 
     shard: shard parameters over the ranks (FSDP2 / HSDP with dp_replicate x dp_shard);
     False replicates them on every rank (dp_replicate = world size / (cp * tp)).
-    tensor_parallel / context_parallel: the tp and cp mesh dims (see MeshLayout). The
-    layout is checked (one-line InputError) before any process group work.
+    tensor_parallel / context_parallel / pipeline_parallel: the tp, cp and pp mesh dims (see
+    MeshLayout). The layout is checked (one-line InputError) before any process group work.
     """
     env = env or launch_env()
     layout = plan_layout(env.world_size, shard, dp_replicate, dp_shard, tensor_parallel,
-                         context_parallel)  # fmt: skip
+                         context_parallel, pipeline_parallel)  # fmt: skip
     if env.world_size == 1:
         return DistState(0, 1, device, None)
     if device.type == "cuda":
@@ -105,18 +112,19 @@ def setup(
 
 
 def plan_layout(world_size: int, shard: bool, dp_replicate: int, dp_shard: int, tp: int = 1,
-                cp: int = 1) -> MeshLayout:  # fmt: skip
+                cp: int = 1, pp: int = 1) -> MeshLayout:  # fmt: skip
     """The mesh sizes setup() will build (pure: no process group), or a one-line InputError.
-    One process: the dp keys are ignored (as before), tensor_parallel / context_parallel are
-    not. ``shard`` False: dp_replicate = world size / (cp * tp), dp_shard = 1."""
+    One process: the dp keys are ignored (as before), tensor_parallel / context_parallel /
+    pipeline_parallel are not. ``shard`` False: dp_replicate = world size / (pp * cp * tp),
+    dp_shard = 1."""
     if world_size == 1:
-        if tp * cp > 1:
-            resolve_layout(1, 1, -1, cp, tp)  # raises: tp * cp does not divide 1
+        if tp * cp * pp > 1:
+            resolve_layout(1, 1, -1, cp, tp, pp)  # raises: pp * tp * cp does not divide 1
         return MeshLayout()
     if shard:
-        return resolve_layout(world_size, dp_replicate, dp_shard, cp, tp)
-    rest = resolve_layout(world_size, 1, -1, cp, tp).dp_shard
-    return MeshLayout(rest, 1, cp, tp)
+        return resolve_layout(world_size, dp_replicate, dp_shard, cp, tp, pp)
+    rest = resolve_layout(world_size, 1, -1, cp, tp, pp).dp_shard
+    return MeshLayout(rest, 1, cp, tp, pp)
 
 
 def all_reduce_sum(*values: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -203,21 +211,27 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def clip_grad_norm(parameters, max_norm: float) -> torch.Tensor:
+def clip_grad_norm(parameters, max_norm: float, across=None) -> torch.Tensor:
     """torch.nn.utils.clip_grad_norm_ for gradients that live on several meshes (FSDP2 x TP:
     the layers' matrices on (dp, tp), the rest on dp alone, which one stack cannot hold):
-    the norm of each mesh's gradients, combined; returns the total norm (a plain tensor)."""
+    the norm of each mesh's gradients, combined; returns the total norm (a plain tensor).
+    across: a process group whose ranks hold other parameters (the pipeline's stages): the
+    squared norms are summed over it, so every stage clips by the whole model's norm."""
     params = [p for p in parameters if p.grad is not None]
     grads = [p.grad for p in params]
     by_mesh: dict = {}
     for grad in grads:
         mesh = grad.device_mesh if isinstance(grad, DTensor) else None
         by_mesh.setdefault(id(mesh), []).append(grad)
-    if len(by_mesh) <= 1:
+    if len(by_mesh) <= 1 and across is None:
         return full_value(torch.nn.utils.clip_grad_norm_(params, max_norm))
     with quiet_dtensor_notes():  # a 2-D norm's reduction takes two all-reduces
         norms = [full_value(torch.nn.utils.get_total_norm(group)) for group in by_mesh.values()]
-    total = torch.linalg.vector_norm(torch.stack(norms))
+    total = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
+    if across is not None:
+        squared = (total.float() ** 2).reshape(1)
+        dist.all_reduce(squared, group=across)
+        total = squared[0].sqrt()
     if max_norm != float("inf"):
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for grad in grads:

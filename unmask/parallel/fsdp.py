@@ -68,8 +68,22 @@ def sync_gradients(model: nn.Module, sync: bool) -> None:
 
 
 def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Gather the full (unsharded) state dict to CPU; collective, every rank calls it."""
+    """Gather the full (unsharded) state dict to CPU; collective, every rank calls it. A
+    pipeline stage's model (its `pipeline_group` set) also gathers the other stages'
+    entries from its pipeline's ranks: the first one gets the whole model's."""
+    import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.tensor import DTensor
 
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return get_model_state_dict(model, options=options)
+    group = getattr(model, "pipeline_group", None)
+    if group is None:
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return get_model_state_dict(model, options=options)
+    # every stage's first rank needs its entries (get_model_state_dict keeps them on global
+    # rank 0 only): each DTensor gathered over its own mesh, in the same order on its ranks
+    state = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu()
+             for k, v in model.state_dict().items()}  # fmt: skip
+    first = dist.get_rank(group) == 0
+    parts: list | None = [None] * dist.get_world_size(group) if first else None
+    dist.gather_object(state, parts, group=group, group_dst=0)
+    return {k: v for part in parts for k, v in part.items()} if first else state

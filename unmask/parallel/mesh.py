@@ -44,21 +44,23 @@ def launch_env(environ: dict[str, str] | None = None) -> LaunchEnv:
 
 @dataclass(frozen=True)
 class MeshLayout:
-    """Sizes of the four mesh dims, torchtitan's order: dp_replicate x dp_shard x cp x tp.
+    """Sizes of the mesh dims, torchtitan's order: pp x dp_replicate x dp_shard x cp x tp.
 
-    dp_replicate: replica groups (HSDP); dp_shard: ranks FSDP2 shards parameters over;
-    cp: ranks a sequence is split over (context parallelism); tp: ranks a layer's matrices
-    are split over (tensor parallelism). Their product is the world size.
+    pp: pipeline stages' ranks (the outermost dim: each pp rank holds its own decoder
+    layers); dp_replicate: replica groups (HSDP); dp_shard: ranks FSDP2 shards parameters
+    over; cp: ranks a sequence is split over (context parallelism); tp: ranks a layer's
+    matrices are split over (tensor parallelism). Their product is the world size.
     """
 
     dp_replicate: int = 1
     dp_shard: int = 1
     cp: int = 1
     tp: int = 1
+    pp: int = 1
 
     @property
     def world_size(self) -> int:
-        return self.dp_replicate * self.dp_shard * self.cp * self.tp
+        return self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
 
     @property
     def dp(self) -> int:
@@ -67,15 +69,17 @@ class MeshLayout:
 
 
 def resolve_layout(
-    world_size: int, dp_replicate: int, dp_shard: int, cp: int = 1, tp: int = 1
+    world_size: int, dp_replicate: int, dp_shard: int, cp: int = 1, tp: int = 1, pp: int = 1
 ) -> MeshLayout:
-    """The mesh sizes; dp_shard -1 = world_size / (dp_replicate * cp * tp). One-line errors."""
-    for key, value in (("tensor_parallel", tp), ("context_parallel", cp)):
+    """The mesh sizes; dp_shard -1 = world_size / (pp * dp_replicate * cp * tp). One-line
+    errors."""
+    for key, value in (("tensor_parallel", tp), ("context_parallel", cp),
+                       ("pipeline_parallel", pp)):  # fmt: skip
         if value < 1:
             raise InputError(f"train.{key} must be >= 1, got {value}")
     if dp_replicate < 1:
         raise InputError(f"train.dp_replicate must be >= 1, got {dp_replicate}")
-    fixed = dp_replicate * cp * tp
+    fixed = pp * dp_replicate * cp * tp
     if dp_shard == -1:
         if world_size % fixed:
             if fixed == dp_replicate:
@@ -83,8 +87,8 @@ def resolve_layout(
                     f"train.dp_replicate={dp_replicate} does not divide the world size "
                     f"{world_size}; set dp_replicate to a divisor of the number of processes"
                 )
-            named = (("dp_replicate", dp_replicate), ("context_parallel", cp),
-                     ("tensor_parallel", tp))  # fmt: skip
+            named = (("pipeline_parallel", pp), ("dp_replicate", dp_replicate),
+                     ("context_parallel", cp), ("tensor_parallel", tp))  # fmt: skip
             what = " x ".join(f"train.{k}={v}" for k, v in named if v > 1)
             raise InputError(
                 f"{what} does not divide the world size {world_size}; launch a multiple of "
@@ -97,12 +101,13 @@ def resolve_layout(
             for k, v in (("context_parallel", cp), ("tensor_parallel", tp))
             if v > 1
         )
+        first = f"train.pipeline_parallel={pp} x " if pp > 1 else ""
         raise InputError(
-            f"mesh train.dp_replicate={dp_replicate} x train.dp_shard={dp_shard}{extra} = "
+            f"mesh {first}train.dp_replicate={dp_replicate} x train.dp_shard={dp_shard}{extra} = "
             f"{fixed * dp_shard} processes does not match the world size {world_size}; "
             "make their product the number of processes (dp_shard: -1 fills it in)"
         )
-    return MeshLayout(dp_replicate, dp_shard, cp, tp)
+    return MeshLayout(dp_replicate, dp_shard, cp, tp, pp)
 
 
 def resolve_mesh_shape(world_size: int, dp_replicate: int, dp_shard: int) -> tuple[int, int]:
@@ -127,15 +132,16 @@ def init_process_group(env: LaunchEnv, device: torch.device, timeout_s: float) -
     )
 
 
-MESH_DIMS = ("dp_replicate", "dp_shard", "cp", "tp")
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 
 def build_mesh(device: torch.device, layout: MeshLayout) -> DeviceMesh:
-    """The world mesh with all four dims (size-1 dims included, so every layout has the
-    same names), plus torchtitan's flattened views: "dp" (dp_replicate, dp_shard: ranks
-    that read different rows), "dp_shard_cp" (what FSDP2 shards over) and "dp_cp" (ranks
-    whose losses are summed)."""
-    sizes = (layout.dp_replicate, layout.dp_shard, layout.cp, layout.tp)
+    """The world mesh with all five dims (size-1 dims included, so every layout has the
+    same names; pp outermost, so a pipeline's stages may sit on different nodes and
+    every other dim inside one stage), plus torchtitan's flattened views: "dp"
+    (dp_replicate, dp_shard: ranks that read different rows), "dp_shard_cp" (what FSDP2
+    shards over) and "dp_cp" (ranks whose losses are summed)."""
+    sizes = (layout.pp, layout.dp_replicate, layout.dp_shard, layout.cp, layout.tp)
     mesh = init_device_mesh(device.type, sizes, mesh_dim_names=MESH_DIMS)
     mesh["dp_replicate", "dp_shard"]._flatten("dp")
     mesh["dp_shard", "cp"]._flatten("dp_shard_cp")

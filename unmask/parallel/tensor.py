@@ -67,8 +67,10 @@ def check_tensor_parallel(model: ModelConfig, tp: int, *, lora: bool = False) ->
             )
 
 
-def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
-    """Split every decoder layer of a native model over ``tp_mesh`` (1-D), in place."""
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh,
+                          layers: list[nn.Module] | None = None) -> nn.Module:  # fmt: skip
+    """Split every decoder layer of a native model over ``tp_mesh`` (1-D), in place
+    (``layers``: those of them; a pipeline stage's)."""
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -95,7 +97,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
     }  # fmt: skip
     plan.update({name: ColwiseParallel() for name in COLWISE})
     plan.update({name: RowwiseParallel() for name in ROWWISE})
-    for layer in model.model.layers:
+    for layer in model.model.layers if layers is None else layers:
         layer_plan = dict(plan)
         for name in PER_HEAD_NORMS:  # (B, L, heads, head_dim): the heads are split
             if any(True for _ in layer.get_submodule(name).parameters()):

@@ -12,6 +12,7 @@ import torch
 from unmask.data import eval_batches
 from unmask.diffusion import Objective
 from unmask.parallel.context import pad_rows
+from unmask.parallel.pipeline import capture_call
 from unmask.sampling.accuracy import heldout_accuracy
 from unmask.sampling.config import fixed_by_training
 from unmask.train.metrics import MetricsLogger
@@ -45,11 +46,17 @@ class Evaluation:
             if self.context is not None:  # this rank's slice of the rows (noise drawn)
                 batch = self.context.shard_batch(pad_rows(batch, self.context.size))
             with autocast(self.device, self.cfg.train.bf16):
-                loss_sum, count = self._eval_objective(self.model, batch, noise)
+                if self.pipeline is not None:  # the objective's call through the stages
+                    call, count = capture_call(self._eval_objective, batch, noise, False)
+                    loss_sum = self.pipeline.forward_loss(call)
+                else:
+                    loss_sum, count = self._eval_objective(self.model, batch, noise)
             loss_sum_total += loss_sum.detach().double()  # on the device: one read at the end
             count_total += count.detach().double()
         if self.context is not None:  # the slices' sums: every cp rank gets the rows' total
             loss_sum_total, count_total = self.context.sum(loss_sum_total, count_total)
+        if self.pipeline is not None:  # the last stage's sum, to every stage
+            loss_sum_total = self.pipeline.sum_over_stages(loss_sum_total).double()
         self.model.train(was_training)
         return float(loss_sum_total / count_total.clamp(min=1.0))
 

@@ -29,6 +29,7 @@ from unmask.parallel.context import check_context_parallel
 from unmask.parallel.expert import expert_mesh, shard_experts
 from unmask.parallel.fsdp import apply_fsdp, compile_blocks
 from unmask.parallel.mesh import fsdp_mesh
+from unmask.parallel.pipeline import PipelineModel, PipelinePlan
 from unmask.parallel.tensor import apply_tensor_parallel
 
 
@@ -86,6 +87,64 @@ def check_context_request(cfg: RunConfig, world_size: int) -> None:
                            tp=cfg.train.tensor_parallel)  # fmt: skip
 
 
+def check_pipeline_request(cfg: RunConfig) -> None:
+    """train.pipeline_parallel > 1: one-line InputError before any process group work for
+    what the pipeline cannot serve. It splits the layers of a native decoder with an
+    untied head, trained with an objective whose count is known before the forward and
+    whose loss is one call of the model (its registry entry says: accepts_pipeline_parallel);
+    the stages' shapes are fixed, so rows keep their length."""
+    pp = cfg.train.pipeline_parallel
+    if pp == 1:
+        return
+    key = f"train.pipeline_parallel={pp}"
+    model = cfg.model
+    if not FAMILIES[model.model_type].native or (
+        model.pretrained is not None and is_encoder_folder(model.pretrained)
+    ):
+        name = model.pretrained or model.model_type
+        raise InputError(f"{key} needs a native decoder; model {name!r} is a wrapped "
+                         "transformers model: set train.pipeline_parallel=1")  # fmt: skip
+    if model.lora or model.load_in_4bit:
+        raise InputError(f"{key} does not combine with model.lora / model.load_in_4bit; set "
+                         "train.pipeline_parallel=1")  # fmt: skip
+    if architecture(model).num_experts:
+        raise InputError(f"{key} does not split mixture-of-experts models into stages yet; "
+                         "use train.expert_parallel and dp_shard, and set "
+                         "train.pipeline_parallel=1")  # fmt: skip
+    if architecture(model).tie_word_embeddings:
+        raise InputError(
+            f"{key} puts the embedding on the first stage and the LM head on the last; "
+            "model.tie_word_embeddings makes them one matrix: set it to false or "
+            "train.pipeline_parallel=1"
+        )
+    objective = cfg.diffusion.objective
+    accepts = objective_spec(objective).accepts_pipeline_parallel
+    if accepts is None or not accepts(cfg.diffusion):
+        settings = " with these settings (a cutoff draws the layout)" if accepts else ""
+        raise InputError(
+            f"{key} needs an objective that says its loss's count before the forward "
+            f"({names_that('accepts_pipeline_parallel')}); diffusion.objective {objective!r}"
+            f"{settings} cannot: set train.pipeline_parallel=1"
+        )
+    if cfg.train.context_parallel > 1:
+        raise InputError(f"{key} does not combine with train.context_parallel yet; set one of "
+                         "them to 1")  # fmt: skip
+    if cfg.diffusion.random_length_prob > 0:
+        raise InputError(
+            f"{key} runs stages of fixed shapes; diffusion.random_length_prob="
+            f"{cfg.diffusion.random_length_prob} cuts rows to random lengths: set it to 0"
+        )
+    if cfg.eval.generate_accuracy:
+        raise InputError(f"{key} splits training forwards only; no sampler runs through the "
+                         "pipeline: set eval.generate_accuracy=false")  # fmt: skip
+    if cfg.train.pipeline_schedule == "zero_bubble" and cfg.train.bf16:
+        # torch 2.13's split backward of a bf16 (FSDP2 mixed-precision) stage writes into an
+        # expanded tensor and stops; fp32 is tested
+        raise InputError(f"{key} with pipeline_schedule zero_bubble does not run under "
+                         "train.bf16 yet; use pipeline_schedule interleaved_1f1b, or "
+                         "bf16=false")  # fmt: skip
+
+
 def prepare_tokenizer(cfg: RunConfig):
     """(tokenizer, the tokenizer as loaded, number of tokens added). The one as loaded is
     what token stores were made with; a LLaDA / Dream folder's mask id is adopted; a mask
@@ -118,10 +177,11 @@ def checkpointing_choice(t) -> bool | int:
 
 
 def build_train_model(cfg: RunConfig, tokenizer, added_tokens: int, device: torch.device,
-                      mesh) -> torch.nn.Module:  # fmt: skip
-    """The model on its device, in torchtitan's order: vocabulary resize, 4-bit base, tensor
+                      mesh, pipeline: PipelinePlan | None = None) -> torch.nn.Module:  # fmt: skip
+    """The model on its device, in torchtitan's order: vocabulary resize, 4-bit base, the
+    pipeline stages this rank holds (`pipeline`: a PipelineModel of them), tensor
     parallelism over the mesh's tp dim, activation checkpointing, per-block compile, LoRA,
-    then FSDP2 over its dp_shard_cp dims (mesh None: one process)."""
+    then FSDP2 over its dp_shard_cp dims (mesh None: one process; per stage under PP)."""
     t = cfg.train
     model = build_model(cfg.model)
     if added_tokens or model.config.vocab_size < len(tokenizer):
@@ -129,9 +189,11 @@ def build_train_model(cfg: RunConfig, tokenizer, added_tokens: int, device: torc
     if cfg.model.load_in_4bit:  # QLoRA: frozen NF4 base, quantized onto the device
         compute = torch.bfloat16 if t.bf16 else torch.float32
         quantize_4bit(model, lora_targets(cfg.model, model), device, compute)
+    if pipeline is not None:  # every rank drew the whole model: the same weights as 1 process
+        model = PipelineModel(model, pipeline, mesh["pp"].get_local_rank())
     if mesh is not None and mesh["tp"].size() > 1:
         model.to(device)
-        apply_tensor_parallel(model, mesh["tp"])
+        apply_tensor_parallel(model, mesh["tp"], decoder_layers(model))
     model.gradient_checkpointing = checkpointing_choice(t)
     if t.torch_compile:
         compile_blocks(decoder_layers(model))
@@ -143,9 +205,14 @@ def build_train_model(cfg: RunConfig, tokenizer, added_tokens: int, device: torc
         if t.expert_parallel > 1:
             grid = expert_mesh(device, mesh["dp_cp"].size(), t.expert_parallel)
             experts = shard_experts(model, grid)
-        apply_fsdp(model, fsdp_mesh(mesh), decoder_layers(model), bf16=t.bf16,
-                   reshard_after_forward=t.reshard_after_forward,
-                   ignored_params=set(experts))  # fmt: skip
+        units = model.stages if pipeline is not None else [model]
+        # zero bubble's weight pass finds the weights the forward used among the module's
+        # parameters: they must stay gathered from the forward to it
+        reshard = t.reshard_after_forward and not (pipeline and pipeline.schedule == "zero_bubble")
+        for unit in units:  # under PP: each stage is an FSDP2 root of its own
+            layers = decoder_layers(model) if pipeline is None else list(unit.layers)
+            apply_fsdp(unit, fsdp_mesh(mesh), layers, bf16=t.bf16, reshard_after_forward=reshard,
+                       ignored_params=set(experts))  # fmt: skip
     return model
 
 

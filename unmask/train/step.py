@@ -18,6 +18,7 @@ from unmask.parallel.batch import rank_generator
 from unmask.parallel.context import pad_rows
 from unmask.parallel.distributed import all_reduce_sum, clip_grad_norm
 from unmask.parallel.fsdp import sync_gradients
+from unmask.parallel.pipeline import capture_call
 
 
 def to_device(batch: dict, device: torch.device) -> dict:
@@ -56,10 +57,12 @@ class TrainStep:
         batch = self.objective.with_noise(batch, self.noise, rows)
         return self.context.shard_batch(pad_rows(batch, self.context.size))
 
-    def _once(self, value: torch.Tensor) -> torch.Tensor:
-        """value on tp rank 0, zero on its tp peers: they computed the same loss and count
-        from the same rows, which a sum over all ranks must count once."""
-        return value if self.dist.tp_rank == 0 else torch.zeros_like(value)
+    def _once(self, value: torch.Tensor, pp_rank: int = 0) -> torch.Tensor:
+        """value on tp rank 0 of pipeline rank `pp_rank`, zero on its tp and pp peers: they
+        computed the same count from the same rows (the loss: only the last stage has it),
+        which a sum over all ranks must count once."""
+        once = self.dist.tp_rank == 0 and self.dist.pp_rank == pp_rank
+        return value if once else torch.zeros_like(value)
 
     def _prepared(self, batch: dict) -> dict:
         """A micro-batch on the device, cut to LLaDA's random length (seeded by the step, so
@@ -107,6 +110,11 @@ class TrainStep:
         counted = torch.zeros((), device=self.device)
         flops = 0.0
         sums: dict[str, torch.Tensor] = {}  # the objective's `step_sums` (preference)
+        loss_holder = 0  # the pipeline rank whose loss counts (under PP: the last stage's)
+        if self.pipeline is not None:  # the objective's calls, run through the stages
+            loss_sum_total = self._pipeline_micro_batches(batches, scale)
+            loss_holder = self.pipeline.plan.degree - 1
+            batches = []
         for index, batch in enumerate(batches):
             noise = self.noise
             if self.sharded:
@@ -131,10 +139,11 @@ class TrainStep:
                 if param.grad is not None:
                     param.grad.mul_(scale.to(param.grad.dtype))
         elif self.sharded:
-            loss_sum_total, stop = all_reduce_sum(self._once(loss_sum_total), stop)
+            loss_sum_total, stop = all_reduce_sum(self._once(loss_sum_total, loss_holder), stop)
         # the global gradient norm (clipped to max_grad_norm when set): also the guard's
         max_norm = self.cfg.optim.max_grad_norm if self.cfg.optim.max_grad_norm > 0 else math.inf
-        grad_norm = clip_grad_norm(self.model.parameters(), max_norm)
+        stages = None if self.pipeline is None else self.pipeline.group  # norms of every stage
+        grad_norm = clip_grad_norm(self.model.parameters(), max_norm, across=stages)
         loss = loss_sum_total * scale
         learning_rate = self.optimizer.param_groups[0]["lr"]  # the lr this step uses
         stats = {"loss": loss, "learning_rate": learning_rate}
@@ -156,6 +165,22 @@ class TrainStep:
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return stats
+
+    def _pipeline_micro_batches(self, batches: list[dict], scale: torch.Tensor | None):
+        """Pipeline parallelism: each micro-batch's noise drawn as in `_rank_noise`, the
+        objective's model call recorded (parallel/pipeline.py: capture_call), and the step's
+        calls run through the stages with each loss times `scale` (1 / the step's global
+        count, known before the forward: the objectives PP accepts say it). Returns the
+        weighted loss sum on the last stage's ranks (0 elsewhere)."""
+        if scale is None:  # refused at start-up (check_pipeline_request)
+            raise RuntimeError("pipeline parallelism needs the count before the forward")
+        calls = []
+        for index, batch in enumerate(batches):
+            batch, noise = self._rank_noise(batch, (self.step, index))
+            call, _ = capture_call(self.objective, batch, noise, training=True)
+            calls.append(call)
+        with autocast(self.device, self.cfg.train.bf16):
+            return self.pipeline.train_step(calls, scale)
 
     def _step_means(self, sums: dict, scale: torch.Tensor) -> dict:
         """The objective's per-step sums over micro-batches (and ranks) times 1 / count."""

@@ -21,6 +21,7 @@ from unmask.data import make_loader
 from unmask.data.streaming import StreamSpec
 from unmask.diffusion import objective_spec
 from unmask.errors import RunStopped
+from unmask.models.hf import architecture
 from unmask.models.lora import check_request as check_lora_request
 from unmask.models.quant import check_4bit
 from unmask.optim.config import build_optimizer
@@ -30,6 +31,7 @@ from unmask.parallel.context import ContextShard, attach_context
 from unmask.parallel.distributed import collective_failure, plan_layout, resolve_device, setup
 from unmask.parallel.expert import attach_moe_training, check_moe_request
 from unmask.parallel.mesh import launch_env, share_from_rank0
+from unmask.parallel.pipeline import PipelineRunner, plan_pipeline
 from unmask.parallel.tensor import check_tensor_parallel
 from unmask.parallel.threads import set_threads
 from unmask.sampling.config import (
@@ -64,6 +66,7 @@ from unmask.train.setup import (
     build_train_model,
     check_context_request,
     check_model_fits,
+    check_pipeline_request,
     objective_datasets,
     prepare_tokenizer,
 )
@@ -97,10 +100,12 @@ class Trainer(TrainStep, Evaluation, CheckpointedState):
         env = launch_env()
         check_tensor_parallel(cfg.model, t.tensor_parallel, lora=cfg.model.lora)
         check_context_request(cfg, env.world_size)
+        check_pipeline_request(cfg)
         # the mesh's sizes, checked before any process group work; tp and cp peers read the
         # same rows, so batches are split over the data-parallel ranks only
         layout = plan_layout(env.world_size, t.fsdp2, t.dp_replicate, t.dp_shard,
-                             t.tensor_parallel, t.context_parallel)  # fmt: skip
+                             t.tensor_parallel, t.context_parallel,
+                             t.pipeline_parallel)  # fmt: skip
         dp = layout.dp if env.world_size > 1 else 1
         check_moe_request(cfg.model, t.expert_parallel, dp * layout.cp, t.tensor_parallel)
         what = "the world size" if dp == env.world_size else "the data-parallel size"
@@ -110,9 +115,17 @@ class Trainer(TrainStep, Evaluation, CheckpointedState):
             t.per_device_train_batch_size, dp, t.split_batches, what
         )
         batch_ranks = 1 if t.split_batches else dp
+        # the stages' layers and micro-batches (pp peers read the same rows)
+        self.pipeline_plan = None if t.pipeline_parallel == 1 else plan_pipeline(
+            t.pipeline_parallel, t.pipeline_schedule, t.pipeline_stages_per_rank,
+            t.pipeline_microbatches, t.pipeline_split,
+            architecture(cfg.model).num_hidden_layers,
+            self.local_batch_size * t.gradient_accumulation_steps,
+        )  # fmt: skip
         self.dist = setup(resolve_device(t.device), shard=t.fsdp2, dp_replicate=t.dp_replicate,
                           dp_shard=t.dp_shard, tensor_parallel=t.tensor_parallel,
-                          context_parallel=t.context_parallel, timeout_s=t.ddp_timeout,
+                          context_parallel=t.context_parallel,
+                          pipeline_parallel=t.pipeline_parallel, timeout_s=t.ddp_timeout,
                           env=env)  # fmt: skip
         self.device = self.dist.device
         self.sharded = self.dist.mesh is not None  # world size 1: no process group, no mesh
@@ -146,7 +159,13 @@ class Trainer(TrainStep, Evaluation, CheckpointedState):
 
         torch.manual_seed(t.seed)
         self.model = build_train_model(cfg, self.tokenizer, added_tokens, self.device,
-                                       self.dist.mesh)  # fmt: skip
+                                       self.dist.mesh, self.pipeline_plan)  # fmt: skip
+        self.pipeline = None  # PipelineRunner: this rank's stages and the schedule
+        if self.pipeline_plan is not None:
+            hidden_dtype = torch.bfloat16 if t.bf16 else torch.float32
+            self.pipeline = PipelineRunner(self.model, self.dist.mesh["pp"].get_group(),
+                                           self.device, hidden_dtype)  # fmt: skip
+            self.notices.append(self.pipeline_plan.describe())
         attach_context(self.model, self.context)
         params = sum(p.numel() for p in self.model.parameters())
         # a resumed run keeps the thread count it was trained with: another count changes
@@ -156,7 +175,8 @@ class Trainer(TrainStep, Evaluation, CheckpointedState):
             self.notices.append(line)
         self.objective = build_run_objective(cfg, self.tokenizer, added_tokens, self.device,
                                              self.dist.mesh, self.notices)  # fmt: skip
-        self.flops = flop_model(self.model) if t.log_mfu else None  # mfu.py: the FLOP count
+        # mfu.py: the FLOP count (of the whole model: not under PP, where a rank holds part)
+        self.flops = flop_model(self.model) if t.log_mfu and self.pipeline is None else None
         self.optimizer = build_optimizer(cfg.optim, self.model)
         # MoE: the step's expert load over micro-batches and ranks, the expert-bias update
         self.moe = attach_moe_training(self.model, self.optimizer, self.dist,

@@ -1,0 +1,457 @@
+"""Pipeline parallelism of the native decoder with torch.distributed.pipelining.
+
+The decoder's layers are cut into consecutive stages (the embedding with the first, the
+final norm and LM head with the last); each rank of the mesh's "pp" dim holds one stage, or
+`stages_per_rank` of them (stage s on pp rank s mod pp) for the interleaved schedules. A
+step's rows are cut into micro-batches that flow through the stages in the order of torch's
+schedule (GPipe, 1F1B, interleaved 1F1B, interleaved zero bubble); only hidden states
+(B, L, H) travel between ranks.
+
+What the objective computes is unchanged: it is called as usual with a stand-in model
+(`ModelCall`) that records the one forward call it makes (noisy ids, document ids,
+positions, targets and their weights) and returns a placeholder; the pipeline then runs that
+call over the stages, the last stage returning the weighted cross-entropy sum of each
+micro-batch. The step's normalizer (the objective's count, summed over micro-batches and
+ranks) is known before the forward, so each micro-batch's loss is sum / global count and
+the gradients need no rescaling: one global normalization, as without a pipeline.
+
+Every stage gets its micro-batch's side inputs (document ids, positions, an explicit
+attention mask; the targets on the last stage) from the same rows every pp rank of a
+pipeline reads, so neither they nor the RoPE tables travel.
+
+Parameter names are the whole model's (`model.layers.5.mlp.up_proj.weight` stays that on
+the stage that holds layer 5), so DCP checkpoints reshard across pipeline degrees,
+schedules and every other layout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from unmask.diffusion.loss import IGNORE_INDEX, chunked_cross_entropy, weighted_cross_entropy
+from unmask.errors import InputError
+from unmask.models.attention import AttentionMask, build_attention_mask, resolve_backend
+from unmask.models.transformer import document_positions, rotary_cos_sin
+
+#: train.pipeline_schedule -> torch.distributed.pipelining's schedule class name
+SCHEDULES = {
+    "gpipe": "ScheduleGPipe",
+    "1f1b": "Schedule1F1B",
+    "interleaved_1f1b": "ScheduleInterleaved1F1B",
+    "zero_bubble": "ScheduleInterleavedZeroBubble",
+}
+#: schedules that hold several stages per rank (looped: stage s on pp rank s mod pp)
+MULTI_STAGE = ("interleaved_1f1b", "zero_bubble")
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    """How the layers are cut and scheduled: `degree` pp ranks, `stages_per_rank` stages
+    each, `layers[s]` the decoder layer indices of stage s, `microbatches` per step."""
+
+    degree: int
+    schedule: str
+    stages_per_rank: int
+    microbatches: int
+    layers: tuple[tuple[int, ...], ...]
+
+    @property
+    def num_stages(self) -> int:
+        return self.degree * self.stages_per_rank
+
+    def stages_of(self, pp_rank: int) -> list[int]:
+        """The stages pp rank `pp_rank` holds, in order."""
+        return [pp_rank + k * self.degree for k in range(self.stages_per_rank)]
+
+    def owner(self, stage: int) -> int:
+        return stage % self.degree
+
+    def describe(self) -> str:
+        """The start-up line: the schedule and each stage's layers."""
+        parts = []
+        for stage, layers in enumerate(self.layers):
+            extra = (["embeddings"] if stage == 0 else []) + (
+                ["norm + head"] if stage == self.num_stages - 1 else [])  # fmt: skip
+            span = f"layers {layers[0]}-{layers[-1]}" if len(layers) > 1 else f"layer {layers[0]}"
+            parts.append(f"stage {stage} (pp rank {self.owner(stage)}): "
+                         + " + ".join([span, *extra]))  # fmt: skip
+        return (f"pipeline: {self.num_stages} stages over {self.degree} ranks, "
+                f"{self.schedule}, {self.microbatches} micro-batches per step; "
+                + "; ".join(parts))  # fmt: skip
+
+
+def plan_pipeline(degree: int, schedule: str, stages_per_rank: int, microbatches: int | None,
+                  split: list[int] | None, num_layers: int, rows: int) -> PipelinePlan:  # fmt: skip
+    """The stages' layers and the micro-batch count, or a one-line InputError (pure: no
+    process group). rows: the rows one pipeline trains on per step (a data-parallel rank's
+    rows x gradient_accumulation_steps), which the micro-batches cut."""
+    multi = schedule in MULTI_STAGE
+    key = f"train.pipeline_schedule={schedule}"
+    if multi and stages_per_rank < 2:
+        raise InputError(
+            f"{key} interleaves several stages per rank; set train.pipeline_stages_per_rank "
+            f">= 2 (got {stages_per_rank}), or use pipeline_schedule gpipe or 1f1b"
+        )
+    if not multi and stages_per_rank > 1:
+        raise InputError(
+            f"{key} runs one stage per rank, not train.pipeline_stages_per_rank="
+            f"{stages_per_rank}; use interleaved_1f1b or zero_bubble, or set it to 1"
+        )
+    stages = degree * stages_per_rank
+    what = (f"train.pipeline_parallel={degree} x train.pipeline_stages_per_rank="
+            f"{stages_per_rank} = {stages} stages" if stages_per_rank > 1
+            else f"train.pipeline_parallel={degree} stages")  # fmt: skip
+    if split is None:
+        if num_layers % stages or num_layers < stages:
+            raise InputError(
+                f"model.num_hidden_layers={num_layers} does not divide into {what}; choose a "
+                f"degree that divides it, or give each stage's layers in train.pipeline_split"
+            )
+        sizes = [num_layers // stages] * stages
+    else:
+        sizes = list(split)
+        if len(sizes) != stages or min(sizes) < 1 or sum(sizes) != num_layers:
+            raise InputError(
+                f"train.pipeline_split={sizes} must give {stages} stages ({what}) at least one "
+                f"layer each, {num_layers} layers in all (model.num_hidden_layers)"
+            )
+    m = rows if microbatches is None else microbatches
+    if m < degree:
+        raise InputError(
+            f"train.pipeline_microbatches={m} is fewer than the {degree} pipeline ranks: the "
+            f"schedule needs at least one micro-batch per rank; raise it (or the batch) to "
+            f">= {degree}"
+        )
+    if rows % m:
+        raise InputError(
+            f"train.pipeline_microbatches={m} does not divide the {rows} rows a pipeline "
+            "trains on per step (rows per data-parallel rank x gradient_accumulation_steps); "
+            "use a divisor of them"
+        )
+    if multi and m % degree:
+        raise InputError(
+            f"{key} needs train.pipeline_microbatches to be a multiple of "
+            f"train.pipeline_parallel={degree}, got {m}"
+        )
+    starts = [sum(sizes[:s]) for s in range(stages)]
+    layers = tuple(tuple(range(a, a + n)) for a, n in zip(starts, sizes))
+    return PipelinePlan(degree, schedule, stages_per_rank, m, layers)
+
+
+class _Part(nn.Module):
+    """The `model.` prefix of the whole model (embed_tokens, layers, norm), holding only
+    what this rank's stages need, so every parameter keeps its whole-model name."""
+
+
+class _Layers(nn.Module):
+    """Some of the whole model's layers under their own indices ("5" -> layer 5), iterated
+    in order like the whole model's ModuleList (decoder_layers, activation checkpointing,
+    compile and FSDP2 see the layers this rank holds)."""
+
+    def __init__(self, layers: dict[int, nn.Module]) -> None:
+        super().__init__()
+        for index in sorted(layers):
+            self.add_module(str(index), layers[index])
+
+    def __iter__(self):
+        return iter(self._modules.values())
+
+    def __len__(self) -> int:
+        return len(self._modules)
+
+    def __getitem__(self, index: int) -> nn.Module:
+        return self._modules[str(index)]
+
+
+class PipelineModel(nn.Module):
+    """This rank's share of a DiffusionTransformer: its stages' layers (keyed by their index
+    in the whole model), the embedding when it holds the first stage, the norm and LM head
+    when it holds the last. The optimizer, checkpoints and train()/eval() see this module;
+    the schedule runs its `stages` (`StageModule`, one per stage), which share its modules.
+    """
+
+    def __init__(self, whole: nn.Module, plan: PipelinePlan, pp_rank: int) -> None:
+        super().__init__()
+        self.config = whole.config
+        self.plan = plan
+        self.pipeline_group = None  # the pp process group, set by the trainer's runner
+        held = plan.stages_of(pp_rank)
+        last = plan.num_stages - 1
+        self.model = _Part()
+        self.model.embed_tokens = whole.model.embed_tokens if 0 in held else None
+        self.model.layers = _Layers({i: whole.model.layers[i] for s in held
+                                     for i in plan.layers[s]})  # fmt: skip
+        self.model.norm = whole.model.norm if last in held else None
+        self.lm_head = whole.lm_head if last in held else None
+        # plain list: the stages share these modules and must not rename them
+        self.stages = [StageModule(self, s) for s in held]
+
+    @property
+    def gradient_checkpointing(self):
+        return self.stages[0].gradient_checkpointing
+
+    @gradient_checkpointing.setter
+    def gradient_checkpointing(self, flag) -> None:
+        for stage in self.stages:
+            stage.gradient_checkpointing = flag
+
+
+class StageModule(nn.Module):
+    """One stage's forward: (ids or hidden, side inputs) -> hidden states (B, L, H), or on
+    the last stage the weighted cross-entropy sum (0-d float32) over the targets."""
+
+    def __init__(self, owner: PipelineModel, stage: int) -> None:
+        super().__init__()
+        plan = owner.plan
+        self.config = owner.config
+        self.stage = stage
+        self.layer_ids = plan.layers[stage]
+        self.is_first = stage == 0
+        self.is_last = stage == plan.num_stages - 1
+        self.gradient_checkpointing = False
+        self.vocab_chunk = 8192
+        # zero bubble splits the backward into input and weight passes: the head's loss
+        # then takes the plain chunked path (the fused one hands out its gradients once)
+        self.split_backward = plan.schedule == "zero_bubble"
+        self.embed_tokens = owner.model.embed_tokens if self.is_first else None
+        self.layers = nn.ModuleList(owner.model.layers[i] for i in self.layer_ids)
+        self.norm = owner.model.norm if self.is_last else None
+        self.lm_head = owner.lm_head if self.is_last else None
+
+    def checkpoints(self, index: int) -> bool:
+        """As DiffusionTransformer.checkpoints, by the layer's index in the whole model."""
+        flag = self.gradient_checkpointing
+        if isinstance(flag, bool):
+            return flag
+        return flag > 0 and index % flag == 0
+
+    def forward(self, x: torch.Tensor, doc_ids: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None,
+                targets: torch.Tensor | None = None,
+                target_weights: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+        """x: input ids (B, L) on the first stage, hidden states (B, L, H) after it."""
+        if self.is_first:
+            x = self.embed_tokens(x)
+        batch, length = x.shape[0], x.shape[1]
+        cfg = self.config
+        if position_ids is None:
+            if doc_ids is not None:
+                position_ids = document_positions(doc_ids)
+            else:
+                position_ids = torch.arange(length, device=x.device).expand(batch, length)
+        backend = "sdpa" if attention_mask is not None else resolve_backend(
+            cfg.attn_implementation, doc_ids, x.device)  # fmt: skip
+        mask = build_attention_mask(doc_ids, backend)
+        if attention_mask is not None:
+            dense = attention_mask if mask.dense is None else mask.dense & attention_mask
+            mask = AttentionMask("sdpa", dense=dense)
+        cos, sin = rotary_cos_sin(position_ids, cfg.resolved_head_dim, cfg.rope_theta)
+        for index, layer in zip(self.layer_ids, self.layers):
+            if self.checkpoints(index) and torch.is_grad_enabled():
+                x = checkpoint(layer, x, cos, sin, mask, use_reentrant=False)
+            else:
+                x = layer(x, cos, sin, mask)
+        if not self.is_last:
+            return x
+        hidden = self.norm(x)
+        selected = targets != IGNORE_INDEX
+        rows, weight, coef = hidden[selected], self.lm_head.weight, target_weights[selected]
+        if self.split_backward:  # its weight pass runs the loss's backward a second time
+            losses = chunked_cross_entropy(rows, weight, targets[selected], self.vocab_chunk)
+            return (losses * coef.detach().to(losses.dtype)).sum()
+        return weighted_cross_entropy(rows, weight, targets[selected], coef, self.vocab_chunk)
+
+
+class ModelCall:
+    """A stand-in for the model while an objective builds its loss: records the one call
+    it makes (`model(noisy_ids, doc_ids=, position_ids=, targets=, target_weights=, ...)`)
+    and returns a placeholder, which must come back as the objective's loss_sum (the loss
+    is that one call's weighted sum, which the pipeline then computes over its stages)."""
+
+    accepts_target_weights = True
+
+    def __init__(self, training: bool) -> None:
+        self.training = training
+        self.calls: list[dict] = []
+        self.placeholder = torch.zeros(())
+
+    def __call__(self, input_ids: torch.Tensor, **kwargs) -> torch.Tensor:
+        self.calls.append({"input_ids": input_ids, **kwargs})
+        return self.placeholder
+
+
+def capture_call(
+    objective, batch: dict, generator, training: bool = True
+) -> tuple[dict, torch.Tensor]:
+    """(the model call the objective's loss is, its count): the call's tensors (input_ids,
+    doc_ids, position_ids, attention_mask, targets, target_weights; None when not given)
+    and vocab_chunk. RuntimeError when the loss is not exactly one weighted call (the
+    registry's accepts_pipeline_parallel says which objectives' are)."""
+    stand_in = ModelCall(training)
+    loss_sum, count = objective(stand_in, batch, generator)
+    call = stand_in.calls[0] if len(stand_in.calls) == 1 else None
+    if call is None or loss_sum is not stand_in.placeholder or call.get("target_weights") is None:
+        raise RuntimeError(
+            f"{type(objective).__name__}'s loss is not one weighted call of the model, so it "
+            "cannot run through the pipeline's stages (see ObjectiveSpec."
+            "accepts_pipeline_parallel)"
+        )
+    keys = ("input_ids", "doc_ids", "position_ids", "attention_mask", "targets",
+            "target_weights")  # fmt: skip
+    return {**{k: call.get(k) for k in keys}, "vocab_chunk": call.get("vocab_chunk", 8192)}, count
+
+
+def _side_inputs(call: dict, last: bool) -> dict:
+    """The keyword inputs a stage takes beside x: the targets only on the last stage."""
+    keys = ["doc_ids", "position_ids", "attention_mask"]
+    if last:
+        keys += ["targets", "target_weights"]
+    return {k: call[k] for k in keys if call[k] is not None}
+
+
+def _stage_class():
+    """PipelineStage that also hands every stage its micro-batch's side inputs (a stage's
+    kwargs otherwise come only from step(), split for the first stage)."""
+    from torch.distributed.pipelining import PipelineStage
+
+    class FedStage(PipelineStage):
+        chunk_kwargs: list[dict] = []
+
+        def forward_one_chunk(self, fwd_chunk_id, args, kwargs=None, save_forward_output=True):
+            fed = {**(kwargs or {}), **self.chunk_kwargs[fwd_chunk_id]}
+            return super().forward_one_chunk(fwd_chunk_id, args, fed, save_forward_output)
+
+    return FedStage
+
+
+class PipelineRunner:
+    """Runs a step's micro-batches through this rank's stages with the planned schedule
+    (training), or one batch forward only through every stage in turn (evaluation)."""
+
+    def __init__(self, model: PipelineModel, group, device: torch.device,
+                 hidden_dtype: torch.dtype) -> None:  # fmt: skip
+        """group: this pipeline's pp process group; hidden_dtype: what travels between
+        stages (bfloat16 under train.bf16's FSDP2 mixed precision, else float32)."""
+        self.model, self.group, self.device = model, group, device
+        self.plan = model.plan
+        model.pipeline_group = group
+        self.hidden_dtype = hidden_dtype
+        self.stages: list = []
+        self.schedule = None
+        self._shape: tuple[int, int] | None = None
+        self._scale = torch.ones((), device=device)
+        self._sums: list[torch.Tensor] = []
+
+    def _build(self, rows: int, length: int) -> None:
+        """The stages and the schedule for micro-batches of `rows` rows of `length` tokens:
+        static shapes (no start-up shape exchange), fixed from the first step on."""
+        from torch.distributed import pipelining
+
+        plan, device = self.plan, self.device
+        hidden = self.model.config.hidden_size
+        # activations carry gradients back (their requires_grad is part of the metadata)
+        act = torch.zeros(rows, length, hidden, dtype=self.hidden_dtype, device=device,
+                          requires_grad=True)  # fmt: skip
+        fed = _stage_class()
+        self.stages = []
+        for module in self.model.stages:
+            inputs = (
+                torch.zeros(rows, length, dtype=torch.long, device=device)
+                if module.is_first
+                else act
+            )
+            outputs = (torch.zeros((), device=device, requires_grad=True) if module.is_last
+                       else act)  # fmt: skip
+            stage = fed(module, module.stage, plan.num_stages, device, input_args=inputs,
+                        output_args=outputs, group=self.group)  # fmt: skip
+            self.stages.append(stage)
+        schedule = getattr(pipelining, SCHEDULES[plan.schedule])
+        first_arg = self.stages[0] if plan.stages_per_rank == 1 else self.stages
+        self.schedule = schedule(first_arg, plan.microbatches, loss_fn=self._loss,
+                                 scale_grads=False)  # fmt: skip
+        self._shape = (rows, length)
+
+    @property
+    def holds_last(self) -> bool:
+        return any(module.is_last for module in self.model.stages)
+
+    def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """A micro-batch's weighted sum / the step's global count (target: unused)."""
+        self._sums.append(output.detach().float())
+        return output * self._scale
+
+    def _split(self, calls: list[dict]) -> tuple[torch.Tensor, list[dict]]:
+        """The step's calls joined along rows and cut into the planned micro-batches."""
+        m = self.plan.microbatches
+        joined = {}
+        for key, value in calls[0].items():
+            if isinstance(value, torch.Tensor):
+                joined[key] = torch.cat([call[key] for call in calls])
+            else:
+                joined[key] = value
+        cut = {k: v.tensor_split(m) if isinstance(v, torch.Tensor) else [v] * m
+               for k, v in joined.items()}  # fmt: skip
+        return joined["input_ids"], [{k: cut[k][i] for k in cut} for i in range(m)]
+
+    def train_step(self, calls: list[dict], scale: torch.Tensor) -> torch.Tensor:
+        """Forward and backward of a step's calls (one per gradient-accumulation
+        micro-batch, in order) with each micro-batch's loss times `scale` (1 / the step's
+        global count); returns the step's weighted loss sum on the ranks that hold the last
+        stage (0 elsewhere)."""
+        input_ids, chunks = self._split(calls)
+        shape = (input_ids.shape[0] // self.plan.microbatches, input_ids.shape[1])
+        if self.schedule is None:
+            self._build(*shape)
+        elif shape != self._shape:
+            raise RuntimeError(f"pipeline micro-batches of {shape} (rows, tokens) after "
+                               f"{self._shape}: the stages' shapes are fixed")  # fmt: skip
+        for stage, module in zip(self.stages, self.model.stages):
+            module.vocab_chunk = chunks[0]["vocab_chunk"]
+            stage.chunk_kwargs = [_side_inputs(chunk, module.is_last) for chunk in chunks]
+        self._scale = scale.detach().float()
+        self._sums = []
+        holds_first = any(module.is_first for module in self.model.stages)
+        args = (input_ids,) if holds_first else ()
+        target = (torch.zeros(self.plan.microbatches, device=self.device) if self.holds_last
+                  else None)  # fmt: skip
+        self.schedule.step(*args, target=target, return_outputs=False)
+        total = torch.zeros((), device=self.device)
+        for value in self._sums:
+            total += value
+        return total
+
+    @torch.no_grad()
+    def forward_loss(self, call: dict) -> torch.Tensor:
+        """The weighted loss sum of one call, forward only, stage after stage (evaluation:
+        any number of rows); on the ranks that hold the last stage, 0 elsewhere."""
+        plan, x = self.plan, call["input_ids"]
+        shape = (*x.shape, self.model.config.hidden_size)
+        result = torch.zeros((), device=self.device)
+        by_stage = {module.stage: module for module in self.model.stages}
+        for stage in range(plan.num_stages):
+            module = by_stage.get(stage)
+            if module is None:
+                continue
+            module.vocab_chunk = call["vocab_chunk"]
+            if stage > 0:
+                x = torch.empty(shape, dtype=self.hidden_dtype, device=self.device)
+                dist.recv(x, group=self.group, group_src=plan.owner(stage - 1))
+            out = module(x, **_side_inputs(call, module.is_last))
+            if module.is_last:
+                result = out.detach().float()
+            else:
+                dist.send(out.to(self.hidden_dtype).contiguous(), group=self.group,
+                          group_dst=plan.owner(stage + 1))  # fmt: skip
+        return result
+
+    def sum_over_stages(self, value: torch.Tensor) -> torch.Tensor:
+        """value summed over this pipeline's ranks (a last-stage number to every stage)."""
+        value = value.detach().float().clone()
+        dist.all_reduce(value, group=self.group)
+        return value
