@@ -168,3 +168,71 @@ def test_lora_on_attention_trains_only_adapters_and_resumes(tmp_path):
     resumed = losses(Path(tmp_path / "stopped"))
     assert sorted(resumed) == [4, 5, 6]
     assert all(resumed[s] == full[s] for s in (4, 5, 6))  # exactly, on CPU
+
+
+def test_lora_on_the_expert_stacks_trains_merges_and_resumes(tmp_path):
+    pytest.importorskip("peft")
+    from unmask.models.lora import save_lora
+
+    lora = {"model": {"lora": True, "lora_r": 2, "lora_alpha": 4, "lora_dropout": 0.0,
+                      "lora_target_modules": ["q_proj", "experts"]},
+            "train": {"max_steps": 6, "save_steps": 3}}  # fmt: skip
+    trainer = Trainer(load_config(write_run_config(tmp_path, "run", SHORT, lora)))
+    params = dict(trainer.model.named_parameters())
+    before = {n: p.detach().clone() for n, p in params.items()}
+    trainable = {n for n, p in params.items() if p.requires_grad}
+    assert all("lora_" in n for n in trainable)
+    from peft.tuners.lora.layer import ParamWrapper
+
+    wrapped = sorted(
+        m.parameter_name for m in trainer.model.modules() if isinstance(m, ParamWrapper)
+    )
+    assert wrapped == sorted(["gate_proj", "up_proj", "down_proj"] * 2)  # each stack, 2 layers
+    expert_factors = {n for n in trainable if "experts" in n}
+    assert len(expert_factors) == 2 * 2 * 3  # (A, B) x 2 layers x 3 stacks
+    trainer.train()
+    changed = {n for n, p in params.items() if not torch.equal(p.detach(), before[n])}
+    assert changed == trainable  # every factor moved, no base weight (nor expert stack) did
+    # merged export: a plain folder whose logits are the adapted model's
+    model = trainer.model.eval()
+    ids = torch.randint(4, 100, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        reference = model(ids)
+    merged_cfg = trainer.cfg.model.model_copy(update={"lora_merge": True})
+    save_lora(model, tmp_path / "out", tmp_path / "out" / "final", merged_cfg)
+    exported = from_pretrained(tmp_path / "out" / "final").eval()
+    with torch.no_grad():
+        assert (exported(ids) - reference).abs().max().item() < 1e-5
+    full = losses(tmp_path / "run")
+    stopped = tmp_path / "stopped"
+    stopped.mkdir()
+    shutil.copytree(tmp_path / "run" / "checkpoint-3", stopped / "checkpoint-3")
+    resume = deep_update(lora, {"train": {"resume_from_checkpoint": True}})
+    again = Trainer(load_config(write_run_config(tmp_path, "stopped", SHORT, resume)))
+    again.train()
+    resumed = losses(stopped)
+    assert sorted(resumed) == [4, 5, 6]
+    assert all(resumed[s] == full[s] for s in (4, 5, 6))  # exactly, on CPU
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        ({"model": {"lora_dropout": 0.05}},
+         "model.lora_dropout=0.05 cannot apply to the expert stacks"),
+        ({"model": {"num_experts": 0}}, "holds 'experts' but this model has no routed expert"),
+        ({"train": {"expert_parallel": 2}},
+         "LoRA on the expert stacks (lora_target_modules holds 'experts') does not run under "
+         "train.expert_parallel=2"),
+    ],
+)  # fmt: skip
+def test_lora_on_experts_refusals_are_one_line_exit_2(tmp_path, capsys, extra, message):
+    from unmask.cli import main
+
+    lora = {"model": {"lora": True, "lora_dropout": 0.0,
+                      "lora_target_modules": ["q_proj", "experts"]}}  # fmt: skip
+    path = write_run_config(tmp_path, "run", SHORT, deep_update(lora, extra))
+    assert main(["train", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("unmask: error:") and err.count("\n") == 1 and message in err, err
+    assert not (tmp_path / "run").exists()
