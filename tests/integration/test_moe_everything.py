@@ -203,6 +203,12 @@ def test_lora_on_the_expert_stacks_trains_merges_and_resumes(tmp_path):
     exported = from_pretrained(tmp_path / "out" / "final").eval()
     with torch.no_grad():
         assert (exported(ids) - reference).abs().max().item() < 1e-5
+    # the run's final/ is the adapter: it opens for sampling merged into its recorded base
+    from unmask.checkpoint.open import load_for_sampling
+
+    opened = load_for_sampling(tmp_path / "run" / "final", device="cpu")
+    with torch.no_grad():
+        assert (opened.model(ids) - reference).abs().max().item() < 1e-5
     full = losses(tmp_path / "run")
     stopped = tmp_path / "stopped"
     stopped.mkdir()
