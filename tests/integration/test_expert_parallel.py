@@ -1,8 +1,9 @@
 """Expert parallelism on 2 and 4 gloo processes against the one-process run of the same
-config: ep=2 (2 processes) and dp x cp = 4 with ep=2 (4 processes: two replicas of each
-expert), AdamW with the softmax / aux-loss router and MuonAdamW with the sigmoid /
-expert-bias router; a DCP checkpoint of the 4-process run resumed on 1 process and under
-ep=4. Two torchrun launches in all (dist_workers/moe_worker.py)."""
+config: ep=2 (2 processes: all four pairs of router (softmax / aux loss, sigmoid / expert
+bias) and optimizer (AdamW, MuonAdamW)) and dp x cp = 4 with ep=2 (4 processes: two replicas
+of each expert; AdamW with the softmax router, MuonAdamW with the sigmoid one); a DCP
+checkpoint of the 4-process run resumed on 1 process and under ep=4. Two torchrun launches in
+all (dist_workers/moe_worker.py)."""
 
 import json
 from pathlib import Path
@@ -29,6 +30,12 @@ SIGMOID = {"model": {"model_type": "llada2_moe", "num_experts": 4, "num_experts_
 CONFIGS = {  # name: (processes, extra)
     "ep2_adamw_softmax": (2, deep_update(SOFTMAX, {"train": {"expert_parallel": 2}})),
     "ep2_muon_sigmoid": (2, deep_update(SIGMOID, {"train": {"expert_parallel": 2}})),
+    # the other two router x optimizer pairs, in the same 2-process launch
+    "ep2_adamw_sigmoid": (2, deep_update(SIGMOID, {"optim": {"name": "adamw"},
+                                                    "train": {"expert_parallel": 2}})),
+    "ep2_muon_softmax": (2, deep_update(SOFTMAX, {"optim": {"name": "muon",
+                                                            "ns_dtype": "float32"},
+                                                   "train": {"expert_parallel": 2}})),
     "bad_ep4": (2, deep_update(SOFTMAX, {"train": {"expert_parallel": 4}})),
     "dp4_ep2_adamw_softmax": (4, deep_update(SOFTMAX, {"train": {"expert_parallel": 2}})),
     "dp4_ep2_muon_sigmoid": (4, deep_update(SIGMOID, {"train": {"expert_parallel": 2,

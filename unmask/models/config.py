@@ -160,7 +160,9 @@ class ModelConfig(BaseModel):
     lora_target_modules: str | list[str] = "all-linear"
     """Modules that get adapters: "all-linear" (every linear layer of the decoder blocks;
     transformers' choice for encoders), a list of module names (a name matches a module
-    whose dotted name ends with it) or a regex over full module names, as peft reads them."""
+    whose dotted name ends with it) or a regex over full module names, as peft reads them. On
+    a native MoE model, `experts` in a list also adapts the routed expert stacks (peft's
+    target_parameters; needs lora_dropout 0); "all-linear" leaves them frozen."""
 
     adaptor_name: str = "adaptor"
     """Folder (under output_dir) for the adapter in peft's format."""

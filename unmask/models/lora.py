@@ -28,6 +28,16 @@ LORA_BASE_FILE = "lora_base.json"  # what rebuilds the base an adapter was train
 # Every linear layer of the decoder blocks (the LM head stays frozen: the masked-only loss
 # reads its weight directly).
 NATIVE_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# `experts` in a lora_target_modules list: the routed expert stacks of a native MoE model
+# ((experts, out, in) parameters, not modules), adapted through peft's `target_parameters`
+# (one rank-r pair per expert). "all-linear" leaves them frozen (attention and shared experts).
+EXPERTS = "experts"
+EXPERT_STACKS = tuple(f"mlp.experts.{name}" for name in ("gate_proj", "up_proj", "down_proj"))
+
+
+def targets_experts(cfg: ModelConfig) -> bool:
+    targets = cfg.lora_target_modules
+    return cfg.lora and isinstance(targets, list) and EXPERTS in targets
 
 
 def check_request(cfg: ModelConfig) -> None:
@@ -35,6 +45,17 @@ def check_request(cfg: ModelConfig) -> None:
     (4-bit requests are checked by `unmask.models.quant.check_4bit` once the device is known.)"""
     if cfg.lora and importlib.util.find_spec("peft") is None:
         raise InputError("model.lora: true needs the peft package (pip install 'unmask[lora]')")
+    if targets_experts(cfg) and cfg.lora_dropout > 0:
+        raise InputError(
+            f"model.lora_dropout={cfg.lora_dropout} cannot apply to the expert stacks "
+            "(lora_target_modules holds 'experts'; peft adapts them as parameters, without an "
+            "input to drop): set lora_dropout: 0"
+        )
+    if targets_experts(cfg) and cfg.load_in_4bit:
+        raise InputError(
+            "model.load_in_4bit does not quantize the expert stacks; drop 'experts' from "
+            "lora_target_modules or set load_in_4bit: false"
+        )
 
 
 def lora_targets(cfg: ModelConfig, model: nn.Module) -> str | list[str]:
@@ -43,7 +64,22 @@ def lora_targets(cfg: ModelConfig, model: nn.Module) -> str | list[str]:
     targets = cfg.lora_target_modules
     if targets in (None, "all-linear"):
         return list(NATIVE_LINEAR) if _is_native(model) else "all-linear"
-    return targets if isinstance(targets, str) else list(targets)  # a str: peft's regex
+    if isinstance(targets, str):  # peft's regex
+        return targets
+    return [t for t in targets if t != EXPERTS]  # the expert stacks: `expert_targets`
+
+
+def expert_targets(cfg: ModelConfig, model: nn.Module) -> list[str] | None:
+    """peft `target_parameters` for the routed expert stacks when lora_target_modules holds
+    `experts` (None otherwise); refused on a model without them."""
+    if not targets_experts(cfg):
+        return None
+    if not any(name.endswith(EXPERT_STACKS) for name, _ in model.named_parameters()):
+        raise InputError(
+            "model.lora_target_modules holds 'experts' but this model has no routed expert "
+            "stacks (a native MoE model: qwen3_moe_dllm, llada_moe, llada2_moe); drop it"
+        )
+    return list(EXPERT_STACKS)
 
 
 # what a LoRA checkpoint must be resumed with (lora_alpha is not in the adapter's shapes)
@@ -79,6 +115,7 @@ def peft_config(cfg: ModelConfig, model: nn.Module):
         lora_alpha=cfg.lora_alpha,
         lora_dropout=cfg.lora_dropout,
         target_modules=lora_targets(cfg, model),
+        target_parameters=expert_targets(cfg, model),
     )
 
 

@@ -233,6 +233,9 @@ class SparseMoE(nn.Module):
         self.bias_rate = cfg.expert_bias_update_rate
         self.gate = Router(cfg)
         self.experts = Experts(cfg)
+        # (inner, hidden) of one expert, kept here: under LoRA on the expert stacks peft
+        # wraps `experts`, whose stacks are then not attributes of the wrapper
+        self.expert_shape = (cfg.resolved_moe_intermediate_size, cfg.hidden_size)
         inner = cfg.resolved_moe_intermediate_size * cfg.num_shared_experts
         self.shared_experts = SharedExperts(cfg.hidden_size, inner) if inner else None
         # set by the trainer (parallel/expert.py, attach_moe_training)
@@ -244,7 +247,7 @@ class SparseMoE(nn.Module):
 
     def active_matmul_params(self) -> int:
         """Matmul weights one token uses (router + its top-k experts; MFU counts these)."""
-        _, inner, hidden = self.experts.gate_proj.shape
+        inner, hidden = self.expert_shape
         return self.num_experts * hidden + self.top_k * 3 * inner * hidden
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

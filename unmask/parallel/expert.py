@@ -84,6 +84,15 @@ def check_moe_request(model: ModelConfig, expert_parallel: int, dp_cp: int, tp: 
             f"model.num_experts={experts} is not divisible by train.expert_parallel="
             f"{expert_parallel}; pick an expert_parallel that divides the experts"
         )
+    if (
+        model.lora
+        and isinstance(model.lora_target_modules, list)
+        and ("experts" in model.lora_target_modules)
+    ):
+        raise InputError(
+            f"LoRA on the expert stacks (lora_target_modules holds 'experts') does not run under "
+            f"train.expert_parallel={expert_parallel}: set expert_parallel: 1 or drop 'experts'"
+        )
     if dp_cp % expert_parallel:
         raise InputError(
             f"train.expert_parallel={expert_parallel} does not divide the data-parallel x "
