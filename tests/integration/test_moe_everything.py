@@ -22,7 +22,7 @@ from unmask.train.trainer import Trainer
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 MOE = {"model_type": "qwen3_moe_dllm", "num_experts": 4, "num_experts_per_tok": 2,
-       "moe_intermediate_size": 16, "num_shared_experts": 1, "router_aux_loss_coef": 0.01}  # fmt: skip
+       "moe_intermediate_size": 16, "router_aux_loss_coef": 0.01}  # fmt: skip
 SHORT = {"model": MOE, "train": {"max_steps": 4, "eval_steps": 0, "save_steps": 0}}
 OBJECTIVES = {
     "sft": {"diffusion": {"objective": "sft", "prompt_drop_prob": 0.1}},

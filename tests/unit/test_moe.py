@@ -266,3 +266,18 @@ def test_aux_and_z_loss_gradients_equal_the_written_out_losses():
     z = 0.2 * logits.logsumexp(-1).square().mean()
     (out + aux + z).backward()
     torch.testing.assert_close(ours, block.gate.weight.grad, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "model_type, fields, message",
+    [
+        ("qwen3_dllm", {}, r"model_type qwen3_dllm is dense; num_experts \(8\) needs an MoE family"),
+        ("qwen3_moe_dllm", {"num_shared_experts": 1}, r"have no shared experts.*llada2_moe"),
+        ("llada_moe", {"num_shared_experts": 1}, r"have no shared experts.*llada2_moe"),
+    ],
+)
+def test_experts_a_family_cannot_save_are_refused(model_type, fields, message):
+    # a dense family with experts, or shared experts in a transformers MoE layout, would
+    # write a folder that transformers reads without them
+    with pytest.raises(ValueError, match=message):
+        _tiny(model_type, **fields)

@@ -208,6 +208,18 @@ class ModelConfig(BaseModel):
                 f"partial_rotary_factor ({self.partial_rotary_factor}) x head_dim "
                 f"({self.resolved_head_dim}) must be a positive even number of features"
             )
+        layout = FAMILIES[self.model_type].moe_layout
+        if self.num_experts and FAMILIES[self.model_type].native and not layout:
+            raise ValueError(
+                f"model_type {self.model_type} is dense; num_experts ({self.num_experts}) needs "
+                "an MoE family (qwen3_moe_dllm, llada_moe, llada2_moe) or num_experts: 0"
+            )
+        if self.num_shared_experts and layout == "hf":
+            raise ValueError(
+                f"model_type {self.model_type}'s folders (transformers' Qwen3-MoE / OLMoE) have "
+                "no shared experts, so transformers would drop them: use model_type "
+                "llada2_moe for shared experts, or num_shared_experts: 0"
+            )
         if self.num_experts:
             self._check_experts()
         return self
