@@ -1,0 +1,180 @@
+"""Bytes one rank holds during a training step: the sharded state read from the shards
+(shards.py), the activations from a formula of the native decoder's forward.
+
+State (exact, from the shards): parameters at their stored dtype (float32 masters),
+gradients of the trainable ones (FSDP2 reduces in float32 into the parameter's dtype, so a
+gradient has its parameter's local shape and dtype), optimizer state by the optimizer's
+rules (optim/updates.py `state_dtype`: float32, or wider): AdamW keeps exp_avg and
+exp_avg_sq like the parameter plus a 0-d float32 step, Muon one momentum buffer like the
+parameter.
+
+Activations: what autograd saves per token of one micro-batch on this rank, layer by
+layer, as the decoder's modules save it (models/transformer.py, models/fused.py,
+diffusion/loss.py), with `h` the width, `q` = heads x head_dim / tp, `kv` = K/V heads x
+head_dim / tp, `I` = MLP width / tp, `b` the matmul dtype's bytes, `s` the residual
+stream's:
+
+  layer:  s h (input_layernorm's input) + s h (post_attention_layernorm's input)
+        + b h x (1, or 3 under autocast over a float32 stream: q/k/v each cast their input)
+        + b h x (1, or 2 likewise for gate/up)
+        + b (q + 2 kv) (attention's q, k, v after RoPE) + b q (its output)
+        + b q (o_proj's input: the heads merged into a copy)
+        + b (q + kv) with per-head q/k norms (their inputs)
+        + b 3 I (SwiGLU's gate and up, down's input)
+        + 4 (2 + heads/tp) (RMSNorm statistics, attention's log-sum-exp; float32)
+        + 4 head_dim under bfloat16 (RoPE tables cast per layer)
+
+A checkpointed layer keeps only its input (s h per token) and, in backward, recomputes one
+layer's full set at a time. Around the layers: the embedding's output (s h), the final
+norm's input, the rows the LM head runs on (R = masked tokens: their hidden states in
+float32 for the head's gradient) and the head's float32 gradient over the whole
+vocabulary (V x h x 4: the head is replicated over tp and gathered whole by FSDP2).
+Under autocast over float32 masters (one process, bf16) every linear's bfloat16 weight
+copy is kept for backward as well.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from unmask.plan.shards import ShardedModel
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """One rank's micro-batch and how the step runs."""
+
+    rows: int
+    """Rows per micro-batch on this rank."""
+    length: int
+    """Tokens per row (whole rows; context parallelism splits them by cp)."""
+    micro_batches: int
+    bf16: bool
+    checkpointing: bool | int
+    """False, True (every layer) or n (every n-th layer)."""
+    masked_fraction: float = 0.5
+    """Share of tokens the LM head runs on (MDLM: E[1 - alpha(t)] = 1/2 for t ~ U(0, 1))."""
+    reshard_after_forward: bool = True
+
+
+@dataclass(frozen=True)
+class MemoryTerms:
+    """Bytes on one rank; `peak` is the estimate of the most live at once."""
+
+    parameters: int
+    gradients: int
+    optimizer: int
+    activations: int
+    """Saved for backward at the end of the forward (all layers)."""
+    working: int
+    """Transient at the peak: gathered FSDP2 units, one layer recomputed, the head's
+    gradient, unsharded gradients under accumulation."""
+    peak: int
+
+    def largest(self) -> tuple[str, int]:
+        terms = {"parameters": self.parameters, "gradients": self.gradients,
+                 "optimizer state": self.optimizer, "activations": self.activations,
+                 "working buffers": self.working}  # fmt: skip
+        name = max(terms, key=terms.get)
+        return name, terms[name]
+
+
+def state_bytes(model: ShardedModel) -> tuple[int, int, int]:
+    """(parameter, gradient, optimizer-state) bytes of this rank, from its shards."""
+    params = grads = optim = 0
+    for s in model.shards:
+        params += s.local_bytes
+        if s.optimizer == "frozen":
+            continue
+        grads += s.local_bytes
+        state = s.local_numel * max(s.dtype.itemsize, 4)  # float32, or the wider dtype
+        if s.optimizer == "muon":
+            optim += state  # momentum buffer
+        else:
+            optim += 2 * state + 4  # exp_avg, exp_avg_sq, the step (0-d float32)
+    return params, grads, optim
+
+
+def layer_activation_bytes(arch, tokens: int, tp: int, bf16: bool, stream_bytes: int,
+                           autocast_casts: bool) -> int:  # fmt: skip
+    """Bytes one decoder layer saves over `tokens` tokens of this rank (module docstring)."""
+    b = 2 if bf16 else 4
+    h = arch.hidden_size
+    head_dim = arch.resolved_head_dim
+    heads = arch.num_attention_heads // tp
+    q = heads * head_dim
+    kv = max(arch.num_key_value_heads // tp, 1) * head_dim
+    inter = arch.intermediate_size // tp
+    attn_in = 3 if autocast_casts else 1
+    mlp_in = 2 if autocast_casts else 1
+    per_token = 2 * stream_bytes * h + b * h * (attn_in + mlp_in)
+    per_token += b * (q + 2 * kv) + b * q + b * q + b * 3 * inter  # attention, o_proj, MLP
+    if arch.qk_norm:
+        per_token += b * (q + kv) + 4 * (heads + max(arch.num_key_value_heads // tp, 1))
+    per_token += 4 * (2 + heads)
+    if bf16:
+        per_token += 2 * 2 * head_dim
+    return tokens * per_token
+
+
+def activation_bytes(model: ShardedModel, shape: StepShape) -> tuple[int, int]:
+    """(saved at the end of the forward, one layer's full set: what a checkpointed layer
+    recomputes at once in backward) for one micro-batch on this rank."""
+    arch, layout = model.model_config, model.layout
+    tokens = shape.rows * shape.length // layout.cp
+    sharded = model.layout.world_size > 1
+    stream = 2 if (shape.bf16 and sharded) else 4
+    casts = shape.bf16 and not sharded
+    full = layer_activation_bytes(arch, tokens, layout.tp, shape.bf16, stream, casts)
+    kept = tokens * arch.hidden_size * stream
+    saved = 0
+    for index in range(model.layers):
+        flag = shape.checkpointing
+        checkpointed = flag if isinstance(flag, bool) else (flag > 0 and index % flag == 0)
+        saved += kept if checkpointed else full
+    h = arch.hidden_size
+    masked = int(tokens * shape.masked_fraction)
+    around = tokens * h * stream * 2 + tokens * 4 * 2  # embedding output, final norm input
+    around += masked * (h * 4 + 4 + 8) + tokens  # head rows, lse, targets; the mask
+    around += 2 * tokens * arch.resolved_head_dim * 4  # the RoPE tables (shared)
+    if casts:  # autocast's bfloat16 copy of every linear weight but the head's
+        around += 2 * model.flops.matmul_params
+    return saved + around, full if shape.checkpointing else 0
+
+
+def gathered_bytes(model: ShardedModel, shape: StepShape) -> tuple[int, int]:
+    """(the root unit gathered, the largest decoder layer gathered) in the compute dtype:
+    what FSDP2's all-gathers hold (0, 0 without sharding)."""
+    if model.layout.world_size == 1 or all(s.shard_group == 1 for s in model.shards):
+        return 0, 0
+    b = 2 if shape.bf16 else 4
+    units: dict[str, int] = {}
+    for s in model.shards:
+        units[s.unit] = units.get(s.unit, 0) + s.gathered_numel * b
+    root = units.pop("root", 0)
+    return root, max(units.values(), default=0)
+
+
+def memory_terms(model: ShardedModel, shape: StepShape) -> MemoryTerms:
+    """Every term of this rank and the peak estimate: the state, plus the larger of the
+    backward's start (all activations saved, the head's gradient) and its end (every
+    gradient), plus what is gathered or recomputed meanwhile:
+
+      peak = parameters + optimizer + max(activations + head gradient, gradients)
+             + root gathered + 2 layers gathered (the current one and the prefetched next)
+             + one layer's gradients unsharded + one recomputed layer
+             + unsharded gradients of every unit when gradients accumulate (FSDP2 keeps
+               them until the last micro-batch's reduce-scatter)
+    """
+    params, grads, optim = state_bytes(model)
+    saved, recompute = activation_bytes(model, shape)
+    arch = model.model_config
+    head_grad = arch.vocab_size * arch.hidden_size * 4
+    root, layer = gathered_bytes(model, shape)
+    grad_bytes = 4  # gradients are reduced in float32
+    layer_grads = layer // (2 if shape.bf16 else 4) * grad_bytes if layer else 0
+    working = root + 2 * layer + layer_grads + recompute + head_grad
+    if shape.micro_batches > 1 and layer:
+        working += (layer * model.layers + root) // (2 if shape.bf16 else 4) * grad_bytes
+    peak = params + optim + max(saved, grads) + working
+    return MemoryTerms(params, grads, optim, saved, working, peak)
