@@ -8,29 +8,35 @@ rules (optim/updates.py `state_dtype`: float32, or wider): AdamW keeps exp_avg a
 exp_avg_sq like the parameter plus a 0-d float32 step, Muon one momentum buffer like the
 parameter.
 
-Activations: what autograd saves per token of one micro-batch on this rank, layer by
-layer, as the decoder's modules save it (models/transformer.py, models/fused.py,
-diffusion/loss.py), with `h` the width, `q` = heads x head_dim / tp, `kv` = K/V heads x
+Activations: what autograd saves (save_for_backward) per token of one micro-batch on this
+rank, layer by layer, as the decoder's modules save it (models/transformer.py,
+models/fused.py), with `h` the width, `q` = heads x head_dim / tp, `kv` = K/V heads x
 head_dim / tp, `I` = MLP width / tp, `b` the matmul dtype's bytes, `s` the residual
 stream's:
 
   layer:  s h (input_layernorm's input) + s h (post_attention_layernorm's input)
         + b h x (1, or 3 under autocast over a float32 stream: q/k/v each cast their input)
         + b h x (1, or 2 likewise for gate/up)
-        + b (q + 2 kv) (attention's q, k, v after RoPE) + b q (its output)
-        + b q (o_proj's input: the heads merged into a copy)
+        + b (q + 2 kv) (attention's q, k, v after RoPE) + b q (its output, which o_proj
+          reads as a view)
         + b (q + kv) with per-head q/k norms (their inputs)
         + b 3 I (SwiGLU's gate and up, down's input)
-        + 4 (2 + heads/tp) (RMSNorm statistics, attention's log-sum-exp; float32)
-        + 4 head_dim under bfloat16 (RoPE tables cast per layer)
+        + 4 (2 + heads/tp [+ heads/tp + kv heads/tp]) (RMSNorm statistics, attention's
+          log-sum-exp; float32)
+        + 4 head_dim under bfloat16 (the RoPE tables cast per layer)
+  and per layer, not per token: rows x L x L x 4 with sdpa and a dense document mask
+  (its float copy of the (B, 1, L, L) mask; L the whole row under cp)
 
-A checkpointed layer keeps only its input (s h per token) and, in backward, recomputes one
-layer's full set at a time. Around the layers: the embedding's output (s h), the final
-norm's input, the rows the LM head runs on (R = masked tokens: their hidden states in
-float32 for the head's gradient) and the head's float32 gradient over the whole
-vocabulary (V x h x 4: the head is replicated over tp and gathered whole by FSDP2).
-Under autocast over float32 masters (one process, bf16) every linear's bfloat16 weight
-copy is kept for backward as well.
+Around the layers: the token ids (8 bytes each), the final norm's input and statistics, the
+loss's mask (1 byte) and the RoPE tables (float32, shared by the layers). A checkpointed
+layer keeps only its input (s h per token) and, in backward, recomputes one layer's full
+set at a time. Under autocast over float32 masters (one process, bf16) every linear's
+bfloat16 weight copy is kept for backward as well. tests/integration/test_plan_measured.py
+holds these equal to the bytes autograd saves in real runs.
+
+The LM head computes its gradients in the forward (diffusion/loss.py): a float32 gradient
+of the whole head (V x h x 4: the head is replicated over tp and gathered whole by FSDP2)
+and of its R rows (R = masked tokens); these are working memory, not saved tensors.
 """
 
 from __future__ import annotations
@@ -55,6 +61,9 @@ class StepShape:
     masked_fraction: float = 0.5
     """Share of tokens the LM head runs on (MDLM: E[1 - alpha(t)] = 1/2 for t ~ U(0, 1))."""
     reshard_after_forward: bool = True
+    dense_mask: bool = False
+    """Attention through sdpa with a dense (B, 1, L, L) mask (CPU; GPUs take flex's block
+    mask for packed rows)."""
 
 
 @dataclass(frozen=True)
@@ -95,23 +104,25 @@ def state_bytes(model: ShardedModel) -> tuple[int, int, int]:
     return params, grads, optim
 
 
-def layer_activation_bytes(arch, tokens: int, tp: int, bf16: bool, stream_bytes: int,
-                           autocast_casts: bool) -> int:  # fmt: skip
-    """Bytes one decoder layer saves over `tokens` tokens of this rank (module docstring)."""
+def layer_activation_bytes(arch, rows: int, length: int, tp: int, bf16: bool,
+                           stream_bytes: int, autocast_casts: bool) -> int:  # fmt: skip
+    """Bytes one decoder layer saves over `rows` rows of `length` tokens on this rank
+    (module docstring); `length` is this rank's part of a row (L / cp)."""
+    tokens = rows * length
     b = 2 if bf16 else 4
     h = arch.hidden_size
     head_dim = arch.resolved_head_dim
     heads = arch.num_attention_heads // tp
-    q = heads * head_dim
-    kv = max(arch.num_key_value_heads // tp, 1) * head_dim
+    kv_heads = max(arch.num_key_value_heads // tp, 1)
+    q, kv = heads * head_dim, kv_heads * head_dim
     inter = arch.intermediate_size // tp
     attn_in = 3 if autocast_casts else 1
     mlp_in = 2 if autocast_casts else 1
     per_token = 2 * stream_bytes * h + b * h * (attn_in + mlp_in)
-    per_token += b * (q + 2 * kv) + b * q + b * q + b * 3 * inter  # attention, o_proj, MLP
+    per_token += b * (q + 2 * kv) + b * q + b * 3 * inter  # attention in and out, MLP
+    per_token += 4 * (2 + heads)  # RMSNorm statistics, log-sum-exp
     if arch.qk_norm:
-        per_token += b * (q + kv) + 4 * (heads + max(arch.num_key_value_heads // tp, 1))
-    per_token += 4 * (2 + heads)
+        per_token += b * (q + kv) + 4 * (heads + kv_heads)
     if bf16:
         per_token += 2 * 2 * head_dim
     return tokens * per_token
@@ -121,11 +132,17 @@ def activation_bytes(model: ShardedModel, shape: StepShape) -> tuple[int, int]:
     """(saved at the end of the forward, one layer's full set: what a checkpointed layer
     recomputes at once in backward) for one micro-batch on this rank."""
     arch, layout = model.model_config, model.layout
-    tokens = shape.rows * shape.length // layout.cp
+    length = shape.length // layout.cp
+    tokens = shape.rows * length
     sharded = model.layout.world_size > 1
     stream = 2 if (shape.bf16 and sharded) else 4
     casts = shape.bf16 and not sharded
-    full = layer_activation_bytes(arch, tokens, layout.tp, shape.bf16, stream, casts)
+    # under cp, attention runs on whole rows of heads / cp: the same bytes as L / cp tokens
+    # of all heads, but the dense mask is over whole rows
+    full = layer_activation_bytes(arch, shape.rows, length, layout.tp, shape.bf16, stream,
+                                  casts)  # fmt: skip
+    if shape.dense_mask:
+        full += shape.rows * shape.length * shape.length * 4
     kept = tokens * arch.hidden_size * stream
     saved = 0
     for index in range(model.layers):
@@ -133,13 +150,25 @@ def activation_bytes(model: ShardedModel, shape: StepShape) -> tuple[int, int]:
         checkpointed = flag if isinstance(flag, bool) else (flag > 0 and index % flag == 0)
         saved += kept if checkpointed else full
     h = arch.hidden_size
-    masked = int(tokens * shape.masked_fraction)
-    around = tokens * h * stream * 2 + tokens * 4 * 2  # embedding output, final norm input
-    around += masked * (h * 4 + 4 + 8) + tokens  # head rows, lse, targets; the mask
+    around = tokens * (8 + h * stream + 4 + 1)  # ids, final norm input and statistics, mask
     around += 2 * tokens * arch.resolved_head_dim * 4  # the RoPE tables (shared)
     if casts:  # autocast's bfloat16 copy of every linear weight but the head's
         around += 2 * model.flops.matmul_params
     return saved + around, full if shape.checkpointing else 0
+
+
+def backward_transient(model: ShardedModel, shape: StepShape) -> int:
+    """Gradients of activations alive at once in backward: the MLP's (gate, up, their
+    product, silu recomputed: 4 x I wide) and the residual's (h), per token of this rank,
+    in the matmul dtype; plus the head's float32 gradients made in the forward (the whole
+    head V x h, the R masked rows' hidden states)."""
+    arch, layout = model.model_config, model.layout
+    tokens = shape.rows * shape.length // layout.cp
+    b = 2 if shape.bf16 else 4
+    inter = arch.intermediate_size // layout.tp
+    masked = int(tokens * shape.masked_fraction)
+    head = arch.vocab_size * arch.hidden_size * 4 + masked * arch.hidden_size * 4
+    return tokens * (4 * inter + arch.hidden_size) * b + head
 
 
 def gathered_bytes(model: ShardedModel, shape: StepShape) -> tuple[int, int]:
@@ -156,25 +185,25 @@ def gathered_bytes(model: ShardedModel, shape: StepShape) -> tuple[int, int]:
 
 
 def memory_terms(model: ShardedModel, shape: StepShape) -> MemoryTerms:
-    """Every term of this rank and the peak estimate: the state, plus the larger of the
-    backward's start (all activations saved, the head's gradient) and its end (every
-    gradient), plus what is gathered or recomputed meanwhile:
+    """Every term of this rank and the peak estimate, in a step after the first (the
+    optimizer state exists). The peak is the larger of the backward's start (every
+    activation saved, the head's gradients, the first activation gradients) and its end
+    (every gradient), on top of the state and what FSDP2 holds gathered meanwhile:
 
-      peak = parameters + optimizer + max(activations + head gradient, gradients)
+      peak = parameters + optimizer + max(activations + backward transient, gradients)
              + root gathered + 2 layers gathered (the current one and the prefetched next)
-             + one layer's gradients unsharded + one recomputed layer
+             + one layer's gradients unsharded + one recomputed layer (checkpointing)
              + unsharded gradients of every unit when gradients accumulate (FSDP2 keeps
                them until the last micro-batch's reduce-scatter)
     """
     params, grads, optim = state_bytes(model)
     saved, recompute = activation_bytes(model, shape)
-    arch = model.model_config
-    head_grad = arch.vocab_size * arch.hidden_size * 4
+    transient = backward_transient(model, shape)
     root, layer = gathered_bytes(model, shape)
-    grad_bytes = 4  # gradients are reduced in float32
-    layer_grads = layer // (2 if shape.bf16 else 4) * grad_bytes if layer else 0
-    working = root + 2 * layer + layer_grads + recompute + head_grad
+    compute_bytes = 2 if shape.bf16 else 4
+    layer_grads = layer // compute_bytes * 4 if layer else 0  # reduced in float32
+    working = root + 2 * layer + layer_grads + recompute + transient
     if shape.micro_batches > 1 and layer:
-        working += (layer * model.layers + root) // (2 if shape.bf16 else 4) * grad_bytes
-    peak = params + optim + max(saved, grads) + working
+        working += (layer * model.layers + root) // compute_bytes * 4
+    peak = params + optim + max(saved + working, grads + root)
     return MemoryTerms(params, grads, optim, saved, working, peak)

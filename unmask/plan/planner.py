@@ -119,7 +119,9 @@ def make_run_plan(cfg: RunConfig, world_size: int, device: Device, *, nodes: int
     cfg = planned_model_config(cfg)
     layout = layout_of(cfg, world_size)  # one-line InputError for a mesh that cannot factor
     shape = step_shape(cfg, world_size)
-    shape = StepShape(**{**asdict(shape), "masked_fraction": masked_fraction})
+    dense_mask = device.name == "cpu" or cfg.model.attn_implementation == "sdpa"
+    shape = StepShape(**{**asdict(shape), "masked_fraction": masked_fraction,
+                         "dense_mask": dense_mask})  # fmt: skip
     plans, first = [], None
     for rank in planned_ranks(world_size, ranks):
         sharded = shard_model(cfg, world_size, rank)
