@@ -18,7 +18,8 @@ stream's:
         + b h x (1, or 3 under autocast over a float32 stream: q/k/v each cast their input)
         + b h x (1, or 2 likewise for gate/up)
         + b (q + 2 kv) (attention's q, k, v after RoPE) + b q (its output, which o_proj
-          reads as a view)
+          reads as a view; under cp a second b q: the heads come back from the all-to-all
+          in another layout and o_proj reads a merged copy)
         + b (q + kv) with per-head q/k norms (their inputs)
         + b 3 I (SwiGLU's gate and up, down's input)
         + 4 (2 + heads/tp [+ heads/tp + kv heads/tp]) (RMSNorm statistics, attention's
@@ -143,17 +144,21 @@ def activation_bytes(model: ShardedModel, shape: StepShape) -> tuple[int, int]:
                                   casts)  # fmt: skip
     if shape.dense_mask:
         full += shape.rows * shape.length * shape.length * 4
+    if layout.cp > 1:  # the heads come back from the all-to-all as (B, H, L/cp, D): o_proj
+        full += tokens * arch.num_attention_heads // layout.tp * arch.resolved_head_dim * (
+            2 if shape.bf16 else 4)  # reads a merged copy of them
     kept = tokens * arch.hidden_size * stream
+    # autocast's bfloat16 copy of each linear weight of a layer that is not checkpointed
+    weight_copies = 2 * model.flops.matmul_params // model.layers if casts else 0
     saved = 0
     for index in range(model.layers):
         flag = shape.checkpointing
         checkpointed = flag if isinstance(flag, bool) else (flag > 0 and index % flag == 0)
-        saved += kept if checkpointed else full
+        saved += kept if checkpointed else full + weight_copies
     h = arch.hidden_size
-    around = tokens * (8 + h * stream + 4 + 1)  # ids, final norm input and statistics, mask
+    around = tokens * (h * stream + 4 + 1)  # final norm input and statistics, the mask
+    around += shape.rows * shape.length * 8  # the ids (a cp slice keeps the whole rows)
     around += 2 * tokens * arch.resolved_head_dim * 4  # the RoPE tables (shared)
-    if casts:  # autocast's bfloat16 copy of every linear weight but the head's
-        around += 2 * model.flops.matmul_params
     return saved + around, full if shape.checkpointing else 0
 
 

@@ -7,8 +7,9 @@ optimizer state exists by then, as in every later step) and writes
 OUT_DIR/<config stem>.rank<R>.json with, on this rank:
 - parameters, gradients (read just before the optimizer step), optimizer_state: the sum of
   numel x itemsize of every local shard (DTensor.to_local());
-- saved_activations: bytes of the distinct storages autograd saved during the forward
-  (saved_tensors_hooks; parameters, gathered FSDP2 parameters included, left out);
+- saved_activations: bytes of the distinct storages autograd saved during a micro-batch's
+  forward (saved_tensors_hooks; parameters, gathered FSDP2 parameters included, left
+  out), the largest over the step's micro-batches;
 - peak (the MemTracker of torch.distributed._tools: every tensor allocation tracked through
   a dispatch mode, by category) and its categories at that peak, for the whole step;
 - local_shapes: each parameter's local shape;
@@ -75,13 +76,14 @@ def measure(cfg_path: str, out_dir: Path) -> None:
         return real_step(*args, **kwargs)
 
     optimizer.step = step_recording_grads
-    saved = SavedBytes()
+    saved: list[SavedBytes] = []  # one per micro-batch
     objective = trainer.objective
     real_call = type(objective).__call__
     masked = []
 
     def call_saving(self, model_, batch, generator):
-        with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
+        saved.append(SavedBytes())
+        with torch.autograd.graph.saved_tensors_hooks(saved[-1].pack, lambda t: t):
             out = real_call(self, model_, batch, generator)
         count = self.last_stats.get("num_masked")
         masked.append(int(count) if count is not None else None)
@@ -102,7 +104,7 @@ def measure(cfg_path: str, out_dir: Path) -> None:
         "parameters": _bytes(model.parameters()),
         "gradients": grads["bytes"],
         "optimizer_state": _bytes(state),
-        "saved_activations": saved.total(),
+        "saved_activations": max(s.total() for s in saved),
         "peak": int(device_peaks["Total"]),
         "peak_categories": {str(k): int(v) for k, v in device_peaks.items()},
         "local_shapes": {n.replace("._orig_mod", ""): list(_local(p).shape)
