@@ -25,11 +25,12 @@ stream's:
         + 4 (2 + heads/tp [+ heads/tp + kv heads/tp]) (RMSNorm statistics, attention's
           log-sum-exp; float32)
         + 4 head_dim under bfloat16 (the RoPE tables cast per layer)
-  and per layer, not per token: rows x L x L x 4 with sdpa and a dense document mask
-  (its float copy of the (B, 1, L, L) mask; L the whole row under cp)
+  and per layer, not per token: rows x L x L x b with sdpa and a dense document mask
+  (its copy of the (B, 1, L, L) mask in the attention's dtype; L the whole row under cp)
 
 Around the layers: the token ids (8 bytes each), the final norm's input and statistics, the
-loss's mask (1 byte) and the RoPE tables (float32, shared by the layers). A checkpointed
+loss's mask (1 byte) and the RoPE tables (float32, shared by the layers: saved when a
+layer multiplies by them in float32 or takes them as a checkpointed layer's inputs). A checkpointed
 layer keeps only its input (s h per token) and, in backward, recomputes one layer's full
 set at a time. Under autocast over float32 masters (one process, bf16) every linear's
 bfloat16 weight copy is kept for backward as well. tests/integration/test_plan_measured.py
@@ -77,8 +78,8 @@ class MemoryTerms:
     activations: int
     """Saved for backward at the end of the forward (all layers)."""
     working: int
-    """Transient at the peak: gathered FSDP2 units, one layer recomputed, the head's
-    gradient, unsharded gradients under accumulation."""
+    """What is live at the peak beyond the saved activations (gathered FSDP2 units, a
+    recomputed layer, activation and head gradients, unsharded gradients)."""
     peak: int
 
     def largest(self) -> tuple[str, int]:
@@ -129,9 +130,10 @@ def layer_activation_bytes(arch, rows: int, length: int, tp: int, bf16: bool,
     return tokens * per_token
 
 
-def activation_bytes(model: ShardedModel, shape: StepShape) -> tuple[int, int]:
-    """(saved at the end of the forward, one layer's full set: what a checkpointed layer
-    recomputes at once in backward) for one micro-batch on this rank."""
+def layer_saves(model: ShardedModel, shape: StepShape) -> tuple[list[int], list[int], int]:
+    """(bytes each layer keeps through the forward, bytes each layer holds while its
+    backward runs, bytes saved around the layers) for one micro-batch on this rank. A
+    checkpointed layer keeps its input and holds it plus its recomputed set in backward."""
     arch, layout = model.model_config, model.layout
     length = shape.length // layout.cp
     tokens = shape.rows * length
@@ -142,38 +144,57 @@ def activation_bytes(model: ShardedModel, shape: StepShape) -> tuple[int, int]:
     # of all heads, but the dense mask is over whole rows
     full = layer_activation_bytes(arch, shape.rows, length, layout.tp, shape.bf16, stream,
                                   casts)  # fmt: skip
-    if shape.dense_mask:
-        full += shape.rows * shape.length * shape.length * 4
+    if shape.dense_mask:  # sdpa's copy of the mask in the attention's dtype
+        full += shape.rows * shape.length * shape.length * (2 if shape.bf16 else 4)
     if layout.cp > 1:  # the heads come back from the all-to-all as (B, H, L/cp, D): o_proj
-        full += tokens * arch.num_attention_heads // layout.tp * arch.resolved_head_dim * (
-            2 if shape.bf16 else 4)  # reads a merged copy of them
-    kept = tokens * arch.hidden_size * stream
+        full += (
+            tokens
+            * arch.num_attention_heads
+            // layout.tp
+            * arch.resolved_head_dim
+            * (2 if shape.bf16 else 4)
+        )  # reads a merged copy of them
+    kept_input = tokens * arch.hidden_size * stream
     # autocast's bfloat16 copy of each linear weight of a layer that is not checkpointed
     weight_copies = 2 * model.flops.matmul_params // model.layers if casts else 0
-    saved = 0
+    kept, held, any_checkpointed = [], [], False
     for index in range(model.layers):
         flag = shape.checkpointing
         checkpointed = flag if isinstance(flag, bool) else (flag > 0 and index % flag == 0)
-        saved += kept if checkpointed else full + weight_copies
+        kept.append(kept_input if checkpointed else full + weight_copies)
+        held.append(kept_input + full if checkpointed else full + weight_copies)
+        any_checkpointed |= checkpointed
     h = arch.hidden_size
     around = tokens * (h * stream + 4 + 1)  # final norm input and statistics, the mask
     around += shape.rows * shape.length * 8  # the ids (a cp slice keeps the whole rows)
-    around += 2 * tokens * arch.resolved_head_dim * 4  # the RoPE tables (shared)
-    return saved + around, full if shape.checkpointing else 0
+    if any_checkpointed or not shape.bf16:  # the float32 RoPE tables: a checkpointed
+        around += 2 * tokens * arch.resolved_head_dim * 4  # layer's inputs, or float32's
+    return kept, held, around
 
 
-def backward_transient(model: ShardedModel, shape: StepShape) -> int:
-    """Gradients of activations alive at once in backward: the MLP's (gate, up, their
-    product, silu recomputed: 4 x I wide) and the residual's (h), per token of this rank,
-    in the matmul dtype; plus the head's float32 gradients made in the forward (the whole
-    head V x h, the R masked rows' hidden states)."""
+def activation_bytes(model: ShardedModel, shape: StepShape) -> int:
+    """Bytes saved for backward at the end of one micro-batch's forward on this rank."""
+    kept, _, around = layer_saves(model, shape)
+    return sum(kept) + around
+
+
+def head_gradient_bytes(model: ShardedModel, shape: StepShape) -> int:
+    """The LM head's float32 gradients made in the forward (diffusion/loss.py): the whole
+    head (V x h) and the R masked rows' hidden states."""
+    arch, layout = model.model_config, model.layout
+    tokens = shape.rows * shape.length // layout.cp
+    masked = int(tokens * shape.masked_fraction)
+    return (arch.vocab_size + masked) * arch.hidden_size * 4
+
+
+def activation_gradient_bytes(model: ShardedModel, shape: StepShape) -> int:
+    """Gradients of activations alive at once in a layer's backward: the MLP's (gate, up,
+    their product, silu recomputed: 4 x I wide) and the residual's (h), per token of this
+    rank, in the matmul dtype."""
     arch, layout = model.model_config, model.layout
     tokens = shape.rows * shape.length // layout.cp
     b = 2 if shape.bf16 else 4
-    inter = arch.intermediate_size // layout.tp
-    masked = int(tokens * shape.masked_fraction)
-    head = arch.vocab_size * arch.hidden_size * 4 + masked * arch.hidden_size * 4
-    return tokens * (4 * inter + arch.hidden_size) * b + head
+    return tokens * (4 * arch.intermediate_size // layout.tp + arch.hidden_size) * b
 
 
 def gathered_bytes(model: ShardedModel, shape: StepShape) -> tuple[int, int]:
@@ -191,24 +212,55 @@ def gathered_bytes(model: ShardedModel, shape: StepShape) -> tuple[int, int]:
 
 def memory_terms(model: ShardedModel, shape: StepShape) -> MemoryTerms:
     """Every term of this rank and the peak estimate, in a step after the first (the
-    optimizer state exists). The peak is the larger of the backward's start (every
-    activation saved, the head's gradients, the first activation gradients) and its end
-    (every gradient), on top of the state and what FSDP2 holds gathered meanwhile:
+    optimizer state exists). The peak is the most live at any point of a walk through the
+    step, on top of the parameters and the optimizer state:
 
-      peak = parameters + optimizer + max(activations + backward transient, gradients)
-             + root gathered + 2 layers gathered (the current one and the prefetched next)
-             + one layer's gradients unsharded + one recomputed layer (checkpointing)
-             + unsharded gradients of every unit when gradients accumulate (FSDP2 keeps
-               them until the last micro-batch's reduce-scatter)
+    - the forward's end: every saved activation, the head's gradients, the root gathered;
+    - the backward of layer i (last to first): what layers below i saved, what layer i
+      holds (recomputed when checkpointed), the activation gradients, the root gathered
+      with its unsharded gradient (the head's, made first, reduced last), two layers
+      gathered (this one and the prefetched next) and this layer's unsharded float32
+      gradient, the sharded gradients of the layers above i;
+    - the optimizer step: every gradient.
+
+    Without FSDP2 the gradients go straight to the parameters' .grad (float32). Under
+    gradient accumulation FSDP2 keeps every unit's unsharded float32 gradient until the
+    last micro-batch's reduce-scatter.
     """
     params, grads, optim = state_bytes(model)
-    saved, recompute = activation_bytes(model, shape)
-    transient = backward_transient(model, shape)
+    kept, held, around = layer_saves(model, shape)
+    saved = sum(kept) + around
+    head = head_gradient_bytes(model, shape)
+    act_grads = activation_gradient_bytes(model, shape)
     root, layer = gathered_bytes(model, shape)
-    compute_bytes = 2 if shape.bf16 else 4
-    layer_grads = layer // compute_bytes * 4 if layer else 0  # reduced in float32
-    working = root + 2 * layer + layer_grads + recompute + transient
-    if shape.micro_batches > 1 and layer:
-        working += (layer * model.layers + root) // compute_bytes * 4
-    peak = params + optim + max(saved + working, grads + root)
+    fsdp = layer > 0
+    b = 2 if shape.bf16 else 4
+    layer_grad = _grad_bytes_by_unit(model)
+    accumulated = 0
+    if shape.micro_batches > 1 and fsdp:
+        accumulated = (layer * model.layers + root) // b * 4
+    forward_end = saved + head + root + accumulated
+    worst_backward = 0
+    for i in range(model.layers - 1, -1, -1):
+        below = sum(kept[:i]) + around
+        above = sum(layer_grad.get(f"layer {j}", 0) for j in range(i + 1, model.layers))
+        if fsdp:
+            live = below + held[i] + act_grads + 2 * root + 2 * layer + layer // b * 4
+            live += above + accumulated
+        else:  # .grad of the head (the root's, first) and of every layer done so far
+            live = below + held[i] + act_grads + layer_grad.get("root", 0) + above
+            live += layer_grad.get(f"layer {i}", 0)
+        worst_backward = max(worst_backward, live)
+    live_peak = max(forward_end, worst_backward, grads)
+    working = live_peak - min(saved, live_peak) if live_peak > saved else 0
+    peak = params + optim + live_peak
     return MemoryTerms(params, grads, optim, saved, working, peak)
+
+
+def _grad_bytes_by_unit(model: ShardedModel) -> dict[str, int]:
+    """Sharded gradient bytes of each FSDP2 unit (root, layer N) on this rank."""
+    out: dict[str, int] = {}
+    for s in model.shards:
+        if s.optimizer != "frozen":
+            out[s.unit] = out.get(s.unit, 0) + s.local_bytes
+    return out

@@ -11,11 +11,13 @@ OUT_DIR/<config stem>.rank<R>.json with, on this rank:
   forward (saved_tensors_hooks; parameters, gathered FSDP2 parameters included, left
   out), the largest over the step's micro-batches;
 - peak (the MemTracker of torch.distributed._tools: every tensor allocation tracked through
-  a dispatch mode, by category) and its categories at that peak, for the whole step;
+  a dispatch mode, by category) and its categories at that peak, for the whole step (None
+  for a step of several micro-batches: MemTracker refuses a module called twice);
 - local_shapes: each parameter's local shape;
 - masked: the LM head's rows (tokens masked) of the step on this rank.
 """
 
+import contextlib
 import json
 import os
 import sys
@@ -64,6 +66,7 @@ def measure(cfg_path: str, out_dir: Path) -> None:
     cfg = load_config(cfg_path, [f"train.output_dir={out_dir / ('run-' + stem)}"])
     trainer = Trainer(cfg)
     model, optimizer = trainer.model, trainer.optimizer
+
     def batches():
         return [next(trainer.loader) for _ in range(cfg.train.gradient_accumulation_steps)]
 
@@ -90,25 +93,30 @@ def measure(cfg_path: str, out_dir: Path) -> None:
         return out
 
     type(objective).__call__ = call_saving
+    # MemTracker follows modules and refuses a module called twice in one step, so a step
+    # of several micro-batches is measured without it (no peak)
+    tracked = cfg.train.gradient_accumulation_steps == 1
     tracker = MemTracker()
     tracker.track_external(model, optimizer)
     try:
-        with tracker:
+        with tracker if tracked else contextlib.nullcontext():
             trainer.train_step(batches())
     finally:
         type(objective).__call__ = real_call
-    peaks = tracker.get_tracker_snapshot("peak")
-    device_peaks = next(iter(peaks.values()))
+    device_peaks = {"Total": None}
+    if tracked:
+        device_peaks = next(iter(tracker.get_tracker_snapshot("peak").values()))
     state = [t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
     result = {
         "parameters": _bytes(model.parameters()),
         "gradients": grads["bytes"],
         "optimizer_state": _bytes(state),
         "saved_activations": max(s.total() for s in saved),
-        "peak": int(device_peaks["Total"]),
-        "peak_categories": {str(k): int(v) for k, v in device_peaks.items()},
-        "local_shapes": {n.replace("._orig_mod", ""): list(_local(p).shape)
-                         for n, p in model.named_parameters()},  # fmt: skip
+        "peak": device_peaks["Total"],
+        "peak_categories": {str(k): v for k, v in device_peaks.items()},
+        "local_shapes": {
+            n.replace("._orig_mod", ""): list(_local(p).shape) for n, p in model.named_parameters()
+        },  # fmt: skip
         "masked": masked,
     }
     (out_dir / f"{stem}.rank{rank}.json").write_text(json.dumps(result, indent=1))
