@@ -24,6 +24,7 @@ from torch import nn
 from unmask.config import RunConfig
 from unmask.errors import InputError
 from unmask.models import decoder_layers
+from unmask.models.build import _no_init  # the meta-device build's no-op initializers
 from unmask.models.families import FAMILIES
 from unmask.models.hf import config_from_hf, read_config
 from unmask.optim.config import build_optimizer
@@ -154,7 +155,7 @@ def shard_model(cfg: RunConfig, world_size: int, rank: int = 0) -> ShardedModel:
     with fake_world(rank, world_size):
         mesh = build_mesh(torch.device("cpu"), layout) if world_size > 1 else None
         meta = torch.device("meta")
-        with meta:
+        with meta, _no_init():  # no storage to fill (and no torch._dynamo import)
             model = build_train_model(cfg, _Vocabulary(cfg.model.vocab_size), 0, meta, mesh)
         routing = _routing(cfg, model)
         shards = _read_shards(model, routing, layout)
