@@ -48,7 +48,8 @@ class TensorShard:
     optimizer: str
     """muon, adamw or frozen (the run's optimizer routing)."""
     unit: str
-    """Its FSDP2 unit: "layer N" (a decoder layer) or "root" (embedding, final norm, head)."""
+    """Its FSDP2 unit, from the modules fully_shard wrapped: "layer N" (a decoder layer) or
+    "root" (what the root holds: embedding, final norm, head)."""
     shard_group: int
     """Ranks that hold its pieces along the FSDP2 dims (dp_shard_cp; 1: not sharded)."""
 
@@ -175,11 +176,29 @@ def _routing(cfg: RunConfig, model: nn.Module) -> dict[int, str]:
     return route
 
 
-def _unit_of(name: str) -> str:
-    parts = name.split(".")
-    if "layers" in parts:
-        return f"layer {parts[parts.index('layers') + 1]}"
-    return "root"
+def _unit_name(module_name: str) -> str:
+    """ "layer N" for a decoder layer (model.layers.N), else the module's own name."""
+    parts = module_name.replace("._orig_mod", "").split(".")
+    if len(parts) >= 2 and parts[-2] == "layers":
+        return f"layer {parts[-1]}"
+    return module_name or "root"
+
+
+def _units(model: nn.Module) -> dict[int, str]:
+    """Parameter id -> its FSDP2 unit, read from the modules fully_shard wrapped (the
+    innermost one wins; the root holds the rest). Without FSDP2: each decoder layer by
+    its name, the rest "root"."""
+    from torch.distributed.fsdp import FSDPModule
+
+    wrapped = [(name, m) for name, m in model.named_modules() if isinstance(m, FSDPModule)]
+    if not wrapped:
+        wrapped = [(name, m) for name, m in model.named_modules()
+                   if name.split(".")[-2:-1] == ["layers"]]  # fmt: skip
+    units: dict[int, str] = {}
+    for name, module in sorted(wrapped, key=lambda item: -len(item[0])):  # innermost first
+        for p in module.parameters():
+            units.setdefault(id(p), "root" if module is model else _unit_name(name))
+    return units
 
 
 def _read_shards(
@@ -187,6 +206,7 @@ def _read_shards(
 ) -> list[TensorShard]:
     from torch.distributed.tensor import DTensor
 
+    units = _units(model)
     shards = []
     for name, p in model.named_parameters():
         if isinstance(p, DTensor):
@@ -204,7 +224,7 @@ def _read_shards(
         shards.append(TensorShard(name=_clean(name), global_shape=tuple(p.shape),
                                   local_shape=local, dtype=p.dtype, mesh_dims=dims,
                                   placements=placements, optimizer=optimizer,
-                                  unit=_unit_of(name), shard_group=group,
+                                  unit=units.get(id(p), "root"), shard_group=group,
                                   **tp_split))  # fmt: skip
     return shards
 
