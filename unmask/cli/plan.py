@@ -27,7 +27,7 @@ def add_plan(sub: argparse._SubParsersAction) -> None:
     plan.add_argument("--tokens", type=float, default=None,
                       help="token budget of the run (default: train.max_steps steps)")  # fmt: skip
     plan.add_argument("--ranks", type=int, nargs="+", default=None,
-                      help="ranks to plan (default: all up to 8, else the first and last)")  # fmt: skip
+                      help="ranks to plan (default: the first and the last)")  # fmt: skip
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
     plan.set_defaults(func=cmd_plan)
 

@@ -89,15 +89,15 @@ def step_shape(cfg: RunConfig, world_size: int) -> StepShape:
 
 
 def planned_ranks(world_size: int, ranks: list[int] | None) -> list[int]:
-    """Every rank up to 8, else the first and the last (torch.chunk shards: the first ranks
-    hold the largest pieces, the last the smallest)."""
+    """The ranks asked for, else the first and the last (torch.chunk shards: the first
+    ranks hold the largest pieces, the last the smallest)."""
     if ranks is not None:
         bad = [r for r in ranks if not 0 <= r < world_size]
         if bad:
             raise InputError(f"--ranks {bad[0]} is not a rank of a world of {world_size}; "
                              f"use 0..{world_size - 1}")  # fmt: skip
         return sorted(set(ranks))
-    return list(range(world_size)) if world_size <= 8 else [0, world_size - 1]
+    return [0] if world_size == 1 else [0, world_size - 1]
 
 
 def link_seconds(collective: Collective, device: Device) -> float:
