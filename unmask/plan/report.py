@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 from unmask.plan.planner import RunPlan
+from unmask.train.setup import checkpointing_choice
 
 GIB = 1024**3
 
@@ -39,7 +40,7 @@ def fix_for(plan: RunPlan, cfg) -> str:
     t = cfg.train
     over = m.peak - plan.memory_limit
     if name == "activations":
-        if not t.activation_checkpointing and not t.gradient_checkpointing:
+        if checkpointing_choice(t) is False:
             return "set train.activation_checkpointing=full"
         rows = plan.rows_per_rank
         if rows > 1:
