@@ -9,7 +9,9 @@ group, must match:
 - the bytes autograd saves for backward (activations): exactly, given the step's masked
   token count (the planner's formula is per token; the count is the noise's draw);
 - the peak (torch's MemTracker over the whole step; not for the layout with gradient
-  accumulation, which MemTracker cannot follow): within 15%.
+  accumulation, which MemTracker cannot follow): within 15%;
+- the collectives' bytes (torch.profiler's c10d events in a third step): see
+  `check_collectives`.
 """
 
 import json
@@ -92,6 +94,29 @@ def planned(name: str, world: int, out: Path, masked: int, rank: int):
     )
 
 
+def check_collectives(name: str, plan, counted: dict, world: int) -> None:
+    """The plan's collective bytes against those torch.profiler counted in a step (gloo's
+    view: an all-gather's input shard, a reduce-scatter's whole input, an all-to-all's
+    send buffer). FSDP2's all-gathers and reduce-scatters and Muon's all-to-alls: equal
+    (layouts without TP, whose Muon step adds DTensor redistributes); TP's activation
+    all-reduces: equal up to the scalars every step all-reduces (loss, count, gradient
+    norm: under 1 KiB) and the q/k norms' partial gradients."""
+    planned = {(c.dim, c.kind): c for c in plan.collectives}
+    tp = plan.layout["tp"] > 1
+    gather = planned.get(("dp_shard_cp", "all-gather"))
+    if gather is not None and not tp:
+        got = counted["allgather_base"]
+        assert [got[0], got[1] * gather.group] == [gather.calls, gather.tensor_bytes], name
+        scatter = planned[("dp_shard_cp", "reduce-scatter")]
+        assert counted["reduce_scatter_base"][1] == scatter.tensor_bytes, name
+    muon = [c for c in plan.collectives if c.what.startswith("Muon")]
+    if muon and not tp:
+        assert counted["alltoall_base"][1] == muon[0].tensor_bytes, name
+    if tp:
+        planned_tp = planned[("tp", "all-reduce")].tensor_bytes
+        assert 0 <= counted["allreduce"][1] - planned_tp <= 4096, (name, counted, planned_tp)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_plan_equals_measured_bytes(world, tmp_path):
@@ -109,6 +134,8 @@ def test_plan_equals_measured_bytes(world, tmp_path):
             plan_rank = next(r for r in plan.ranks if r.rank == rank)
             for row in plan_rank.shards:  # the root's and layer 0's parameters
                 assert row["local"] == got["local_shapes"][row["name"]], (where, row["name"])
+            if rank == 0:
+                check_collectives(name, plan, got["collectives"], world)
             if got["peak"] is not None:
                 gaps[where] = memory.peak / got["peak"] - 1
     print(json.dumps(gaps, indent=1))  # the peak gaps, for the record (pytest -s)

@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field
 
 from unmask.config import RunConfig
 from unmask.errors import InputError
+from unmask.optim.updates import auto_ns_dtype, cpu_has_native_bf16
 from unmask.parallel.batch import per_rank_batch_size
 from unmask.plan.devices import Device
 from unmask.plan.memory import MemoryTerms, StepShape, memory_terms
@@ -100,6 +101,15 @@ def planned_ranks(world_size: int, ranks: list[int] | None) -> list[int]:
     return [0] if world_size == 1 else [0, world_size - 1]
 
 
+def ns_bytes(cfg: RunConfig, device: Device) -> int:
+    """Bytes per element of Muon's all-to-alls: the Newton-Schulz dtype (optim/updates.py's
+    `auto` rule on the planned device; float16 travels as float32)."""
+    name = cfg.optim.ns_dtype
+    if name == "auto":
+        name = auto_ns_dtype("cpu" if device.name == "cpu" else "cuda", cpu_has_native_bf16())[0]
+    return 2 if name == "bfloat16" else 4
+
+
 def link_seconds(collective: Collective, device: Device) -> float:
     bandwidth = device.nvlink if collective.intra_node else device.network
     return collective.wire_bytes / bandwidth
@@ -127,7 +137,7 @@ def make_run_plan(cfg: RunConfig, world_size: int, device: Device, *, nodes: int
         sharded = shard_model(cfg, world_size, rank)
         first = first or sharded
         plans.append(RankPlan(rank, memory_terms(sharded, shape), shard_rows(sharded)))
-    collectives = step_collectives(first, shape, nodes, ns_bytes=2 if device.name != "cpu" else 4)
+    collectives = step_collectives(first, shape, nodes, ns_bytes=ns_bytes(cfg, device))
     total_params = sum(math.prod(s.global_shape) for s in first.shards)
     dp = layout.dp if world_size > 1 else 1
     batch_ranks = 1 if cfg.train.split_batches else dp

@@ -9,11 +9,11 @@ over its links with ring / pairwise algorithms: (g - 1)/g of it for all-gather,
 reduce-scatter and all-to-all, 2 (g - 1)/g for all-reduce (g: the group's size).
 
 Where each dimension's collectives come from:
-- FSDP2 (dp_shard x cp, the `dp_shard_cp` mesh): each unit's parameters are all-gathered
-  in the compute dtype before its forward and again before its backward when
-  `reshard_after_forward` (the root unit stays gathered: FSDP2 never reshards the root
-  after forward), on every micro-batch; gradients are reduce-scattered in float32 once per
-  step (parallel/fsdp.py `sync_gradients`: only on the last micro-batch).
+- FSDP2 (dp_shard x cp, the `dp_shard_cp` mesh): each unit's parameters (the root's too:
+  parallel/fsdp.py passes `reshard_after_forward` explicitly) are all-gathered in the
+  compute dtype before its forward and again before its backward when
+  `reshard_after_forward`, on every micro-batch; gradients are reduce-scattered in float32
+  once per step (parallel/fsdp.py `sync_gradients`: only on the last micro-batch).
 - HSDP (dp_replicate): the sharded gradients all-reduced in float32 once per step.
 - TP (tp): two activation all-reduces per layer forward (o_proj, down_proj outputs), two
   in backward (attention's and the MLP's input gradients; parallel/tensor.py), two more
@@ -99,9 +99,12 @@ def step_collectives(model: ShardedModel, shape: StepShape, nodes: int,
         units: dict[str, int] = {}
         for s in model.shards:
             units[s.unit] = units.get(s.unit, 0) + s.gathered_numel
-        layer_gathers = 2 if shape.reshard_after_forward else 1
-        gathers = sum(n * (1 if unit == "root" else layer_gathers) for unit, n in units.items())
-        calls = micro * sum(1 if unit == "root" else layer_gathers for unit in units)
+        # every unit, the root too (apply_fsdp passes reshard_after_forward explicitly, so
+        # FSDP2's "root stays gathered" default does not apply): gathered for the forward,
+        # and again for the backward when resharded after forward
+        gathers_per_unit = 2 if shape.reshard_after_forward else 1
+        gathers = gathers_per_unit * sum(units.values())
+        calls = micro * gathers_per_unit * len(units)
         intra = is_intra_node(layout, fsdp_dims, nodes)
         out.append(Collective("dp_shard_cp", "all-gather", "FSDP2 parameters", calls,
                               micro * gathers * b, fsdp_group, intra))  # fmt: skip

@@ -14,7 +14,8 @@ OUT_DIR/<config stem>.rank<R>.json with, on this rank:
   a dispatch mode, by category) and its categories at that peak, for the whole step (None
   for a step of several micro-batches: MemTracker refuses a module called twice);
 - local_shapes: each parameter's local shape;
-- masked: the LM head's rows (tokens masked) of the step on this rank.
+- masked: the LM head's rows (tokens masked) of the step on this rank;
+- collectives: {c10d kind: [calls, bytes]} of a third step (torch.profiler).
 """
 
 import contextlib
@@ -53,6 +54,27 @@ class SavedBytes:
 
     def total(self) -> int:
         return sum(self.storages.values())
+
+
+def collective_bytes(prof) -> dict[str, list[int]]:
+    """kind -> [calls, bytes] of a third step on this rank, from torch.profiler's events: the
+    kind from each c10d event (allreduce, allgather_into_tensor_coalesced, ...), the bytes
+    from the gloo operation inside it (the tensor gloo is handed: an all-gather's shard, an
+    all-to-all's send buffer)."""
+    sizes = {"float": 4, "c10::BFloat16": 2, "c10::Half": 2, "double": 8, "long int": 8}
+    found: dict[str, list[int]] = {}
+    kind = None
+    for event in sorted(prof.events(), key=lambda e: e.time_range.start):
+        if event.name.startswith("c10d::") and event.name != "c10d::barrier":
+            kind = event.name.removeprefix("c10d::").strip("_")
+            found.setdefault(kind, [0, 0])[0] += 1
+        elif event.name.startswith("gloo:") and kind is not None:
+            numel = 1
+            for d in (event.input_shapes or [[0]])[0]:
+                numel *= d
+            dtype = (getattr(event, "input_dtypes", None) or ["float"])[0]
+            found[kind][1] += numel * sizes.get(dtype, 4)
+    return found
 
 
 def measure(cfg_path: str, out_dir: Path) -> None:
@@ -107,6 +129,10 @@ def measure(cfg_path: str, out_dir: Path) -> None:
     if tracked:
         device_peaks = next(iter(tracker.get_tracker_snapshot("peak").values()))
     state = [t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
+    optimizer.step = real_step
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                record_shapes=True) as prof:  # fmt: skip
+        trainer.train_step(batches())
     result = {
         "parameters": _bytes(model.parameters()),
         "gradients": grads["bytes"],
@@ -118,6 +144,7 @@ def measure(cfg_path: str, out_dir: Path) -> None:
             n.replace("._orig_mod", ""): list(_local(p).shape) for n, p in model.named_parameters()
         },  # fmt: skip
         "masked": masked,
+        "collectives": collective_bytes(prof),
     }
     (out_dir / f"{stem}.rank{rank}.json").write_text(json.dumps(result, indent=1))
     trainer.loader.close()
