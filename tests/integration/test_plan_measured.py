@@ -97,10 +97,11 @@ def planned(name: str, world: int, out: Path, masked: int, rank: int):
 def check_collectives(name: str, plan, counted: dict, world: int) -> None:
     """The plan's collective bytes against those torch.profiler counted in a step (gloo's
     view: an all-gather's input shard, a reduce-scatter's whole input, an all-to-all's
-    send buffer). FSDP2's all-gathers and reduce-scatters and Muon's all-to-alls: equal
-    (layouts without TP, whose Muon step adds DTensor redistributes); TP's activation
-    all-reduces: equal up to the scalars every step all-reduces (loss, count, gradient
-    norm: under 1 KiB) and the q/k norms' partial gradients."""
+    send buffer). FSDP2's all-gathers (layouts without TP, whose Muon step adds DTensor
+    redistributes, all-gathers the plan does not list) and reduce-scatters, the all-to-alls
+    (Muon's, CP's) and CP's doc-id all-gather: equal; TP's activation all-reduces: equal up
+    to the scalars every step all-reduces (loss, count, gradient norm) and the q/k norms'
+    partial gradients, a few hundred bytes here."""
     planned = {(c.dim, c.kind): c for c in plan.collectives}
     tp = plan.layout["tp"] > 1
     gather = planned.get(("dp_shard_cp", "all-gather"))
@@ -109,9 +110,12 @@ def check_collectives(name: str, plan, counted: dict, world: int) -> None:
         assert [got[0], got[1] * gather.group] == [gather.calls, gather.tensor_bytes], name
         scatter = planned[("dp_shard_cp", "reduce-scatter")]
         assert counted["reduce_scatter_base"][1] == scatter.tensor_bytes, name
-    muon = [c for c in plan.collectives if c.what.startswith("Muon")]
-    if muon and not tp:
-        assert counted["alltoall_base"][1] == muon[0].tensor_bytes, name
+    all_to_all = sum(c.tensor_bytes for c in plan.collectives if c.kind == "all-to-all")
+    if all_to_all:  # Muon's two, and CP's around every attention
+        assert counted["alltoall_base"][1] == all_to_all, name
+    doc_ids = planned.get(("cp", "all-gather"))
+    if doc_ids is not None:
+        assert counted["allgather"][1] * doc_ids.group == doc_ids.tensor_bytes, name
     if tp:
         planned_tp = planned[("tp", "all-reduce")].tensor_bytes
         assert 0 <= counted["allreduce"][1] - planned_tp <= 4096, (name, counted, planned_tp)
