@@ -271,7 +271,7 @@ def test_aux_and_z_loss_gradients_equal_the_written_out_losses():
 @pytest.mark.parametrize(
     "model_type, fields, message",
     [
-        ("qwen3_dllm", {}, r"model_type qwen3_dllm is dense; num_experts \(8\) needs an MoE family"),
+        ("qwen3_dllm", {}, r"qwen3_dllm is dense; num_experts \(8\) needs an MoE family"),
         ("qwen3_moe_dllm", {"num_shared_experts": 1}, r"have no shared experts.*llada2_moe"),
         ("llada_moe", {"num_shared_experts": 1}, r"have no shared experts.*llada2_moe"),
     ],

@@ -1,8 +1,7 @@
-"""The command line: `unmask train | generate | eval | export | preprocess | plot | runs |
-serve`.
-The only package that reads argv.
+"""The command line: `unmask train | plan | generate | eval | export | preprocess | plot |
+runs | serve`. The only package that reads argv.
 
-One module per command family (train.py; generate.py and evaluate.py, with
+One module per command family (train.py; plan.py; generate.py and evaluate.py, with
 sampling_flags.py; preprocess.py; runs.py: export, plot, runs; serve.py), each with an `add_<command>`
 that adds its subparser and a `cmd_<command>` that runs it; `COMMANDS` below lists them.
 A new command: a new module with those two functions and one line in `COMMANDS`.
@@ -18,7 +17,7 @@ import argparse
 import sys
 import traceback
 
-from unmask.cli import evaluate, generate, preprocess, runs, serve, train
+from unmask.cli import evaluate, generate, plan, preprocess, runs, serve, train
 from unmask.cli.flags import REFERENCE, Parser, UsageError, version_line
 from unmask.cli.sampling_flags import SAMPLING_GROUP, sampling_flags
 from unmask.errors import InputError, NothingToTrain, RunStopped
@@ -26,6 +25,7 @@ from unmask.errors import InputError, NothingToTrain, RunStopped
 #: each command's subparser, in the order `unmask --help` lists them
 COMMANDS = (
     train.add_train,
+    plan.add_plan,
     generate.add_generate,
     evaluate.add_eval,
     runs.add_export,

@@ -1,0 +1,79 @@
+"""`unmask plan` on the real models' configs in configs/models/: LLaDA-8B at 64 GPUs
+(dp_shard 8 x tp 8 over 8 nodes), its shard shapes and FLOPs against the formulas, and the
+text and JSON forms."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from unmask.cli import main
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+MODELS = Path(__file__).resolve().parents[2] / "configs" / "models"
+
+
+def plan_json(capsys, *args: str) -> dict:
+    assert main(["plan", *args, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_llada_8b_on_64_gpus_shards_follow_the_formulas(capsys):
+    plan = plan_json(capsys, str(MODELS / "llada_8b.yaml"), "train.tensor_parallel=8",
+                     "--world", "64", "--nodes", "8")  # fmt: skip
+    assert plan["layout"] == {"dp_replicate": 1, "dp_shard": 8, "cp": 1, "tp": 8}
+    assert [r["rank"] for r in plan["ranks"]] == [0, 63]
+    h, inter, vocab, layers, tp, dp = 4096, 12288, 126464, 32, 8, 8
+    shards = {row["name"]: row for row in plan["ranks"][0]["shards"]}
+    expect = {  # column-parallel: rows / tp / dp; row-parallel: rows / dp, columns / tp
+        "model.layers.0.self_attn.q_proj.weight": [h // tp // dp, h],
+        "model.layers.0.self_attn.k_proj.weight": [h // tp // dp, h],
+        "model.layers.0.self_attn.o_proj.weight": [h // dp, h // tp],
+        "model.layers.0.mlp.gate_proj.weight": [inter // tp // dp, h],
+        "model.layers.0.mlp.up_proj.weight": [inter // tp // dp, h],
+        "model.layers.0.mlp.down_proj.weight": [h // dp, inter // tp],
+        "model.layers.0.input_layernorm.weight": [h // dp],
+        "model.embed_tokens.weight": [vocab // dp, h],  # replicated over tp, sharded over dp
+        "lm_head.weight": [vocab // dp, h],
+    }
+    for name, local in expect.items():
+        assert shards[name]["local"] == local, name
+    params = 2 * vocab * h + layers * (4 * h * h + 3 * h * inter + 2 * h) + h
+    assert plan["parameters"] == params
+    # rank 0's float32 parameters: the formulas above over every layer
+    per_layer = 4 * (h // tp // dp) * h + 3 * (inter // tp // dp) * h + 2 * (h // dp)
+    local = layers * per_layer + 2 * (vocab // dp) * h + h // dp
+    assert plan["ranks"][0]["memory"]["parameters"] == 4 * local
+    # FLOPs: 6 N T + 12 layers d_attn L T + 6 d V R (train/mfu.py), R = half the tokens
+    tokens, length = 4 * dp * 4096, 4096
+    matmuls = layers * (4 * h * h + 3 * h * inter)
+    flops = 6 * matmuls * tokens + 12 * layers * h * length * tokens + 6 * h * vocab * tokens / 2
+    assert plan["flops_per_step"] == pytest.approx(flops, rel=1e-12)
+    assert plan["tokens_per_step"] == tokens and plan["fits"]
+    kinds = {(c["dim"], c["kind"]): c for c in plan["collectives"]}
+    assert not kinds[("dp_shard_cp", "all-gather")]["intra_node"]  # 64 ranks over 8 nodes
+    assert kinds[("tp", "all-reduce")]["intra_node"]
+
+
+def test_dream_7b_text_plan(capsys):
+    assert main(["plan", str(MODELS / "dream_7b.yaml"), "--world", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "mesh dp_replicate 1 x dp_shard 8 x cp 1 x tp 1" in out
+    assert "(fits)" in out and "collectives per step" in out
+    assert "model.layers.0.self_attn.k_proj.weight" in out  # 4 K/V heads x 128: (512, 3584)
+    assert "(512, 3584) -> (64, 3584)" in out
+
+
+def test_gpu_suite_dry_run_is_consistent_with_the_planner():
+    # benchmarks/gpu.py --dry: the suite imports, and each case's plan has train/mfu.py's
+    # FLOPs, the trainer's tokens per step, and fits (no GPU needed)
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu.py"
+    proc = subprocess.run([sys.executable, str(script), "--dry", "--world", "2"],
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = [line for line in proc.stdout.splitlines() if "checks" in line]
+    assert len(lines) == 2
+    assert all(line.endswith("checks flops ok, tokens ok, fits ok") for line in lines), lines

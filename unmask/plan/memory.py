@@ -1,0 +1,266 @@
+"""Bytes one rank holds during a training step: the sharded state read from the shards
+(shards.py), the activations from a formula of the native decoder's forward.
+
+State (exact, from the shards): parameters at their stored dtype (float32 masters),
+gradients of the trainable ones (FSDP2 reduces in float32 into the parameter's dtype, so a
+gradient has its parameter's local shape and dtype), optimizer state by the optimizer's
+rules (optim/updates.py `state_dtype`: float32, or wider): AdamW keeps exp_avg and
+exp_avg_sq like the parameter plus a 0-d float32 step, Muon one momentum buffer like the
+parameter.
+
+Activations: what autograd saves (save_for_backward) per token of one micro-batch on this
+rank, layer by layer, as the decoder's modules save it (models/transformer.py,
+models/fused.py), with `h` the width, `q` = heads x head_dim / tp, `kv` = K/V heads x
+head_dim / tp, `I` = MLP width / tp, `b` the matmul dtype's bytes, `s` the residual
+stream's:
+
+  layer:  s h (input_layernorm's input) + s h (post_attention_layernorm's input)
+        + b h x (1, or 3 under autocast over a float32 stream: q/k/v each cast their input)
+        + b h x (1, or 2 likewise for gate/up)
+        + b (q + 2 kv) (attention's q, k, v after RoPE) + b q (its output, which o_proj
+          reads as a view; under cp a second b q: the heads come back from the all-to-all
+          in another layout and o_proj reads a merged copy)
+        + b (q + kv) with per-head q/k norms (their inputs)
+        + b 3 I (SwiGLU's gate and up, down's input)
+        + 4 (2 + heads/tp [+ heads/tp + kv heads/tp]) (RMSNorm statistics, attention's
+          log-sum-exp; float32)
+        + 4 head_dim under bfloat16 (the RoPE tables cast per layer)
+  and per layer, not per token: rows x L x L x b with sdpa and a dense document mask
+  (its copy of the (B, 1, L, L) mask in the attention's dtype; L the whole row under cp)
+
+Around the layers: the token ids (8 bytes each), the final norm's input and statistics, the
+loss's mask (1 byte) and the RoPE tables (float32, shared by the layers: saved when a
+layer multiplies by them in float32 or takes them as a checkpointed layer's inputs). A checkpointed
+layer keeps only its input (s h per token) and, in backward, recomputes one layer's full
+set at a time. Under autocast over float32 masters (one process, bf16) every linear's
+bfloat16 weight copy is kept for backward as well. tests/integration/test_plan_measured.py
+holds these equal to the bytes autograd saves in real runs.
+
+The LM head computes its gradients in the forward (diffusion/loss.py): a float32 gradient
+of the whole head (V x h x 4: the head is replicated over tp and gathered whole by FSDP2)
+and of its R rows (R = masked tokens); these are working memory, not saved tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from unmask.plan.shards import ShardedModel
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """One rank's micro-batch and how the step runs."""
+
+    rows: int
+    """Rows per micro-batch on this rank."""
+    length: int
+    """Tokens per row (whole rows; context parallelism splits them by cp)."""
+    micro_batches: int
+    bf16: bool
+    checkpointing: bool | int
+    """False, True (every layer) or n (every n-th layer)."""
+    masked_fraction: float = 0.5
+    """Share of tokens the LM head runs on (MDLM: E[1 - alpha(t)] = 1/2 for t ~ U(0, 1))."""
+    reshard_after_forward: bool = True
+    dense_mask: bool = False
+    """Attention through sdpa with a dense (B, 1, L, L) mask (CPU; GPUs take flex's block
+    mask for packed rows)."""
+
+
+@dataclass(frozen=True)
+class MemoryTerms:
+    """Bytes on one rank; `peak` is the estimate of the most live at once."""
+
+    parameters: int
+    gradients: int
+    optimizer: int
+    activations: int
+    """Saved for backward at the end of the forward (all layers)."""
+    working: int
+    """What is live at the peak beyond the saved activations (gathered FSDP2 units, a
+    recomputed layer, activation and head gradients, unsharded gradients)."""
+    peak: int
+
+    def largest(self) -> tuple[str, int]:
+        terms = {"parameters": self.parameters, "gradients": self.gradients,
+                 "optimizer state": self.optimizer, "activations": self.activations,
+                 "working buffers": self.working}  # fmt: skip
+        name = max(terms, key=terms.get)
+        return name, terms[name]
+
+
+def state_bytes(model: ShardedModel) -> tuple[int, int, int]:
+    """(parameter, gradient, optimizer-state) bytes of this rank, from its shards."""
+    params = grads = optim = 0
+    for s in model.shards:
+        params += s.local_bytes
+        if s.optimizer == "frozen":
+            continue
+        grads += s.local_bytes
+        state = s.local_numel * max(s.dtype.itemsize, 4)  # float32, or the wider dtype
+        if s.optimizer == "muon":
+            optim += state  # momentum buffer
+        else:
+            optim += 2 * state + 4  # exp_avg, exp_avg_sq, the step (0-d float32)
+    return params, grads, optim
+
+
+def layer_activation_bytes(arch, rows: int, length: int, tp: int, bf16: bool,
+                           stream_bytes: int, autocast_casts: bool) -> int:  # fmt: skip
+    """Bytes one decoder layer saves over `rows` rows of `length` tokens on this rank
+    (module docstring); `length` is this rank's part of a row (L / cp)."""
+    tokens = rows * length
+    b = 2 if bf16 else 4
+    h = arch.hidden_size
+    head_dim = arch.resolved_head_dim
+    heads = arch.num_attention_heads // tp
+    kv_heads = max(arch.num_key_value_heads // tp, 1)
+    q, kv = heads * head_dim, kv_heads * head_dim
+    inter = arch.intermediate_size // tp
+    attn_in = 3 if autocast_casts else 1
+    mlp_in = 2 if autocast_casts else 1
+    per_token = 2 * stream_bytes * h + b * h * (attn_in + mlp_in)
+    per_token += b * (q + 2 * kv) + b * q + b * 3 * inter  # attention in and out, MLP
+    per_token += 4 * (2 + heads)  # RMSNorm statistics, log-sum-exp
+    if arch.qk_norm:
+        per_token += b * (q + kv) + 4 * (heads + kv_heads)
+    if bf16:
+        per_token += 2 * 2 * head_dim
+    return tokens * per_token
+
+
+def layer_saves(model: ShardedModel, shape: StepShape) -> tuple[list[int], list[int], int]:
+    """(bytes each layer keeps through the forward, bytes each layer holds while its
+    backward runs, bytes saved around the layers) for one micro-batch on this rank. A
+    checkpointed layer keeps its input and holds it plus its recomputed set in backward."""
+    arch, layout = model.model_config, model.layout
+    length = shape.length // layout.cp
+    tokens = shape.rows * length
+    sharded = model.layout.world_size > 1
+    stream = 2 if (shape.bf16 and sharded) else 4
+    casts = shape.bf16 and not sharded
+    # under cp, attention runs on whole rows of heads / cp: the same bytes as L / cp tokens
+    # of all heads, but the dense mask is over whole rows
+    full = layer_activation_bytes(arch, shape.rows, length, layout.tp, shape.bf16, stream,
+                                  casts)  # fmt: skip
+    if shape.dense_mask:  # sdpa's copy of the mask in the attention's dtype
+        full += shape.rows * shape.length * shape.length * (2 if shape.bf16 else 4)
+    if layout.cp > 1:  # the heads come back from the all-to-all as (B, H, L/cp, D): o_proj
+        full += (
+            tokens
+            * arch.num_attention_heads
+            // layout.tp
+            * arch.resolved_head_dim
+            * (2 if shape.bf16 else 4)
+        )  # reads a merged copy of them
+    kept_input = tokens * arch.hidden_size * stream
+    # autocast's bfloat16 copy of each linear weight of a layer that is not checkpointed
+    weight_copies = 2 * model.flops.matmul_params // model.layers if casts else 0
+    kept, held, any_checkpointed = [], [], False
+    for index in range(model.layers):
+        flag = shape.checkpointing
+        checkpointed = flag if isinstance(flag, bool) else (flag > 0 and index % flag == 0)
+        kept.append(kept_input if checkpointed else full + weight_copies)
+        held.append(kept_input + full if checkpointed else full + weight_copies)
+        any_checkpointed |= checkpointed
+    h = arch.hidden_size
+    around = tokens * (h * stream + 4 + 1)  # final norm input and statistics, the mask
+    around += shape.rows * shape.length * 8  # the ids (a cp slice keeps the whole rows)
+    if any_checkpointed or not shape.bf16:  # the float32 RoPE tables: a checkpointed
+        around += 2 * tokens * arch.resolved_head_dim * 4  # layer's inputs, or float32's
+    return kept, held, around
+
+
+def activation_bytes(model: ShardedModel, shape: StepShape) -> int:
+    """Bytes saved for backward at the end of one micro-batch's forward on this rank."""
+    kept, _, around = layer_saves(model, shape)
+    return sum(kept) + around
+
+
+def head_gradient_bytes(model: ShardedModel, shape: StepShape) -> int:
+    """The LM head's float32 gradients made in the forward (diffusion/loss.py): the whole
+    head (V x h) and the R masked rows' hidden states."""
+    arch, layout = model.model_config, model.layout
+    tokens = shape.rows * shape.length // layout.cp
+    masked = int(tokens * shape.masked_fraction)
+    return (arch.vocab_size + masked) * arch.hidden_size * 4
+
+
+def activation_gradient_bytes(model: ShardedModel, shape: StepShape) -> int:
+    """Gradients of activations alive at once in a layer's backward: the MLP's (gate, up,
+    their product, silu recomputed: 4 x I wide) and the residual's (h), per token of this
+    rank, in the matmul dtype."""
+    arch, layout = model.model_config, model.layout
+    tokens = shape.rows * shape.length // layout.cp
+    b = 2 if shape.bf16 else 4
+    return tokens * (4 * arch.intermediate_size // layout.tp + arch.hidden_size) * b
+
+
+def gathered_bytes(model: ShardedModel, shape: StepShape) -> tuple[int, int]:
+    """(the root unit gathered, the largest decoder layer gathered) in the compute dtype:
+    what FSDP2's all-gathers hold (0, 0 without sharding)."""
+    if model.layout.world_size == 1 or all(s.shard_group == 1 for s in model.shards):
+        return 0, 0
+    b = 2 if shape.bf16 else 4
+    units: dict[str, int] = {}
+    for s in model.shards:
+        units[s.unit] = units.get(s.unit, 0) + s.gathered_numel * b
+    root = units.pop("root", 0)
+    return root, max(units.values(), default=0)
+
+
+def memory_terms(model: ShardedModel, shape: StepShape) -> MemoryTerms:
+    """Every term of this rank and the peak estimate, in a step after the first (the
+    optimizer state exists). The peak is the most live at any point of a walk through the
+    step, on top of the parameters and the optimizer state:
+
+    - the forward's end: every saved activation, the head's gradients, the root gathered;
+    - the backward of layer i (last to first): what layers below i saved, what layer i
+      holds (recomputed when checkpointed), the activation gradients, the root gathered
+      with its unsharded gradient (the head's, made first, reduced last), two layers
+      gathered (this one and the prefetched next) and this layer's unsharded float32
+      gradient, the sharded gradients of the layers above i;
+    - the optimizer step: every gradient.
+
+    Without FSDP2 the gradients go straight to the parameters' .grad (float32). Under
+    gradient accumulation FSDP2 keeps every unit's unsharded float32 gradient until the
+    last micro-batch's reduce-scatter.
+    """
+    params, grads, optim = state_bytes(model)
+    kept, held, around = layer_saves(model, shape)
+    saved = sum(kept) + around
+    head = head_gradient_bytes(model, shape)
+    act_grads = activation_gradient_bytes(model, shape)
+    root, layer = gathered_bytes(model, shape)
+    fsdp = layer > 0
+    b = 2 if shape.bf16 else 4
+    layer_grad = _grad_bytes_by_unit(model)
+    accumulated = 0
+    if shape.micro_batches > 1 and fsdp:
+        accumulated = (layer * model.layers + root) // b * 4
+    forward_end = saved + head + root + accumulated
+    worst_backward = 0
+    for i in range(model.layers - 1, -1, -1):
+        below = sum(kept[:i]) + around
+        above = sum(layer_grad.get(f"layer {j}", 0) for j in range(i + 1, model.layers))
+        if fsdp:
+            live = below + held[i] + act_grads + 2 * root + 2 * layer + layer // b * 4
+            live += above + accumulated
+        else:  # .grad of the head (the root's, first) and of every layer done so far
+            live = below + held[i] + act_grads + layer_grad.get("root", 0) + above
+            live += layer_grad.get(f"layer {i}", 0)
+        worst_backward = max(worst_backward, live)
+    live_peak = max(forward_end, worst_backward, grads)
+    working = live_peak - min(saved, live_peak) if live_peak > saved else 0
+    peak = params + optim + live_peak
+    return MemoryTerms(params, grads, optim, saved, working, peak)
+
+
+def _grad_bytes_by_unit(model: ShardedModel) -> dict[str, int]:
+    """Sharded gradient bytes of each FSDP2 unit (root, layer N) on this rank."""
+    out: dict[str, int] = {}
+    for s in model.shards:
+        if s.optimizer != "frozen":
+            out[s.unit] = out.get(s.unit, 0) + s.local_bytes
+    return out

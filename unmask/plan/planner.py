@@ -1,0 +1,190 @@
+"""`unmask plan`'s answer: a run's layout priced per rank before it is launched.
+
+`make_run_plan(cfg, world_size, ...)` shards the run's model at `world_size` with the run's
+own code (shards.py) for the ranks it plans, adds the activation and working-memory terms
+(memory.py), the collectives per mesh dim (traffic.py), the step's FLOPs (train/mfu.py's
+count, the one the `mfu` metric logs) and a step time from the device table
+(devices.py): compute at an assumed MFU plus the communication that does not overlap it.
+
+Step time = model FLOPs per rank / (peak x mfu)
+          + TP, CP and Muon collectives (on the critical path: nothing overlaps them)
+          + what FSDP2's all-gathers and reduce-scatters take beyond the compute they
+            overlap (max(0, fsdp time - compute time)), and HSDP's all-reduce alike.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+from unmask.config import RunConfig
+from unmask.errors import InputError
+from unmask.optim.updates import auto_ns_dtype, cpu_has_native_bf16
+from unmask.parallel.batch import per_rank_batch_size
+from unmask.plan.devices import Device
+from unmask.plan.memory import MemoryTerms, StepShape, memory_terms
+from unmask.plan.shards import ShardedModel, layout_of, planned_model_config, shard_model
+from unmask.plan.traffic import Collective, step_collectives
+from unmask.train.setup import checkpointing_choice
+
+#: Share of the device memory a plan may fill (CUDA context, allocator fragmentation,
+#: NCCL buffers take the rest).
+USABLE_MEMORY = 0.9
+#: The MFU a step time assumes unless --mfu says otherwise (docs/scaling.md: torchtitan's
+#: Llama 3 8B on 8 H100s and MegaDLMs' reports sit around 40%).
+DEFAULT_MFU = 0.40
+
+
+@dataclass
+class RankPlan:
+    rank: int
+    memory: MemoryTerms
+    shards: list = field(default_factory=list)
+
+
+@dataclass
+class RunPlan:
+    world_size: int
+    nodes: int
+    device: str
+    layout: dict
+    parameters: int
+    """Distinct parameters of the model (global)."""
+    ranks: list[RankPlan]
+    collectives: list[Collective]
+    rows_per_rank: int
+    micro_batches: int
+    tokens_per_step: int
+    flops_per_step: float
+    mfu: float
+    compute_s: float
+    exposed_comm_s: float
+    step_s: float
+    total_steps: int | None
+    wall_s: float | None
+    memory_limit: float
+    fits: bool
+    notes: list[str] = field(default_factory=list)
+
+    def peak_rank(self) -> RankPlan:
+        return max(self.ranks, key=lambda r: r.memory.peak)
+
+    def to_json(self) -> dict:
+        out = asdict(self)
+        for collective, entry in zip(self.collectives, out["collectives"]):
+            entry["wire_bytes"] = collective.wire_bytes
+        return out
+
+
+def step_shape(cfg: RunConfig, world_size: int) -> StepShape:
+    """This rank's micro-batch and the step's settings, as the trainer sizes them."""
+    t = cfg.train
+    layout = layout_of(cfg, world_size)
+    dp = layout.dp if world_size > 1 else 1
+    rows = per_rank_batch_size(t.per_device_train_batch_size, dp, t.split_batches,
+                               "the data-parallel size")  # fmt: skip
+    return StepShape(rows=rows, length=cfg.data.packing_length,
+                     micro_batches=t.gradient_accumulation_steps, bf16=t.bf16,
+                     checkpointing=checkpointing_choice(t),
+                     reshard_after_forward=t.reshard_after_forward)  # fmt: skip
+
+
+def planned_ranks(world_size: int, ranks: list[int] | None) -> list[int]:
+    """The ranks asked for, else the first and the last (torch.chunk shards: the first
+    ranks hold the largest pieces, the last the smallest)."""
+    if ranks is not None:
+        bad = [r for r in ranks if not 0 <= r < world_size]
+        if bad:
+            raise InputError(f"--ranks {bad[0]} is not a rank of a world of {world_size}; "
+                             f"use 0..{world_size - 1}")  # fmt: skip
+        return sorted(set(ranks))
+    return [0] if world_size == 1 else [0, world_size - 1]
+
+
+def ns_bytes(cfg: RunConfig, device: Device) -> int:
+    """Bytes per element of Muon's all-to-alls: the Newton-Schulz dtype (optim/updates.py's
+    `auto` rule on the planned device; float16 travels as float32)."""
+    name = cfg.optim.ns_dtype
+    if name == "auto":
+        name = auto_ns_dtype("cpu" if device.name == "cpu" else "cuda", cpu_has_native_bf16())[0]
+    return 2 if name == "bfloat16" else 4
+
+
+def link_seconds(collective: Collective, device: Device) -> float:
+    bandwidth = device.nvlink if collective.intra_node else device.network
+    return collective.wire_bytes / bandwidth
+
+
+def make_run_plan(cfg: RunConfig, world_size: int, device: Device, *, nodes: int = 1,
+                  mfu: float = DEFAULT_MFU, tokens: float | None = None,
+                  ranks: list[int] | None = None, masked_fraction: float = 0.5) -> RunPlan:  # fmt: skip
+    """The plan of `cfg` at `world_size` ranks on `nodes` nodes of `device`."""
+    if world_size < 1:
+        raise InputError(f"--world must be >= 1, got {world_size}")
+    if nodes < 1 or world_size % nodes:
+        raise InputError(f"--nodes {nodes} does not divide --world {world_size}; give a node "
+                         "count that splits the ranks evenly")  # fmt: skip
+    if not 0 < mfu <= 1:
+        raise InputError(f"--mfu must be in (0, 1], got {mfu}")
+    cfg = planned_model_config(cfg)
+    layout = layout_of(cfg, world_size)  # one-line InputError for a mesh that cannot factor
+    shape = step_shape(cfg, world_size)
+    dense_mask = device.name == "cpu" or cfg.model.attn_implementation == "sdpa"
+    shape = StepShape(**{**asdict(shape), "masked_fraction": masked_fraction,
+                         "dense_mask": dense_mask})  # fmt: skip
+    plans, first = [], None
+    for rank in planned_ranks(world_size, ranks):
+        sharded = shard_model(cfg, world_size, rank)
+        first = first or sharded
+        plans.append(RankPlan(rank, memory_terms(sharded, shape), shard_rows(sharded)))
+    collectives = step_collectives(first, shape, nodes, ns_bytes=ns_bytes(cfg, device))
+    total_params = sum(math.prod(s.global_shape) for s in first.shards)
+    dp = layout.dp if world_size > 1 else 1
+    batch_ranks = 1 if cfg.train.split_batches else dp
+    rows_per_step = (cfg.train.per_device_train_batch_size * cfg.train.gradient_accumulation_steps
+                     * batch_ranks)  # fmt: skip
+    tokens_per_step = rows_per_step * cfg.data.packing_length
+    micro_tokens = shape.rows * dp * shape.length
+    flops = shape.micro_batches * float(first.flops.step_flops(
+        micro_tokens, shape.length, masked_fraction * micro_tokens))  # fmt: skip
+    peak = device.peak(cfg.train.bf16)
+    compute = flops / world_size / (peak * mfu)
+    overlapped = sum(link_seconds(c, device) for c in collectives
+                     if c.dim in ("dp_shard_cp", "dp_replicate"))  # fmt: skip
+    exposed = sum(link_seconds(c, device) for c in collectives
+                  if c.dim not in ("dp_shard_cp", "dp_replicate"))  # fmt: skip
+    exposed += max(0.0, overlapped - compute)
+    step = compute + exposed
+    if tokens is not None:
+        total_steps = math.ceil(tokens / tokens_per_step)
+    elif cfg.train.max_steps > 0:
+        total_steps = cfg.train.max_steps
+    else:
+        total_steps = None
+    limit = device.memory_bytes * USABLE_MEMORY
+    worst = max(p.memory.peak for p in plans)
+    notes = []
+    if total_steps is None:
+        notes.append("the run's length comes from its data (num_train_epochs): give --tokens "
+                     "or train.max_steps for a wall time")  # fmt: skip
+    return RunPlan(world_size=world_size, nodes=nodes, device=device.name,
+                   layout=asdict(layout), parameters=total_params, ranks=plans,
+                   collectives=collectives, rows_per_rank=shape.rows,
+                   micro_batches=shape.micro_batches, tokens_per_step=tokens_per_step,
+                   flops_per_step=flops, mfu=mfu, compute_s=compute, exposed_comm_s=exposed,
+                   step_s=step, total_steps=total_steps,
+                   wall_s=None if total_steps is None else total_steps * step,
+                   memory_limit=limit, fits=worst <= limit, notes=notes)  # fmt: skip
+
+
+def shard_rows(model: ShardedModel) -> list[dict]:
+    """One row per distinct parameter of a layer (layer 0 stands for all) and the root's:
+    name, global shape, local shape, placements, optimizer."""
+    rows = []
+    for s in model.shards:
+        if s.unit not in ("root", "layer 0"):
+            continue
+        rows.append({"name": s.name, "global": list(s.global_shape), "local": list(s.local_shape),
+                     "mesh": list(s.mesh_dims), "placements": list(s.placements),
+                     "optimizer": s.optimizer})  # fmt: skip
+    return rows

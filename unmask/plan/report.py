@@ -1,0 +1,121 @@
+"""A plan as text for people, the refusal line of a layout that does not fit, and the
+override that would make it fit."""
+
+from __future__ import annotations
+
+import math
+
+from unmask.plan.planner import RunPlan
+from unmask.train.setup import checkpointing_choice
+
+GIB = 1024**3
+
+
+def gib(n: float) -> str:
+    return f"{n / GIB:.2f} GiB"
+
+
+def human_bytes(n: float) -> str:
+    for unit, size in (("TiB", 1024**4), ("GiB", GIB), ("MiB", 1024**2), ("KiB", 1024)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def duration(seconds: float) -> str:
+    if seconds < 1:
+        return f"{seconds * 1e3:.1f} ms"
+    if seconds < 120:
+        return f"{seconds:.2f} s"
+    hours = seconds / 3600
+    return f"{hours:.1f} h ({hours / 24:.1f} days)" if hours >= 24 else f"{hours:.2f} h"
+
+
+def fix_for(plan: RunPlan, cfg) -> str:
+    """The override that brings the worst rank under the limit, judged from its largest
+    term (a suggestion: `unmask plan` again with it says whether it fits)."""
+    rank = plan.peak_rank()
+    m = rank.memory
+    name, _ = m.largest()
+    t = cfg.train
+    over = m.peak - plan.memory_limit
+    if name == "activations":
+        if checkpointing_choice(t) is False:
+            return "set train.activation_checkpointing=full"
+        rows = plan.rows_per_rank
+        if rows > 1:
+            keep = max(1, math.floor(rows * (m.activations - over) / m.activations))
+            return (f"set train.per_device_train_batch_size={keep} (and raise "
+                    "train.gradient_accumulation_steps to keep the batch)")  # fmt: skip
+        return f"set train.context_parallel={2 * t.context_parallel} (each rank holds half the row)"
+    if name == "working buffers":
+        if plan.micro_batches > 1:
+            return ("set train.gradient_accumulation_steps=1 and grow the batch with ranks (FSDP2 "
+                    "keeps every unit's gradients unsharded while it accumulates)")  # fmt: skip
+        if not t.reshard_after_forward:
+            return "set train.reshard_after_forward=true"
+        return "lower train.per_device_train_batch_size or data.packing_length"
+    if plan.layout["dp_replicate"] > 1:
+        return "set train.dp_replicate=1 (shard the state over every rank)"
+    state = m.parameters + m.gradients + m.optimizer
+    rest = m.peak - state
+    factor = 2
+    while state / factor + rest > plan.memory_limit and factor < 1024:
+        factor *= 2
+    return (f"plan --world {plan.world_size * factor} (FSDP2 shards parameters, gradients and "
+            f"optimizer state over {factor}x the ranks)")  # fmt: skip
+
+
+def refusal(plan: RunPlan, cfg) -> str:
+    """One line: which rank does not fit, by how much, its largest term and the fix."""
+    rank = plan.peak_rank()
+    name, value = rank.memory.largest()
+    return (f"the layout does not fit: rank {rank.rank} needs {gib(rank.memory.peak)} at its "
+            f"peak, above the {gib(plan.memory_limit)} usable on a {plan.device}; its largest "
+            f"term is {name} ({gib(value)}): {fix_for(plan, cfg)}")  # fmt: skip
+
+
+def render(plan: RunPlan, label: str) -> str:
+    """The plan as text (what `unmask plan` prints)."""
+    layout = plan.layout
+    dims = " x ".join(f"{k} {v}" for k, v in layout.items())
+    lines = [
+        f"plan: {label} on {plan.world_size} x {plan.device} ({plan.nodes} node"
+        f"{'s' if plan.nodes > 1 else ''}), mesh {dims}",
+        f"model: {plan.parameters / 1e9:.3f} B parameters; {plan.rows_per_rank} rows per rank "
+        f"per micro-batch, {plan.micro_batches} micro-batch(es) per step",
+        "",
+        "memory per rank" + "".join(f"{'rank ' + str(r.rank):>14}" for r in plan.ranks),
+    ]
+    fields = (("parameters", "parameters"), ("gradients", "gradients"),
+              ("optimizer state", "optimizer"), ("activations", "activations"),
+              ("working buffers", "working"), ("peak estimate", "peak"))  # fmt: skip
+    for title, attr in fields:
+        lines.append(f"  {title:<15}" + "".join(f"{human_bytes(getattr(r.memory, attr)):>14}"
+                                                for r in plan.ranks))  # fmt: skip
+    verdict = "fits" if plan.fits else "DOES NOT FIT"
+    lines.append(f"  limit          {human_bytes(plan.memory_limit):>14}  ({verdict})")
+    lines += ["", f"shards of rank {plan.ranks[0].rank} (layer 0 stands for every layer)"]
+    for row in plan.ranks[0].shards:
+        shape = f"{tuple(row['global'])} -> {tuple(row['local'])}"
+        where = ", ".join(f"{d}:{p}" for d, p in zip(row["mesh"], row["placements"])) or "whole"
+        lines.append(f"  {row['name']:<42} {shape:<34} {row['optimizer']:<6} {where}")
+    lines += [
+        "",
+        f"step: {plan.tokens_per_step:,} tokens, {plan.flops_per_step:.3e} model FLOPs; "
+        f"compute {duration(plan.compute_s)} at {plan.mfu:.0%} MFU, exposed communication "
+        f"{duration(plan.exposed_comm_s)}, step {duration(plan.step_s)}",
+    ]
+    if plan.collectives:
+        lines.append(
+            "collectives per step (rank 0): dim, kind, calls, tensor bytes, wire bytes, link"
+        )
+        for c in plan.collectives:
+            link = "intra-node" if c.intra_node else "inter-node"
+            lines.append(f"  {c.dim:<14} {c.kind:<15} {c.calls:>6} {human_bytes(c.tensor_bytes):>11} "
+                         f"{human_bytes(c.wire_bytes):>11}  {link:<10} {c.what}")  # fmt: skip
+    if plan.total_steps is not None:
+        lines.append(f"run: {plan.total_steps:,} steps, {plan.total_steps * plan.tokens_per_step:,} "
+                     f"tokens, {duration(plan.wall_s)} of wall time")  # fmt: skip
+    lines += [f"note: {n}" for n in plan.notes]
+    return "\n".join(lines)

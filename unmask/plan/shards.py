@@ -1,0 +1,244 @@
+"""Every parameter's shard on one rank, read from the run's own model and parallelize code
+run at cluster size on this machine.
+
+`shard_model(cfg, world_size, rank)` opens torch's fake process group (every collective
+returns at once, nothing is sent) as rank `rank` of `world_size`, builds the run's mesh
+(parallel/mesh.py `build_mesh`), builds the model on the meta device with the trainer's
+own `build_train_model` (train/setup.py: tensor parallelism, activation checkpointing,
+FSDP2, in the trainer's order) and the run's optimizer (optim/config.py `build_optimizer`:
+its Muon / AdamW routing), then reads each parameter's DTensor: global shape, local
+shape on this rank, mesh dims and placements. No number here comes from a second model of
+the sharding: change a parallelize rule and the shards change (tests/unit/test_plan.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from unmask.config import RunConfig
+from unmask.errors import InputError
+from unmask.models import decoder_layers
+from unmask.models.build import _no_init  # the meta-device build's no-op initializers
+from unmask.models.families import FAMILIES
+from unmask.models.hf import config_from_hf, read_config
+from unmask.optim.config import build_optimizer
+from unmask.parallel.distributed import plan_layout
+from unmask.parallel.mesh import MeshLayout, build_mesh
+from unmask.train.setup import build_train_model
+
+
+@dataclass(frozen=True)
+class TensorShard:
+    """One parameter as one rank holds it. Shapes are element counts per dim."""
+
+    name: str
+    global_shape: tuple[int, ...]
+    local_shape: tuple[int, ...]
+    dtype: torch.dtype
+    """The stored (master) dtype of the parameter."""
+    mesh_dims: tuple[str, ...]
+    """Names of the mesh dims of its DTensor ((): a plain tensor, one process)."""
+    placements: tuple[str, ...]
+    optimizer: str
+    """muon, adamw or frozen (the run's optimizer routing)."""
+    unit: str
+    """Its FSDP2 unit, from the modules fully_shard wrapped: "layer N" (a decoder layer) or
+    "root" (what the root holds: embedding, final norm, head)."""
+    shard_group: int
+    """Ranks that hold its pieces along the FSDP2 dims (dp_shard_cp; 1: not sharded)."""
+
+    @property
+    def local_numel(self) -> int:
+        return math.prod(self.local_shape)
+
+    @property
+    def local_bytes(self) -> int:
+        return self.local_numel * self.dtype.itemsize
+
+    tp_size: int = 1
+    """Tensor-parallel degree of its split (1: not split by TP)."""
+    tp_dim: int | None = None
+    """The tensor dim TP splits (0: column-parallel, 1: row-parallel), None: not split."""
+
+    @property
+    def gathered_numel(self) -> int:
+        """Elements FSDP2's all-gather makes of it on this rank: its tensor-parallel piece,
+        dim 0 padded to a multiple of the shard group (torch.chunk sizes)."""
+        shape = list(self.global_shape)
+        if self.tp_dim is not None:
+            shape[self.tp_dim] = -(-shape[self.tp_dim] // self.tp_size)
+        if self.shard_group > 1:
+            shape[0] = -(-shape[0] // self.shard_group) * self.shard_group
+        return math.prod(shape)
+
+
+@dataclass(frozen=True)
+class ShardedModel:
+    """What one rank holds, and the facts of the model the other terms need."""
+
+    rank: int
+    layout: MeshLayout
+    shards: list[TensorShard]
+    model_config: object
+    """The ModelConfig the model was built from (architecture fields)."""
+    layers: int
+    flops: object
+    """train/mfu.py's FlopModel of the model (global counts)."""
+
+
+def planned_model_config(cfg: RunConfig) -> RunConfig:
+    """The run config with a pretrained folder's architecture in place of its weights: the
+    planner reads config.json only (the weights are neither needed nor read)."""
+    model = cfg.model
+    if model.load_in_4bit:
+        raise InputError("model.load_in_4bit: the planner does not model 4-bit bases; plan "
+                         "the run without it")  # fmt: skip
+    if not FAMILIES[model.model_type].native and model.pretrained is None:
+        raise InputError(f"model.model_type {model.model_type!r} is a wrapped transformers "
+                         "encoder; the planner plans native decoders")  # fmt: skip
+    if model.pretrained is None:
+        return cfg
+    arch = config_from_hf(read_config(model.pretrained))
+    keep = {"attn_implementation": model.attn_implementation, "lora": model.lora,
+            "lora_r": model.lora_r, "lora_alpha": model.lora_alpha,
+            "lora_target_modules": model.lora_target_modules}  # fmt: skip
+    return cfg.model_copy(update={"model": arch.model_copy(update={**keep, "pretrained": None})})
+
+
+class _Vocabulary:
+    """What build_train_model reads of a tokenizer: its length (the model's vocabulary:
+    the planner loads no tokenizer, so no resize is planned)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+    def __len__(self) -> int:
+        return self.size
+
+
+@contextlib.contextmanager
+def fake_world(rank: int, world_size: int):
+    """torch's fake process group as `rank` of `world_size` (nothing when world_size is 1)."""
+    if world_size == 1:
+        yield
+        return
+    if dist.is_initialized():
+        raise InputError("the planner runs in a process without a process group; run "
+                         "`unmask plan` outside torchrun")  # fmt: skip
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def layout_of(cfg: RunConfig, world_size: int) -> MeshLayout:
+    """The mesh sizes the trainer would build (parallel/distributed.py `plan_layout`)."""
+    t = cfg.train
+    return plan_layout(world_size, t.fsdp2, t.dp_replicate, t.dp_shard, t.tensor_parallel,
+                       t.context_parallel)  # fmt: skip
+
+
+def shard_model(cfg: RunConfig, world_size: int, rank: int = 0) -> ShardedModel:
+    """Rank `rank`'s shards of the run's model at `world_size` (see the module docstring);
+    cfg: a planned config (`planned_model_config`)."""
+    from unmask.train.mfu import flop_model
+
+    layout = layout_of(cfg, world_size)
+    with fake_world(rank, world_size):
+        mesh = build_mesh(torch.device("cpu"), layout) if world_size > 1 else None
+        meta = torch.device("meta")
+        with meta, _no_init():  # no storage to fill (and no torch._dynamo import)
+            model = build_train_model(cfg, _Vocabulary(cfg.model.vocab_size), 0, meta, mesh)
+        routing = _routing(cfg, model)
+        shards = _read_shards(model, routing, layout)
+        flops = flop_model(model)
+        layers = len(decoder_layers(model))
+        model_config = model.config
+    return ShardedModel(rank, layout, shards, model_config, layers, flops)
+
+
+def _routing(cfg: RunConfig, model: nn.Module) -> dict[int, str]:
+    """Parameter id -> muon / adamw, from the run's own optimizer's param groups."""
+    optimizer = build_optimizer(cfg.optim, model)
+    route = {}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            route[id(p)] = "muon" if group.get("use_muon") else "adamw"
+    return route
+
+
+def _unit_name(module_name: str) -> str:
+    """ "layer N" for a decoder layer (model.layers.N), else the module's own name."""
+    parts = module_name.replace("._orig_mod", "").split(".")
+    if len(parts) >= 2 and parts[-2] == "layers":
+        return f"layer {parts[-1]}"
+    return module_name or "root"
+
+
+def _units(model: nn.Module) -> dict[int, str]:
+    """Parameter id -> its FSDP2 unit, read from the modules fully_shard wrapped (the
+    innermost one wins; the root holds the rest). Without FSDP2: each decoder layer by
+    its name, the rest "root"."""
+    from torch.distributed.fsdp import FSDPModule
+
+    wrapped = [(name, m) for name, m in model.named_modules() if isinstance(m, FSDPModule)]
+    if not wrapped:
+        wrapped = [(name, m) for name, m in model.named_modules()
+                   if name.split(".")[-2:-1] == ["layers"]]  # fmt: skip
+    units: dict[int, str] = {}
+    for name, module in sorted(wrapped, key=lambda item: -len(item[0])):  # innermost first
+        for p in module.parameters():
+            units.setdefault(id(p), "root" if module is model else _unit_name(name))
+    return units
+
+
+def _read_shards(
+    model: nn.Module, routing: dict[int, str], layout: MeshLayout
+) -> list[TensorShard]:
+    from torch.distributed.tensor import DTensor
+
+    units = _units(model)
+    shards = []
+    for name, p in model.named_parameters():
+        if isinstance(p, DTensor):
+            dims = tuple(p.device_mesh.mesh_dim_names or ())
+            local = tuple(p.to_local().shape)
+            placements = tuple(str(pl) for pl in p.placements)
+            tp_split = _tp_split(dims, p.placements, layout.tp)
+            group = 1
+            for dim_name in dims:
+                if dim_name not in ("tp", "dp_replicate"):
+                    group *= p.device_mesh[dim_name].size()
+        else:
+            dims, local, placements, group, tp_split = (), tuple(p.shape), (), 1, {}
+        optimizer = routing.get(id(p), "frozen") if p.requires_grad else "frozen"
+        shards.append(TensorShard(name=_clean(name), global_shape=tuple(p.shape),
+                                  local_shape=local, dtype=p.dtype, mesh_dims=dims,
+                                  placements=placements, optimizer=optimizer,
+                                  unit=units.get(id(p), "root"), shard_group=group,
+                                  **tp_split))  # fmt: skip
+    return shards
+
+
+def _tp_split(dims: tuple[str, ...], placements, tp: int) -> dict:
+    """tp_size and tp_dim of a DTensor from its placement on the tp mesh dim."""
+    if "tp" not in dims:
+        return {}
+    placement = placements[dims.index("tp")]
+    if placement.is_shard():
+        return {"tp_size": tp, "tp_dim": placement.dim}
+    return {}
+
+
+def _clean(name: str) -> str:
+    """A parameter name without the wrappers' prefixes (torch.compile's _orig_mod)."""
+    return name.replace("._orig_mod", "")
