@@ -43,6 +43,7 @@ from unmask.models.families import FAMILIES
 from unmask.models.hf import architecture
 from unmask.models.hf_wrapped import is_encoder_folder
 from unmask.models.moe import SparseMoE, moe_blocks
+from unmask.parallel.mesh import sub_mesh
 
 EXPERT_PARAMS = ("gate_proj", "up_proj", "down_proj")
 
@@ -164,8 +165,6 @@ def attach_moe_training(model, optimizer, dist_state, micro_batches: int) -> MoE
         return None
     group = None
     if dist_state.mesh is not None:
-        from unmask.parallel.mesh import sub_mesh
-
         group = sub_mesh(dist_state.mesh, "dp_cp").get_group()
     training = MoETraining(model, optimizer, group, micro_batches)
     training.expert_params = [

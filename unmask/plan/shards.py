@@ -30,6 +30,7 @@ from unmask.models.hf import config_from_hf, read_config
 from unmask.optim.config import build_optimizer
 from unmask.parallel.distributed import plan_layout
 from unmask.parallel.mesh import MeshLayout, build_mesh
+from unmask.train.mfu import flop_model
 from unmask.train.setup import build_train_model
 
 
@@ -143,6 +144,10 @@ def fake_world(rank: int, world_size: int):
 def layout_of(cfg: RunConfig, world_size: int) -> MeshLayout:
     """The mesh sizes the trainer would build (parallel/distributed.py `plan_layout`)."""
     t = cfg.train
+    for key in ("expert_parallel", "pipeline_parallel"):
+        if getattr(t, key) > 1:
+            raise InputError(f"unmask plan does not model train.{key} yet (docs/scaling.md); "
+                             f"plan the layout with train.{key}=1")  # fmt: skip
     return plan_layout(world_size, t.fsdp2, t.dp_replicate, t.dp_shard, t.tensor_parallel,
                        t.context_parallel)  # fmt: skip
 
@@ -150,8 +155,6 @@ def layout_of(cfg: RunConfig, world_size: int) -> MeshLayout:
 def shard_model(cfg: RunConfig, world_size: int, rank: int = 0) -> ShardedModel:
     """Rank `rank`'s shards of the run's model at `world_size` (see the module docstring);
     cfg: a planned config (`planned_model_config`)."""
-    from unmask.train.mfu import flop_model
-
     layout = layout_of(cfg, world_size)
     with fake_world(rank, world_size):
         mesh = build_mesh(torch.device("cpu"), layout) if world_size > 1 else None
