@@ -63,8 +63,8 @@ class Collective:
 
 def group_span(layout: MeshLayout, dims: tuple[str, ...]) -> int:
     """How many consecutive ranks a group over `dims` spans in the row-major world mesh
-    (dp_replicate, dp_shard, cp, tp: tp innermost): stride of its innermost dim x sizes."""
-    sizes = dict(zip(MESH_DIMS, (layout.dp_replicate, layout.dp_shard, layout.cp, layout.tp)))
+    (pp, dp_replicate, dp_shard, cp, tp: tp innermost): stride of its innermost dim x sizes."""
+    sizes = {name: getattr(layout, name) for name in MESH_DIMS}
     inner = MESH_DIMS.index(max(dims, key=MESH_DIMS.index))
     stride = 1
     for name in MESH_DIMS[inner + 1 :]:
