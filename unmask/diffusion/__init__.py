@@ -1,5 +1,6 @@
 """Masked diffusion: forward process, objectives and the masked-only loss."""
 
+from unmask.diffusion.autoregressive import AutoregressiveObjective  # registers ar
 from unmask.diffusion.config import DiffusionConfig
 from unmask.diffusion.loss import chunked_cross_entropy
 from unmask.diffusion.noise import loss_weight, mask_prob, mask_tokens, sample_t
@@ -22,6 +23,7 @@ from unmask.diffusion.registry import (
 
 __all__ = [
     "OBJECTIVES",
+    "AutoregressiveObjective",
     "BlockDiffusionObjective",
     "DiffusionConfig",
     "DreamObjective",

@@ -110,6 +110,11 @@ class SamplingConfig(BaseModel):
     block_causal: bool = False
     """Block-diffusion attention: a position sees its own block and earlier ones (default:
     from the model folder; on for bd3lm models)."""
+    autoregressive: bool = False
+    """Left to right, one token per forward with a KV cache, under a causal mask: how an
+    autoregressive model (`diffusion.objective: ar`) samples (default: from the model
+    folder). temperature, top_k, top_p, gen_length (row_length) apply; steps, blocks and
+    remasking do not."""
     ddpm_cache: bool = False
     """With `origin` remasking: reuse the last logits while no token changed (MDLM)."""
     gen_length_max: int | None = Field(None, gt=0)
@@ -177,6 +182,8 @@ class SamplingConfig(BaseModel):
             raise ValueError("remasking='origin' reveals masks at random; it takes no threshold")
         if self.ddpm_cache and (self.remasking != "origin" or self.cache != "none"):
             raise ValueError("ddpm_cache needs remasking='origin' and cache='none'")
+        if self.autoregressive:
+            check_autoregressive(self)
         if self.block_causal and self.shift_logits:
             raise ValueError(
                 "block_causal attention cannot use the logit shift (the first position of "
@@ -267,6 +274,17 @@ def check_auto_length(config: SamplingConfig) -> None:
         )
     if cap % block:
         raise ValueError(f"gen_length_max ({cap}) must be a multiple of block_length ({block})")
+
+
+def check_autoregressive(config: SamplingConfig) -> None:
+    """Left-to-right sampling takes no options of masked decoding that change its result."""
+    if config.gen_length == "auto":
+        raise ValueError("autoregressive sampling stops at EOS by itself; give gen_length N")
+    for name in ("block_causal", "shift_logits", "growing_canvas"):
+        if getattr(config, name):
+            raise ValueError(f"autoregressive sampling is causal already; {name} does not apply")
+    if config.cfg_scale > 0:
+        raise ValueError("autoregressive sampling has no mask to guide with; use cfg_scale 0")
 
 
 def without_none(options: dict[str, Any]) -> dict[str, Any]:
