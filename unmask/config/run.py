@@ -21,7 +21,7 @@ from unmask.config.foreign import FOREIGN_KEYS
 from unmask.config.train import TrainConfig
 from unmask.data.config import DataConfig
 from unmask.diffusion.config import DiffusionConfig
-from unmask.diffusion.registry import objective_spec
+from unmask.diffusion.registry import RUN_CHECKS, objective_spec
 from unmask.errors import InputError, OneOf, describe_validation_error, did_you_mean
 from unmask.models.config import ModelConfig
 from unmask.optim.config import OptimConfig
@@ -61,6 +61,8 @@ class RunConfig(BaseModel):
     def _objective_fits_the_run(self) -> "RunConfig":
         """The objective's own checks of the other sections (grpo: rewards, unpacked rows)."""
         objective_spec(self.diffusion.objective).check_run(self)
+        for check in RUN_CHECKS:  # settings any objective may take (diffusion.adaptation)
+            check(self)
         return self
 
     @property

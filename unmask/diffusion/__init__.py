@@ -1,5 +1,6 @@
 """Masked diffusion: forward process, objectives and the masked-only loss."""
 
+from unmask.diffusion import adaptation  # noqa: F401  (registers its wrapper and run check)
 from unmask.diffusion.autoregressive import AutoregressiveObjective  # registers ar
 from unmask.diffusion.config import DiffusionConfig
 from unmask.diffusion.loss import chunked_cross_entropy

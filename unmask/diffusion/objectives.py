@@ -339,5 +339,5 @@ def masked_builder(cls: type[MaskedDiffusionObjective]):
 for _name in ("mdlm", "llada", "bert"):  # bert: the mdlm loss on a transformers encoder
     register_objective(ObjectiveSpec(
         _name, masked_builder(MaskedDiffusionObjective), accepts_loss_normalization=True,
-        accepts_context_parallel=True,
+        accepts_context_parallel=True, accepts_adaptation=_name != "bert",
     ))  # fmt: skip
