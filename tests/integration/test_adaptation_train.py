@@ -91,3 +91,31 @@ def test_bad_adaptation_input_is_one_line(ar_final, tmp_path, capsys, case):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("unmask: error:") and message in err[0], err
     assert not (tmp_path / "bad").exists()
+
+
+def test_a_v2_form_run_from_the_ar_run_samples_as_v2(ar_final, tmp_path, capsys):
+    extra = {"model": {"pretrained": str(ar_final)},
+             "diffusion": {"objective": "fastdllm_v2", "block_size": 4}}  # fmt: skip
+    config = write_run_config(tmp_path, "v2", {}, extra)
+    assert main(["train", str(config)]) == 0
+    final = tmp_path / "v2" / "final"
+    saved = json.loads((final / "generation_config.json").read_text())["unmask"]
+    assert saved["blocks_from_start"] and saved["shift_logits"] and saved["block_causal"]
+    capsys.readouterr()
+    assert main(["generate", "--model", str(final), "--prompt", "rev 123=", "--jsonl",
+                 "--gen-length", "8", "--threshold", "0.5"]) == 0  # fmt: skip
+    record = json.loads(capsys.readouterr().out.strip())
+
+    import torch
+
+    from unmask.checkpoint import load_for_sampling
+    from unmask.sampling import SamplingConfig, sample
+
+    sm = load_for_sampling(str(final), None, "cpu", None)
+    ids = torch.tensor([sm.tokenizer("rev 123=", add_special_tokens=False)["input_ids"]])
+    config = SamplingConfig(**{**saved, "gen_length": 8, "threshold": 0.5, "row_length": None})
+    out = sample(sm.model, ids, config, mask_id=sm.mask_id, eos_id=sm.eos_id)
+    answer = out.answers[0].tolist()
+    answer = answer[: answer.index(sm.eos_id)] if sm.eos_id in answer else answer
+    assert record["completion"] == sm.tokenizer.decode(answer, skip_special_tokens=True)
+    assert record["nfe"] == out.nfe

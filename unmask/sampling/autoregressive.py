@@ -90,7 +90,7 @@ def decode_left_to_right(
     logits = model(x[:, :prompt_len], position_ids=positions[:, :prompt_len],
                    attention_mask=_step_mask(valid[:, :prompt_len], 0, prompt_len),
                    kv_cache=cache)[:, -1]  # fmt: skip
-    _grow(cache, gen_length)
+    grow_cache(cache, gen_length)
     out = LeftToRight(x, forwards=1, decoded=0, row_forwards=batch)
     done = torch.zeros(batch, dtype=torch.bool, device=device)
     for step in range(gen_length):
@@ -117,7 +117,7 @@ def decode_left_to_right(
     return out
 
 
-def _grow(cache: KVCache, extra: int) -> None:
+def grow_cache(cache: KVCache, extra: int) -> None:
     """Room for `extra` more positions in every layer's cached keys and values (zeros,
     never attended to before they are written)."""
     for layer, (k, v) in enumerate(zip(cache.keys, cache.values)):

@@ -115,6 +115,11 @@ class SamplingConfig(BaseModel):
     autoregressive model (`diffusion.objective: ar`) samples (default: from the model
     folder). temperature, top_k, top_p, gen_length (row_length) apply; steps, blocks and
     remasking do not."""
+    blocks_from_start: bool = False
+    """Fast-dLLM v2's form (with block_causal and shift_logits): blocks counted from the
+    sequence's first position, so the first answer block holds the prompt's tail; sub-block
+    threshold decoding; each later block's first token read from the finished block's last
+    position (blocks_from_start.py). Default: from the model folder."""
     ddpm_cache: bool = False
     """With `origin` remasking: reuse the last logits while no token changed (MDLM)."""
     gen_length_max: int | None = Field(None, gt=0)
@@ -184,7 +189,9 @@ class SamplingConfig(BaseModel):
             raise ValueError("ddpm_cache needs remasking='origin' and cache='none'")
         if self.autoregressive:
             check_autoregressive(self)
-        if self.block_causal and self.shift_logits:
+        if self.blocks_from_start:
+            check_blocks_from_start(self)
+        elif self.block_causal and self.shift_logits:
             raise ValueError(
                 "block_causal attention cannot use the logit shift (the first position of "
                 "a block would be predicted from the block before, which cannot see it)"
@@ -285,6 +292,17 @@ def check_autoregressive(config: SamplingConfig) -> None:
             raise ValueError(f"autoregressive sampling is causal already; {name} does not apply")
     if config.cfg_scale > 0:
         raise ValueError("autoregressive sampling has no mask to guide with; use cfg_scale 0")
+
+
+def check_blocks_from_start(config: SamplingConfig) -> None:
+    """Fast-dLLM v2's sampler: block-causal, shifted, threshold decoding, no guidance."""
+    if not (config.block_causal and config.shift_logits):
+        raise ValueError("blocks_from_start is Fast-dLLM v2's form: it needs block_causal and "
+                         "shift_logits")  # fmt: skip
+    if config.threshold is None:
+        raise ValueError("blocks_from_start decodes sub-blocks by threshold; give threshold")
+    if config.gen_length == "auto" or config.cfg_scale > 0 or config.block_length is None:
+        raise ValueError("blocks_from_start needs block_length, a gen_length N and cfg_scale 0")
 
 
 def without_none(options: dict[str, Any]) -> dict[str, Any]:
