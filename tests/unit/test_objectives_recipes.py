@@ -363,8 +363,10 @@ def test_dream_cutoffs_leave_the_count_to_the_forward():
 def test_every_objective_name_has_one_class():
     import unmask.posttrain  # noqa: F401  (registers grpo and preference)
     from unmask.diffusion import (
+        AutoregressiveObjective,
         BlockDiffusionObjective,
         DreamObjective,
+        FastDLLMv2Objective,
         MaskedDiffusionObjective,
         SFTObjective,
         objective_names,
@@ -372,7 +374,8 @@ def test_every_objective_name_has_one_class():
 
     classes = {"mdlm": MaskedDiffusionObjective, "llada": MaskedDiffusionObjective,
                "bert": MaskedDiffusionObjective, "sft": SFTObjective, "dream": DreamObjective,
-               "bd3lm": BlockDiffusionObjective}  # fmt: skip
+               "bd3lm": BlockDiffusionObjective, "ar": AutoregressiveObjective,
+               "fastdllm_v2": FastDLLMv2Objective}  # fmt: skip
     names = objective_names()  # the config's choices
     # the post-training objectives are built from a whole run (unmask.posttrain: rewards,
     # pairs and the frozen reference)

@@ -39,8 +39,10 @@ class DiffusionConfig(BaseModel):
     over the number of maskable tokens). `sft`: LLaDA SFT (prompt never masked, each row
     normalized by its answer length). `dream`: logit shift + CART/scheduler weights, prompt
     cutoffs. `bert`: the mdlm loss on an encoder (model_type bert/modernbert). `bd3lm`: block
-    diffusion (x_t + x0 input, block attention mask, t per block). `grpo`: reinforcement
-    learning from rewards (the `grpo:` section and `rewards:`; docs/diffusion.md,
+    diffusion (x_t + x0 input, block attention mask, t per block). `ar`: the autoregressive
+    baseline (next-token loss, causal mask; sampled left to right). `fastdllm_v2`: Fast-dLLM
+    v2's block diffusion (shift, blocks from position 0, complementary masks). `grpo`:
+    reinforcement learning from rewards (the `grpo:` section and `rewards:`; docs/diffusion.md,
     Post-training). `preference`: DPO on MC ELBOs of chosen/rejected pairs against the
     frozen starting model (VRPO; section `preference:`)."""
 
