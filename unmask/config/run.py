@@ -25,7 +25,11 @@ from unmask.diffusion.registry import RUN_CHECKS, objective_spec
 from unmask.errors import InputError, OneOf, describe_validation_error, did_you_mean
 from unmask.models.config import ModelConfig
 from unmask.optim.config import OptimConfig
-from unmask.posttrain import GRPOConfig, PreferenceConfig  # also registers grpo, preference
+from unmask.posttrain import (  # also registers grpo, preference, distill
+    DistillConfig,
+    GRPOConfig,
+    PreferenceConfig,
+)
 
 QUICKSTART = "quickstart.yaml"
 
@@ -54,6 +58,9 @@ class RunConfig(BaseModel):
     0.5}]` (built-in names or module:function; unmask.rewards)."""
     preference: PreferenceConfig = Field(default_factory=PreferenceConfig)
     """diffusion.objective: preference: DPO on ELBO estimates (beta, samples, noise)."""
+    distill: DistillConfig = Field(default_factory=DistillConfig)
+    """diffusion.objective: distill: the teacher folder and the method (certainty_forcing,
+    trajectory)."""
 
     _notices: list[str] = PrivateAttr(default_factory=list)
 
