@@ -378,8 +378,8 @@ def test_every_objective_name_has_one_class():
                "fastdllm_v2": FastDLLMv2Objective}  # fmt: skip
     names = objective_names()  # the config's choices
     # the post-training objectives are built from a whole run (unmask.posttrain: rewards,
-    # pairs and the frozen reference)
-    assert set(names) - set(classes) == {"grpo", "preference"}
+    # pairs and the frozen reference, the teacher)
+    assert set(names) - set(classes) == {"grpo", "preference", "distill"}
     assert set(classes) < set(names)
     for name in classes:
         assert type(build_objective(DiffusionConfig(objective=name), MASK)) is classes[name]
