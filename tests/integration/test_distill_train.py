@@ -48,3 +48,28 @@ def test_a_missing_teacher_is_one_line(tmp_path, capsys):
     assert main(["train", str(write_run_config(tmp_path, "bad", {}, extra))]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "is not a model folder (no config.json)" in err[0], err
+
+
+def _shifted_copy(teacher, folder):
+    import shutil
+
+    shutil.copytree(teacher, folder)
+    path = folder / "generation_config.json"
+    config = json.loads(path.read_text())
+    config["unmask"]["shift_logits"] = True
+    path.write_text(json.dumps(config))
+    return folder
+
+
+def test_a_shifted_teacher_trains_and_records_a_shifted_student(teacher, tmp_path, capsys):
+    shifted = _shifted_copy(teacher, tmp_path / "shifted")
+    extra = {"model": {"pretrained": str(shifted)}, "diffusion": {"objective": "distill"},
+             "distill": {"teacher": str(shifted)}, "train": {"max_steps": 2, "save_steps": 2,
+                                                              "eval_steps": 0}}  # fmt: skip
+    assert main(["train", str(write_run_config(tmp_path, "plain", {}, extra))]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "samples with the logit shift" in err[0], err
+    extra["diffusion"]["logit_shift"] = True
+    assert main(["train", str(write_run_config(tmp_path, "s", {}, extra))]) == 0
+    saved = json.loads((tmp_path / "s" / "final" / "generation_config.json").read_text())
+    assert saved["unmask"]["shift_logits"] is True and saved["unmask"]["threshold"] == 0.9

@@ -89,3 +89,25 @@ def test_trajectory_masks_what_the_teacher_had_not_committed():
     assert loss.item() == pytest.approx(expected, rel=1e-5)
     # row 1's teacher decoded right to left: a step k masks its left part
     assert masked[1, 2] or k[1] == 0
+
+
+def test_a_shifted_student_reads_token_i_at_output_i_minus_1():
+    model = tiny_model(2).float()
+    answers = torch.tensor([[30, 31, 32, 33], [40, 41, 42, 43]])
+    order = torch.zeros(2, 4, dtype=torch.long)
+    sampler, _ = _teacher(answers, order)
+    objective = DistillObjective(DistillConfig(teacher="t", entropy_weight=0.0), None,
+                                 sampler, MASK, shift=True)  # fmt: skip
+    batch = _batch()
+    loss, _ = objective(model, batch, torch.Generator().manual_seed(0))
+    g = torch.Generator().manual_seed(0)
+    t = torch.rand(2, generator=g) * 0.999 + 1e-3
+    u = torch.rand(2, 6, generator=g)
+    target = batch["input_ids"].clone()
+    target[:, 2:] = answers
+    masked = batch["maskable"] & (u < t[:, None])
+    with torch.no_grad():
+        logits = model(target.masked_fill(masked, MASK))
+    expected = sum(F.cross_entropy(logits[r, c - 1], target[r, c]).item() / t[r].item()
+                   for r, c in masked.nonzero().tolist())  # fmt: skip
+    assert loss.item() == pytest.approx(expected, rel=1e-5)

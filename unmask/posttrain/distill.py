@@ -17,7 +17,9 @@ teacher's answers instead of the data's:
 
 loss_sum sums the terms, count = the answer tokens. The student samples with a confidence
 threshold (`fixed_sampling`: STUDENT_THRESHOLD; --threshold changes it). Rows must be one prompt/answer pair each
-(data.packing: false), and the teacher's tokenizer must be the run's.
+(data.packing: false), the teacher's tokenizer must be the run's, and a teacher that
+samples with the logit shift needs `diffusion.logit_shift: true` (the student is trained
+and sampled shifted too).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
 from unmask.data.tokenizer import load_local_tokenizer
+from unmask.diffusion.adaptation import AdaptedModel
 from unmask.diffusion.loss import IGNORE_INDEX
 from unmask.diffusion.objectives import Objective, ObjectiveOutput, maskable_of
 from unmask.diffusion.registry import ObjectiveContext, ObjectiveSpec, register_objective
@@ -82,8 +85,9 @@ class DistillObjective(Objective):
     global_noise = False
 
     def __init__(self, cfg: DistillConfig, teacher: nn.Module, sample_answers, mask_id: int,
-                 vocab_chunk: int = 8192):  # fmt: skip
+                 vocab_chunk: int = 8192, shift: bool = False):  # fmt: skip
         self.cfg, self.teacher, self.sample_answers = cfg, teacher, sample_answers
+        self.shift = shift
         self.mask_id, self.vocab_chunk = mask_id, vocab_chunk
         self.last_stats: dict[str, torch.Tensor] = {}
 
@@ -120,7 +124,9 @@ class DistillObjective(Objective):
             masked = maskable & (u < t[:, None])
             weight = 1.0 / t
         noisy = target_ids.masked_fill(masked, self.mask_id)
-        logits = model(noisy, doc_ids=batch.get("doc_ids"), position_ids=batch.get("position_ids"))
+        # a shifted student (the teacher's form): token i read at output i - 1
+        caller = AdaptedModel(model, None, shift=True) if self.shift else model
+        logits = caller(noisy, doc_ids=batch.get("doc_ids"), position_ids=batch.get("position_ids"))
         ce = torch.nn.functional.cross_entropy(
             logits.float().flatten(0, 1), torch.where(masked, target_ids, IGNORE_INDEX).flatten(),
             reduction="none").view(masked.shape)  # fmt: skip
@@ -172,7 +178,8 @@ def build_distill(context: ObjectiveContext) -> DistillObjective:
     sampler = teacher_sampler(cfg.teacher, run.data.packing_length, context.mask_id,
                               context.eos_id)  # fmt: skip
     return DistillObjective(cfg, teacher, sampler, context.mask_id,
-                            context.diffusion.vocab_chunk_size)  # fmt: skip
+                            context.diffusion.vocab_chunk_size,
+                            shift=context.diffusion.shifts_logits)  # fmt: skip
 
 
 def check_distill_run(run) -> None:
@@ -186,6 +193,13 @@ def check_distill_run(run) -> None:
     if run.data.packing:
         raise ValueError("diffusion.objective distill needs one prompt per row: set "
                          "data.packing: false")  # fmt: skip
+    shifted = bool(saved_sampling(teacher).get("shift_logits"))
+    if shifted != run.diffusion.shifts_logits:
+        raise ValueError(
+            f"distill.teacher {teacher!r} samples {'with' if shifted else 'without'} the logit "
+            f"shift; train the student the same way: set diffusion.logit_shift: "
+            f"{str(shifted).lower()}"
+        )
 
 
 def check_teacher_rows(run, tokenizer, rows) -> None:
@@ -200,5 +214,5 @@ def _student_sampling(diffusion) -> dict:
 
 
 register_objective(ObjectiveSpec("distill", build_distill, fixed_sampling=_student_sampling,
-                                 check_run=check_distill_run,
+                                 check_run=check_distill_run, accepts_logit_shift=True,
                                  check_rows=check_teacher_rows))  # fmt: skip

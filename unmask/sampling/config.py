@@ -335,9 +335,10 @@ def fixed_by_training(diffusion: DiffusionConfig) -> dict[str, Any]:
     the objective's registry entry fixes (BD3LM's block-causal attention and block size).
     Every checkpoint's generation_config.json carries these, so generate, export and
     lm-eval need no flags."""
+    fixed = objective_spec(diffusion.objective).fixed_sampling(diffusion)
     if diffusion.shifts_logits:
-        return {"shift_logits": True}
-    return objective_spec(diffusion.objective).fixed_sampling(diffusion)
+        return {**fixed, "shift_logits": True}
+    return fixed
 
 
 def fitted_to_rows(data) -> dict[str, Any]:
