@@ -262,6 +262,11 @@ def test_throughput_counts_generated_tokens_only(model_dir, tmp_path, offline, m
                                                      "generated_tokens_per_second"))  # fmt: skip
     assert rate is None if seconds == 0 else rate == pytest.approx(6 / seconds, rel=1e-3)
     assert "unmask: 6 generated tokens for 3 prompt(s)" in captured.err
+    # tokens per forward: generated tokens over forward calls times the rows in them
+    stats = tree["throughput"]
+    assert stats["row_forwards"] >= stats["forward_passes"] >= 1
+    assert stats["tokens_per_forward"] == round(6 / stats["row_forwards"], 4)
+    assert f"{stats['tokens_per_forward']} tokens per forward" in captured.err
 
 
 def test_instruct_prompts_without_a_chat_template_are_the_sft_rows_prompts(tmp_path):

@@ -62,7 +62,7 @@ def test_loss_weight_type_parsing():
     with pytest.raises(ValidationError, match="needs objective: dream"):
         DiffusionConfig(objective="mdlm", loss_weight="cart[geo_p:0.3]")
     assert DiffusionConfig(objective="dream", loss_weight="cart[geo_p:0.3]").loss_weight
-    with pytest.raises(ValidationError, match="logit_shift: true needs objective sft or dream"):
+    with pytest.raises(ValidationError, match="logit_shift: true needs objective sft.* dream"):
         DiffusionConfig(objective="mdlm", logit_shift=True)
 
 
@@ -363,8 +363,10 @@ def test_dream_cutoffs_leave_the_count_to_the_forward():
 def test_every_objective_name_has_one_class():
     import unmask.posttrain  # noqa: F401  (registers grpo and preference)
     from unmask.diffusion import (
+        AutoregressiveObjective,
         BlockDiffusionObjective,
         DreamObjective,
+        FastDLLMv2Objective,
         MaskedDiffusionObjective,
         SFTObjective,
         objective_names,
@@ -372,11 +374,12 @@ def test_every_objective_name_has_one_class():
 
     classes = {"mdlm": MaskedDiffusionObjective, "llada": MaskedDiffusionObjective,
                "bert": MaskedDiffusionObjective, "sft": SFTObjective, "dream": DreamObjective,
-               "bd3lm": BlockDiffusionObjective}  # fmt: skip
+               "bd3lm": BlockDiffusionObjective, "ar": AutoregressiveObjective,
+               "fastdllm_v2": FastDLLMv2Objective}  # fmt: skip
     names = objective_names()  # the config's choices
     # the post-training objectives are built from a whole run (unmask.posttrain: rewards,
-    # pairs and the frozen reference)
-    assert set(names) - set(classes) == {"grpo", "preference"}
+    # pairs and the frozen reference, the teacher)
+    assert set(names) - set(classes) == {"grpo", "preference", "distill"}
     assert set(classes) < set(names)
     for name in classes:
         assert type(build_objective(DiffusionConfig(objective=name), MASK)) is classes[name]

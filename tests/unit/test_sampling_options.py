@@ -30,6 +30,9 @@ SETTINGS = [
     dict(remasking="origin", ddpm_cache=True, row_length=24),
     dict(remasking="confidence_threshold", threshold=0.9),
     dict(gen_length="auto", block_length=4, gen_length_max=16, auto_eos_threshold=0.8),
+    dict(autoregressive=True, top_k=3),
+    dict(block_causal=True, shift_logits=True, blocks_from_start=True, block_length=4,
+         threshold=0.9),
 ]  # fmt: skip
 HOOKS = dict(logits_hook="json:dumps", tokens_hook="json:loads")  # any importable callable
 

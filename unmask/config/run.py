@@ -21,11 +21,15 @@ from unmask.config.foreign import FOREIGN_KEYS
 from unmask.config.train import TrainConfig
 from unmask.data.config import DataConfig
 from unmask.diffusion.config import DiffusionConfig
-from unmask.diffusion.registry import objective_spec
+from unmask.diffusion.registry import RUN_CHECKS, objective_spec
 from unmask.errors import InputError, OneOf, describe_validation_error, did_you_mean
 from unmask.models.config import ModelConfig
 from unmask.optim.config import OptimConfig
-from unmask.posttrain import GRPOConfig, PreferenceConfig  # also registers grpo, preference
+from unmask.posttrain import (  # also registers grpo, preference, distill
+    DistillConfig,
+    GRPOConfig,
+    PreferenceConfig,
+)
 
 QUICKSTART = "quickstart.yaml"
 
@@ -54,6 +58,9 @@ class RunConfig(BaseModel):
     0.5}]` (built-in names or module:function; unmask.rewards)."""
     preference: PreferenceConfig = Field(default_factory=PreferenceConfig)
     """diffusion.objective: preference: DPO on ELBO estimates (beta, samples, noise)."""
+    distill: DistillConfig = Field(default_factory=DistillConfig)
+    """diffusion.objective: distill: the teacher folder and the method (certainty_forcing,
+    trajectory)."""
 
     _notices: list[str] = PrivateAttr(default_factory=list)
 
@@ -61,6 +68,8 @@ class RunConfig(BaseModel):
     def _objective_fits_the_run(self) -> "RunConfig":
         """The objective's own checks of the other sections (grpo: rewards, unpacked rows)."""
         objective_spec(self.diffusion.objective).check_run(self)
+        for check in RUN_CHECKS:  # settings any objective may take (diffusion.adaptation)
+            check(self)
         return self
 
     @property

@@ -1,6 +1,9 @@
 """Masked diffusion: forward process, objectives and the masked-only loss."""
 
+from unmask.diffusion import adaptation  # noqa: F401  (registers its wrapper and run check)
+from unmask.diffusion.autoregressive import AutoregressiveObjective  # registers ar
 from unmask.diffusion.config import DiffusionConfig
+from unmask.diffusion.fastdllm_v2 import FastDLLMv2Objective  # registers fastdllm_v2
 from unmask.diffusion.loss import chunked_cross_entropy
 from unmask.diffusion.noise import loss_weight, mask_prob, mask_tokens, sample_t
 from unmask.diffusion.objectives import (
@@ -22,9 +25,11 @@ from unmask.diffusion.registry import (
 
 __all__ = [
     "OBJECTIVES",
+    "AutoregressiveObjective",
     "BlockDiffusionObjective",
     "DiffusionConfig",
     "DreamObjective",
+    "FastDLLMv2Objective",
     "MaskedDiffusionObjective",
     "Objective",
     "ObjectiveContext",

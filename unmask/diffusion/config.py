@@ -5,6 +5,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from unmask.diffusion.adaptation_config import AdaptationConfig, BlockSchedule
 from unmask.diffusion.registry import names_that, objective_names, objective_spec
 from unmask.errors import OneOf
 
@@ -38,8 +39,10 @@ class DiffusionConfig(BaseModel):
     over the number of maskable tokens). `sft`: LLaDA SFT (prompt never masked, each row
     normalized by its answer length). `dream`: logit shift + CART/scheduler weights, prompt
     cutoffs. `bert`: the mdlm loss on an encoder (model_type bert/modernbert). `bd3lm`: block
-    diffusion (x_t + x0 input, block attention mask, t per block). `grpo`: reinforcement
-    learning from rewards (the `grpo:` section and `rewards:`; docs/diffusion.md,
+    diffusion (x_t + x0 input, block attention mask, t per block). `ar`: the autoregressive
+    baseline (next-token loss, causal mask; sampled left to right). `fastdllm_v2`: Fast-dLLM
+    v2's block diffusion (shift, blocks from position 0, complementary masks). `grpo`:
+    reinforcement learning from rewards (the `grpo:` section and `rewards:`; docs/diffusion.md,
     Post-training). `preference`: DPO on MC ELBOs of chosen/rejected pairs against the
     frozen starting model (VRPO; section `preference:`)."""
 
@@ -99,6 +102,16 @@ class DiffusionConfig(BaseModel):
     padding left out of the divisor, then the mean over rows. `auto`: the objective's own
     (`answer_padded` for sft, `token` for the others). mdlm, llada, bert and sft only."""
 
+    adaptation: AdaptationConfig | None = None
+    """Adapt a causal checkpoint (model.pretrained: an HF Qwen3 / Qwen2 / Llama causal
+    folder or an `ar` run): `{attention: instant | anneal, anneal_steps: N, shift: bool}`
+    (docs/adaptation.md). mdlm, llada and sft only."""
+
+    block_schedule: BlockSchedule | None = None
+    """bd3lm: the block size per step, LLaDA2.0's warm-up, stable (the whole row), decay:
+    `{warmup: [sizes], warmup_steps: N, stable_steps: N, decay: [sizes], decay_steps: N}`;
+    the last decay size is the one the model samples with (docs/adaptation.md)."""
+
     vocab_chunk_size: int = Field(8192, gt=0)
     """Vocabulary columns per chunk in the masked-only cross-entropy (memory vs. speed)."""
 
@@ -118,6 +131,18 @@ class DiffusionConfig(BaseModel):
                 f"{names_that('accepts_cart_weights')}, not {self.objective!r}"
             )
         spec.check_diffusion(self)
+        if self.adaptation is not None and not spec.accepts_adaptation:
+            raise ValueError(
+                f"diffusion.adaptation needs objective {names_that('accepts_adaptation')}, not "
+                f"{self.objective!r}"
+            )
+        if self.block_schedule is not None and not spec.accepts_block_schedule:
+            raise ValueError(
+                f"diffusion.block_schedule needs objective "
+                f"{names_that('accepts_block_schedule')}, not {self.objective!r}"
+            )
+        if self.adaptation is not None and self.adaptation.shift and self.logit_shift is not None:
+            raise ValueError("diffusion.adaptation.shift sets the shift; leave logit_shift unset")
         if self.loss_normalization != "auto" and not spec.accepts_loss_normalization:
             raise ValueError(
                 f"loss_normalization {self.loss_normalization!r} needs objective "
@@ -135,6 +160,8 @@ class DiffusionConfig(BaseModel):
     def shifts_logits(self) -> bool:
         """Position i is predicted from the output at i - 1: `logit_shift`, or when it is
         null the objective's default (Dream)."""
+        if self.adaptation is not None and self.adaptation.shift:
+            return True
         if self.logit_shift is not None:
             return self.logit_shift
         return objective_spec(self.objective).logit_shift_default

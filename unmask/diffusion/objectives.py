@@ -345,4 +345,5 @@ for _name in ("mdlm", "llada", "bert"):  # bert: the mdlm loss on a transformers
     register_objective(ObjectiveSpec(
         _name, masked_builder(MaskedDiffusionObjective), accepts_loss_normalization=True,
         accepts_context_parallel=True, accepts_pipeline_parallel=always,
+        accepts_adaptation=_name != "bert",
     ))  # fmt: skip

@@ -269,8 +269,11 @@ def _weighted_loss(
 
 
 def _block_causal(cfg: DiffusionConfig) -> dict:
-    """A BD3LM model is sampled block by block, with the blocks it was trained on."""
-    return {"block_causal": True, "block_length": cfg.block_size}
+    """A BD3LM model is sampled block by block, with the blocks it was trained on (under a
+    block schedule: its last size)."""
+    schedule = cfg.block_schedule
+    block = schedule.final_block if schedule is not None else cfg.block_size
+    return {"block_causal": True, "block_length": block}
 
 
 def _dream_counts_first(cfg: DiffusionConfig) -> bool:
@@ -281,11 +284,13 @@ def _dream_counts_first(cfg: DiffusionConfig) -> bool:
 register_objective(ObjectiveSpec("sft", masked_builder(SFTObjective),
                                  accepts_loss_normalization=True,
                                  accepts_logit_shift=True,
-                                 accepts_pipeline_parallel=always))  # fmt: skip
+                                 accepts_pipeline_parallel=always,
+                                 accepts_adaptation=True))  # fmt: skip
 register_objective(ObjectiveSpec("dream", masked_builder(DreamObjective),
                                  accepts_logit_shift=True, logit_shift_default=True,
                                  accepts_cart_weights=True,
                                  accepts_pipeline_parallel=_dream_counts_first))  # fmt: skip
 register_objective(ObjectiveSpec("bd3lm", masked_builder(BlockDiffusionObjective),
                                  fixed_sampling=_block_causal,
-                                 accepts_pipeline_parallel=always))  # fmt: skip
+                                 accepts_pipeline_parallel=always,
+                                 accepts_block_schedule=True))  # fmt: skip

@@ -99,6 +99,12 @@ class ObjectiveSpec:
     """(RunConfig, tokenizer, tokenizer as loaded) -> unmask.data.Datasets, for an objective
     that trains on rows of its own kind (preference: chosen/rejected pairs); None: the
     `data:` section's rows (unmask.data.build_datasets)."""
+    accepts_adaptation: bool = False
+    """Takes `diffusion.adaptation` (adaptation.py): its model called with an annealed
+    mask and the shift (a masked objective that calls the model through
+    `weighted_token_loss` with no mask of its own)."""
+    accepts_block_schedule: bool = False
+    """Takes `diffusion.block_schedule`: reads `cfg.block_size` at each call (bd3lm)."""
     heldout_examples: Callable[[Any, Any], list[tuple[str, str]]] | None = None
     """(DataConfig, tokenizer) -> held-out (prompt, answer) pairs for eval.generate_accuracy;
     None: the data's own (unmask.data.heldout_examples)."""
@@ -107,6 +113,27 @@ class ObjectiveSpec:
 OBJECTIVES: dict[str, ObjectiveSpec] = {}
 """Every registered objective by name, in registration order (the order the config's
 choices are listed in)."""
+
+
+OBJECTIVE_WRAPPERS: list[Callable[[ObjectiveContext, Any], Any]] = []
+"""(context, objective) -> objective, applied by `build_objective` in order: settings of
+the diffusion section that act on any objective that accepts them (adaptation.py)."""
+
+RUN_CHECKS: list[Callable[[Any], None]] = []
+"""RunConfig -> None; ValueError (one line): checks of those settings against the whole
+run, called by RunConfig's validation beside the objective's own `check_run`."""
+
+
+def register_objective_wrapper(wrap: Callable[[ObjectiveContext, Any], Any]) -> None:
+    """Add a wrapper `build_objective` applies (once per function)."""
+    if wrap not in OBJECTIVE_WRAPPERS:
+        OBJECTIVE_WRAPPERS.append(wrap)
+
+
+def register_run_check(check: Callable[[Any], None]) -> None:
+    """Add a check RunConfig's validation calls (once per function)."""
+    if check not in RUN_CHECKS:
+        RUN_CHECKS.append(check)
 
 
 def register_objective(spec: ObjectiveSpec) -> ObjectiveSpec:
@@ -141,4 +168,7 @@ def build_objective(cfg, mask_id: int, eos_id: int | None = None, **needs):
     rest of an `ObjectiveContext` (run, tokenizer, starting_model, notices) for objectives
     that read more than the diffusion section."""
     context = ObjectiveContext(cfg, mask_id, eos_id, **needs)
-    return objective_spec(cfg.objective).build(context)
+    objective = objective_spec(cfg.objective).build(context)
+    for wrap in OBJECTIVE_WRAPPERS:
+        objective = wrap(context, objective)
+    return objective

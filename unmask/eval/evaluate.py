@@ -100,5 +100,6 @@ def evaluate_tasks(request: TaskRequest) -> TaskResults:
         lines.append(f"unmask: {stats['generated_tokens']} generated tokens for "
                      f"{stats['generation_requests']} prompt(s) in "
                      f"{wall['generation_seconds']:.2f}s: "
-                     f"{wall['generated_tokens_per_second']} generated tokens/s")  # fmt: skip
+                     f"{wall['generated_tokens_per_second']} generated tokens/s, "
+                     f"{stats['tokens_per_forward']} tokens per forward")  # fmt: skip
     return TaskResults(tree, lm_tasks.results_text(tree), len(kinds), lines)

@@ -107,7 +107,7 @@ class UnmaskLM(LM):
         # what likelihoods share with generation: guidance, Dream's shift, block-causal
         self.options = resolve_sampling(self.sm.saved, self.defaults, self.sampling)
         self.stats = {"generation_requests": 0, "generated_tokens": 0, "canvas_tokens": 0,
-                      "forward_passes": 0, "generation_seconds": 0.0,
+                      "forward_passes": 0, "row_forwards": 0, "generation_seconds": 0.0,
                       "likelihood_requests": 0, "scored_tokens": 0}  # fmt: skip
         self.generations: list[dict[str, Any]] = []
 
@@ -229,6 +229,8 @@ class UnmaskLM(LM):
         self.stats["generated_tokens"] += sum(r["tokens"] for r in records)
         self.stats["canvas_tokens"] += len(records) * options.gen_length
         self.stats["forward_passes"] += sum(r["nfe"] for r in batches.values())
+        self.stats["row_forwards"] += sum(r["nfe"] * sum(x["batch"] == b for x in records)
+                                          for b, r in batches.items())  # fmt: skip
         self.stats["generation_seconds"] += sum(r["seconds"] for r in batches.values())
         self.generations.append({"until": list(until), "max_gen_toks": max_gen_toks,
                                  "task_temperature": temperature, "requests": len(records),

@@ -202,6 +202,10 @@ def results_tree(
     }  # fmt: skip
     stats = dict(lm.stats)
     seconds = stats.pop("generation_seconds")
+    # answer tokens per forward per row: the parallelism AUP (aup.py) weighs accuracy by
+    stats["tokens_per_forward"] = round(
+        stats["generated_tokens"] / max(1, stats["row_forwards"]), 4
+    )
     stats["counts"] = ("generated_tokens: answer tokens before the first EOS (no prompt, "
                        "canvas or padding); canvas_tokens: the masks decoded")  # fmt: skip
     wall = clock.entry(seconds, stats["generated_tokens"])

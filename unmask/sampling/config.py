@@ -110,6 +110,16 @@ class SamplingConfig(BaseModel):
     block_causal: bool = False
     """Block-diffusion attention: a position sees its own block and earlier ones (default:
     from the model folder; on for bd3lm models)."""
+    autoregressive: bool = False
+    """Left to right, one token per forward with a KV cache, under a causal mask: how an
+    autoregressive model (`diffusion.objective: ar`) samples (default: from the model
+    folder). temperature, top_k, top_p, gen_length (row_length) apply; steps, blocks and
+    remasking do not."""
+    blocks_from_start: bool = False
+    """Fast-dLLM v2's form (with block_causal and shift_logits): blocks counted from the
+    sequence's first position, so the first answer block holds the prompt's tail; sub-block
+    threshold decoding; each later block's first token read from the finished block's last
+    position (blocks_from_start.py). Default: from the model folder."""
     ddpm_cache: bool = False
     """With `origin` remasking: reuse the last logits while no token changed (MDLM)."""
     gen_length_max: int | None = Field(None, gt=0)
@@ -177,7 +187,11 @@ class SamplingConfig(BaseModel):
             raise ValueError("remasking='origin' reveals masks at random; it takes no threshold")
         if self.ddpm_cache and (self.remasking != "origin" or self.cache != "none"):
             raise ValueError("ddpm_cache needs remasking='origin' and cache='none'")
-        if self.block_causal and self.shift_logits:
+        if self.autoregressive:
+            check_autoregressive(self)
+        if self.blocks_from_start:
+            check_blocks_from_start(self)
+        elif self.block_causal and self.shift_logits:
             raise ValueError(
                 "block_causal attention cannot use the logit shift (the first position of "
                 "a block would be predicted from the block before, which cannot see it)"
@@ -269,6 +283,28 @@ def check_auto_length(config: SamplingConfig) -> None:
         raise ValueError(f"gen_length_max ({cap}) must be a multiple of block_length ({block})")
 
 
+def check_autoregressive(config: SamplingConfig) -> None:
+    """Left-to-right sampling takes no options of masked decoding that change its result."""
+    if config.gen_length == "auto":
+        raise ValueError("autoregressive sampling stops at EOS by itself; give gen_length N")
+    for name in ("block_causal", "shift_logits", "growing_canvas"):
+        if getattr(config, name):
+            raise ValueError(f"autoregressive sampling is causal already; {name} does not apply")
+    if config.cfg_scale > 0:
+        raise ValueError("autoregressive sampling has no mask to guide with; use cfg_scale 0")
+
+
+def check_blocks_from_start(config: SamplingConfig) -> None:
+    """Fast-dLLM v2's sampler: block-causal, shifted, threshold decoding, no guidance."""
+    if not (config.block_causal and config.shift_logits):
+        raise ValueError("blocks_from_start is Fast-dLLM v2's form: it needs block_causal and "
+                         "shift_logits")  # fmt: skip
+    if config.threshold is None:
+        raise ValueError("blocks_from_start decodes sub-blocks by threshold; give threshold")
+    if config.gen_length == "auto" or config.cfg_scale > 0 or config.block_length is None:
+        raise ValueError("blocks_from_start needs block_length, a gen_length N and cfg_scale 0")
+
+
 def without_none(options: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in options.items() if v is not None}
 
@@ -299,9 +335,10 @@ def fixed_by_training(diffusion: DiffusionConfig) -> dict[str, Any]:
     the objective's registry entry fixes (BD3LM's block-causal attention and block size).
     Every checkpoint's generation_config.json carries these, so generate, export and
     lm-eval need no flags."""
+    fixed = objective_spec(diffusion.objective).fixed_sampling(diffusion)
     if diffusion.shifts_logits:
-        return {"shift_logits": True}
-    return objective_spec(diffusion.objective).fixed_sampling(diffusion)
+        return {**fixed, "shift_logits": True}
+    return fixed
 
 
 def fitted_to_rows(data) -> dict[str, Any]:

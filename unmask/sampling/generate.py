@@ -29,6 +29,8 @@ from torch import nn
 from unmask.errors import InputError
 from unmask.models.attention import KVCache
 from unmask.sampling.autolength import prompt_mask, sample_auto
+from unmask.sampling.autoregressive import decode_left_to_right
+from unmask.sampling.blocks_from_start import decode_blocks_from_start
 from unmask.sampling.config import SamplingConfig
 from unmask.sampling.hooks import call_logits_hook, call_tokens_hook
 from unmask.sampling.schedules import dream_transfer_count, num_transfer_tokens, unmask_fraction
@@ -200,6 +202,12 @@ def sample(
     batch, prompt_len = prompt_ids.shape
     prompt_valid = prompt_mask(prompt_ids, attention_mask)  # ValueError on an empty prompt
     config = config.fitted(prompt_len)  # row_length: the canvas that fills a training row
+    if config.autoregressive:  # an ar model: one token per forward, KV cache
+        return _sample_left_to_right(model, prompt_ids, prompt_valid, config, eos_id,
+                                     generator, on_step, pad_id)  # fmt: skip
+    if config.blocks_from_start:  # Fast-dLLM v2's form and sampler
+        return _sample_blocks_from_start(model, prompt_ids, prompt_valid, config, mask_id,
+                                         eos_id, generator)  # fmt: skip
     num_blocks = config.check_lengths()
     special = special_ids(config, eos_id, pad_id, eot_id)
     started = time.perf_counter()
@@ -243,6 +251,63 @@ def sample(
                 if rows.numel() == 0:
                     break
     _finish(out, x_all, mask_id, eos_id)
+    out.seconds = time.perf_counter() - started
+    return out
+
+
+def _sample_left_to_right(model, prompt_ids, prompt_valid, config, eos_id, generator,
+                          on_step, pad_id) -> GenerationOutput:  # fmt: skip
+    """`sample` for an autoregressive model (`config.autoregressive`): autoregressive.py."""
+    started = time.perf_counter()
+    history = [] if config.history else None
+
+    def step(canvas: torch.Tensor) -> None:
+        if history is not None:
+            history.append(canvas)
+        if on_step is not None:
+            on_step(canvas)
+
+    fill = eos_id if eos_id is not None else (pad_id if pad_id is not None else 0)
+    done = decode_left_to_right(
+        model, prompt_ids, prompt_valid, config.gen_length, temperature=config.temperature,
+        top_k=config.top_k, top_p=config.top_p, eos_id=eos_id, fill_id=fill,
+        generator=generator, on_step=step if (history is not None or on_step) else None,
+    )  # fmt: skip
+    out = GenerationOutput(done.sequences, prompt_ids.shape[1], nfe=done.forwards,
+                           steps=done.forwards, decoded=done.decoded,
+                           row_forwards=done.row_forwards, history=history)  # fmt: skip
+    _finish(out, done.sequences, -1, eos_id)
+    out.seconds = time.perf_counter() - started
+    return out
+
+
+def _sample_blocks_from_start(model, prompt_ids, prompt_valid, config, mask_id, eos_id,
+                              generator) -> GenerationOutput:  # fmt: skip
+    """`sample` for Fast-dLLM v2's form (blocks_from_start.py): rows of one prompt length
+    decode together (blocks are counted from each row's first real token); each row's
+    first gen_length answer tokens fill its place in the (B, P + G) output."""
+    started = time.perf_counter()
+    batch, width = prompt_ids.shape
+    gen = config.gen_length
+    sequences = torch.full((batch, width + gen), mask_id, dtype=prompt_ids.dtype,
+                           device=prompt_ids.device)  # fmt: skip
+    sequences[:, :width] = prompt_ids
+    out = GenerationOutput(sequences, width)
+    lengths = prompt_valid.sum(1)
+    for length in lengths.unique().tolist():
+        rows = (lengths == length).nonzero().squeeze(1)
+        done = decode_blocks_from_start(
+            model, prompt_ids[rows, width - length :], gen, block_length=config.block_length,
+            sub_block_length=config.sub_block_length or config.block_length,
+            threshold=config.threshold, mask_id=mask_id, temperature=config.temperature,
+            top_k=config.top_k, top_p=config.top_p, eos_id=eos_id, generator=generator,
+        )  # fmt: skip
+        sequences[rows, width:] = done.sequences[:, length : length + gen]
+        out.nfe += done.forwards
+        out.steps += done.forwards
+        out.decoded += done.decoded
+        out.row_forwards += done.row_forwards
+    _finish(out, sequences, mask_id, eos_id)
     out.seconds = time.perf_counter() - started
     return out
 

@@ -126,6 +126,10 @@ def check_pipeline_request(cfg: RunConfig) -> None:
             f"({names_that('accepts_pipeline_parallel')}); diffusion.objective {objective!r}"
             f"{settings} cannot: set train.pipeline_parallel=1"
         )
+    if cfg.diffusion.adaptation is not None or cfg.diffusion.block_schedule is not None:
+        raise InputError(f"{key} runs one fixed attention mask through the stages; "
+                         "diffusion.adaptation / diffusion.block_schedule change it during the "
+                         "run: set train.pipeline_parallel=1")  # fmt: skip
     if cfg.train.context_parallel > 1:
         raise InputError(f"{key} does not combine with train.context_parallel yet; set one of "
                          "them to 1")  # fmt: skip
