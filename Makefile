@@ -67,6 +67,7 @@ bench-long: $(STAMP)
 	$(BIN)/python benchmarks/parallel.py
 	$(BIN)/python benchmarks/context_parallel.py
 	$(BIN)/python benchmarks/moe.py
+	$(BIN)/python benchmarks/pipeline.py
 
 # The smoke mode of every benchmark (tiny sizes, one round, no results files): CI runs it.
 bench-quick: $(STAMP)
@@ -84,6 +85,7 @@ bench-quick: $(STAMP)
 	$(BIN)/python benchmarks/checkpoint_stall.py --quick
 	$(BIN)/python benchmarks/context_parallel.py --quick
 	$(BIN)/python benchmarks/moe.py --quick
+	$(BIN)/python benchmarks/pipeline.py --quick
 
 clean-venv:
 	rm -rf $(VENV)
