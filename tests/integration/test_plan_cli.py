@@ -24,7 +24,7 @@ def plan_json(capsys, *args: str) -> dict:
 def test_llada_8b_on_64_gpus_shards_follow_the_formulas(capsys):
     plan = plan_json(capsys, str(MODELS / "llada_8b.yaml"), "train.tensor_parallel=8",
                      "--world", "64", "--nodes", "8")  # fmt: skip
-    assert plan["layout"] == {"dp_replicate": 1, "dp_shard": 8, "cp": 1, "tp": 8}
+    assert plan["layout"] == {"pp": 1, "dp_replicate": 1, "dp_shard": 8, "cp": 1, "tp": 8}
     assert [r["rank"] for r in plan["ranks"]] == [0, 63]
     h, inter, vocab, layers, tp, dp = 4096, 12288, 126464, 32, 8, 8
     shards = {row["name"]: row for row in plan["ranks"][0]["shards"]}

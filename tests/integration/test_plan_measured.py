@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+from launch import torchrun
 
-from tests.launch import torchrun
 from unmask.config import load_config
 from unmask.plan.devices import resolve_device
 from unmask.plan.planner import make_run_plan
