@@ -122,6 +122,15 @@ def build_encoder(cfg: ModelConfig) -> MaskedLMEncoder:
     return MaskedLMEncoder(cls(hf_cfg), cfg)
 
 
+def is_wrapped(model: ModelConfig) -> bool:
+    """True when the model runs through transformers (a wrapped family such as bert, or a
+    pretrained folder of a transformers encoder), not unmask's native decoder: what the
+    parallel layouts that cut the decoder (cp, pp, ep) cannot serve."""
+    return not FAMILIES[model.model_type].native or (
+        model.pretrained is not None and is_encoder_folder(model.pretrained)
+    )
+
+
 def is_encoder_folder(folder: str | Path) -> bool:
     """True when folder's config.json names an encoder family's model_type."""
     if not (Path(folder) / "config.json").is_file():

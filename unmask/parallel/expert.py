@@ -39,9 +39,8 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from unmask.errors import InputError
 from unmask.models.config import ModelConfig
-from unmask.models.families import FAMILIES
 from unmask.models.hf import architecture
-from unmask.models.hf_wrapped import is_encoder_folder
+from unmask.models.hf_wrapped import is_wrapped
 from unmask.models.moe import SparseMoE, moe_blocks
 from unmask.parallel.mesh import sub_mesh
 
@@ -53,9 +52,7 @@ def check_moe_request(model: ModelConfig, expert_parallel: int, dp_cp: int, tp: 
     process group): EP on a wrapped HF model or a dense one, experts not divisible by
     expert_parallel, expert_parallel not dividing the dp x cp ranks, MoE with tensor
     parallelism."""
-    wrapped = not FAMILIES[model.model_type].native or (
-        model.pretrained is not None and is_encoder_folder(model.pretrained)
-    )
+    wrapped = is_wrapped(model)
     if wrapped:
         if expert_parallel > 1:
             raise InputError(

@@ -20,9 +20,8 @@ from unmask.diffusion import Objective, build_objective, objective_spec
 from unmask.diffusion.registry import names_that
 from unmask.errors import InputError
 from unmask.models import build_model, decoder_layers, folder_mask_token_id, max_positions
-from unmask.models.build import is_encoder_folder
-from unmask.models.families import FAMILIES
 from unmask.models.hf import architecture
+from unmask.models.hf_wrapped import is_wrapped
 from unmask.models.lora import apply_lora, lora_targets
 from unmask.models.quant import quantize_4bit
 from unmask.parallel.context import check_context_parallel
@@ -58,9 +57,7 @@ def check_context_request(cfg: RunConfig, world_size: int) -> None:
         return
     key = f"train.context_parallel={cp}"
     model = cfg.model
-    if not FAMILIES[model.model_type].native or (
-        model.pretrained is not None and is_encoder_folder(model.pretrained)
-    ):
+    if is_wrapped(model):
         raise InputError(f"{key} needs a native decoder; model {model.pretrained or model.model_type!r} "
                          "is a wrapped transformers model: set train.context_parallel=1")  # fmt: skip
     objective = cfg.diffusion.objective
@@ -98,9 +95,7 @@ def check_pipeline_request(cfg: RunConfig) -> None:
         return
     key = f"train.pipeline_parallel={pp}"
     model = cfg.model
-    if not FAMILIES[model.model_type].native or (
-        model.pretrained is not None and is_encoder_folder(model.pretrained)
-    ):
+    if is_wrapped(model):
         name = model.pretrained or model.model_type
         raise InputError(f"{key} needs a native decoder; model {name!r} is a wrapped "
                          "transformers model: set train.pipeline_parallel=1")  # fmt: skip
