@@ -45,6 +45,17 @@ CASES = {
     "dream-7b-4layers": (MODELS / "dream_7b.yaml",
                          ["model.num_hidden_layers=4", "train.per_device_train_batch_size=2",
                           "train.torch_compile=true", "data.packing=true"]),
+    # LLaDA-MoE-7B-A1B's shape (hidden 2048, 64 experts of width 1024, top 8, OLMoE
+    # layout) with 4 of its 16 layers: the grouped-GEMM expert path in bf16
+    "llada-moe-7b-a1b-4layers": (MODELS / "llada_8b.yaml",
+                                 ["model.model_type=llada_moe", "model.hidden_size=2048",
+                                  "model.intermediate_size=1024", "model.num_attention_heads=16",
+                                  "model.num_key_value_heads=16", "model.num_hidden_layers=4",
+                                  "model.vocab_size=157184", "model.num_experts=64",
+                                  "model.num_experts_per_tok=8", "model.moe_intermediate_size=1024",
+                                  "model.router_aux_loss_coef=0.01",
+                                  "train.per_device_train_batch_size=2",
+                                  "train.torch_compile=true", "data.packing=true"]),
 }  # fmt: skip
 
 
@@ -130,8 +141,12 @@ def worker(out: str, config: str, overrides: list[str], warmup: int, steps: int)
         start = time.perf_counter()
         stats = trainer.train_step(batches)
         torch.cuda.synchronize()
+        took = time.perf_counter() - start
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"gpu.py: step {index + 1}/{warmup + steps}: {took:.3f} s"
+                  f"{' (warm-up)' if index < warmup else ''}", flush=True)  # fmt: skip
         if index >= warmup:
-            times.append(time.perf_counter() - start)
+            times.append(took)
             flops = float(stats.get("flops", 0.0))
     if int(os.environ.get("RANK", "0")) == 0:
         Path(out, "measured.json").write_text(json.dumps({
@@ -142,7 +157,7 @@ def worker(out: str, config: str, overrides: list[str], warmup: int, steps: int)
     trainer.loader.close()
 
 
-def suite(warmup: int, steps: int, device_name: str | None) -> int:
+def suite(warmup: int, steps: int, device_name: str | None, only: list[str]) -> int:
     import torch
 
     gpus = torch.cuda.device_count()
@@ -151,25 +166,37 @@ def suite(warmup: int, steps: int, device_name: str | None) -> int:
     gpu = torch.cuda.get_device_name(0)
     kind = device_name or device_kind(gpu)
     lines = [f"# GPU suite: {gpus} x {gpu} (planned as {kind})", "",
+             f"torch {torch.__version__}, {time.strftime('%Y-%m-%d')}; {warmup} warm-up steps "
+             f"(the first compiles), then the median of {steps} timed steps", "",
              "| case | step s (measured / planned) | MFU measured | peak GiB (measured / planned) |",
              "| --- | --- | --- | --- |"]  # fmt: skip
+    RESULTS.mkdir(exist_ok=True)
+    failed = []
     for name, (config, overrides) in CASES.items():
+        if only and name not in only:
+            continue
         cfg, plan = plan_for(config, overrides, gpus, kind)
         out = RESULTS / f"gpu-{name}"
         out.mkdir(parents=True, exist_ok=True)
-        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                        f"--nproc_per_node={gpus}", __file__, "--worker", str(out), str(config),
-                        "--warmup", str(warmup), "--steps", str(steps), "--", *overrides],
-                       check=True)  # fmt: skip
-        got = json.loads((out / "measured.json").read_text())
+        (out / "measured.json").unlink(missing_ok=True)
+        run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                              f"--nproc_per_node={gpus}", __file__, "--worker", str(out),
+                              str(config), "--warmup", str(warmup), "--steps", str(steps), "--",
+                              *overrides])  # fmt: skip
         peak = plan.ranks[0].memory.peak
-        mfu = got["flops_per_rank"] / got["step_s"] / plan_peak(cfg, kind)
-        lines.append(f"| {name} | {got['step_s']:.3f} / {plan.step_s:.3f} | {mfu:.1%} | "
-                     f"{got['peak_bytes'] / 2**30:.1f} / {peak / 2**30:.1f} |")  # fmt: skip
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "gpu.md").write_text("\n".join(lines) + "\n")
+        if run.returncode != 0 or not (out / "measured.json").exists():
+            failed.append(name)
+            lines.append(f"| {name} | failed (exit {run.returncode}) / {plan.step_s:.3f} | - | "
+                         f"- / {peak / 2**30:.1f} |")  # fmt: skip
+        else:
+            got = json.loads((out / "measured.json").read_text())
+            mfu = got["flops_per_rank"] / got["step_s"] / plan_peak(cfg, kind)
+            lines.append(f"| {name} | {got['step_s']:.3f} / {plan.step_s:.3f} | {mfu:.1%} | "
+                         f"{got['peak_bytes'] / 2**30:.1f} / {peak / 2**30:.1f} |")  # fmt: skip
+        # written after every case, so a case that fails or a run cut short keeps the others
+        (RESULTS / "gpu.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
-    return 0
+    return 1 if failed else 0
 
 
 def plan_peak(cfg, kind: str) -> float:
@@ -185,6 +212,7 @@ def main() -> int:
     parser.add_argument("--device", default=None, help="planner device (default: from the GPU)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--cases", nargs="*", default=[], help="run only these cases")
     parser.add_argument("--worker", nargs=2, metavar=("OUT", "CONFIG"), help=argparse.SUPPRESS)
     parser.add_argument("overrides", nargs="*", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -193,7 +221,7 @@ def main() -> int:
         return 0
     if args.dry:
         return dry(args.world, args.device or "h100")
-    return suite(args.warmup, args.steps, args.device)
+    return suite(args.warmup, args.steps, args.device, args.cases)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,13 @@ from unmask.models import (
     from_pretrained,
     hf_config_dict,
 )
-from unmask.models.attention import attend, build_attention_mask, sdpa_gqa_usable
+from unmask.models.attention import (
+    FLEX_MIN_HEAD_DIM,
+    attend,
+    build_attention_mask,
+    resolve_backend,
+    sdpa_gqa_usable,
+)
 from unmask.models.transformer import document_positions
 
 VOCAB = 61
@@ -99,12 +105,30 @@ def test_packed_row_equals_documents_run_alone():
                 assert (packed[row, start:end] - alone).abs().max() <= 1e-5
 
 
+# CUDA: the compiled (Triton) flex kernel against CUDA's sdpa; skipped without a GPU
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA device"))]  # fmt: skip
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("head_dim", [8, 16])  # on CUDA: 8 runs flex unfused, 16 compiled
 @pytest.mark.parametrize("packed", [True, False])
-def test_sdpa_and_flex_agree(packed):
-    sdpa, flex = _model(attn_implementation="sdpa"), _model(attn_implementation="flex")
-    ids, docs = _ids(2, 20), (DOCS if packed else None)
+def test_sdpa_and_flex_agree(packed, head_dim, device):
+    sdpa = _model(attn_implementation="sdpa", head_dim=head_dim).to(device)
+    flex = _model(attn_implementation="flex", head_dim=head_dim).to(device)
+    ids = _ids(2, 20).to(device)
+    docs = DOCS.to(device) if packed else None
     with torch.no_grad():
         assert (sdpa(ids, doc_ids=docs) - flex(ids, doc_ids=docs)).abs().max() <= 1e-5
+
+
+def test_auto_picks_flex_on_cuda_only_for_heads_the_compiled_kernel_takes():
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert resolve_backend("auto", DOCS, cuda, FLEX_MIN_HEAD_DIM) == "flex"
+    assert resolve_backend("auto", DOCS, cuda, 8) == "sdpa"  # the kernel refuses < 16
+    assert resolve_backend("auto", None, cuda, 64) == "sdpa"  # no documents: no mask
+    assert resolve_backend("auto", DOCS, cpu, 64) == "sdpa"
+    assert resolve_backend("flex", DOCS, cuda, 8) == "flex"  # asked for: the unfused path
 
 
 @pytest.mark.parametrize("masked", [False, True])

@@ -141,16 +141,23 @@ def test_expert_count_disagreeing_with_weights_is_refused(tmp_path):
         from_pretrained(tmp_path)
 
 
+# the CUDA cases run where a GPU is present (CUDA's bf16 grouped GEMM is the fast path on
+# sm90; float32 takes torch's fallback) and are skipped elsewhere
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA device"))]  # fmt: skip
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_grouped_mm_equals_sorted_loop_and_gradients(dtype):
+def test_grouped_mm_equals_sorted_loop_and_gradients(dtype, device):
     cfg = _tiny("qwen3_moe_dllm")
-    experts = Experts(cfg).to(dtype)
+    experts = Experts(cfg).to(device=device, dtype=dtype)
     with torch.no_grad():
         for p in experts.parameters():
             p.normal_(0, 0.1)
     assert grouped_mm_fits(64, 32, dtype=dtype)
-    counts = torch.tensor([3, 0, 5, 1, 0, 7, 2, 2])
-    x = torch.randn(int(counts.sum()), 64, dtype=dtype, requires_grad=True)
+    counts = torch.tensor([3, 0, 5, 1, 0, 7, 2, 2], device=device)
+    x = torch.randn(int(counts.sum()), 64, dtype=dtype, device=device, requires_grad=True)
     results = []
     for implementation in ("grouped_mm", "loop"):
         experts.implementation = implementation

@@ -39,19 +39,27 @@ class AttentionMask:
     context: Any = None
 
 
-def flex_usable(device: torch.device) -> bool:
-    """True where flex attention runs as a fused compiled kernel (CUDA).
+#: the compiled (Triton) flex kernel refuses smaller heads: "NYI: embedding dimension of the
+#: query, key, and value must be at least 16" (seen on an H200 with torch 2.11)
+FLEX_MIN_HEAD_DIM = 16
+
+
+def flex_usable(device: torch.device, head_dim: int = FLEX_MIN_HEAD_DIM) -> bool:
+    """True where flex attention runs as a fused compiled kernel (CUDA, heads of at least
+    FLEX_MIN_HEAD_DIM).
 
     On CPU flex runs only unfused (it materializes the scores) or after a slow inductor
     compile, so `auto` picks sdpa there; `flex` still works on CPU for tests.
     """
-    return flex_attention is not None and device.type == "cuda"
+    return flex_attention is not None and device.type == "cuda" and head_dim >= FLEX_MIN_HEAD_DIM
 
 
-def resolve_backend(name: str, doc_ids: torch.Tensor | None, device: torch.device) -> str:
+def resolve_backend(
+    name: str, doc_ids: torch.Tensor | None, device: torch.device, head_dim: int
+) -> str:
     """Map "auto" to a concrete backend: flex for packed rows where usable, else sdpa."""
     if name == "auto":
-        return "flex" if doc_ids is not None and flex_usable(device) else "sdpa"
+        return "flex" if doc_ids is not None and flex_usable(device, head_dim) else "sdpa"
     if name == "flex" and flex_attention is None:
         raise RuntimeError("attn_implementation=flex needs torch>=2.5 (flex_attention)")
     if name not in ("sdpa", "flex"):
@@ -74,10 +82,11 @@ def build_attention_mask(doc_ids: torch.Tensor | None, backend: str) -> Attentio
     return AttentionMask(backend, block=block)
 
 
-def _flex_function(device: torch.device):
-    """Compiled flex on CUDA (compiled once, lazily); the unfused eager path elsewhere."""
+def _flex_function(device: torch.device, head_dim: int):
+    """Compiled flex on CUDA (compiled once, lazily); the unfused eager path elsewhere and
+    for heads the compiled kernel refuses (an explicit `flex` with head_dim < 16)."""
     global _compiled_flex
-    if device.type != "cuda":
+    if not flex_usable(device, head_dim):
         return flex_attention
     if _compiled_flex is None:
         _compiled_flex = torch.compile(flex_attention, dynamic=False)
@@ -96,7 +105,7 @@ def attend(
             warnings.filterwarnings(
                 "ignore", message=".*flex_attention called without torch.compile"
             )
-            return _flex_function(q.device)(
+            return _flex_function(q.device, q.shape[-1])(
                 q, k, v, block_mask=mask.block, scale=scale, enable_gqa=k.shape[1] != q.shape[1]
             )
     groups = q.shape[1] // k.shape[1]

@@ -249,7 +249,12 @@ class DiffusionTransformer(nn.Module):
             else:
                 position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)
                 position_ids = position_ids.expand_as(input_ids)
-        backend = resolve_backend(self.config.attn_implementation, doc_ids, input_ids.device)
+        backend = resolve_backend(
+            self.config.attn_implementation,
+            doc_ids,
+            input_ids.device,
+            self.config.resolved_head_dim,
+        )
         if attention_mask is not None:  # an explicit mask (block diffusion) needs sdpa
             backend = "sdpa"
         mask = build_attention_mask(doc_ids, backend)

@@ -246,7 +246,7 @@ class StageModule(nn.Module):
             else:
                 position_ids = torch.arange(length, device=x.device).expand(batch, length)
         backend = "sdpa" if attention_mask is not None else resolve_backend(
-            cfg.attn_implementation, doc_ids, x.device)  # fmt: skip
+            cfg.attn_implementation, doc_ids, x.device, cfg.resolved_head_dim)  # fmt: skip
         mask = build_attention_mask(doc_ids, backend)
         if attention_mask is not None:
             dense = attention_mask if mask.dense is None else mask.dense & attention_mask
