@@ -158,3 +158,25 @@ def test_layout_with_tensor_and_context_parallel_and_its_errors():
         "does not match the world size 4; make their product the number of processes "
         "(dp_shard: -1 fills it in)"
     )
+
+
+def test_wire_elements_are_every_block_but_the_owners_each_way():
+    """Column blocks (a row-parallel weight under tp=4) and row x column blocks (FSDP2 x TP,
+    2 x 2): each direction sends (W - 1) / W of the matrices; an owner keeps its own block."""
+    shapes = [(32, 64), (64, 32), (16, 16)]
+    columns = [[(0, a, c * b // 4, (c + 1) * b // 4) for c in range(4)] for a, b in shapes]
+    grid = [[(r * a // 2, (r + 1) * a // 2, c * b // 2, (c + 1) * b // 2)
+             for r in range(2) for c in range(2)] for a, b in shapes]  # fmt: skip
+    for blocks in (columns, grid):
+        plan = OwnerPlan(shapes, 4, ns_steps=5, gram=False, blocks=blocks)
+        sent = [plan.wire_elements(rank) for rank in range(4)]
+        total = sum(a * b for a, b in shapes)
+        assert sum(out for out, _ in sent) == sum(back for _, back in sent) == total * 3 // 4
+        for rank, (out, back) in enumerate(sent):
+            owned = plan.owned(rank)
+            assert out == sum(plan.numel(i, rank) for i in range(3) if i not in owned)
+            assert back == sum(a * b * 3 // 4 for i, (a, b) in enumerate(shapes) if i in owned)
+    # without blocks: FSDP2's Shard(0) rows (torch.chunk), uneven ones included
+    plan = OwnerPlan([(7, 12)], 2, ns_steps=5, gram=False)
+    assert plan.blocks == [[(0, 4, 0, 12), (4, 7, 0, 12)]]
+    assert plan.wire_elements(plan.owners[0]) == (0, 12 * (3 if plan.owners[0] == 0 else 4))
