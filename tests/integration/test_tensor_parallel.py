@@ -140,8 +140,10 @@ def test_muon_under_tp_sends_each_block_once_to_its_owner(tmp_path):
         assert result["equal"], spec
         assert result["bitwise"] or itemsize == 2, spec
         assert new["ns_matrices"] == old["ns_matrices"] == result["muon_matrices"] == 14, spec
-        # the default path: the owner all-to-alls only, each block once out and once back
+        # the default path: one owner all-to-all each way (all 14 matrices share a mesh),
+        # each block once out and once back, nothing else
         assert list(new["kinds"]) == ["alltoall_base"], (spec, new["kinds"])
+        assert new["kinds"]["alltoall_base"][0] == 2, (spec, new["kinds"])
         assert new["gathers"] == 0, spec
         assert new["out"] == new["back"] == result["formula"]["out"], spec
         assert result["formula"]["back"] == (world - 1) * size // world, spec

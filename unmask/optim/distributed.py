@@ -312,7 +312,7 @@ def _owner_group(mesh, dims: tuple[int, ...]):
     sizes = tuple(mesh.size(d) for d in dims)
     if len(dims) == 1:
         return mesh.get_group(dims[0]), mesh.get_local_rank(dims[0]), sizes
-    key = (id(mesh), dims)
+    key = (mesh, dims)  # equal meshes (one per FSDP2 unit and TP style) share a group
     if key not in _FLAT_GROUPS:
         names = tuple(mesh.mesh_dim_names[d] for d in dims)
         with warnings.catch_warnings():  # slicing dims FSDP2 made from flattened ones
@@ -354,7 +354,7 @@ def dtensor_muon_step(
         if not isinstance(p, DTensor):
             raise TypeError("MuonAdamW: a Muon group mixes DTensor and plain parameters")
         dims = () if p.ndim == 3 else owner_dims(p)  # expert stacks: split on the expert dim
-        by_layout[(id(p.device_mesh), dims)].append(p)
+        by_layout[(p.device_mesh, dims)].append(p)
     for (_, dims), layout_params in by_layout.items():
         inputs = [
             muon_ns_input(
@@ -373,7 +373,7 @@ def dtensor_muon_step(
         else:
             mesh = layout_params[0].device_mesh
             pg, rank, sizes = _owner_group(mesh, dims)
-            key = (id(mesh), dims, tuple(id(p) for p in layout_params),
+            key = (mesh, dims, tuple(id(p) for p in layout_params),
                    _REDISTRIBUTE_SPLIT_MATRICES)  # fmt: skip
             if key not in owner_plans:
                 owner_plans[key] = _plan_for(layout_params, group, dims, sizes, rank)
