@@ -180,3 +180,46 @@ def test_wire_elements_are_every_block_but_the_owners_each_way():
     plan = OwnerPlan([(7, 12)], 2, ns_steps=5, gram=False)
     assert plan.blocks == [[(0, 4, 0, 12), (4, 7, 0, 12)]]
     assert plan.wire_elements(plan.owners[0]) == (0, 12 * (3 if plan.owners[0] == 0 else 4))
+
+
+def _dtensor(mesh, shape, placements):
+    """A DTensor of global `shape` laid out by `placements` (zeros: only the layout matters)."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    local, _ = compute_local_shape_and_global_offset(shape, mesh, placements)
+    return DTensor.from_local(torch.zeros(local), mesh, placements, run_check=False,
+                              shape=torch.Size(shape), stride=torch.empty(shape).stride())  # fmt: skip
+
+
+@pytest.mark.parametrize("rank", range(4))
+def test_split_blocks_are_the_blocks_dtensor_gives_every_rank(rank):
+    """A 2 x 2 (dp_shard, tp) mesh under torch's fake process group: FSDP2 over a
+    column-parallel weight (_StridedShard rows of tp row blocks, uneven 18 = 9 + 9 ->
+    5 + 4 too), over a row-parallel one (row x column blocks), and a strided split whose
+    rows are not contiguous (no rectangles: None, redistributed into rows first)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from unmask.optim.distributed import split_blocks
+    from unmask.plan.shards import fake_world
+
+    with fake_world(rank, 4):
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))
+        colwise = (_StridedShard(0, split_factor=2), Shard(0))
+        cases = {
+            ((32, 16), colwise): [(0, 8, 0, 16), (16, 24, 0, 16), (8, 16, 0, 16), (24, 32, 0, 16)],
+            ((18, 4), colwise): [(0, 5, 0, 4), (9, 14, 0, 4), (5, 9, 0, 4), (14, 18, 0, 4)],
+            ((32, 16), (Shard(0), Shard(1))): [(0, 16, 0, 8), (0, 16, 8, 16), (16, 32, 0, 8),
+                                                (16, 32, 8, 16)],
+        }  # fmt: skip
+        for (shape, placements), want in cases.items():
+            p = _dtensor(mesh, shape, placements)
+            assert split_blocks(p, (0, 1), (2, 2)) == want, placements
+            (h, w), (r0, c0) = compute_local_shape_and_global_offset(shape, mesh, placements)
+            assert want[rank] == (r0, r0 + h, c0, c0 + w)
+        # one dim: the rows of every other tp block (0-7 and 16-23 on dp_shard rank 0)
+        strided = _dtensor(mesh, (32, 16), (_StridedShard(0, split_factor=2), Replicate()))
+        assert split_blocks(strided, (0,), (2,)) is None
