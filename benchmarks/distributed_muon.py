@@ -21,10 +21,23 @@ Wall time: median optimizer step over repeats (max over ranks), ratios (a)/(b) a
 Matrices: the Muon matrices of a small qwen3_dllm (hidden 128, intermediate 384, 4 heads / 2 KV
 heads of 32, 2 layers). bf16 NS for all three (torch.optim.Muon only has bf16).
 
+Tensor parallelism (tp=2 on 2 processes, tp=4 on 4): the same model with 4 KV heads, split by
+parallel/tensor.py and then FSDP2 (a size-1 dp_shard dim), as the trainer lays it out, with
+MuonAdamW (float32 NS: this CPU has no native bf16 matmuls) against its previous path (the
+private switch ``_REDISTRIBUTE_SPLIT_MATRICES``: DTensor redistributes each split matrix into
+rows before the owner all-to-all, on gloo an all-gather of the whole matrix, and the update
+back). Bytes moved per step: bytes sent to other ranks, summed over the ranks, from the
+collectives' own tensors (each all-to-all's send buffer less the split a rank addresses to
+itself; each DTensor all-gather (W - 1) x its input), split into the NS inputs' trip to the
+owners, the updates' trip back and the all-gathers; the formula is (W - 1) / W of the Muon
+matrices' bytes each way. Time: the whole optimizer step (AdamW's parameters included), max
+over ranks, median of the steps of a round; rounds interleave the two paths (rotated order),
+and the table gives the median over rounds with its min-max spread.
+
 Run: python benchmarks/distributed_muon.py   (launches torchrun with 2 and 4 processes and
 writes benchmarks/results/distributed_muon.md; ~2 minutes on 2 cores)
-     python benchmarks/distributed_muon.py --quick   (2 processes, one timed step; prints,
-     writes nothing)
+     python benchmarks/distributed_muon.py --quick   (2 processes, one timed step, tp=2 one
+     round; prints, writes nothing)
 """
 
 from __future__ import annotations
@@ -37,7 +50,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from common import RESULTS, run_workers, write_report
+from common import RESULTS, machine, rotated, run_workers, with_spread, write_report
 from torch import nn
 
 REPORT = RESULTS / "distributed_muon.md"
@@ -244,6 +257,140 @@ def worker(out: str, repeats: int) -> None:
     dist.destroy_process_group()
 
 
+# ------------------------------------------------------------------ tensor parallelism
+
+
+def tp_model():
+    """The benchmark's qwen3_dllm with 4 KV heads (tp=4 splits them), split over tp by
+    parallel/tensor.py and then FSDP2, as the trainer does."""
+    from unmask.models.config import ModelConfig
+    from unmask.models.transformer import DiffusionTransformer
+
+    cfg = ModelConfig(
+        hidden_size=128,
+        intermediate_size=384,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        head_dim=32,
+        vocab_size=256,
+    )
+    torch.manual_seed(0)
+    return DiffusionTransformer(cfg)
+
+
+def gathered_bytes(prof) -> int:
+    """Bytes this rank sent in DTensor's all-gathers: (group size - 1) x the input of each
+    _c10d_functional::all_gather_into_tensor the profiler saw (the op carries the group
+    size; it is what DTensor's redistribute issues)."""
+    sizes = {"float": 4, "c10::BFloat16": 2, "c10::Half": 2}
+    total = 0
+    for event in prof.events():
+        if event.name == "_c10d_functional::all_gather_into_tensor":
+            numel = 1
+            for d in event.input_shapes[0]:
+                numel *= d
+            total += (event.concrete_inputs[1] - 1) * numel * sizes[event.input_dtypes[0]]
+    return total
+
+
+def tp_worker(out: str, rounds: int, steps: int) -> None:
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    import unmask.optim.distributed as muon_distributed
+    from unmask.models.transformer import decoder_layers
+    from unmask.optim import MuonAdamW
+    from unmask.parallel.fsdp import apply_fsdp
+    from unmask.parallel.mesh import MeshLayout, build_mesh, fsdp_mesh
+    from unmask.parallel.tensor import apply_tensor_parallel
+
+    dist.init_process_group("gloo")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mesh = build_mesh(torch.device("cpu"), MeshLayout(tp=world))
+    sent: list[int] = []  # per owner all-to-all: bytes to other ranks (even: out, odd: back)
+    original_a2a = dist.all_to_all_single
+
+    def counting(output, input, output_split_sizes=None, input_split_sizes=None, group=None,
+                 async_op=False):  # fmt: skip
+        own = input_split_sizes[dist.get_rank(group)]
+        sent.append((input.numel() - own) * input.element_size())
+        return original_a2a(output, input, output_split_sizes, input_split_sizes, group=group,
+                            async_op=async_op)  # fmt: skip
+
+    dist.all_to_all_single = counting
+
+    def build():
+        model = tp_model()
+        apply_tensor_parallel(model, mesh["tp"])
+        apply_fsdp(model, fsdp_mesh(mesh), decoder_layers(model))
+        gen = torch.Generator().manual_seed(1)
+        for p in model.parameters():
+            whole = torch.randn(p.shape, generator=gen)
+            replicated = distribute_tensor(whole, p.device_mesh, [Replicate()] * p.device_mesh.ndim)
+            p.grad = replicated.redistribute(p.device_mesh, p.placements)
+        return MuonAdamW(model, lr=LR, weight_decay=WD, ns_dtype="float32", verbose=False)
+
+    def step(opt, old: bool) -> float:
+        muon_distributed._REDISTRIBUTE_SPLIT_MATRICES = old
+        try:
+            dist.barrier()
+            start = time.perf_counter()
+            opt.step()
+            elapsed = torch.tensor([time.perf_counter() - start])
+        finally:
+            muon_distributed._REDISTRIBUTE_SPLIT_MATRICES = False
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        return elapsed.item()
+
+    opts = {"new": build(), "old": build()}
+    counts = {}
+    for name, opt in opts.items():
+        step(opt, name == "old")  # warm-up: state, owner plan, flattened group
+        sent.clear()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                    record_shapes=True) as prof:  # fmt: skip
+            step(opt, name == "old")
+        mine = torch.tensor([sum(sent[0::2]), sum(sent[1::2]), gathered_bytes(prof)])
+        dist.all_reduce(mine)
+        counts[name] = [int(v) for v in mine]
+    times: dict[str, list[float]] = {"new": [], "old": []}
+    for r in range(rounds):
+        for name in rotated(["new", "old"], r):
+            times[name].append(statistics.median(step(opts[name], name == "old")
+                                                 for _ in range(steps)))  # fmt: skip
+    if rank == 0:
+        matrices = sum(p.numel() for g in opts["new"].param_groups if g["use_muon"]
+                       for p in g["params"]) * 4  # fmt: skip
+        payload = {"world": world, "matrices_bytes": matrices, "bytes": counts, "times": times}
+        Path(out).write_text(json.dumps(payload))
+    dist.destroy_process_group()
+
+
+def tp_table(run: dict) -> list[str]:
+    w, size = run["world"], run["matrices_bytes"]
+    share = (w - 1) / w
+    rows = [
+        f"tp = {w} ({w} processes), Muon matrices {size:,} bytes (float32), "
+        f"(W - 1) / W of them = {share * size:,.0f} bytes",
+        "",
+        "| path | to owners (x (W-1)/W matrices) | back | all-gathers | total (x (W-1)/W "
+        "matrices) | step time, median (min-max) over rounds |",
+        "|---|---|---|---|---|---|",
+    ]
+    names = {"new": "owner all-to-all of each rank's block (now)",
+             "old": "redistribute into rows, then owner all-to-all (before)"}  # fmt: skip
+    for name in ("new", "old"):
+        out, back, gathers = run["bytes"][name]
+        total = out + back + gathers
+        rows.append(f"| {names[name]} | {out:,} ({out / (share * size):.2f}x) | {back:,} | "
+                    f"{gathers:,} | {total:,} ({total / (share * size):.2f}x) | "
+                    f"{with_spread([t * 1e3 for t in run['times'][name]], '{:.1f}')} ms |")  # fmt: skip
+    ratio = [a / b for a, b in zip(run["times"]["new"], run["times"]["old"])]
+    rows += ["", f"Step time now / before (per round): {with_spread(ratio)}; "
+             f"{len(ratio)} rounds."]  # fmt: skip
+    return rows
+
+
 # ------------------------------------------------------------------ report
 
 
@@ -277,6 +424,9 @@ def table(run: dict) -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--tp-worker", help=argparse.SUPPRESS)
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (tp)")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per round (tp)")
     parser.add_argument("--worlds", default="2,4")
     parser.add_argument("--repeats", type=int, default=REPEATS, help="timed steps per method")
     parser.add_argument("--quick", action="store_true",
@@ -285,8 +435,11 @@ def main() -> None:
     if args.worker:
         worker(args.worker, args.repeats)
         return
+    if args.tp_worker:
+        tp_worker(args.tp_worker, args.rounds, args.steps)
+        return
     if args.quick:
-        args.worlds, args.repeats = "2", 1
+        args.worlds, args.repeats, args.rounds, args.steps = "2", 1, 1, 1
     lines = [
         "# Distributed Muon: bytes, NS FLOPs and step time per rank",
         "",
@@ -298,6 +451,14 @@ def main() -> None:
         run_workers(w, __file__, "--worker", out, "--repeats", args.repeats, timeout=1800,
                     env={"OMP_NUM_THREADS": "1"})  # fmt: skip
         lines += table(json.loads(out.read_text())) + [""]
+        out.unlink()
+    lines += ["## Under tensor parallelism: bytes moved per step and step time", "",
+              f"Machine: {machine('torch')}.", ""]  # fmt: skip
+    for w in (int(v) for v in args.worlds.split(",")):
+        out = RESULTS / f".distributed_muon_tp{w}.json"
+        run_workers(w, __file__, "--tp-worker", out, "--rounds", args.rounds, "--steps",
+                    args.steps, timeout=1800, env={"OMP_NUM_THREADS": "1"})  # fmt: skip
+        lines += tp_table(json.loads(out.read_text())) + [""]
         out.unlink()
     text = "\n".join(lines)
     write_report(text, None if args.quick else REPORT)

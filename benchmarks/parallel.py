@@ -22,8 +22,8 @@ ranks of:
   - FSDP2: per unit, an all-gather of its shard in forward and again in backward
     (reshard_after_forward) and a reduce-scatter of the gradient, P_unit / (dp_shard x tp)
     elements each; fp32;
-  - Muon (owner all-to-all): 2 x (W - 1) / W x its matrices' local elements (plus DTensor's
-    redistributes of the TP-split matrices, counted as measured).
+  - Muon (owner all-to-all): 2 x (W - 1) / W x its matrices' local elements (under TP too:
+    each rank sends its own block of a split matrix).
 
 CPU gloo timings on a shared 2-core machine say how layouts compare, not how fast a GPU
 cluster is. Context parallelism (cp > 1) is left to benchmarks of its own (the long-sequence
@@ -262,10 +262,8 @@ NOTES = [
     "  head and norms (replicated over tp) are not. Under dp2 x tp2 FSDP2 shards those too.",
     "- Collective payloads match the analytic model where one exists: TP's activation",
     "  all-reduces (4 per layer and micro-batch), FSDP2's all-gathers and reduce-scatters, the",
-    "  Muon owner all-to-all. Muon under TP adds DTensor's redistribute of each split matrix",
-    "  into rows and back (allgather_into_tensor_coalesced: gloo has no all-to-all in",
-    "  DTensor's path, so each is an all-gather of the whole matrix; an explicit all-to-all",
-    "  would move 1/W of it).",
+    "  Muon owner all-to-all, which under TP sends each rank's own block of a split matrix",
+    "  (no DTensor redistribute into rows, which on gloo all-gathered the whole matrix).",
     "- Step times come from 2 shared CPU cores with other jobs running (the 1-process rows",
     "  ran while another benchmark and a test suite competed for them): compare layouts only",
     "  loosely; they say nothing about GPU clusters.",

@@ -97,25 +97,24 @@ def planned(name: str, world: int, out: Path, masked: int, rank: int):
 def check_collectives(name: str, plan, counted: dict, world: int) -> None:
     """The plan's collective bytes against those torch.profiler counted in a step (gloo's
     view: an all-gather's input shard, a reduce-scatter's whole input, an all-to-all's
-    send buffer). FSDP2's all-gathers (layouts without TP, whose Muon step adds DTensor
-    redistributes, all-gathers the plan does not list) and reduce-scatters, the all-to-alls
-    (Muon's, CP's; under FSDP2 x TP at least them, as DTensor's redistributes add some)
-    and CP's doc-id all-gather: equal; TP's activation all-reduces: equal up
-    to the scalars every step all-reduces (loss, count, gradient norm) and the q/k norms'
-    partial gradients, a few hundred bytes here."""
+    send buffer). FSDP2's all-gathers and reduce-scatters, the all-to-alls (Muon's, CP's)
+    and CP's doc-id all-gather: equal, under TP too (Muon sends each rank's block of a split
+    matrix to its owner: no DTensor redistribute, whose all-gathers the plan does not list,
+    is left); TP's activation all-reduces: equal up to the scalars every step all-reduces
+    (loss, count, gradient norm) and the q/k norms' partial gradients, a few hundred bytes
+    here."""
     planned = {(c.dim, c.kind): c for c in plan.collectives}
     tp = plan.layout["tp"] > 1
+    assert "allgather_into_tensor_coalesced" not in counted, (name, counted)
     gather = planned.get(("dp_shard_cp", "all-gather"))
-    if gather is not None and not tp:
+    if gather is not None:
         got = counted["allgather_base"]
         assert [got[0], got[1] * gather.group] == [gather.calls, gather.tensor_bytes], name
         scatter = planned[("dp_shard_cp", "reduce-scatter")]
         assert counted["reduce_scatter_base"][1] == scatter.tensor_bytes, name
     all_to_all = sum(c.tensor_bytes for c in plan.collectives if c.kind == "all-to-all")
-    if all_to_all and not (tp and plan.layout["dp_shard"] > 1):  # Muon's two, CP's
-        assert counted["alltoall_base"][1] == all_to_all, name
-    elif all_to_all:  # FSDP2 x TP: DTensor's redistributes of the Muon matrices add more
-        assert counted["alltoall_base"][1] >= all_to_all, name
+    if all_to_all:  # Muon's two, CP's
+        assert counted["alltoall_base"][1] == all_to_all, (name, counted, all_to_all)
     doc_ids = planned.get(("cp", "all-gather"))
     if doc_ids is not None:
         assert counted["allgather"][1] * doc_ids.group == doc_ids.tensor_bytes, name

@@ -115,3 +115,39 @@ def test_families_and_muon_step_under_tp_equal_one_process(tmp_path):
     for layout, result in results.items():
         assert result["bitwise"], (layout, result["max_abs_diff"])
         assert result["ns_matrices"] == result["muon_matrices"] == 14, layout
+
+
+def test_muon_under_tp_sends_each_block_once_to_its_owner(tmp_path):
+    """Muon under tp=2, tp=4 and dp_shard=2 x tp=2 (dist_workers/tp_muon_worker.py
+    "paths-"): the owner all-to-all of every rank's own block gives the parameters of the
+    previous path (DTensor's redistribute of each split matrix into rows first) bit for bit,
+    and those of one process (float32 NS), after two steps of MuonAdamW on a decoder whose
+    embeddings, head, norms and biases take AdamW. Bytes sent to other ranks in a step,
+    summed over the ranks and counted from the collectives' own tensors, equal the plan's
+    formula, (W - 1) / W of the Muon matrices' bytes in the NS dtype, once to the owners
+    and once back; the previous path all-gathered whole matrices on top."""
+    outputs = [tmp_path / "2.json", tmp_path / "4.json"]
+    torchrun(2, WORKERS / "tp_muon_worker.py", outputs[0], "paths-tp2", "paths-tp2:bfloat16",
+             timeout=300)  # fmt: skip
+    torchrun(4, WORKERS / "tp_muon_worker.py", outputs[1], "paths-tp4", "paths-dp2xtp2",
+             timeout=300)  # fmt: skip
+    results = {k: v for out in outputs for k, v in json.loads(out.read_text()).items()}
+    assert sorted(results) == ["paths-dp2xtp2", "paths-tp2", "paths-tp2:bfloat16", "paths-tp4"]
+    for spec, result in results.items():
+        world, size, new, old = (result[k] for k in ("world", "matrices_bytes", "new", "old"))
+        itemsize = 2 if spec.endswith("bfloat16") else 4
+        assert size == 2 * (4 * 32 * 32 + 3 * 64 * 32) * itemsize, spec  # 2 layers' 7 matrices
+        assert result["equal"], spec
+        assert result["bitwise"] or itemsize == 2, spec
+        assert new["ns_matrices"] == old["ns_matrices"] == result["muon_matrices"] == 14, spec
+        # the default path: one owner all-to-all each way (all 14 matrices share a mesh),
+        # each block once out and once back, nothing else
+        assert list(new["kinds"]) == ["alltoall_base"], (spec, new["kinds"])
+        assert new["kinds"]["alltoall_base"][0] == 2, (spec, new["kinds"])
+        assert new["gathers"] == 0, spec
+        assert new["out"] == new["back"] == result["formula"]["out"], spec
+        assert result["formula"]["back"] == (world - 1) * size // world, spec
+        assert new["out"] <= 1.1 * (world - 1) / world * size, spec
+        # the previous path sent the same all-to-alls and all-gathered whole matrices
+        assert old["out"] == new["out"] and old["back"] == new["back"], spec
+        assert old["total"] >= 3 * new["total"], (spec, old, new)

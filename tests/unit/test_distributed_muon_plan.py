@@ -158,3 +158,68 @@ def test_layout_with_tensor_and_context_parallel_and_its_errors():
         "does not match the world size 4; make their product the number of processes "
         "(dp_shard: -1 fills it in)"
     )
+
+
+def test_wire_elements_are_every_block_but_the_owners_each_way():
+    """Column blocks (a row-parallel weight under tp=4) and row x column blocks (FSDP2 x TP,
+    2 x 2): each direction sends (W - 1) / W of the matrices; an owner keeps its own block."""
+    shapes = [(32, 64), (64, 32), (16, 16)]
+    columns = [[(0, a, c * b // 4, (c + 1) * b // 4) for c in range(4)] for a, b in shapes]
+    grid = [[(r * a // 2, (r + 1) * a // 2, c * b // 2, (c + 1) * b // 2)
+             for r in range(2) for c in range(2)] for a, b in shapes]  # fmt: skip
+    for blocks in (columns, grid):
+        plan = OwnerPlan(shapes, 4, ns_steps=5, gram=False, blocks=blocks)
+        sent = [plan.wire_elements(rank) for rank in range(4)]
+        total = sum(a * b for a, b in shapes)
+        assert sum(out for out, _ in sent) == sum(back for _, back in sent) == total * 3 // 4
+        for rank, (out, back) in enumerate(sent):
+            owned = plan.owned(rank)
+            assert out == sum(plan.numel(i, rank) for i in range(3) if i not in owned)
+            assert back == sum(a * b * 3 // 4 for i, (a, b) in enumerate(shapes) if i in owned)
+    # without blocks: FSDP2's Shard(0) rows (torch.chunk), uneven ones included
+    plan = OwnerPlan([(7, 12)], 2, ns_steps=5, gram=False)
+    assert plan.blocks == [[(0, 4, 0, 12), (4, 7, 0, 12)]]
+    assert plan.wire_elements(plan.owners[0]) == (0, 12 * (3 if plan.owners[0] == 0 else 4))
+
+
+def _dtensor(mesh, shape, placements):
+    """A DTensor of global `shape` laid out by `placements` (zeros: only the layout matters)."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    local, _ = compute_local_shape_and_global_offset(shape, mesh, placements)
+    return DTensor.from_local(torch.zeros(local), mesh, placements, run_check=False,
+                              shape=torch.Size(shape), stride=torch.empty(shape).stride())  # fmt: skip
+
+
+@pytest.mark.parametrize("rank", range(4))
+def test_split_blocks_are_the_blocks_dtensor_gives_every_rank(rank):
+    """A 2 x 2 (dp_shard, tp) mesh under torch's fake process group: FSDP2 over a
+    column-parallel weight (_StridedShard rows of tp row blocks, uneven 18 = 9 + 9 ->
+    5 + 4 too), over a row-parallel one (row x column blocks), and a strided split whose
+    rows are not contiguous (no rectangles: None, redistributed into rows first)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from unmask.optim.distributed import split_blocks
+    from unmask.plan.shards import fake_world
+
+    with fake_world(rank, 4):
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))
+        colwise = (_StridedShard(0, split_factor=2), Shard(0))
+        cases = {
+            ((32, 16), colwise): [(0, 8, 0, 16), (16, 24, 0, 16), (8, 16, 0, 16), (24, 32, 0, 16)],
+            ((18, 4), colwise): [(0, 5, 0, 4), (9, 14, 0, 4), (5, 9, 0, 4), (14, 18, 0, 4)],
+            ((32, 16), (Shard(0), Shard(1))): [(0, 16, 0, 8), (0, 16, 8, 16), (16, 32, 0, 8),
+                                                (16, 32, 8, 16)],
+        }  # fmt: skip
+        for (shape, placements), want in cases.items():
+            p = _dtensor(mesh, shape, placements)
+            assert split_blocks(p, (0, 1), (2, 2)) == want, placements
+            (h, w), (r0, c0) = compute_local_shape_and_global_offset(shape, mesh, placements)
+            assert want[rank] == (r0, r0 + h, c0, c0 + w)
+        # one dim: the rows of every other tp block (0-7 and 16-23 on dp_shard rank 0)
+        strided = _dtensor(mesh, (32, 16), (_StridedShard(0, split_factor=2), Replicate()))
+        assert split_blocks(strided, (0,), (2,)) is None

@@ -9,23 +9,34 @@ fewer rows or none). Newton-Schulz needs the whole matrix, so one step of a Muon
 
 1. momentum and the Nesterov input on the local rows (elementwise, exact);
 2. each matrix gets one owner rank, by longest-processing-time on NS FLOPs (:func:`assign_owners`);
-3. one ``all_to_all_single``: every rank sends its rows of matrix i to owner(i), in the NS
+3. one ``all_to_all_single``: every rank sends its block of matrix i to owner(i), in the NS
    dtype (NS casts to it first, so nothing is lost; float16 NS normalizes in float32 first, so
    its input travels as float32);
 4. each owner runs NS once per owned matrix, batched by shape, with the call the
    one-process step makes (:func:`~unmask.optim.updates.orthogonalize_inputs`);
-5. a second ``all_to_all_single`` returns each rank its rows of every update;
-6. weight decay and the update, scaled by the *global* shape, on the local rows.
+5. a second ``all_to_all_single`` returns each rank its block of every update;
+6. weight decay and the update, scaled by the *global* shape, on the local block.
 
-Per rank and step that sends about 2 * 2 (W - 1) / W^2 * P_M bytes in bf16 (P_M = Muon
-elements) and runs 1/W of the NS FLOPs. Under HSDP the all-to-all stays inside the shard
-group; replicas compute the same result without talking. Under tensor parallelism a matrix is
-split over the tp ranks too (column-parallel: rows; row-parallel: columns; with FSDP2 on
-top, a strided row split): its NS input is first laid out by DTensor's redistribute as rows
-over every dim it is split on (:func:`rows_layout`), and the owner all-to-all runs over all
-those ranks together (dp_shard x tp), so W counts them all; the update goes back the same
-way. Exact as well: tests/integration/test_tensor_parallel.py compares bit for bit. 3-D expert stacks sharded on the
-expert dim hold whole experts locally and need no communication.
+Bytes moved per step: what the ranks of the group send to *other* ranks, summed over the
+group, in the NS dtype (:meth:`OwnerPlan.wire_elements`). Each direction moves every block
+except the owner's own, sum_i (A_i B_i - owner's block of i): (W - 1) / W of the Muon
+matrices' bytes when the blocks are even, so 2 (W - 1) / W of them out and back (per rank
+about 2 (W - 1) / W^2 P_M elements); NS FLOPs per rank are 1/W of the total. Under HSDP the
+all-to-all stays inside the shard group; replicas compute the same result without talking.
+
+Under tensor parallelism a matrix is split over the tp ranks too: by rows for
+column-parallel weights, by columns for row-parallel ones, and with FSDP2 on top by row
+blocks of the tp blocks (FSDP2's _StridedShard) or row x column blocks. The owner all-to-all
+then runs over every rank that holds a piece (dp_shard x tp, so W counts them all), and each
+rank sends its own block as it is (:func:`split_blocks`, from DTensor's shard arithmetic):
+the owner writes the blocks into the whole matrix, runs NS and sends every rank its block
+of the update, the same (W - 1) / W each way. Nothing is all-gathered. (The previous path,
+kept behind the test switch ``_REDISTRIBUTE_SPLIT_MATRICES`` and as the fallback for a split
+whose pieces are not rectangles, first redistributed each split matrix into rows with
+DTensor: on gloo an all-gather of the whole matrix, out and back.) Exact as well:
+tests/integration/test_tensor_parallel.py compares both paths and one process bit for bit,
+and counts the bytes. 3-D expert stacks sharded on the expert dim hold whole experts
+locally and need no communication.
 
 Not done yet: overlapping the collectives of one shape group with the NS of another.
 """
@@ -34,6 +45,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import warnings
 from collections import defaultdict
 from collections.abc import Sequence
@@ -43,6 +55,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 
 from unmask.optim.newton_schulz import ns_flops
 from unmask.optim.updates import (
@@ -104,10 +117,18 @@ def comm_dtype(ns_dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if ns_dtype == torch.float16 else ns_dtype
 
 
-class OwnerPlan:
-    """Who owns which matrix of one Muon group, and the row blocks every rank holds.
+#: One rank's piece of a matrix: rows [r0, r1) x columns [c0, c1) of the global matrix.
+Block = tuple[int, int, int, int]
 
-    Built from global shapes only, so every rank of the shard group builds the same plan.
+
+class OwnerPlan:
+    """Who owns which matrix of one Muon group, and the block of it every rank holds.
+
+    Built from global shapes and placements only, so every rank of the group builds the
+    same plan. ``blocks[i][r]`` is rank r's (r0, r1, c0, c1) of matrix i: by default the
+    row blocks of DTensor's Shard(0) over ``group_sizes`` (FSDP2), or the blocks a
+    tensor-parallel layout gives (:func:`split_blocks`: column blocks for row-parallel
+    weights, row blocks for column-parallel ones, row x column blocks under FSDP2 x TP).
     """
 
     def __init__(
@@ -117,35 +138,53 @@ class OwnerPlan:
         ns_steps: int,
         gram: bool,
         group_sizes: Sequence[int] | None = None,
+        blocks: Sequence[Sequence[Block] | None] | None = None,
     ):
         self.shapes = [tuple(s) for s in shapes]
         self.world_size = world_size
         self.costs = [float(ns_flops(s[-2], s[-1], ns_steps, gram=gram)) for s in self.shapes]
         self.owners = assign_owners(self.costs, world_size)
         sizes = group_sizes or (world_size,)
-        self.rows = [nested_chunk_rows(s[0], sizes) for s in self.shapes]
+        given = list(blocks) if blocks is not None else [None] * len(self.shapes)
+        self.blocks: list[list[Block]] = [
+            list(b) if b is not None else
+            [(start, stop, 0, s[1]) for start, stop in nested_chunk_rows(s[0], sizes)]
+            for s, b in zip(self.shapes, given)
+        ]  # fmt: skip
 
     def numel(self, index: int, rank: int) -> int:
-        start, stop = self.rows[index][rank]
-        return (stop - start) * self.shapes[index][1]
+        r0, r1, c0, c1 = self.blocks[index][rank]
+        return (r1 - r0) * (c1 - c0)
 
     def owned(self, rank: int) -> list[int]:
         return [i for i, owner in enumerate(self.owners) if owner == rank]
+
+    def wire_elements(self, rank: int) -> tuple[int, int]:
+        """Elements this rank sends to other ranks in one step: (NS inputs to the owners,
+        updates back from the matrices it owns). Its own block of a matrix it owns never
+        leaves it. Summed over the group each direction is sum_i (A_i B_i - owner's block
+        of i): (W - 1) / W of the matrices' elements when the blocks are even."""
+        out = sum(self.numel(i, rank) for i, o in enumerate(self.owners) if o != rank)
+        back = sum(self.numel(i, r) for i in self.owned(rank)
+                   for r in range(self.world_size) if r != rank)  # fmt: skip
+        return out, back
 
 
 def owner_all_to_all(
     local_inputs: list[Tensor], plan: OwnerPlan, group: dict[str, Any], pg, rank: int
 ) -> list[Tensor]:
-    """Rows of each full NS update for this rank, given this rank's rows of each NS input.
+    """This rank's block of each full NS update, given its block of each NS input.
 
-    local_inputs[i]: (rows_i, B) on this rank, any float dtype. Returns (rows_i, B) in the
-    NS dtype. Exactly one NS per matrix across the group (on its owner).
+    local_inputs[i]: this rank's block of matrix i (``plan.blocks[i][rank]``, rows x
+    columns), any float dtype. Returns the same blocks of the updates, in the NS dtype.
+    Exactly one NS per matrix across the group (on its owner); each block travels once to
+    the owner and once back, and an owner's own block never leaves it.
     """
     world = plan.world_size
     ns_dtype = ns_settings(group).dtype
     send_dtype = comm_dtype(ns_dtype)
     device = local_inputs[0].device if local_inputs else torch.device("cpu")
-    # 1. my rows of every matrix, grouped by owner (owner-major, matrix order inside)
+    # 1. my block of every matrix, grouped by owner (owner-major, matrix order inside)
     send_parts = [[] for _ in range(world)]
     for i, u in enumerate(local_inputs):
         send_parts[plan.owners[i]].append(u.reshape(-1).to(send_dtype))
@@ -157,21 +196,21 @@ def owner_all_to_all(
     recv = torch.empty(sum(recv_sizes), dtype=send_dtype, device=device)
     dist.all_to_all_single(recv, send, recv_sizes, send_sizes, group=pg)
     # 2. assemble my owned matrices (source-major in the buffer) and orthogonalize them
-    pieces: dict[int, list[Tensor]] = {i: [] for i in mine}
+    full = {i: torch.empty(plan.shapes[i], dtype=send_dtype, device=device) for i in mine}
     offset = 0
     for src in range(world):
         for i in mine:
+            r0, r1, c0, c1 = plan.blocks[i][src]
             n = plan.numel(i, src)
-            pieces[i].append(recv[offset : offset + n].view(-1, plan.shapes[i][1]))
+            full[i][r0:r1, c0:c1] = recv[offset : offset + n].view(r1 - r0, c1 - c0)
             offset += n
-    full = [torch.cat(pieces[i]) for i in mine]
-    updates = orthogonalize_inputs(full, group) if full else []
-    # 3. send every rank its rows of my updates; receive my rows from every owner
+    updates = orthogonalize_inputs([full[i] for i in mine], group) if mine else []
+    # 3. send every rank its block of my updates; receive my blocks from every owner
     back_parts = []
     for dst in range(world):
         for i, update in zip(mine, updates):
-            start, stop = plan.rows[i][dst]
-            back_parts.append(update[start:stop].reshape(-1).to(send_dtype))
+            r0, r1, c0, c1 = plan.blocks[i][dst]
+            back_parts.append(update[r0:r1, c0:c1].reshape(-1).to(send_dtype))
     back = torch.cat(back_parts) if back_parts else torch.empty(0, dtype=send_dtype, device=device)
     got = torch.empty(sum(send_sizes), dtype=send_dtype, device=device)
     dist.all_to_all_single(got, back, send_sizes, recv_sizes, group=pg)
@@ -188,8 +227,9 @@ def owner_all_to_all(
     return out  # type: ignore[return-value]
 
 
-#: Owner plans of the DTensor Muon groups, by (mesh, owner mesh dims, ids of the parameters).
-OwnerPlans = dict[tuple, OwnerPlan]
+#: Owner plans of the DTensor Muon groups, by (mesh, owner mesh dims, ids of the
+#: parameters, the test switch), each with which of its matrices are redistributed first.
+OwnerPlans = dict[tuple, tuple[OwnerPlan, list[bool]]]
 
 
 def owner_dims(p: DTensor) -> tuple[int, ...]:
@@ -198,12 +238,72 @@ def owner_dims(p: DTensor) -> tuple[int, ...]:
 
 
 def rows_layout(p: DTensor) -> tuple[Placement, ...]:
-    """The placements the owner all-to-all reads: Shard(0) on every dim p is split over,
-    Replicate elsewhere. FSDP2 alone already has it; under TP (column-parallel: a strided
-    row split; row-parallel: a column split) the NS input is moved into it and the update
-    back out of it by DTensor's redistribute (data movement only: exact)."""
+    """Shard(0) on every dim p is split over, Replicate elsewhere: FSDP2's own layout, whose
+    blocks are rows. A split matrix in another layout is sent as it is (:func:`split_blocks`);
+    only the test switch or a split whose pieces do not tile redistributes it into this
+    one first (DTensor's redistribute: data movement only, exact)."""
     dims = owner_dims(p)
     return tuple(Shard(0) if i in dims else Replicate() for i in range(p.device_mesh.ndim))
+
+
+#: Test-only switch back to the previous path: every matrix whose layout is not Shard(0)
+#: rows is first redistributed into rows by DTensor (on gloo an all-gather of the whole
+#: matrix), then goes through the owner all-to-all. tests/integration/test_tensor_parallel.py
+#: compares the two paths bit for bit and counts their bytes.
+_REDISTRIBUTE_SPLIT_MATRICES = False
+
+
+def split_blocks(p: DTensor, dims: tuple[int, ...], sizes: tuple[int, ...]) -> list[Block] | None:
+    """Every rank's block of the 2-D DTensor p, in the order of the flattened group over the
+    mesh ``dims`` (row-major, sizes ``sizes``), from DTensor's own shard arithmetic
+    (Shard, and FSDP2's _StridedShard over a tensor-parallel Shard(0)). None when the pieces
+    are not rectangles that tile the matrix (a strided split whose rows are not contiguous):
+    such a parameter is redistributed into rows first."""
+    mesh_shape = tuple(p.device_mesh.shape)
+    rows, cols = p.shape
+    blocks: list[Block] = []
+    for flat in range(math.prod(sizes)):
+        coordinate = [0] * len(mesh_shape)
+        rest = flat
+        for dim, size in reversed(tuple(zip(dims, sizes))):
+            coordinate[dim], rest = rest % size, rest // size
+        (h, w), (r0, c0) = _compute_local_shape_and_global_offset(
+            p.shape, mesh_shape, coordinate, p.placements
+        )
+        blocks.append((r0, r0 + h, c0, c0 + w))
+    if sum((r1 - r0) * (c1 - c0) for r0, r1, c0, c1 in blocks) != rows * cols:
+        return None
+    nonempty = [b for b in blocks if b[1] > b[0] and b[3] > b[2]]
+    for i, (a0, a1, b0, b1) in enumerate(nonempty):
+        if a0 < 0 or b0 < 0 or a1 > rows or b1 > cols:
+            return None
+        for r0, r1, c0, c1 in nonempty[i + 1 :]:
+            if a0 < r1 and r0 < a1 and b0 < c1 and c0 < b1:  # overlap
+                return None
+    return blocks
+
+
+def _plan_for(layout_params: list[DTensor], group: dict[str, Any], dims: tuple[int, ...],
+              sizes: tuple[int, ...], rank: int) -> tuple[OwnerPlan, list[bool]]:  # fmt: skip
+    """The owner plan of one layout's matrices, and which of them are redistributed into
+    rows first (only a layout whose blocks do not tile, or the test switch)."""
+    blocks, moved = [], []
+    for p in layout_params:
+        rows = rows_layout(p) == tuple(p.placements)
+        split = None if rows or _REDISTRIBUTE_SPLIT_MATRICES else split_blocks(p, dims, sizes)
+        blocks.append(split)
+        moved.append(not rows and split is None)
+    plan = OwnerPlan([p.shape for p in layout_params], math.prod(sizes), group["ns_steps"],
+                     ns_settings(group).gram, group_sizes=sizes, blocks=blocks)  # fmt: skip
+    for index, p in enumerate(layout_params):
+        r0, r1, c0, c1 = plan.blocks[index][rank]
+        if not moved[index] and tuple(p.to_local().shape) != (r1 - r0, c1 - c0):
+            raise RuntimeError(
+                f"MuonAdamW: the local shard {tuple(p.to_local().shape)} of a {tuple(p.shape)} "
+                f"matrix ({p.placements}) is not the block {plan.blocks[index][rank]} the "
+                "owner plan computed"
+            )
+    return plan, moved
 
 
 def _owner_group(mesh, dims: tuple[int, ...]):
@@ -212,7 +312,7 @@ def _owner_group(mesh, dims: tuple[int, ...]):
     sizes = tuple(mesh.size(d) for d in dims)
     if len(dims) == 1:
         return mesh.get_group(dims[0]), mesh.get_local_rank(dims[0]), sizes
-    key = (id(mesh), dims)
+    key = (mesh, dims)  # equal meshes (one per FSDP2 unit and TP style) share a group
     if key not in _FLAT_GROUPS:
         names = tuple(mesh.mesh_dim_names[d] for d in dims)
         with warnings.catch_warnings():  # slicing dims FSDP2 made from flattened ones
@@ -231,18 +331,20 @@ def dtensor_muon_step(
     """One Muon step for a param group of DTensor parameters (called by MuonAdamW.step).
 
     FSDP2 / HSDP parameters (Shard(0) on one mesh dim) go straight to the owner all-to-all
-    over that dim. Parameters split over several dims (FSDP2 x TP) are first laid out as
-    rows over all of them (:func:`rows_layout`), so the owner all-to-all runs over the
-    dp_shard x tp ranks together: every matrix is orthogonalized whole, once, and the work
-    is balanced over every rank that holds a piece of it.
+    over that dim. Parameters split over several dims (FSDP2 x TP, or TP alone, which the
+    trainer lays on a mesh with a size-1 dp_shard dim) go to the owner all-to-all over all
+    of them (the dp_shard x tp ranks together), each rank sending its own block: every
+    matrix is orthogonalized whole, once, and the work is balanced over every rank that
+    holds a piece of it.
 
     Args:
         group: the Muon param group (its params, lr, weight decay and NS settings).
         state: per-parameter optimizer state (``Optimizer.state``: a parameter seen for
             the first time gets an empty dict); momentum buffers are created in it on the
             first step.
-        owner_plans: cache of :class:`OwnerPlan`; a plan is built on the first step of a
-            group and reused (it depends only on global shapes and the mesh).
+        owner_plans: cache of :class:`OwnerPlan` (with which matrices are redistributed
+            first); a plan is built on the first step of a group and reused (it depends
+            only on global shapes, placements and the mesh).
     """
     params = [p for p in group["params"] if p.grad is not None]
     if not params:
@@ -252,7 +354,7 @@ def dtensor_muon_step(
         if not isinstance(p, DTensor):
             raise TypeError("MuonAdamW: a Muon group mixes DTensor and plain parameters")
         dims = () if p.ndim == 3 else owner_dims(p)  # expert stacks: split on the expert dim
-        by_layout[(id(p.device_mesh), dims)].append(p)
+        by_layout[(p.device_mesh, dims)].append(p)
     for (_, dims), layout_params in by_layout.items():
         inputs = [
             muon_ns_input(
@@ -270,22 +372,16 @@ def dtensor_muon_step(
             updates = [orthogonalize_inputs([u], group)[0] if u.numel() else u for u in inputs]
         else:
             mesh = layout_params[0].device_mesh
-            moved = [rows_layout(p) != tuple(p.placements) for p in layout_params]
+            pg, rank, sizes = _owner_group(mesh, dims)
+            key = (mesh, dims, tuple(id(p) for p in layout_params),
+                   _REDISTRIBUTE_SPLIT_MATRICES)  # fmt: skip
+            if key not in owner_plans:
+                owner_plans[key] = _plan_for(layout_params, group, dims, sizes, rank)
+            plan, moved = owner_plans[key]
             inputs = [
                 _redistributed(u, p, rows_layout(p)) if move else u
                 for u, p, move in zip(inputs, layout_params, moved)
             ]
-            key = (id(mesh), dims, tuple(id(p) for p in layout_params))
-            pg, rank, sizes = _owner_group(mesh, dims)
-            plan = owner_plans.get(key)
-            if plan is None:
-                shapes = [p.shape for p in layout_params]
-                gram = ns_settings(group).gram
-                world = 1
-                for size in sizes:
-                    world *= size
-                plan = OwnerPlan(shapes, world, group["ns_steps"], gram, group_sizes=sizes)
-                owner_plans[key] = plan
             updates = owner_all_to_all(inputs, plan, group, pg, rank)
             updates = [
                 _redistributed(u, p, rows_layout(p), back=True) if move else u

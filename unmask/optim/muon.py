@@ -125,8 +125,9 @@ class MuonAdamW(torch.optim.Optimizer):
     * ``ns_dtype_choice``: (the NS dtype used, why), e.g. ``("float32", "the CPU has no
       native bfloat16 matmuls ...")`` for ``auto``, ``("bfloat16", "as given")`` otherwise.
     * ``owner_plans``: the DTensor path's cache of owner plans (which rank orthogonalizes
-      which matrix), filled on the first step of each sharded Muon group and reused. A
-      plan depends only on global shapes and the mesh, so it is not saved in
+      which matrix, and the block of it each rank holds), filled on the first step of each
+      sharded Muon group and reused. A plan depends only on global shapes, placements and
+      the mesh, so it is not saved in
       ``state_dict()``, and a pickled or deep-copied optimizer starts with an empty cache.
     """
 

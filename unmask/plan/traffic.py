@@ -21,8 +21,11 @@ Where each dimension's collectives come from:
 - CP (cp): parallel/context.py's all-to-alls (`alltoall_bytes`) around every attention,
   forward, backward and recomputation, and one all-gather of the rows' doc ids per forward.
 - Muon (optim/distributed.py): two all-to-alls per step over the ranks that split a
-  matrix (dp_shard_cp, x tp under TP), each carrying this rank's rows of every Muon matrix
-  in the Newton-Schulz dtype.
+  matrix (dp_shard_cp, x tp under TP), each carrying this rank's block of every Muon matrix
+  in the Newton-Schulz dtype (rows under FSDP2; under TP the tp split's rows or columns as
+  they are, no redistribute into rows: nothing else is sent). The send buffer of the
+  updates' trip back holds the owned matrices' blocks for every rank; the plan counts this
+  rank's own blocks for it, the same on average over the ranks.
 
 Scalars (the loss count all-reduce, the gradient-norm all-reduces) are left out.
 
