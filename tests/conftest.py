@@ -140,13 +140,15 @@ PARITY_SIZES = {"vocab_size": 97, "hidden_size": 64, "intermediate_size": 96,
                 "max_position_embeddings": 128}  # fmt: skip
 
 
-def save_tiny_model(folder, seed: int = 0):
-    """A random tiny qwen3_dllm + the char tokenizer saved as an HF folder; returns folder."""
+def save_tiny_model(folder, seed: int = 0, **fields):
+    """A random tiny qwen3_dllm (or the family and fields given, as tiny_model takes them)
+    + the char tokenizer saved as an HF folder; returns folder."""
     from unmask.data.tokenizer import build_char_tokenizer, ensure_special_tokens
 
     tokenizer = build_char_tokenizer()
     ensure_special_tokens(tokenizer)
-    model = tiny_model(seed, vocab_size=max(128, len(tokenizer)), initializer_range=0.2)
+    model = tiny_model(seed, **({"vocab_size": max(128, len(tokenizer)),
+                                 "initializer_range": 0.2} | fields))  # fmt: skip
     model.save_pretrained(str(folder))
     tokenizer.save_pretrained(str(folder))
     return folder

@@ -37,6 +37,19 @@ def model_dir(tmp_path_factory):
     return save_tiny_model(tmp_path_factory.mktemp("harness") / "model", seed=1)
 
 
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory):
+    """A mixture-of-experts DLM (Qwen3-MoE layout: 4 experts, top 2) for the same checks."""
+    return save_tiny_model(tmp_path_factory.mktemp("harness_moe") / "model", seed=1,
+                           model_type="qwen3_moe_dllm", num_experts=4, num_experts_per_tok=2,
+                           moe_intermediate_size=16)  # fmt: skip
+
+
+@pytest.fixture(params=["dense", "moe"])
+def any_dir(request):
+    return request.getfixturevalue("model_dir" if request.param == "dense" else "moe_dir")
+
+
 def test_registered_and_built_from_an_arg_string(model_dir):
     assert get_model("unmask") is UnmaskLM
     assert issubclass(UnmaskLM, LM) and not UnmaskLM.__abstractmethods__
@@ -55,7 +68,8 @@ def exact_choice_logprob(model, tok, question, choice):
     return torch.log_softmax(logits.double(), -1)[target].item()
 
 
-def test_loglikelihood_requests_are_exact_for_one_token(model_dir):
+def test_loglikelihood_requests_are_exact_for_one_token(any_dir):
+    model_dir = any_dir
     lm = UnmaskLM(pretrained=str(model_dir), mc_num=8)
     sm = load_for_sampling(model_dir)
     requests = [Instance("loglikelihood", {}, (q["question"], c), i)
@@ -147,7 +161,8 @@ metric_list:
 
 
 @pytest.mark.slow
-def test_lm_eval_runs_local_tasks_offline(model_dir, tmp_path, monkeypatch):
+def test_lm_eval_runs_local_tasks_offline(any_dir, tmp_path, monkeypatch):
+    model_dir = any_dir
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     data = tmp_path / "toy.jsonl"
