@@ -5,6 +5,7 @@ import math
 
 import pytest
 
+import unmask.parallel.expert as expert
 import unmask.parallel.tensor as tensor_parallel
 import unmask.train.setup as train_setup
 from unmask.config import load_config
@@ -28,6 +29,14 @@ TINY = [
 
 def tiny(*overrides: str):
     return planned_model_config(load_config(None, [*TINY, *overrides]))
+
+
+MOE = ["model.model_type=qwen3_moe_dllm", "model.num_experts=4", "model.num_experts_per_tok=2",
+       "model.moe_intermediate_size=16"]  # fmt: skip
+
+
+def tiny_moe(*overrides: str):
+    return tiny(*MOE, *overrides)
 
 
 def shapes(model) -> dict[str, tuple]:
@@ -130,9 +139,16 @@ def test_refusals_are_one_line():
         make_run_plan(tiny("train.tensor_parallel=4"), 6, DEVICES["h100"])
     with pytest.raises(InputError, match="--nodes 3 does not divide --world 4"):
         make_run_plan(tiny(), 4, DEVICES["h100"], nodes=3)
-    for key in ("expert_parallel", "pipeline_parallel"):  # not modelled yet: said, not guessed
+    for key in ("pipeline_parallel",):  # not modelled yet: said, not guessed
         with pytest.raises(InputError, match=f"does not model train.{key} yet"):
             make_run_plan(tiny(f"train.{key}=2"), 4, DEVICES["h100"])
+    # the trainer's own expert-parallel checks (parallel/expert.py)
+    with pytest.raises(InputError, match="expert_parallel=2 needs a mixture-of-experts model"):
+        make_run_plan(tiny("train.expert_parallel=2"), 4, DEVICES["h100"])
+    with pytest.raises(
+        InputError, match="num_experts=4 is not divisible by train.expert_parallel=3"
+    ):
+        make_run_plan(tiny_moe("train.expert_parallel=3"), 6, DEVICES["h100"])
 
 
 def test_a_layout_that_does_not_fit_names_its_largest_term_and_the_fix():
@@ -146,3 +162,65 @@ def test_a_layout_that_does_not_fit_names_its_largest_term_and_the_fix():
     assert "\n" not in line
     assert "largest term is activations" in line
     assert line.endswith("set train.activation_checkpointing=full")
+
+
+def test_expert_parallel_shard_shapes_follow_the_formulas():
+    # ep 2 over dp_shard 4 at world 4 (parallel/expert.py): each expert stack [E / ep, ...]
+    # on every rank, replicated over the 2 replicas and left out of FSDP2; the rest rows /
+    # dp_shard (the router's 4 rows: one per rank)
+    model = shard_model(tiny_moe("train.expert_parallel=2"), 4, rank=3)
+    got = {s.name: s for s in model.shards}
+    experts, inner, h = 4, 16, 64
+    for name, shape in (
+        ("gate_proj", (inner, h)),
+        ("up_proj", (inner, h)),
+        ("down_proj", (h, inner)),
+    ):
+        stack = got[f"model.layers.1.mlp.experts.{name}"]
+        assert stack.local_shape == (experts // 2, *shape)
+        assert stack.mesh_dims == ("ep_replica", "ep") and stack.placements == ("R", "S(0)")
+        assert stack.expert_parallel and stack.shard_group == 1
+    assert got["model.layers.1.mlp.gate.weight"].local_shape == (experts // 4, h)
+    assert got["model.layers.1.self_attn.q_proj.weight"].local_shape == (64 // 4, h)
+    # bytes: the stacks whole on the rank (float32), the rest a quarter
+    params, _, _ = state_bytes(model)
+    stacks = 2 * 3 * (experts // 2) * inner * h
+    rest = sum(s.local_numel for s in model.shards if not s.expert_parallel)
+    assert params == 4 * (stacks + rest)
+
+
+def test_a_changed_expert_parallel_rule_changes_the_plan(monkeypatch):
+    cfg = tiny_moe("train.expert_parallel=2")
+    assert shapes(shard_model(cfg, 4))["model.layers.0.mlp.experts.down_proj"] == (2, 64, 16)
+    # the trainer's rule changed: down_proj no longer split over ep, so FSDP2 shards it
+    monkeypatch.setattr(expert, "EXPERT_PARAMS", ("gate_proj", "up_proj"))
+    after = shard_model(cfg, 4)
+    assert shapes(after)["model.layers.0.mlp.experts.down_proj"] == (1, 64, 16)
+    assert shapes(after)["model.layers.0.mlp.experts.up_proj"] == (2, 16, 64)
+
+
+def test_expert_parallel_traffic_against_hand_counts():
+    # ep 2 over dp_shard 4, bf16: per MoE layer and micro-batch the routed rows go there in
+    # the stream's bfloat16 and come back in the experts' float32 (FSDP2 leaves the stacks
+    # at their dtype), forward and backward, plus the counts; the replicas' float32 expert
+    # gradients all-reduced once; FSDP2 gathers everything but the stacks
+    model = shard_model(tiny_moe("train.expert_parallel=2", "train.bf16=true"), 4)
+    shape = StepShape(rows=2, length=32, micro_batches=1, bf16=True, checkpointing=False)
+    by_kind = {(c.dim, c.kind): c for c in step_collectives(model, shape, nodes=1)}
+    rows = 2 * 32 * 2  # tokens x top-k
+    a2a = by_kind[("ep", "all-to-all")]
+    assert a2a.tensor_bytes == 2 * (2 * rows * 64 * (2 + 4) + 4 * 8) and a2a.group == 2
+    assert a2a.calls == 2 * 5  # counts, there, back; backward: back, there
+    reduce = by_kind[("ep_replica", "all-reduce")]
+    assert reduce.tensor_bytes == 2 * 3 * 2 * 16 * 64 * 4 and reduce.group == 2
+    gather = by_kind[("dp_shard_cp", "all-gather")]
+    assert gather.tensor_bytes == 2 * 2 * sum(s.gathered_numel for s in model.shards
+                                              if not s.expert_parallel)  # fmt: skip
+    # Muon's owner all-to-all carries the 2-D matrices only: the stacks are orthogonalized
+    # where they are (optim/distributed.py)
+    muon = by_kind[("dp_shard_cp", "all-to-all")]
+    matrices = sum(s.local_numel for s in model.shards
+                   if s.optimizer == "muon" and len(s.global_shape) == 2)  # fmt: skip
+    assert muon.tensor_bytes == 2 * matrices * 2
+    assert matrices == sum(s.local_numel for s in model.shards if "self_attn" in s.name
+                           and s.name.endswith("proj.weight"))  # fmt: skip

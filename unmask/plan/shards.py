@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +30,7 @@ from unmask.models.families import FAMILIES
 from unmask.models.hf import config_from_hf, read_config
 from unmask.optim.config import build_optimizer
 from unmask.parallel.distributed import plan_layout
+from unmask.parallel.expert import check_moe_request
 from unmask.parallel.mesh import MeshLayout, build_mesh
 from unmask.train.mfu import flop_model
 from unmask.train.setup import build_train_model
@@ -68,6 +70,12 @@ class TensorShard:
     """The tensor dim TP splits (0: column-parallel, 1: row-parallel), None: not split."""
 
     @property
+    def expert_parallel(self) -> bool:
+        """An expert stack on the (ep_replica, ep) grid (parallel/expert.py): whole experts
+        on their rank, outside FSDP2."""
+        return "ep" in self.mesh_dims
+
+    @property
     def gathered_numel(self) -> int:
         """Elements FSDP2's all-gather makes of it on this rank: its tensor-parallel piece,
         dim 0 padded to a multiple of the shard group (torch.chunk sizes)."""
@@ -89,8 +97,11 @@ class ShardedModel:
     model_config: object
     """The ModelConfig the model was built from (architecture fields)."""
     layers: int
+    """Decoder layers this rank holds."""
     flops: object
     """train/mfu.py's FlopModel of the model (global counts)."""
+    layer_indices: tuple[int, ...] = ()
+    """The whole model's indices of the decoder layers this rank holds, in order."""
 
 
 def planned_model_config(cfg: RunConfig) -> RunConfig:
@@ -144,19 +155,25 @@ def fake_world(rank: int, world_size: int):
 def layout_of(cfg: RunConfig, world_size: int) -> MeshLayout:
     """The mesh sizes the trainer would build (parallel/distributed.py `plan_layout`)."""
     t = cfg.train
-    for key in ("expert_parallel", "pipeline_parallel"):
+    for key in ("pipeline_parallel",):
         if getattr(t, key) > 1:
             raise InputError(f"unmask plan does not model train.{key} yet (docs/scaling.md); "
                              f"plan the layout with train.{key}=1")  # fmt: skip
-    return plan_layout(world_size, t.fsdp2, t.dp_replicate, t.dp_shard, t.tensor_parallel,
-                       t.context_parallel)  # fmt: skip
+    layout = plan_layout(world_size, t.fsdp2, t.dp_replicate, t.dp_shard, t.tensor_parallel,
+                         t.context_parallel)  # fmt: skip
+    dp = layout.dp if world_size > 1 else 1
+    # the trainer's own check of an MoE / expert-parallel layout (parallel/expert.py)
+    check_moe_request(cfg.model, t.expert_parallel, dp * layout.cp, t.tensor_parallel)
+    return layout
 
 
 def shard_model(cfg: RunConfig, world_size: int, rank: int = 0) -> ShardedModel:
     """Rank `rank`'s shards of the run's model at `world_size` (see the module docstring);
     cfg: a planned config (`planned_model_config`)."""
     layout = layout_of(cfg, world_size)
-    with fake_world(rank, world_size):
+    with fake_world(rank, world_size), warnings.catch_warnings():
+        # torch's note on slicing the flattened dims the trainer's own code slices
+        warnings.filterwarnings("ignore", message="Slicing a flattened dim")
         mesh = build_mesh(torch.device("cpu"), layout) if world_size > 1 else None
         meta = torch.device("meta")
         with meta, _no_init():  # no storage to fill (and no torch._dynamo import)
@@ -164,9 +181,10 @@ def shard_model(cfg: RunConfig, world_size: int, rank: int = 0) -> ShardedModel:
         routing = _routing(cfg, model)
         shards = _read_shards(model, routing, layout)
         flops = flop_model(model)
-        layers = len(decoder_layers(model))
+        layers = decoder_layers(model)
+        indices = tuple(range(len(layers)))
         model_config = model.config
-    return ShardedModel(rank, layout, shards, model_config, layers, flops)
+    return ShardedModel(rank, layout, shards, model_config, len(layers), flops, indices)
 
 
 def _routing(cfg: RunConfig, model: nn.Module) -> dict[int, str]:
@@ -217,9 +235,9 @@ def _read_shards(
             local = tuple(p.to_local().shape)
             placements = tuple(str(pl) for pl in p.placements)
             tp_split = _tp_split(dims, p.placements, layout.tp)
-            group = 1
+            group = 1  # FSDP2's shard dim (expert stacks on the ep grid have none)
             for dim_name in dims:
-                if dim_name not in ("tp", "dp_replicate"):
+                if dim_name in ("dp_shard_cp", "dp_shard", "cp"):
                     group *= p.device_mesh[dim_name].size()
         else:
             dims, local, placements, group, tp_split = (), tuple(p.shape), (), 1, {}

@@ -48,7 +48,11 @@ class SavedBytes:
 
     def pack(self, t):
         if not (isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter)):
-            storage = _local(t).untyped_storage()
+            local = _local(t)
+            # a functional collective's result (expert parallelism's all-to-alls) wraps
+            # the tensor that holds its storage
+            local = getattr(local, "elem", local)
+            storage = local.untyped_storage()
             self.storages[storage.data_ptr()] = storage.nbytes()
         return t
 
