@@ -91,6 +91,21 @@ MOE_LAYOUTS = {
 }  # fmt: skip
 
 
+#: pipeline layouts (parallel/pipeline.py: one decoder layer per stage, an untied head)
+PIPELINE = {"tie_word_embeddings": False}
+PP_LAYOUTS = {
+    2: {"pp2_muon": {"model": PIPELINE, "train": {"pipeline_parallel": 2}}},
+    4: {
+        "dp2_pp2_adamw_bf16": {"model": PIPELINE, "optim": {"name": "adamw"},
+                               "train": {"pipeline_parallel": 2, "bf16": True,
+                                         "pipeline_microbatches": 4}},
+        "dp2_pp2_gpipe_muon": {"model": PIPELINE,
+                               "train": {"pipeline_parallel": 2, "pipeline_schedule": "gpipe",
+                                         "activation_checkpointing": "full"}},
+    },
+}  # fmt: skip
+
+
 def measure(world: int, out: Path, layouts: dict | None = None) -> dict[str, list[dict]]:
     """Launch the worker over every layout of `world` (of LAYOUTS, or `layouts`);
     {name: [rank 0's, rank 1's, ...]}."""
@@ -197,3 +212,28 @@ def test_expert_parallel_plan_equals_measured_bytes(world, tmp_path):
                            "peak": got["peak"] and memory.peak / got["peak"] - 1}  # fmt: skip
     print(json.dumps(gaps, indent=1))
     assert all(abs(g["activations"]) <= 0.15 and g["peak"] >= -0.15 for g in gaps.values()), gaps
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
+def test_pipeline_plan_equals_measured_bytes(world, tmp_path):
+    """Pipeline parallelism (the trainer's own PipelineModel split and per-stage FSDP2, run
+    by the planner under the fake process group): parameter, gradient and optimizer-state
+    bytes and the local shapes of every rank (each holding its stage) equal the real run's
+    exactly; the first and last pp ranks hold different parts (embedding / head)."""
+    measured = measure(world, tmp_path, PP_LAYOUTS)
+    for name, ranks in measured.items():
+        for rank, got in enumerate(ranks):
+            plan = planned(name, world, tmp_path, sum(m or 0 for m in got["masked"]), rank)
+            plan_rank = next(r for r in plan.ranks if r.rank == rank)
+            memory, where = plan_rank.memory, f"{name} rank {rank}"
+            assert memory.parameters == got["parameters"], where
+            assert memory.gradients == got["gradients"], where
+            assert memory.optimizer == got["optimizer_state"], where
+            assert plan_rank.shards, where
+            for row in plan_rank.shards:
+                assert row["local"] == got["local_shapes"][row["name"]], (where, row["name"])
+        first, last = measured[name][0], measured[name][-1]
+        assert "model.embed_tokens.weight" in first["local_shapes"], name
+        assert "lm_head.weight" not in first["local_shapes"], name
+        assert "lm_head.weight" in last["local_shapes"], name

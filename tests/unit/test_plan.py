@@ -11,9 +11,10 @@ import unmask.train.setup as train_setup
 from unmask.config import load_config
 from unmask.errors import InputError
 from unmask.parallel.mesh import MeshLayout
+from unmask.parallel.pipeline import PipelinePlan
 from unmask.plan.devices import DEVICES, resolve_device
-from unmask.plan.memory import StepShape, state_bytes
-from unmask.plan.planner import make_run_plan
+from unmask.plan.memory import StepShape, activation_bytes, in_flight, memory_terms, state_bytes
+from unmask.plan.planner import bubble_fraction, make_run_plan, step_shape
 from unmask.plan.report import refusal
 from unmask.plan.shards import planned_model_config, shard_model
 from unmask.plan.traffic import group_span, is_intra_node, step_collectives
@@ -37,6 +38,13 @@ MOE = ["model.model_type=qwen3_moe_dllm", "model.num_experts=4", "model.num_expe
 
 def tiny_moe(*overrides: str):
     return tiny(*MOE, *overrides)
+
+
+PP = ["model.tie_word_embeddings=false", "eval.generate_accuracy=false"]
+
+
+def tiny_pp(*overrides: str):
+    return tiny(*PP, *overrides)
 
 
 def shapes(model) -> dict[str, tuple]:
@@ -139,9 +147,14 @@ def test_refusals_are_one_line():
         make_run_plan(tiny("train.tensor_parallel=4"), 6, DEVICES["h100"])
     with pytest.raises(InputError, match="--nodes 3 does not divide --world 4"):
         make_run_plan(tiny(), 4, DEVICES["h100"], nodes=3)
-    for key in ("pipeline_parallel",):  # not modelled yet: said, not guessed
-        with pytest.raises(InputError, match=f"does not model train.{key} yet"):
-            make_run_plan(tiny(f"train.{key}=2"), 4, DEVICES["h100"])
+    # the trainer's own pipeline checks (train/setup.py, parallel/pipeline.py)
+    with pytest.raises(InputError, match="tie_word_embeddings makes them one matrix"):
+        make_run_plan(tiny("train.pipeline_parallel=2", "model.tie_word_embeddings=true"), 4,
+                      DEVICES["h100"])  # fmt: skip
+    with pytest.raises(InputError, match="does not split mixture-of-experts models into stages"):
+        make_run_plan(tiny_moe("train.pipeline_parallel=2"), 4, DEVICES["h100"])
+    with pytest.raises(InputError, match="num_hidden_layers=2 does not divide into"):
+        make_run_plan(tiny_pp("train.pipeline_parallel=4"), 4, DEVICES["h100"])
     # the trainer's own expert-parallel checks (parallel/expert.py)
     with pytest.raises(InputError, match="expert_parallel=2 needs a mixture-of-experts model"):
         make_run_plan(tiny("train.expert_parallel=2"), 4, DEVICES["h100"])
@@ -224,3 +237,63 @@ def test_expert_parallel_traffic_against_hand_counts():
     assert muon.tensor_bytes == 2 * matrices * 2
     assert matrices == sum(s.local_numel for s in model.shards if "self_attn" in s.name
                            and s.name.endswith("proj.weight"))  # fmt: skip
+
+
+def pp4(*overrides: str):
+    return tiny_pp("model.num_hidden_layers=4", "train.pipeline_parallel=2",
+                   "train.per_device_train_batch_size=4", *overrides)  # fmt: skip
+
+
+def test_pipeline_ranks_hold_their_stages_shards():
+    # pp 2 x dp_shard 2 at world 4 (pp outermost: ranks 0, 1 hold stage 0, ranks 2, 3
+    # stage 1): layers 0-1 + the embedding, layers 2-3 + norm and head, each FSDP2-sharded
+    # over its 2 dp_shard ranks
+    first, last = shard_model(pp4(), 4, rank=1), shard_model(pp4(), 4, rank=2)
+    assert first.layer_indices == (0, 1) and last.layer_indices == (2, 3)
+    assert first.stages == [0] and last.stages == [1] and last.holds_head
+    a, b = shapes(first), shapes(last)
+    assert a["model.embed_tokens.weight"] == (96 // 2, 64) and "lm_head.weight" not in a
+    assert b["lm_head.weight"] == (96 // 2, 64) and "model.embed_tokens.weight" not in b
+    assert a["model.layers.1.mlp.gate_proj.weight"] == (128 // 2, 64)
+    assert b["model.layers.3.self_attn.o_proj.weight"] == (64 // 2, 64)
+    assert not any(".layers.2." in n for n in a) and not any(".layers.0." in n for n in b)
+    # the whole model's FLOPs on every rank (the step's), not the stage's
+    assert first.flops == last.flops == shard_model(tiny_pp("model.num_hidden_layers=4"), 1).flops
+
+
+def test_a_changed_pipeline_rule_changes_the_plan(monkeypatch):
+    cfg = pp4("train.pipeline_schedule=interleaved_1f1b", "train.pipeline_stages_per_rank=2",
+              "train.pipeline_microbatches=4")  # fmt: skip
+    assert shard_model(cfg, 2, rank=0).layer_indices == (0, 2)  # looped: stages 0 and 2
+    # the trainer's stage placement changed: rank r holds stages 2r, 2r + 1
+    monkeypatch.setattr(PipelinePlan, "stages_of",
+                        lambda self, r: [r * self.stages_per_rank + k
+                                         for k in range(self.stages_per_rank)])  # fmt: skip
+    model = shard_model(cfg, 2, rank=0)
+    assert model.layer_indices == (0, 1) and not model.holds_head
+    assert "lm_head.weight" in shapes(shard_model(cfg, 2, rank=1))
+
+
+def test_pipeline_in_flight_p2p_and_bubble_against_hand_counts():
+    # 1F1B, p 2, m 4 micro-batches of 1 row: rank 0 holds 2 micro-batches' saves at its
+    # peak, the last rank 1; each micro-batch's hidden states (1 x 32 x 64 float32) go
+    # forward from stage 0 and their gradients back from stage 1; bubble (p-1)/(m+p-1)
+    cfg = pp4("train.pipeline_microbatches=4")
+    shape = step_shape(cfg, 4)
+    assert (shape.rows, shape.micro_batches) == (1, 4)
+    first, last = shard_model(cfg, 4, rank=0), shard_model(cfg, 4, rank=3)
+    assert in_flight(first) == 2 and in_flight(last) == 1
+    one = activation_bytes(first, shape)
+    assert memory_terms(first, shape).activations == 2 * one
+    send = {c.dim: c for c in step_collectives(first, shape, 1)}["pp"]
+    assert (send.calls, send.tensor_bytes, send.wire_bytes) == (4, 4 * 32 * 64 * 4, 4 * 32 * 64 * 4)
+    assert bubble_fraction(first) == pytest.approx(1 / 5)
+    plan = make_run_plan(cfg, 4, DEVICES["h100"])
+    assert plan.step_s == pytest.approx(plan.compute_s / (1 - 1 / 5) + plan.exposed_comm_s)
+    # GPipe: every micro-batch's forward first; interleaved 1F1B (v 2): warm-up chunks
+    gpipe = shard_model(pp4("train.pipeline_schedule=gpipe"), 4, rank=0)
+    assert in_flight(gpipe) == 4
+    inter = shard_model(pp4("train.pipeline_schedule=interleaved_1f1b",
+                            "train.pipeline_stages_per_rank=2"), 2, rank=0)  # fmt: skip
+    assert in_flight(inter) == min(4 * 2, (2 - 1) * 2 + 2 * (2 - 1) + 1) / 2
+    assert bubble_fraction(inter) == pytest.approx(1 / (4 * 2 + 1))

@@ -256,6 +256,24 @@ def gathered_bytes(model: ShardedModel, shape: StepShape) -> tuple[int, int]:
     return root, max(units.values(), default=0)
 
 
+def in_flight(model: ShardedModel) -> float:
+    """Micro-batches whose saved activations are live at once on this rank, in units of
+    one micro-batch through all of its layers: 1 without a pipeline; under one (m
+    micro-batches, p ranks, v stages per rank, this rank r) the schedule's warm-up depth:
+    GPipe runs every forward first (m), 1F1B min(m, p - r), the interleaved schedules
+    min(m v, (v - 1) p + 2 (p - 1 - r) + 1) stage-micro-batches of 1/v of the rank's
+    layers each (torch.distributed.pipelining's warm-up counts)."""
+    plan = model.pipeline
+    if plan is None:
+        return 1.0
+    m, p, v, r = plan.microbatches, plan.degree, plan.stages_per_rank, model.pp_rank
+    if plan.schedule == "gpipe":
+        return float(m)
+    if plan.stages_per_rank == 1:
+        return float(min(m, p - r))
+    return min(m * v, (v - 1) * p + 2 * (p - 1 - r) + 1) / v
+
+
 def memory_terms(model: ShardedModel, shape: StepShape) -> MemoryTerms:
     """Every term of this rank and the peak estimate, in a step after the first (the
     optimizer state exists). The peak is the most live at any point of a walk through the
@@ -271,12 +289,16 @@ def memory_terms(model: ShardedModel, shape: StepShape) -> MemoryTerms:
 
     Without FSDP2 the gradients go straight to the parameters' .grad (float32). Under
     gradient accumulation FSDP2 keeps every unit's unsharded float32 gradient until the
-    last micro-batch's reduce-scatter.
+    last micro-batch's reduce-scatter. Under a pipeline the micro-batches are the
+    schedule's, `in_flight` of them hold their saved activations at the peak, and only the
+    rank that holds the last stage computes the head.
     """
     params, grads, optim = state_bytes(model)
     kept, held, around = layer_saves(model, shape)
     saved = sum(kept) + around
-    head = head_gradient_bytes(model, shape)
+    waiting = int((in_flight(model) - 1) * saved)  # other micro-batches' saves
+    saved += waiting
+    head = head_gradient_bytes(model, shape) if model.holds_head else 0
     act_grads = activation_gradient_bytes(model, shape)
     root, layer = gathered_bytes(model, shape)
     fsdp = layer > 0
@@ -288,7 +310,7 @@ def memory_terms(model: ShardedModel, shape: StepShape) -> MemoryTerms:
     forward_end = saved + head + root + accumulated
     worst_backward = 0
     for i in range(model.layers - 1, -1, -1):
-        below = sum(kept[:i]) + around
+        below = sum(kept[:i]) + around + waiting
         above = sum(layer_grad.get(f"layer {j}", 0) for j in range(i + 1, model.layers))
         if fsdp:
             live = below + held[i] + act_grads + 2 * root + 2 * layer + layer // b * 4

@@ -95,7 +95,7 @@ def render(plan: RunPlan, label: str) -> str:
                                                 for r in plan.ranks))  # fmt: skip
     verdict = "fits" if plan.fits else "DOES NOT FIT"
     lines.append(f"  limit          {human_bytes(plan.memory_limit):>14}  ({verdict})")
-    lines += ["", f"shards of rank {plan.ranks[0].rank} (layer 0 stands for every layer)"]
+    lines += ["", f"shards of rank {plan.ranks[0].rank} (its first layer stands for every layer)"]
     for row in plan.ranks[0].shards:
         shape = f"{tuple(row['global'])} -> {tuple(row['local'])}"
         where = ", ".join(f"{d}:{p}" for d, p in zip(row["mesh"], row["placements"])) or "whole"
@@ -106,6 +106,8 @@ def render(plan: RunPlan, label: str) -> str:
         f"compute {duration(plan.compute_s)} at {plan.mfu:.0%} MFU, exposed communication "
         f"{duration(plan.exposed_comm_s)}, step {duration(plan.step_s)}",
     ]
+    if plan.bubble:
+        lines.append(f"pipeline bubble: {plan.bubble:.1%} of the step idle (in the step time)")
     if plan.collectives:
         lines.append(
             "collectives per step (rank 0): dim, kind, calls, tensor bytes, wire bytes, link"

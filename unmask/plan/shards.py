@@ -25,15 +25,17 @@ from torch import nn
 from unmask.config import RunConfig
 from unmask.errors import InputError
 from unmask.models import decoder_layers
-from unmask.models.build import _no_init  # the meta-device build's no-op initializers
+from unmask.models.build import _no_init, build_model  # no-op initializers, whole model
 from unmask.models.families import FAMILIES
 from unmask.models.hf import config_from_hf, read_config
 from unmask.optim.config import build_optimizer
+from unmask.parallel.batch import per_rank_batch_size
 from unmask.parallel.distributed import plan_layout
 from unmask.parallel.expert import check_moe_request
 from unmask.parallel.mesh import MeshLayout, build_mesh
+from unmask.parallel.pipeline import PipelinePlan, plan_pipeline
 from unmask.train.mfu import flop_model
-from unmask.train.setup import build_train_model
+from unmask.train.setup import build_train_model, check_pipeline_request
 
 
 @dataclass(frozen=True)
@@ -102,6 +104,19 @@ class ShardedModel:
     """train/mfu.py's FlopModel of the model (global counts)."""
     layer_indices: tuple[int, ...] = ()
     """The whole model's indices of the decoder layers this rank holds, in order."""
+    pipeline: PipelinePlan | None = None
+    """The run's pipeline (parallel/pipeline.py), None without pipeline parallelism."""
+    pp_rank: int = 0
+
+    @property
+    def stages(self) -> list[int]:
+        """The pipeline stages this rank holds ([0] without a pipeline)."""
+        return [0] if self.pipeline is None else self.pipeline.stages_of(self.pp_rank)
+
+    @property
+    def holds_head(self) -> bool:
+        """Whether this rank computes the LM head and the loss (the last stage)."""
+        return self.pipeline is None or self.pipeline.num_stages - 1 in self.stages
 
 
 def planned_model_config(cfg: RunConfig) -> RunConfig:
@@ -155,16 +170,28 @@ def fake_world(rank: int, world_size: int):
 def layout_of(cfg: RunConfig, world_size: int) -> MeshLayout:
     """The mesh sizes the trainer would build (parallel/distributed.py `plan_layout`)."""
     t = cfg.train
-    for key in ("pipeline_parallel",):
-        if getattr(t, key) > 1:
-            raise InputError(f"unmask plan does not model train.{key} yet (docs/scaling.md); "
-                             f"plan the layout with train.{key}=1")  # fmt: skip
+    check_pipeline_request(cfg)  # the trainer's own checks of a pipeline layout
     layout = plan_layout(world_size, t.fsdp2, t.dp_replicate, t.dp_shard, t.tensor_parallel,
-                         t.context_parallel)  # fmt: skip
+                         t.context_parallel, t.pipeline_parallel)  # fmt: skip
     dp = layout.dp if world_size > 1 else 1
     # the trainer's own check of an MoE / expert-parallel layout (parallel/expert.py)
     check_moe_request(cfg.model, t.expert_parallel, dp * layout.cp, t.tensor_parallel)
     return layout
+
+
+def pipeline_of(cfg: RunConfig, world_size: int) -> PipelinePlan | None:
+    """The stages' layers and micro-batches the trainer plans (parallel/pipeline.py
+    `plan_pipeline`, over the rows a data-parallel rank trains on per step); None without
+    pipeline parallelism."""
+    t = cfg.train
+    if t.pipeline_parallel == 1:
+        return None
+    layout = layout_of(cfg, world_size)
+    rows = per_rank_batch_size(t.per_device_train_batch_size, layout.dp, t.split_batches,
+                               "the data-parallel size")  # fmt: skip
+    return plan_pipeline(t.pipeline_parallel, t.pipeline_schedule, t.pipeline_stages_per_rank,
+                         t.pipeline_microbatches, t.pipeline_split,
+                         cfg.model.num_hidden_layers, rows * t.gradient_accumulation_steps)  # fmt: skip
 
 
 def shard_model(cfg: RunConfig, world_size: int, rank: int = 0) -> ShardedModel:
@@ -176,15 +203,24 @@ def shard_model(cfg: RunConfig, world_size: int, rank: int = 0) -> ShardedModel:
         warnings.filterwarnings("ignore", message="Slicing a flattened dim")
         mesh = build_mesh(torch.device("cpu"), layout) if world_size > 1 else None
         meta = torch.device("meta")
+        pipeline = pipeline_of(cfg, world_size)
         with meta, _no_init():  # no storage to fill (and no torch._dynamo import)
-            model = build_train_model(cfg, _Vocabulary(cfg.model.vocab_size), 0, meta, mesh)
+            model = build_train_model(cfg, _Vocabulary(cfg.model.vocab_size), 0, meta, mesh,
+                                      pipeline)  # fmt: skip
+            # the step's FLOPs are the whole model's (a pipeline rank holds part of it)
+            flops = flop_model(model if pipeline is None else build_model(cfg.model))
         routing = _routing(cfg, model)
         shards = _read_shards(model, routing, layout)
-        flops = flop_model(model)
         layers = decoder_layers(model)
         indices = tuple(range(len(layers)))
+        pp_rank = 0
+        if pipeline is not None:
+            pp_rank = mesh["pp"].get_local_rank()
+            indices = tuple(sorted(i for stage in pipeline.stages_of(pp_rank)
+                                   for i in pipeline.layers[stage]))  # fmt: skip
         model_config = model.config
-    return ShardedModel(rank, layout, shards, model_config, len(layers), flops, indices)
+    return ShardedModel(rank, layout, shards, model_config, len(layers), flops, indices,
+                        pipeline, pp_rank)  # fmt: skip
 
 
 def _routing(cfg: RunConfig, model: nn.Module) -> dict[int, str]:

@@ -56,6 +56,8 @@ class Collective:
 
     @property
     def wire_bytes(self) -> int:
+        if self.kind == "send/recv":  # point to point: what is sent crosses the link
+            return self.tensor_bytes
         share = (self.group - 1) / self.group
         factor = 2 * share if self.kind == "all-reduce" else share
         return int(self.tensor_bytes * factor)
@@ -138,6 +140,7 @@ def step_collectives(model: ShardedModel, shape: StepShape, nodes: int,
         out.append(Collective("cp", "all-gather", "CP doc ids", micro,
                               micro * shape.rows * shape.length * 8, layout.cp, intra))  # fmt: skip
     out += expert_collectives(model, shape, nodes)
+    out += pipeline_collectives(model, shape, nodes)
     # Muon's owner all-to-all moves 2-D matrices; 3-D expert stacks are split on the
     # expert dim and orthogonalized where they are (optim/distributed.py)
     muon = sum(s.local_numel for s in model.shards
@@ -150,6 +153,26 @@ def step_collectives(model: ShardedModel, shape: StepShape, nodes: int,
                               "Muon NS inputs and updates", 2, 2 * muon * ns_bytes,
                               owner_group, is_intra_node(layout, owner_dims, nodes)))  # fmt: skip
     return out
+
+
+def pipeline_collectives(model: ShardedModel, shape: StepShape,
+                         nodes: int) -> list[Collective]:  # fmt: skip
+    """The pipeline's point-to-point traffic (parallel/pipeline.py): per micro-batch each
+    stage but the last sends its hidden states (rows x length x h, in the compute dtype) to
+    the next stage's rank, and each stage but the first sends their gradient back; counted
+    on the sending rank."""
+    plan = model.pipeline
+    if plan is None:
+        return []
+    last = plan.num_stages - 1
+    sends = sum((stage < last) + (stage > 0) for stage in model.stages)
+    if not sends:
+        return []
+    b = 2 if shape.bf16 else 4
+    hidden = shape.rows * shape.length * model.model_config.hidden_size * b
+    calls = plan.microbatches * sends
+    return [Collective("pp", "send/recv", "PP hidden states and their gradients", calls,
+                       calls * hidden, 2, is_intra_node(model.layout, ("pp",), nodes))]  # fmt: skip
 
 
 def moe_layers(model: ShardedModel) -> int:
