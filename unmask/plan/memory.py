@@ -81,6 +81,9 @@ class MemoryTerms:
     """What is live at the peak beyond the saved activations (gathered FSDP2 units, a
     recomputed layer, activation and head gradients, unsharded gradients)."""
     peak: int
+    experts: int = 0
+    """Of parameters, gradients and optimizer state: the expert-parallel stacks' bytes
+    (split over train.expert_parallel only; FSDP2 leaves them alone)."""
 
     def largest(self) -> tuple[str, int]:
         terms = {"parameters": self.parameters, "gradients": self.gradients,
@@ -90,10 +93,13 @@ class MemoryTerms:
         return name, terms[name]
 
 
-def state_bytes(model: ShardedModel) -> tuple[int, int, int]:
-    """(parameter, gradient, optimizer-state) bytes of this rank, from its shards."""
+def state_bytes(model: ShardedModel, experts_only: bool = False) -> tuple[int, int, int]:
+    """(parameter, gradient, optimizer-state) bytes of this rank, from its shards (of its
+    expert-parallel stacks only when `experts_only`)."""
     params = grads = optim = 0
     for s in model.shards:
+        if experts_only and not s.expert_parallel:
+            continue
         params += s.local_bytes
         if s.optimizer == "frozen":
             continue
@@ -322,7 +328,8 @@ def memory_terms(model: ShardedModel, shape: StepShape) -> MemoryTerms:
     live_peak = max(forward_end, worst_backward, grads)
     working = live_peak - min(saved, live_peak) if live_peak > saved else 0
     peak = params + optim + live_peak
-    return MemoryTerms(params, grads, optim, saved, working, peak)
+    experts = sum(state_bytes(model, experts_only=True))
+    return MemoryTerms(params, grads, optim, saved, working, peak, experts)
 
 
 def _grad_bytes_by_unit(model: ShardedModel) -> dict[str, int]:

@@ -73,6 +73,8 @@ class RunPlan:
     wall_s: float | None
     memory_limit: float
     fits: bool
+    expert_parallel: int = 1
+    num_experts: int = 0
     notes: list[str] = field(default_factory=list)
 
     def peak_rank(self) -> RankPlan:
@@ -204,17 +206,22 @@ def make_run_plan(cfg: RunConfig, world_size: int, device: Device, *, nodes: int
                    exposed_comm_s=exposed,
                    step_s=step, total_steps=total_steps,
                    wall_s=None if total_steps is None else total_steps * step,
-                   memory_limit=limit, fits=worst <= limit, notes=notes)  # fmt: skip
+                   memory_limit=limit, fits=worst <= limit, notes=notes,
+                   expert_parallel=cfg.train.expert_parallel,
+                   num_experts=first.model_config.num_experts)  # fmt: skip
 
 
 def shard_rows(model: ShardedModel) -> list[dict]:
-    """One row per distinct parameter of a layer (the first this rank holds stands for all)
-    and the root's:
+    """One row per distinct parameter of a layer (the first this rank holds stands for all,
+    and its first MoE layer for the MoE ones) and the root's:
     name, global shape, local shape, placements, optimizer."""
     rows = []
-    first = f"layer {model.layer_indices[0]}" if model.layer_indices else "layer 0"
+    indices = model.layer_indices or (0,)
+    arch = model.model_config
+    moe = [i for i in indices if arch.num_experts and arch.is_moe_layer(i)]
+    shown = {"root", f"layer {indices[0]}", *(f"layer {i}" for i in moe[:1])}
     for s in model.shards:
-        if s.unit not in ("root", first):
+        if s.unit not in shown:
             continue
         rows.append({"name": s.name, "global": list(s.global_shape), "local": list(s.local_shape),
                      "mesh": list(s.mesh_dims), "placements": list(s.placements),
