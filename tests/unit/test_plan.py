@@ -213,16 +213,16 @@ def test_a_changed_expert_parallel_rule_changes_the_plan(monkeypatch):
 
 
 def test_expert_parallel_traffic_against_hand_counts():
-    # ep 2 over dp_shard 4, bf16: per MoE layer and micro-batch the routed rows go there in
-    # the stream's bfloat16 and come back in the experts' float32 (FSDP2 leaves the stacks
-    # at their dtype), forward and backward, plus the counts; the replicas' float32 expert
+    # ep 2 over dp_shard 4, bf16: per MoE layer and micro-batch the routed rows go there
+    # and come back in bfloat16 (autocast), forward and backward, plus the counts; the
+    # replicas' float32 expert
     # gradients all-reduced once; FSDP2 gathers everything but the stacks
     model = shard_model(tiny_moe("train.expert_parallel=2", "train.bf16=true"), 4)
     shape = StepShape(rows=2, length=32, micro_batches=1, bf16=True, checkpointing=False)
     by_kind = {(c.dim, c.kind): c for c in step_collectives(model, shape, nodes=1)}
     rows = 2 * 32 * 2  # tokens x top-k
     a2a = by_kind[("ep", "all-to-all")]
-    assert a2a.tensor_bytes == 2 * (2 * rows * 64 * (2 + 4) + 4 * 8) and a2a.group == 2
+    assert a2a.tensor_bytes == 2 * (2 * rows * 64 * (2 + 2) + 4 * 8) and a2a.group == 2
     assert a2a.calls == 2 * 5  # counts, there, back; backward: back, there
     reduce = by_kind[("ep_replica", "all-reduce")]
     assert reduce.tensor_bytes == 2 * 3 * 2 * 16 * 64 * 4 and reduce.group == 2
@@ -297,3 +297,21 @@ def test_pipeline_in_flight_p2p_and_bubble_against_hand_counts():
                             "train.pipeline_stages_per_rank=2"), 2, rank=0)  # fmt: skip
     assert in_flight(inter) == min(4 * 2, (2 - 1) * 2 + 2 * (2 - 1) + 1) / 2
     assert bubble_fraction(inter) == pytest.approx(1 / (4 * 2 + 1))
+
+
+def test_expert_stacks_that_do_not_fit_are_told_the_expert_parallel_that_fixes_it():
+    # 64 experts of 64 x 256 over ep 2 at world 4: each rank holds 32 whole experts per
+    # layer (their state is not sharded by FSDP2, so more ranks alone do not help)
+    cfg = tiny_moe("model.num_experts=64", "model.moe_intermediate_size=256",
+                   "train.expert_parallel=2")  # fmt: skip
+    plan = make_run_plan(cfg, 4, DEVICES["h100"])
+    memory = plan.ranks[0].memory
+    stacks = 2 * 3 * 32 * 256 * 64 * 4  # two layers, float32
+    assert memory.experts == stacks * 3  # parameters, gradients, Muon's momentum
+    small = DEVICES["h100"].__class__(**{**DEVICES["h100"].__dict__,
+                                         "memory_bytes": (memory.peak - stacks) / 0.9})  # fmt: skip
+    plan = make_run_plan(cfg, 4, small)
+    assert not plan.fits
+    line = refusal(plan, cfg)
+    assert line.endswith("set train.expert_parallel=4 (each rank holds 1/2 of the expert "
+                         "stacks' parameters, gradients and optimizer state)"), line  # fmt: skip

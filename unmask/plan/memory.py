@@ -161,6 +161,12 @@ def layer_activation_bytes(arch, rows: int, length: int, tp: int, bf16: bool,
     return tokens * per_token
 
 
+def expert_stack_numel(model: ShardedModel) -> int:
+    """Elements of one MoE layer's expert stacks (gate, up, down) this rank computes with."""
+    arch = model.model_config
+    return local_experts(model) * 3 * arch.resolved_moe_intermediate_size * arch.hidden_size
+
+
 def local_experts(model: ShardedModel) -> int:
     """Experts of an MoE layer this rank computes (E / ep under expert parallelism)."""
     for s in model.shards:
@@ -200,6 +206,8 @@ def layer_saves(model: ShardedModel, shape: StepShape) -> tuple[list[int], list[
         for moe in (False, True)
     }
     by_kind[True] += 4 * local_experts(model)  # the grouped GEMM's int32 offsets
+    if shape.bf16 and sharded:  # autocast's bfloat16 copies of the expert stacks (FSDP2
+        by_kind[True] += 2 * expert_stack_numel(model)  # leaves them at float32)
     kept_input = tokens * arch.hidden_size * stream
     # autocast's bfloat16 copy of each linear weight of a layer that is not checkpointed
     weight_copies = 2 * model.flops.matmul_params // model.layers if casts else 0

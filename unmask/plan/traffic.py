@@ -186,11 +186,12 @@ def moe_layers(model: ShardedModel) -> int:
 def expert_collectives(model: ShardedModel, shape: StepShape,
                        nodes: int) -> list[Collective]:  # fmt: skip
     """Expert parallelism's collectives (parallel/expert.py): per MoE layer and pass, the
-    per-expert counts (E int64) and the routed rows there (tokens x k x h in the residual
-    stream's dtype) and their outputs back (in the experts' dtype: FSDP2's mixed precision
-    leaves the expert stacks, its ignored_params, at their stored dtype); the backward
+    per-expert counts (E int64) and the routed rows there and their outputs back (tokens x
+    k x h each, in the compute dtype: the forward runs under autocast with train.bf16, so
+    the expert stacks FSDP2 leaves alone are cast too); the backward
     sends their gradients the other way; a checkpointed layer's recomputation repeats the
-    forward's. Under balanced routing each rank receives what it sends. Once per step the
+    forward's. Under balanced routing each rank receives what it sends (so a rank's own
+    bytes vary with the routing; their sum over the ranks is exact). Once per step the
     replicas' partial expert gradients are all-reduced over ep_replica (float32 masters)."""
     layout = model.layout
     experts = [s for s in model.shards if s.expert_parallel]
@@ -202,12 +203,11 @@ def expert_collectives(model: ShardedModel, shape: StepShape,
     layers = moe_layers(model)
     tokens = shape.rows * shape.length // layout.cp
     b = 2 if shape.bf16 else 4
-    b_out = experts[0].dtype.itemsize
     recomputed_moe = _checkpointed_moe_layers(model, shape.checkpointing)
     row = tokens * arch.num_experts_per_tok * arch.hidden_size
-    forward = row * (b + b_out) + arch.num_experts * 8
+    forward = row * 2 * b + arch.num_experts * 8
     per_step = shape.micro_batches * ((layers + recomputed_moe) * forward
-                                      + layers * row * (b + b_out))  # fmt: skip
+                                      + layers * row * 2 * b)  # fmt: skip
     calls = shape.micro_batches * (3 * (layers + recomputed_moe) + 2 * layers)
     out = [Collective("ep", "all-to-all", "EP token dispatch and combine (+ counts)", calls,
                       per_step, ep, _ep_intra(layout, ep, 1, nodes))]  # fmt: skip
