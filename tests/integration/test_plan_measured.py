@@ -53,6 +53,9 @@ LAYOUTS = {
                                  "train": {"bf16": True, "activation_checkpointing": "full"}},
         "tp_muon": {"train": {"tensor_parallel": 2}},
         "cp_muon": {"train": {"context_parallel": 2}},
+        # next-token LM: the head on every token with a target, a causal mask through sdpa
+        "fsdp_ar_adamw_bf16": {"diffusion": {"objective": "ar"}, "optim": {"name": "adamw"},
+                               "train": {"bf16": True}},
     },
     4: {
         "fsdp_muon_bf16_selective": {"train": {"bf16": True,

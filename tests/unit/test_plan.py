@@ -315,3 +315,16 @@ def test_expert_stacks_that_do_not_fit_are_told_the_expert_parallel_that_fixes_i
     line = refusal(plan, cfg)
     assert line.endswith("set train.expert_parallel=4 (each rank holds 1/2 of the expert "
                          "stacks' parameters, gradients and optimizer state)"), line  # fmt: skip
+
+
+def test_the_objective_entry_sets_the_head_share_and_the_dense_mask():
+    # ar (its registry entry: head_share 1, an explicit causal mask): on a GPU the plan runs
+    # the head on every token and counts sdpa's copy of the dense (B, 1, L, L) mask per
+    # layer, which an mdlm plan on a GPU (flex's block mask) does not
+    mdlm = make_run_plan(tiny(), 2, DEVICES["h100"])
+    ar = make_run_plan(tiny("diffusion.objective=ar"), 2, DEVICES["h100"])
+    tokens, h, vocab, layers = 2 * 32 * 2, 64, 96, 2
+    assert ar.flops_per_step - mdlm.flops_per_step == 6 * h * vocab * tokens / 2
+    mask_copy = 2 * 32 * 32 * 4  # rows x L x L, float32 (no bf16 here), per layer
+    gap = ar.ranks[0].memory.activations - mdlm.ranks[0].memory.activations
+    assert gap == layers * mask_copy

@@ -18,6 +18,7 @@ import math
 from dataclasses import asdict, dataclass, field
 
 from unmask.config import RunConfig
+from unmask.diffusion import objective_spec
 from unmask.errors import InputError
 from unmask.optim.updates import auto_ns_dtype, cpu_has_native_bf16
 from unmask.parallel.batch import per_rank_batch_size
@@ -146,8 +147,14 @@ def link_seconds(collective: Collective, device: Device) -> float:
 
 def make_run_plan(cfg: RunConfig, world_size: int, device: Device, *, nodes: int = 1,
                   mfu: float = DEFAULT_MFU, tokens: float | None = None,
-                  ranks: list[int] | None = None, masked_fraction: float = 0.5) -> RunPlan:  # fmt: skip
-    """The plan of `cfg` at `world_size` ranks on `nodes` nodes of `device`."""
+                  ranks: list[int] | None = None,
+                  masked_fraction: float | None = None) -> RunPlan:  # fmt: skip
+    """The plan of `cfg` at `world_size` ranks on `nodes` nodes of `device`;
+    masked_fraction: the share of tokens the LM head runs on (default: the objective's
+    registry entry says, `head_share`, else 1/2)."""
+    spec = objective_spec(cfg.diffusion.objective)
+    if masked_fraction is None:
+        masked_fraction = 0.5 if spec.head_share is None else spec.head_share
     if world_size < 1:
         raise InputError(f"--world must be >= 1, got {world_size}")
     if nodes < 1 or world_size % nodes:
@@ -158,7 +165,10 @@ def make_run_plan(cfg: RunConfig, world_size: int, device: Device, *, nodes: int
     cfg = planned_model_config(cfg)
     layout = layout_of(cfg, world_size)  # one-line InputError for a mesh that cannot factor
     shape = step_shape(cfg, world_size)
-    dense_mask = device.name == "cpu" or cfg.model.attn_implementation == "sdpa"
+    # sdpa with a dense mask: on CPU, under attn_implementation sdpa, and for an objective
+    # that passes its own mask (ar's causal one) on every device
+    dense_mask = (device.name == "cpu" or cfg.model.attn_implementation == "sdpa"
+                  or spec.explicit_mask)  # fmt: skip
     shape = StepShape(**{**asdict(shape), "masked_fraction": masked_fraction,
                          "dense_mask": dense_mask})  # fmt: skip
     plans, first = [], None
