@@ -36,6 +36,10 @@ set at a time. Under autocast over float32 masters (one process, bf16) every lin
 bfloat16 weight copy is kept for backward as well. tests/integration/test_plan_measured.py
 holds these equal to the bytes autograd saves in real runs.
 
+An MoE layer saves `moe_mlp_bytes` per token in place of the dense MLP's b 3 I (and,
+under bf16 across ranks, autocast's copies of its expert stacks); under a pipeline the
+schedule's in-flight micro-batches multiply the saves (`in_flight`).
+
 The LM head computes its gradients in the forward (diffusion/loss.py): a float32 gradient
 of the whole head (V x h x 4: the head is replicated over tp and gathered whole by FSDP2)
 and of its R rows (R = masked tokens); these are working memory, not saved tensors.

@@ -4,10 +4,11 @@ run at cluster size on this machine.
 `shard_model(cfg, world_size, rank)` opens torch's fake process group (every collective
 returns at once, nothing is sent) as rank `rank` of `world_size`, builds the run's mesh
 (parallel/mesh.py `build_mesh`), builds the model on the meta device with the trainer's
-own `build_train_model` (train/setup.py: tensor parallelism, activation checkpointing,
-FSDP2, in the trainer's order) and the run's optimizer (optim/config.py `build_optimizer`:
-its Muon / AdamW routing), then reads each parameter's DTensor: global shape, local
-shape on this rank, mesh dims and placements. No number here comes from a second model of
+own `build_train_model` (train/setup.py: the pipeline stages this rank holds, tensor
+parallelism, activation checkpointing, expert parallelism, FSDP2, in the trainer's order;
+the pipeline planned by the trainer's `plan_pipeline`) and the run's optimizer
+(optim/config.py `build_optimizer`: its Muon / AdamW routing), then reads each
+parameter's DTensor: global shape, local shape on this rank, mesh dims and placements. No number here comes from a second model of
 the sharding: change a parallelize rule and the shards change (tests/unit/test_plan.py).
 """
 

@@ -24,12 +24,14 @@ Where each dimension's collectives come from:
   matrix (dp_shard_cp, x tp under TP), each carrying this rank's rows of every Muon matrix
   in the Newton-Schulz dtype.
 
-Scalars (the loss count all-reduce, the gradient-norm all-reduces) are left out.
+- EP (ep, ep_replica; parallel/expert.py): per MoE layer and pass the counts and the
+  routed rows' dispatch and combine all-to-alls over `ep`, and once per step the replicas'
+  float32 expert-gradient all-reduce over `ep_replica` (`expert_collectives`).
+- PP (pp; parallel/pipeline.py): each stage's hidden states sent to the next stage's rank
+  and their gradients back, per micro-batch of the schedule (`pipeline_collectives`).
 
-Hooks for the dimensions to come: expert parallelism adds a row for the token dispatch and
-combine all-to-alls over `ep` (2 per MoE layer forward, 2 backward, tokens x top-k x h x b
-each) in `step_collectives`; pipeline parallelism adds the stage-boundary send/recv over
-`pp` (micro-batches x rows x length x h x b per boundary, forward and backward).
+Scalars (the loss count all-reduce, the gradient-norm all-reduces, MoE balancing's load
+sums) are left out.
 """
 
 from __future__ import annotations
