@@ -77,3 +77,57 @@ def test_gpu_suite_dry_run_is_consistent_with_the_planner():
     lines = [line for line in proc.stdout.splitlines() if "checks" in line]
     assert len(lines) == 3  # LLaDA-8B, Dream-7B, LLaDA-MoE-7B-A1B shapes
     assert all(line.endswith("checks flops ok, tokens ok, fits ok") for line in lines), lines
+
+
+def test_llada2_flash_on_512_gpus_expert_shards_follow_the_formulas(capsys):
+    # LLaDA2.0-flash (100B, 256 experts) at 512 GPUs, ep 64 x 8 replicas over 64 nodes:
+    # each rank holds 256 / 64 whole experts of every MoE layer (outside FSDP2), the rest
+    # is FSDP2-sharded over the 512 ranks (dim 0 / 512, torch.chunk: ceil)
+    plan = plan_json(capsys, str(MODELS / "llada2_flash.yaml"), "--world", "512",
+                     "--nodes", "64")  # fmt: skip
+    assert plan["layout"] == {"pp": 1, "dp_replicate": 1, "dp_shard": 512, "cp": 1, "tp": 1}
+    h, inter, moe, experts, ep, dp, vocab = 4096, 9216, 1024, 256, 64, 512, 157184
+    q, kv = 32 * 128, 4 * 128
+    for rank in plan["ranks"]:
+        shards = {row["name"]: row for row in rank["shards"]}
+        expect = {
+            "model.layers.1.mlp.experts.gate_proj": [experts // ep, moe, h],
+            "model.layers.1.mlp.experts.up_proj": [experts // ep, moe, h],
+            "model.layers.1.mlp.experts.down_proj": [experts // ep, h, moe],
+            # the router's 256 rows over 512 ranks (torch.chunk): one on the first 256
+            "model.layers.1.mlp.gate.weight": [1 if rank["rank"] < experts else 0, h],
+            "model.layers.1.mlp.shared_experts.gate_proj.weight": [moe // dp, h],
+            "model.layers.1.self_attn.q_proj.weight": [q // dp, h],
+            "model.layers.1.self_attn.k_proj.weight": [kv // dp, h],
+            "model.layers.0.mlp.gate_proj.weight": [inter // dp, h],  # the dense layer
+            "model.layers.0.mlp.down_proj.weight": [h // dp, inter],
+        }
+        for name, local in expect.items():
+            assert shards[name]["local"] == local, (rank["rank"], name)
+        stack = shards["model.layers.1.mlp.experts.gate_proj"]
+        assert stack["mesh"] == ["ep_replica", "ep"] and stack["placements"] == ["R", "S(0)"]
+        assert shards["lm_head.weight"]["local"] == [vocab // dp, h]  # 307 rows each
+    # 102.9 B parameters (the published 100B), 6.1 B active (train/mfu.py's count)
+    attn = h * q + 2 * h * kv + q * h + 2 * 128
+    per_moe = attn + 3 * experts * moe * h + 3 * moe * h + experts * h + 2 * h
+    dense = attn + 3 * h * inter + 2 * h
+    assert plan["parameters"] == 2 * vocab * h + h + dense + 31 * per_moe
+    assert round(plan["parameters"] / 1e9, 1) == 102.9
+    # FLOPs of the active parameters (train/mfu.py): attention and the dense MLP, and per
+    # MoE layer the shared expert, the router and the top-8 experts
+    linear = h * q + 2 * h * kv + q * h
+    matmul = 32 * linear + 3 * h * inter + 31 * (3 * moe * h + experts * h + 8 * 3 * moe * h)
+    assert round((matmul + 2 * vocab * h) / 1e9, 2) == 6.15  # the published 6.1B active
+    step_tokens, length = 512 * 2 * 4096, 4096
+    flops = 6 * matmul * step_tokens + 12 * 32 * q * length * step_tokens
+    flops += 6 * h * vocab * step_tokens / 2
+    assert plan["flops_per_step"] == pytest.approx(flops, rel=1e-12)
+    kinds = {(c["dim"], c["kind"]): c for c in plan["collectives"]}
+    tokens = 2 * 4096  # rows x length on a rank
+    row = tokens * 8 * h
+    # 31 MoE layers, each recomputed (full checkpointing): bf16 there and back
+    a2a = kinds[("ep", "all-to-all")]
+    assert a2a["tensor_bytes"] == 2 * 31 * (row * 4 + experts * 8) + 31 * row * 4
+    assert a2a["group"] == ep and not a2a["intra_node"]
+    assert kinds[("ep_replica", "all-reduce")]["group"] == dp // ep
+    assert plan["fits"]

@@ -53,6 +53,9 @@ LAYOUTS = {
                                  "train": {"bf16": True, "activation_checkpointing": "full"}},
         "tp_muon": {"train": {"tensor_parallel": 2}},
         "cp_muon": {"train": {"context_parallel": 2}},
+        # next-token LM: the head on every token with a target, a causal mask through sdpa
+        "fsdp_ar_adamw_bf16": {"diffusion": {"objective": "ar"}, "optim": {"name": "adamw"},
+                               "train": {"bf16": True}},
     },
     4: {
         "fsdp_muon_bf16_selective": {"train": {"bf16": True,
@@ -68,20 +71,56 @@ LAYOUTS = {
 def layout_config(overrides: dict) -> dict:
     tree = json.loads(json.dumps(BASE))
     for section, values in overrides.items():
-        tree[section].update(values)
+        tree[section].update(json.loads(json.dumps(values)))
     return tree
 
 
-def measure(world: int, out: Path) -> dict[str, list[dict]]:
-    """Launch the worker over every layout of `world`; {name: [rank 0's, rank 1's, ...]}."""
+#: mixture-of-experts layouts (expert parallelism), world size -> {name: overrides of BASE}
+MOE = {"model_type": "qwen3_moe_dllm", "num_experts": 4, "num_experts_per_tok": 2,
+       "moe_intermediate_size": 16}  # fmt: skip
+SIGMOID = {**MOE, "model_type": "llada2_moe", "n_group": 2, "topk_group": 1,
+           "num_shared_experts": 1, "first_k_dense_replace": 1}  # fmt: skip
+MOE_LAYOUTS = {
+    2: {
+        "ep2_muon": {"model": MOE, "train": {"expert_parallel": 2}},
+        "ep2_adamw_sigmoid_bf16": {"model": SIGMOID, "optim": {"name": "adamw"},
+                                   "train": {"expert_parallel": 2, "bf16": True}},
+    },
+    4: {
+        "dp4_ep2_muon_sigmoid": {"model": SIGMOID, "train": {"expert_parallel": 2}},
+        "hsdp_dp2_ep2_adamw": {"model": MOE, "optim": {"name": "adamw"},
+                               "train": {"expert_parallel": 2, "dp_replicate": 2}},
+    },
+}  # fmt: skip
+
+
+#: pipeline layouts (parallel/pipeline.py: one decoder layer per stage, an untied head)
+PIPELINE = {"tie_word_embeddings": False}
+PP_LAYOUTS = {
+    2: {"pp2_muon": {"model": PIPELINE, "train": {"pipeline_parallel": 2}}},
+    4: {
+        "dp2_pp2_adamw_bf16": {"model": PIPELINE, "optim": {"name": "adamw"},
+                               "train": {"pipeline_parallel": 2, "bf16": True,
+                                         "pipeline_microbatches": 4}},
+        "dp2_pp2_gpipe_muon": {"model": PIPELINE,
+                               "train": {"pipeline_parallel": 2, "pipeline_schedule": "gpipe",
+                                         "activation_checkpointing": "full"}},
+    },
+}  # fmt: skip
+
+
+def measure(world: int, out: Path, layouts: dict | None = None) -> dict[str, list[dict]]:
+    """Launch the worker over every layout of `world` (of LAYOUTS, or `layouts`);
+    {name: [rank 0's, rank 1's, ...]}."""
+    layouts = (layouts or LAYOUTS)[world]
     paths = []
-    for name, overrides in LAYOUTS[world].items():
+    for name, overrides in layouts.items():
         path = out / f"{name}.yaml"
         path.write_text(yaml.safe_dump(layout_config(overrides)))
         paths.append(path)
     torchrun(world, WORKER, out, *paths, timeout=600)
     return {name: [json.loads((out / f"{name}.rank{r}.json").read_text()) for r in range(world)]
-            for name in LAYOUTS[world]}  # fmt: skip
+            for name in layouts}  # fmt: skip
 
 
 def planned(name: str, world: int, out: Path, masked: int, rank: int):
@@ -146,3 +185,63 @@ def test_plan_equals_measured_bytes(world, tmp_path):
                 gaps[where] = memory.peak / got["peak"] - 1
     print(json.dumps(gaps, indent=1))  # the peak gaps, for the record (pytest -s)
     assert all(abs(gap) <= 0.15 for gap in gaps.values()), gaps
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
+def test_expert_parallel_plan_equals_measured_bytes(world, tmp_path):
+    """Expert parallelism (parallel/expert.py, run by the planner under the fake process
+    group as the trainer runs it): parameter, gradient and optimizer-state bytes and every
+    parameter's local shape of every rank equal the real run's exactly, and so do the
+    all-to-all bytes summed over the ranks (EP's dispatch and combine, Muon's; a rank's own
+    share depends on where the routing sends its rows). The activations
+    depend on how many rows the routing sends each rank (the plan assumes balanced routing),
+    so they are held within 15% per rank (measured: -14.0% to +3.2%, LLaDA2.0's partial
+    rotary attention not modelled), and the peak is never under by more than 15%
+    (measured: +8% to +31%, the working buffers over-counted on these tiny layers); the
+    gaps are printed (pytest -s)."""
+    measured = measure(world, tmp_path, MOE_LAYOUTS)
+    gaps = {}
+    for name, ranks in measured.items():
+        for rank, got in enumerate(ranks):
+            plan = planned(name, world, tmp_path, sum(got["masked"]), rank)
+            plan_rank = next(r for r in plan.ranks if r.rank == rank)
+            memory, where = plan_rank.memory, f"{name} rank {rank}"
+            assert memory.parameters == got["parameters"], where
+            assert memory.gradients == got["gradients"], where
+            assert memory.optimizer == got["optimizer_state"], where
+            for row in plan_rank.shards:
+                assert row["local"] == got["local_shapes"][row["name"]], (where, row["name"])
+            if rank == 0:  # the all-to-alls (EP's, Muon's): what the ranks sent in all
+                sent = sum(r["collectives"]["alltoall_base"][1] for r in ranks)
+                a2a = sum(c.tensor_bytes for c in plan.collectives if c.kind == "all-to-all")
+                assert sent == world * a2a, (where, sent, world * a2a)
+            gaps[where] = {"activations": memory.activations / got["saved_activations"] - 1,
+                           "peak": got["peak"] and memory.peak / got["peak"] - 1}  # fmt: skip
+    print(json.dumps(gaps, indent=1))
+    assert all(abs(g["activations"]) <= 0.15 and g["peak"] >= -0.15 for g in gaps.values()), gaps
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
+def test_pipeline_plan_equals_measured_bytes(world, tmp_path):
+    """Pipeline parallelism (the trainer's own PipelineModel split and per-stage FSDP2, run
+    by the planner under the fake process group): parameter, gradient and optimizer-state
+    bytes and the local shapes of every rank (each holding its stage) equal the real run's
+    exactly; the first and last pp ranks hold different parts (embedding / head)."""
+    measured = measure(world, tmp_path, PP_LAYOUTS)
+    for name, ranks in measured.items():
+        for rank, got in enumerate(ranks):
+            plan = planned(name, world, tmp_path, sum(m or 0 for m in got["masked"]), rank)
+            plan_rank = next(r for r in plan.ranks if r.rank == rank)
+            memory, where = plan_rank.memory, f"{name} rank {rank}"
+            assert memory.parameters == got["parameters"], where
+            assert memory.gradients == got["gradients"], where
+            assert memory.optimizer == got["optimizer_state"], where
+            assert plan_rank.shards, where
+            for row in plan_rank.shards:
+                assert row["local"] == got["local_shapes"][row["name"]], (where, row["name"])
+        first, last = measured[name][0], measured[name][-1]
+        assert "model.embed_tokens.weight" in first["local_shapes"], name
+        assert "lm_head.weight" not in first["local_shapes"], name
+        assert "lm_head.weight" in last["local_shapes"], name

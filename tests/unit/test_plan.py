@@ -5,14 +5,16 @@ import math
 
 import pytest
 
+import unmask.parallel.expert as expert
 import unmask.parallel.tensor as tensor_parallel
 import unmask.train.setup as train_setup
 from unmask.config import load_config
 from unmask.errors import InputError
 from unmask.parallel.mesh import MeshLayout
+from unmask.parallel.pipeline import PipelinePlan
 from unmask.plan.devices import DEVICES, resolve_device
-from unmask.plan.memory import StepShape, state_bytes
-from unmask.plan.planner import make_run_plan
+from unmask.plan.memory import StepShape, activation_bytes, in_flight, memory_terms, state_bytes
+from unmask.plan.planner import bubble_fraction, make_run_plan, step_shape
 from unmask.plan.report import refusal
 from unmask.plan.shards import planned_model_config, shard_model
 from unmask.plan.traffic import group_span, is_intra_node, step_collectives
@@ -28,6 +30,21 @@ TINY = [
 
 def tiny(*overrides: str):
     return planned_model_config(load_config(None, [*TINY, *overrides]))
+
+
+MOE = ["model.model_type=qwen3_moe_dllm", "model.num_experts=4", "model.num_experts_per_tok=2",
+       "model.moe_intermediate_size=16"]  # fmt: skip
+
+
+def tiny_moe(*overrides: str):
+    return tiny(*MOE, *overrides)
+
+
+PP = ["model.tie_word_embeddings=false", "eval.generate_accuracy=false"]
+
+
+def tiny_pp(*overrides: str):
+    return tiny(*PP, *overrides)
 
 
 def shapes(model) -> dict[str, tuple]:
@@ -130,9 +147,21 @@ def test_refusals_are_one_line():
         make_run_plan(tiny("train.tensor_parallel=4"), 6, DEVICES["h100"])
     with pytest.raises(InputError, match="--nodes 3 does not divide --world 4"):
         make_run_plan(tiny(), 4, DEVICES["h100"], nodes=3)
-    for key in ("expert_parallel", "pipeline_parallel"):  # not modelled yet: said, not guessed
-        with pytest.raises(InputError, match=f"does not model train.{key} yet"):
-            make_run_plan(tiny(f"train.{key}=2"), 4, DEVICES["h100"])
+    # the trainer's own pipeline checks (train/setup.py, parallel/pipeline.py)
+    with pytest.raises(InputError, match="tie_word_embeddings makes them one matrix"):
+        make_run_plan(tiny("train.pipeline_parallel=2", "model.tie_word_embeddings=true"), 4,
+                      DEVICES["h100"])  # fmt: skip
+    with pytest.raises(InputError, match="does not split mixture-of-experts models into stages"):
+        make_run_plan(tiny_moe("train.pipeline_parallel=2"), 4, DEVICES["h100"])
+    with pytest.raises(InputError, match="num_hidden_layers=2 does not divide into"):
+        make_run_plan(tiny_pp("train.pipeline_parallel=4"), 4, DEVICES["h100"])
+    # the trainer's own expert-parallel checks (parallel/expert.py)
+    with pytest.raises(InputError, match="expert_parallel=2 needs a mixture-of-experts model"):
+        make_run_plan(tiny("train.expert_parallel=2"), 4, DEVICES["h100"])
+    with pytest.raises(
+        InputError, match="num_experts=4 is not divisible by train.expert_parallel=3"
+    ):
+        make_run_plan(tiny_moe("train.expert_parallel=3"), 6, DEVICES["h100"])
 
 
 def test_a_layout_that_does_not_fit_names_its_largest_term_and_the_fix():
@@ -146,3 +175,156 @@ def test_a_layout_that_does_not_fit_names_its_largest_term_and_the_fix():
     assert "\n" not in line
     assert "largest term is activations" in line
     assert line.endswith("set train.activation_checkpointing=full")
+
+
+def test_expert_parallel_shard_shapes_follow_the_formulas():
+    # ep 2 over dp_shard 4 at world 4 (parallel/expert.py): each expert stack [E / ep, ...]
+    # on every rank, replicated over the 2 replicas and left out of FSDP2; the rest rows /
+    # dp_shard (the router's 4 rows: one per rank)
+    model = shard_model(tiny_moe("train.expert_parallel=2"), 4, rank=3)
+    got = {s.name: s for s in model.shards}
+    experts, inner, h = 4, 16, 64
+    for name, shape in (
+        ("gate_proj", (inner, h)),
+        ("up_proj", (inner, h)),
+        ("down_proj", (h, inner)),
+    ):
+        stack = got[f"model.layers.1.mlp.experts.{name}"]
+        assert stack.local_shape == (experts // 2, *shape)
+        assert stack.mesh_dims == ("ep_replica", "ep") and stack.placements == ("R", "S(0)")
+        assert stack.expert_parallel and stack.shard_group == 1
+    assert got["model.layers.1.mlp.gate.weight"].local_shape == (experts // 4, h)
+    assert got["model.layers.1.self_attn.q_proj.weight"].local_shape == (64 // 4, h)
+    # bytes: the stacks whole on the rank (float32), the rest a quarter
+    params, _, _ = state_bytes(model)
+    stacks = 2 * 3 * (experts // 2) * inner * h
+    rest = sum(s.local_numel for s in model.shards if not s.expert_parallel)
+    assert params == 4 * (stacks + rest)
+
+
+def test_a_changed_expert_parallel_rule_changes_the_plan(monkeypatch):
+    cfg = tiny_moe("train.expert_parallel=2")
+    assert shapes(shard_model(cfg, 4))["model.layers.0.mlp.experts.down_proj"] == (2, 64, 16)
+    # the trainer's rule changed: down_proj no longer split over ep, so FSDP2 shards it
+    monkeypatch.setattr(expert, "EXPERT_PARAMS", ("gate_proj", "up_proj"))
+    after = shard_model(cfg, 4)
+    assert shapes(after)["model.layers.0.mlp.experts.down_proj"] == (1, 64, 16)
+    assert shapes(after)["model.layers.0.mlp.experts.up_proj"] == (2, 16, 64)
+
+
+def test_expert_parallel_traffic_against_hand_counts():
+    # ep 2 over dp_shard 4, bf16: per MoE layer and micro-batch the routed rows go there
+    # and come back in bfloat16 (autocast), forward and backward, plus the counts; the
+    # replicas' float32 expert
+    # gradients all-reduced once; FSDP2 gathers everything but the stacks
+    model = shard_model(tiny_moe("train.expert_parallel=2", "train.bf16=true"), 4)
+    shape = StepShape(rows=2, length=32, micro_batches=1, bf16=True, checkpointing=False)
+    by_kind = {(c.dim, c.kind): c for c in step_collectives(model, shape, nodes=1)}
+    rows = 2 * 32 * 2  # tokens x top-k
+    a2a = by_kind[("ep", "all-to-all")]
+    assert a2a.tensor_bytes == 2 * (2 * rows * 64 * (2 + 2) + 4 * 8) and a2a.group == 2
+    assert a2a.calls == 2 * 5  # counts, there, back; backward: back, there
+    reduce = by_kind[("ep_replica", "all-reduce")]
+    assert reduce.tensor_bytes == 2 * 3 * 2 * 16 * 64 * 4 and reduce.group == 2
+    gather = by_kind[("dp_shard_cp", "all-gather")]
+    assert gather.tensor_bytes == 2 * 2 * sum(s.gathered_numel for s in model.shards
+                                              if not s.expert_parallel)  # fmt: skip
+    # Muon's owner all-to-all carries the 2-D matrices only: the stacks are orthogonalized
+    # where they are (optim/distributed.py)
+    muon = by_kind[("dp_shard_cp", "all-to-all")]
+    matrices = sum(s.local_numel for s in model.shards
+                   if s.optimizer == "muon" and len(s.global_shape) == 2)  # fmt: skip
+    assert muon.tensor_bytes == 2 * matrices * 2
+    assert matrices == sum(s.local_numel for s in model.shards if "self_attn" in s.name
+                           and s.name.endswith("proj.weight"))  # fmt: skip
+
+
+def pp4(*overrides: str):
+    return tiny_pp("model.num_hidden_layers=4", "train.pipeline_parallel=2",
+                   "train.per_device_train_batch_size=4", *overrides)  # fmt: skip
+
+
+def test_pipeline_ranks_hold_their_stages_shards():
+    # pp 2 x dp_shard 2 at world 4 (pp outermost: ranks 0, 1 hold stage 0, ranks 2, 3
+    # stage 1): layers 0-1 + the embedding, layers 2-3 + norm and head, each FSDP2-sharded
+    # over its 2 dp_shard ranks
+    first, last = shard_model(pp4(), 4, rank=1), shard_model(pp4(), 4, rank=2)
+    assert first.layer_indices == (0, 1) and last.layer_indices == (2, 3)
+    assert first.stages == [0] and last.stages == [1] and last.holds_head
+    a, b = shapes(first), shapes(last)
+    assert a["model.embed_tokens.weight"] == (96 // 2, 64) and "lm_head.weight" not in a
+    assert b["lm_head.weight"] == (96 // 2, 64) and "model.embed_tokens.weight" not in b
+    assert a["model.layers.1.mlp.gate_proj.weight"] == (128 // 2, 64)
+    assert b["model.layers.3.self_attn.o_proj.weight"] == (64 // 2, 64)
+    assert not any(".layers.2." in n for n in a) and not any(".layers.0." in n for n in b)
+    # the whole model's FLOPs on every rank (the step's), not the stage's
+    assert first.flops == last.flops == shard_model(tiny_pp("model.num_hidden_layers=4"), 1).flops
+
+
+def test_a_changed_pipeline_rule_changes_the_plan(monkeypatch):
+    cfg = pp4("train.pipeline_schedule=interleaved_1f1b", "train.pipeline_stages_per_rank=2",
+              "train.pipeline_microbatches=4")  # fmt: skip
+    assert shard_model(cfg, 2, rank=0).layer_indices == (0, 2)  # looped: stages 0 and 2
+    # the trainer's stage placement changed: rank r holds stages 2r, 2r + 1
+    monkeypatch.setattr(PipelinePlan, "stages_of",
+                        lambda self, r: [r * self.stages_per_rank + k
+                                         for k in range(self.stages_per_rank)])  # fmt: skip
+    model = shard_model(cfg, 2, rank=0)
+    assert model.layer_indices == (0, 1) and not model.holds_head
+    assert "lm_head.weight" in shapes(shard_model(cfg, 2, rank=1))
+
+
+def test_pipeline_in_flight_p2p_and_bubble_against_hand_counts():
+    # 1F1B, p 2, m 4 micro-batches of 1 row: rank 0 holds 2 micro-batches' saves at its
+    # peak, the last rank 1; each micro-batch's hidden states (1 x 32 x 64 float32) go
+    # forward from stage 0 and their gradients back from stage 1; bubble (p-1)/(m+p-1)
+    cfg = pp4("train.pipeline_microbatches=4")
+    shape = step_shape(cfg, 4)
+    assert (shape.rows, shape.micro_batches) == (1, 4)
+    first, last = shard_model(cfg, 4, rank=0), shard_model(cfg, 4, rank=3)
+    assert in_flight(first) == 2 and in_flight(last) == 1
+    one = activation_bytes(first, shape)
+    assert memory_terms(first, shape).activations == 2 * one
+    send = {c.dim: c for c in step_collectives(first, shape, 1)}["pp"]
+    assert (send.calls, send.tensor_bytes, send.wire_bytes) == (4, 4 * 32 * 64 * 4, 4 * 32 * 64 * 4)
+    assert bubble_fraction(first) == pytest.approx(1 / 5)
+    plan = make_run_plan(cfg, 4, DEVICES["h100"])
+    assert plan.step_s == pytest.approx(plan.compute_s / (1 - 1 / 5) + plan.exposed_comm_s)
+    # GPipe: every micro-batch's forward first; interleaved 1F1B (v 2): warm-up chunks
+    gpipe = shard_model(pp4("train.pipeline_schedule=gpipe"), 4, rank=0)
+    assert in_flight(gpipe) == 4
+    inter = shard_model(pp4("train.pipeline_schedule=interleaved_1f1b",
+                            "train.pipeline_stages_per_rank=2"), 2, rank=0)  # fmt: skip
+    assert in_flight(inter) == min(4 * 2, (2 - 1) * 2 + 2 * (2 - 1) + 1) / 2
+    assert bubble_fraction(inter) == pytest.approx(1 / (4 * 2 + 1))
+
+
+def test_expert_stacks_that_do_not_fit_are_told_the_expert_parallel_that_fixes_it():
+    # 64 experts of 64 x 256 over ep 2 at world 4: each rank holds 32 whole experts per
+    # layer (their state is not sharded by FSDP2, so more ranks alone do not help)
+    cfg = tiny_moe("model.num_experts=64", "model.moe_intermediate_size=256",
+                   "train.expert_parallel=2")  # fmt: skip
+    plan = make_run_plan(cfg, 4, DEVICES["h100"])
+    memory = plan.ranks[0].memory
+    stacks = 2 * 3 * 32 * 256 * 64 * 4  # two layers, float32
+    assert memory.experts == stacks * 3  # parameters, gradients, Muon's momentum
+    small = DEVICES["h100"].__class__(**{**DEVICES["h100"].__dict__,
+                                         "memory_bytes": (memory.peak - stacks) / 0.9})  # fmt: skip
+    plan = make_run_plan(cfg, 4, small)
+    assert not plan.fits
+    line = refusal(plan, cfg)
+    assert line.endswith("set train.expert_parallel=4 (each rank holds 1/2 of the expert "
+                         "stacks' parameters, gradients and optimizer state)"), line  # fmt: skip
+
+
+def test_the_objective_entry_sets_the_head_share_and_the_dense_mask():
+    # ar (its registry entry: head_share 1, an explicit causal mask): on a GPU the plan runs
+    # the head on every token and counts sdpa's copy of the dense (B, 1, L, L) mask per
+    # layer, which an mdlm plan on a GPU (flex's block mask) does not
+    mdlm = make_run_plan(tiny(), 2, DEVICES["h100"])
+    ar = make_run_plan(tiny("diffusion.objective=ar"), 2, DEVICES["h100"])
+    tokens, h, vocab, layers = 2 * 32 * 2, 64, 96, 2
+    assert ar.flops_per_step - mdlm.flops_per_step == 6 * h * vocab * tokens / 2
+    mask_copy = 2 * 32 * 32 * 4  # rows x L x L, float32 (no bf16 here), per layer
+    gap = ar.ranks[0].memory.activations - mdlm.ranks[0].memory.activations
+    assert gap == layers * mask_copy

@@ -112,4 +112,5 @@ def _check_run(run) -> None:
 
 
 register_objective(ObjectiveSpec("ar", _build, fixed_sampling=_samples_left_to_right,
-                                 check_run=_check_run))  # fmt: skip
+                                 check_run=_check_run, head_share=1.0,
+                                 explicit_mask=True))  # fmt: skip

@@ -105,6 +105,14 @@ class ObjectiveSpec:
     `weighted_token_loss` with no mask of its own)."""
     accepts_block_schedule: bool = False
     """Takes `diffusion.block_schedule`: reads `cfg.block_size` at each call (bd3lm)."""
+    head_share: float | None = None
+    """Share of a row's tokens its loss runs the LM head on, for `unmask plan`'s FLOPs and
+    head gradients (None: a masked objective's expectation, 1/2 under t ~ U(0, 1); ar: 1,
+    every token has a next-token target)."""
+    explicit_mask: bool = False
+    """Calls the model with an explicit (B, 1, L, L) attention mask, which runs through
+    sdpa with a dense mask on every device (ar's causal mask): `unmask plan` counts the
+    mask's copy each attention saves."""
     heldout_examples: Callable[[Any, Any], list[tuple[str, str]]] | None = None
     """(DataConfig, tokenizer) -> held-out (prompt, answer) pairs for eval.generate_accuracy;
     None: the data's own (unmask.data.heldout_examples)."""

@@ -36,6 +36,10 @@ set at a time. Under autocast over float32 masters (one process, bf16) every lin
 bfloat16 weight copy is kept for backward as well. tests/integration/test_plan_measured.py
 holds these equal to the bytes autograd saves in real runs.
 
+An MoE layer saves `moe_mlp_bytes` per token in place of the dense MLP's b 3 I (and,
+under bf16 across ranks, autocast's copies of its expert stacks); under a pipeline the
+schedule's in-flight micro-batches multiply the saves (`in_flight`).
+
 The LM head computes its gradients in the forward (diffusion/loss.py): a float32 gradient
 of the whole head (V x h x 4: the head is replicated over tp and gathered whole by FSDP2)
 and of its R rows (R = masked tokens); these are working memory, not saved tensors.
@@ -81,6 +85,9 @@ class MemoryTerms:
     """What is live at the peak beyond the saved activations (gathered FSDP2 units, a
     recomputed layer, activation and head gradients, unsharded gradients)."""
     peak: int
+    experts: int = 0
+    """Of parameters, gradients and optimizer state: the expert-parallel stacks' bytes
+    (split over train.expert_parallel only; FSDP2 leaves them alone)."""
 
     def largest(self) -> tuple[str, int]:
         terms = {"parameters": self.parameters, "gradients": self.gradients,
@@ -90,10 +97,13 @@ class MemoryTerms:
         return name, terms[name]
 
 
-def state_bytes(model: ShardedModel) -> tuple[int, int, int]:
-    """(parameter, gradient, optimizer-state) bytes of this rank, from its shards."""
+def state_bytes(model: ShardedModel, experts_only: bool = False) -> tuple[int, int, int]:
+    """(parameter, gradient, optimizer-state) bytes of this rank, from its shards (of its
+    expert-parallel stacks only when `experts_only`)."""
     params = grads = optim = 0
     for s in model.shards:
+        if experts_only and not s.expert_parallel:
+            continue
         params += s.local_bytes
         if s.optimizer == "frozen":
             continue
@@ -106,10 +116,34 @@ def state_bytes(model: ShardedModel) -> tuple[int, int, int]:
     return params, grads, optim
 
 
+def moe_mlp_bytes(arch, b: int) -> int:
+    """Bytes an MoE MLP (models/moe.py SparseMoE) saves per token in place of the dense
+    MLP's b 3 I: its k routed copies of the token (gathered, under EP sent to the experts'
+    ranks), each one's gate, up and down inputs, the experts' output the routing weights
+    scale and their product (b k (3 h + 3 I_moe)); the router's float32 logits (4 E); the
+    sort's order, the rows' token ids and the weights in sorted order (20 k); the chosen
+    experts' ids (8 k), or under group-limited routing the groups' top-2 and top ids and
+    mask (16 G + 8 topk_group + G); the renormalized weights and their sum (4 k + 4); the
+    shared experts' SwiGLU (b 3 I_moe x shared)."""
+    k, h, experts = arch.num_experts_per_tok, arch.hidden_size, arch.num_experts
+    inner = arch.resolved_moe_intermediate_size
+    shared = inner * arch.num_shared_experts
+    total = b * k * (3 * h + 3 * inner) + 4 * experts + 20 * k + b * 3 * shared
+    if arch.n_group > 1:
+        total += 16 * arch.n_group + 8 * arch.topk_group + arch.n_group
+    else:
+        total += 8 * k
+    if (arch.norm_topk_prob or arch.router_score == "sigmoid") and k > 1:
+        total += 4 * k + 4
+    return total
+
+
 def layer_activation_bytes(arch, rows: int, length: int, tp: int, bf16: bool,
-                           stream_bytes: int, autocast_casts: bool) -> int:  # fmt: skip
+                           stream_bytes: int, autocast_casts: bool,
+                           moe: bool = False) -> int:  # fmt: skip
     """Bytes one decoder layer saves over `rows` rows of `length` tokens on this rank
-    (module docstring); `length` is this rank's part of a row (L / cp)."""
+    (module docstring); `length` is this rank's part of a row (L / cp); `moe`: its MLP is
+    a mixture of experts (`moe_mlp_bytes`)."""
     tokens = rows * length
     b = 2 if bf16 else 4
     h = arch.hidden_size
@@ -121,13 +155,28 @@ def layer_activation_bytes(arch, rows: int, length: int, tp: int, bf16: bool,
     attn_in = 3 if autocast_casts else 1
     mlp_in = 2 if autocast_casts else 1
     per_token = 2 * stream_bytes * h + b * h * (attn_in + mlp_in)
-    per_token += b * (q + 2 * kv) + b * q + b * 3 * inter  # attention in and out, MLP
+    per_token += b * (q + 2 * kv) + b * q  # attention in and out
+    per_token += moe_mlp_bytes(arch, b) if moe else b * 3 * inter  # the MLP
     per_token += 4 * (2 + heads)  # RMSNorm statistics, log-sum-exp
     if arch.qk_norm:
         per_token += b * (q + kv) + 4 * (heads + kv_heads)
     if bf16:
         per_token += 2 * 2 * head_dim
     return tokens * per_token
+
+
+def expert_stack_numel(model: ShardedModel) -> int:
+    """Elements of one MoE layer's expert stacks (gate, up, down) this rank computes with."""
+    arch = model.model_config
+    return local_experts(model) * 3 * arch.resolved_moe_intermediate_size * arch.hidden_size
+
+
+def local_experts(model: ShardedModel) -> int:
+    """Experts of an MoE layer this rank computes (E / ep under expert parallelism)."""
+    for s in model.shards:
+        if s.name.endswith("experts.gate_proj"):
+            return s.local_shape[0] if s.expert_parallel else s.global_shape[0]
+    return 0
 
 
 def layer_saves(model: ShardedModel, shape: StepShape) -> tuple[list[int], list[int], int]:
@@ -142,25 +191,35 @@ def layer_saves(model: ShardedModel, shape: StepShape) -> tuple[list[int], list[
     casts = shape.bf16 and not sharded
     # under cp, attention runs on whole rows of heads / cp: the same bytes as L / cp tokens
     # of all heads, but the dense mask is over whole rows
-    full = layer_activation_bytes(arch, shape.rows, length, layout.tp, shape.bf16, stream,
-                                  casts)  # fmt: skip
+    extra = 0
     if shape.dense_mask:  # sdpa's copy of the mask in the attention's dtype
-        full += shape.rows * shape.length * shape.length * (2 if shape.bf16 else 4)
+        extra += shape.rows * shape.length * shape.length * (2 if shape.bf16 else 4)
     if layout.cp > 1:  # the heads come back from the all-to-all as (B, H, L/cp, D): o_proj
-        full += (
+        extra += (
             tokens
             * arch.num_attention_heads
             // layout.tp
             * arch.resolved_head_dim
             * (2 if shape.bf16 else 4)
         )  # reads a merged copy of them
+    by_kind = {
+        moe: extra
+        + layer_activation_bytes(
+            arch, shape.rows, length, layout.tp, shape.bf16, stream, casts, moe
+        )  # fmt: skip
+        for moe in (False, True)
+    }
+    by_kind[True] += 4 * local_experts(model)  # the grouped GEMM's int32 offsets
+    if shape.bf16 and sharded:  # autocast's bfloat16 copies of the expert stacks (FSDP2
+        by_kind[True] += 2 * expert_stack_numel(model)  # leaves them at float32)
     kept_input = tokens * arch.hidden_size * stream
     # autocast's bfloat16 copy of each linear weight of a layer that is not checkpointed
     weight_copies = 2 * model.flops.matmul_params // model.layers if casts else 0
     kept, held, any_checkpointed = [], [], False
-    for index in range(model.layers):
+    for position, index in enumerate(model.layer_indices):
+        full = by_kind[bool(arch.num_experts) and arch.is_moe_layer(index)]
         flag = shape.checkpointing
-        checkpointed = flag if isinstance(flag, bool) else (flag > 0 and index % flag == 0)
+        checkpointed = flag if isinstance(flag, bool) else (flag > 0 and position % flag == 0)
         kept.append(kept_input if checkpointed else full + weight_copies)
         held.append(kept_input + full if checkpointed else full + weight_copies)
         any_checkpointed |= checkpointed
@@ -194,7 +253,11 @@ def activation_gradient_bytes(model: ShardedModel, shape: StepShape) -> int:
     arch, layout = model.model_config, model.layout
     tokens = shape.rows * shape.length // layout.cp
     b = 2 if shape.bf16 else 4
-    return tokens * (4 * arch.intermediate_size // layout.tp + arch.hidden_size) * b
+    width = arch.intermediate_size // layout.tp
+    if arch.num_experts:  # an MoE layer's routed copies and its shared experts
+        inner = arch.resolved_moe_intermediate_size
+        width = max(width, arch.num_experts_per_tok * inner + inner * arch.num_shared_experts)
+    return tokens * (4 * width + arch.hidden_size) * b
 
 
 def gathered_bytes(model: ShardedModel, shape: StepShape) -> tuple[int, int]:
@@ -205,9 +268,28 @@ def gathered_bytes(model: ShardedModel, shape: StepShape) -> tuple[int, int]:
     b = 2 if shape.bf16 else 4
     units: dict[str, int] = {}
     for s in model.shards:
-        units[s.unit] = units.get(s.unit, 0) + s.gathered_numel * b
+        if not s.expert_parallel:  # FSDP2 leaves expert-parallel stacks alone
+            units[s.unit] = units.get(s.unit, 0) + s.gathered_numel * b
     root = units.pop("root", 0)
     return root, max(units.values(), default=0)
+
+
+def in_flight(model: ShardedModel) -> float:
+    """Micro-batches whose saved activations are live at once on this rank, in units of
+    one micro-batch through all of its layers: 1 without a pipeline; under one (m
+    micro-batches, p ranks, v stages per rank, this rank r) the schedule's warm-up depth:
+    GPipe runs every forward first (m), 1F1B min(m, p - r), the interleaved schedules
+    min(m v, (v - 1) p + 2 (p - 1 - r) + 1) stage-micro-batches of 1/v of the rank's
+    layers each (torch.distributed.pipelining's warm-up counts)."""
+    plan = model.pipeline
+    if plan is None:
+        return 1.0
+    m, p, v, r = plan.microbatches, plan.degree, plan.stages_per_rank, model.pp_rank
+    if plan.schedule == "gpipe":
+        return float(m)
+    if plan.stages_per_rank == 1:
+        return float(min(m, p - r))
+    return min(m * v, (v - 1) * p + 2 * (p - 1 - r) + 1) / v
 
 
 def memory_terms(model: ShardedModel, shape: StepShape) -> MemoryTerms:
@@ -225,12 +307,16 @@ def memory_terms(model: ShardedModel, shape: StepShape) -> MemoryTerms:
 
     Without FSDP2 the gradients go straight to the parameters' .grad (float32). Under
     gradient accumulation FSDP2 keeps every unit's unsharded float32 gradient until the
-    last micro-batch's reduce-scatter.
+    last micro-batch's reduce-scatter. Under a pipeline the micro-batches are the
+    schedule's, `in_flight` of them hold their saved activations at the peak, and only the
+    rank that holds the last stage computes the head.
     """
     params, grads, optim = state_bytes(model)
     kept, held, around = layer_saves(model, shape)
     saved = sum(kept) + around
-    head = head_gradient_bytes(model, shape)
+    waiting = int((in_flight(model) - 1) * saved)  # other micro-batches' saves
+    saved += waiting
+    head = head_gradient_bytes(model, shape) if model.holds_head else 0
     act_grads = activation_gradient_bytes(model, shape)
     root, layer = gathered_bytes(model, shape)
     fsdp = layer > 0
@@ -242,7 +328,7 @@ def memory_terms(model: ShardedModel, shape: StepShape) -> MemoryTerms:
     forward_end = saved + head + root + accumulated
     worst_backward = 0
     for i in range(model.layers - 1, -1, -1):
-        below = sum(kept[:i]) + around
+        below = sum(kept[:i]) + around + waiting
         above = sum(layer_grad.get(f"layer {j}", 0) for j in range(i + 1, model.layers))
         if fsdp:
             live = below + held[i] + act_grads + 2 * root + 2 * layer + layer // b * 4
@@ -254,7 +340,8 @@ def memory_terms(model: ShardedModel, shape: StepShape) -> MemoryTerms:
     live_peak = max(forward_end, worst_backward, grads)
     working = live_peak - min(saved, live_peak) if live_peak > saved else 0
     peak = params + optim + live_peak
-    return MemoryTerms(params, grads, optim, saved, working, peak)
+    experts = sum(state_bytes(model, experts_only=True))
+    return MemoryTerms(params, grads, optim, saved, working, peak, experts)
 
 
 def _grad_bytes_by_unit(model: ShardedModel) -> dict[str, int]:

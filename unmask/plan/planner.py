@@ -6,7 +6,7 @@ own code (shards.py) for the ranks it plans, adds the activation and working-mem
 count, the one the `mfu` metric logs) and a step time from the device table
 (devices.py): compute at an assumed MFU plus the communication that does not overlap it.
 
-Step time = model FLOPs per rank / (peak x mfu)
+Step time = model FLOPs per rank / (peak x mfu) / (1 - the pipeline's bubble fraction)
           + TP, CP and Muon collectives (on the critical path: nothing overlaps them)
           + what FSDP2's all-gathers and reduce-scatters take beyond the compute they
             overlap (max(0, fsdp time - compute time)), and HSDP's all-reduce alike.
@@ -18,12 +18,19 @@ import math
 from dataclasses import asdict, dataclass, field
 
 from unmask.config import RunConfig
+from unmask.diffusion import objective_spec
 from unmask.errors import InputError
 from unmask.optim.updates import auto_ns_dtype, cpu_has_native_bf16
 from unmask.parallel.batch import per_rank_batch_size
 from unmask.plan.devices import Device
 from unmask.plan.memory import MemoryTerms, StepShape, memory_terms
-from unmask.plan.shards import ShardedModel, layout_of, planned_model_config, shard_model
+from unmask.plan.shards import (
+    ShardedModel,
+    layout_of,
+    pipeline_of,
+    planned_model_config,
+    shard_model,
+)
 from unmask.plan.traffic import Collective, step_collectives
 from unmask.train.setup import checkpointing_choice
 
@@ -58,12 +65,17 @@ class RunPlan:
     flops_per_step: float
     mfu: float
     compute_s: float
+    """The step's FLOPs on one rank at the assumed MFU."""
+    bubble: float
+    """Share of the step the pipeline's ranks sit idle (0 without a pipeline)."""
     exposed_comm_s: float
     step_s: float
     total_steps: int | None
     wall_s: float | None
     memory_limit: float
     fits: bool
+    expert_parallel: int = 1
+    num_experts: int = 0
     notes: list[str] = field(default_factory=list)
 
     def peak_rank(self) -> RankPlan:
@@ -83,8 +95,12 @@ def step_shape(cfg: RunConfig, world_size: int) -> StepShape:
     dp = layout.dp if world_size > 1 else 1
     rows = per_rank_batch_size(t.per_device_train_batch_size, dp, t.split_batches,
                                "the data-parallel size")  # fmt: skip
+    micro = t.gradient_accumulation_steps
+    pipeline = pipeline_of(cfg, world_size)
+    if pipeline is not None:  # the step's rows cut into the schedule's micro-batches
+        rows, micro = rows * micro // pipeline.microbatches, pipeline.microbatches
     return StepShape(rows=rows, length=cfg.data.packing_length,
-                     micro_batches=t.gradient_accumulation_steps, bf16=t.bf16,
+                     micro_batches=micro, bf16=t.bf16,
                      checkpointing=checkpointing_choice(t),
                      reshard_after_forward=t.reshard_after_forward)  # fmt: skip
 
@@ -110,6 +126,20 @@ def ns_bytes(cfg: RunConfig, device: Device) -> int:
     return 2 if name == "bfloat16" else 4
 
 
+def bubble_fraction(model: ShardedModel) -> float:
+    """Share of a step a pipeline rank idles: (p - 1) / (m v + p - 1) for GPipe, 1F1B and
+    interleaved 1F1B (m micro-batches, p ranks, v stages per rank: the warm-up and drain
+    of p - 1 stage steps against m v of work); zero bubble fills two thirds of it with the
+    deferred weight-gradient passes (backward = input + weight passes, each about one
+    forward: (p - 1) / 3 of the idle time is left, ZB-H1's). 0 without a pipeline."""
+    plan = model.pipeline
+    if plan is None:
+        return 0.0
+    m, p, v = plan.microbatches, plan.degree, plan.stages_per_rank
+    idle = (p - 1) / (m * v + p - 1)
+    return idle / 3 if plan.schedule == "zero_bubble" else idle
+
+
 def link_seconds(collective: Collective, device: Device) -> float:
     bandwidth = device.nvlink if collective.intra_node else device.network
     return collective.wire_bytes / bandwidth
@@ -117,8 +147,14 @@ def link_seconds(collective: Collective, device: Device) -> float:
 
 def make_run_plan(cfg: RunConfig, world_size: int, device: Device, *, nodes: int = 1,
                   mfu: float = DEFAULT_MFU, tokens: float | None = None,
-                  ranks: list[int] | None = None, masked_fraction: float = 0.5) -> RunPlan:  # fmt: skip
-    """The plan of `cfg` at `world_size` ranks on `nodes` nodes of `device`."""
+                  ranks: list[int] | None = None,
+                  masked_fraction: float | None = None) -> RunPlan:  # fmt: skip
+    """The plan of `cfg` at `world_size` ranks on `nodes` nodes of `device`;
+    masked_fraction: the share of tokens the LM head runs on (default: the objective's
+    registry entry says, `head_share`, else 1/2)."""
+    spec = objective_spec(cfg.diffusion.objective)
+    if masked_fraction is None:
+        masked_fraction = 0.5 if spec.head_share is None else spec.head_share
     if world_size < 1:
         raise InputError(f"--world must be >= 1, got {world_size}")
     if nodes < 1 or world_size % nodes:
@@ -129,7 +165,10 @@ def make_run_plan(cfg: RunConfig, world_size: int, device: Device, *, nodes: int
     cfg = planned_model_config(cfg)
     layout = layout_of(cfg, world_size)  # one-line InputError for a mesh that cannot factor
     shape = step_shape(cfg, world_size)
-    dense_mask = device.name == "cpu" or cfg.model.attn_implementation == "sdpa"
+    # sdpa with a dense mask: on CPU, under attn_implementation sdpa, and for an objective
+    # that passes its own mask (ar's causal one) on every device
+    dense_mask = (device.name == "cpu" or cfg.model.attn_implementation == "sdpa"
+                  or spec.explicit_mask)  # fmt: skip
     shape = StepShape(**{**asdict(shape), "masked_fraction": masked_fraction,
                          "dense_mask": dense_mask})  # fmt: skip
     plans, first = [], None
@@ -154,7 +193,9 @@ def make_run_plan(cfg: RunConfig, world_size: int, device: Device, *, nodes: int
     exposed = sum(link_seconds(c, device) for c in collectives
                   if c.dim not in ("dp_shard_cp", "dp_replicate"))  # fmt: skip
     exposed += max(0.0, overlapped - compute)
-    step = compute + exposed
+    bubble = bubble_fraction(first)
+    compute_with_bubble = compute / (1 - bubble)
+    step = compute_with_bubble + exposed
     if tokens is not None:
         total_steps = math.ceil(tokens / tokens_per_step)
     elif cfg.train.max_steps > 0:
@@ -171,18 +212,26 @@ def make_run_plan(cfg: RunConfig, world_size: int, device: Device, *, nodes: int
                    layout=asdict(layout), parameters=total_params, ranks=plans,
                    collectives=collectives, rows_per_rank=shape.rows,
                    micro_batches=shape.micro_batches, tokens_per_step=tokens_per_step,
-                   flops_per_step=flops, mfu=mfu, compute_s=compute, exposed_comm_s=exposed,
+                   flops_per_step=flops, mfu=mfu, compute_s=compute, bubble=bubble,
+                   exposed_comm_s=exposed,
                    step_s=step, total_steps=total_steps,
                    wall_s=None if total_steps is None else total_steps * step,
-                   memory_limit=limit, fits=worst <= limit, notes=notes)  # fmt: skip
+                   memory_limit=limit, fits=worst <= limit, notes=notes,
+                   expert_parallel=cfg.train.expert_parallel,
+                   num_experts=first.model_config.num_experts)  # fmt: skip
 
 
 def shard_rows(model: ShardedModel) -> list[dict]:
-    """One row per distinct parameter of a layer (layer 0 stands for all) and the root's:
+    """One row per distinct parameter of a layer (the first this rank holds stands for all,
+    and its first MoE layer for the MoE ones) and the root's:
     name, global shape, local shape, placements, optimizer."""
     rows = []
+    indices = model.layer_indices or (0,)
+    arch = model.model_config
+    moe = [i for i in indices if arch.num_experts and arch.is_moe_layer(i)]
+    shown = {"root", f"layer {indices[0]}", *(f"layer {i}" for i in moe[:1])}
     for s in model.shards:
-        if s.unit not in ("root", "layer 0"):
+        if s.unit not in shown:
             continue
         rows.append({"name": s.name, "global": list(s.global_shape), "local": list(s.local_shape),
                      "mesh": list(s.mesh_dims), "placements": list(s.placements),

@@ -39,6 +39,9 @@ def fix_for(plan: RunPlan, cfg) -> str:
     name, _ = m.largest()
     t = cfg.train
     over = m.peak - plan.memory_limit
+    if m.experts and name in ("parameters", "gradients", "optimizer state", "working buffers") \
+            and m.experts > over:  # fmt: skip
+        return expert_fix(plan, m, over)
     if name == "activations":
         if checkpointing_choice(t) is False:
             return "set train.activation_checkpointing=full"
@@ -64,6 +67,22 @@ def fix_for(plan: RunPlan, cfg) -> str:
         factor *= 2
     return (f"plan --world {plan.world_size * factor} (FSDP2 shards parameters, gradients and "
             f"optimizer state over {factor}x the ranks)")  # fmt: skip
+
+
+def expert_fix(plan: RunPlan, m, over: float) -> str:
+    """More expert parallelism: each doubling halves the expert stacks' state on a rank
+    (a suggestion, within what the run accepts: ep divides the experts and the dp x cp
+    ranks)."""
+    ep, factor = plan.expert_parallel, 2
+    while m.experts * (1 - 1 / factor) < over and factor < 1024:
+        factor *= 2
+    ranks = plan.world_size // plan.layout["tp"] // plan.layout["pp"]
+    target = ep * factor
+    if plan.num_experts % target == 0 and ranks % target == 0:
+        return (f"set train.expert_parallel={target} (each rank holds 1/{factor} of the "
+                "expert stacks' parameters, gradients and optimizer state)")  # fmt: skip
+    return (f"plan --world {plan.world_size * factor} train.expert_parallel={target} (each rank "
+            f"holds 1/{factor} of the expert stacks' state)")  # fmt: skip
 
 
 def refusal(plan: RunPlan, cfg) -> str:
@@ -95,7 +114,10 @@ def render(plan: RunPlan, label: str) -> str:
                                                 for r in plan.ranks))  # fmt: skip
     verdict = "fits" if plan.fits else "DOES NOT FIT"
     lines.append(f"  limit          {human_bytes(plan.memory_limit):>14}  ({verdict})")
-    lines += ["", f"shards of rank {plan.ranks[0].rank} (layer 0 stands for every layer)"]
+    lines += [
+        "",
+        f"shards of rank {plan.ranks[0].rank} (its first layer, and first MoE layer, stand for the others)",
+    ]
     for row in plan.ranks[0].shards:
         shape = f"{tuple(row['global'])} -> {tuple(row['local'])}"
         where = ", ".join(f"{d}:{p}" for d, p in zip(row["mesh"], row["placements"])) or "whole"
@@ -106,6 +128,8 @@ def render(plan: RunPlan, label: str) -> str:
         f"compute {duration(plan.compute_s)} at {plan.mfu:.0%} MFU, exposed communication "
         f"{duration(plan.exposed_comm_s)}, step {duration(plan.step_s)}",
     ]
+    if plan.bubble:
+        lines.append(f"pipeline bubble: {plan.bubble:.1%} of the step idle (in the step time)")
     if plan.collectives:
         lines.append(
             "collectives per step (rank 0): dim, kind, calls, tensor bytes, wire bytes, link"

@@ -4,10 +4,11 @@ run at cluster size on this machine.
 `shard_model(cfg, world_size, rank)` opens torch's fake process group (every collective
 returns at once, nothing is sent) as rank `rank` of `world_size`, builds the run's mesh
 (parallel/mesh.py `build_mesh`), builds the model on the meta device with the trainer's
-own `build_train_model` (train/setup.py: tensor parallelism, activation checkpointing,
-FSDP2, in the trainer's order) and the run's optimizer (optim/config.py `build_optimizer`:
-its Muon / AdamW routing), then reads each parameter's DTensor: global shape, local
-shape on this rank, mesh dims and placements. No number here comes from a second model of
+own `build_train_model` (train/setup.py: the pipeline stages this rank holds, tensor
+parallelism, activation checkpointing, expert parallelism, FSDP2, in the trainer's order;
+the pipeline planned by the trainer's `plan_pipeline`) and the run's optimizer
+(optim/config.py `build_optimizer`: its Muon / AdamW routing), then reads each
+parameter's DTensor: global shape, local shape on this rank, mesh dims and placements. No number here comes from a second model of
 the sharding: change a parallelize rule and the shards change (tests/unit/test_plan.py).
 """
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -24,14 +26,17 @@ from torch import nn
 from unmask.config import RunConfig
 from unmask.errors import InputError
 from unmask.models import decoder_layers
-from unmask.models.build import _no_init  # the meta-device build's no-op initializers
+from unmask.models.build import _no_init, build_model  # no-op initializers, whole model
 from unmask.models.families import FAMILIES
 from unmask.models.hf import config_from_hf, read_config
 from unmask.optim.config import build_optimizer
+from unmask.parallel.batch import per_rank_batch_size
 from unmask.parallel.distributed import plan_layout
+from unmask.parallel.expert import check_moe_request
 from unmask.parallel.mesh import MeshLayout, build_mesh
+from unmask.parallel.pipeline import PipelinePlan, plan_pipeline
 from unmask.train.mfu import flop_model
-from unmask.train.setup import build_train_model
+from unmask.train.setup import build_train_model, check_pipeline_request
 
 
 @dataclass(frozen=True)
@@ -68,6 +73,12 @@ class TensorShard:
     """The tensor dim TP splits (0: column-parallel, 1: row-parallel), None: not split."""
 
     @property
+    def expert_parallel(self) -> bool:
+        """An expert stack on the (ep_replica, ep) grid (parallel/expert.py): whole experts
+        on their rank, outside FSDP2."""
+        return "ep" in self.mesh_dims
+
+    @property
     def gathered_numel(self) -> int:
         """Elements FSDP2's all-gather makes of it on this rank: its tensor-parallel piece,
         dim 0 padded to a multiple of the shard group (torch.chunk sizes)."""
@@ -89,8 +100,24 @@ class ShardedModel:
     model_config: object
     """The ModelConfig the model was built from (architecture fields)."""
     layers: int
+    """Decoder layers this rank holds."""
     flops: object
     """train/mfu.py's FlopModel of the model (global counts)."""
+    layer_indices: tuple[int, ...] = ()
+    """The whole model's indices of the decoder layers this rank holds, in order."""
+    pipeline: PipelinePlan | None = None
+    """The run's pipeline (parallel/pipeline.py), None without pipeline parallelism."""
+    pp_rank: int = 0
+
+    @property
+    def stages(self) -> list[int]:
+        """The pipeline stages this rank holds ([0] without a pipeline)."""
+        return [0] if self.pipeline is None else self.pipeline.stages_of(self.pp_rank)
+
+    @property
+    def holds_head(self) -> bool:
+        """Whether this rank computes the LM head and the loss (the last stage)."""
+        return self.pipeline is None or self.pipeline.num_stages - 1 in self.stages
 
 
 def planned_model_config(cfg: RunConfig) -> RunConfig:
@@ -144,29 +171,57 @@ def fake_world(rank: int, world_size: int):
 def layout_of(cfg: RunConfig, world_size: int) -> MeshLayout:
     """The mesh sizes the trainer would build (parallel/distributed.py `plan_layout`)."""
     t = cfg.train
-    for key in ("expert_parallel", "pipeline_parallel"):
-        if getattr(t, key) > 1:
-            raise InputError(f"unmask plan does not model train.{key} yet (docs/scaling.md); "
-                             f"plan the layout with train.{key}=1")  # fmt: skip
-    return plan_layout(world_size, t.fsdp2, t.dp_replicate, t.dp_shard, t.tensor_parallel,
-                       t.context_parallel)  # fmt: skip
+    check_pipeline_request(cfg)  # the trainer's own checks of a pipeline layout
+    layout = plan_layout(world_size, t.fsdp2, t.dp_replicate, t.dp_shard, t.tensor_parallel,
+                         t.context_parallel, t.pipeline_parallel)  # fmt: skip
+    dp = layout.dp if world_size > 1 else 1
+    # the trainer's own check of an MoE / expert-parallel layout (parallel/expert.py)
+    check_moe_request(cfg.model, t.expert_parallel, dp * layout.cp, t.tensor_parallel)
+    return layout
+
+
+def pipeline_of(cfg: RunConfig, world_size: int) -> PipelinePlan | None:
+    """The stages' layers and micro-batches the trainer plans (parallel/pipeline.py
+    `plan_pipeline`, over the rows a data-parallel rank trains on per step); None without
+    pipeline parallelism."""
+    t = cfg.train
+    if t.pipeline_parallel == 1:
+        return None
+    layout = layout_of(cfg, world_size)
+    rows = per_rank_batch_size(t.per_device_train_batch_size, layout.dp, t.split_batches,
+                               "the data-parallel size")  # fmt: skip
+    return plan_pipeline(t.pipeline_parallel, t.pipeline_schedule, t.pipeline_stages_per_rank,
+                         t.pipeline_microbatches, t.pipeline_split,
+                         cfg.model.num_hidden_layers, rows * t.gradient_accumulation_steps)  # fmt: skip
 
 
 def shard_model(cfg: RunConfig, world_size: int, rank: int = 0) -> ShardedModel:
     """Rank `rank`'s shards of the run's model at `world_size` (see the module docstring);
     cfg: a planned config (`planned_model_config`)."""
     layout = layout_of(cfg, world_size)
-    with fake_world(rank, world_size):
+    with fake_world(rank, world_size), warnings.catch_warnings():
+        # torch's note on slicing the flattened dims the trainer's own code slices
+        warnings.filterwarnings("ignore", message="Slicing a flattened dim")
         mesh = build_mesh(torch.device("cpu"), layout) if world_size > 1 else None
         meta = torch.device("meta")
+        pipeline = pipeline_of(cfg, world_size)
         with meta, _no_init():  # no storage to fill (and no torch._dynamo import)
-            model = build_train_model(cfg, _Vocabulary(cfg.model.vocab_size), 0, meta, mesh)
+            model = build_train_model(cfg, _Vocabulary(cfg.model.vocab_size), 0, meta, mesh,
+                                      pipeline)  # fmt: skip
+            # the step's FLOPs are the whole model's (a pipeline rank holds part of it)
+            flops = flop_model(model if pipeline is None else build_model(cfg.model))
         routing = _routing(cfg, model)
         shards = _read_shards(model, routing, layout)
-        flops = flop_model(model)
-        layers = len(decoder_layers(model))
+        layers = decoder_layers(model)
+        indices = tuple(range(len(layers)))
+        pp_rank = 0
+        if pipeline is not None:
+            pp_rank = mesh["pp"].get_local_rank()
+            indices = tuple(sorted(i for stage in pipeline.stages_of(pp_rank)
+                                   for i in pipeline.layers[stage]))  # fmt: skip
         model_config = model.config
-    return ShardedModel(rank, layout, shards, model_config, layers, flops)
+    return ShardedModel(rank, layout, shards, model_config, len(layers), flops, indices,
+                        pipeline, pp_rank)  # fmt: skip
 
 
 def _routing(cfg: RunConfig, model: nn.Module) -> dict[int, str]:
@@ -217,9 +272,9 @@ def _read_shards(
             local = tuple(p.to_local().shape)
             placements = tuple(str(pl) for pl in p.placements)
             tp_split = _tp_split(dims, p.placements, layout.tp)
-            group = 1
+            group = 1  # FSDP2's shard dim (expert stacks on the ep grid have none)
             for dim_name in dims:
-                if dim_name not in ("tp", "dp_replicate"):
+                if dim_name in ("dp_shard_cp", "dp_shard", "cp"):
                     group *= p.device_mesh[dim_name].size()
         else:
             dims, local, placements, group, tp_split = (), tuple(p.shape), (), 1, {}

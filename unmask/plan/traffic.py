@@ -27,12 +27,14 @@ Where each dimension's collectives come from:
   updates' trip back holds the owned matrices' blocks for every rank; the plan counts this
   rank's own blocks for it, the same on average over the ranks.
 
-Scalars (the loss count all-reduce, the gradient-norm all-reduces) are left out.
+- EP (ep, ep_replica; parallel/expert.py): per MoE layer and pass the counts and the
+  routed rows' dispatch and combine all-to-alls over `ep`, and once per step the replicas'
+  float32 expert-gradient all-reduce over `ep_replica` (`expert_collectives`).
+- PP (pp; parallel/pipeline.py): each stage's hidden states sent to the next stage's rank
+  and their gradients back, per micro-batch of the schedule (`pipeline_collectives`).
 
-Hooks for the dimensions to come: expert parallelism adds a row for the token dispatch and
-combine all-to-alls over `ep` (2 per MoE layer forward, 2 backward, tokens x top-k x h x b
-each) in `step_collectives`; pipeline parallelism adds the stage-boundary send/recv over
-`pp` (micro-batches x rows x length x h x b per boundary, forward and backward).
+Scalars (the loss count all-reduce, the gradient-norm all-reduces, MoE balancing's load
+sums) are left out.
 """
 
 from __future__ import annotations
@@ -59,6 +61,8 @@ class Collective:
 
     @property
     def wire_bytes(self) -> int:
+        if self.kind == "send/recv":  # point to point: what is sent crosses the link
+            return self.tensor_bytes
         share = (self.group - 1) / self.group
         factor = 2 * share if self.kind == "all-reduce" else share
         return int(self.tensor_bytes * factor)
@@ -101,7 +105,8 @@ def step_collectives(model: ShardedModel, shape: StepShape, nodes: int,
     if fsdp_group > 1:
         units: dict[str, int] = {}
         for s in model.shards:
-            units[s.unit] = units.get(s.unit, 0) + s.gathered_numel
+            if not s.expert_parallel:  # FSDP2's ignored_params: never gathered
+                units[s.unit] = units.get(s.unit, 0) + s.gathered_numel
         # every unit, the root too (apply_fsdp passes reshard_after_forward explicitly, so
         # FSDP2's "root stays gathered" default does not apply): gathered for the forward,
         # and again for the backward when resharded after forward
@@ -139,7 +144,12 @@ def step_collectives(model: ShardedModel, shape: StepShape, nodes: int,
                               micro * total, layout.cp, intra))  # fmt: skip
         out.append(Collective("cp", "all-gather", "CP doc ids", micro,
                               micro * shape.rows * shape.length * 8, layout.cp, intra))  # fmt: skip
-    muon = sum(s.local_numel for s in model.shards if s.optimizer == "muon")
+    out += expert_collectives(model, shape, nodes)
+    out += pipeline_collectives(model, shape, nodes)
+    # Muon's owner all-to-all moves 2-D matrices; 3-D expert stacks are split on the
+    # expert dim and orthogonalized where they are (optim/distributed.py)
+    muon = sum(s.local_numel for s in model.shards
+               if s.optimizer == "muon" and len(s.global_shape) == 2)  # fmt: skip
     owner_dims = ("dp_shard", "cp", "tp") if layout.tp > 1 else fsdp_dims
     owner_group = fsdp_group * (layout.tp if layout.tp > 1 else 1)
     if muon and owner_group > 1:
@@ -148,6 +158,91 @@ def step_collectives(model: ShardedModel, shape: StepShape, nodes: int,
                               "Muon NS inputs and updates", 2, 2 * muon * ns_bytes,
                               owner_group, is_intra_node(layout, owner_dims, nodes)))  # fmt: skip
     return out
+
+
+def pipeline_collectives(model: ShardedModel, shape: StepShape,
+                         nodes: int) -> list[Collective]:  # fmt: skip
+    """The pipeline's point-to-point traffic (parallel/pipeline.py): per micro-batch each
+    stage but the last sends its hidden states (rows x length x h, in the compute dtype) to
+    the next stage's rank, and each stage but the first sends their gradient back; counted
+    on the sending rank."""
+    plan = model.pipeline
+    if plan is None:
+        return []
+    last = plan.num_stages - 1
+    sends = sum((stage < last) + (stage > 0) for stage in model.stages)
+    if not sends:
+        return []
+    b = 2 if shape.bf16 else 4
+    hidden = shape.rows * shape.length * model.model_config.hidden_size * b
+    calls = plan.microbatches * sends
+    return [Collective("pp", "send/recv", "PP hidden states and their gradients", calls,
+                       calls * hidden, 2, is_intra_node(model.layout, ("pp",), nodes))]  # fmt: skip
+
+
+def moe_layers(model: ShardedModel) -> int:
+    """MoE layers among the decoder layers this rank holds."""
+    arch = model.model_config
+    if not arch.num_experts:
+        return 0
+    return sum(1 for i in model.layer_indices if arch.is_moe_layer(i))
+
+
+def expert_collectives(model: ShardedModel, shape: StepShape,
+                       nodes: int) -> list[Collective]:  # fmt: skip
+    """Expert parallelism's collectives (parallel/expert.py): per MoE layer and pass, the
+    per-expert counts (E int64) and the routed rows there and their outputs back (tokens x
+    k x h each, in the compute dtype: the forward runs under autocast with train.bf16, so
+    the expert stacks FSDP2 leaves alone are cast too); the backward
+    sends their gradients the other way; a checkpointed layer's recomputation repeats the
+    forward's. Under balanced routing each rank receives what it sends (so a rank's own
+    bytes vary with the routing; their sum over the ranks is exact). Once per step the
+    replicas' partial expert gradients are all-reduced over ep_replica (float32 masters)."""
+    layout = model.layout
+    experts = [s for s in model.shards if s.expert_parallel]
+    if not experts:
+        return []
+    arch = model.model_config
+    ep = _grid_size(experts[0])
+    replicas = layout.dp * layout.cp // ep
+    layers = moe_layers(model)
+    tokens = shape.rows * shape.length // layout.cp
+    b = 2 if shape.bf16 else 4
+    recomputed_moe = _checkpointed_moe_layers(model, shape.checkpointing)
+    row = tokens * arch.num_experts_per_tok * arch.hidden_size
+    forward = row * 2 * b + arch.num_experts * 8
+    per_step = shape.micro_batches * ((layers + recomputed_moe) * forward
+                                      + layers * row * 2 * b)  # fmt: skip
+    calls = shape.micro_batches * (3 * (layers + recomputed_moe) + 2 * layers)
+    out = [Collective("ep", "all-to-all", "EP token dispatch and combine (+ counts)", calls,
+                      per_step, ep, _ep_intra(layout, ep, 1, nodes))]  # fmt: skip
+    if replicas > 1:
+        grads = sum(s.local_numel for s in experts if s.optimizer != "frozen") * 4
+        out.append(Collective("ep_replica", "all-reduce", "EP expert gradients (float32)", 1,
+                              grads, replicas, _ep_intra(layout, replicas, ep, nodes)))  # fmt: skip
+    return out
+
+
+def _grid_size(shard) -> int:
+    """The ep size of an expert stack: its global expert count over its local one."""
+    return shard.global_shape[0] // shard.local_shape[0]
+
+
+def _ep_intra(layout: MeshLayout, size: int, stride: int, nodes: int) -> bool:
+    """Whether a group of the (ep_replica, ep) grid over the dp x cp ranks stays in a node:
+    its ranks are `stride` apart on that grid, `size` of them (the grid is the world's
+    ranks in order: tp is 1 under MoE, and pipelines do not split MoE models)."""
+    per_node = layout.world_size // nodes
+    span = stride * size
+    return span <= per_node and per_node % span == 0
+
+
+def _checkpointed_moe_layers(model: ShardedModel, flag: bool | int) -> int:
+    """MoE layers this rank recomputes in backward (activation checkpointing)."""
+    arch = model.model_config
+    return sum(1 for position, index in enumerate(model.layer_indices)
+               if arch.is_moe_layer(index) and (flag if isinstance(flag, bool)
+                                                 else flag > 0 and position % flag == 0))  # fmt: skip
 
 
 def _checkpointed_layers(layers: int, flag: bool | int) -> int:

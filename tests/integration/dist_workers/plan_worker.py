@@ -48,7 +48,11 @@ class SavedBytes:
 
     def pack(self, t):
         if not (isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter)):
-            storage = _local(t).untyped_storage()
+            local = _local(t)
+            # a functional collective's result (expert parallelism's all-to-alls) wraps
+            # the tensor that holds its storage
+            local = getattr(local, "elem", local)
+            storage = local.untyped_storage()
             self.storages[storage.data_ptr()] = storage.nbytes()
         return t
 
@@ -117,7 +121,8 @@ def measure(cfg_path: str, out_dir: Path) -> None:
     type(objective).__call__ = call_saving
     # MemTracker follows modules and refuses a module called twice in one step, so a step
     # of several micro-batches is measured without it (no peak)
-    tracked = cfg.train.gradient_accumulation_steps == 1
+    # (a pipeline's stages run once per micro-batch of its schedule: no peak either)
+    tracked = cfg.train.gradient_accumulation_steps == 1 and cfg.train.pipeline_parallel == 1
     tracker = MemTracker()
     tracker.track_external(model, optimizer)
     try:
