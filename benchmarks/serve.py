@@ -12,10 +12,11 @@ p50 / p99 request latency, and from /metrics the positions committed per row per
 Then the prefix cache: two servers, `--prefix-cache-mb 512` (the default) and 0 (off), get
 the same prompt again and again (one client, requests one after another; then 16 clients at
 once), in rotated order each round; reported: row forwards per request (the work the cache
-saves: a repeated prompt's first forward), p50 latency, and the hits and misses from
-/metrics, for the benchmark's short request and for a long prompt (256 tokens) answered in
-one block with the prefix cache mode (where the first forward, the only one over the whole
-canvas, is most of the work). The answers with the cache on and off must be equal.
+saves: a repeated prompt's first forward), the engine's decoding seconds per request, p50
+latency, requests/s, and the hits and misses from /metrics, for the benchmark's short
+request and for a long prompt (256 tokens) answered in one block with the prefix cache
+mode (where the first forward, the only one over the whole canvas, is most of the work).
+The answers with the cache on and off must be equal.
 Then the bound: a server with --max-batch 32 --max-queue 8 gets 64 requests at once;
 reported: how many were answered, how many got 429, and that none was lost or hung (every
 request returns within the timeout, answered + 429 = 64).
@@ -171,6 +172,7 @@ def repeated(served: Served, clients: int, requests: int, scenario: tuple) -> di
     delta = {k: after[k] - before.get(k, 0.0) for k in after}
     return {
         "fwd_req": delta["row_forwards_total"] / len(latencies),
+        "busy_ms": 1000 * delta["busy_seconds_total"] / len(latencies),
         "p50": statistics.median(latencies),
         "req_s": len(latencies) / wall,
         "hits": delta["prefix_cache_hits_total"],
@@ -341,12 +343,14 @@ def report(args, runs: dict[str, list[dict]], limits: dict, cached: dict) -> str
         "",
         "Prefix cache: the same prompt again and again, a server with --prefix-cache-mb 512 "
         "(on, the default) and one with 0 (off), in rotated order each round; row forwards "
-        "per request (what the cache saves: a repeated prompt's first forward), p50 latency, "
+        "per request (what the cache saves: a repeated prompt's first forward), the engine's "
+        "decoding seconds per request (/metrics busy seconds: no HTTP), p50 latency, "
         "requests/s; hits and misses of the runs with the cache on, summed over rounds.",
         "",
-        "| prompt and request | clients | requests | row fwd/request on | off | p50 s on | off "
-        "| requests/s on | off | on/off requests/s | hits / misses | same answers |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| prompt and request | clients | requests | row fwd/request on | off | engine ms/request "
+        "on | off | p50 s on | off | requests/s on | off | on/off requests/s | hits / misses "
+        "| same answers |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for (scenario, load_), cell in cached.items():
         on, off = cell["on"], cell["off"]
@@ -358,7 +362,7 @@ def report(args, runs: dict[str, list[dict]], limits: dict, cached: dict) -> str
         same = [a["texts"] for a in on] == [b["texts"] for b in off]
         lines.append(
             f"| {scenario} | {load_} | {on[0]['requests']} | {both('fwd_req', '{:.2f}')} | "
-            f"{both('p50', '{:.3f}')} | {both('req_s', '{:.2f}')} | "
+            f"{both('busy_ms', '{:.1f}')} | {both('p50', '{:.3f}')} | {both('req_s', '{:.2f}')} | "
             f"**{with_spread(speedup)}x** | {sum(r['hits'] for r in on):.0f} / "
             f"{sum(r['misses'] for r in on):.0f} | {'yes' if same else 'NO'} |"
         )  # fmt: skip

@@ -26,7 +26,7 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
     srv.add_argument("--max-queue", type=positive_int, default=64, help="requests waiting for "
                      "a slot before new ones get 429 (default 64)")  # fmt: skip
     srv.add_argument("--prefix-cache-mb", type=megabytes, default=512, metavar="MB",
-                     help="memory for the first forwards of repeated prompts (reused exactly; "
+                     help="MiB for the first forwards of repeated prompts (reused exactly; "
                      "docs/serving.md, Prefix cache); 0 = off (default 512)")  # fmt: skip
     srv.add_argument("--runs", metavar="DIR", help="folder of run directories shown on the page")
     srv.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every route but "

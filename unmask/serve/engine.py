@@ -402,7 +402,7 @@ class Engine:
         """Row i's K/V (with CFG its unconditional row too) over its real positions."""
         left, span = int(valid.long().argmax()), int(valid.sum())
         rows = [i, i + sub.x.shape[0]] if sub.cfg_scale > 0 else [i]
-        return [(k[rows, :, left : left + span].clone(), v[rows, :, left : left + span].clone())
+        return [(k[rows, :, left : left + span], v[rows, :, left : left + span])  # copies
                 for k, v in zip(sub.cache.keys, sub.cache.values)]  # fmt: skip
 
     @staticmethod
