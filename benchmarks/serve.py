@@ -9,6 +9,14 @@ One server (`python -m unmask serve`, a subprocess, --max-batch 32) on 127.0.0.1
 reporting answer tokens per second of wall time (completion_tokens from each response),
 p50 / p99 request latency, and from /metrics the positions committed per row per forward
 (1.0: one token per step) and the rows per forward call (the batch the engine ran).
+Then the prefix cache: two servers, `--prefix-cache-mb 512` (the default) and 0 (off), get
+the same prompt again and again (one client, requests one after another; then 16 clients at
+once), in rotated order each round; reported: row forwards per request (the work the cache
+saves: a repeated prompt's first forward), the engine's decoding seconds per request, p50
+latency, requests/s, and the hits and misses from /metrics, for the benchmark's short
+request and for a long prompt (256 tokens) answered in one block with the prefix cache
+mode (where the first forward, the only one over the whole canvas, is most of the work).
+The answers with the cache on and off must be equal.
 Then the bound: a server with --max-batch 32 --max-queue 8 gets 64 requests at once;
 reported: how many were answered, how many got 429, and that none was lost or hung (every
 request returns within the timeout, answered + 429 = 64).
@@ -42,6 +50,14 @@ from pathlib import Path
 from common import REPO, RESULTS, load_average, machine, publish, rotated, with_spread
 
 PROMPTS = ["rev 90417=", "sort 5213=", "add 58+67=", "rev 123456=", "sort 98=", "add 12+7="]
+#: the repeated-prompt scenarios: (name, prompt, max_tokens, unmask options)
+LONG_PROMPT = ("system: answer with the digits reversed, nothing else. " * 5)[:246] + "rev 90417="
+REPEATED = [
+    ("short prompt (10 tokens), 32 tokens in blocks of 8, one token per step", PROMPTS[0], 32,
+     {"block_length": 8}),
+    ("long prompt (256 tokens), 32 tokens in one block, 8 steps, prefix cache mode",
+     LONG_PROMPT, 32, {"block_length": 32, "steps": 8, "cache": "prefix"}),
+]  # fmt: skip
 
 
 def build_model(folder: Path, quick: bool) -> Path:
@@ -119,13 +135,72 @@ def client(base: str):
     return openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=300)
 
 
-def ask(api, index: int, max_tokens: int) -> tuple[int, float]:
-    """(completion tokens, seconds) of one greedy request."""
+def ask(api, index: int, max_tokens: int, prompt: str | None = None,
+        options: dict | None = None, texts: list | None = None) -> tuple[int, float]:  # fmt: skip
+    """(completion tokens, seconds) of one greedy request (texts: the answer appended)."""
     start = time.perf_counter()
-    out = api.completions.create(model="bench", prompt=PROMPTS[index % len(PROMPTS)],
+    out = api.completions.create(model="bench", prompt=prompt or PROMPTS[index % len(PROMPTS)],
                                  max_tokens=max_tokens,
-                                 extra_body={"unmask": {"block_length": 8}})  # fmt: skip
+                                 extra_body={"unmask": options or {"block_length": 8}})  # fmt: skip
+    if texts is not None:
+        texts.append(out.choices[0].text)
     return out.usage.completion_tokens, time.perf_counter() - start
+
+
+def repeated(served: Served, clients: int, requests: int, scenario: tuple) -> dict:
+    """`clients` threads each sending the scenario's one prompt `requests` times."""
+    _, prompt, max_tokens, options = scenario
+    before = served.metrics()
+    api = client(served.base)
+    latencies, texts = [], []
+    lock = threading.Lock()
+
+    def worker() -> None:
+        for _ in range(requests):
+            _, seconds = ask(api, 0, max_tokens, prompt, options, texts)
+            with lock:
+                latencies.append(seconds)
+
+    start = time.perf_counter()
+    threads = [threading.Thread(target=worker) for _ in range(clients)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    wall = time.perf_counter() - start
+    after = served.metrics()
+    delta = {k: after[k] - before.get(k, 0.0) for k in after}
+    return {
+        "fwd_req": delta["row_forwards_total"] / len(latencies),
+        "busy_ms": 1000 * delta["busy_seconds_total"] / len(latencies),
+        "p50": statistics.median(latencies),
+        "req_s": len(latencies) / wall,
+        "hits": delta["prefix_cache_hits_total"],
+        "misses": delta["prefix_cache_misses_total"],
+        "requests": len(latencies),
+        "texts": sorted(set(texts)),
+    }
+
+
+def prefix_cache(model: Path, threads: int, rounds: int, sequential: int, concurrent: int
+                 ) -> dict[tuple[str, str], dict[str, list[dict]]]:  # fmt: skip
+    """Per (scenario, clients): the runs with the cache on and off, rounds interleaved."""
+    servers = {"on": Served(model, threads, "--prefix-cache-mb", "512"),
+               "off": Served(model, threads, "--prefix-cache-mb", "0")}  # fmt: skip
+    for served in servers.values():  # warm-up (the cache is then warm for the repeats)
+        for scenario in REPEATED:
+            repeated(served, 1, 1, scenario)
+    runs: dict[tuple[str, str], dict[str, list[dict]]] = {}
+    loads = [("one at a time", 1, sequential), ("16 at once", 16, concurrent)]
+    for round_index in range(rounds):
+        for scenario in REPEATED:
+            for name, clients, requests in loads:
+                cell = runs.setdefault((scenario[0], name), {"on": [], "off": []})
+                for mode in rotated(["on", "off"], round_index):
+                    cell[mode].append(repeated(servers[mode], clients, requests, scenario))
+    for served in servers.values():
+        served.stop()
+    return runs
 
 
 def load(served: Served, clients: int, requests: int, max_tokens: int) -> dict:
@@ -202,6 +277,8 @@ def main() -> None:
     parser.add_argument("--sequential-requests", type=int, default=24,
                         help="requests of the one-at-a-time client")  # fmt: skip
     parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=16, help="repeated-prompt requests of "
+                        "the one-at-a-time client (each of 16 clients sends 1/8 of them)")  # fmt: skip
     parser.add_argument("--threads", type=int, default=1, help="server torch threads")
     parser.add_argument("--out", default=str(RESULTS / "serve.md"))
     parser.add_argument("--quick", action="store_true", help="tiny model, one round, fewer "
@@ -209,6 +286,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.rounds, args.requests, args.sequential_requests, args.out = 1, 1, 4, None
+        args.repeats = 4
     with tempfile.TemporaryDirectory() as tmp:
         model = Path(args.model) if args.model else build_model(Path(tmp) / "model", args.quick)
         served = Served(model, args.threads, "--max-batch", "32", "--max-queue", "64")
@@ -221,15 +299,20 @@ def main() -> None:
                 else:
                     runs[name].append(load(served, 32, args.requests, args.max_tokens))
         served.stop()
+        cached = prefix_cache(model, args.threads, args.rounds, args.repeats,
+                              max(1, args.repeats // 8))  # fmt: skip
         limits = bound(model, args.threads, args.max_tokens)
-    publish(report(args, runs, limits), args.out)
+    publish(report(args, runs, limits, cached), args.out)
+    for (scenario, load_), cell in cached.items():
+        if [r["texts"] for r in cell["on"]] != [r["texts"] for r in cell["off"]]:
+            sys.exit(f"the prefix cache changed the answers: {scenario}, {load_}")
     ratios = [c["tok_s"] / s["tok_s"] for s, c in zip(runs["one at a time"], runs["32 concurrent"])]
     if limits["hung"] or limits["other"] or limits["exit"] != 0:
         sys.exit(f"the queue bound lost or hung requests: {limits}")
     print(f"32 concurrent / one at a time: {with_spread(ratios)}x output tokens/s")
 
 
-def report(args, runs: dict[str, list[dict]], limits: dict) -> str:
+def report(args, runs: dict[str, list[dict]], limits: dict, cached: dict) -> str:
     model = args.model or ("tiny random model" if args.quick else
                            "quickstart architecture, random weights")  # fmt: skip
     lines = [
@@ -257,6 +340,33 @@ def report(args, runs: dict[str, list[dict]], limits: dict) -> str:
         "",
         f"32 concurrent clients / one client at a time, output tokens/s: "
         f"**{with_spread(ratios)}x** (each round's ratio; target >= 4x).",
+        "",
+        "Prefix cache: the same prompt again and again, a server with --prefix-cache-mb 512 "
+        "(on, the default) and one with 0 (off), in rotated order each round; row forwards "
+        "per request (what the cache saves: a repeated prompt's first forward), the engine's "
+        "decoding seconds per request (/metrics busy seconds: no HTTP), p50 latency, "
+        "requests/s; hits and misses of the runs with the cache on, summed over rounds.",
+        "",
+        "| prompt and request | clients | requests | row fwd/request on | off | engine ms/request "
+        "on | off | p50 s on | off | requests/s on | off | on/off requests/s | hits / misses "
+        "| same answers |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for (scenario, load_), cell in cached.items():
+        on, off = cell["on"], cell["off"]
+
+        def both(key: str, fmt: str, on=on, off=off) -> str:
+            return " | ".join(with_spread([r[key] for r in rows], fmt) for rows in (on, off))
+
+        speedup = [a["req_s"] / b["req_s"] for a, b in zip(on, off)]
+        same = [a["texts"] for a in on] == [b["texts"] for b in off]
+        lines.append(
+            f"| {scenario} | {load_} | {on[0]['requests']} | {both('fwd_req', '{:.2f}')} | "
+            f"{both('busy_ms', '{:.1f}')} | {both('p50', '{:.3f}')} | {both('req_s', '{:.2f}')} | "
+            f"**{with_spread(speedup)}x** | {sum(r['hits'] for r in on):.0f} / "
+            f"{sum(r['misses'] for r in on):.0f} | {'yes' if same else 'NO'} |"
+        )  # fmt: skip
+    lines += [
         "",
         f"Queue bound (--max-batch 32 --max-queue 8, {limits['burst']} requests at once): "
         f"{limits['answered']} answered, {limits['429']} got 429 (Retry-After: 1), "

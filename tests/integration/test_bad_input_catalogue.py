@@ -707,6 +707,9 @@ CASES = [
     case("serve-runs-not-a-folder", lambda ctx: ["serve", "--model", str(ctx.model()), "--runs",
                                                  str(ctx.write("runs", ""))],
          "--runs", "is not a folder"),
+    case("serve-prefix-cache-negative", lambda ctx: ["serve", "--model", str(ctx.model()),
+                                                     "--prefix-cache-mb", "-1"],
+         "--prefix-cache-mb", "must be a number of megabytes >= 0"),
     # -- grpo: rewards and groups ---------------------------------------------------------------
     case("grpo-group-size-1", grpo([{"fn": "exact_match"}], group_size=1), "'grpo.group_size'",
          "must be >= 2"),

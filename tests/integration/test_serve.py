@@ -278,6 +278,54 @@ def test_32_concurrent_greedy_requests_equal_32_generate_calls(client, server, m
     assert rows / forwards > 2, (rows, forwards)  # rows shared forward passes
 
 
+def test_repeated_prompts_reuse_the_prefix_cache_and_give_generates_tokens(
+    client, server, model_dir, tmp_path
+):
+    """The module's server has the prefix cache (the default 512 MB): 3 prompts x 8 repeats
+    sent at once (repeats inside one block call and across calls), then seeded temperature-1
+    repeats, give `unmask generate`'s tokens (each prompt alone, no cache) and the tokens
+    of a server started with --prefix-cache-mb 0; the first of each prompt computes its
+    first forward (3 misses), the 21 others reuse it."""
+    prompts = ["rev 7777=", "sort 60606=", "add 31+13="] * 8
+    options = {"block_length": 4, "cache": "prefix"}
+    flags = ["--gen-length", "8", "--block-length", "4", "--cache", "prefix"]
+    expected = dict(zip(prompts[:3], generate(model_dir, tmp_path, prompts[:3], *flags)))
+    seeded = [  # one call per prompt: `unmask generate --seed` seeds one generator per call
+        generate(model_dir, tmp_path, [p], *flags, "--temperature", "1.0", "--seed", "5")[0]
+        for p in prompts[:3]
+    ]
+
+    def ask(base: str, prompt: str, **extra) -> str:
+        api = openai.OpenAI(base_url=base + "/v1", api_key=KEY, max_retries=0)
+        out = api.completions.create(model="tiny", prompt=prompt, max_tokens=8,
+                                     extra_body={"unmask": options}, **extra)  # fmt: skip
+        return out.choices[0].text
+
+    def load(base: str) -> tuple[list[str], list[str], tuple[float, float, float]]:
+        """(greedy texts, seeded texts, (misses, hits, saved row forwards) they added)."""
+        names = ("misses_total", "hits_total", "saved_row_forwards_total")
+        before = [metric(base, f"prefix_cache_{n}") for n in names]
+        with ThreadPoolExecutor(24) as pool:
+            got = list(pool.map(lambda p: ask(base, p), prompts))
+        warm = [ask(base, p, seed=5, temperature=1.0) for p in prompts[:3]]
+        counts = tuple(metric(base, f"prefix_cache_{n}") - b for n, b in zip(names, before))
+        return got, warm, counts
+
+    got, warm, counts = load(server)
+    assert got == [expected[p] for p in prompts] and warm == seeded
+    # the seeded repeats reuse greedy's entries (temperature acts after the forward)
+    assert counts == (3, 21 + 3, 21 + 3)  # each reuse: a row of a forward not computed
+    assert metric(server, "prefix_cache_entries") >= 3
+    assert 0 < metric(server, "prefix_cache_bytes") <= 512 * 2**20
+    proc, off = start_server(model_dir, "--prefix-cache-mb", "0", "--api-key", KEY)
+    try:
+        assert load(off) == (got, warm, (0, 0, 0))
+        assert metric(off, "prefix_cache_capacity_bytes") == 0
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+
+
 def test_a_client_that_disconnects_frees_its_slot(server, client):
     before = metric(server, 'requests_total{outcome="cancelled"}')
     forwards = metric(server, "forward_passes_total")

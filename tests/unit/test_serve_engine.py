@@ -9,7 +9,7 @@ from conftest import save_tiny_model
 from unmask.checkpoint import load_for_sampling
 from unmask.sampling import SamplingConfig, sample
 from unmask.sampling.texts import before_eos
-from unmask.serve.engine import Engine, Job
+from unmask.serve.engine import Engine, FirstForward, Job, PrefixCache
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -86,3 +86,145 @@ def test_stop_strings_hold_back_text_that_may_start_one(sm):
     assert events[-1]["finish_reason"] == "stop"
     streamed = "".join(e["text"] for e in events if e["type"] == "block")
     assert streamed == events[-1]["text"]
+
+
+# ------------------------------------------------------------------ the prefix cache
+
+REPEATS = ["rev 90417=", "a", "rev 90417=", "sort 31=", "a", "rev 90417="]
+REPEAT_LENGTHS = [12, 8, 12, 16, 8, 12]
+REPEAT_JOIN_AT = [0, 0, 0, 1, 2, 2]  # rev twice in call 0, a and rev again in call 2
+
+
+def drive(engine: Engine, jobs: list[Job], join_at: list[int]) -> None:
+    """Block calls by hand, as the scheduler makes them: jobs join before call join_at."""
+    active, call = [], 0
+    while call <= max(join_at) or active:
+        active += [job for job, at in zip(jobs, join_at) if at == call]
+        if active:
+            engine.run_block(active)
+        active = [job for job in active if job.block >= 0]
+        call += 1
+
+
+def repeated_jobs(sm, options: dict) -> list[Job]:
+    jobs = []
+    for prompt, length in zip(REPEATS, REPEAT_LENGTHS):
+        ids = sm.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        jobs.append(Job(ids, SamplingConfig(gen_length=length, **options), emit=lambda e: None))
+    return jobs
+
+
+CACHED_OPTIONS = [
+    dict(block_length=4),
+    dict(block_length=4, threshold=0.3, cache="dual"),
+    dict(block_length=4, cfg_scale=1.0, cache="prefix"),
+    dict(block_length=4, remasking="entropy", schedule="dream", cache="prefix"),
+    dict(block_length=4, block_causal=True, cache="prefix"),
+    dict(block_length=4, growing_canvas=True, cache="prefix"),
+    dict(block_length=4, shift_logits=True, cache="dual"),
+]
+
+
+@pytest.mark.parametrize("options", CACHED_OPTIONS)
+def test_prefix_cache_gives_the_tokens_of_no_cache(sm, options):
+    """Repeated prompts joining at different block calls (a repeat inside one call, repeats
+    in a later call): the same tokens with the cache as without, each the prompt's `sample`
+    alone; 3 rows computed, 3 reused (one copied inside its call, two from the cache)."""
+    off, on = Engine(sm, start=False), Engine(sm, start=False, prefix_cache_bytes=1 << 24)
+    plain, cached = repeated_jobs(sm, options), repeated_jobs(sm, options)
+    drive(off, plain, REPEAT_JOIN_AT)
+    drive(on, cached, REPEAT_JOIN_AT)
+    assert [job.answer for job in cached] == [job.answer for job in plain]
+    for job, prompt, length in zip(cached, REPEATS, REPEAT_LENGTHS):
+        expected = alone(sm, prompt, SamplingConfig(gen_length=length, **options))
+        assert before_eos(job.answer, sm.eos_id) == expected
+    cache = on.prefix_cache
+    assert (cache.hits, cache.misses, len(cache)) == (3, 3, 3)
+    assert on.stats.saved_row_forwards == 3
+    assert off.stats.row_forwards - on.stats.row_forwards == 3
+    assert off.prefix_cache is None and off.stats.saved_row_forwards == 0
+
+
+@pytest.mark.parametrize("options", [dict(block_length=4), dict(block_length=4, cache="prefix")])
+def test_prefix_cache_with_a_seed_draws_what_generate_draws(sm, options):
+    """A greedy request fills the cache; a seeded temperature-1 request of the same prompt
+    reuses its first forward (temperature is not in the key: it acts after the forward) and
+    draws exactly the tokens of `sample` with that seed's generator, and of no cache."""
+    ids = sm.tokenizer("rev 90417=", add_special_tokens=False)["input_ids"]
+    greedy = SamplingConfig(gen_length=12, **options)
+    warm = SamplingConfig(gen_length=12, temperature=1.0, **options)
+    answers = {}
+    for size in (0, 1 << 24):
+        engine = Engine(sm, start=False, prefix_cache_bytes=size)
+        first = Job(ids, greedy, emit=lambda e: None)
+        drive(engine, [first], [0])
+        job = Job(ids, warm, emit=lambda e: None, seed=7)
+        drive(engine, [job], [0])
+        answers[size] = job.answer
+        if size:
+            key = engine.prefix_key(Job(ids, greedy, emit=None))
+            assert key is not None and engine.prefix_key(Job(ids, warm, emit=None)) == key
+            assert (engine.prefix_cache.hits, engine.prefix_cache.misses) == (1, 1)
+            assert engine.stats.forwards == first.forwards + job.forwards  # one call saved
+    out = sample(sm.model, torch.tensor([ids]), warm, mask_id=sm.mask_id, eos_id=sm.eos_id,
+                 pad_id=sm.pad_id, generator=torch.Generator().manual_seed(7))  # fmt: skip
+    assert answers[1 << 24] == answers[0] == out.answers[0].tolist()
+
+
+def test_prefix_cache_keys_every_option_the_forward_sees(sm, tmp_path):
+    """Another prompt, canvas, block length, attention, guidance, cache mode or model gives
+    another key; options that act only on the logits share one."""
+    engine = Engine(sm, start=False, prefix_cache_bytes=1 << 20)
+    ids = sm.tokenizer("rev 1=", add_special_tokens=False)["input_ids"]
+
+    def key(prompt=ids, **options):
+        return engine.prefix_key(Job(prompt, SamplingConfig(**options), emit=None))
+
+    base = dict(gen_length=8, block_length=4)
+    changed = [dict(gen_length=12), dict(block_length=8), dict(block_causal=True),
+               dict(cfg_scale=1.0), dict(cache="prefix"), dict(shift_logits=True),
+               dict(growing_canvas=True)]  # fmt: skip
+    keys = {key(**base), key(prompt=ids[:-1], **base), *(key(**{**base, **c}) for c in changed)}
+    assert len(keys) == 2 + len(changed)
+    same = [dict(temperature=0.7), dict(threshold=0.9), dict(remasking="entropy"),
+            dict(steps=4), dict(top_k=3), dict(eos_penalty=1.0), dict(cache_refresh=2)]  # fmt: skip
+    assert {key(**{**base, **s}) for s in same} == {key(**base)}
+    other = Engine(load_for_sampling(save_tiny_model(tmp_path / "other", seed=2), device="cpu"),
+                   start=False, prefix_cache_bytes=1 << 20)  # fmt: skip
+    assert other.prefix_key(Job(ids, SamplingConfig(**base), emit=None)) != key(**base)
+    job = Job(ids, SamplingConfig(**base), emit=None)
+    job.block = 1
+    assert key(**base) is not None and engine.prefix_key(job) is None  # later blocks: never
+    assert Engine(sm, start=False).prefix_key(Job(ids, SamplingConfig(**base), emit=None)) is None
+
+
+def test_prefix_cache_evicts_the_least_recently_used_within_its_bound(sm):
+    """Bytes never exceed the bound: the entry used longest ago goes first; an entry larger
+    than the bound is not kept."""
+    entry = lambda n: FirstForward(torch.zeros(n, dtype=torch.uint8), None)  # noqa: E731
+    cache = PrefixCache(250)
+    cache.put("a", entry(100))
+    cache.put("b", entry(100))
+    assert cache.get("a") is not None  # a is now the most recent
+    cache.put("c", entry(100))
+    assert list(cache.entries) == ["a", "c"] and cache.bytes == 200 and cache.evictions == 1
+    cache.put("d", entry(300))
+    assert list(cache.entries) == ["a", "c"] and cache.bytes == 200
+    # through the engine: one-block answers of prompts of one length, so entries of one size
+    prompts = ["rev 11=", "rev 22=", "rev 11=", "rev 33=", "rev 11="]  # A B A C A
+    config = SamplingConfig(gen_length=4, block_length=4, cache="prefix")
+    counts = {}
+    for room in (1.5, 2.5):  # entries the bound holds
+        jobs = [Job(sm.tokenizer(p, add_special_tokens=False)["input_ids"], config,
+                    emit=lambda e: None) for p in prompts]  # fmt: skip
+        probe = Engine(sm, start=False, prefix_cache_bytes=1 << 24)
+        drive(probe, jobs[:1], [0])
+        size = probe.prefix_cache.bytes
+        engine = Engine(sm, start=False, prefix_cache_bytes=int(room * size))
+        jobs = [Job(job.prompt_ids, config, emit=lambda e: None) for job in jobs]
+        drive(engine, jobs, list(range(len(jobs))))  # one prompt per block call
+        cache = engine.prefix_cache
+        assert cache.bytes <= cache.max_bytes and len(cache) == int(room)
+        counts[room] = (cache.hits, cache.misses, cache.evictions)
+    assert counts[1.5] == (0, 5, 4)  # each repeat came after its entry was evicted
+    assert counts[2.5] == (2, 3, 1)  # C evicted B, the least recently used, not A

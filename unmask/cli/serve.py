@@ -25,6 +25,9 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
                      help="requests decoded together (default 32)")  # fmt: skip
     srv.add_argument("--max-queue", type=positive_int, default=64, help="requests waiting for "
                      "a slot before new ones get 429 (default 64)")  # fmt: skip
+    srv.add_argument("--prefix-cache-mb", type=megabytes, default=512, metavar="MB",
+                     help="MiB for the first forwards of repeated prompts (reused exactly; "
+                     "docs/serving.md, Prefix cache); 0 = off (default 512)")  # fmt: skip
     srv.add_argument("--runs", metavar="DIR", help="folder of run directories shown on the page")
     srv.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every route but "
                      "/health and the page itself (default: $UNMASK_API_KEY, else none)")  # fmt: skip
@@ -37,6 +40,17 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
                      "for requests in flight (default 60)")  # fmt: skip
     add_base_flag(srv)
     srv.set_defaults(func=cmd_serve)
+
+
+def megabytes(text: str) -> float:
+    """An argparse type: a number of megabytes >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number of megabytes >= 0 (got {text!r})")
+    return value
 
 
 def cmd_serve(ns: argparse.Namespace) -> int:
@@ -57,4 +71,5 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     return run_server(sm, model_name=name, host=ns.host, port=ns.port,
                       max_batch=ns.max_batch, max_queue=ns.max_queue,
                       api_key=ns.api_key or os.environ.get("UNMASK_API_KEY") or None,
-                      runs_dir=ns.runs, drain_seconds=ns.drain_timeout)  # fmt: skip
+                      runs_dir=ns.runs, drain_seconds=ns.drain_timeout,
+                      prefix_cache_bytes=int(ns.prefix_cache_mb * 2**20))  # fmt: skip

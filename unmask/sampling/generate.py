@@ -366,6 +366,10 @@ class _BlockDecoder:
         self.visible = stop if config.growing_canvas else canvas.x.shape[1]
         self.logits: torch.Tensor | None = None
         self.last_x: torch.Tensor | None = None
+        #: the server's cross-request cache (serve/engine.py): called for step 0 instead of
+        #: the full forward, as first_forward(store, columns) -> (B, Lb, V) logits, it puts
+        #: the K/V in the canvas's cache as the full forward would. None: the plain forward
+        self.first_forward: Callable[[bool, slice], torch.Tensor] | None = None
 
     def step(self, step: int, generator, out: GenerationOutput) -> bool:
         """Commit this step's tokens; False when the block has no mask left."""
@@ -430,6 +434,8 @@ class _BlockDecoder:
         refresh = step == 0 or (cfg.cache_refresh > 0 and step % cfg.cache_refresh == 0)
         if cfg.cache == "none" or refresh:
             lo, hi, store = 0, self.visible, cfg.cache != "none"
+            if step == 0 and self.first_forward is not None:
+                return self.first_forward(store, slice(start - shift, stop - shift))
         else:
             lo, hi, store = start - shift, (self.visible if cfg.cache == "prefix" else stop), False
         full = self.canvas.forward(self.model, lo, hi, store, self.visible)  # (B, hi - lo, V)

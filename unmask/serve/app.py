@@ -376,4 +376,17 @@ def metrics_text(engine: Engine) -> str:
            round(s.tokens_per_second(), 3))  # fmt: skip
     metric("busy_seconds_total", "counter", "Seconds the engine spent decoding.",
            round(s.busy_seconds, 3))  # fmt: skip
+    cache = engine.prefix_cache
+    metric("prefix_cache_hits_total", "counter", "First forwards of a prompt reused (from "
+           "the cache or a row of the same call).", cache.hits if cache else 0)  # fmt: skip
+    metric("prefix_cache_misses_total", "counter", "First forwards computed and cached.",
+           cache.misses if cache else 0)  # fmt: skip
+    metric("prefix_cache_evictions_total", "counter", "Entries dropped for the bound.",
+           cache.evictions if cache else 0)  # fmt: skip
+    metric("prefix_cache_entries", "gauge", "Entries held.", len(cache) if cache else 0)
+    metric("prefix_cache_bytes", "gauge", "Bytes held.", cache.bytes if cache else 0)
+    metric("prefix_cache_capacity_bytes", "gauge", "The bound (--prefix-cache-mb).",
+           cache.max_bytes if cache else 0)  # fmt: skip
+    metric("prefix_cache_saved_row_forwards_total", "counter", "Rows whose first forward "
+           "was not computed.", s.saved_row_forwards)  # fmt: skip
     return "\n".join(lines) + "\n"

@@ -17,13 +17,22 @@ Greedy rows give the tokens `unmask generate` gives for the prompt alone (batch
 invariance: tests/integration/test_serve.py). A request with a `seed` owns its generator
 and is decoded alone, so it draws exactly what `unmask generate --seed` draws. gen_length
 `auto` (a growing canvas) is decoded by `sample` in one piece, alone.
+
+Prefix cache (`PrefixCache`, `--prefix-cache-mb`): the first forward of a prompt's first
+block sees [prompt | masks], a canvas the prompt and a few options decide, so its result
+(the block's logits and, with a cache mode, the K/V the forward stores) is kept, keyed by
+the model, the prompt's tokens and every option that reaches the forward, and a request
+with the same key reuses it instead of computing it (a row of a block call that repeats
+another row's key copies that row's). Nothing after that forward is reused: every later
+step sees answer tokens, and for a bidirectional model they change the prompt's K/V too.
 """
 
 from __future__ import annotations
 
+import json
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -45,6 +54,66 @@ from unmask.sampling.texts import SamplingModel, before_eos
 
 #: SamplingConfig fields that do not change how one block is decoded (lengths: per row)
 _PER_ROW = ("gen_length", "row_length", "steps", "gen_length_max", "auto_eos_threshold")
+
+
+#: SamplingConfig fields that act only on the logits a forward returns (proposals,
+#: confidences, commits) or on later steps: a block's first forward does not depend on them,
+#: so the prefix cache's key leaves them out. Every other field is in the key (a new field
+#: too, until it is listed here).
+_AFTER_FORWARD = ("temperature", "top_p", "top_k", "eos_penalty", "logits_eos_inf",
+                  "confidence_eos_eot_inf", "remasking", "schedule", "eps", "alg_temp",
+                  "threshold", "sub_block_length", "factor", "cache_refresh", "ddpm_cache",
+                  "steps", "row_length", "gen_length_max", "auto_eos_threshold")  # fmt: skip
+
+
+@dataclass
+class FirstForward:
+    """What the first forward of a prompt's first block gives one row: the block's logits
+    (Lb, V) and, with a cache mode, each layer's (K, V) of the row's real positions
+    ((1, or 2 with CFG's unconditional row, Hkv, span, D)); None without."""
+
+    logits: torch.Tensor
+    kv: list[tuple[torch.Tensor, torch.Tensor]] | None
+
+    @property
+    def nbytes(self) -> int:
+        kv = sum(k.nbytes + v.nbytes for k, v in self.kv or [])
+        return self.logits.nbytes + kv
+
+
+class PrefixCache:
+    """Least-recently-used `FirstForward`s, at most `max_bytes` in all (an entry larger than
+    that is not kept). Counters for /metrics: hits (a row reused a result: from the cache
+    or from another row of its block call), misses (a row computed it), evictions."""
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max_bytes
+        self.entries: OrderedDict[tuple, FirstForward] = OrderedDict()
+        self.bytes = 0
+        self.hits = self.misses = self.evictions = 0
+
+    def get(self, key: tuple) -> FirstForward | None:
+        entry = self.entries.get(key)
+        if entry is not None:
+            self.entries.move_to_end(key)
+        return entry
+
+    def put(self, key: tuple, entry: FirstForward) -> None:
+        size = entry.nbytes
+        if size > self.max_bytes:
+            return
+        old = self.entries.pop(key, None)
+        if old is not None:
+            self.bytes -= old.nbytes
+        while self.bytes + size > self.max_bytes:
+            _, dropped = self.entries.popitem(last=False)
+            self.bytes -= dropped.nbytes
+            self.evictions += 1
+        self.entries[key] = entry
+        self.bytes += size
+
+    def __len__(self) -> int:
+        return len(self.entries)
 
 
 class QueueFull(Exception):
@@ -104,6 +173,7 @@ class Stats:
     decoded: int = 0  # positions committed
     tokens: int = 0  # answer tokens returned (before EOS / stop)
     blocks: int = 0  # block calls
+    saved_row_forwards: int = 0  # rows whose first forward the prefix cache gave
     busy_seconds: float = 0.0
     started: float = field(default_factory=time.time)
     recent: deque = field(default_factory=lambda: deque(maxlen=256))  # (time, tokens)
@@ -120,11 +190,15 @@ class Stats:
 class Engine:
     """The scheduler: `submit` queues a Job (QueueFull past `max_queue` waiting, Draining
     after `close`); a thread admits waiting jobs up to `max_batch` at each block boundary,
-    decodes one block for one group, and drops finished and cancelled jobs."""
+    decodes one block for one group, and drops finished and cancelled jobs.
+    prefix_cache_bytes: the bound of the `PrefixCache` (0: none, every forward computed)."""
 
     def __init__(self, sm: SamplingModel, max_batch: int = 32, max_queue: int = 64,
-                 start: bool = True):  # fmt: skip
+                 start: bool = True, prefix_cache_bytes: int = 0):  # fmt: skip
         self.sm, self.max_batch, self.max_queue = sm, max_batch, max_queue
+        self.prefix_cache = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 else None
+        # the cache is this engine's (one model); the key names the model all the same
+        self.model_key = (id(sm.model), str(sm.device), sm.mask_id)
         self.eot_id = end_of_turn_id(sm.tokenizer)
         self.cond = threading.Condition()
         self.waiting: deque[Job] = deque()
@@ -232,6 +306,14 @@ class Engine:
         special = special_ids(cfg, sm.eos_id, sm.pad_id, self.eot_id)
         decoder = _BlockDecoder(cfg, sm.model, canvas, start, start + block, steps_per_block,
                                 sm.mask_id, special)  # fmt: skip
+        keys = [self.prefix_key(job) for job in rows]
+        saved = {"calls": 0, "rows": 0}  # forwards the prefix cache gave
+        if any(key is not None for key in keys):
+
+            def first_forward(store: bool, columns: slice) -> torch.Tensor:
+                return self._first_forward(canvas, decoder.visible, keys, store, columns, saved)
+
+            decoder.first_forward = first_forward
         out = GenerationOutput(x, start)
         traced = [row for row, job in enumerate(rows) if job.trace]
         for step in range(decoder.max_steps):
@@ -240,6 +322,9 @@ class Engine:
             for row in traced:
                 current = canvas.x[row, start : start + block + later[row]].tolist()
                 rows[row].emit({"type": "step", "canvas": rows[row].answer + current})
+        out.nfe -= saved["calls"]  # the decoder counted the step-0 forward it asked for
+        out.row_forwards -= saved["rows"]
+        self.stats.saved_row_forwards += saved["rows"]
         self.stats.forwards += out.nfe
         self.stats.row_forwards += out.row_forwards
         self.stats.decoded += out.decoded
@@ -251,6 +336,100 @@ class Engine:
             job.block += 1
             ended = sm.eos_id is not None and sm.eos_id in job.answer
             self._advance(job, ended or job.block * block >= job.config.gen_length)
+
+    def prefix_key(self, job: Job) -> tuple | None:
+        """The prefix cache's key of a job's first forward, None when it is not cached (no
+        cache, a block after the first, hooks (code: no key), other samplers)."""
+        cfg = job.config
+        if self.prefix_cache is None or job.answer or job.block:
+            return None
+        if cfg.logits_hook or cfg.tokens_hook or cfg.autoregressive or cfg.blocks_from_start:
+            return None
+        options = json.dumps(cfg.model_dump(exclude=set(_AFTER_FORWARD)), sort_keys=True)
+        return (self.model_key, tuple(job.prompt_ids), options)
+
+    def _first_forward(self, canvas: _Canvas, visible: int, keys: list, store: bool,
+                       columns: slice, saved: dict) -> torch.Tensor:  # fmt: skip
+        """The block call's step-0 logits (B, Lb, V) (`columns` of the full forward), the
+        K/V in canvas.cache when `store`: rows with a cached key take the cache's, rows that
+        repeat an earlier row's key copy it, the others are computed (one forward for them)
+        and their results cached."""
+        cache, batch = self.prefix_cache, canvas.x.shape[0]
+        given: dict[int, FirstForward] = {}
+        computes: dict[tuple, int] = {}  # key -> the row of this call that computes it
+        copies: dict[int, int] = {}
+        computed = []
+        for row, key in enumerate(keys):
+            entry = None if key is None else cache.get(key)
+            if entry is not None:
+                given[row] = entry
+            elif key is not None and key in computes:
+                copies[row] = computes[key]
+            else:
+                computed.append(row)
+                if key is not None:
+                    computes[key] = row
+        cache.hits += len(given) + len(copies)
+        cache.misses += len(computes)
+        logits: list[torch.Tensor | None] = [None] * batch
+        sub = canvas
+        if computed:
+            if len(computed) < batch:  # a canvas of the rows computed
+                idx = torch.tensor(computed, device=canvas.x.device)
+                sub = _Canvas(canvas.x[idx], canvas.valid[idx], canvas.prompt_valid[idx],
+                              canvas.mask_id, canvas.cfg_scale, "prefix" if store else "none",
+                              canvas.blocks)  # fmt: skip
+            part = sub.forward(self.sm.model, 0, visible, store, visible)[:, columns]
+            for i, row in enumerate(computed):
+                logits[row] = part[i]
+            for key, row in computes.items():
+                i = computed.index(row)
+                kv = self._row_kv(sub, i, canvas.valid[row, :visible]) if store else None
+                entry = FirstForward(part[i].clone(), kv)
+                cache.put(key, entry)
+                given.update({r: entry for r, source in copies.items() if source == row})
+        else:
+            saved["calls"] += 1
+        saved["rows"] += batch - len(computed)
+        for row, entry in given.items():
+            logits[row] = entry.logits
+        if store and len(computed) < batch:
+            self._splice_kv(canvas, sub, computed, given, visible)
+        return torch.stack(logits)
+
+    @staticmethod
+    def _row_kv(sub: _Canvas, i: int, valid: torch.Tensor) -> list:
+        """Row i's K/V (with CFG its unconditional row too) over its real positions."""
+        left, span = int(valid.long().argmax()), int(valid.sum())
+        rows = [i, i + sub.x.shape[0]] if sub.cfg_scale > 0 else [i]
+        return [(k[rows, :, left : left + span], v[rows, :, left : left + span])  # copies
+                for k, v in zip(sub.cache.keys, sub.cache.values)]  # fmt: skip
+
+    @staticmethod
+    def _splice_kv(canvas: _Canvas, sub: _Canvas, computed: list[int],
+                   given: dict[int, FirstForward], visible: int) -> None:  # fmt: skip
+        """canvas.cache: the computed rows' K/V (sub's) and the given rows' at their real
+        positions (padding: zeros, which no real position attends)."""
+        batch, guided = canvas.x.shape[0], canvas.cfg_scale > 0
+        both = lambda rows: rows + [r + batch for r in rows] if guided else rows  # noqa: E731
+        template = next(iter(given.values())).kv
+        keys, values = [], []
+        for layer, (k0, v0) in enumerate(template):
+            k = k0.new_zeros((len(both([0])) * batch, k0.shape[1], visible, k0.shape[3]))
+            v = v0.new_zeros((k.shape[0], v0.shape[1], visible, v0.shape[3]))
+            if computed:
+                k[both(computed)] = sub.cache.keys[layer]
+                v[both(computed)] = sub.cache.values[layer]
+            for row, entry in given.items():
+                valid = canvas.valid[row, :visible]
+                left, span = int(valid.long().argmax()), int(valid.sum())
+                ek, ev = entry.kv[layer]
+                assert ek.shape[2] == span, (ek.shape, span)  # the key fixes the layout
+                k[both([row]), :, left : left + span] = ek
+                v[both([row]), :, left : left + span] = ev
+            keys.append(k)
+            values.append(v)
+        canvas.cache.keys, canvas.cache.values = keys, values
 
     def _run_whole(self, job: Job) -> None:
         """gen_length auto: `sample` grows and decodes the canvas in one call."""

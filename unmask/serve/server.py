@@ -29,19 +29,23 @@ class _Server(uvicorn.Server):
 def run_server(sm: SamplingModel, *, model_name: str, host: str = "127.0.0.1",
                port: int = 8000, max_batch: int = 32, max_queue: int = 64,
                api_key: str | None = None, runs_dir: str | Path | None = None,
-               drain_seconds: float = 60.0, log_level: str = "warning") -> int:  # fmt: skip
-    """Serve until SIGTERM / SIGINT; returns the exit code (0)."""
+               drain_seconds: float = 60.0, log_level: str = "warning",
+               prefix_cache_bytes: int = 512 * 2**20) -> int:  # fmt: skip
+    """Serve until SIGTERM / SIGINT; returns the exit code (0). prefix_cache_bytes: the
+    bound of the engine's prefix cache (0: off; docs/serving.md, Prefix cache)."""
     if runs_dir is not None:
         runs_dir = Path(runs_dir)
         if not runs_dir.is_dir():
             raise InputError(f"--runs {str(runs_dir)!r} is not a folder; give the folder that "
                              "holds the run directories")  # fmt: skip
-    engine = Engine(sm, max_batch=max_batch, max_queue=max_queue)
+    engine = Engine(sm, max_batch=max_batch, max_queue=max_queue,
+                    prefix_cache_bytes=prefix_cache_bytes)  # fmt: skip
     server = Server(sm, engine, model_name, api_key=api_key, runs_dir=runs_dir)
     config = uvicorn.Config(build_app(server), host=host, port=port, log_level=log_level,
                             timeout_graceful_shutdown=drain_seconds, lifespan="off")  # fmt: skip
     print(f"unmask: serving {model_name!r} on http://{host}:{port} (max batch {max_batch}, "
-          f"queue {max_queue})", file=sys.stderr, flush=True)  # fmt: skip
+          f"queue {max_queue}, prefix cache {prefix_cache_bytes / 2**20:g} MiB)",
+          file=sys.stderr, flush=True)  # fmt: skip
     _Server(config).run()
     engine.close(timeout=drain_seconds)
     print("unmask: server stopped", file=sys.stderr, flush=True)
