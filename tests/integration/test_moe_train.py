@@ -42,6 +42,27 @@ def test_moe_trains_with_muon_logs_load_and_exports(tiny_config, tmp_path, capsy
     assert len(moe_blocks(from_pretrained(final))) == 2
 
 
+def test_the_moe_recipe_matches_the_dense_quickstart_and_trains(tmp_path):
+    """recipes/moe_quickstart.yaml: the quickstart's data, objective, optimizer and schedule
+    with MoE MLPs of the same active width (384 features per token); a few steps train."""
+    from pathlib import Path
+
+    recipe = Path(__file__).resolve().parents[2] / "recipes" / "moe_quickstart.yaml"
+    moe, dense = load_config(recipe), load_config()  # load_config(): the packaged quickstart
+    for section in ("data", "diffusion", "optim"):
+        assert getattr(moe, section) == getattr(dense, section), section
+    assert moe.train.max_steps == dense.train.max_steps
+    m = moe.model
+    active = (m.num_experts_per_tok + m.num_shared_experts) * m.moe_intermediate_size
+    assert active == dense.model.intermediate_size and m.num_experts == 8
+    out = tmp_path / "run"
+    assert main(["train", str(recipe), f"train.output_dir={out}", "train.max_steps=3",
+                 "train.logging_steps=1", "train.eval_steps=0", "train.save_steps=0",
+                 "data.synthetic_train_size=512", "eval.generate_accuracy=false"]) == 0  # fmt: skip
+    steps = [r for r in read_metrics(out) if "loss" in r]
+    assert len(steps) == 3 and all(r["moe_aux_loss"] == 0.0 for r in steps)
+
+
 def test_router_on_adamw_expert_stacks_on_muon(tiny_config):
     trainer = Trainer(load_config(tiny_config({"model": MOE, "optim": {"name": "muon"}})))
     routing = trainer.optimizer.routing
