@@ -14,7 +14,12 @@ from unmask.parallel.mesh import MeshLayout
 from unmask.parallel.pipeline import PipelinePlan
 from unmask.plan.devices import DEVICES, resolve_device
 from unmask.plan.memory import StepShape, activation_bytes, in_flight, memory_terms, state_bytes
-from unmask.plan.planner import bubble_fraction, make_run_plan, step_shape
+from unmask.plan.planner import (
+    bubble_fraction,
+    make_run_plan,
+    newton_schulz_flops,
+    step_shape,
+)
 from unmask.plan.report import refusal
 from unmask.plan.shards import planned_model_config, shard_model
 from unmask.plan.traffic import group_span, is_intra_node, step_collectives
@@ -289,7 +294,9 @@ def test_pipeline_in_flight_p2p_and_bubble_against_hand_counts():
     assert (send.calls, send.tensor_bytes, send.wire_bytes) == (4, 4 * 32 * 64 * 4, 4 * 32 * 64 * 4)
     assert bubble_fraction(first) == pytest.approx(1 / 5)
     plan = make_run_plan(cfg, 4, DEVICES["h100"])
-    assert plan.step_s == pytest.approx(plan.compute_s / (1 - 1 / 5) + plan.exposed_comm_s)
+    assert plan.step_s == pytest.approx(
+        plan.compute_s / (1 - 1 / 5) + plan.optimizer_s + plan.exposed_comm_s
+    )
     # GPipe: every micro-batch's forward first; interleaved 1F1B (v 2): warm-up chunks
     gpipe = shard_model(pp4("train.pipeline_schedule=gpipe"), 4, rank=0)
     assert in_flight(gpipe) == 4
@@ -328,3 +335,22 @@ def test_the_objective_entry_sets_the_head_share_and_the_dense_mask():
     mask_copy = 2 * 32 * 32 * 4  # rows x L x L, float32 (no bf16 here), per layer
     gap = ar.ranks[0].memory.activations - mdlm.ranks[0].memory.activations
     assert gap == layers * mask_copy
+
+
+def test_the_optimizer_term_is_muons_newton_schulz_by_hand():
+    # 2 layers of q 64x64, k and v 32x64, o 64x64, gate and up 128x64, down 64x128; five
+    # steps of 4 n^2 m + 2 n^3 (n the short side): 58,327,040 FLOPs a layer
+    per_layer = 2 * 5 * 6 * 64**3 + 2 * 5 * (4 * 32**2 * 64 + 2 * 32**3)
+    per_layer += 3 * 5 * (4 * 64**2 * 128 + 2 * 64**3)
+    assert per_layer == 58_327_040
+    h100 = DEVICES["h100"]
+    plan = make_run_plan(tiny(), 1, h100)
+    assert plan.optimizer_flops == 2 * per_layer
+    assert plan.optimizer_s == pytest.approx(2 * per_layer / (h100.peak(True) * plan.mfu))
+    assert plan.step_s == pytest.approx(plan.compute_s + plan.optimizer_s + plan.exposed_comm_s)
+    assert make_run_plan(tiny("optim.name=adamw"), 1, h100).optimizer_flops == 0
+    # FSDP2 over 2: each rank's share of every matrix; the two shares add up to the whole
+    cfg = tiny()
+    shares = [newton_schulz_flops(shard_model(cfg, 2, rank=r), cfg) for r in (0, 1)]
+    assert sum(shares) == pytest.approx(2 * per_layer)
+    assert shares[0] == pytest.approx(per_layer)

@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, field
 from unmask.config import RunConfig
 from unmask.diffusion import objective_spec
 from unmask.errors import InputError
+from unmask.optim.newton_schulz import ns_flops
 from unmask.optim.updates import auto_ns_dtype, cpu_has_native_bf16
 from unmask.parallel.batch import per_rank_batch_size
 from unmask.plan.devices import Device
@@ -68,6 +69,10 @@ class RunPlan:
     """The step's FLOPs on one rank at the assumed MFU."""
     bubble: float
     """Share of the step the pipeline's ranks sit idle (0 without a pipeline)."""
+    optimizer_flops: float
+    """Muon's Newton-Schulz FLOPs per step on the busiest planned rank (0 under AdamW)."""
+    optimizer_s: float
+    """optimizer_flops at the assumed MFU, in the Newton-Schulz dtype's peak."""
     exposed_comm_s: float
     step_s: float
     total_steps: int | None
@@ -126,6 +131,25 @@ def ns_bytes(cfg: RunConfig, device: Device) -> int:
     return 2 if name == "bfloat16" else 4
 
 
+def newton_schulz_flops(model: ShardedModel, cfg: RunConfig) -> float:
+    """Muon's Newton-Schulz FLOPs per step on this rank: optim/newton_schulz.py's ns_flops of
+    each Muon matrix (an expert stack: of each expert), times this rank's share of it (local
+    over global elements). The FSDP2 / TP owners are balanced by these FLOPs, an expert stack's
+    experts are whole on their rank, and each replica (dp_replicate) repeats its group's."""
+    optim = cfg.optim
+    if optim.name != "muon":
+        return 0.0
+    gram = optim.ns_coefficients == "gram" and optim.ns_steps == 5
+    total = 0.0
+    for s in model.shards:
+        if s.optimizer != "muon" or len(s.global_shape) < 2:
+            continue
+        *stack, rows, cols = s.global_shape
+        whole = ns_flops(rows, cols, optim.ns_steps, gram=gram) * math.prod(stack)
+        total += whole * s.local_numel / math.prod(s.global_shape)
+    return total
+
+
 def bubble_fraction(model: ShardedModel) -> float:
     """Share of a step a pipeline rank idles: (p - 1) / (m v + p - 1) for GPipe, 1F1B and
     interleaved 1F1B (m micro-batches, p ranks, v stages per rank: the warm-up and drain
@@ -171,11 +195,12 @@ def make_run_plan(cfg: RunConfig, world_size: int, device: Device, *, nodes: int
                   or spec.explicit_mask)  # fmt: skip
     shape = StepShape(**{**asdict(shape), "masked_fraction": masked_fraction,
                          "dense_mask": dense_mask})  # fmt: skip
-    plans, first = [], None
+    plans, first, ns_work = [], None, 0.0
     for rank in planned_ranks(world_size, ranks):
         sharded = shard_model(cfg, world_size, rank)
         first = first or sharded
         plans.append(RankPlan(rank, memory_terms(sharded, shape), shard_rows(sharded)))
+        ns_work = max(ns_work, newton_schulz_flops(sharded, cfg))
     collectives = step_collectives(first, shape, nodes, ns_bytes=ns_bytes(cfg, device))
     total_params = sum(math.prod(s.global_shape) for s in first.shards)
     dp = layout.dp if world_size > 1 else 1
@@ -195,7 +220,9 @@ def make_run_plan(cfg: RunConfig, world_size: int, device: Device, *, nodes: int
     exposed += max(0.0, overlapped - compute)
     bubble = bubble_fraction(first)
     compute_with_bubble = compute / (1 - bubble)
-    step = compute_with_bubble + exposed
+    # the optimizer runs after the backward, outside the overlap; Newton-Schulz in its dtype
+    optimizer_s = ns_work / (device.peak(ns_bytes(cfg, device) == 2) * mfu)
+    step = compute_with_bubble + optimizer_s + exposed
     if tokens is not None:
         total_steps = math.ceil(tokens / tokens_per_step)
     elif cfg.train.max_steps > 0:
@@ -213,6 +240,7 @@ def make_run_plan(cfg: RunConfig, world_size: int, device: Device, *, nodes: int
                    collectives=collectives, rows_per_rank=shape.rows,
                    micro_batches=shape.micro_batches, tokens_per_step=tokens_per_step,
                    flops_per_step=flops, mfu=mfu, compute_s=compute, bubble=bubble,
+                   optimizer_flops=ns_work, optimizer_s=optimizer_s,
                    exposed_comm_s=exposed,
                    step_s=step, total_steps=total_steps,
                    wall_s=None if total_steps is None else total_steps * step,

@@ -128,6 +128,10 @@ def render(plan: RunPlan, label: str) -> str:
         f"compute {duration(plan.compute_s)} at {plan.mfu:.0%} MFU, exposed communication "
         f"{duration(plan.exposed_comm_s)}, step {duration(plan.step_s)}",
     ]
+    if plan.optimizer_flops:
+        lines.append(f"optimizer: Muon's Newton-Schulz {plan.optimizer_flops:.3e} FLOPs on the "
+                     f"busiest rank, {duration(plan.optimizer_s)} at {plan.mfu:.0%} MFU "
+                     "(in the step time)")  # fmt: skip
     if plan.bubble:
         lines.append(f"pipeline bubble: {plan.bubble:.1%} of the step idle (in the step time)")
     if plan.collectives:
