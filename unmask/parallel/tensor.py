@@ -4,10 +4,15 @@ Each decoder layer's q/k/v and gate/up projections are column-parallel (every tp
 heads / tp of the query and key/value heads, and intermediate / tp of the MLP's columns),
 o and down are row-parallel (their outputs are summed over the tp ranks). Attention reshapes
 its projections with ``view(B, L, -1, head_dim)``, so the forward runs on the local heads
-unchanged. Embedding, norms and the LM head stay replicated on the tp ranks: the
-masked-only chunked loss (diffusion/loss.py) keeps its plain path, and at the widths TP is
-for, the layers' matrices are what must be split (see docs/parallelism.md for the
-measurement and the reasons).
+unchanged. The norms stay replicated on the tp ranks.
+
+The LM head and the embedding are split by vocabulary rows (vocab-parallel, as Megatron's):
+the head is column-parallel (its logits, when asked for, are gathered whole), the
+embedding row-parallel (each rank looks up the ids it holds, zeros elsewhere, summed over
+the ranks), and a tied pair shares the one split matrix. The masked-only loss
+(diffusion/loss.py) sees the head's DTensor and computes the cross-entropy on each rank's
+vocabulary shard, assembling the log-sum-exp over the tp ranks: no rank holds a logit row
+of the whole vocabulary (see docs/parallelism.md for the measurement).
 
 Qwen3's q/k RMSNorm runs per head on a rank's own heads: it gets DTensor's
 SequenceParallel over the head dim, so its weight is a replicated DTensor whose gradient
@@ -68,9 +73,12 @@ def check_tensor_parallel(model: ModelConfig, tp: int, *, lora: bool = False) ->
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh,
-                          layers: list[nn.Module] | None = None) -> nn.Module:  # fmt: skip
+                          layers: list[nn.Module] | None = None, *,
+                          vocab_parallel: bool = True) -> nn.Module:  # fmt: skip
     """Split every decoder layer of a native model over ``tp_mesh`` (1-D), in place
-    (``layers``: those of them; a pipeline stage's)."""
+    (``layers``: those of them; a pipeline stage's), and its embedding and LM head by
+    vocabulary rows (``vocab_parallel``; False keeps them replicated, the reference the
+    tests compare with)."""
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -103,4 +111,28 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh,
             if any(True for _ in layer.get_submodule(name).parameters()):
                 layer_plan[name] = SequenceParallel(sequence_dim=2, use_local_output=True)
         parallelize_module(layer, tp_mesh, layer_plan)
+    if vocab_parallel:
+        shard_vocabulary(model, tp_mesh)
     return model
+
+
+def shard_vocabulary(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """The embedding and LM head (those this module holds: a pipeline stage may hold one or
+    neither) split by vocabulary rows over ``tp_mesh``; a tied pair stays one Parameter."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    head = getattr(model, "lm_head", None)
+    tied = embed is not None and head is not None and head.weight is embed.weight
+    if embed is not None:  # ids replicated in, the looked-up rows summed over the ranks
+        parallelize_module(embed, tp_mesh, RowwiseParallel(input_layouts=Replicate(),
+                                                           output_layouts=Replicate()))  # fmt: skip
+    if head is not None:  # logits (targets None: sampling) gathered whole
+        parallelize_module(head, tp_mesh, ColwiseParallel(output_layouts=Replicate()))
+        if tied:
+            head.weight = embed.weight
