@@ -1,11 +1,14 @@
-"""Run under torchrun (gloo, CPU): the vocab-parallel LM head against the replicated one.
+"""Run under torchrun (gloo, CPU): the vocab-parallel LM head against the replicated one,
+and sequence parallelism against plain tensor parallelism.
 
 A tiny decoder is split over a 1-D tp mesh of every rank twice from the same weights: with
 its embedding and LM head split by vocabulary rows (the default) and with them replicated.
 For each case (untied or tied embeddings, a vocabulary tp divides or not) the per-token
 losses (`targets`), the weighted loss sum (`target_weights`: the fused path the trainer's
 objectives take) and the logits are compared, and so is every parameter's gradient
-(gathered whole). Rank 0 writes {case: {quantity: relative difference (`rel`, `rel_norm`)}}
+(gathered whole). Then the same comparisons for sequence parallelism (norms and residual
+stream sharded over the sequence) against plain TP, with rows of a length tp divides and
+one it does not (padded). Rank 0 writes {case: {quantity: relative difference (`rel`, `rel_norm`)}}
 and the local head rows per rank to OUT.json.
 
 usage: torchrun --nproc_per_node=2 vocab_worker.py OUT.json
@@ -47,16 +50,22 @@ def rel_norm(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((whole(got) - want).norm() / want.norm()).item()
 
 
-def compare(fields: dict, mesh, vocab_chunk: int) -> dict:
+def compare(fields: dict, mesh, vocab_chunk: int, length: int = 16,
+            against: dict | None = None, split: dict | None = None) -> dict:  # fmt: skip
+    """The model split with `split` (apply_tensor_parallel's keywords; default: the
+    vocab-parallel head) against the one split with `against` (default: the replicated
+    head), on rows of `length` tokens."""
     fields = {"num_key_value_heads": 4, "num_attention_heads": 4, **fields}
-    models = {vp: apply_tensor_parallel(tiny_model(seed=3, **fields), mesh, vocab_parallel=vp)
-              for vp in (True, False)}  # fmt: skip
+    styles = {True: split or {}, False: {"vocab_parallel": False} if against is None else against}
+    models = {vp: apply_tensor_parallel(tiny_model(seed=3, **fields), mesh, **style)
+              for vp, style in styles.items()}  # fmt: skip
     gen = torch.Generator().manual_seed(11)
     vocab = fields["vocab_size"]
-    ids = torch.randint(0, vocab, (3, 16), generator=gen)
-    targets = torch.where(torch.rand(3, 16, generator=gen) < 0.5, ids, -100)
-    weights = torch.rand(3, 16, generator=gen)
-    doc_ids = torch.tensor([[0] * 6 + [1] * 10, [0] * 16, [0] * 9 + [1] * 7])
+    ids = torch.randint(0, vocab, (3, length), generator=gen)
+    targets = torch.where(torch.rand(3, length, generator=gen) < 0.5, ids, -100)
+    weights = torch.rand(3, length, generator=gen)
+    doc_ids = torch.tensor([[0] * 6 + [1] * (length - 6), [0] * length,
+                            [0] * 9 + [1] * (length - 9)])  # fmt: skip
     out = {}
     grads = {}
     for vp, model in models.items():
@@ -95,6 +104,12 @@ def main() -> None:
     for case, fields in CASES.items():
         # vocab_chunk 16: several vocabulary chunks per rank (the online log-sum-exp)
         results[case] = compare(fields, mesh, vocab_chunk=16)
+    # sequence parallelism against plain TP (both vocab-parallel): rows of 16 tokens, and
+    # of 15 (padded to 16 inside the model)
+    for length in (16, 15):
+        results[f"sequence parallel, {length} tokens"] = compare(
+            {"vocab_size": 128, "qk_norm": True}, mesh, 16, length, against={},
+            split={"sequence_parallel": True})  # fmt: skip
     rows = [None] * dist.get_world_size()
     dist.all_gather_object(rows, {c: r.pop("head rows per rank") for c, r in results.items()})
     if dist.get_rank() == 0:
