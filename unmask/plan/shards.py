@@ -148,6 +148,11 @@ def layout_of(cfg: RunConfig, world_size: int) -> MeshLayout:
         if getattr(t, key) > 1:
             raise InputError(f"unmask plan does not model train.{key} yet (docs/scaling.md); "
                              f"plan the layout with train.{key}=1")  # fmt: skip
+    if t.sequence_parallel:  # its activations and collectives are not the planner's TP ones
+        raise InputError(
+            "unmask plan does not model train.sequence_parallel yet "
+            "(docs/scaling.md); plan the layout with train.sequence_parallel=false"
+        )
     return plan_layout(world_size, t.fsdp2, t.dp_replicate, t.dp_shard, t.tensor_parallel,
                        t.context_parallel)  # fmt: skip
 
