@@ -7,7 +7,8 @@ untied and tied embeddings and a vocabulary tp does not divide; sequence paralle
 plain TP's, with rows tp divides and rows padded inside the model. Then, in one 2-process
 launch, a tp=2 run with tied embeddings and a tp=2 run with train.sequence_parallel (rows
 cut to random lengths, so some are padded) train with the one-process run's losses for 20
-steps. (Untied vocab-parallel heads train under tp=4 and dp_shard=2 x tp=2 in
+steps, and the tied run's DCP checkpoint resumes on one process with the uninterrupted
+run's losses. (Untied vocab-parallel heads train under tp=4 and dp_shard=2 x tp=2 in
 test_tensor_parallel.py, which also resumes their DCP checkpoints on one process.)
 """
 
@@ -17,6 +18,9 @@ import pytest
 from conftest import losses, train_in_process, write_run_config
 from launch import WORKERS, torchrun, train_in_ranks
 
+from unmask.config import load_config
+from unmask.train.trainer import Trainer
+
 pytestmark = pytest.mark.slow
 BASE = {
     "model": {"num_attention_heads": 4, "num_key_value_heads": 4},
@@ -24,7 +28,8 @@ BASE = {
               "max_steps": 20, "tensor_parallel": 2},
 }  # fmt: skip
 RUNS = {
-    "tied-tp2": {"model": {"tie_word_embeddings": True}},
+    # its checkpoint-10 (a DCP folder of the split tied matrix) resumes on one process
+    "tied-tp2": {"model": {"tie_word_embeddings": True}, "train": {"save_steps": 10}},
     # half the steps cut their rows to a random length: odd lengths are padded to even
     "sp-tp2": {
         "train": {"sequence_parallel": True},
@@ -72,3 +77,21 @@ def test_losses_match_one_process_for_20_steps(runs, name):
     assert sorted(single) == sorted(split) == list(range(1, 21))
     for step in single:
         assert split[step] == pytest.approx(single[step], rel=1e-5), step
+
+
+def test_tied_vocab_parallel_checkpoint_resumes_on_one_process(runs):
+    root = runs["root"]
+    assert runs["results"]["tied-tp2"]["rc"] == 0
+    uninterrupted = losses(train_in_process(runs["cfg"]["tied-tp2"], root / "tied-tp2-1",
+                                            tensor_parallel=1, dp_shard=-1))  # fmt: skip
+    cfg = load_config(runs["cfg"]["tied-tp2"])
+    cfg.train = cfg.train.model_copy(update={
+        "output_dir": str(root / "tied-resumed-1"), "tensor_parallel": 1, "dp_shard": -1,
+        "resume_from_checkpoint": str(root / "tied-tp2" / "checkpoint-10")})  # fmt: skip
+    trainer = Trainer(cfg)
+    assert trainer.step == 10
+    trainer.train()
+    resumed = losses(root / "tied-resumed-1")
+    assert sorted(resumed) == list(range(11, 21))
+    for step in resumed:
+        assert resumed[step] == pytest.approx(uninterrupted[step], rel=1e-5), step
