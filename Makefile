@@ -68,6 +68,8 @@ bench-long: $(STAMP)
 	$(BIN)/python benchmarks/context_parallel.py
 	$(BIN)/python benchmarks/moe.py
 	$(BIN)/python benchmarks/pipeline.py
+	$(BIN)/python benchmarks/vocab_parallel.py
+	$(BIN)/python benchmarks/sequence_parallel.py
 
 # The smoke mode of every benchmark (tiny sizes, one round, no results files): CI runs it.
 bench-quick: $(STAMP)
@@ -86,6 +88,8 @@ bench-quick: $(STAMP)
 	$(BIN)/python benchmarks/context_parallel.py --quick
 	$(BIN)/python benchmarks/moe.py --quick
 	$(BIN)/python benchmarks/pipeline.py --quick
+	$(BIN)/python benchmarks/vocab_parallel.py --quick
+	$(BIN)/python benchmarks/sequence_parallel.py --quick
 
 clean-venv:
 	rm -rf $(VENV)

@@ -18,7 +18,9 @@ ranks of:
 
   - TP: 4 all-reduces per layer per micro-batch (o and down outputs in forward, the q/k/v
     and gate/up inputs' gradients in backward) of B_r x L x H activations, plus the q/k
-    norm weights' partial gradients;
+    norm weights' partial gradients; the vocab-parallel embedding's output (B_r x L x H)
+    and the vocab-parallel loss's (the masked rows' max, exp-sum and target logit: 3 x N_m,
+    and their hidden states' gradient: N_m x H, N_m = the rank's masked tokens that step);
   - FSDP2: per unit, an all-gather of its shard in forward and again in backward
     (reshard_after_forward) and a reduce-scatter of the gradient, P_unit / (dp_shard x tp)
     elements each; fp32;
@@ -157,6 +159,7 @@ def measure(config_path: str, timed: int) -> dict:
         trainer.train_step(batches())
     comms = collective_bytes(prof)
     peak = peak_step_bytes(prof)
+    masked = int(trainer.objective.last_stats["num_masked"])  # the profiled step's
     times = []
     for _ in range(timed):
         if dist.is_initialized():
@@ -165,7 +168,7 @@ def measure(config_path: str, timed: int) -> dict:
         trainer.train_step(batches())
         times.append(time.perf_counter() - started)
     trainer.loader.close()
-    return {"params": params, "optim": optim, "peak": peak,
+    return {"params": params, "optim": optim, "peak": peak, "masked": masked,
             "step_s": statistics.median(times), "comms": comms}  # fmt: skip
 
 
@@ -188,7 +191,7 @@ def worker(out: str, timed: int, configs: list[str]) -> None:
 # ------------------------------------------------------------------ analytic model
 
 
-def analytic(world: int, tp: int, optim: str) -> dict[str, float]:
+def analytic(world: int, tp: int, optim: str, masked: int = 0) -> dict[str, float]:
     """Payload bytes per rank and step of each collective kind (see the module docstring)."""
     from unmask.models import ModelConfig
     from unmask.models.transformer import DiffusionTransformer
@@ -198,12 +201,17 @@ def analytic(world: int, tp: int, optim: str) -> dict[str, float]:
     layers = cfg.num_hidden_layers
     dp = world // tp
     rows = ROWS // dp
-    tp_bytes = 4 * layers * rows * LENGTH * cfg.hidden_size * 4 if tp > 1 else 0
-    layer_params = sum(p.numel() for p in model.model.layers.parameters())
-    rest = sum(p.numel() for p in model.parameters()) - layer_params
-    shard = (layer_params / tp + rest) / dp  # elements a rank holds
+    tokens, hidden = rows * LENGTH, cfg.hidden_size
+    # layers' 4 activation all-reduces, the embedding's output, the vocab-parallel loss's
+    tp_elements = 4 * layers * tokens * hidden + tokens * hidden + masked * (3 + hidden)
+    tp_bytes = tp_elements * 4 if tp > 1 else 0
+    # the layers' matrices and the vocab-parallel embedding and head are split over tp
+    split = sum(p.numel() for p in model.model.layers.parameters())
+    split += model.model.embed_tokens.weight.numel() + model.lm_head.weight.numel()
+    rest = sum(p.numel() for p in model.parameters()) - split
+    shard = (split / tp + rest) / dp  # elements a rank holds
     fsdp_gather = 2 * shard * 4 if world > 1 else 0  # forward + backward
-    fsdp_scatter = (layer_params / tp + rest) * 4 if dp > 1 else 0  # its full gradients
+    fsdp_scatter = (split / tp + rest) * 4 if dp > 1 else 0  # its full gradients
     fsdp_gather = fsdp_gather if dp > 1 else 0
     muon = 0.0
     if optim == "muon" and world > 1:  # owner all-to-all: this rank's rows, out and back
@@ -257,13 +265,15 @@ NOTES = [
     "",
     "## Reading it",
     "",
-    "- Parameters + optimizer state per rank under tp=2 (2 processes) are 0.52x (AdamW) and",
-    "  0.53x (MuonAdamW) of one process's: the layers' matrices are halved, the embedding, LM",
-    "  head and norms (replicated over tp) are not. Under dp2 x tp2 FSDP2 shards those too.",
+    "- Parameters + optimizer state per rank under tp=2 (2 processes): the layers' matrices,",
+    "  the embedding and the LM head (vocab-parallel) are halved, only the norms (replicated",
+    "  over tp) are not. Under dp2 x tp2 FSDP2 shards those too.",
     "- Collective payloads match the analytic model where one exists: TP's activation",
-    "  all-reduces (4 per layer and micro-batch), FSDP2's all-gathers and reduce-scatters, the",
-    "  Muon owner all-to-all, which under TP sends each rank's own block of a split matrix",
-    "  (no DTensor redistribute into rows, which on gloo all-gathered the whole matrix).",
+    "  all-reduces (4 per layer and micro-batch, the embedding's output, the vocab-parallel",
+    "  loss's per-row terms and masked rows' gradient), FSDP2's all-gathers and",
+    "  reduce-scatters, the Muon owner all-to-all, which under TP sends each rank's own block",
+    "  of a split matrix (no DTensor redistribute into rows, which on gloo all-gathered the",
+    "  whole matrix).",
     "- Step times come from 2 shared CPU cores with other jobs running (the 1-process rows",
     "  ran while another benchmark and a test suite competed for them): compare layouts only",
     "  loosely; they say nothing about GPU clusters.",
@@ -311,7 +321,7 @@ def report(measured: dict, names: dict) -> list[str]:
     ]
     for stem, ranks in measured.items():
         layout, optim, nproc, tp = names[stem]
-        model = analytic(nproc, tp, optim)
+        model = analytic(nproc, tp, optim, ranks[0]["masked"])
         for kind, (calls, size) in sorted(ranks[0]["comms"].items()):
             guess = {"allreduce": model["tp_allreduce"], "allgather_base": model["fsdp_allgather"],
                      "reduce_scatter_base": model["fsdp_reduce_scatter"],

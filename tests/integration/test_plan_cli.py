@@ -36,8 +36,9 @@ def test_llada_8b_on_64_gpus_shards_follow_the_formulas(capsys):
         "model.layers.0.mlp.up_proj.weight": [inter // tp // dp, h],
         "model.layers.0.mlp.down_proj.weight": [h // dp, inter // tp],
         "model.layers.0.input_layernorm.weight": [h // dp],
-        "model.embed_tokens.weight": [vocab // dp, h],  # replicated over tp, sharded over dp
-        "lm_head.weight": [vocab // dp, h],
+        # vocab-parallel: rows / tp, then / dp
+        "model.embed_tokens.weight": [vocab // tp // dp, h],
+        "lm_head.weight": [vocab // tp // dp, h],
     }
     for name, local in expect.items():
         assert shards[name]["local"] == local, name
@@ -45,7 +46,7 @@ def test_llada_8b_on_64_gpus_shards_follow_the_formulas(capsys):
     assert plan["parameters"] == params
     # rank 0's float32 parameters: the formulas above over every layer
     per_layer = 4 * (h // tp // dp) * h + 3 * (inter // tp // dp) * h + 2 * (h // dp)
-    local = layers * per_layer + 2 * (vocab // dp) * h + h // dp
+    local = layers * per_layer + 2 * (vocab // tp // dp) * h + h // dp
     assert plan["ranks"][0]["memory"]["parameters"] == 4 * local
     # FLOPs: 6 N T + 12 layers d_attn L T + 6 d V R (train/mfu.py), R = half the tokens
     tokens, length = 4 * dp * 4096, 4096

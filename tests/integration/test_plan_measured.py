@@ -139,16 +139,20 @@ def check_collectives(name: str, plan, counted: dict, world: int) -> None:
     send buffer). FSDP2's all-gathers and reduce-scatters, the all-to-alls (Muon's, CP's)
     and CP's doc-id all-gather: equal, under TP too (Muon sends each rank's block of a split
     matrix to its owner: no DTensor redistribute, whose all-gathers the plan does not list,
-    is left); TP's activation all-reduces: equal up to the scalars every step all-reduces
-    (loss, count, gradient norm) and the q/k norms' partial gradients, a few hundred bytes
-    here."""
+    is left); TP's activation all-reduces (and the vocab-parallel embedding's and loss's):
+    equal up to the scalars every step all-reduces (loss, count, gradient norm) and the q/k
+    norms' partial gradients, a few hundred bytes here. Under FSDP2 x TP the embedding's
+    all-reduce can land on an all-gather's event: there the all-gathers' calls are equal and
+    their bytes are checked together with the all-reduces'."""
     planned = {(c.dim, c.kind): c for c in plan.collectives}
     tp = plan.layout["tp"] > 1
     assert "allgather_into_tensor_coalesced" not in counted, (name, counted)
     gather = planned.get(("dp_shard_cp", "all-gather"))
     if gather is not None:
         got = counted["allgather_base"]
-        assert [got[0], got[1] * gather.group] == [gather.calls, gather.tensor_bytes], name
+        assert got[0] == gather.calls, name
+        if not tp:  # under TP: with the all-reduces (below)
+            assert got[1] * gather.group == gather.tensor_bytes, name
         scatter = planned[("dp_shard_cp", "reduce-scatter")]
         assert counted["reduce_scatter_base"][1] == scatter.tensor_bytes, name
     all_to_all = sum(c.tensor_bytes for c in plan.collectives if c.kind == "all-to-all")
@@ -159,7 +163,13 @@ def check_collectives(name: str, plan, counted: dict, world: int) -> None:
         assert counted["allgather"][1] * doc_ids.group == doc_ids.tensor_bytes, name
     if tp:
         planned_tp = planned[("tp", "all-reduce")].tensor_bytes
-        assert 0 <= counted["allreduce"][1] - planned_tp <= 4096, (name, counted, planned_tp)
+        got_tp = counted["allreduce"][1]
+        if gather is not None:  # FSDP2 x TP: the embedding's async all-reduce can run while
+            # the next unit's all-gather is issued, and its bytes land on that event: count
+            # the two kinds together
+            planned_tp += gather.tensor_bytes // gather.group
+            got_tp += counted["allgather_base"][1]
+        assert 0 <= got_tp - planned_tp <= 4096, (name, counted, planned_tp)
 
 
 @pytest.mark.slow
@@ -179,8 +189,9 @@ def test_plan_equals_measured_bytes(world, tmp_path):
             plan_rank = next(r for r in plan.ranks if r.rank == rank)
             for row in plan_rank.shards:  # the root's and layer 0's parameters
                 assert row["local"] == got["local_shapes"][row["name"]], (where, row["name"])
-            if rank == 0:
-                check_collectives(name, plan, got["collectives"], world)
+            if rank == 0:  # planned with the masked count of the step counted
+                counted = planned(name, world, tmp_path, got["collectives_masked"], rank)
+                check_collectives(name, counted, got["collectives"], world)
             if got["peak"] is not None:
                 gaps[where] = memory.peak / got["peak"] - 1
     print(json.dumps(gaps, indent=1))  # the peak gaps, for the record (pytest -s)

@@ -1,8 +1,8 @@
 """`unmask train` with tensor parallelism on 4 gloo processes against the one-process run.
 
 One torchrun launch (dist_workers/train_worker.py) runs every multi-process config in order:
-tp=4 and dp_shard=2 x tp=2 (with full and selective activation checkpointing) with AdamW
-and with MuonAdamW (20 steps), then a MuonAdamW run
+tp=4 and dp_shard=2 x tp=2 (with full and selective activation checkpointing), and dp_shard=2 x
+tp=2 with sequence parallelism, with AdamW and with MuonAdamW (20 steps), then a MuonAdamW run
 under dp_shard=2 x tp=2 that saves a DCP checkpoint at step 4, and two runs that resume it
 under tp=4 and under dp_shard=4. The one-process references run here. The tiny model has 4
 query and 4 key/value heads so that tp=4 splits them; every config uses split_batches, so
@@ -32,6 +32,8 @@ DCP = deep_update(MUON, {"train": {"max_steps": 8, "save_steps": 4}})
 LAYOUTS = {
     "tp4": {"tensor_parallel": 4, "activation_checkpointing": "full"},
     "dp2tp2": {"tensor_parallel": 2, "dp_shard": 2, "activation_checkpointing": "selective"},
+    # sequence parallelism under FSDP2: norm weights' gradients are partial over tp
+    "dp2tp2sp": {"tensor_parallel": 2, "dp_shard": 2, "sequence_parallel": True},
 }
 
 
@@ -60,7 +62,7 @@ def runs(tmp_path_factory):
 def one_process(runs, name: str, source: str, **train) -> Path:
     """Config `source` run in this process (world size 1, tp=1), written to <name>-1."""
     return train_in_process(runs["cfg"][source], runs["root"] / f"{name}-1", tensor_parallel=1,
-                            dp_shard=-1, **train)  # fmt: skip
+                            sequence_parallel=False, dp_shard=-1, **train)  # fmt: skip
 
 
 def test_runs_succeeded(runs):

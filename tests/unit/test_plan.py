@@ -58,7 +58,8 @@ def shapes(model) -> dict[str, tuple]:
 
 def test_fsdp_tp_shard_shapes_follow_the_formulas():
     # dp_shard 2 x tp 2 at world 4: column-parallel rows / tp then / dp_shard, row-parallel
-    # columns / tp and rows / dp_shard, the rest rows / dp_shard (torch.chunk: ceil first)
+    # columns / tp and rows / dp_shard, the vocab-parallel embedding rows / tp then
+    # / dp_shard, the rest rows / dp_shard (torch.chunk: ceil first)
     model = shard_model(tiny("train.tensor_parallel=2"), 4, rank=0)
     got = shapes(model)
     h, inter, q, kv, vocab = 64, 128, 64, 32, 96
@@ -67,7 +68,7 @@ def test_fsdp_tp_shard_shapes_follow_the_formulas():
     assert got["model.layers.0.mlp.gate_proj.weight"] == (inter // 2 // 2, h)
     assert got["model.layers.0.self_attn.o_proj.weight"] == (h // 2, q // 2)
     assert got["model.layers.0.mlp.down_proj.weight"] == (h // 2, inter // 2)
-    assert got["model.embed_tokens.weight"] == (vocab // 2, h)
+    assert got["model.embed_tokens.weight"] == (vocab // 2 // 2, h)
     assert got["model.layers.0.self_attn.q_norm.weight"] == (16 // 2,)
     assert model.layout == MeshLayout(1, 2, 1, 2)
 
@@ -125,8 +126,12 @@ def test_traffic_against_hand_counts():
     shape = StepShape(rows=2, length=32, micro_batches=1, bf16=True, checkpointing=False)
     by_kind = {(c.dim, c.kind): c for c in step_collectives(model, shape, nodes=1)}
     tp = by_kind[("tp", "all-reduce")]
-    assert tp.calls == 4 * 2  # two forward, two backward per layer
-    assert tp.tensor_bytes == tp.calls * 2 * 32 * 64 * 2  # rows x length x h x bf16
+    # two forward, two backward per layer; the embedding's output; the vocab-parallel
+    # loss's max and sums (one block of the 32 masked rows) and the rows' gradient
+    assert tp.calls == 4 * 2 + 1 + 2 + 1
+    masked = 2 * 32 // 2  # StepShape's default masked_fraction 0.5
+    activations = (4 * 2 + 1) * 2 * 32 * 64 * 2  # rows x length x h x bf16
+    assert tp.tensor_bytes == activations + masked * (3 + 64) * 4  # float32
     assert tp.wire_bytes == tp.tensor_bytes  # 2 (g - 1) / g with g = 2
     gather = by_kind[("dp_shard_cp", "all-gather")]
     gathered = sum(s.gathered_numel for s in model.shards)

@@ -122,6 +122,8 @@ class TrainConfig(BaseModel):
     """Ranks each parameter is sharded over; -1 = world size / (dp_replicate x context_parallel x tensor_parallel)."""
     tensor_parallel: int = Field(1, ge=1)
     """Ranks each decoder layer's matrices are split over (Megatron-style TP: heads / N and MLP columns / N per rank; native decoders only; docs/parallelism.md). Must divide the attention heads, key/value heads and intermediate_size."""
+    sequence_parallel: bool = False
+    """Under tensor_parallel > 1: the norms and the residual stream between the decoder layers sharded over the sequence on the tp ranks (Megatron's sequence parallelism: each layer's input all-gathered, its output reduce-scattered; activations of those parts / N per rank; docs/parallelism.md). Not with context_parallel or pipeline_parallel."""
     context_parallel: int = Field(1, ge=1)
     """Ranks each sequence is split over (context parallelism, docs/parallelism.md)."""
     expert_parallel: int = Field(1, ge=1)

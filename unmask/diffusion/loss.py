@@ -11,9 +11,18 @@ gradients are written into their outputs by the first chunk's `mm(out=)` and acc
 by `addmm_`. A fresh block per elementwise op costs a page-faulting allocation each: on
 CPU at vocabulary 151,936 and hidden 256 that made the loss 1.16x slower on an idle core
 and up to 1.5x under load.
+
+Under tensor parallelism the head arrives split by vocabulary rows (a DTensor): both
+functions then run on the rank's own rows and assemble the log-sum-exp over the tp ranks
+(the vocab-parallel section below), equal to the replicated head within float rounding
+(tests/integration/test_vocab_parallel.py).
 """
 
+from typing import NamedTuple
+
 import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Shard
 
 #: A target of -100 means "no loss here" (the masked-only loss reads only the other rows);
 #: the same value torch's cross_entropy ignores by default.
@@ -156,6 +165,184 @@ class _WeightedCrossEntropy(torch.autograd.Function):
         return grad_hidden, grad_weight, None, None, None
 
 
+# ---------------------------------------------------------------- vocab-parallel LM head
+#
+# Under tensor parallelism the LM head is a DTensor split by vocabulary rows over the tp
+# ranks (parallel/tensor.py). Each rank computes the logits of its own ids only, for the
+# same (replicated) hidden rows; the log-sum-exp is assembled with two all-reduces over the
+# tp group per row block (Megatron's formulation): the max over ranks of the local row max,
+# then the sum of the local exp-sums rescaled to that max, with each row's target logit
+# (held by one rank, 0 on the others) summed in the same all-reduce. The backward's
+# gradient of the hidden rows is a sum over the ranks' vocabulary shards: one all-reduce;
+# the head's gradient is each rank's own rows, with no collective. No rank ever holds
+# logits for the whole vocabulary: blocks are 1/tp of the replicated path's (rows chosen
+# as the replicated path would, columns split over the ranks).
+
+
+class VocabShard(NamedTuple):
+    """This rank's rows [start, start + len(weight)) of a vocab-parallel LM head."""
+
+    weight: torch.Tensor  # the local rows (V_local, H): DTensor.to_local, in the graph
+    start: int
+    vocab: int  # the whole vocabulary V
+    group: dist.ProcessGroup
+    ranks: int
+
+
+def vocab_shard(weight: torch.Tensor) -> VocabShard | None:
+    """The local shard of a head split by vocabulary rows over a 1-D mesh (a DTensor with
+    placements (Shard(0),)); None for a plain tensor. Shards follow DTensor's (torch.chunk's)
+    split: ceil(V / tp) rows per rank, fewer on the last."""
+    if not isinstance(weight, DTensor):
+        return None
+    mesh = weight.device_mesh
+    if mesh.ndim != 1 or tuple(weight.placements) != (Shard(0),):
+        raise ValueError(f"an LM head DTensor must be split by vocabulary rows over one mesh "
+                         f"dim; got placements {weight.placements} on {mesh}")  # fmt: skip
+    vocab, ranks = weight.shape[0], mesh.size()
+    start = min(mesh.get_local_rank() * -(-vocab // ranks), vocab)
+    return VocabShard(weight.to_local(), start, vocab, mesh.get_group(), ranks)
+
+
+def _owned(targets: torch.Tensor, start: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(targets in [start, start + rows): a mask, the local column of each, clamped)."""
+    hit = (targets >= start) & (targets < start + rows)
+    return hit, (targets - start).clamp(0, max(rows - 1, 0))
+
+
+def _global_lse(run_max, run_sum, target_logit, group) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-sum-exp over every rank's vocabulary, the target logit) of rows whose local
+    running max and exp-sum (relative to that max) and local target logit (0 where another
+    rank holds the target) are given: all-reduce max, then one all-reduce sum of both."""
+    top = run_max.clone()
+    dist.all_reduce(top, dist.ReduceOp.MAX, group=group)
+    both = torch.stack([run_sum * torch.exp(run_max - top), target_logit])
+    dist.all_reduce(both, group=group)
+    return top + both[0].log(), both[1]
+
+
+def _local_target_logit(hidden, weight, targets, start, acc) -> torch.Tensor:
+    """hidden_i . weight[target_i] where this rank holds target_i, else 0 (acc dtype)."""
+    hit, cols = _owned(targets, start, weight.shape[0])
+    if weight.shape[0] == 0:
+        return torch.zeros(hidden.shape[0], dtype=acc, device=hidden.device)
+    logit = (hidden * weight[cols].to(hidden.dtype)).to(acc).sum(-1)
+    return torch.where(hit, logit, 0.0)
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, start, group, vocab_chunk, row_chunk):
+        # hidden (N, H) the same on every tp rank, weight (V_local, H) this rank's rows
+        n, v = hidden.shape[0], weight.shape[0]
+        acc = torch.promote_types(hidden.dtype, torch.float32)
+        buffer = hidden.new_empty(min(n, row_chunk) * max(min(v, vocab_chunk), 1), dtype=acc)
+        run_max = torch.full((n,), float("-inf"), dtype=acc, device=hidden.device)
+        run_sum = torch.zeros(n, dtype=acc, device=hidden.device)
+        for r0, r1 in _chunks(n, row_chunk):
+            h, m, s = hidden[r0:r1], run_max[r0:r1], run_sum[r0:r1]
+            for v0, v1 in _chunks(v, vocab_chunk):
+                logits = _logits_into(_block(buffer, r1 - r0, v1 - v0), h, weight[v0:v1])
+                new_max = torch.maximum(m, logits.amax(dim=1))
+                s.mul_(torch.exp(m - new_max))
+                s.add_(logits.sub_(new_max[:, None]).exp_().sum(dim=1))
+                m.copy_(new_max)
+        target_logit = _local_target_logit(hidden, weight, targets, start, acc)
+        lse, target_logit = _global_lse(run_max, run_sum, target_logit, group)
+        ctx.save_for_backward(hidden, weight, targets, lse)
+        ctx.start, ctx.group, ctx.vocab_chunk, ctx.row_chunk = start, group, vocab_chunk, row_chunk
+        return lse - target_logit
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        # as _ChunkedCrossEntropy.backward on this rank's columns; the hidden rows' gradient
+        # is then summed over the ranks
+        hidden, weight, targets, lse = ctx.saved_tensors
+        acc, start = lse.dtype, ctx.start
+        n, v = hidden.shape[0], weight.shape[0]
+        want_weight = ctx.needs_input_grad[1]
+        grad_loss = grad_loss.to(acc)
+        grad_hidden = torch.zeros(hidden.shape, dtype=acc, device=hidden.device)
+        grad_weight = None
+        if want_weight:
+            grad_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device)
+        buffer = hidden.new_empty(min(n, ctx.row_chunk) * max(min(v, ctx.vocab_chunk), 1),
+                                  dtype=acc)  # fmt: skip
+        for r0, r1 in _chunks(n, ctx.row_chunk):
+            h = hidden[r0:r1]
+            h_acc = h.to(acc)
+            g_rows = grad_loss[r0:r1, None]
+            t_rows = targets[r0:r1]
+            for v0, v1 in _chunks(v, ctx.vocab_chunk):
+                w = weight[v0:v1]
+                probs = _logits_into(_block(buffer, r1 - r0, v1 - v0), h, w)
+                probs.sub_(lse[r0:r1, None]).exp_().mul_(g_rows)
+                hit, cols = _owned(t_rows, start + v0, v1 - v0)
+                probs.scatter_add_(1, cols[:, None], torch.where(hit[:, None], -g_rows, 0.0))
+                _mm_into(grad_hidden[r0:r1], probs, w.to(acc), first=v0 == 0)
+                if want_weight:
+                    _mm_into(grad_weight[v0:v1], probs.T, h_acc, first=r0 == 0)
+        dist.all_reduce(grad_hidden, group=ctx.group)
+        if want_weight:
+            grad_weight = grad_weight.to(weight.dtype)
+        return grad_hidden.to(hidden.dtype), grad_weight, None, None, None, None, None
+
+
+class _VocabParallelWeightedCrossEntropy(torch.autograd.Function):
+    """`_WeightedCrossEntropy` on this rank's vocabulary rows: per row block, the local
+    logits, the global log-sum-exp (`_global_lse`), then both gradients from the same block;
+    the hidden rows' gradient is summed over the ranks once at the end."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, coef, start, group, block_rows):
+        n, v = hidden.shape[0], weight.shape[0]
+        acc = torch.promote_types(hidden.dtype, torch.float32)
+        want_hidden, want_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_hidden = grad_weight = None
+        if want_hidden:
+            grad_hidden = torch.zeros(hidden.shape, dtype=acc, device=hidden.device)
+        if want_weight:
+            grad_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device)
+        w_acc = weight.to(acc)
+        buffer = hidden.new_empty(min(n, block_rows) * max(v, 1), dtype=acc)
+        total = torch.zeros((), dtype=acc, device=hidden.device)
+        for r0, r1 in _chunks(n, block_rows):
+            h = hidden[r0:r1]
+            hit, cols = _owned(targets[r0:r1], start, v)
+            c = coef[r0:r1].to(acc)
+            logits = _logits_into(_block(buffer, r1 - r0, v), h, weight)  # (R, V_local)
+            if v:
+                row_max = logits.amax(dim=1)
+                target_logit = torch.where(hit, logits.gather(1, cols[:, None]).squeeze(1), 0.0)
+            else:
+                row_max = torch.full((r1 - r0,), float("-inf"), dtype=acc, device=h.device)
+                target_logit = torch.zeros(r1 - r0, dtype=acc, device=h.device)
+            top = row_max.clone()
+            dist.all_reduce(top, dist.ReduceOp.MAX, group=group)
+            probs = logits.sub_(top[:, None]).exp_()  # unnormalized, in place
+            both = torch.stack([probs.sum(dim=1), target_logit])
+            dist.all_reduce(both, group=group)
+            sums, target_logit = both[0], both[1]
+            total += (c * (top + sums.log() - target_logit)).sum()
+            probs.mul_((c / sums)[:, None])
+            if v:
+                probs.scatter_add_(1, cols[:, None], torch.where(hit, -c, 0.0)[:, None])
+            if want_hidden:
+                torch.mm(probs, w_acc, out=grad_hidden[r0:r1])
+            if want_weight:
+                _mm_into(grad_weight, probs.T, h.to(acc), first=r0 == 0)
+        if want_hidden:
+            dist.all_reduce(grad_hidden, group=group)
+        ctx.grads = (grad_hidden, grad_weight)
+        ctx.dtypes = (hidden.dtype, weight.dtype)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total):
+        grad_hidden, grad_weight = _WeightedCrossEntropy.backward(ctx, grad_total)[:2]
+        return grad_hidden, grad_weight, None, None, None, None, None
+
+
 def weighted_cross_entropy(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -175,7 +362,13 @@ def weighted_cross_entropy(
         losses = chunked_cross_entropy(hidden, weight, targets, vocab_chunk, row_chunk)
         return (losses * coef.detach().to(losses.dtype)).sum()
     block_rows = max(1, (row_chunk * vocab_chunk) // weight.shape[0])
+    shard = vocab_shard(weight)
     with torch.autocast(device_type=hidden.device.type, enabled=False):
+        if shard is not None:  # the replicated path's rows per block, 1/tp of its columns
+            return _VocabParallelWeightedCrossEntropy.apply(
+                hidden, shard.weight, targets, coef.detach(), shard.start, shard.group,
+                block_rows,
+            )  # fmt: skip
         return _WeightedCrossEntropy.apply(hidden, weight, targets, coef.detach(), block_rows)
 
 
@@ -192,8 +385,19 @@ def chunked_cross_entropy(
     weight: (V, H) the LM head (tied or not); no bias.
     targets: (N,) token ids. Returns (N,) losses; peak extra memory is one
     (row_chunk x vocab_chunk) float32 block instead of (N x V).
+
+    A weight split by vocabulary rows over tp ranks (a DTensor, `vocab_shard`) takes the
+    vocab-parallel path: hidden and targets the same on every tp rank, losses too, and each
+    rank's block 1/tp of the replicated one (vocab_chunk / tp columns).
     """
+    shard = vocab_shard(weight)
+    local = weight if shard is None else shard.weight
     if hidden.shape[0] == 0:
-        return hidden.sum(-1) * 0 + weight.sum() * 0  # keeps both in the graph
+        return hidden.sum(-1) * 0 + local.sum() * 0  # keeps both in the graph
     with torch.autocast(device_type=hidden.device.type, enabled=False):
+        if shard is not None:
+            chunk = max(1, vocab_chunk // shard.ranks)
+            return _VocabParallelCrossEntropy.apply(
+                hidden, shard.weight, targets, shard.start, shard.group, chunk, row_chunk
+            )
         return _ChunkedCrossEntropy.apply(hidden, weight, targets, vocab_chunk, row_chunk)

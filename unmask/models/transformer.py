@@ -87,6 +87,24 @@ def context_rows(context, input_ids: torch.Tensor, doc_ids: torch.Tensor | None,
     return doc_ids, position_ids
 
 
+def pad_to_multiple(multiple: int, input_ids, doc_ids, position_ids, attention_mask):
+    """Rows padded at the end to a multiple of `multiple` tokens (sequence parallelism's
+    even shards): the padding is a document of its own, so no real token attends to it or
+    it to them, and the real tokens keep their positions and their outputs."""
+    rows, length = input_ids.shape
+    extra = -length % multiple
+    if doc_ids is None:
+        doc_ids = torch.zeros_like(input_ids)
+
+    input_ids = torch.cat([input_ids, input_ids.new_zeros(rows, extra)], dim=1)
+    doc_ids = torch.cat([doc_ids, (doc_ids.max() + 1).expand(rows, extra)], dim=1)
+    position_ids = position_ids.expand(rows, length)
+    position_ids = torch.cat([position_ids, position_ids.new_zeros(rows, extra)], dim=1)
+    if attention_mask is not None:  # the document mask keeps the padding apart
+        attention_mask = torch.nn.functional.pad(attention_mask, (0, extra, 0, extra), value=True)
+    return input_ids, doc_ids, position_ids, attention_mask
+
+
 class Attention(nn.Module):
     """Grouped-query self-attention with q/k RMSNorm per head (or over the whole q / k
     projection: OLMoE) and RoPE, no causal mask."""
@@ -193,6 +211,9 @@ class DiffusionTransformer(nn.Module):
         # context parallelism (unmask.parallel.context.ContextShard), set by the trainer:
         # every call then takes this rank's slice of each row
         self.context_parallel = None
+        # sequence parallelism (parallel/tensor.py): the tp degree N, set when the residual
+        # stream is sharded over the sequence; rows are then padded to a multiple of N
+        self.sequence_parallel = None
         self.model = DecoderStack(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
@@ -249,6 +270,14 @@ class DiffusionTransformer(nn.Module):
             else:
                 position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)
                 position_ids = position_ids.expand_as(input_ids)
+        length, shards = input_ids.shape[1], self.sequence_parallel
+        if shards is not None and length % shards:
+            if kv_cache is not None:
+                raise ValueError(f"sequence parallelism over {shards} ranks needs a multiple of "
+                                 f"{shards} tokens with a KV cache; got {length}")  # fmt: skip
+            input_ids, doc_ids, position_ids, attention_mask = pad_to_multiple(
+                shards, input_ids, doc_ids, position_ids, attention_mask
+            )
         backend = resolve_backend(
             self.config.attn_implementation,
             doc_ids,
@@ -271,7 +300,7 @@ class DiffusionTransformer(nn.Module):
                 x = checkpoint(layer, x, cos, sin, mask, use_reentrant=False)
             else:
                 x = layer(x, cos, sin, mask)
-        return self.model.norm(x)
+        return self.model.norm(x)[:, :length]
 
     def forward(
         self,

@@ -238,12 +238,13 @@ def activation_bytes(model: ShardedModel, shape: StepShape) -> int:
 
 
 def head_gradient_bytes(model: ShardedModel, shape: StepShape) -> int:
-    """The LM head's float32 gradients made in the forward (diffusion/loss.py): the whole
-    head (V x h) and the R masked rows' hidden states."""
+    """The LM head's float32 gradients made in the forward (diffusion/loss.py): the head
+    (V x h; this rank's ceil(V / tp) rows under TP, the vocab-parallel head) and the R
+    masked rows' hidden states."""
     arch, layout = model.model_config, model.layout
     tokens = shape.rows * shape.length // layout.cp
     masked = int(tokens * shape.masked_fraction)
-    return (arch.vocab_size + masked) * arch.hidden_size * 4
+    return (-(-arch.vocab_size // layout.tp) + masked) * arch.hidden_size * 4
 
 
 def activation_gradient_bytes(model: ShardedModel, shape: StepShape) -> int:

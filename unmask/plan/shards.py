@@ -171,6 +171,11 @@ def fake_world(rank: int, world_size: int):
 def layout_of(cfg: RunConfig, world_size: int) -> MeshLayout:
     """The mesh sizes the trainer would build (parallel/distributed.py `plan_layout`)."""
     t = cfg.train
+    if t.sequence_parallel:  # its activations and collectives are not the planner's TP ones
+        raise InputError(
+            "unmask plan does not model train.sequence_parallel yet "
+            "(docs/scaling.md); plan the layout with train.sequence_parallel=false"
+        )
     check_pipeline_request(cfg)  # the trainer's own checks of a pipeline layout
     layout = plan_layout(world_size, t.fsdp2, t.dp_replicate, t.dp_shard, t.tensor_parallel,
                          t.context_parallel, t.pipeline_parallel)  # fmt: skip

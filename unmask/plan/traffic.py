@@ -127,8 +127,17 @@ def step_collectives(model: ShardedModel, shape: StepShape, nodes: int,
     recomputed = _checkpointed_layers(model.layers, shape.checkpointing)
     if layout.tp > 1:
         calls = micro * (4 * model.layers + 2 * recomputed)
-        out.append(Collective("tp", "all-reduce", "TP activations (o_proj, down_proj)", calls,
-                              calls * tokens * arch.hidden_size * b, layout.tp,
+        size = calls * tokens * arch.hidden_size * b
+        # the vocab-parallel embedding's output, and the vocab-parallel loss (diffusion/
+        # loss.py, weighted): per block of masked rows a max and a (exp-sum, target logit)
+        # all-reduce, then the masked rows' hidden-state gradient, in float32
+        masked = int(tokens * shape.masked_fraction)
+        blocks = -(-masked // max(1, 4096 * 8192 // arch.vocab_size)) if masked else 0
+        calls += micro * (1 + 2 * blocks + (1 if masked else 0))
+        size += micro * (tokens * arch.hidden_size * b + masked * (3 + arch.hidden_size) * 4)
+        out.append(Collective("tp", "all-reduce",
+                              "TP activations (o_proj, down_proj, embedding), vocab-parallel loss",
+                              calls, size, layout.tp,
                               is_intra_node(layout, ("tp",), nodes)))  # fmt: skip
     if layout.cp > 1:
         heads, kv = arch.num_attention_heads // layout.tp, arch.num_key_value_heads // layout.tp

@@ -84,6 +84,31 @@ def check_context_request(cfg: RunConfig, world_size: int) -> None:
                            tp=cfg.train.tensor_parallel)  # fmt: skip
 
 
+def check_sequence_request(cfg: RunConfig) -> None:
+    """train.sequence_parallel: one-line InputError before any process group work for what
+    it cannot serve. It shards the tensor-parallel ranks' residual stream over the sequence,
+    so it needs tensor_parallel > 1 and whole rows on each tp group (no context or pipeline
+    parallelism); rows are padded to a multiple of the tp degree inside the model, which a
+    sampler's KV cache cannot follow (no generation during training)."""
+    t = cfg.train
+    if not t.sequence_parallel:
+        return
+    key = "train.sequence_parallel: true"
+    if t.tensor_parallel == 1:
+        raise InputError(f"{key} shards the residual stream over the tensor-parallel ranks and "
+                         "needs train.tensor_parallel >= 2; set tensor_parallel or "
+                         "sequence_parallel: false")  # fmt: skip
+    for name in ("context_parallel", "pipeline_parallel"):
+        if getattr(t, name) > 1:
+            raise InputError(f"{key} does not combine with train.{name}={getattr(t, name)}; set "
+                             f"one of them off")  # fmt: skip
+    if cfg.eval.generate_accuracy or cfg.diffusion.objective == "grpo":
+        what = ("eval.generate_accuracy: true" if cfg.eval.generate_accuracy
+                else "diffusion.objective grpo (rollouts)")  # fmt: skip
+        raise InputError(f"{key} serves training forwards only; {what} samples with a KV "
+                         "cache, which sequence-sharded rows cannot serve: turn one off")  # fmt: skip
+
+
 def check_pipeline_request(cfg: RunConfig) -> None:
     """train.pipeline_parallel > 1: one-line InputError before any process group work for
     what the pipeline cannot serve. It splits the layers of a native decoder with an
@@ -192,7 +217,8 @@ def build_train_model(cfg: RunConfig, tokenizer, added_tokens: int, device: torc
         model = PipelineModel(model, pipeline, mesh["pp"].get_local_rank())
     if mesh is not None and mesh["tp"].size() > 1:
         model.to(device)
-        apply_tensor_parallel(model, mesh["tp"], decoder_layers(model))
+        apply_tensor_parallel(model, mesh["tp"], decoder_layers(model),
+                              sequence_parallel=t.sequence_parallel)  # fmt: skip
     model.gradient_checkpointing = checkpointing_choice(t)
     if t.torch_compile:
         compile_blocks(decoder_layers(model))

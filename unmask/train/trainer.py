@@ -67,6 +67,7 @@ from unmask.train.setup import (
     check_context_request,
     check_model_fits,
     check_pipeline_request,
+    check_sequence_request,
     objective_datasets,
     prepare_tokenizer,
 )
@@ -100,6 +101,7 @@ class Trainer(TrainStep, Evaluation, CheckpointedState):
         env = launch_env()
         check_tensor_parallel(cfg.model, t.tensor_parallel, lora=cfg.model.lora)
         check_context_request(cfg, env.world_size)
+        check_sequence_request(cfg)
         check_pipeline_request(cfg)
         # the mesh's sizes, checked before any process group work; tp and cp peers read the
         # same rows, so batches are split over the data-parallel ranks only

@@ -14,7 +14,8 @@ OUT_DIR/<config stem>.rank<R>.json with, on this rank:
   a dispatch mode, by category) and its categories at that peak, for the whole step (None
   for a step of several micro-batches: MemTracker refuses a module called twice);
 - local_shapes: each parameter's local shape;
-- masked: the LM head's rows (tokens masked) of the step on this rank;
+- masked: the LM head's rows (tokens masked) of the step on this rank (and
+  collectives_masked: of the step whose collectives were counted);
 - collectives: {c10d kind: [calls, bytes]} of a third step (torch.profiler).
 """
 
@@ -29,9 +30,13 @@ from torch import nn
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return t.to_local() if isinstance(t, DTensor) else t
+    """The plain tensor inside a tensor subclass: a DTensor's local tensor, or the result
+    an async functional collective wraps (the vocab-parallel embedding's all-reduced
+    output, which the first norm saves)."""
+    while hasattr(t, "__tensor_flatten__"):
+        names, _ = t.__tensor_flatten__()
+        t = getattr(t, names[0])
+    return t
 
 
 def _bytes(tensors) -> int:
@@ -138,6 +143,9 @@ def measure(cfg_path: str, out_dir: Path) -> None:
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
                                 record_shapes=True) as prof:  # fmt: skip
         trainer.train_step(batches())
+    # its masked count (the vocab-parallel loss's all-reduces are per masked row; one
+    # micro-batch's count: the layouts with several measure no TP traffic)
+    profiled_masked = int(trainer.objective.last_stats["num_masked"])
     result = {
         "parameters": _bytes(model.parameters()),
         "gradients": grads["bytes"],
@@ -150,6 +158,7 @@ def measure(cfg_path: str, out_dir: Path) -> None:
         },  # fmt: skip
         "masked": masked,
         "collectives": collective_bytes(prof),
+        "collectives_masked": profiled_masked,
     }
     (out_dir / f"{stem}.rank{rank}.json").write_text(json.dumps(result, indent=1))
     trainer.loader.close()
