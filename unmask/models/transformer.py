@@ -252,6 +252,8 @@ class DiffusionTransformer(nn.Module):
         backend = resolve_backend(self.config.attn_implementation, doc_ids, input_ids.device)
         if attention_mask is not None:  # an explicit mask (block diffusion) needs sdpa
             backend = "sdpa"
+        elif kv_cache is not None and backend == "varlen":  # fed tokens: fewer q than k
+            backend = "sdpa"
         mask = build_attention_mask(doc_ids, backend)
         mask.context = context
         if attention_mask is not None:

@@ -25,8 +25,9 @@ stream's:
         + 4 (2 + heads/tp [+ heads/tp + kv heads/tp]) (RMSNorm statistics, attention's
           log-sum-exp; float32)
         + 4 head_dim under bfloat16 (the RoPE tables cast per layer)
-  and per layer, not per token: rows x L x L x b with sdpa and a dense document mask
-  (its copy of the (B, 1, L, L) mask in the attention's dtype; L the whole row under cp)
+  and per layer, not per token: rows x L x L x b with `attn_implementation: sdpa` and its
+  dense document mask (its copy of the (B, 1, L, L) mask in the attention's dtype; L the
+  whole row under cp); nothing with varlen (`auto` on CPU) or flex
 
 Around the layers: the token ids (8 bytes each), the final norm's input and statistics, the
 loss's mask (1 byte) and the RoPE tables (float32, shared by the layers: saved when a
@@ -64,8 +65,8 @@ class StepShape:
     """Share of tokens the LM head runs on (MDLM: E[1 - alpha(t)] = 1/2 for t ~ U(0, 1))."""
     reshard_after_forward: bool = True
     dense_mask: bool = False
-    """Attention through sdpa with a dense (B, 1, L, L) mask (CPU; GPUs take flex's block
-    mask for packed rows)."""
+    """Attention through sdpa with a dense (B, 1, L, L) mask (`attn_implementation: sdpa`;
+    `auto` takes varlen on CPU, flex's block mask on GPUs, for packed rows)."""
 
 
 @dataclass(frozen=True)

@@ -129,7 +129,9 @@ def make_run_plan(cfg: RunConfig, world_size: int, device: Device, *, nodes: int
     cfg = planned_model_config(cfg)
     layout = layout_of(cfg, world_size)  # one-line InputError for a mesh that cannot factor
     shape = step_shape(cfg, world_size)
-    dense_mask = device.name == "cpu" or cfg.model.attn_implementation == "sdpa"
+    # sdpa keeps a dense document mask; flex (CUDA) a block mask, varlen (`auto` on CPU)
+    # none: one sdpa call per document
+    dense_mask = cfg.model.attn_implementation == "sdpa"
     shape = StepShape(**{**asdict(shape), "masked_fraction": masked_fraction,
                          "dense_mask": dense_mask})  # fmt: skip
     plans, first = [], None
