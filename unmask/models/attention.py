@@ -154,10 +154,10 @@ def attend_documents(
     if all(row == documents[0] for row in documents):
         return _attend_row(q, k, v, documents[0], scale)
     rows = [
-        _attend_row(q[b : b + 1], k[b : b + 1], v[b : b + 1], row, scale)
+        _attend_row(q[b : b + 1], k[b : b + 1], v[b : b + 1], row, scale).transpose(1, 2)
         for b, row in enumerate(documents)
     ]
-    return torch.cat(rows, dim=0)
+    return torch.cat(rows, dim=0).transpose(1, 2)
 
 
 def _attend_row(q, k, v, row: tuple, scale: float) -> torch.Tensor:
@@ -176,7 +176,9 @@ def _attend_row(q, k, v, row: tuple, scale: float) -> torch.Tensor:
         parts = out.split([stop - start for start, stop in runs], dim=2)
         pieces.extend((start, part) for (start, _), part in zip(runs, parts))
     pieces.sort(key=lambda piece: piece[0])
-    return torch.cat([part for _, part in pieces], dim=2)
+    # joined as (B, L, H, D) and handed back transposed, the layout sdpa's own output has:
+    # the caller's transpose(1, 2).reshape for o_proj is then a view, not a second copy
+    return torch.cat([part.transpose(1, 2) for _, part in pieces], dim=1).transpose(1, 2)
 
 
 def sdpa_gqa_usable(device: torch.device, masked: bool) -> bool:

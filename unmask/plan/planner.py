@@ -131,9 +131,11 @@ def make_run_plan(cfg: RunConfig, world_size: int, device: Device, *, nodes: int
     shape = step_shape(cfg, world_size)
     # sdpa keeps a dense document mask; flex (CUDA) a block mask, varlen (`auto` on CPU)
     # none: one sdpa call per document
-    dense_mask = cfg.model.attn_implementation == "sdpa"
+    attn = cfg.model.attn_implementation
+    dense_mask = attn == "sdpa"
+    varlen = cfg.data.packing and (attn == "varlen" or (attn == "auto" and device.name == "cpu"))
     shape = StepShape(**{**asdict(shape), "masked_fraction": masked_fraction,
-                         "dense_mask": dense_mask})  # fmt: skip
+                         "dense_mask": dense_mask, "varlen": varlen})  # fmt: skip
     plans, first = [], None
     for rank in planned_ranks(world_size, ranks):
         sharded = shard_model(cfg, world_size, rank)
