@@ -28,11 +28,12 @@ score matrix is materialized, in forward or backward). Three row kinds:
   every layer (4 L^2 bytes: 1 GiB per layer at 16k), the same on every rank whatever cp is.
   It is slow at 16k (every query against every key), so it runs in the first round only.
 
-Rounds: cp=1 and cp=2 are launched alternately, `--rounds` times (3 by default); the table
-gives medians and (min-max) over the rounds, the ratio to cp=1 taken within each round.
+Rounds: every kind is launched on its own (fresh processes, so no kind reuses memory another
+freed), cp=1 and cp=2 alternately, `--rounds` times (3 by default); the table gives medians
+and (min-max) over the rounds, the ratio to cp=1 taken within each round.
 
 Run: python benchmarks/context_parallel.py   (writes benchmarks/results/context_parallel.md;
-~25 minutes on 2 shared cores)
+~17 minutes on 2 shared cores at load 13-15)
      python benchmarks/context_parallel.py --quick   (L = 2048, prints, writes nothing)
 """
 
@@ -62,9 +63,13 @@ call per document, on views of the gathered rows' q, k, v: autograd keeps what i
 `full` (q, k, v, the outputs, the log-sum-exp) and no mask, so cp=2 halves it too.
 `packed-dense` (`attn_implementation: sdpa`, the path `auto` took on CPU before): the
 whole rows' float32 (L, L) copy of the dense document mask, kept for backward in every
-layer, is the same on every rank whatever cp is and dominates this tiny model (its saved
-bytes exceed `full`'s by layers x 4 L^2). Saved bytes are exact and the same every round;
-RSS growth and step times share 2 cores with other work: indicative only.
+layer, is the same on every rank whatever cp is and dominates this tiny model: its saved
+bytes exceed `full`'s by layers x 4 L^2 (2 x 1,024 MiB at 16k: 87% of cp=1's total, 93% of
+cp=2's), hence 0.94x. varlen at cp=1 keeps 16 MiB more than `full` (layers x L x Hq x D x
+4 B): o_proj reads the documents' outputs joined into a new tensor, a copy cp=2's
+all-to-all makes anyway. Saved bytes are exact and the same every round; RSS growth and
+step times share 2 cores with other work (load average 12-15 during the run): indicative
+only.
 """
 
 
@@ -271,7 +276,11 @@ def main() -> None:
             # packed-dense attends every query to every key: first round only
             kinds = list(KINDS) if index == 0 else [k for k in KINDS if k != "packed-dense"]
             order = (1, 2) if index % 2 == 0 else (2, 1)
-            rounds.append({cp: launch(cp, Path(tmp), length, kinds) for cp in order})
+            got: dict[int, dict[str, dict]] = {1: {}, 2: {}}
+            for kind in kinds:  # a fresh launch per kind and cp: RSS growth starts clean
+                for cp in order:
+                    got[cp].update(launch(cp, Path(tmp), length, [kind]))
+            rounds.append(got)
             print(f"round {index + 1}/{args.rounds} done (load {load_average()})", flush=True)
     text = table(length, rounds)
     print(text)
