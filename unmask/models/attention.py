@@ -144,13 +144,16 @@ def _sdpa(q, k, v, dense: torch.Tensor | None, scale: float) -> torch.Tensor:
     return F.scaled_dot_product_attention(q, k, v, attn_mask=dense, scale=scale, enable_gqa=gqa)
 
 
+@torch.compiler.disable
 def attend_documents(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: tuple, scale: float
 ) -> torch.Tensor:
     """varlen: one unmasked sdpa call per document of each row (`document_runs`) on views
     of q, k, v, the outputs put back in token order. Rows with the same documents go
     through together. Nothing of size L x L exists; autograd keeps q, k, v (views),
-    each document's output and its log-sum-exp: as dense sdpa keeps, without the mask."""
+    each document's output and its log-sum-exp: as dense sdpa keeps, without the mask.
+    Left out of torch.compile (a graph break): traced, every new document layout would be
+    a new graph."""
     if all(row == documents[0] for row in documents):
         return _attend_row(q, k, v, documents[0], scale)
     rows = [
