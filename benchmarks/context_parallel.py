@@ -18,13 +18,22 @@ Per rank we report
 - step time (forward + backward; 2 shared cores, so only indicative).
 
 Attention: sdpa, which on CPU dispatches to its flash-attention kernel (blocked: no L x L
-score matrix is materialized, in forward or backward). Two row kinds: `full` (one document,
-no mask) and `packed` (documents of L / 8 tokens: a dense (1, 1, L, L) bool document mask,
-L^2 bytes = 256 MiB at 16k, built whole on every rank because each rank attends over whole
-rows for its heads).
+score matrix is materialized, in forward or backward). Three row kinds:
+- `full`: one document, no mask (sdpa);
+- `packed`: documents of L / 8 tokens, `attn_implementation: auto`, which is varlen on CPU:
+  one unmasked sdpa call per document of the whole rows (each rank holds whole rows of
+  heads / cp after the all-to-all), nothing of size L x L;
+- `packed-dense`: the same rows through `attn_implementation: sdpa`, a dense (1, 1, L, L)
+  bool document mask that CPU sdpa turns into a float32 (L, L) matrix kept for backward in
+  every layer (4 L^2 bytes: 1 GiB per layer at 16k), the same on every rank whatever cp is.
+  It is slow at 16k (every query against every key), so it runs in the first round only.
+
+Rounds: every kind is launched on its own (fresh processes, so no kind reuses memory another
+freed), cp=1 and cp=2 alternately, `--rounds` times (3 by default); the table gives medians
+and (min-max) over the rounds, the ratio to cp=1 taken within each round.
 
 Run: python benchmarks/context_parallel.py   (writes benchmarks/results/context_parallel.md;
-~12 minutes on 2 shared cores)
+~17 minutes on 2 shared cores at load 13-15)
      python benchmarks/context_parallel.py --quick   (L = 2048, prints, writes nothing)
 """
 
@@ -38,20 +47,29 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from common import RESULTS, run_workers, write_report
+from common import RESULTS, load_average, machine, run_workers, with_spread, write_report
 from torch.utils._python_dispatch import TorchDispatchMode
 
 REPORT = RESULTS / "context_parallel.md"
 MODEL = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, head_dim=32, vocab_size=256, attn_implementation="sdpa")  # fmt: skip
+             num_key_value_heads=2, head_dim=32, vocab_size=256)  # fmt: skip
+#: row kind -> (documents of L / 8 tokens, attn_implementation)
+KINDS = {"full": (False, "auto"), "packed": (True, "auto"), "packed-dense": (True, "sdpa")}
 MIB = 2**20
 NOTES = """`full`: one document per row, no mask: cp=2 keeps about half the activations of cp=1
 per rank (each rank holds half the tokens; after the all-to-all its q, k, v for half the
-heads over every token are as large as before). `packed`: the dense document mask of whole
-rows, which CPU sdpa turns into a float32 (L, L) matrix kept for backward in every layer
-(1 GiB per layer at 16k), is the same on every rank whatever cp is and dominates this tiny
-model; on CUDA `attn_implementation: flex` keeps a sparse block mask instead. Step times
-share 2 cores with other work: indicative only.
+heads over every token are as large as before). `packed` (varlen, `auto` on CPU): one sdpa
+call per document, on views of the gathered rows' q, k, v: autograd keeps what it keeps for
+`full` (q, k, v, the outputs, the log-sum-exp) and no mask, so cp=2 halves it too.
+`packed-dense` (`attn_implementation: sdpa`, the path `auto` took on CPU before): the
+whole rows' float32 (L, L) copy of the dense document mask, kept for backward in every
+layer, is the same on every rank whatever cp is and dominates this tiny model: its saved
+bytes exceed `full`'s by layers x 4 L^2 (2 x 1,024 MiB at 16k: 87% of cp=1's total, 93% of
+cp=2's), hence 0.94x. varlen at cp=1 keeps 16 MiB more than `full` (layers x L x Hq x D x
+4 B): o_proj reads the documents' outputs joined into a new tensor, a copy cp=2's
+all-to-all makes anyway. Saved bytes are exact and the same every round; RSS growth and
+step times share 2 cores with other work (load average 12-15 during the run): indicative
+only.
 """
 
 
@@ -134,7 +152,7 @@ def step(model, row: dict) -> None:
     model.zero_grad(set_to_none=True)
 
 
-def worker(out: str, length: int) -> None:
+def worker(out: str, length: int, kinds: list[str]) -> None:
     from unmask.models import ModelConfig
     from unmask.models.transformer import DiffusionTransformer
     from unmask.parallel.context import ContextShard
@@ -147,16 +165,17 @@ def worker(out: str, length: int) -> None:
 
         dist.init_process_group("gloo")
         shard = ContextShard.from_mesh(init_device_mesh("cpu", (cp,), mesh_dim_names=("cp",)))
-    torch.manual_seed(0)
-    model = DiffusionTransformer(ModelConfig(**MODEL))
-    model.context_parallel = shard
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     results = {}
-    for kind in ("full", "packed"):
+    for kind in kinds:
+        packed, backend = KINDS[kind]
+        torch.manual_seed(0)  # the same weights for every kind
+        model = DiffusionTransformer(ModelConfig(**MODEL, attn_implementation=backend))
+        model.context_parallel = shard
+        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
         # a short step first: kernels, thread pools and allocator arenas are set up before
         # the measured one
-        step(model, local_row(make_row(512, kind == "packed"), shard, 512))
-        row = local_row(make_row(length, kind == "packed"), shard, length)
+        step(model, local_row(make_row(512, packed), shard, 512))
+        row = local_row(make_row(length, packed), shard, length)
         if shard is not None:
             dist.barrier()
         before = rss_bytes("VmRSS")
@@ -177,45 +196,62 @@ def worker(out: str, length: int) -> None:
             "alltoall_calls": counter.calls,
             "seconds": seconds,
         }
+        del model, losses, row
     rank = dist.get_rank() if shard is not None else 0
     Path(out, f"cp{cp}-rank{rank}.json").write_text(json.dumps(results))
     if shard is not None:
         dist.destroy_process_group()
 
 
-def launch(cp: int, out: Path, length: int) -> list[dict]:
-    run_workers(cp, __file__, "--worker", out, "--length", length, timeout=1200)
-    return [json.loads((out / f"cp{cp}-rank{r}.json").read_text()) for r in range(cp)]
+def launch(cp: int, out: Path, length: int, kinds: list[str]) -> dict[str, dict]:
+    """One launch of `cp` processes: per kind, the largest value over the ranks of each
+    measure (the rank that needs the most)."""
+    for old in out.glob("cp*-rank*.json"):
+        old.unlink()
+    run_workers(cp, __file__, "--worker", out, "--length", length, "--kinds", ",".join(kinds),
+                timeout=3600)  # fmt: skip
+    ranks = [json.loads((out / f"cp{cp}-rank{r}.json").read_text()) for r in range(cp)]
+    return {kind: {key: max(r[kind][key] or 0 for r in ranks) for key in ranks[0][kind]}
+            for kind in kinds}  # fmt: skip
 
 
-def table(length: int, runs: dict[int, list[dict]]) -> str:
+def table(length: int, rounds: list[dict[int, dict[str, dict]]]) -> str:
+    """rounds[i][cp][kind]: one launch's maxima over the ranks."""
     from unmask.parallel.context import alltoall_bytes
 
     cfg = MODEL
     lines = [
         f"L = {length:,} tokens (one row), {cfg['num_hidden_layers']} layers, hidden "
         f"{cfg['hidden_size']}, {cfg['num_attention_heads']} heads / "
-        f"{cfg['num_key_value_heads']} K/V heads of {cfg['head_dim']}, fp32, sdpa (CPU flash)",
+        f"{cfg['num_key_value_heads']} K/V heads of {cfg['head_dim']}, fp32, CPU sdpa "
+        f"(flash); medians (min-max) over {len(rounds)} rounds, max over the ranks of a round",
         "",
-        "| rows | cp | activations saved / rank (max) | ratio to cp=1 | peak RSS growth / rank "
-        "(max) | ratio to cp=1 | all-to-all sent / rank | analytic | step time (max) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| rows | attention | rounds | cp | activations saved / rank | ratio to cp=1 | peak RSS "
+        "growth / rank | ratio to cp=1 | all-to-all sent / rank | analytic | step time |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for kind in ("full", "packed"):
-        base = max(r[kind]["saved_bytes"] for r in runs[1])
-        base_rss = max(r[kind]["rss_growth"] or 0 for r in runs[1])
-        for cp, ranks in runs.items():
-            saved = max(r[kind]["saved_bytes"] for r in ranks)
-            rss = max(r[kind]["rss_growth"] or 0 for r in ranks)
-            sent = max(r[kind]["alltoall_sent"] for r in ranks)
+    for kind in KINDS:
+        runs = [r for r in rounds if kind in r[1]]
+        if not runs:
+            continue
+        attention = {"full": "sdpa, no mask", "packed": "varlen (auto)",
+                     "packed-dense": "sdpa, dense mask"}[kind]  # fmt: skip
+        for cp in (1, 2):
+            got = [r[cp][kind] for r in runs]
+            saved = [g["saved_bytes"] / MIB for g in got]
+            rss = [g["rss_growth"] / MIB for g in got]
+            saved_ratio = [r[cp][kind]["saved_bytes"] / r[1][kind]["saved_bytes"] for r in runs]
+            rss_ratio = [r[cp][kind]["rss_growth"] / r[1][kind]["rss_growth"] for r in runs]
+            sent = max(g["alltoall_sent"] for g in got)
             predicted = alltoall_bytes(length, cfg["num_attention_heads"],
                                        cfg["num_key_value_heads"], cfg["head_dim"],
                                        cfg["num_hidden_layers"], cp)  # fmt: skip
-            seconds = max(r[kind]["seconds"] for r in ranks)
             lines.append(
-                f"| {kind} | {cp} | {saved / MIB:,.1f} MiB | {saved / base:.2f} | "
-                f"{rss / MIB:,.1f} MiB | {rss / base_rss:.2f} | {sent / MIB:,.2f} MiB | "
-                f"{predicted / MIB:,.2f} MiB | {seconds:.1f} s |"
+                f"| {kind} | {attention} | {len(runs)} | {cp} | "
+                f"{with_spread(saved, '{:,.1f}')} MiB | {with_spread(saved_ratio)} | "
+                f"{with_spread(rss, '{:,.1f}')} MiB | {with_spread(rss_ratio)} | "
+                f"{sent / MIB:,.2f} MiB | {predicted / MIB:,.2f} MiB | "
+                f"{with_spread([g['seconds'] for g in got], '{:.1f}')} s |"
             )
     return "\n".join(lines)
 
@@ -224,22 +260,38 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--worker", metavar="OUT")
     parser.add_argument("--length", type=int, default=16384)
+    parser.add_argument("--kinds", default=",".join(KINDS))
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
     if args.worker:
-        worker(args.worker, args.length)
+        worker(args.worker, args.length, args.kinds.split(","))
         return
     length = 2048 if args.quick else args.length
     import tempfile
 
+    rounds = []
     with tempfile.TemporaryDirectory() as tmp:
-        runs = {cp: launch(cp, Path(tmp), length) for cp in (1, 2)}
-    text = table(length, runs)
+        for index in range(args.rounds):
+            # packed-dense attends every query to every key: first round only
+            kinds = list(KINDS) if index == 0 else [k for k in KINDS if k != "packed-dense"]
+            order = (1, 2) if index % 2 == 0 else (2, 1)
+            got: dict[int, dict[str, dict]] = {1: {}, 2: {}}
+            for kind in kinds:  # a fresh launch per kind and cp: RSS growth starts clean
+                for cp in order:
+                    got[cp].update(launch(cp, Path(tmp), length, [kind]))
+            rounds.append(got)
+            print(f"round {index + 1}/{args.rounds} done (load {load_average()})", flush=True)
+    text = table(length, rounds)
     print(text)
     report = (
         "# Context parallelism: per-rank activation memory and all-to-all bytes\n\n"
         "`python benchmarks/context_parallel.py` (gloo, CPU processes, one thread each; "
-        "see its docstring for what each column measures).\n\n" + text + "\n\n" + NOTES
+        "see its docstring for what each column measures).\n\n"
+        f"Machine: {machine('torch')}; load average at the end {load_average()}.\n\n"
+        + text
+        + "\n\n"
+        + NOTES
     )
     write_report(report, None if args.quick else REPORT)
 

@@ -57,10 +57,13 @@ def root(tmp_path_factory):
 
 
 def one_process(root: Path, name: str) -> Path:
-    """The config with context_parallel 1 in this process (run once)."""
+    """The config with context_parallel 1 in this process (run once), attending through
+    sdpa with the dense document mask: the multi-process runs take `auto` (varlen on CPU:
+    one sdpa call per document of the gathered rows, no L x L mask)."""
     out = root / f"{name}-1"
     if not out.exists():
-        cfg = load_config(write_config(root, f"{name}-1", CONFIGS[name]))
+        dense = deep_update(CONFIGS[name], {"model": {"attn_implementation": "sdpa"}})
+        cfg = load_config(write_config(root, f"{name}-1", dense))
         Trainer(cfg).train()
     return out
 

@@ -44,6 +44,8 @@ BASE = {
 LAYOUTS = {
     1: {
         "single_muon": {},
+        # packed rows: several documents a row, varlen attention (auto on CPU)
+        "single_muon_packed": {"data": {"packing": True}},
         "single_adamw_bf16_ckpt": {"optim": {"name": "adamw"},
                                    "train": {"bf16": True, "activation_checkpointing": "full"}},
     },

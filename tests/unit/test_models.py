@@ -24,6 +24,7 @@ from unmask.models.attention import (
     FLEX_MIN_HEAD_DIM,
     attend,
     build_attention_mask,
+    document_runs,
     resolve_backend,
     sdpa_gqa_usable,
 )
@@ -79,7 +80,7 @@ def test_default_positions_are_explicit_positions():
         assert torch.equal(model(ids), plain)
 
 
-@pytest.mark.parametrize("backend", ["sdpa", "flex"])
+@pytest.mark.parametrize("backend", ["sdpa", "flex", "varlen"])
 def test_documents_do_not_see_each_other(backend):
     model, ids = _model(attn_implementation=backend), _ids(2, 20)
     changed = ids.clone()
@@ -125,10 +126,54 @@ def test_sdpa_and_flex_agree(packed, head_dim, device):
 def test_auto_picks_flex_on_cuda_only_for_heads_the_compiled_kernel_takes():
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     assert resolve_backend("auto", DOCS, cuda, FLEX_MIN_HEAD_DIM) == "flex"
-    assert resolve_backend("auto", DOCS, cuda, 8) == "sdpa"  # the kernel refuses < 16
+    assert resolve_backend("auto", DOCS, cuda, 8) == "varlen"  # the kernel refuses < 16
     assert resolve_backend("auto", None, cuda, 64) == "sdpa"  # no documents: no mask
-    assert resolve_backend("auto", DOCS, cpu, 64) == "sdpa"
+    assert resolve_backend("auto", DOCS, cpu, 64) == "varlen"
     assert resolve_backend("flex", DOCS, cuda, 8) == "flex"  # asked for: the unfused path
+
+
+#: rows with different layouts; row 1's document 4 comes back after document 3 (its two
+#: runs attend to each other, as under the dense mask)
+SCATTERED = torch.tensor([[0] * 7 + [1] * 9 + [2] * 4, [4] * 5 + [3] * 8 + [4] * 7])
+
+
+def test_document_runs_group_a_returning_id():
+    assert document_runs(SCATTERED) == (
+        (((0, 7),), ((7, 16),), ((16, 20),)),
+        (((0, 5), (13, 20)), ((5, 13),)),
+    )
+    assert document_runs(torch.zeros(1, 6, dtype=torch.long)) == ((((0, 6),),),)
+
+
+@pytest.mark.parametrize("docs", [DOCS, SCATTERED, DOCS[:1].expand(3, 20)])
+def test_varlen_equals_dense_sdpa_outputs_and_gradients(docs):
+    """varlen (one sdpa call per document, no mask) against sdpa with the dense (B, 1, L, L)
+    document mask: outputs and the gradients of q, k, v (GQA: 6 query, 2 K/V heads)."""
+    g = torch.Generator().manual_seed(7)
+    batch = docs.shape[0]
+    q = torch.randn(batch, 6, 20, 8, generator=g, requires_grad=True)
+    k = torch.randn(batch, 2, 20, 8, generator=g, requires_grad=True)
+    v = torch.randn(batch, 2, 20, 8, generator=g, requires_grad=True)
+    dense, varlen = build_attention_mask(docs, "sdpa"), build_attention_mask(docs, "varlen")
+    assert varlen.dense is None and dense.dense.shape == (batch, 1, 20, 20)
+    ours, want = attend(q, k, v, varlen, scale=0.3), attend(q, k, v, dense, scale=0.3)
+    torch.testing.assert_close(ours, want, rtol=1e-5, atol=1e-6)
+    upstream = torch.randn(ours.shape, generator=g)
+    got = torch.autograd.grad((ours * upstream).sum(), [q, k, v])
+    ref = torch.autograd.grad((want * upstream).sum(), [q, k, v])
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_auto_picks_varlen_for_packed_rows_on_cpu():
+    cpu = torch.device("cpu")
+    assert resolve_backend("auto", DOCS, cpu, 16) == "varlen"
+    assert resolve_backend("auto", None, cpu, 16) == "sdpa"
+    varlen, sdpa = _model(attn_implementation="varlen"), _model(attn_implementation="sdpa")
+    ids = _ids(2, 20)
+    with torch.no_grad():
+        torch.testing.assert_close(varlen(ids, doc_ids=SCATTERED), sdpa(ids, doc_ids=SCATTERED),
+                                   rtol=1e-5, atol=1e-5)  # fmt: skip
 
 
 @pytest.mark.parametrize("masked", [False, True])

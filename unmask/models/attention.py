@@ -1,10 +1,12 @@
 """Bidirectional attention backends with document masks for packed rows.
 
 A packed row holds several documents; a token attends only to tokens with the same
-document id, so attention is block-diagonal per document. Two kernels compute the same
-thing: `sdpa` (scaled_dot_product_attention with a dense boolean mask) and `flex`
-(flex_attention with a sparse block mask). The mask is built once per forward and
-shared by every layer.
+document id, so attention is block-diagonal per document. Three kernels compute the same
+thing: `sdpa` (scaled_dot_product_attention with a dense (B, 1, L, L) boolean mask, which
+CPU sdpa turns into a float matrix it keeps for backward), `flex` (flex_attention with a
+sparse block mask; fused only when compiled on CUDA, no backward on CPU) and `varlen`
+(one unmasked sdpa call per document, on views of q, k, v: O(L) memory, no L x L mask).
+The mask is built once per forward and shared by every layer.
 """
 
 import warnings
@@ -28,6 +30,7 @@ class AttentionMask:
 
     dense: (B, 1, L, L) bool for sdpa (True = may attend), None = full attention.
     block: a flex BlockMask, None = full attention.
+    documents: for varlen, `document_runs(doc_ids)`; None = full attention.
     context: context parallelism (unmask.parallel.context.ContextShard) or None: q, k, v
     hold this rank's slice of each row and attention runs over whole rows by heads (the
     masks above are then the whole rows').
@@ -36,6 +39,7 @@ class AttentionMask:
     backend: str
     dense: torch.Tensor | None = None
     block: Any = None
+    documents: tuple | None = None
     context: Any = None
 
 
@@ -49,7 +53,8 @@ def flex_usable(device: torch.device, head_dim: int = FLEX_MIN_HEAD_DIM) -> bool
     FLEX_MIN_HEAD_DIM).
 
     On CPU flex runs only unfused (it materializes the scores) or after a slow inductor
-    compile, so `auto` picks sdpa there; `flex` still works on CPU for tests.
+    compile, and has no backward either way (torch 2.13), so `auto` picks varlen there;
+    `flex` still runs forwards on CPU for tests.
     """
     return flex_attention is not None and device.type == "cuda" and head_dim >= FLEX_MIN_HEAD_DIM
 
@@ -57,14 +62,38 @@ def flex_usable(device: torch.device, head_dim: int = FLEX_MIN_HEAD_DIM) -> bool
 def resolve_backend(
     name: str, doc_ids: torch.Tensor | None, device: torch.device, head_dim: int
 ) -> str:
-    """Map "auto" to a concrete backend: flex for packed rows where usable, else sdpa."""
+    """Map "auto" to a concrete backend: for packed rows flex where usable (CUDA, heads the
+    compiled kernel takes), else varlen; sdpa without document ids (one unmasked call)."""
     if name == "auto":
-        return "flex" if doc_ids is not None and flex_usable(device, head_dim) else "sdpa"
+        if doc_ids is None:
+            return "sdpa"
+        return "flex" if flex_usable(device, head_dim) else "varlen"
     if name == "flex" and flex_attention is None:
         raise RuntimeError("attn_implementation=flex needs torch>=2.5 (flex_attention)")
-    if name not in ("sdpa", "flex"):
-        raise ValueError(f"unknown attention backend {name!r}; use auto, sdpa or flex")
+    if name not in ("sdpa", "flex", "varlen"):
+        raise ValueError(f"unknown attention backend {name!r}; use auto, sdpa, flex or varlen")
     return name
+
+
+def document_runs(doc_ids: torch.Tensor) -> tuple:
+    """Each row's documents for `varlen`: rows[b] is a tuple of documents in order of first
+    appearance, each a tuple of its (start, stop) runs of consecutive tokens (one run for
+    packed rows; a document id that comes back after another's tokens has several, and
+    they attend to each other as in the dense mask). doc_ids: (B, L); reads them on the
+    host once per forward."""
+    batch, length = doc_ids.shape
+    starts = torch.ones_like(doc_ids, dtype=torch.bool)
+    starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    rows = []
+    for b in range(batch):
+        cuts = starts[b].nonzero().flatten()
+        ids = doc_ids[b, cuts].tolist()
+        bounds = cuts.tolist() + [length]
+        documents: dict[int, list[tuple[int, int]]] = {}
+        for index, doc in enumerate(ids):
+            documents.setdefault(doc, []).append((bounds[index], bounds[index + 1]))
+        rows.append(tuple(tuple(runs) for runs in documents.values()))
+    return tuple(rows)
 
 
 def build_attention_mask(doc_ids: torch.Tensor | None, backend: str) -> AttentionMask:
@@ -73,6 +102,8 @@ def build_attention_mask(doc_ids: torch.Tensor | None, backend: str) -> Attentio
         return AttentionMask(backend)
     if backend == "sdpa":
         return AttentionMask(backend, dense=(doc_ids[:, :, None] == doc_ids[:, None, :])[:, None])
+    if backend == "varlen":
+        return AttentionMask(backend, documents=document_runs(doc_ids))
     batch, length = doc_ids.shape
 
     def same_document(b, h, q_idx, kv_idx):
@@ -108,14 +139,58 @@ def attend(
             return _flex_function(q.device, q.shape[-1])(
                 q, k, v, block_mask=mask.block, scale=scale, enable_gqa=k.shape[1] != q.shape[1]
             )
+    if mask.documents is not None:
+        return attend_documents(q, k, v, mask.documents, scale)
+    return _sdpa(q, k, v, mask.dense, scale)
+
+
+def _sdpa(q, k, v, dense: torch.Tensor | None, scale: float) -> torch.Tensor:
     groups = q.shape[1] // k.shape[1]
-    gqa = groups > 1 and sdpa_gqa_usable(q.device, mask.dense is not None)
+    gqa = groups > 1 and sdpa_gqa_usable(q.device, dense is not None)
     if groups > 1 and not gqa:  # explicit GQA expansion: every sdpa kernel accepts it
         k = k.repeat_interleave(groups, dim=1)
         v = v.repeat_interleave(groups, dim=1)
-    return F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask.dense, scale=scale, enable_gqa=gqa
-    )
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=dense, scale=scale, enable_gqa=gqa)
+
+
+@torch.compiler.disable
+def attend_documents(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: tuple, scale: float
+) -> torch.Tensor:
+    """varlen: one unmasked sdpa call per document of each row (`document_runs`) on views
+    of q, k, v, the outputs put back in token order. Rows with the same documents go
+    through together. Nothing of size L x L exists; autograd keeps q, k, v (views),
+    each document's output and its log-sum-exp: as dense sdpa keeps, without the mask.
+    Left out of torch.compile (a graph break): traced, every new document layout would be
+    a new graph."""
+    if all(row == documents[0] for row in documents):
+        return _attend_row(q, k, v, documents[0], scale)
+    rows = [
+        _attend_row(q[b : b + 1], k[b : b + 1], v[b : b + 1], row, scale).transpose(1, 2)
+        for b, row in enumerate(documents)
+    ]
+    return torch.cat(rows, dim=0).transpose(1, 2)
+
+
+def _attend_row(q, k, v, row: tuple, scale: float) -> torch.Tensor:
+    """Attention of rows that share the document layout `row` (see `document_runs`)."""
+    if len(row) == 1 and len(row[0]) == 1:  # one document over the whole row
+        return _sdpa(q, k, v, None, scale)
+    pieces = []  # (start, output of the run)
+    for runs in row:
+        if len(runs) == 1:
+            cols = slice(*runs[0])
+            pieces.append((runs[0][0], _sdpa(q[:, :, cols], k[:, :, cols], v[:, :, cols], None,
+                                             scale)))  # fmt: skip
+            continue
+        index = torch.cat([torch.arange(*run, device=q.device) for run in runs])
+        out = _sdpa(*(x.index_select(2, index) for x in (q, k, v)), None, scale)
+        parts = out.split([stop - start for start, stop in runs], dim=2)
+        pieces.extend((start, part) for (start, _), part in zip(runs, parts))
+    pieces.sort(key=lambda piece: piece[0])
+    # joined as (B, L, H, D) and handed back transposed, the layout sdpa's own output has:
+    # the caller's transpose(1, 2).reshape for o_proj is then a view, not a second copy
+    return torch.cat([part.transpose(1, 2) for _, part in pieces], dim=1).transpose(1, 2)
 
 
 def sdpa_gqa_usable(device: torch.device, masked: bool) -> bool:

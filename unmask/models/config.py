@@ -135,10 +135,11 @@ class ModelConfig(BaseModel):
     initializer_range: float = Field(0.02, ge=0)
     """Standard deviation of the normal init of linear and embedding weights."""
 
-    attn_implementation: Literal["auto", "sdpa", "flex"] = "auto"
+    attn_implementation: Literal["auto", "sdpa", "flex", "varlen"] = "auto"
     """Attention kernel: `sdpa` (scaled_dot_product_attention with a dense document
-    mask), `flex` (flex_attention with a block document mask), or `auto` (flex for
-    packed rows on CUDA, sdpa otherwise). All give the same numbers."""
+    mask), `flex` (flex_attention with a block document mask), `varlen` (one sdpa call per
+    document, no mask), or `auto` (for packed rows flex on CUDA, varlen elsewhere; sdpa
+    without document ids). All give the same numbers."""
 
     pretrained: str | None = None
     """Local folder to load: a Hugging Face Qwen3 folder or one saved by unmask. When

@@ -286,6 +286,8 @@ class DiffusionTransformer(nn.Module):
         )
         if attention_mask is not None:  # an explicit mask (block diffusion) needs sdpa
             backend = "sdpa"
+        elif kv_cache is not None and backend == "varlen":  # fed tokens: fewer q than k
+            backend = "sdpa"
         mask = build_attention_mask(doc_ids, backend)
         mask.context = context
         if attention_mask is not None:

@@ -19,14 +19,16 @@ stream's:
         + b h x (1, or 2 likewise for gate/up)
         + b (q + 2 kv) (attention's q, k, v after RoPE) + b q (its output, which o_proj
           reads as a view; under cp a second b q: the heads come back from the all-to-all
-          in another layout and o_proj reads a merged copy)
+          in another layout and o_proj reads a merged copy; likewise under varlen over
+          packed rows, which joins the documents' outputs)
         + b (q + kv) with per-head q/k norms (their inputs)
         + b 3 I (SwiGLU's gate and up, down's input)
         + 4 (2 + heads/tp [+ heads/tp + kv heads/tp]) (RMSNorm statistics, attention's
           log-sum-exp; float32)
         + 4 head_dim under bfloat16 (the RoPE tables cast per layer)
-  and per layer, not per token: rows x L x L x b with sdpa and a dense document mask
-  (its copy of the (B, 1, L, L) mask in the attention's dtype; L the whole row under cp)
+  and per layer, not per token: rows x L x L x b with `attn_implementation: sdpa` and its
+  dense document mask (its copy of the (B, 1, L, L) mask in the attention's dtype; L the
+  whole row under cp); nothing with varlen (`auto` on CPU) or flex
 
 Around the layers: the token ids (8 bytes each), the final norm's input and statistics, the
 loss's mask (1 byte) and the RoPE tables (float32, shared by the layers: saved when a
@@ -68,8 +70,12 @@ class StepShape:
     """Share of tokens the LM head runs on (MDLM: E[1 - alpha(t)] = 1/2 for t ~ U(0, 1))."""
     reshard_after_forward: bool = True
     dense_mask: bool = False
-    """Attention through sdpa with a dense (B, 1, L, L) mask (CPU; GPUs take flex's block
-    mask for packed rows)."""
+    """Attention through sdpa with a dense (B, 1, L, L) mask (`attn_implementation: sdpa`;
+    `auto` takes varlen on CPU, flex's block mask on GPUs, for packed rows)."""
+    varlen: bool = False
+    """Attention through varlen over packed rows (one sdpa call per document: `auto` on
+    CPU): the documents' outputs are joined into a new tensor that o_proj reads, a second
+    b q per token (as under cp, where the all-to-all makes it)."""
 
 
 @dataclass(frozen=True)
@@ -194,7 +200,9 @@ def layer_saves(model: ShardedModel, shape: StepShape) -> tuple[list[int], list[
     extra = 0
     if shape.dense_mask:  # sdpa's copy of the mask in the attention's dtype
         extra += shape.rows * shape.length * shape.length * (2 if shape.bf16 else 4)
-    if layout.cp > 1:  # the heads come back from the all-to-all as (B, H, L/cp, D): o_proj
+    # the heads come back from the all-to-all as (B, H, L/cp, D) under cp, or the documents'
+    # outputs are joined under varlen: o_proj
+    if layout.cp > 1 or shape.varlen:
         extra += (
             tokens
             * arch.num_attention_heads

@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, field
 from unmask.config import RunConfig
 from unmask.diffusion import objective_spec
 from unmask.errors import InputError
+from unmask.models.attention import FLEX_MIN_HEAD_DIM
 from unmask.optim.newton_schulz import ns_flops
 from unmask.optim.updates import auto_ns_dtype, cpu_has_native_bf16
 from unmask.parallel.batch import per_rank_batch_size
@@ -189,12 +190,16 @@ def make_run_plan(cfg: RunConfig, world_size: int, device: Device, *, nodes: int
     cfg = planned_model_config(cfg)
     layout = layout_of(cfg, world_size)  # one-line InputError for a mesh that cannot factor
     shape = step_shape(cfg, world_size)
-    # sdpa with a dense mask: on CPU, under attn_implementation sdpa, and for an objective
-    # that passes its own mask (ar's causal one) on every device
-    dense_mask = (device.name == "cpu" or cfg.model.attn_implementation == "sdpa"
-                  or spec.explicit_mask)  # fmt: skip
+    # sdpa keeps a dense document mask (under attn_implementation sdpa, and for an objective
+    # that passes its own mask, ar's causal one, on every device); flex (CUDA, heads of 16
+    # features or more) a block mask; varlen (`auto` elsewhere) none: one call per document
+    attn = cfg.model.attn_implementation
+    dense_mask = attn == "sdpa" or spec.explicit_mask
+    flex = device.name != "cpu" and cfg.model.resolved_head_dim >= FLEX_MIN_HEAD_DIM
+    varlen = (cfg.data.packing and not spec.explicit_mask
+              and (attn == "varlen" or (attn == "auto" and not flex)))  # fmt: skip
     shape = StepShape(**{**asdict(shape), "masked_fraction": masked_fraction,
-                         "dense_mask": dense_mask})  # fmt: skip
+                         "dense_mask": dense_mask, "varlen": varlen})  # fmt: skip
     plans, first, ns_work = [], None, 0.0
     for rank in planned_ranks(world_size, ranks):
         sharded = shard_model(cfg, world_size, rank)

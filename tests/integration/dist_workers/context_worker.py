@@ -28,6 +28,8 @@ CASES = {
     "kv_repeat_packed_sdpa": (4, 1, True, "sdpa"),
     "gqa_full_sdpa": (4, 2, False, "sdpa"),
     "gqa_packed_flex": (4, 2, True, "flex"),
+    "gqa_packed_varlen": (4, 2, True, "varlen"),
+    "kv_repeat_packed_varlen": (4, 1, True, "varlen"),
 }
 
 
