@@ -9,6 +9,7 @@ sparse block mask; fused only when compiled on CUDA, no backward on CPU) and `va
 The mask is built once per forward and shared by every layer.
 """
 
+import sys
 import warnings
 from dataclasses import dataclass, replace
 from typing import Any
@@ -153,7 +154,9 @@ def _sdpa(q, k, v, dense: torch.Tensor | None, scale: float) -> torch.Tensor:
     return F.scaled_dot_product_attention(q, k, v, attn_mask=dense, scale=scale, enable_gqa=gqa)
 
 
-@torch.compiler.disable
+_uncompiled_attend_documents: Any = None
+
+
 def attend_documents(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: tuple, scale: float
 ) -> torch.Tensor:
@@ -162,7 +165,20 @@ def attend_documents(
     through together. Nothing of size L x L exists; autograd keeps q, k, v (views),
     each document's output and its log-sum-exp: as dense sdpa keeps, without the mask.
     Left out of torch.compile (a graph break): traced, every new document layout would be
-    a new graph."""
+    a new graph. The disabled wrapper is made only once the compiler is loaded, so that a
+    process that never compiles (sampling) never imports it."""
+    global _uncompiled_attend_documents
+    if "torch._dynamo" not in sys.modules:
+        return _attend_documents(q, k, v, documents, scale)
+    if _uncompiled_attend_documents is None:
+        _uncompiled_attend_documents = torch.compiler.disable(_attend_documents)
+    return _uncompiled_attend_documents(q, k, v, documents, scale)
+
+
+def _attend_documents(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: tuple, scale: float
+) -> torch.Tensor:
+    """attend_documents' work."""
     if all(row == documents[0] for row in documents):
         return _attend_row(q, k, v, documents[0], scale)
     rows = [
