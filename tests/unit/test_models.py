@@ -145,6 +145,14 @@ def test_document_runs_group_a_returning_id():
     assert document_runs(torch.zeros(1, 6, dtype=torch.long)) == ((((0, 6),),),)
 
 
+def test_document_runs_read_the_device_once(monkeypatch):
+    reads = []
+    real = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.append(1) or real(t))
+    document_runs(SCATTERED)
+    assert reads == [1]
+
+
 @pytest.mark.parametrize("docs", [DOCS, SCATTERED, DOCS[:1].expand(3, 20)])
 def test_varlen_equals_dense_sdpa_outputs_and_gradients(docs):
     """varlen (one sdpa call per document, no mask) against sdpa with the dense (B, 1, L, L)

@@ -133,9 +133,12 @@ def test_no_host_sync_on_non_logging_steps_but_the_guards_one(tiny_config, tmp_p
     """Six steps, logging every third: steps 1, 2, 4 and 5 read exactly one value from the
     device, the non-finite guard's flag (skip the update when the loss or the gradient
     norm is NaN/inf); losses, gradient norms and MFU are read at steps 3 and 6 only. The
-    logged loss is the mean of the window's step losses as Python floats, as before."""
+    logged loss is the mean of the window's step losses as Python floats, as before. The
+    model attends through sdpa: `auto`'s varlen on CPU reads each forward's document
+    boundaries once more (tests/unit/test_models.py::test_document_runs_read_the_device_once)."""
     trainer = make_trainer(tiny_config, tmp_path, "sync", {
         "train": {"max_steps": 6, "logging_steps": 3, "eval_steps": 0, "save_steps": 0},
+        "model": {"attn_implementation": "sdpa"},
     })  # fmt: skip
     trainer.loader = Prefetched(trainer.loader, 6)
     step_losses = {}

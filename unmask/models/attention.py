@@ -80,19 +80,17 @@ def document_runs(doc_ids: torch.Tensor) -> tuple:
     """Each row's documents for `varlen`: rows[b] is a tuple of documents in order of first
     appearance, each a tuple of its (start, stop) runs of consecutive tokens (one run for
     packed rows; a document id that comes back after another's tokens has several, and
-    they attend to each other as in the dense mask). doc_ids: (B, L); reads them on the
-    host once per forward."""
-    batch, length = doc_ids.shape
-    starts = torch.ones_like(doc_ids, dtype=torch.bool)
-    starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    they attend to each other as in the dense mask). doc_ids: (B, L); one read of them to
+    the host per forward (a device sync on a GPU, where `auto` takes flex unless its heads
+    are too small for the compiled kernel)."""
     rows = []
-    for b in range(batch):
-        cuts = starts[b].nonzero().flatten()
-        ids = doc_ids[b, cuts].tolist()
-        bounds = cuts.tolist() + [length]
+    for ids in doc_ids.tolist():  # the one read from the device
         documents: dict[int, list[tuple[int, int]]] = {}
-        for index, doc in enumerate(ids):
-            documents.setdefault(doc, []).append((bounds[index], bounds[index + 1]))
+        start = 0
+        for index in range(1, len(ids) + 1):
+            if index == len(ids) or ids[index] != ids[start]:
+                documents.setdefault(ids[start], []).append((start, index))
+                start = index
         rows.append(tuple(tuple(runs) for runs in documents.values()))
     return tuple(rows)
 
