@@ -28,7 +28,8 @@ so the gradients do not depend on the world size: the load-balancing loss
 coef * E * sum_e f_e P_e (f_e: share of the micro-batch's routed slots that went to e, P_e:
 mean routing probability of e) and the z-loss coef * mean(logsumexp(logits)^2), both added to
 the objective's loss through `AuxLossScaler` (their gradients join the backward, scaled by
-`aux_loss_scale` = 1 / micro-batches per step). The load of every expert is summed over the
+`aux_loss_scale` = 1 / forwards per step: the gradient-accumulation micro-batches, or
+under pipeline parallelism the pipeline's micro-batches, whose stage backward runs it). The load of every expert is summed over the
 step (`load`) for the metrics and for the aux-loss-free bias update (`update_expert_bias`),
 which the optimizer runs once per step (`attach_moe_training`).
 """
