@@ -103,7 +103,7 @@ PP2 = {"model": {"num_hidden_layers": 4}, "train": {"pipeline_parallel": 2}}
          "diffusion.adaptation / diffusion.block_schedule change it during the run"),
         ({"model": {"model_type": "qwen3_moe_dllm", "num_experts": 4, "num_experts_per_tok": 2},
           "train": {"expert_parallel": 2}},
-         "train.pipeline_parallel=2 does not combine with train.expert_parallel=2 yet"),
+         "train.expert_parallel=2 does not divide the data-parallel x context ranks (1)"),
         # an MoE model's layers (its dense first_k_dense_replace ones too) divide as any
         ({"model": {"model_type": "llada2_moe", "num_experts": 4, "num_experts_per_tok": 2,
                     "first_k_dense_replace": 1, "num_hidden_layers": 3}},

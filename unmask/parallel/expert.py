@@ -2,15 +2,15 @@
 parallelism (`train.expert_parallel: N`).
 
 Balancing (`MoETraining`): every MoE layer (models/moe.py) sums its experts' load over the
-step's micro-batches; an optimizer pre-step hook sums it over the ranks that read different
+step's micro-batches (under pipeline parallelism the pipeline's, on the stage's ranks); an optimizer pre-step hook sums it over the ranks that read different
 tokens (the "dp_cp" mesh group), moves the sigmoid routers' expert bias once per step
 (aux-loss-free balancing) and keeps the load and aux loss for the metrics. The aux and z
 losses themselves are normalized over each micro-batch of the whole group, so a run's
 gradients, losses and biases do not depend on its world size or on gradient accumulation
 when the micro-batches are the same.
 
-Expert parallelism: the dp x cp ranks (D of them) form a (D / N) x N grid, rank r at
-(r // N, r % N). Each layer's E experts are split over the N ranks of a row (rank r % N holds
+Expert parallelism: the dp x cp ranks (D of them; under pipeline parallelism those of each
+stage) form a (D / N) x N grid, rank r at (r // N, r % N). Each layer's E experts are split over the N ranks of a row (rank r % N holds
 experts [(r % N) E / N, (r % N + 1) E / N)), and the rows are replicas. Expert weights are
 DTensors on that grid, placements (Replicate, Shard(0)): FSDP2 leaves them alone
 (`ignored_params`), each rank computes with its whole expert matrices (so Muon orthogonalizes
@@ -213,12 +213,19 @@ def attach_moe_training(model, optimizer, dist_state, micro_batches: int,
 # --- expert parallelism --------------------------------------------------------------------
 
 
-def expert_mesh(device: torch.device, dp_cp: int, expert_parallel: int) -> DeviceMesh:
-    """The (replica, ep) grid over the dp x cp ranks (tensor_parallel is 1 under EP)."""
-    return init_device_mesh(
-        device.type, (dp_cp // expert_parallel, expert_parallel),
-        mesh_dim_names=("ep_replica", "ep"),
-    )  # fmt: skip
+def expert_mesh(device: torch.device, dp_cp: int, expert_parallel: int,
+                pp: int = 1) -> DeviceMesh:  # fmt: skip
+    """The (replica, ep) grid over the dp x cp ranks (tensor_parallel is 1 under EP); under
+    pipeline parallelism the grid of this rank's stage: the world is pp of them, pp
+    outermost as in the world mesh, and a stage's experts live on its own ranks."""
+    if pp == 1:
+        return init_device_mesh(
+            device.type, (dp_cp // expert_parallel, expert_parallel),
+            mesh_dim_names=("ep_replica", "ep"),
+        )  # fmt: skip
+    grids = init_device_mesh(device.type, (pp, dp_cp // expert_parallel, expert_parallel),
+                             mesh_dim_names=("pp", "ep_replica", "ep"))  # fmt: skip
+    return sub_mesh(grids, "ep_replica", "ep")
 
 
 class ExpertShard:
