@@ -2,7 +2,8 @@
 one-process run of the same config (dist_workers/moe_worker.py, two torchrun launches).
 
 On 2 processes pp=2 with gpipe, 1f1b, interleaved 1F1B and interleaved zero bubble (2
-stages per rank), on 4 dp_shard=2 x pp=2 and pp=2 x ep=2 (each stage's experts split over
+stages per rank), on 4 dp_shard=2 x pp=2, dp_replicate=2 x pp=2 (HSDP: the balancing
+spans the replicas too) and pp=2 x ep=2 (each stage's experts split over
 its 2 data-parallel ranks) with gpipe and 1f1b; the softmax router with its
 aux and z losses (qwen3_moe_dllm) and the sigmoid router with its expert bias
 (llada2_moe: group-limited top-k, a shared expert, layer 0 dense); AdamW and MuonAdamW.
@@ -42,6 +43,7 @@ F1B = {"train": {"pipeline_schedule": "1f1b"}}
 INTERLEAVED = {"train": {"pipeline_schedule": "interleaved_1f1b", "pipeline_stages_per_rank": 2}}
 ZERO_BUBBLE = {"train": {"pipeline_schedule": "zero_bubble", "pipeline_stages_per_rank": 2}}
 DP2 = {"train": {"dp_shard": 2}}
+HSDP2 = {"train": {"dp_replicate": 2}}
 EP2 = {"train": {"expert_parallel": 2}}
 
 
@@ -62,6 +64,7 @@ CONFIGS = {  # name: (processes, extra)
     "pp2_zerobubble_muon_softmax": (2, _join(SOFTMAX, MUON, ZERO_BUBBLE)),
     "dp2pp2_1f1b_adamw_softmax": (4, _join(SOFTMAX, F1B, DP2)),
     "dp2pp2_gpipe_muon_sigmoid": (4, _join(SIGMOID, GPIPE, MUON, DP2)),
+    "hsdp2pp2_1f1b_muon_softmax": (4, _join(SOFTMAX, F1B, MUON, HSDP2)),
     # expert parallelism inside each stage: its 2 data-parallel ranks split its experts
     "pp2ep2_1f1b_adamw_softmax": (4, _join(SOFTMAX, F1B, DP2, EP2)),
     "pp2ep2_gpipe_muon_sigmoid": (4, _join(SIGMOID, GPIPE, MUON, DP2, EP2)),
@@ -92,7 +95,7 @@ def runs(tmp_path_factory):
 def one_process(runs, name: str) -> Path:
     root = runs["root"]
     return train_in_process(root / f"{name}.yaml", root / f"{name}-1", pipeline_parallel=1,
-                            dp_shard=-1, pipeline_microbatches=None,
+                            dp_shard=-1, dp_replicate=1, pipeline_microbatches=None,
                             expert_parallel=1)  # fmt: skip
 
 
