@@ -10,7 +10,8 @@ aux and z losses (qwen3_moe_dllm) and the sigmoid router with its expert bias
 Every config runs 2 gradient-accumulation micro-batches of a 4-row global batch
 (split_batches) and 2 pipeline micro-batches, so each pipeline micro-batch is one of the
 one-process run's micro-batches: the balancing losses span the same tokens, and the
-losses, the expert biases and the final weights must be the one-process run's.
+losses, the expert biases and the final weights must be the one-process run's. A DCP
+checkpoint of the dp_shard=2 x pp=2 run resumes under pp=2 x ep=2 and on one process.
 """
 
 import json
@@ -45,6 +46,7 @@ ZERO_BUBBLE = {"train": {"pipeline_schedule": "zero_bubble", "pipeline_stages_pe
 DP2 = {"train": {"dp_shard": 2}}
 HSDP2 = {"train": {"dp_replicate": 2}}
 EP2 = {"train": {"expert_parallel": 2}}
+SAVE10 = {"train": {"save_steps": 10}}
 
 
 def _join(*parts: dict) -> dict:
@@ -63,7 +65,7 @@ CONFIGS = {  # name: (processes, extra)
     "pp2_interleaved_adamw_sigmoid": (2, _join(SIGMOID, INTERLEAVED)),
     "pp2_zerobubble_muon_softmax": (2, _join(SOFTMAX, MUON, ZERO_BUBBLE)),
     "dp2pp2_1f1b_adamw_softmax": (4, _join(SOFTMAX, F1B, DP2)),
-    "dp2pp2_gpipe_muon_sigmoid": (4, _join(SIGMOID, GPIPE, MUON, DP2)),
+    "dp2pp2_gpipe_muon_sigmoid": (4, _join(SIGMOID, GPIPE, MUON, DP2, SAVE10)),
     "hsdp2pp2_1f1b_muon_softmax": (4, _join(SOFTMAX, F1B, MUON, HSDP2)),
     # expert parallelism inside each stage: its 2 data-parallel ranks split its experts
     "pp2ep2_1f1b_adamw_softmax": (4, _join(SOFTMAX, F1B, DP2, EP2)),
@@ -79,14 +81,23 @@ def _launch(nproc: int, root: Path, names: list[str]) -> dict:
     return {r: json.loads((out / f"rank-{r}.json").read_text()) for r in range(nproc)}
 
 
+#: dp2pp2_gpipe_muon_sigmoid's DCP checkpoint-10 resumed under pp=2 x ep=2 (in the 4-process
+#: launch, after it) and on one process (in the test)
+SAVED = "dp2pp2_gpipe_muon_sigmoid"
+RESUMED = _join(SIGMOID, GPIPE, MUON, DP2, EP2)
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("ppmoe")
-    for name, (_, extra) in CONFIGS.items():
+    checkpoint = {"train": {"resume_from_checkpoint": str(root / SAVED / "checkpoint-10")}}
+    configs = {**CONFIGS, "resume_pp2ep2": (4, _join(RESUMED, checkpoint)),
+               "resume_one": (1, _join(RESUMED, checkpoint))}  # fmt: skip
+    for name, (_, extra) in configs.items():
         write_run_config(root, name, BASE, extra)
     ranks: dict = {}
     for nproc in (2, 4):
-        names = [n for n, (p, _) in CONFIGS.items() if p == nproc]
+        names = [n for n, (p, _) in configs.items() if p == nproc]
         for rank, result in _launch(nproc, root, names).items():
             ranks.setdefault(rank, {}).update(result)
     return {"root": root, "ranks": ranks}
@@ -138,3 +149,19 @@ def test_losses_biases_and_weights_equal_one_process_for_20_steps(runs, name):
             assert torch.equal(torch.tensor(biases[0]), reference[key]), key
         # they moved (a layer's may be back at 0 after 20 steps of +-rate)
         assert sum(torch.tensor(b[0]).abs().sum() for b in held.values()) > 0
+
+
+def test_dcp_checkpoint_of_dp2_pp2_resumes_under_pp2_ep2_and_on_one_process(runs):
+    """The sigmoid-router run's checkpoint-10 (dp_shard=2 x pp=2: each stage's weights,
+    expert biases and Muon state) resumed with each stage's experts split over ep=2, and
+    on one process: steps 11-20 are the uninterrupted run's."""
+    root = runs["root"]
+    full = losses(root / SAVED)
+    result = runs["ranks"][0]["resume_pp2ep2"]
+    assert result["rc"] == 0, result["stderr"][-3000:]
+    one = train_in_process(root / "resume_one.yaml", root / "resume_one", pipeline_parallel=1,
+                           dp_shard=-1, pipeline_microbatches=None, expert_parallel=1)  # fmt: skip
+    for resumed in (losses(root / "resume_pp2ep2"), losses(one)):
+        assert sorted(resumed) == list(range(11, 21))
+        for step in resumed:
+            assert resumed[step] == pytest.approx(full[step], rel=1e-5), step
