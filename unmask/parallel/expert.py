@@ -2,16 +2,19 @@
 parallelism (`train.expert_parallel: N`).
 
 Balancing (`MoETraining`): every MoE layer (models/moe.py) sums its experts' load over the
-step's micro-batches (under pipeline parallelism the pipeline's, on the stage's ranks); an optimizer pre-step hook sums it over the ranks that read different
-tokens (the "dp_cp" mesh group), moves the sigmoid routers' expert bias once per step
-(aux-loss-free balancing) and keeps the load and aux loss for the metrics. The aux and z
+step's micro-batches (under pipeline parallelism the pipeline's, on the ranks of the layer's
+stage); an optimizer pre-step hook sums it over the ranks that read different tokens (the
+"dp_cp" mesh group), moves the sigmoid routers' expert bias once per step (aux-loss-free
+balancing) and keeps the load and aux loss for the metrics (under pipeline parallelism
+gathered from every stage when they are logged). The aux and z
 losses themselves are normalized over each micro-batch of the whole group, so a run's
 gradients, losses and biases do not depend on its world size or on gradient accumulation
 when the micro-batches are the same.
 
 Expert parallelism: the dp x cp ranks (D of them; under pipeline parallelism those of each
-stage) form a (D / N) x N grid, rank r at (r // N, r % N). Each layer's E experts are split over the N ranks of a row (rank r % N holds
-experts [(r % N) E / N, (r % N + 1) E / N)), and the rows are replicas. Expert weights are
+stage) form a (D / N) x N grid, rank r at (r // N, r % N). Each layer's E experts are split
+over the N ranks of a row (rank r % N holds experts [(r % N) E / N, (r % N + 1) E / N)), and
+the rows are replicas. Expert weights are
 DTensors on that grid, placements (Replicate, Shard(0)): FSDP2 leaves them alone
 (`ignored_params`), each rank computes with its whole expert matrices (so Muon orthogonalizes
 each expert on the rank that owns it, with no gather), DCP saves one global (E, ., .) tensor
