@@ -132,3 +132,57 @@ def test_llada2_flash_on_512_gpus_expert_shards_follow_the_formulas(capsys):
     assert a2a["group"] == ep and not a2a["intra_node"]
     assert kinds[("ep_replica", "all-reduce")]["group"] == dp // ep
     assert plan["fits"]
+
+
+def test_llada2_flash_on_512_gpus_in_4_pipeline_stages_with_ep(capsys):
+    # pp 4 outermost: each stage's 128 ranks (16 nodes) hold 8 of the 32 layers, FSDP2 over
+    # the 128, each stage's experts split ep 64 x 2 replicas; 8 rows per rank, one per
+    # micro-batch (1F1B), so a step trains the same 4.2M tokens as the pp=1 plan
+    plan = plan_json(capsys, str(MODELS / "llada2_flash.yaml"), "train.pipeline_parallel=4",
+                     "train.per_device_train_batch_size=8", "train.pipeline_microbatches=8",
+                     "--world", "512", "--nodes", "64")  # fmt: skip
+    assert plan["layout"] == {"pp": 4, "dp_replicate": 1, "dp_shard": 128, "cp": 1, "tp": 1}
+    h, inter, moe, experts, ep, dp, vocab = 4096, 9216, 1024, 256, 64, 128, 157184
+    q, kv, m, length = 32 * 128, 4 * 128, 8, 4096
+    first, last = plan["ranks"]
+    assert (first["rank"], last["rank"]) == (0, 511)  # stage 0 (layers 0-7), stage 3 (24-31)
+    for rank, layer in ((first, 1), (last, 24)):  # each one's first MoE layer
+        shards = {row["name"]: row for row in rank["shards"]}
+        stack = shards[f"model.layers.{layer}.mlp.experts.gate_proj"]
+        assert stack["local"] == [experts // ep, moe, h]
+        assert stack["mesh"] == ["ep_replica", "ep"] and stack["placements"] == ["R", "S(0)"]
+        shared = shards[f"model.layers.{layer}.mlp.shared_experts.gate_proj.weight"]
+        assert shared["local"] == [moe // dp, h]
+        assert shards[f"model.layers.{layer}.self_attn.q_proj.weight"]["local"] == [q // dp, h]
+    first_names = {row["name"] for row in first["shards"]}
+    last_names = {row["name"]: row for row in last["shards"]}
+    assert "model.embed_tokens.weight" in first_names and "lm_head.weight" not in first_names
+    assert "model.embed_tokens.weight" not in last_names
+    assert last_names["lm_head.weight"]["local"] == [vocab // dp, h]
+    assert "model.layers.0.mlp.gate_proj.weight" in first_names  # the dense layer, stage 0
+    # the whole model's parameters and FLOPs, as at pp=1 (a stage holds a quarter)
+    attn = h * q + 2 * h * kv + q * h + 2 * 128
+    per_moe = attn + 3 * experts * moe * h + 3 * moe * h + experts * h + 2 * h
+    dense = attn + 3 * h * inter + 2 * h
+    assert plan["parameters"] == 2 * vocab * h + h + dense + 31 * per_moe
+    linear = h * q + 2 * h * kv + q * h
+    matmul = 32 * linear + 3 * h * inter + 31 * (3 * moe * h + experts * h + 8 * 3 * moe * h)
+    step_tokens = 128 * 8 * length
+    assert plan["tokens_per_step"] == step_tokens == 512 * 2 * length
+    flops = 6 * matmul * step_tokens + 12 * 32 * q * length * step_tokens
+    flops += 6 * h * vocab * step_tokens / 2
+    assert plan["flops_per_step"] == pytest.approx(flops, rel=1e-12)
+    assert plan["micro_batches"] == m and plan["rows_per_rank"] == 1
+    assert plan["bubble"] == pytest.approx(3 / (m + 3))  # (p - 1) / (m + p - 1)
+    kinds = {(c["dim"], c["kind"]): c for c in plan["collectives"]}
+    # rank 0's 7 MoE layers (layer 0 is dense), each micro-batch's 4096 tokens, recomputed
+    row = length * 8 * h
+    a2a = kinds[("ep", "all-to-all")]
+    assert a2a["tensor_bytes"] == m * (2 * 7 * (row * 4 + experts * 8) + 7 * row * 4)
+    assert a2a["group"] == ep
+    reduce = kinds[("ep_replica", "all-reduce")]  # its 7 layers' float32 expert gradients
+    assert reduce["group"] == dp // ep
+    assert reduce["tensor_bytes"] == 7 * 3 * (experts // ep) * moe * h * 4
+    send = kinds[("pp", "send/recv")]  # stage 0 sends each micro-batch's hidden states
+    assert send["calls"] == m and send["tensor_bytes"] == m * length * h * 2
+    assert plan["fits"]

@@ -111,6 +111,14 @@ PP_LAYOUTS = {
 }  # fmt: skip
 
 
+#: mixture-of-experts models in pipeline stages: 4 layers, 2 stages (layer 0 dense), each
+#: stage's experts split over its 2 data-parallel ranks
+PP_MOE_LAYOUTS = {
+    4: {"pp2_ep2_muon_sigmoid": {"model": {**SIGMOID, **PIPELINE, "num_hidden_layers": 4},
+                                 "train": {"pipeline_parallel": 2, "expert_parallel": 2}}},
+}  # fmt: skip
+
+
 def measure(world: int, out: Path, layouts: dict | None = None) -> dict[str, list[dict]]:
     """Launch the worker over every layout of `world` (of LAYOUTS, or `layouts`);
     {name: [rank 0's, rank 1's, ...]}."""
@@ -258,3 +266,26 @@ def test_pipeline_plan_equals_measured_bytes(world, tmp_path):
         assert "model.embed_tokens.weight" in first["local_shapes"], name
         assert "lm_head.weight" not in first["local_shapes"], name
         assert "lm_head.weight" in last["local_shapes"], name
+
+
+@pytest.mark.slow
+def test_pipeline_moe_plan_equals_measured_bytes(tmp_path):
+    """MoE layers in pipeline stages with expert parallelism inside each stage (pp=2 x ep=2
+    on 4 processes): parameter, gradient and optimizer-state bytes and the local shapes of
+    every rank equal the real run's exactly; each stage's expert stacks are split over its
+    own 2 ranks."""
+    world = 4
+    measured = measure(world, tmp_path, PP_MOE_LAYOUTS)
+    for name, ranks in measured.items():
+        for rank, got in enumerate(ranks):
+            plan = planned(name, world, tmp_path, sum(m or 0 for m in got["masked"]), rank)
+            plan_rank = next(r for r in plan.ranks if r.rank == rank)
+            memory, where = plan_rank.memory, f"{name} rank {rank}"
+            assert memory.parameters == got["parameters"], where
+            assert memory.gradients == got["gradients"], where
+            assert memory.optimizer == got["optimizer_state"], where
+            for row in plan_rank.shards:
+                assert row["local"] == got["local_shapes"][row["name"]], (where, row["name"])
+            layer = 1 if rank < 2 else 2  # the stage's first MoE layer
+            stack = got["local_shapes"][f"model.layers.{layer}.mlp.experts.gate_proj"]
+            assert stack[0] == 2, where  # 4 experts over ep=2

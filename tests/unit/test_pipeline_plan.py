@@ -10,7 +10,7 @@ import pytest
 
 from unmask.cli import main
 from unmask.errors import InputError
-from unmask.parallel.pipeline import PipelinePlan, plan_pipeline
+from unmask.parallel.pipeline import PipelinePlan, balancing_notice, plan_pipeline
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -37,6 +37,25 @@ def test_split_by_hand_and_the_start_up_line():
         "0): layers 0-2 + embeddings; stage 1 (pp rank 1): layer 3 + norm + head"
     )
     assert isinstance(plan, PipelinePlan)
+
+
+def test_moe_balancing_line_when_micro_batches_differ_from_accumulation():
+    from unmask.models.config import ModelConfig
+
+    moe = ModelConfig(model_type="qwen3_moe_dllm", num_experts=4, num_experts_per_tok=2,
+                      router_aux_loss_coef=0.01)  # fmt: skip
+    plan = plan_pipeline(2, "1f1b", 1, None, None, num_layers=2, rows=8)  # 8 micro-batches
+    assert balancing_notice(plan, moe, accumulation=2) == (
+        "the MoE balancing losses span each of the 8 pipeline micro-batches, not the 2 "
+        "gradient-accumulation micro-batches of the run without a pipeline: set "
+        "train.pipeline_microbatches=2 (when the schedule allows) for the same balancing"
+    )
+    same = plan_pipeline(2, "1f1b", 1, 2, None, num_layers=2, rows=8)
+    assert balancing_notice(same, moe, accumulation=2) is None
+    # no balancing loss (the sigmoid router's bias counts the step's load), or a dense model
+    bias_only = moe.model_copy(update={"router_aux_loss_coef": 0.0})
+    assert balancing_notice(plan, bias_only, accumulation=2) is None
+    assert balancing_notice(plan, ModelConfig(), accumulation=2) is None
 
 
 @pytest.mark.parametrize(
@@ -101,8 +120,13 @@ PP2 = {"model": {"num_hidden_layers": 4}, "train": {"pipeline_parallel": 2}}
         ({"diffusion": {"objective": "bd3lm", "block_size": 4,
                         "block_schedule": {"decay": [4], "decay_steps": 1}}},
          "diffusion.adaptation / diffusion.block_schedule change it during the run"),
-        ({"model": {"model_type": "qwen3_moe_dllm", "num_experts": 4, "num_experts_per_tok": 2}},
-         "does not split mixture-of-experts models into stages yet"),
+        ({"model": {"model_type": "qwen3_moe_dllm", "num_experts": 4, "num_experts_per_tok": 2},
+          "train": {"expert_parallel": 2}},
+         "train.expert_parallel=2 does not divide the data-parallel x context ranks (1)"),
+        # an MoE model's layers (its dense first_k_dense_replace ones too) divide as any
+        ({"model": {"model_type": "llada2_moe", "num_experts": 4, "num_experts_per_tok": 2,
+                    "first_k_dense_replace": 1, "num_hidden_layers": 3}},
+         "model.num_hidden_layers=3 does not divide into train.pipeline_parallel=2 stages"),
         ({"train": {"pipeline_schedule": "zero_bubble", "pipeline_stages_per_rank": 2,
                     "bf16": True}}, "zero_bubble does not run under train.bf16 yet"),
     ],

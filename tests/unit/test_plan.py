@@ -161,8 +161,12 @@ def test_refusals_are_one_line():
     with pytest.raises(InputError, match="tie_word_embeddings makes them one matrix"):
         make_run_plan(tiny("train.pipeline_parallel=2", "model.tie_word_embeddings=true"), 4,
                       DEVICES["h100"])  # fmt: skip
-    with pytest.raises(InputError, match="does not split mixture-of-experts models into stages"):
-        make_run_plan(tiny_moe("train.pipeline_parallel=2"), 4, DEVICES["h100"])
+    with pytest.raises(InputError, match="num_hidden_layers=2 does not divide into"):
+        make_run_plan(tiny_moe(*PP, "train.pipeline_parallel=4"), 4, DEVICES["h100"])
+    with pytest.raises(InputError, match=r"expert_parallel=4 does not divide the data-parallel "
+                                         r"x context ranks \(2\)"):  # fmt: skip
+        make_run_plan(tiny_moe(*PP, "train.pipeline_parallel=2", "train.expert_parallel=4"), 4,
+                      DEVICES["h100"])  # fmt: skip
     with pytest.raises(InputError, match="num_hidden_layers=2 does not divide into"):
         make_run_plan(tiny_pp("train.pipeline_parallel=4"), 4, DEVICES["h100"])
     # the trainer's own expert-parallel checks (parallel/expert.py)

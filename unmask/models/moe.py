@@ -28,9 +28,11 @@ so the gradients do not depend on the world size: the load-balancing loss
 coef * E * sum_e f_e P_e (f_e: share of the micro-batch's routed slots that went to e, P_e:
 mean routing probability of e) and the z-loss coef * mean(logsumexp(logits)^2), both added to
 the objective's loss through `AuxLossScaler` (their gradients join the backward, scaled by
-`aux_loss_scale` = 1 / micro-batches per step). The load of every expert is summed over the
-step (`load`) for the metrics and for the aux-loss-free bias update (`update_expert_bias`),
-which the optimizer runs once per step (`attach_moe_training`).
+`aux_loss_scale` = 1 / forwards per step: the gradient-accumulation micro-batches, or under
+pipeline parallelism the pipeline's micro-batches, whose stage backward runs it). The load
+of every expert is summed over the step (`load`) for the metrics and for the aux-loss-free
+bias update (`update_expert_bias`), which the optimizer runs once per step
+(`attach_moe_training`).
 """
 
 from __future__ import annotations
@@ -241,7 +243,7 @@ class SparseMoE(nn.Module):
         # set by the trainer (parallel/expert.py, attach_moe_training)
         self.expert_parallel = None  # an ExpertShard: experts live on several ranks
         self.balance_group = None  # data-parallel process group the balancing spans
-        self.aux_loss_scale = 1.0  # 1 / micro-batches per optimizer step
+        self.aux_loss_scale = 1.0  # 1 / forwards (micro-batches) per optimizer step
         self.register_buffer("load", torch.zeros(cfg.num_experts), persistent=False)
         self.register_buffer("aux_sum", torch.zeros(()), persistent=False)
 

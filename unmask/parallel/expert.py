@@ -2,16 +2,19 @@
 parallelism (`train.expert_parallel: N`).
 
 Balancing (`MoETraining`): every MoE layer (models/moe.py) sums its experts' load over the
-step's micro-batches; an optimizer pre-step hook sums it over the ranks that read different
-tokens (the "dp_cp" mesh group), moves the sigmoid routers' expert bias once per step
-(aux-loss-free balancing) and keeps the load and aux loss for the metrics. The aux and z
+step's micro-batches (under pipeline parallelism the pipeline's, on the ranks of the layer's
+stage); an optimizer pre-step hook sums it over the ranks that read different tokens (the
+"dp_cp" mesh group), moves the sigmoid routers' expert bias once per step (aux-loss-free
+balancing) and keeps the load and aux loss for the metrics (under pipeline parallelism
+gathered from every stage when they are logged). The aux and z
 losses themselves are normalized over each micro-batch of the whole group, so a run's
 gradients, losses and biases do not depend on its world size or on gradient accumulation
 when the micro-batches are the same.
 
-Expert parallelism: the dp x cp ranks (D of them) form a (D / N) x N grid, rank r at
-(r // N, r % N). Each layer's E experts are split over the N ranks of a row (rank r % N holds
-experts [(r % N) E / N, (r % N + 1) E / N)), and the rows are replicas. Expert weights are
+Expert parallelism: the dp x cp ranks (D of them; under pipeline parallelism those of each
+stage) form a (D / N) x N grid, rank r at (r // N, r % N). Each layer's E experts are split
+over the N ranks of a row (rank r % N holds experts [(r % N) E / N, (r % N + 1) E / N)), and
+the rows are replicas. Expert weights are
 DTensors on that grid, placements (Replicate, Shard(0)): FSDP2 leaves them alone
 (`ignored_params`), each rank computes with its whole expert matrices (so Muon orthogonalizes
 each expert on the rank that owns it, with no gather), DCP saves one global (E, ., .) tensor
@@ -102,16 +105,25 @@ def check_moe_request(model: ModelConfig, expert_parallel: int, dp_cp: int, tp: 
 
 
 class MoETraining:
-    """Per-step load bookkeeping of a model's MoE layers (see the module docstring)."""
+    """Per-step load bookkeeping of a model's MoE layers (see the module docstring). Under
+    pipeline parallelism (`stages`: the pp group) this rank holds its stages' MoE layers
+    (maybe none): the bias update needs only those, the metrics gather every stage's."""
 
-    def __init__(self, model: nn.Module, optimizer, group, micro_batches: int) -> None:
+    def __init__(self, model: nn.Module, optimizer, group, micro_batches: int,
+                 stages=None, num_experts: int = 0) -> None:  # fmt: skip
         self.blocks = moe_blocks(model)
         self.group = group
+        self.stages = stages
+        # each block's decoder layer (the metrics order every stage's blocks by it)
+        self.layer_ids = [_layer_index(name, index) for index, name in
+                          enumerate(n for n, m in model.named_modules()
+                                    if isinstance(m, SparseMoE))]  # fmt: skip
         self.expert_params: list[nn.Parameter] = []  # EP: partial grads, reduced per step
         for block in self.blocks:
             block.balance_group = group
             block.aux_loss_scale = 1.0 / micro_batches
-        self.loads = torch.zeros(len(self.blocks), self.blocks[0].num_experts)
+        experts = self.blocks[0].num_experts if self.blocks else num_experts
+        self.loads = torch.zeros(len(self.blocks), experts)
         self.aux = torch.zeros(())
         self.steps = 0
         optimizer.register_step_pre_hook(lambda *args: self.before_step())
@@ -119,6 +131,9 @@ class MoETraining:
     def before_step(self) -> None:
         """Sum the step's load over the ranks, move the expert biases, reset the counters;
         all-reduce the replicas' partial expert gradients (expert parallelism)."""
+        self.steps += 1
+        if not self.blocks:  # a pipeline stage of dense layers only
+            return
         for param in self.expert_params:
             if param.grad is not None:
                 param.grad = param.grad.redistribute(placements=[Replicate(), Shard(0)])
@@ -133,7 +148,19 @@ class MoETraining:
             block.aux_sum.zero_()
         self.loads += loads.cpu()
         self.aux += stats[-1].cpu()
-        self.steps += 1
+
+    def _every_stage(self) -> tuple[torch.Tensor, float]:
+        """(loads of every MoE layer of the model, in layer order; the aux loss summed over
+        them): this rank's, or under pipeline parallelism every stage's, gathered over the
+        pp group (every rank calls this at the same steps)."""
+        if self.stages is None:
+            return self.loads, float(self.aux)
+        mine = (self.layer_ids, self.loads.tolist(), float(self.aux))
+        gathered: list = [None] * dist.get_world_size(self.stages)
+        dist.all_gather_object(gathered, mine, group=self.stages)
+        rows = sorted((i, row) for ids, loads, _ in gathered for i, row in zip(ids, loads))
+        loads = torch.tensor([row for _, row in rows], dtype=self.loads.dtype)
+        return loads, sum(aux for *_, aux in gathered)
 
     def take_log(self) -> dict:
         """Since the last call: the mean aux loss per step and each layer's max / mean expert
@@ -141,10 +168,11 @@ class MoETraining:
         coefficient of variation (std / mean) of tokens per expert."""
         if not self.steps:
             return {}
-        mean = self.loads.mean(dim=1).clamp(min=1e-9)
-        ratio = self.loads.max(dim=1).values / mean
-        spread = self.loads.std(dim=1, unbiased=False) / mean
-        values = {"moe_aux_loss": float(self.aux) / self.steps,
+        loads, aux = self._every_stage()
+        mean = loads.mean(dim=1).clamp(min=1e-9)
+        ratio = loads.max(dim=1).values / mean
+        spread = loads.std(dim=1, unbiased=False) / mean
+        values = {"moe_aux_loss": aux / self.steps,
                   "moe_load_max_over_mean": float(ratio.max()),
                   "moe_tokens_per_expert_cv": float(spread.max())}  # fmt: skip
         for index, value in enumerate(ratio.tolist()):
@@ -155,15 +183,29 @@ class MoETraining:
         return values
 
 
-def attach_moe_training(model, optimizer, dist_state, micro_batches: int) -> MoETraining | None:
+def _layer_index(name: str, fallback: int) -> int:
+    """The decoder layer of an MoE block named like `model.layers.5.mlp` (its position
+    among the blocks when the name has none)."""
+    parts = name.split(".")
+    for before, after in zip(parts, parts[1:]):
+        if before == "layers" and after.isdigit():
+            return int(after)
+    return fallback
+
+
+def attach_moe_training(model, optimizer, dist_state, micro_batches: int,
+                        stages=None) -> MoETraining | None:  # fmt: skip
     """MoETraining for a model with MoE layers (None for a dense one); balancing spans the
-    "dp_cp" ranks (tokens differ across them)."""
-    if not moe_blocks(model):
+    "dp_cp" ranks (tokens differ across them). micro_batches: the forwards per optimizer
+    step (gradient accumulation steps, or the pipeline's micro-batches); stages: the pp
+    process group under pipeline parallelism (this rank may hold no MoE layer)."""
+    num_experts = getattr(getattr(model, "config", None), "num_experts", 0) or 0
+    if not moe_blocks(model) and not (stages is not None and num_experts):
         return None
     group = None
     if dist_state.mesh is not None:
         group = sub_mesh(dist_state.mesh, "dp_cp").get_group()
-    training = MoETraining(model, optimizer, group, micro_batches)
+    training = MoETraining(model, optimizer, group, micro_batches, stages, num_experts)
     training.expert_params = [
         p for block in training.blocks if block.expert_parallel is not None
         for p in block.experts.parameters()
@@ -174,12 +216,19 @@ def attach_moe_training(model, optimizer, dist_state, micro_batches: int) -> MoE
 # --- expert parallelism --------------------------------------------------------------------
 
 
-def expert_mesh(device: torch.device, dp_cp: int, expert_parallel: int) -> DeviceMesh:
-    """The (replica, ep) grid over the dp x cp ranks (tensor_parallel is 1 under EP)."""
-    return init_device_mesh(
-        device.type, (dp_cp // expert_parallel, expert_parallel),
-        mesh_dim_names=("ep_replica", "ep"),
-    )  # fmt: skip
+def expert_mesh(device: torch.device, dp_cp: int, expert_parallel: int,
+                pp: int = 1) -> DeviceMesh:  # fmt: skip
+    """The (replica, ep) grid over the dp x cp ranks (tensor_parallel is 1 under EP); under
+    pipeline parallelism the grid of this rank's stage: the world is pp of them, pp
+    outermost as in the world mesh, and a stage's experts live on its own ranks."""
+    if pp == 1:
+        return init_device_mesh(
+            device.type, (dp_cp // expert_parallel, expert_parallel),
+            mesh_dim_names=("ep_replica", "ep"),
+        )  # fmt: skip
+    grids = init_device_mesh(device.type, (pp, dp_cp // expert_parallel, expert_parallel),
+                             mesh_dim_names=("pp", "ep_replica", "ep"))  # fmt: skip
+    return sub_mesh(grids, "ep_replica", "ep")
 
 
 class ExpertShard:

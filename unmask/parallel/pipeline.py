@@ -19,6 +19,16 @@ Every stage gets its micro-batch's side inputs (document ids, positions, an expl
 attention mask; the targets on the last stage) from the same rows every pp rank of a
 pipeline reads, so neither they nor the RoPE tables travel.
 
+Mixture-of-experts layers are ordinary layers of a stage (first_k_dense_replace's dense
+ones too). Their balancing losses need no help from the last stage: each MoE layer hangs its
+aux and z losses on its output (models/moe.py, AuxLossScaler), so the stage's backward,
+whatever the schedule, hands them their gradient 1 / forwards per step, the forwards being
+the pipeline's micro-batches here (`balancing_notice`: they span the unpipelined run's tokens
+when pipeline_microbatches = gradient_accumulation_steps). The expert load is summed over
+the step's micro-batches and the stage's data-parallel ranks, and the biases move once per
+optimizer step (parallel/expert.py, MoETraining); the logged balancing metrics gather every
+stage's layers over the pp group.
+
 Parameter names are the whole model's (`model.layers.5.mlp.up_proj.weight` stays that on
 the stage that holds layer 5), so DCP checkpoints reshard across pipeline degrees,
 schedules and every other layout.
@@ -143,6 +153,21 @@ def plan_pipeline(degree: int, schedule: str, stages_per_rank: int, microbatches
     return PipelinePlan(degree, schedule, stages_per_rank, m, layers)
 
 
+def balancing_notice(plan: PipelinePlan, config, accumulation: int) -> str | None:
+    """The start-up line when an MoE model's balancing losses (computed over each forward's
+    tokens, models/moe.py) span other tokens than the unpipelined run's: the pipeline's
+    forwards are its micro-batches, not the gradient-accumulation micro-batches."""
+    coefs = (getattr(config, "router_aux_loss_coef", 0), getattr(config, "router_z_loss_coef", 0))
+    if not getattr(config, "num_experts", 0) or not any(coefs) or plan.microbatches == accumulation:
+        return None
+    return (
+        f"the MoE balancing losses span each of the {plan.microbatches} pipeline "
+        f"micro-batches, not the {accumulation} gradient-accumulation micro-batches of "
+        f"the run without a pipeline: set train.pipeline_microbatches={accumulation} "
+        "(when the schedule allows) for the same balancing"
+    )
+
+
 class _Part(nn.Module):
     """The `model.` prefix of the whole model (embed_tokens, layers, norm), holding only
     what this rank's stages need, so every parameter keeps its whole-model name."""
@@ -251,7 +276,7 @@ class StageModule(nn.Module):
         if attention_mask is not None:
             dense = attention_mask if mask.dense is None else mask.dense & attention_mask
             mask = AttentionMask("sdpa", dense=dense)
-        cos, sin = rotary_cos_sin(position_ids, cfg.resolved_head_dim, cfg.rope_theta)
+        cos, sin = rotary_cos_sin(position_ids, cfg.rotary_dim, cfg.rope_theta)
         for index, layer in zip(self.layer_ids, self.layers):
             if self.checkpoints(index) and torch.is_grad_enabled():
                 x = checkpoint(layer, x, cos, sin, mask, use_reentrant=False)

@@ -207,7 +207,8 @@ def make_run_plan(cfg: RunConfig, world_size: int, device: Device, *, nodes: int
         plans.append(RankPlan(rank, memory_terms(sharded, shape), shard_rows(sharded)))
         ns_work = max(ns_work, newton_schulz_flops(sharded, cfg))
     collectives = step_collectives(first, shape, nodes, ns_bytes=ns_bytes(cfg, device))
-    total_params = sum(math.prod(s.global_shape) for s in first.shards)
+    total_params = (sum(math.prod(s.global_shape) for s in first.shards)
+                    if first.pipeline is None else first.parameters)  # fmt: skip
     dp = layout.dp if world_size > 1 else 1
     batch_ranks = 1 if cfg.train.split_batches else dp
     rows_per_step = (cfg.train.per_device_train_batch_size * cfg.train.gradient_accumulation_steps

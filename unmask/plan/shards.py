@@ -108,6 +108,9 @@ class ShardedModel:
     pipeline: PipelinePlan | None = None
     """The run's pipeline (parallel/pipeline.py), None without pipeline parallelism."""
     pp_rank: int = 0
+    parameters: int = 0
+    """Parameters of the whole model (under a pipeline: of every stage, not only this
+    rank's)."""
 
     @property
     def stages(self) -> list[int]:
@@ -213,8 +216,11 @@ def shard_model(cfg: RunConfig, world_size: int, rank: int = 0) -> ShardedModel:
         with meta, _no_init():  # no storage to fill (and no torch._dynamo import)
             model = build_train_model(cfg, _Vocabulary(cfg.model.vocab_size), 0, meta, mesh,
                                       pipeline)  # fmt: skip
-            # the step's FLOPs are the whole model's (a pipeline rank holds part of it)
-            flops = flop_model(model if pipeline is None else build_model(cfg.model))
+            # the step's FLOPs and parameters are the whole model's (a pipeline rank holds
+            # part of it)
+            whole = model if pipeline is None else build_model(cfg.model)
+            flops = flop_model(whole)
+            parameters = sum(p.numel() for p in whole.parameters())
         routing = _routing(cfg, model)
         shards = _read_shards(model, routing, layout)
         layers = decoder_layers(model)
@@ -226,7 +232,7 @@ def shard_model(cfg: RunConfig, world_size: int, rank: int = 0) -> ShardedModel:
                                    for i in pipeline.layers[stage]))  # fmt: skip
         model_config = model.config
     return ShardedModel(rank, layout, shards, model_config, len(layers), flops, indices,
-                        pipeline, pp_rank)  # fmt: skip
+                        pipeline, pp_rank, parameters)  # fmt: skip
 
 
 def _routing(cfg: RunConfig, model: nn.Module) -> dict[int, str]:

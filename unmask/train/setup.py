@@ -27,7 +27,7 @@ from unmask.models.quant import quantize_4bit
 from unmask.parallel.context import check_context_parallel
 from unmask.parallel.expert import expert_mesh, shard_experts
 from unmask.parallel.fsdp import apply_fsdp, compile_blocks
-from unmask.parallel.mesh import fsdp_mesh
+from unmask.parallel.mesh import fsdp_mesh, sub_mesh
 from unmask.parallel.pipeline import PipelineModel, PipelinePlan
 from unmask.parallel.tensor import apply_tensor_parallel
 
@@ -127,10 +127,6 @@ def check_pipeline_request(cfg: RunConfig) -> None:
     if model.lora or model.load_in_4bit:
         raise InputError(f"{key} does not combine with model.lora / model.load_in_4bit; set "
                          "train.pipeline_parallel=1")  # fmt: skip
-    if architecture(model).num_experts:
-        raise InputError(f"{key} does not split mixture-of-experts models into stages yet; "
-                         "use train.expert_parallel and dp_shard, and set "
-                         "train.pipeline_parallel=1")  # fmt: skip
     if architecture(model).tie_word_embeddings:
         raise InputError(
             f"{key} puts the embedding on the first stage and the LM head on the last; "
@@ -228,7 +224,8 @@ def build_train_model(cfg: RunConfig, tokenizer, added_tokens: int, device: torc
     if mesh is not None:
         experts = []  # expert parallelism: expert stacks on their own (replica, ep) grid
         if t.expert_parallel > 1:
-            grid = expert_mesh(device, mesh["dp_cp"].size(), t.expert_parallel)
+            grid = expert_mesh(device, sub_mesh(mesh, "dp_cp").size(), t.expert_parallel,
+                               mesh["pp"].size())  # fmt: skip
             experts = shard_experts(model, grid)
         units = model.stages if pipeline is not None else [model]
         # zero bubble's weight pass finds the weights the forward used among the module's

@@ -31,7 +31,7 @@ from unmask.parallel.context import ContextShard, attach_context
 from unmask.parallel.distributed import collective_failure, plan_layout, resolve_device, setup
 from unmask.parallel.expert import attach_moe_training, check_moe_request
 from unmask.parallel.mesh import launch_env, share_from_rank0
-from unmask.parallel.pipeline import PipelineRunner, plan_pipeline
+from unmask.parallel.pipeline import PipelineRunner, balancing_notice, plan_pipeline
 from unmask.parallel.tensor import check_tensor_parallel
 from unmask.parallel.threads import set_threads
 from unmask.sampling.config import (
@@ -168,6 +168,10 @@ class Trainer(TrainStep, Evaluation, CheckpointedState):
             self.pipeline = PipelineRunner(self.model, self.dist.mesh["pp"].get_group(),
                                            self.device, hidden_dtype)  # fmt: skip
             self.notices.append(self.pipeline_plan.describe())
+            balancing = balancing_notice(self.pipeline_plan, self.model.config,
+                                         t.gradient_accumulation_steps)  # fmt: skip
+            if balancing:
+                self.notices.append(balancing)
         attach_context(self.model, self.context)
         params = sum(p.numel() for p in self.model.parameters())
         # a resumed run keeps the thread count it was trained with: another count changes
@@ -181,8 +185,13 @@ class Trainer(TrainStep, Evaluation, CheckpointedState):
         self.flops = flop_model(self.model) if t.log_mfu and self.pipeline is None else None
         self.optimizer = build_optimizer(cfg.optim, self.model)
         # MoE: the step's expert load over micro-batches and ranks, the expert-bias update
-        self.moe = attach_moe_training(self.model, self.optimizer, self.dist,
-                                       t.gradient_accumulation_steps)  # fmt: skip
+        # (under PP: the forwards of a step are the pipeline's micro-batches, and the
+        # metrics gather every stage's layers)
+        forwards = (t.gradient_accumulation_steps if self.pipeline is None
+                    else self.pipeline_plan.microbatches)  # fmt: skip
+        stages = None if self.pipeline is None else self.pipeline.group
+        self.moe = attach_moe_training(self.model, self.optimizer, self.dist, forwards,
+                                       stages)  # fmt: skip
         self.scheduler = build_scheduler(
             self.optimizer,
             cfg.optim.lr_scheduler_type,

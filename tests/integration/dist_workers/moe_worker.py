@@ -2,8 +2,10 @@
 expert biases after each run (they must agree across ranks).
 
 usage: torchrun --nproc_per_node=W moe_worker.py RESULTS_DIR CFG1.yaml CFG2.yaml ...
-Rank r writes RESULTS_DIR/rank-r.json: {config name: {"rc", "stderr", "biases"}} with
-"biases" the expert_bias of every sigmoid-router layer (lists, layer order; [] otherwise).
+Rank r writes RESULTS_DIR/rank-r.json: {config name: {"rc", "stderr", "biases",
+"named_biases"}} with "biases" the expert_bias of every sigmoid-router layer this rank holds
+(lists, layer order; [] otherwise) and "named_biases" the same by parameter name
+(`model.layers.N.mlp.gate.expert_bias`: under pipeline parallelism a rank holds its stages').
 A config named bad* goes through the CLI entry point (its exit code and one-line error).
 """
 
@@ -25,6 +27,7 @@ def run_all(results: str, configs: list[str]) -> None:
     for cfg in configs:
         err = io.StringIO()
         biases: list = []
+        named: dict = {}
         with contextlib.redirect_stderr(err):
             if Path(cfg).stem.startswith("bad"):
                 rc = main(["train", cfg])
@@ -35,7 +38,11 @@ def run_all(results: str, configs: list[str]) -> None:
                 for block in moe_blocks(trainer.model):
                     if block.gate.expert_bias is not None:
                         biases.append(block.gate.expert_bias.tolist())
-        out[Path(cfg).stem] = {"rc": rc, "stderr": err.getvalue(), "biases": biases}
+                for name, buffer in trainer.model.named_buffers():
+                    if name.endswith("gate.expert_bias"):
+                        named[name] = buffer.tolist()
+        out[Path(cfg).stem] = {"rc": rc, "stderr": err.getvalue(), "biases": biases,
+                               "named_biases": named}  # fmt: skip
     rank = int(os.environ.get("RANK", "0"))
     Path(results, f"rank-{rank}.json").write_text(json.dumps(out, indent=2))
 
