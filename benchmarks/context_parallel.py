@@ -48,6 +48,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from common import RESULTS, load_average, machine, run_workers, with_spread, write_report
+from saved_memory import SavedActivations, reset_peak_rss, rss_bytes
 from torch.utils._python_dispatch import TorchDispatchMode
 
 REPORT = RESULTS / "context_parallel.md"
@@ -87,44 +88,6 @@ class CountAllToAll(TorchDispatchMode):
             self.sent += x.numel() * x.element_size() * (self.cp - 1) // self.cp
             self.calls += 1
         return func(*args, **(kwargs or {}))
-
-
-class SavedActivations(torch.autograd.graph.saved_tensors_hooks):
-    """Bytes of the distinct storages autograd keeps for backward while active (parameter
-    storages excluded)."""
-
-    def __init__(self, params: set[int]):
-        self.params, self.storages = params, {}
-        super().__init__(self._pack, lambda t: t)
-
-    def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in self.params:
-            self.storages[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    def __enter__(self) -> SavedActivations:
-        super().__enter__()
-        return self
-
-    @property
-    def bytes(self) -> int:
-        return sum(self.storages.values())
-
-
-def rss_bytes(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no {field} in /proc/self/status")
-
-
-def reset_peak_rss() -> bool:
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-        return True
-    except OSError:
-        return False
 
 
 def make_row(length: int, packed: bool) -> dict:

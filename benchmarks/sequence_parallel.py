@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from common import RESULTS, load_average, machine, rotated, run_workers, with_spread, write_report
+from saved_memory import SavedActivations, local, reset_peak_rss, rss_bytes
 
 REPORT = RESULTS / "sequence_parallel.md"
 MODEL = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4,
@@ -41,53 +42,6 @@ MIB = 2**20
 #: name -> (processes, sequence_parallel)
 LAYOUTS = {"tp=1": (1, False), "tp=2": (2, False), "tp=2 + sequence_parallel": (2, True)}
 TARGET = 0.6
-
-
-def local(t: torch.Tensor) -> torch.Tensor:
-    """The plain tensor inside a tensor subclass (a DTensor's local tensor, an async
-    collective's result), whose storage is the memory it holds."""
-    while hasattr(t, "__tensor_flatten__"):
-        names, _ = t.__tensor_flatten__()
-        t = getattr(t, names[0])
-    return t
-
-
-class SavedActivations(torch.autograd.graph.saved_tensors_hooks):
-    """Bytes of the distinct storages autograd keeps for backward while active (parameter
-    storages excluded)."""
-
-    def __init__(self, params: set[int]):
-        self.params, self.storages = params, {}
-        super().__init__(self._pack, lambda t: t)
-
-    def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        storage = local(t).untyped_storage()
-        if storage.data_ptr() not in self.params:
-            self.storages[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    def __enter__(self) -> SavedActivations:
-        super().__enter__()
-        return self
-
-    @property
-    def bytes(self) -> int:
-        return sum(self.storages.values())
-
-
-def rss_bytes(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no {field} in /proc/self/status")
-
-
-def reset_peak_rss() -> bool:
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-        return True
-    except OSError:
-        return False
 
 
 def make_row(length: int) -> tuple[torch.Tensor, torch.Tensor]:

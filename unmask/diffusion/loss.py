@@ -82,36 +82,46 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss):
-        # d loss_i / d logits_ij = softmax_ij - [j == target_i]; both grads come out of
-        # one (rows x chunk) block per chunk, the target's -1 folded into it
         hidden, weight, targets, lse = ctx.saved_tensors
-        acc = lse.dtype
-        n, v = hidden.shape[0], weight.shape[0]
         want_weight = ctx.needs_input_grad[1]  # False for a frozen head (LoRA): a third less
-        grad_loss = grad_loss.to(acc)
-        grad_hidden = torch.empty(hidden.shape, dtype=acc, device=hidden.device)
-        grad_weight = None
-        if want_weight:
-            grad_weight = torch.empty(weight.shape, dtype=acc, device=weight.device)
-        buffer = hidden.new_empty(min(n, ctx.row_chunk) * min(v, ctx.vocab_chunk), dtype=acc)
-        for r0, r1 in _chunks(n, ctx.row_chunk):
-            h = hidden[r0:r1]
-            h_acc = h.to(acc)
-            g_rows = grad_loss[r0:r1, None]
-            t_rows = targets[r0:r1]
-            for v0, v1 in _chunks(v, ctx.vocab_chunk):
-                w = weight[v0:v1]
-                probs = _logits_into(_block(buffer, r1 - r0, v1 - v0), h, w)
-                probs.sub_(lse[r0:r1, None]).exp_().mul_(g_rows)
-                hit = (t_rows >= v0) & (t_rows < v1)  # a mask, not indices: no host sync
-                cols = (t_rows - v0).clamp_(0, v1 - v0 - 1)[:, None]
-                probs.scatter_add_(1, cols, torch.where(hit[:, None], -g_rows, 0.0))
-                _mm_into(grad_hidden[r0:r1], probs, w.to(acc), first=v0 == 0)
-                if want_weight:
-                    _mm_into(grad_weight[v0:v1], probs.T, h_acc, first=r0 == 0)
+        grad_hidden, grad_weight = _chunked_gradients(
+            hidden, weight, targets, lse, grad_loss, ctx.vocab_chunk, ctx.row_chunk, want_weight
+        )
         if want_weight:
             grad_weight = grad_weight.to(weight.dtype)
         return grad_hidden.to(hidden.dtype), grad_weight, None, None, None
+
+
+def _chunked_gradients(hidden, weight, targets, lse, grad_loss, vocab_chunk: int,
+                       row_chunk: int, want_weight: bool, start: int = 0):  # fmt: skip
+    """Both gradients of the per-row cross-entropy from its log-sum-exp, in the accumulation
+    dtype: d loss_i / d logits_ij = softmax_ij - [j == target_i], out of one (rows x chunk)
+    block per chunk with the target's -1 folded into it. weight holds the vocabulary rows
+    [start, start + V) (all of them, or a tensor-parallel rank's share: its targets
+    elsewhere get no -1 here)."""
+    acc = lse.dtype
+    n, v = hidden.shape[0], weight.shape[0]
+    grad_loss = grad_loss.to(acc)
+    grad_hidden = torch.zeros(hidden.shape, dtype=acc, device=hidden.device)
+    grad_weight = None
+    if want_weight:
+        grad_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device)
+    buffer = hidden.new_empty(min(n, row_chunk) * max(min(v, vocab_chunk), 1), dtype=acc)
+    for r0, r1 in _chunks(n, row_chunk):
+        h = hidden[r0:r1]
+        h_acc = h.to(acc)
+        g_rows = grad_loss[r0:r1, None]
+        t_rows = targets[r0:r1]
+        for v0, v1 in _chunks(v, vocab_chunk):
+            w = weight[v0:v1]
+            probs = _logits_into(_block(buffer, r1 - r0, v1 - v0), h, w)
+            probs.sub_(lse[r0:r1, None]).exp_().mul_(g_rows)
+            hit, cols = _owned(t_rows, start + v0, v1 - v0)  # a mask, not indices: no sync
+            probs.scatter_add_(1, cols[:, None], torch.where(hit[:, None], -g_rows, 0.0))
+            _mm_into(grad_hidden[r0:r1], probs, w.to(acc), first=v0 == 0)
+            if want_weight:
+                _mm_into(grad_weight[v0:v1], probs.T, h_acc, first=r0 == 0)
+    return grad_hidden, grad_weight
 
 
 class _WeightedCrossEntropy(torch.autograd.Function):
@@ -258,30 +268,18 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         # as _ChunkedCrossEntropy.backward on this rank's columns; the hidden rows' gradient
         # is then summed over the ranks
         hidden, weight, targets, lse = ctx.saved_tensors
-        acc, start = lse.dtype, ctx.start
-        n, v = hidden.shape[0], weight.shape[0]
         want_weight = ctx.needs_input_grad[1]
-        grad_loss = grad_loss.to(acc)
-        grad_hidden = torch.zeros(hidden.shape, dtype=acc, device=hidden.device)
-        grad_weight = None
-        if want_weight:
-            grad_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device)
-        buffer = hidden.new_empty(min(n, ctx.row_chunk) * max(min(v, ctx.vocab_chunk), 1),
-                                  dtype=acc)  # fmt: skip
-        for r0, r1 in _chunks(n, ctx.row_chunk):
-            h = hidden[r0:r1]
-            h_acc = h.to(acc)
-            g_rows = grad_loss[r0:r1, None]
-            t_rows = targets[r0:r1]
-            for v0, v1 in _chunks(v, ctx.vocab_chunk):
-                w = weight[v0:v1]
-                probs = _logits_into(_block(buffer, r1 - r0, v1 - v0), h, w)
-                probs.sub_(lse[r0:r1, None]).exp_().mul_(g_rows)
-                hit, cols = _owned(t_rows, start + v0, v1 - v0)
-                probs.scatter_add_(1, cols[:, None], torch.where(hit[:, None], -g_rows, 0.0))
-                _mm_into(grad_hidden[r0:r1], probs, w.to(acc), first=v0 == 0)
-                if want_weight:
-                    _mm_into(grad_weight[v0:v1], probs.T, h_acc, first=r0 == 0)
+        grad_hidden, grad_weight = _chunked_gradients(
+            hidden,
+            weight,
+            targets,
+            lse,
+            grad_loss,
+            ctx.vocab_chunk,
+            ctx.row_chunk,
+            want_weight,
+            start=ctx.start,
+        )
         dist.all_reduce(grad_hidden, group=ctx.group)
         if want_weight:
             grad_weight = grad_weight.to(weight.dtype)
