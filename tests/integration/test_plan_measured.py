@@ -243,6 +243,20 @@ def test_expert_parallel_plan_equals_measured_bytes(world, tmp_path):
     assert all(abs(g["activations"]) <= 0.15 and g["peak"] >= -0.15 for g in gaps.values()), gaps
 
 
+def assert_state_equals_plan(name: str, world: int, tmp_path, rank: int, got: dict) -> None:
+    """The plan's parameter, gradient and optimizer-state bytes and local shapes of `rank`
+    equal those the real run measured (`got`), exactly."""
+    plan = planned(name, world, tmp_path, sum(m or 0 for m in got["masked"]), rank)
+    plan_rank = next(r for r in plan.ranks if r.rank == rank)
+    memory, where = plan_rank.memory, f"{name} rank {rank}"
+    assert memory.parameters == got["parameters"], where
+    assert memory.gradients == got["gradients"], where
+    assert memory.optimizer == got["optimizer_state"], where
+    assert plan_rank.shards, where
+    for row in plan_rank.shards:
+        assert row["local"] == got["local_shapes"][row["name"]], (where, row["name"])
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_pipeline_plan_equals_measured_bytes(world, tmp_path):
@@ -253,15 +267,7 @@ def test_pipeline_plan_equals_measured_bytes(world, tmp_path):
     measured = measure(world, tmp_path, PP_LAYOUTS)
     for name, ranks in measured.items():
         for rank, got in enumerate(ranks):
-            plan = planned(name, world, tmp_path, sum(m or 0 for m in got["masked"]), rank)
-            plan_rank = next(r for r in plan.ranks if r.rank == rank)
-            memory, where = plan_rank.memory, f"{name} rank {rank}"
-            assert memory.parameters == got["parameters"], where
-            assert memory.gradients == got["gradients"], where
-            assert memory.optimizer == got["optimizer_state"], where
-            assert plan_rank.shards, where
-            for row in plan_rank.shards:
-                assert row["local"] == got["local_shapes"][row["name"]], (where, row["name"])
+            assert_state_equals_plan(name, world, tmp_path, rank, got)
         first, last = measured[name][0], measured[name][-1]
         assert "model.embed_tokens.weight" in first["local_shapes"], name
         assert "lm_head.weight" not in first["local_shapes"], name
@@ -278,14 +284,8 @@ def test_pipeline_moe_plan_equals_measured_bytes(tmp_path):
     measured = measure(world, tmp_path, PP_MOE_LAYOUTS)
     for name, ranks in measured.items():
         for rank, got in enumerate(ranks):
-            plan = planned(name, world, tmp_path, sum(m or 0 for m in got["masked"]), rank)
-            plan_rank = next(r for r in plan.ranks if r.rank == rank)
-            memory, where = plan_rank.memory, f"{name} rank {rank}"
-            assert memory.parameters == got["parameters"], where
-            assert memory.gradients == got["gradients"], where
-            assert memory.optimizer == got["optimizer_state"], where
-            for row in plan_rank.shards:
-                assert row["local"] == got["local_shapes"][row["name"]], (where, row["name"])
+            assert_state_equals_plan(name, world, tmp_path, rank, got)
+            where = f"{name} rank {rank}"
             layer = 1 if rank < 2 else 2  # the stage's first MoE layer
             stack = got["local_shapes"][f"model.layers.{layer}.mlp.experts.gate_proj"]
             assert stack[0] == 2, where  # 4 experts over ep=2
