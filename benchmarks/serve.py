@@ -147,6 +147,17 @@ def ask(api, index: int, max_tokens: int, prompt: str | None = None,
     return out.usage.completion_tokens, time.perf_counter() - start
 
 
+def run_clients(worker, arguments: list[tuple]) -> float:
+    """One thread per client, `worker(*args)` each; the wall seconds until all are done."""
+    start = time.perf_counter()
+    threads = [threading.Thread(target=worker, args=args) for args in arguments]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return time.perf_counter() - start
+
+
 def repeated(served: Served, clients: int, requests: int, scenario: tuple) -> dict:
     """`clients` threads each sending the scenario's one prompt `requests` times."""
     _, prompt, max_tokens, options = scenario
@@ -161,13 +172,7 @@ def repeated(served: Served, clients: int, requests: int, scenario: tuple) -> di
             with lock:
                 latencies.append(seconds)
 
-    start = time.perf_counter()
-    threads = [threading.Thread(target=worker) for _ in range(clients)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    wall = time.perf_counter() - start
+    wall = run_clients(worker, [()] * clients)
     after = served.metrics()
     delta = {k: after[k] - before.get(k, 0.0) for k in after}
     return {
@@ -218,13 +223,7 @@ def load(served: Served, clients: int, requests: int, max_tokens: int) -> dict:
                 latencies.append(seconds)
                 tokens[0] += n
 
-    start = time.perf_counter()
-    threads = [threading.Thread(target=worker, args=(c,)) for c in range(clients)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    wall = time.perf_counter() - start
+    wall = run_clients(worker, [(c,) for c in range(clients)])
     after = served.metrics()
     delta = {k: after[k] - before.get(k, 0.0) for k in after}
     latencies.sort()
