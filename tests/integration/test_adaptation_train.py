@@ -119,3 +119,40 @@ def test_a_v2_form_run_from_the_ar_run_samples_as_v2(ar_final, tmp_path, capsys)
     answer = answer[: answer.index(sm.eos_id)] if sm.eos_id in answer else answer
     assert record["completion"] == sm.tokenizer.decode(answer, skip_special_tokens=True)
     assert record["nfe"] == out.nfe
+
+
+@pytest.mark.slow
+def test_adaptation_under_fsdp2_matches_one_process(ar_final, tmp_path):
+    """A shifted, annealed adaptation (Muon) on 2 gloo processes (FSDP2, the global batch
+    split): every step's loss equals the one-process run's within 1e-5 relative, so the
+    anneal's draws are the same on every rank and at every world size. A block schedule
+    runs there too and records its last size (bd3lm draws each rank's noise from the
+    rank's own generator, `global_noise` False, so its losses are not the one-process
+    run's by design)."""
+    from conftest import train_in_process
+    from launch import train_in_ranks
+
+    base = {"train": {"split_batches": True, "max_steps": 6, "eval_steps": 0,
+                      "save_steps": 0, "logging_steps": 1},
+            "optim": {"name": "muon", "ns_dtype": "float32"}}  # fmt: skip
+    schedule = {"warmup": [1, 4], "warmup_steps": 1, "stable_steps": 2, "decay": [5]}
+    cases = {
+        "anneal": {"model": {"pretrained": str(ar_final)},
+                   "diffusion": {"objective": "mdlm", "adaptation": {
+                       "attention": "anneal", "anneal_steps": 6, "shift": True}}},
+        "blocks": {"model": {"pretrained": str(ar_final)},
+                   "diffusion": {"objective": "bd3lm", "block_schedule": schedule}},
+    }  # fmt: skip
+    configs = [write_run_config(tmp_path, name, base, extra) for name, extra in cases.items()]
+    results = train_in_ranks(2, tmp_path / "results.json", *configs)
+    for name in cases:
+        assert results[name]["rc"] == 0, results[name]["stderr"]
+    saved = json.loads((tmp_path / "blocks" / "final" / "generation_config.json").read_text())
+    assert saved["unmask"]["block_length"] == 5
+    assert sorted(losses(tmp_path / "blocks")) == list(range(1, 7))
+    for config, name in zip(configs[:1], ["anneal"]):
+        two = losses(tmp_path / name)
+        one = losses(train_in_process(config, tmp_path / f"{name}-1"))
+        assert sorted(two) == sorted(one) == list(range(1, 7))
+        for step in one:
+            assert abs(two[step] - one[step]) <= 1e-5 * abs(one[step]), (name, step)
