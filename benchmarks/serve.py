@@ -312,6 +312,7 @@ def main() -> None:
                         "requests, no results file (CI)")  # fmt: skip
     args = parser.parse_args()
     threads = [int(t) for t in args.threads.split(",")]
+    args.load_before = load_average()  # other jobs' load moves every number here
     if args.quick:
         args.rounds, args.requests, args.sequential_requests, args.out = 1, 1, 4, None
         args.repeats = 4
@@ -368,7 +369,8 @@ def report(args, threads: list[int], runs: dict[tuple, list[dict]], limits: dict
     lines = [
         "# Serving benchmark (`unmask serve`, loopback, CPU)",
         "",
-        f"{machine('torch', 'uvicorn', 'openai')}; load average before: {load_average()}.",
+        f"{machine('torch', 'uvicorn', 'openai')}; load average (1, 5, 15 min) before: "
+        f"{args.load_before}, after: {load_average()}.",
         f"Model: {model}. Requests: max_tokens {args.max_tokens}, blocks of 8, one token per "
         f'step, greedy; workloads `plain` (no cache) and `dual cache` (`"cache": "dual"`); '
         f"servers with {' and '.join(map(str, threads))} torch thread(s) (--threads; "
