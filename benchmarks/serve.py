@@ -1,15 +1,23 @@
 """`unmask serve` under load on loopback: output tokens/s with 32 concurrent clients vs one
 client at a time, latency percentiles, tokens per forward, and the queue bound.
 
-One server (`python -m unmask serve`, a subprocess, --max-batch 32) on 127.0.0.1; the real
-`openai` client in threads. Each round runs, in rotated order:
-  - sequential: one client sends `--requests` requests one after another;
+One server per thread setting (`python -m unmask serve --threads N`, a subprocess,
+--max-batch 32; with N > 1 forwards under --one-thread-below positions run on one thread)
+on 127.0.0.1; the real `openai` client in threads. Two workloads, the same requests but for
+the cache: `plain` (a full forward over the canvas every step) and `dual cache` (a full
+forward at each block start, then the 8 positions of the block only: Fast-dLLM's dual
+cache, `"cache": "dual"`, on both sides of the ratio). Each round runs, for every server
+and workload, in rotated order:
+  - sequential: one client sends `--sequential-requests` requests one after another;
   - concurrent: 32 clients each send `--requests` requests back to back (a bounded loop:
     every client waits for its answer before sending the next);
 reporting answer tokens per second of wall time (completion_tokens from each response),
 p50 / p99 request latency, and from /metrics the positions committed per row per forward
-(1.0: one token per step) and the rows per forward call (the batch the engine ran).
-Then the prefix cache: two servers, `--prefix-cache-mb 512` (the default) and 0 (off), get
+(1.0: one token per step), the rows per forward call (the batch the engine ran) and the
+share of forwards that ran on more than one thread, and the server process's CPU seconds
+per answer token (/proc: all its threads).
+The ratio (32 concurrent / one at a time) is taken per round, server and workload.
+Then the prefix cache (on the first thread setting): two servers, `--prefix-cache-mb 512` (the default) and 0 (off), get
 the same prompt again and again (one client, requests one after another; then 16 clients at
 once), in rotated order each round; reported: row forwards per request (the work the cache
 saves: a repeated prompt's first forward), the engine's decoding seconds per request, p50
@@ -29,6 +37,7 @@ answer fills its canvas). Requests: synthetic prompts ("rev 90417="), max_tokens
 blocks of 8, one token per step, greedy.
 
 Run: python benchmarks/serve.py            (writes benchmarks/results/serve.md)
+     python benchmarks/serve.py --threads 1,2 (both thread settings, interleaved)
      python benchmarks/serve.py --quick    (tiny model, 1 round, fewer requests; prints only)
 """
 
@@ -49,6 +58,8 @@ from pathlib import Path
 
 from common import REPO, RESULTS, load_average, machine, publish, rotated, with_spread
 
+#: the load's workloads: unmask options of every request
+WORKLOADS = {"plain": {"block_length": 8}, "dual cache": {"block_length": 8, "cache": "dual"}}
 PROMPTS = ["rev 90417=", "sort 5213=", "add 58+67=", "rev 123456=", "sort 98=", "add 12+7="]
 #: the repeated-prompt scenarios: (name, prompt, max_tokens, unmask options)
 LONG_PROMPT = ("system: answer with the digits reversed, nothing else. " * 5)[:246] + "rev 90417="
@@ -94,6 +105,7 @@ class Served:
     """`unmask serve` in a subprocess; stopped with SIGTERM."""
 
     def __init__(self, model: Path, threads: int, *flags: str):
+        """threads: --threads and OMP_NUM_THREADS of the server."""
         import httpx
 
         self.port = free_port()
@@ -102,7 +114,7 @@ class Served:
                "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}  # fmt: skip
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "unmask", "serve", "--model", str(model), "--model-name",
-             "bench", "--port", str(self.port), *flags],
+             "bench", "--port", str(self.port), "--threads", str(threads), *flags],
             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )  # fmt: skip
         deadline = time.time() + 180
@@ -121,8 +133,17 @@ class Served:
         import httpx
 
         text = httpx.get(self.base + "/metrics").text
-        return {m.group(1): float(m.group(2))
-                for m in re.finditer(r"^unmask_(\w+) (\S+)$", text, re.M)}  # fmt: skip
+        found = {m.group(1): float(m.group(2))
+                 for m in re.finditer(r"^unmask_(\w+) (\S+)$", text, re.M)}  # fmt: skip
+        by_threads = r'^unmask_forwards_by_threads_total\{threads="(\d+)"\} (\S+)$'
+        for m in re.finditer(by_threads, text, re.M):  # forwards_on_N
+            found[f"forwards_on_{m.group(1)}"] = float(m.group(2))
+        return found
+
+    def cpu_seconds(self) -> float:
+        """CPU seconds the server process has used (all its threads), from /proc."""
+        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
     def stop(self) -> int:
         self.proc.send_signal(signal.SIGTERM)
@@ -208,9 +229,9 @@ def prefix_cache(model: Path, threads: int, rounds: int, sequential: int, concur
     return runs
 
 
-def load(served: Served, clients: int, requests: int, max_tokens: int) -> dict:
-    """`clients` threads, each sending `requests` requests back to back."""
-    before = served.metrics()
+def load(served: Served, clients: int, requests: int, max_tokens: int, options: dict) -> dict:
+    """`clients` threads, each sending `requests` requests (unmask `options`) back to back."""
+    before, cpu = served.metrics(), served.cpu_seconds()
     api = client(served.base)
     latencies: list[float] = []
     tokens = [0]
@@ -218,21 +239,25 @@ def load(served: Served, clients: int, requests: int, max_tokens: int) -> dict:
 
     def worker(c: int) -> None:
         for r in range(requests):
-            n, seconds = ask(api, c * requests + r, max_tokens)
+            n, seconds = ask(api, c * requests + r, max_tokens, options=options)
             with lock:
                 latencies.append(seconds)
                 tokens[0] += n
 
     wall = run_clients(worker, [(c,) for c in range(clients)])
+    cpu = served.cpu_seconds() - cpu
     after = served.metrics()
     delta = {k: after[k] - before.get(k, 0.0) for k in after}
     latencies.sort()
+    on = {k: v for k, v in delta.items() if k.startswith("forwards_on_")}  # by thread count
     return {
         "tok_s": tokens[0] / wall,
+        "cpu_ms": 1000 * cpu / max(1, tokens[0]),
         "p50": statistics.median(latencies),
         "p99": latencies[min(len(latencies) - 1, round(0.99 * (len(latencies) - 1)))],
         "tok_fwd": delta["positions_decoded_total"] / max(1.0, delta["row_forwards_total"]),
         "rows_fwd": delta["row_forwards_total"] / max(1.0, delta["forward_passes_total"]),
+        "multi": (sum(on.values()) - on.get("forwards_on_1", 0.0)) / max(1.0, sum(on.values())),
         "requests": len(latencies),
     }
 
@@ -278,67 +303,103 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=16, help="repeated-prompt requests of "
                         "the one-at-a-time client (each of 16 clients sends 1/8 of them)")  # fmt: skip
-    parser.add_argument("--threads", type=int, default=1, help="server torch threads")
+    parser.add_argument("--threads", default="1", help="server torch threads, a comma list "
+                        "of settings measured side by side (e.g. 1,2)")  # fmt: skip
+    parser.add_argument("--one-thread-below", help="the servers' --one-thread-below "
+                        "(default: the server's)")  # fmt: skip
     parser.add_argument("--out", default=str(RESULTS / "serve.md"))
     parser.add_argument("--quick", action="store_true", help="tiny model, one round, fewer "
                         "requests, no results file (CI)")  # fmt: skip
     args = parser.parse_args()
+    threads = [int(t) for t in args.threads.split(",")]
+    args.load_before = load_average()  # other jobs' load moves every number here
     if args.quick:
         args.rounds, args.requests, args.sequential_requests, args.out = 1, 1, 4, None
         args.repeats = 4
     with tempfile.TemporaryDirectory() as tmp:
         model = Path(args.model) if args.model else build_model(Path(tmp) / "model", args.quick)
-        served = Served(model, args.threads, "--max-batch", "32", "--max-queue", "64")
-        load(served, 1, 2, args.max_tokens)  # warm-up
-        runs: dict[str, list[dict]] = {"one at a time": [], "32 concurrent": []}
+        small = [] if args.one_thread_below is None else ["--one-thread-below",
+                                                          args.one_thread_below]  # fmt: skip
+        servers = {t: Served(model, t, "--max-batch", "32", "--max-queue", "64", *small)
+                   for t in threads}  # fmt: skip
+        loads = {"one at a time": (1, args.sequential_requests),
+                 "32 concurrent": (32, args.requests)}  # fmt: skip
+        cells = [(t, w, name) for t in threads for w in WORKLOADS for name in loads]
+        for served in servers.values():  # warm-up
+            for options in WORKLOADS.values():
+                load(served, 1, 2, args.max_tokens, options)
+        runs: dict[tuple, list[dict]] = {cell: [] for cell in cells}
         for round_index in range(args.rounds):
-            for name in rotated(list(runs), round_index):
-                if name == "one at a time":
-                    runs[name].append(load(served, 1, args.sequential_requests, args.max_tokens))
-                else:
-                    runs[name].append(load(served, 32, args.requests, args.max_tokens))
-        served.stop()
-        cached = prefix_cache(model, args.threads, args.rounds, args.repeats,
+            for t, w, name in rotated(cells, round_index):
+                clients, requests = loads[name]
+                runs[(t, w, name)].append(load(servers[t], clients, requests, args.max_tokens,
+                                               WORKLOADS[w]))  # fmt: skip
+        for served in servers.values():
+            served.stop()
+        cached = prefix_cache(model, threads[0], args.rounds, args.repeats,
                               max(1, args.repeats // 8))  # fmt: skip
-        limits = bound(model, args.threads, args.max_tokens)
-    publish(report(args, runs, limits, cached), args.out)
+        limits = bound(model, threads[0], args.max_tokens)
+    publish(report(args, threads, runs, limits, cached), args.out)
     for (scenario, load_), cell in cached.items():
         if [r["texts"] for r in cell["on"]] != [r["texts"] for r in cell["off"]]:
             sys.exit(f"the prefix cache changed the answers: {scenario}, {load_}")
-    ratios = [c["tok_s"] / s["tok_s"] for s, c in zip(runs["one at a time"], runs["32 concurrent"])]
     if limits["hung"] or limits["other"] or limits["exit"] != 0:
         sys.exit(f"the queue bound lost or hung requests: {limits}")
-    print(f"32 concurrent / one at a time: {with_spread(ratios)}x output tokens/s")
+    for (t, w), values in ratios(runs).items():
+        print(f"{t} thread(s), {w}: 32 concurrent / one at a time: {with_spread(values)}x "
+              "output tokens/s")  # fmt: skip
 
 
-def report(args, runs: dict[str, list[dict]], limits: dict, cached: dict) -> str:
+def ratios(runs: dict[tuple, list[dict]], key: str = "tok_s") -> dict[tuple, list[float]]:
+    """Per (threads, workload): each round's 32-concurrent / one-at-a-time tokens/s (key
+    cpu_ms: one-at-a-time / 32-concurrent CPU per token)."""
+    out = {}
+    for t, w, name in runs:
+        if name == "32 concurrent":
+            one, many = runs[(t, w, "one at a time")], runs[(t, w, name)]
+            pairs = zip(one, many) if key == "tok_s" else zip(many, one)
+            out[(t, w)] = [b[key] / a[key] for a, b in pairs]
+    return out
+
+
+def report(args, threads: list[int], runs: dict[tuple, list[dict]], limits: dict,
+           cached: dict) -> str:  # fmt: skip
     model = args.model or ("tiny random model" if args.quick else
                            "quickstart architecture, random weights")  # fmt: skip
     lines = [
         "# Serving benchmark (`unmask serve`, loopback, CPU)",
         "",
-        f"{machine('torch', 'uvicorn', 'openai')}; load average before: {load_average()}.",
+        f"{machine('torch', 'uvicorn', 'openai')}; load average (1, 5, 15 min) before: "
+        f"{args.load_before}, after: {load_average()}.",
         f"Model: {model}. Requests: max_tokens {args.max_tokens}, blocks of 8, one token per "
-        f"step, greedy; server with {args.threads} torch thread(s), --max-batch 32. "
+        f'step, greedy; workloads `plain` (no cache) and `dual cache` (`"cache": "dual"`); '
+        f"servers with {' and '.join(map(str, threads))} torch thread(s) (--threads; "
+        f"--one-thread-below {args.one_thread_below or 'default'}), --max-batch 32. "
         f"{args.rounds} interleaved round(s); median (min-max) over rounds.",
         "",
-        "| clients | requests | output tok/s | p50 latency s | p99 latency s | tok/forward "
-        "| rows/forward |",
-        "|---|---|---|---|---|---|---|",
+        "| threads | workload | clients | requests | output tok/s | p50 latency s "
+        "| p99 latency s | server CPU ms/token | tok/forward | rows/forward "
+        "| forwards on > 1 thread |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for name, rows in runs.items():
+    for (t, w, name), rows in runs.items():
 
         def cell(key: str, fmt: str = "{:.2f}", rows=rows) -> str:
             return with_spread([r[key] for r in rows], fmt)
 
-        lines.append(f"| {name} | {rows[0]['requests']} | {cell('tok_s', '{:.1f}')} | "
-                     f"{cell('p50', '{:.3f}')} | {cell('p99', '{:.3f}')} | {cell('tok_fwd')} | "
-                     f"{cell('rows_fwd', '{:.1f}')} |")  # fmt: skip
-    ratios = [c["tok_s"] / s["tok_s"] for s, c in zip(runs["one at a time"], runs["32 concurrent"])]
+        lines.append(f"| {t} | {w} | {name} | {rows[0]['requests']} | {cell('tok_s', '{:.1f}')} "
+                     f"| {cell('p50', '{:.3f}')} | {cell('p99', '{:.3f}')} | "
+                     f"{cell('cpu_ms')} | {cell('tok_fwd')} | "
+                     f"{cell('rows_fwd', '{:.1f}')} | {cell('multi', '{:.0%}')} |")  # fmt: skip
+    lines += ["", "32 concurrent clients / one client at a time, output tokens/s (each round's "
+              "ratio; target >= 4x); in brackets the same ratio of the server's CPU seconds "
+              "per token (one at a time / 32 concurrent: what batching saves in work, less "
+              "moved by other jobs' load than wall time):", ""]  # fmt: skip
+    for (t, w), values in ratios(runs).items():
+        cpu = ratios(runs, "cpu_ms")[(t, w)]
+        lines.append(f"- {t} thread(s), {w}: **{with_spread(values)}x** "
+                     f"(CPU per token: {with_spread(cpu)}x)")  # fmt: skip
     lines += [
-        "",
-        f"32 concurrent clients / one client at a time, output tokens/s: "
-        f"**{with_spread(ratios)}x** (each round's ratio; target >= 4x).",
         "",
         "Prefix cache: the same prompt again and again, a server with --prefix-cache-mb 512 "
         "(on, the default) and one with 0 (off), in rotated order each round; row forwards "

@@ -722,6 +722,11 @@ CASES = [
     case("serve-prefix-cache-negative", lambda ctx: ["serve", "--model", str(ctx.model()),
                                                      "--prefix-cache-mb", "-1"],
          "--prefix-cache-mb", "must be a number of megabytes >= 0"),
+    case("serve-threads-0", lambda ctx: ["serve", "--model", str(ctx.model()), "--threads", "0"],
+         "--threads", "must be a whole number >= 1"),
+    case("serve-one-thread-below-negative", lambda ctx: ["serve", "--model", str(ctx.model()),
+                                                         "--one-thread-below", "-1"],
+         "--one-thread-below", "must be a whole number >= 0"),
     # -- grpo: rewards and groups ---------------------------------------------------------------
     case("grpo-group-size-1", grpo([{"fn": "exact_match"}], group_size=1), "'grpo.group_size'",
          "must be >= 2"),

@@ -278,6 +278,39 @@ def test_32_concurrent_greedy_requests_equal_32_generate_calls(client, server, m
     assert rows / forwards > 2, (rows, forwards)  # rows shared forward passes
 
 
+def test_a_two_thread_server_gives_one_threads_tokens(model_dir, tmp_path):
+    """--threads 2 (--ignore-load: whatever else runs on the machine): 16 concurrent
+    requests, their forwards on 2 threads, and a lone request, its forwards on 1
+    (--one-thread-below 64), give `unmask generate`'s tokens on one thread."""
+    prompts = [f"{task} {'9876543210'[: 1 + i % 7]}=" for i, task in
+               enumerate(["rev", "sort", "add 1+", "rev 12"] * 4)]  # fmt: skip
+    expected = generate(model_dir, tmp_path, prompts, "--gen-length", "8", "--block-length", "4")
+    proc, base = start_server(model_dir, "--threads", "2", "--ignore-load",
+                              "--one-thread-below", "64")  # fmt: skip
+    try:
+        api = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
+
+        def ask(prompt: str) -> str:
+            return api.completions.create(model="tiny", prompt=prompt, max_tokens=8,
+                                          extra_body={"unmask": BLOCK}).choices[0].text  # fmt: skip
+
+        with ThreadPoolExecutor(16) as pool:
+            got = list(pool.map(ask, prompts))
+        two = metric(base, 'forwards_by_threads_total{threads="2"}')
+        assert got == expected and two > 0
+        one = metric(base, 'forwards_by_threads_total{threads="1"}')
+        forwards = metric(base, "forward_passes_total")
+        assert ask(prompts[0]) == expected[0]
+        forwards = metric(base, "forward_passes_total") - forwards
+        # 7 steps: the first forward is the prefix cache's (a repeated prompt)
+        assert metric(base, 'forwards_by_threads_total{threads="1"}') - one == forwards == 7
+        assert metric(base, 'forwards_by_threads_total{threads="2"}') == two
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+    assert "2 torch thread(s), one for forwards under 64 positions)" in proc.stdout.read()
+
+
 def test_repeated_prompts_reuse_the_prefix_cache_and_give_generates_tokens(
     client, server, model_dir, tmp_path
 ):

@@ -9,7 +9,7 @@ from conftest import save_tiny_model
 from unmask.checkpoint import load_for_sampling
 from unmask.sampling import SamplingConfig, sample
 from unmask.sampling.texts import before_eos
-from unmask.serve.engine import Engine, FirstForward, Job, PrefixCache
+from unmask.serve.engine import Engine, FirstForward, Job, PrefixCache, Threaded
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -228,3 +228,43 @@ def test_prefix_cache_evicts_the_least_recently_used_within_its_bound(sm):
         counts[room] = (cache.hits, cache.misses, cache.evictions)
     assert counts[1.5] == (0, 5, 4)  # each repeat came after its entry was evicted
     assert counts[2.5] == (2, 3, 1)  # C evicted B, the least recently used, not A
+
+
+# ------------------------------------------------------------------------- threads
+
+
+def test_threaded_runs_small_forwards_on_one_thread_and_big_ones_on_the_idle_cores(sm):
+    idle = [None]
+    threaded = Threaded(sm.model, 2, 100, idle=lambda: idle[0])
+    assert [threaded.threads_for(n) for n in (1, 99, 100, 5000)] == [1, 1, 2, 2]
+    for cores, expected in [(0.0, 1), (0.4, 1), (0.6, 1), (1.6, 2), (1.4, 1), (7.0, 2)]:
+        idle[0] = cores  # rounded, at least 1, at most `threads`
+        assert threaded.threads_for(100) == expected, cores
+    assert Threaded(sm.model, 1, 0).threads_for(10**6) == 1
+    assert Threaded(sm.model, 3, 0).threads_for(1) == 3  # 0: every forward on `threads`
+    assert threaded.config is sm.model.config  # attributes are the model's
+
+
+@pytest.mark.parametrize("options", [dict(block_length=4), dict(block_length=4, cache="dual")])
+def test_two_threads_for_big_forwards_give_one_threads_tokens(tmp_path, options):
+    """The quickstart's width (ops big enough to split over threads): 16 rows on 2 threads
+    (forwards of 16 rows), the small ones on 1 (a row alone), decode what `sample` decodes
+    for each prompt alone on one thread."""
+    fields = dict(hidden_size=128, intermediate_size=384, num_attention_heads=4,
+                  num_key_value_heads=2, num_hidden_layers=2)  # fmt: skip
+    wide = load_for_sampling(save_tiny_model(tmp_path / "wide", seed=3, **fields), device="cpu")
+    prompts = [f"{task} {'9876543210'[: 1 + i % 7]}=" for i, task in
+               enumerate(["rev", "sort", "add 1+", "rev 12"] * 4)]  # fmt: skip
+    config = SamplingConfig(gen_length=8, **options)
+    engine = Engine(wide, start=False, threads=2, one_thread_below=64)
+    jobs = [Job(wide.tokenizer(p, add_special_tokens=False)["input_ids"], config,
+                emit=lambda e: None) for p in prompts]  # fmt: skip
+    lone = Job(jobs[0].prompt_ids, config, emit=lambda e: None)
+    try:
+        drive(engine, jobs + [lone], [0] * len(jobs) + [3])  # the lone row: after the batch
+    finally:
+        torch.set_num_threads(1)
+    assert engine.model.calls[2] > 0 and engine.model.calls[1] > 0, engine.model.calls
+    for job, prompt in zip(jobs, prompts):
+        assert before_eos(job.answer, wide.eos_id) == alone(wide, prompt, config), prompt
+    assert lone.answer == jobs[0].answer

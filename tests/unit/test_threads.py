@@ -3,6 +3,7 @@ core unless OMP_NUM_THREADS is set; train.num_threads sets a count; `unmask gene
 `auto`. The machine's load is set by the tests (`busy`), never read from the shared machine."""
 
 import os
+import time
 
 import pytest
 import torch
@@ -51,6 +52,42 @@ def test_auto_is_one_thread_per_idle_core_for_a_tiny_cpu_model_only(two_threads,
 def test_busy_cores_reads_this_machine():
     busy, cores = threads.busy_cores(window_s=0.01)
     assert 0 <= busy and 1 <= cores <= os.cpu_count()
+
+
+def test_idle_cores_are_the_cores_not_busy_with_other_work(monkeypatch):
+    """The busy share of all cores less this process's own CPU time, over windows of
+    window_s, the least of the last `keep` windows; between measurements the value stays.
+    Clocks and /proc/stat are the test's: (seconds, this process's CPU seconds, all jiffies,
+    idle jiffies) on 2 cores, 100 jiffies per core-second."""
+    samples = iter([(0.0, 0.0, 0, 0),  # made
+                    (1.0, 1.0, 200, 0),  # both cores busy, one of them this process: 1 idle
+                    (2.0, 1.5, 400, 100),  # one core busy, half of it this process: 1.5
+                    (3.0, 3.5, 600, 100),  # both busy, both this process: 2
+                    (4.0, 5.5, 800, 100),  # 2 again
+                    (5.0, 5.5, 1000, 300)])  # nothing busy: 2  # fmt: skip
+    measure = threads.IdleCores._sample
+    monkeypatch.setattr(threads.IdleCores, "_sample", staticmethod(lambda: next(samples)))
+    monkeypatch.setattr(threads.os, "cpu_count", lambda: 2)
+    clock = [0.0]
+    monkeypatch.setattr(threads.time, "monotonic", lambda: clock[0])
+    idle = threads.IdleCores(window_s=1.0, keep=2)
+    idle.cores = 2
+    assert idle.idle() is None  # no window yet
+    got = []
+    for now in (0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 5.0):
+        clock[0] = now
+        got.append(idle.idle())
+    assert got == [None, 1.0, 1.0, 1.0, 1.5, 2.0, 2.0]  # windows 1, 1.5, 2, 2, 2
+    monkeypatch.setattr(threads.IdleCores, "_sample", staticmethod(measure))
+    monkeypatch.setattr(threads, "_cpu_jiffies", lambda: None)  # no /proc/stat
+    clock[0] = 10.0
+    assert threads.IdleCores().idle() is None
+
+
+def test_idle_cores_reads_this_machine():
+    idle = threads.IdleCores(window_s=0.01)
+    time.sleep(0.05)
+    assert 0 <= idle.idle() <= idle.cores <= os.cpu_count()
 
 
 def test_set_threads_applies_auto_or_a_count_and_says_so(two_threads):

@@ -51,6 +51,17 @@ def positive_int(text: str) -> int:
     return value
 
 
+def nonnegative_int(text: str) -> int:
+    """An argparse type: a whole number >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 0 (got {text!r})")
+    return value
+
+
 def add_base_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base", metavar="FOLDER", help="base model folder of an unmerged "
                         "LoRA adapter (default: the one the adapter records)")  # fmt: skip

@@ -6,7 +6,10 @@ import signal
 import sys
 from pathlib import Path
 
-from unmask.cli.flags import add_base_flag, positive_int
+from unmask.cli.flags import add_base_flag, nonnegative_int, positive_int
+
+#: --one-thread-below's default (docs/serving.md, Threads)
+ONE_THREAD_BELOW = 256
 
 
 def add_serve(sub: argparse._SubParsersAction) -> None:
@@ -28,6 +31,15 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
     srv.add_argument("--prefix-cache-mb", type=megabytes, default=512, metavar="MB",
                      help="MiB for the first forwards of repeated prompts (reused exactly; "
                      "docs/serving.md, Prefix cache); 0 = off (default 512)")  # fmt: skip
+    srv.add_argument("--threads", type=positive_int, help="torch threads of a forward on a CPU "
+                     "(default: OMP_NUM_THREADS, else one per idle core for a small model)")  # fmt: skip
+    srv.add_argument("--one-thread-below", type=nonnegative_int, default=ONE_THREAD_BELOW,
+                     metavar="POSITIONS", help="with more than one thread, forwards that feed "
+                     "fewer positions (rows x columns) run on one thread; 0 = never "
+                     f"(default {ONE_THREAD_BELOW})")  # fmt: skip
+    srv.add_argument("--ignore-load", action="store_true", help="run big forwards on all "
+                     "--threads even while other processes keep cores busy (default: on as "
+                     "many as are idle, re-measured every second)")  # fmt: skip
     srv.add_argument("--runs", metavar="DIR", help="folder of run directories shown on the page")
     srv.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every route but "
                      "/health and the page itself (default: $UNMASK_API_KEY, else none)")  # fmt: skip
@@ -67,9 +79,15 @@ def cmd_serve(ns: argparse.Namespace) -> int:
 
     sm = load_for_sampling(ns.model, ns.tokenizer, ns.device, ns.mask_id, base=ns.base)
     set_sampling_threads(sm.model, sm.device)
+    if ns.threads is not None:
+        import torch
+
+        torch.set_num_threads(ns.threads)
     name = ns.model_name or Path(ns.model).resolve().name
     return run_server(sm, model_name=name, host=ns.host, port=ns.port,
                       max_batch=ns.max_batch, max_queue=ns.max_queue,
                       api_key=ns.api_key or os.environ.get("UNMASK_API_KEY") or None,
                       runs_dir=ns.runs, drain_seconds=ns.drain_timeout,
-                      prefix_cache_bytes=int(ns.prefix_cache_mb * 2**20))  # fmt: skip
+                      prefix_cache_bytes=int(ns.prefix_cache_mb * 2**20),
+                      one_thread_below=ns.one_thread_below,
+                      watch_load=not ns.ignore_load)  # fmt: skip

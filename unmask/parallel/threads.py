@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections import deque
 
 import torch
 
@@ -56,6 +57,41 @@ def _cpu_jiffies() -> tuple[int, int] | None:
     except (OSError, ValueError):
         return None
     return (sum(fields), fields[3] + fields[4]) if len(fields) >= 5 else None
+
+
+class IdleCores:
+    """Cores idle of other work now, for a long-lived process (`unmask serve`): the busy
+    share of all cores (/proc/stat) less this process's own CPU time, over windows of
+    `window_s` seconds, and of the last `keep` windows the least (a core that was busy in
+    the last few seconds is counted busy: other jobs pause and resume, and a thread count
+    raised into a busy core stalls every forward). Re-measured when `idle()` is called
+    `window_s` after the last measurement (reading /proc/stat: microseconds), so a caller
+    may ask before every forward. None until the first window has passed, and where
+    /proc/stat is missing."""
+
+    def __init__(self, window_s: float = 1.0, keep: int = 3):
+        self.window_s = window_s
+        affinity = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+        self.cores = len(affinity) if affinity else os.cpu_count() or 1
+        self.recent: deque[float] = deque(maxlen=keep)
+        self.last = self._sample()
+
+    @staticmethod
+    def _sample() -> tuple[float, float, int, int] | None:
+        jiffies = _cpu_jiffies()
+        return None if jiffies is None else (time.monotonic(), time.process_time(), *jiffies)
+
+    def idle(self) -> float | None:
+        if self.last is not None and time.monotonic() - self.last[0] >= self.window_s:
+            now = self._sample()
+            if now is not None:
+                wall, own = now[0] - self.last[0], now[1] - self.last[1]
+                total, idle = now[2] - self.last[2], now[3] - self.last[3]
+                if total > 0 and wall > 0:
+                    busy = (1 - idle / total) * (os.cpu_count() or 1)
+                    self.recent.append(max(0.0, self.cores - max(0.0, busy - own / wall)))
+                self.last = now
+        return min(self.recent) if self.recent else None
 
 
 def auto_threads(params: int, device_type: str) -> tuple[int, str] | None:

@@ -353,12 +353,13 @@ def metrics_text(engine: Engine) -> str:
     s = engine.stats
     lines = []
 
-    def metric(name: str, kind: str, help_text: str, values: dict[str, float] | float):
+    def metric(name: str, kind: str, help_text: str, values: dict[str, float] | float,
+               key: str = "outcome"):  # fmt: skip
         lines.append(f"# HELP unmask_{name} {help_text}")
         lines.append(f"# TYPE unmask_{name} {kind}")
         if isinstance(values, dict):
             for label, value in sorted(values.items()):
-                lines.append(f'unmask_{name}{{outcome="{label}"}} {value}')
+                lines.append(f'unmask_{name}{{{key}="{label}"}} {value}')
         else:
             lines.append(f"unmask_{name} {values}")
 
@@ -367,6 +368,8 @@ def metrics_text(engine: Engine) -> str:
     metric("running_requests", "gauge", "Prompts in the running batch.", engine.running)
     metric("forward_passes_total", "counter", "Model forward calls.", s.forwards)
     metric("row_forwards_total", "counter", "Forward calls times rows in them.", s.row_forwards)
+    metric("forwards_by_threads_total", "counter", "Forward calls by the torch threads they "
+           "ran on (--threads, --one-thread-below).", dict(engine.model.calls), "threads")  # fmt: skip
     metric("positions_decoded_total", "counter", "Canvas positions committed.", s.decoded)
     metric("block_calls_total", "counter", "Blocks decoded (one call each).", s.blocks)
     metric("tokens_generated_total", "counter", "Answer tokens returned.", s.tokens)

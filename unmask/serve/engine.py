@@ -25,6 +25,17 @@ the model, the prompt's tokens and every option that reaches the forward, and a 
 with the same key reuses it instead of computing it (a row of a block call that repeats
 another row's key copies that row's). Nothing after that forward is reused: every later
 step sees answer tokens, and for a bidirectional model they change the prompt's K/V too.
+
+Threads (`--threads`, `--one-thread-below`, `--ignore-load`): on a CPU a forward that
+feeds few positions (one request's canvas) runs faster on one torch thread than on two
+(OpenMP's start-up and barriers cost more than the split saves), while a batch's forward is
+compute-bound and gains from every idle core. So with `threads` > 1 each forward that feeds
+fewer than `one_thread_below` positions (rows x columns) runs on one thread and the others
+on `threads`, or on as many as there are cores idle of other work (re-measured every
+second): a thread that waits at OpenMP's barrier for a peer descheduled by another
+process stalls the whole forward (docs/serving.md, Threads). Thread counts change how long
+a forward takes, not what it returns: tests/unit/test_serve_engine.py pins the tokens of
+two threads to one thread's.
 """
 
 from __future__ import annotations
@@ -40,6 +51,7 @@ from typing import Any
 
 import torch
 
+from unmask.parallel.threads import IdleCores
 from unmask.sampling.config import SamplingConfig
 from unmask.sampling.generate import (
     GenerationOutput,
@@ -114,6 +126,37 @@ class PrefixCache:
 
     def __len__(self) -> int:
         return len(self.entries)
+
+
+class Threaded:
+    """`model` called with `threads` torch threads for a forward that feeds at least
+    `one_thread_below` positions (rows x columns: guidance's unconditional rows count) and
+    with one thread for a smaller one (0: always `threads`). With `idle` (a callable: the
+    cores idle of other work now, or None: unknown), a big forward takes no more threads
+    than that rounds to (at least 1). Attributes are the model's. torch.set_num_threads
+    sets the calling thread's count (the engine's thread here)."""
+
+    def __init__(self, model: torch.nn.Module, threads: int, one_thread_below: int,
+                 idle: Callable[[], float | None] | None = None):  # fmt: skip
+        self.model, self.threads, self.one_thread_below = model, threads, one_thread_below
+        self.idle = idle
+        self.calls: dict[int, int] = {}  # forwards by thread count (tests, /metrics)
+
+    def threads_for(self, positions: int) -> int:
+        if self.threads == 1 or positions < self.one_thread_below:
+            return 1
+        idle = None if self.idle is None else self.idle()
+        return self.threads if idle is None else max(1, min(self.threads, round(idle)))
+
+    def __call__(self, input_ids: torch.Tensor, **kwargs) -> torch.Tensor:
+        threads = self.threads_for(input_ids.numel())
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+        self.calls[threads] = self.calls.get(threads, 0) + 1
+        return self.model(input_ids, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["model"], name)
 
 
 class QueueFull(Exception):
@@ -191,11 +234,19 @@ class Engine:
     """The scheduler: `submit` queues a Job (QueueFull past `max_queue` waiting, Draining
     after `close`); a thread admits waiting jobs up to `max_batch` at each block boundary,
     decodes one block for one group, and drops finished and cancelled jobs.
-    prefix_cache_bytes: the bound of the `PrefixCache` (0: none, every forward computed)."""
+    prefix_cache_bytes: the bound of the `PrefixCache` (0: none, every forward computed).
+    threads: torch threads of a forward (None: torch's count when the engine is made);
+    one_thread_below: forwards that feed fewer positions run on one thread (`Threaded`;
+    0: every forward on `threads`); watch_load: the others on no more threads than there
+    are cores idle of other work (`IdleCores`, re-measured every second)."""
 
     def __init__(self, sm: SamplingModel, max_batch: int = 32, max_queue: int = 64,
-                 start: bool = True, prefix_cache_bytes: int = 0):  # fmt: skip
+                 start: bool = True, prefix_cache_bytes: int = 0, threads: int | None = None,
+                 one_thread_below: int = 0, watch_load: bool = False):  # fmt: skip
         self.sm, self.max_batch, self.max_queue = sm, max_batch, max_queue
+        threads = threads or torch.get_num_threads()
+        idle = IdleCores().idle if watch_load and threads > 1 else None
+        self.model = Threaded(sm.model, threads, one_thread_below, idle)
         self.prefix_cache = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 else None
         # the cache is this engine's (one model); the key names the model all the same
         self.model_key = (id(sm.model), str(sm.device), sm.mask_id)
@@ -304,7 +355,7 @@ class Engine:
         canvas = _Canvas(x.to(sm.device), valid.to(sm.device), in_prompt.to(sm.device),
                          sm.mask_id, cfg.cfg_scale, cfg.cache, blocks)  # fmt: skip
         special = special_ids(cfg, sm.eos_id, sm.pad_id, self.eot_id)
-        decoder = _BlockDecoder(cfg, sm.model, canvas, start, start + block, steps_per_block,
+        decoder = _BlockDecoder(cfg, self.model, canvas, start, start + block, steps_per_block,
                                 sm.mask_id, special)  # fmt: skip
         keys = [self.prefix_key(job) for job in rows]
         saved = {"calls": 0, "rows": 0}  # forwards the prefix cache gave
@@ -379,7 +430,7 @@ class Engine:
                 sub = _Canvas(canvas.x[idx], canvas.valid[idx], canvas.prompt_valid[idx],
                               canvas.mask_id, canvas.cfg_scale, "prefix" if store else "none",
                               canvas.blocks)  # fmt: skip
-            part = sub.forward(self.sm.model, 0, visible, store, visible)[:, columns]
+            part = sub.forward(self.model, 0, visible, store, visible)[:, columns]
             for i, row in enumerate(computed):
                 logits[row] = part[i]
             for key, row in computes.items():
@@ -440,7 +491,7 @@ class Engine:
             job.emit({"type": "step", "canvas": canvas[0, prompt_len:].tolist()})
 
         ids = torch.tensor([job.prompt_ids], device=sm.device)
-        out = sample(sm.model, ids, job.config, mask_id=sm.mask_id, eos_id=sm.eos_id,
+        out = sample(self.model, ids, job.config, mask_id=sm.mask_id, eos_id=sm.eos_id,
                      generator=job.generator,
                      on_step=on_step if job.trace else None, pad_id=sm.pad_id,
                      eot_id=self.eot_id)  # fmt: skip
