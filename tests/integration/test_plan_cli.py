@@ -135,9 +135,10 @@ def test_llada2_flash_on_512_gpus_expert_shards_follow_the_formulas(capsys):
 
 
 def test_llada2_flash_on_512_gpus_in_4_pipeline_stages_with_ep(capsys):
-    # pp 4 outermost: each stage's 128 ranks (16 nodes) hold 8 of the 32 layers, FSDP2 over
-    # the 128, each stage's experts split ep 64 x 2 replicas; 8 rows per rank, one per
-    # micro-batch (1F1B), so a step trains the same 4.2M tokens as the pp=1 plan
+    # pp 4 outermost: each stage's 128 ranks (16 nodes) hold its layers (cut by estimated
+    # cost: 9, 8, 8, 7, the dense layer 0 on stage 0 and the head, about 1.7 MoE layers, on
+    # stage 3), FSDP2 over the 128, each stage's experts split ep 64 x 2 replicas; 8 rows per
+    # rank, one per micro-batch (1F1B), so a step trains the same 4.2M tokens as the pp=1 plan
     plan = plan_json(capsys, str(MODELS / "llada2_flash.yaml"), "train.pipeline_parallel=4",
                      "train.per_device_train_batch_size=8", "train.pipeline_microbatches=8",
                      "--world", "512", "--nodes", "64")  # fmt: skip
@@ -145,8 +146,8 @@ def test_llada2_flash_on_512_gpus_in_4_pipeline_stages_with_ep(capsys):
     h, inter, moe, experts, ep, dp, vocab = 4096, 9216, 1024, 256, 64, 128, 157184
     q, kv, m, length = 32 * 128, 4 * 128, 8, 4096
     first, last = plan["ranks"]
-    assert (first["rank"], last["rank"]) == (0, 511)  # stage 0 (layers 0-7), stage 3 (24-31)
-    for rank, layer in ((first, 1), (last, 24)):  # each one's first MoE layer
+    assert (first["rank"], last["rank"]) == (0, 511)  # stage 0 (layers 0-8), stage 3 (25-31)
+    for rank, layer in ((first, 1), (last, 25)):  # each one's first MoE layer
         shards = {row["name"]: row for row in rank["shards"]}
         stack = shards[f"model.layers.{layer}.mlp.experts.gate_proj"]
         assert stack["local"] == [experts // ep, moe, h]
@@ -175,14 +176,14 @@ def test_llada2_flash_on_512_gpus_in_4_pipeline_stages_with_ep(capsys):
     assert plan["micro_batches"] == m and plan["rows_per_rank"] == 1
     assert plan["bubble"] == pytest.approx(3 / (m + 3))  # (p - 1) / (m + p - 1)
     kinds = {(c["dim"], c["kind"]): c for c in plan["collectives"]}
-    # rank 0's 7 MoE layers (layer 0 is dense), each micro-batch's 4096 tokens, recomputed
+    # rank 0's 8 MoE layers (layer 0 is dense), each micro-batch's 4096 tokens, recomputed
     row = length * 8 * h
     a2a = kinds[("ep", "all-to-all")]
-    assert a2a["tensor_bytes"] == m * (2 * 7 * (row * 4 + experts * 8) + 7 * row * 4)
+    assert a2a["tensor_bytes"] == m * (2 * 8 * (row * 4 + experts * 8) + 8 * row * 4)
     assert a2a["group"] == ep
-    reduce = kinds[("ep_replica", "all-reduce")]  # its 7 layers' float32 expert gradients
+    reduce = kinds[("ep_replica", "all-reduce")]  # its 8 layers' float32 expert gradients
     assert reduce["group"] == dp // ep
-    assert reduce["tensor_bytes"] == 7 * 3 * (experts // ep) * moe * h * 4
+    assert reduce["tensor_bytes"] == 8 * 3 * (experts // ep) * moe * h * 4
     send = kinds[("pp", "send/recv")]  # stage 0 sends each micro-batch's hidden states
     assert send["calls"] == m and send["tensor_bytes"] == m * length * h * 2
     assert plan["fits"]

@@ -161,13 +161,17 @@ def test_refusals_are_one_line():
     with pytest.raises(InputError, match="tie_word_embeddings makes them one matrix"):
         make_run_plan(tiny("train.pipeline_parallel=2", "model.tie_word_embeddings=true"), 4,
                       DEVICES["h100"])  # fmt: skip
-    with pytest.raises(InputError, match="num_hidden_layers=2 does not divide into"):
+    with pytest.raises(
+        InputError, match="num_hidden_layers=2 is fewer than the train.pipeline_parallel=4 stages"
+    ):
         make_run_plan(tiny_moe(*PP, "train.pipeline_parallel=4"), 4, DEVICES["h100"])
     with pytest.raises(InputError, match=r"expert_parallel=4 does not divide the data-parallel "
                                          r"x context ranks \(2\)"):  # fmt: skip
         make_run_plan(tiny_moe(*PP, "train.pipeline_parallel=2", "train.expert_parallel=4"), 4,
                       DEVICES["h100"])  # fmt: skip
-    with pytest.raises(InputError, match="num_hidden_layers=2 does not divide into"):
+    with pytest.raises(
+        InputError, match="num_hidden_layers=2 is fewer than the train.pipeline_parallel=4 stages"
+    ):
         make_run_plan(tiny_pp("train.pipeline_parallel=4"), 4, DEVICES["h100"])
     # the trainer's own expert-parallel checks (parallel/expert.py)
     with pytest.raises(InputError, match="expert_parallel=2 needs a mixture-of-experts model"):

@@ -137,7 +137,7 @@ class TrainConfig(BaseModel):
     pipeline_microbatches: int | None = Field(None, ge=1)
     """Pipeline micro-batches per optimizer step; null = one per row of the step on a data-parallel rank (rows x gradient_accumulation_steps). Must divide those rows, and be >= pipeline_parallel."""
     pipeline_split: list[int] | None = None
-    """Decoder layers per stage, first stage first (e.g. [3, 5]); null = an even split (the layers must then divide by the stages)."""
+    """Decoder layers per stage, first stage first (e.g. [3, 5]); null = cut by estimated cost: each stage's forward + backward FLOPs per token (its layers, the embedding on the first stage, the norm, LM head and loss on the last) as equal as whole layers allow (docs/parallelism.md)."""
     reshard_after_forward: bool = True
     """FSDP2: free gathered layer weights after forward (ZeRO-3-like); false keeps them until backward (ZeRO-2-like)."""
     split_batches: bool = False

@@ -164,6 +164,13 @@ def objective_spec(name: str) -> ObjectiveSpec:
     return spec
 
 
+def head_share(name: str) -> float:
+    """The share of a row's tokens objective `name`'s loss runs the LM head on: its
+    registry entry's `head_share`, else a masked objective's expectation, 1/2."""
+    share = objective_spec(name).head_share
+    return 0.5 if share is None else share
+
+
 def names_that(capability: str) -> str:
     """'a, b or c': the registered objectives whose spec sets `capability` (a flag field)."""
     names = [name for name, spec in OBJECTIVES.items() if getattr(spec, capability)]

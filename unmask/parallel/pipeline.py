@@ -32,10 +32,21 @@ stage's layers over the pp group.
 Parameter names are the whole model's (`model.layers.5.mlp.up_proj.weight` stays that on
 the stage that holds layer 5), so DCP checkpoints reshard across pipeline degrees,
 schedules and every other layout.
+
+Without train.pipeline_split the layers are cut by estimated cost (`layer_costs`,
+`balanced_split`): the forward + backward FLOPs per token of each decoder layer (an MoE
+layer's active ones), the embedding with the first stage and the norm, LM head and loss
+with the last, so that the stages are as equal as whole layers allow. The trainer and
+`unmask plan` both plan with train/setup.py `pipeline_plan`, so the planned split is the
+run's. `bubble_formula` is each schedule's idle share with equal stages, which
+`schedule_idle` (a replay of an action order with given costs) checks against torch's own
+schedules in tests/unit/test_pipeline_plan.py.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -57,18 +68,178 @@ SCHEDULES = {
 }
 #: schedules that hold several stages per rank (looped: stage s on pp rank s mod pp)
 MULTI_STAGE = ("interleaved_1f1b", "zero_bubble")
+#: schedules whose backward is an input pass and a weight pass (the head's loss then takes
+#: the plain chunked path, whose backward each pass runs whole: `layer_costs`)
+SPLIT_BACKWARD = ("zero_bubble",)
+
+
+@dataclass(frozen=True)
+class LayerCosts:
+    """Estimated forward + backward FLOPs per token of the parts a stage can hold: each
+    decoder layer, the embedding (first stage) and the final norm + LM head + loss (last
+    stage)."""
+
+    layers: tuple[float, ...]
+    embedding: float
+    head: float
+
+    def stage(self, layers: Sequence[int], first: bool, last: bool) -> float:
+        """The cost of a stage holding `layers` (and the embedding / the head)."""
+        extra = (self.embedding if first else 0.0) + (self.head if last else 0.0)
+        return math.fsum(self.layers[i] for i in layers) + extra
+
+
+def layer_costs(cfg, length: int, head_share: float, split_backward: bool = False) -> LayerCosts:
+    """The LayerCosts of a native decoder (cfg: its ModelConfig, the architecture) on rows
+    of `length` tokens, the LM head running on `head_share` of the tokens (the masked ones:
+    the objective's, diffusion/registry.py `head_share`); split_backward: the schedule's
+    backward is an input and a weight pass (SPLIT_BACKWARD).
+
+    Counted as the MFU's FLOPs (train/mfu.py): 6 per matmul weight and token (forward 2,
+    backward 4), attention scores 12 x length x heads x head_dim per token and layer; an MoE
+    layer's active weights only (router, top-k experts, shared experts); biases and the
+    norms inside the layers left out. Beside the layers: the embedding is a lookup, 2 x
+    hidden per token (the gather, then the backward's add into its gradient); the final
+    norm about 12 x hidden (4 elementwise passes forward, twice that back); per head row,
+    2 x (hidden + 1) x vocab per pass over its logits (the matmul, and the softmax's
+    elementwise work). The fused loss makes 3 passes (logits, then both gradients, in its
+    forward); under a split backward the chunked loss makes 7: the logits forward, then
+    its backward (logits again and both gradients) once in the input pass and once more
+    in the weight pass, each of which runs it whole."""
+    hidden, head_dim = cfg.hidden_size, cfg.resolved_head_dim
+    width = cfg.num_attention_heads * head_dim
+    attention = 2 * hidden * width + 2 * hidden * cfg.num_key_value_heads * head_dim
+    scores = 12 * width * length
+    dense = 3 * hidden * cfg.intermediate_size
+    inner = cfg.resolved_moe_intermediate_size
+    routed = (cfg.num_experts * hidden + cfg.num_experts_per_tok * 3 * inner * hidden
+              + 3 * hidden * inner * cfg.num_shared_experts)  # fmt: skip
+    layers = tuple(
+        6.0 * (attention + (routed if cfg.is_moe_layer(i) else dense)) + scores
+        for i in range(cfg.num_hidden_layers)
+    )
+    vocab = cfg.vocab_size
+    passes = 7 if split_backward else 3
+    head = 12.0 * hidden + head_share * passes * 2.0 * (hidden + 1) * vocab
+    return LayerCosts(layers, 2.0 * hidden, head)
+
+
+def balanced_split(costs: LayerCosts, stages: int) -> list[int]:
+    """Layers per stage (consecutive, at least one each) that make the stages' costs as
+    equal as whole layers allow: the smallest largest stage, and among the splits that
+    reach it the smallest sum of squared stage costs (so the lightest stage is not left
+    lighter than it needs to be). Exact (dynamic programming over the cut points)."""
+    n = len(costs.layers)
+    if not 1 <= stages <= n:
+        raise ValueError(f"{n} layers cannot fill {stages} stages of at least one layer")
+    prefix = [0.0]
+    for c in costs.layers:
+        prefix.append(prefix[-1] + c)
+
+    def cost(a: int, b: int, s: int) -> float:  # stage s holding layers a..b-1
+        return (prefix[b] - prefix[a] + (costs.embedding if s == 0 else 0.0)
+                + (costs.head if s == stages - 1 else 0.0))  # fmt: skip
+
+    def spans(s: int):  # the (start, end) a stage s may take: room for the other stages
+        for end in range(s + 1, n - (stages - 1 - s) + 1):
+            for start in range(s, end):
+                yield start, end
+
+    inf = float("inf")
+    worst = [[inf] * (n + 1) for _ in range(stages + 1)]  # smallest largest stage so far
+    worst[0][0] = 0.0
+    for s in range(stages):
+        for a, b in spans(s):
+            worst[s + 1][b] = min(worst[s + 1][b], max(worst[s][a], cost(a, b, s)))
+    bound = worst[stages][n] * (1 + 1e-12)
+    squares = [[inf] * (n + 1) for _ in range(stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(stages + 1)]
+    squares[0][0] = 0.0
+    for s in range(stages):
+        for a, b in spans(s):
+            c = cost(a, b, s)
+            if c <= bound and squares[s][a] + c * c < squares[s + 1][b]:
+                squares[s + 1][b], cut[s + 1][b] = squares[s][a] + c * c, a
+    sizes, end = [], n
+    for s in range(stages, 0, -1):
+        start = cut[s][end]
+        sizes.append(end - start)
+        end = start
+    return sizes[::-1]
+
+
+def bubble_formula(schedule: str, degree: int, microbatches: int,
+                   stages_per_rank: int = 1) -> float:  # fmt: skip
+    """The share of a step a rank idles under `schedule` with equal stages and free
+    communication: (p - 1) / (v m + p - 1) for gpipe, 1F1B and interleaved 1F1B (p ranks,
+    v stages per rank, m micro-batches); (p - 1) / (3 v m + p - 1) for zero bubble, whose
+    backward is an input pass and a weight pass, each as long as the forward (ZB-H1's
+    T_F = T_B = T_W): the weight passes fill all of the drain but one forward per rank
+    step, (p - 1) forwards of idle against 3 v m of work (torch's
+    ScheduleInterleavedZeroBubble replayed with these costs gives exactly this)."""
+    p, m, v = degree, microbatches, stages_per_rank
+    work = 3 * v * m if schedule == "zero_bubble" else v * m
+    return (p - 1) / (work + p - 1)
+
+
+def schedule_idle(order: dict[int, list[tuple[int, str, int]]],
+                  costs: dict[tuple[int, str], float]) -> float:  # fmt: skip
+    """The largest share of the step a rank idles when every rank runs its actions in
+    `order` (rank -> [(stage, kind, micro-batch)], kind F forward, B full backward, I input
+    pass, W weight pass), each taking costs[(stage, kind)], as soon as what it needs is
+    done: a forward the previous stage's forward of its micro-batch; a backward or input
+    pass its own forward and the next stage's backward (or input pass); a weight pass its
+    input pass. Communication is free. tests/unit/test_pipeline_plan.py replays torch's
+    schedules with equal stages against `bubble_formula`; benchmarks/pipeline.py the order
+    a run took with each action's measured time."""
+    every = {action for actions in order.values() for action in actions}
+    done: dict[tuple[int, str, int], float] = {}
+    clock = dict.fromkeys(order, 0.0)
+    busy = dict.fromkeys(order, 0.0)
+    position = dict.fromkeys(order, 0)
+
+    def needs(stage: int, kind: str, mb: int) -> list[tuple[int, str, int]]:
+        if kind == "F":
+            return [(stage - 1, "F", mb)] if stage > 0 else []
+        if kind == "W":
+            return [(stage, "I", mb)]
+        later = [(stage + 1, k, mb) for k in ("B", "I") if (stage + 1, k, mb) in every]
+        return [(stage, "F", mb), *later]
+
+    while len(done) < len(every):
+        progressed = False
+        for rank, actions in order.items():
+            if position[rank] == len(actions):
+                continue
+            action = actions[position[rank]]
+            deps = needs(*action)
+            if not all(d in done for d in deps):
+                continue
+            cost = costs[action[:2]]
+            done[action] = clock[rank] = max([clock[rank], *(done[d] for d in deps)]) + cost
+            busy[rank] += cost
+            position[rank] += 1
+            progressed = True
+        if not progressed:
+            raise ValueError(f"the actions' order cannot run: {order}")
+    makespan = max(clock.values())
+    return max(1.0 - b / makespan for b in busy.values())
 
 
 @dataclass(frozen=True)
 class PipelinePlan:
     """How the layers are cut and scheduled: `degree` pp ranks, `stages_per_rank` stages
-    each, `layers[s]` the decoder layer indices of stage s, `microbatches` per step."""
+    each, `layers[s]` the decoder layer indices of stage s, `microbatches` per step;
+    `costs[s]` stage s's estimated cost (LayerCosts.stage), `by_hand` when the split came
+    from train.pipeline_split."""
 
     degree: int
     schedule: str
     stages_per_rank: int
     microbatches: int
     layers: tuple[tuple[int, ...], ...]
+    costs: tuple[float, ...] = ()
+    by_hand: bool = False
 
     @property
     def num_stages(self) -> int:
@@ -81,25 +252,41 @@ class PipelinePlan:
     def owner(self, stage: int) -> int:
         return stage % self.degree
 
+    @property
+    def shares(self) -> tuple[float, ...]:
+        """Each stage's share of the estimated cost of the whole model."""
+        total = math.fsum(self.costs)
+        return tuple(c / total for c in self.costs) if total > 0 else ()
+
     def describe(self) -> str:
-        """The start-up line: the schedule and each stage's layers."""
+        """The start-up line: the schedule, how the layers were split and each stage's
+        layers with its share of the estimated cost."""
         parts = []
+        shares = self.shares
         for stage, layers in enumerate(self.layers):
             extra = (["embeddings"] if stage == 0 else []) + (
                 ["norm + head"] if stage == self.num_stages - 1 else [])  # fmt: skip
             span = f"layers {layers[0]}-{layers[-1]}" if len(layers) > 1 else f"layer {layers[0]}"
+            share = f" ({100 * shares[stage]:.1f}%)" if shares else ""
             parts.append(f"stage {stage} (pp rank {self.owner(stage)}): "
-                         + " + ".join([span, *extra]))  # fmt: skip
+                         + " + ".join([span, *extra]) + share)  # fmt: skip
+        how = ("split by train.pipeline_split" if self.by_hand else
+               "split by estimated cost")  # fmt: skip
+        if shares:
+            how += " (share of the forward + backward FLOPs per token)"
         return (f"pipeline: {self.num_stages} stages over {self.degree} ranks, "
-                f"{self.schedule}, {self.microbatches} micro-batches per step; "
+                f"{self.schedule}, {self.microbatches} micro-batches per step, {how}; "
                 + "; ".join(parts))  # fmt: skip
 
 
 def plan_pipeline(degree: int, schedule: str, stages_per_rank: int, microbatches: int | None,
-                  split: list[int] | None, num_layers: int, rows: int) -> PipelinePlan:  # fmt: skip
+                  split: list[int] | None, costs: LayerCosts, rows: int) -> PipelinePlan:  # fmt: skip
     """The stages' layers and the micro-batch count, or a one-line InputError (pure: no
-    process group). rows: the rows one pipeline trains on per step (a data-parallel rank's
-    rows x gradient_accumulation_steps), which the micro-batches cut."""
+    process group). costs: the model's LayerCosts (`layer_costs`), which cut the layers when
+    `split` (train.pipeline_split) is None; rows: the rows one pipeline trains on per step
+    (a data-parallel rank's rows x gradient_accumulation_steps), which the micro-batches
+    cut."""
+    num_layers = len(costs.layers)
     multi = schedule in MULTI_STAGE
     key = f"train.pipeline_schedule={schedule}"
     if multi and stages_per_rank < 2:
@@ -117,12 +304,14 @@ def plan_pipeline(degree: int, schedule: str, stages_per_rank: int, microbatches
             f"{stages_per_rank} = {stages} stages" if stages_per_rank > 1
             else f"train.pipeline_parallel={degree} stages")  # fmt: skip
     if split is None:
-        if num_layers % stages or num_layers < stages:
+        if num_layers < stages:
+            lower = "train.pipeline_parallel" + (
+                " or train.pipeline_stages_per_rank" if stages_per_rank > 1 else "")  # fmt: skip
             raise InputError(
-                f"model.num_hidden_layers={num_layers} does not divide into {what}; choose a "
-                f"degree that divides it, or give each stage's layers in train.pipeline_split"
+                f"model.num_hidden_layers={num_layers} is fewer than the {what}: each stage "
+                f"holds at least one layer; lower {lower}"
             )
-        sizes = [num_layers // stages] * stages
+        sizes = balanced_split(costs, stages)
     else:
         sizes = list(split)
         if len(sizes) != stages or min(sizes) < 1 or sum(sizes) != num_layers:
@@ -150,7 +339,10 @@ def plan_pipeline(degree: int, schedule: str, stages_per_rank: int, microbatches
         )
     starts = [sum(sizes[:s]) for s in range(stages)]
     layers = tuple(tuple(range(a, a + n)) for a, n in zip(starts, sizes))
-    return PipelinePlan(degree, schedule, stages_per_rank, m, layers)
+    stage_costs = tuple(costs.stage(held, s == 0, s == stages - 1)
+                        for s, held in enumerate(layers))  # fmt: skip
+    return PipelinePlan(degree, schedule, stages_per_rank, m, layers, stage_costs,
+                        by_hand=split is not None)  # fmt: skip
 
 
 def balancing_notice(plan: PipelinePlan, config, accumulation: int) -> str | None:
@@ -242,7 +434,7 @@ class StageModule(nn.Module):
         self.vocab_chunk = 8192
         # zero bubble splits the backward into input and weight passes: the head's loss
         # then takes the plain chunked path (the fused one hands out its gradients once)
-        self.split_backward = plan.schedule == "zero_bubble"
+        self.split_backward = plan.schedule in SPLIT_BACKWARD
         self.embed_tokens = owner.model.embed_tokens if self.is_first else None
         self.layers = nn.ModuleList(owner.model.layers[i] for i in self.layer_ids)
         self.norm = owner.model.norm if self.is_last else None

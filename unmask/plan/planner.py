@@ -19,11 +19,13 @@ from dataclasses import asdict, dataclass, field
 
 from unmask.config import RunConfig
 from unmask.diffusion import objective_spec
+from unmask.diffusion.registry import head_share
 from unmask.errors import InputError
 from unmask.models.attention import FLEX_MIN_HEAD_DIM
 from unmask.optim.newton_schulz import ns_flops
 from unmask.optim.updates import auto_ns_dtype, cpu_has_native_bf16
 from unmask.parallel.batch import per_rank_batch_size
+from unmask.parallel.pipeline import bubble_formula
 from unmask.plan.devices import Device
 from unmask.plan.memory import MemoryTerms, StepShape, memory_terms
 from unmask.plan.shards import (
@@ -152,17 +154,16 @@ def newton_schulz_flops(model: ShardedModel, cfg: RunConfig) -> float:
 
 
 def bubble_fraction(model: ShardedModel) -> float:
-    """Share of a step a pipeline rank idles: (p - 1) / (m v + p - 1) for GPipe, 1F1B and
-    interleaved 1F1B (m micro-batches, p ranks, v stages per rank: the warm-up and drain
-    of p - 1 stage steps against m v of work); zero bubble fills two thirds of it with the
-    deferred weight-gradient passes (backward = input + weight passes, each about one
-    forward: (p - 1) / 3 of the idle time is left, ZB-H1's). 0 without a pipeline."""
+    """Share of a step a pipeline rank idles (parallel/pipeline.py `bubble_formula`):
+    (p - 1) / (m v + p - 1) for GPipe, 1F1B and interleaved 1F1B (m micro-batches, p ranks,
+    v stages per rank: the warm-up and drain of p - 1 stage steps against m v of work);
+    (p - 1) / (3 m v + p - 1) for zero bubble, whose deferred weight-gradient passes fill
+    the drain but one forward per rank step (backward = input + weight passes, each about
+    one forward: ZB-H1's). 0 without a pipeline."""
     plan = model.pipeline
     if plan is None:
         return 0.0
-    m, p, v = plan.microbatches, plan.degree, plan.stages_per_rank
-    idle = (p - 1) / (m * v + p - 1)
-    return idle / 3 if plan.schedule == "zero_bubble" else idle
+    return bubble_formula(plan.schedule, plan.degree, plan.microbatches, plan.stages_per_rank)
 
 
 def link_seconds(collective: Collective, device: Device) -> float:
@@ -179,7 +180,7 @@ def make_run_plan(cfg: RunConfig, world_size: int, device: Device, *, nodes: int
     registry entry says, `head_share`, else 1/2)."""
     spec = objective_spec(cfg.diffusion.objective)
     if masked_fraction is None:
-        masked_fraction = 0.5 if spec.head_share is None else spec.head_share
+        masked_fraction = head_share(cfg.diffusion.objective)
     if world_size < 1:
         raise InputError(f"--world must be >= 1, got {world_size}")
     if nodes < 1 or world_size % nodes:

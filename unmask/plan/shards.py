@@ -34,9 +34,9 @@ from unmask.parallel.batch import per_rank_batch_size
 from unmask.parallel.distributed import plan_layout
 from unmask.parallel.expert import check_moe_request
 from unmask.parallel.mesh import MeshLayout, build_mesh
-from unmask.parallel.pipeline import PipelinePlan, plan_pipeline
+from unmask.parallel.pipeline import PipelinePlan
 from unmask.train.mfu import flop_model
-from unmask.train.setup import build_train_model, check_pipeline_request
+from unmask.train.setup import build_train_model, check_pipeline_request, pipeline_plan
 
 
 @dataclass(frozen=True)
@@ -198,9 +198,7 @@ def pipeline_of(cfg: RunConfig, world_size: int) -> PipelinePlan | None:
     layout = layout_of(cfg, world_size)
     rows = per_rank_batch_size(t.per_device_train_batch_size, layout.dp, t.split_batches,
                                "the data-parallel size")  # fmt: skip
-    return plan_pipeline(t.pipeline_parallel, t.pipeline_schedule, t.pipeline_stages_per_rank,
-                         t.pipeline_microbatches, t.pipeline_split,
-                         cfg.model.num_hidden_layers, rows * t.gradient_accumulation_steps)  # fmt: skip
+    return pipeline_plan(cfg, rows * t.gradient_accumulation_steps)
 
 
 def shard_model(cfg: RunConfig, world_size: int, rank: int = 0) -> ShardedModel:

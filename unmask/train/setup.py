@@ -17,7 +17,7 @@ from unmask.data import (
     heldout_examples,
 )
 from unmask.diffusion import Objective, build_objective, objective_spec
-from unmask.diffusion.registry import names_that
+from unmask.diffusion.registry import head_share, names_that
 from unmask.errors import InputError
 from unmask.models import build_model, decoder_layers, folder_mask_token_id, max_positions
 from unmask.models.hf import architecture
@@ -28,7 +28,13 @@ from unmask.parallel.context import check_context_parallel
 from unmask.parallel.expert import expert_mesh, shard_experts
 from unmask.parallel.fsdp import apply_fsdp, compile_blocks
 from unmask.parallel.mesh import fsdp_mesh, sub_mesh
-from unmask.parallel.pipeline import PipelineModel, PipelinePlan
+from unmask.parallel.pipeline import (
+    SPLIT_BACKWARD,
+    PipelineModel,
+    PipelinePlan,
+    layer_costs,
+    plan_pipeline,
+)
 from unmask.parallel.tensor import apply_tensor_parallel
 
 
@@ -163,6 +169,22 @@ def check_pipeline_request(cfg: RunConfig) -> None:
         raise InputError(f"{key} with pipeline_schedule zero_bubble does not run under "
                          "train.bf16 yet; use pipeline_schedule interleaved_1f1b, or "
                          "bf16=false")  # fmt: skip
+
+
+def pipeline_plan(cfg: RunConfig, rows: int) -> PipelinePlan | None:
+    """The run's stages and micro-batches (parallel/pipeline.py `plan_pipeline`), None
+    without pipeline parallelism: the layers as train.pipeline_split gives them, else cut by
+    the architecture's estimated costs on rows of data.packing_length tokens with the LM
+    head on the objective's share of them. rows: the rows one pipeline trains on per step.
+    The trainer and `unmask plan` both call this, so the planned split is the run's."""
+    t = cfg.train
+    if t.pipeline_parallel == 1:
+        return None
+    costs = layer_costs(architecture(cfg.model), cfg.data.packing_length,
+                        head_share(cfg.diffusion.objective),
+                        split_backward=t.pipeline_schedule in SPLIT_BACKWARD)  # fmt: skip
+    return plan_pipeline(t.pipeline_parallel, t.pipeline_schedule, t.pipeline_stages_per_rank,
+                         t.pipeline_microbatches, t.pipeline_split, costs, rows)  # fmt: skip
 
 
 def prepare_tokenizer(cfg: RunConfig):

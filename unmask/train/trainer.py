@@ -21,7 +21,6 @@ from unmask.data import make_loader
 from unmask.data.streaming import StreamSpec
 from unmask.diffusion import objective_spec
 from unmask.errors import RunStopped
-from unmask.models.hf import architecture
 from unmask.models.lora import check_request as check_lora_request
 from unmask.models.quant import check_4bit
 from unmask.optim.config import build_optimizer
@@ -31,7 +30,7 @@ from unmask.parallel.context import ContextShard, attach_context
 from unmask.parallel.distributed import collective_failure, plan_layout, resolve_device, setup
 from unmask.parallel.expert import attach_moe_training, check_moe_request
 from unmask.parallel.mesh import launch_env, share_from_rank0
-from unmask.parallel.pipeline import PipelineRunner, balancing_notice, plan_pipeline
+from unmask.parallel.pipeline import PipelineRunner, balancing_notice
 from unmask.parallel.tensor import check_tensor_parallel
 from unmask.parallel.threads import set_threads
 from unmask.sampling.config import (
@@ -69,6 +68,7 @@ from unmask.train.setup import (
     check_pipeline_request,
     check_sequence_request,
     objective_datasets,
+    pipeline_plan,
     prepare_tokenizer,
 )
 from unmask.train.signals import StopSignals
@@ -118,12 +118,8 @@ class Trainer(TrainStep, Evaluation, CheckpointedState):
         )
         batch_ranks = 1 if t.split_batches else dp
         # the stages' layers and micro-batches (pp peers read the same rows)
-        self.pipeline_plan = None if t.pipeline_parallel == 1 else plan_pipeline(
-            t.pipeline_parallel, t.pipeline_schedule, t.pipeline_stages_per_rank,
-            t.pipeline_microbatches, t.pipeline_split,
-            architecture(cfg.model).num_hidden_layers,
-            self.local_batch_size * t.gradient_accumulation_steps,
-        )  # fmt: skip
+        self.pipeline_plan = pipeline_plan(cfg, self.local_batch_size
+                                           * t.gradient_accumulation_steps)  # fmt: skip
         self.dist = setup(resolve_device(t.device), shard=t.fsdp2, dp_replicate=t.dp_replicate,
                           dp_shard=t.dp_shard, tensor_parallel=t.tensor_parallel,
                           context_parallel=t.context_parallel,
