@@ -215,12 +215,12 @@ def test_expert_parallel_plan_equals_measured_bytes(world, tmp_path):
     group as the trainer runs it): parameter, gradient and optimizer-state bytes and every
     parameter's local shape of every rank equal the real run's exactly, and so do the
     all-to-all bytes summed over the ranks (EP's dispatch and combine, Muon's; a rank's own
-    share depends on where the routing sends its rows). The activations
-    depend on how many rows the routing sends each rank (the plan assumes balanced routing),
-    so they are held within 15% per rank (measured: -14.0% to +3.2%, LLaDA2.0's partial
-    rotary attention not modelled), and the peak is never under by more than 15%
-    (measured: +8% to +31%, the working buffers over-counted on these tiny layers); the
-    gaps are printed (pytest -s)."""
+    share depends on where the routing sends its rows). The activations and the peak
+    depend on how many rows the routing sends each rank (the plan assumes balanced
+    routing; these tiny random-init routers are far from it), so both are
+    held within 15% per rank (measured: activations -13.8% to +2.9%, LLaDA2.0's partial
+    rotary attention not modelled; peak -7.5% to +12.1%); the gaps are printed (pytest
+    -s)."""
     measured = measure(world, tmp_path, MOE_LAYOUTS)
     gaps = {}
     for name, ranks in measured.items():
@@ -237,10 +237,12 @@ def test_expert_parallel_plan_equals_measured_bytes(world, tmp_path):
                 sent = sum(r["collectives"]["alltoall_base"][1] for r in ranks)
                 a2a = sum(c.tensor_bytes for c in plan.collectives if c.kind == "all-to-all")
                 assert sent == world * a2a, (where, sent, world * a2a)
+            assert got["peak"] is not None, where
             gaps[where] = {"activations": memory.activations / got["saved_activations"] - 1,
-                           "peak": got["peak"] and memory.peak / got["peak"] - 1}  # fmt: skip
+                           "peak": memory.peak / got["peak"] - 1}  # fmt: skip
     print(json.dumps(gaps, indent=1))
-    assert all(abs(g["activations"]) <= 0.15 and g["peak"] >= -0.15 for g in gaps.values()), gaps
+    assert all(abs(g["activations"]) <= 0.15 and abs(g["peak"]) <= 0.15
+               for g in gaps.values()), gaps  # fmt: skip
 
 
 def assert_state_equals_plan(name: str, world: int, tmp_path, rank: int, got: dict) -> None:

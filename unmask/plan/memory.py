@@ -255,32 +255,38 @@ def head_gradient_bytes(model: ShardedModel, shape: StepShape) -> int:
     return (-(-arch.vocab_size // layout.tp) + masked) * arch.hidden_size * 4
 
 
-def activation_gradient_bytes(model: ShardedModel, shape: StepShape) -> int:
-    """Gradients of activations alive at once in a layer's backward: the MLP's (gate, up,
-    their product, silu recomputed: 4 x I wide) and the residual's (h), per token of this
-    rank, in the matmul dtype."""
+def activation_gradient_bytes(model: ShardedModel, shape: StepShape, moe: bool = False) -> int:
+    """Gradients of activations alive at once in one layer's backward, per token of this
+    rank, in the matmul dtype: the residual's (h) and, for a dense MLP, its gate, up, their
+    product and silu recomputed (4 x I wide); for an MoE MLP (`moe`; models/moe.py,
+    parallel/expert.py) the widest of its steps: the k routed copies' (k x max(3 h,
+    h + 4 I_moe): the gradient of the expert outputs with the gradients of the rows'
+    gather, all-to-all and order, or of gate and up's inputs and their sum; or the expert
+    output's gradient beside its SwiGLU's 4 x I_moe), or the shared experts' SwiGLU before
+    them (4 x I_shared; autograd runs it first, and frees it)."""
     arch, layout = model.model_config, model.layout
     tokens = shape.rows * shape.length // layout.cp
     b = 2 if shape.bf16 else 4
-    width = arch.intermediate_size // layout.tp
-    if arch.num_experts:  # an MoE layer's routed copies and its shared experts
-        inner = arch.resolved_moe_intermediate_size
-        width = max(width, arch.num_experts_per_tok * inner + inner * arch.num_shared_experts)
-    return tokens * (4 * width + arch.hidden_size) * b
+    h = arch.hidden_size
+    if moe:
+        k, inner = arch.num_experts_per_tok, arch.resolved_moe_intermediate_size
+        width = max(k * max(3 * h, h + 4 * inner), 4 * inner * arch.num_shared_experts)
+    else:
+        width = 4 * (arch.intermediate_size // layout.tp)
+    return tokens * (width + h) * b
 
 
-def gathered_bytes(model: ShardedModel, shape: StepShape) -> tuple[int, int]:
-    """(the root unit gathered, the largest decoder layer gathered) in the compute dtype:
-    what FSDP2's all-gathers hold (0, 0 without sharding)."""
+def gathered_units(model: ShardedModel, shape: StepShape) -> dict[str, int]:
+    """Each FSDP2 unit ("root", "layer N") gathered whole, in the compute dtype: what its
+    all-gather holds ({} without sharding; expert-parallel stacks are not gathered)."""
     if model.layout.world_size == 1 or all(s.shard_group == 1 for s in model.shards):
-        return 0, 0
+        return {}
     b = 2 if shape.bf16 else 4
     units: dict[str, int] = {}
     for s in model.shards:
         if not s.expert_parallel:  # FSDP2 leaves expert-parallel stacks alone
             units[s.unit] = units.get(s.unit, 0) + s.gathered_numel * b
-    root = units.pop("root", 0)
-    return root, max(units.values(), default=0)
+    return units
 
 
 def in_flight(model: ShardedModel) -> float:
@@ -309,9 +315,10 @@ def memory_terms(model: ShardedModel, shape: StepShape) -> MemoryTerms:
     - the forward's end: every saved activation, the head's gradients, the root gathered;
     - the backward of layer i (last to first): what layers below i saved, what layer i
       holds (recomputed when checkpointed), the activation gradients, the root gathered
-      with its unsharded gradient (the head's, made first, reduced last), two layers
-      gathered (this one and the prefetched next) and this layer's unsharded float32
-      gradient, the sharded gradients of the layers above i;
+      with its unsharded gradient (the head's, made first, reduced last), this layer
+      gathered with its unsharded float32 gradient and the gradients of its expert stacks,
+      the next layer (i - 1) gathered ahead (FSDP2's prefetch), the sharded gradients of
+      the layers above i; the activation gradients are the layer's kind's (dense or MoE);
     - the optimizer step: every gradient.
 
     Without FSDP2 the gradients go straight to the parameters' .grad (float32). Under
@@ -326,25 +333,34 @@ def memory_terms(model: ShardedModel, shape: StepShape) -> MemoryTerms:
     waiting = int((in_flight(model) - 1) * saved)  # other micro-batches' saves
     saved += waiting
     head = head_gradient_bytes(model, shape) if model.holds_head else 0
-    act_grads = activation_gradient_bytes(model, shape)
-    root, layer = gathered_bytes(model, shape)
-    fsdp = layer > 0
+    arch = model.model_config
+    names = [f"layer {index}" for index in model.layer_indices]
+    act_grads = [activation_gradient_bytes(model, shape, moe=bool(arch.num_experts)
+                                           and arch.is_moe_layer(index))
+                 for index in model.layer_indices]  # fmt: skip
+    gathered = gathered_units(model, shape)
+    root = gathered.pop("root", 0)
+    fsdp = bool(gathered)
     b = 2 if shape.bf16 else 4
     layer_grad = _grad_bytes_by_unit(model)
+    expert_grad = _grad_bytes_by_unit(model, experts_only=True)
     accumulated = 0
     if shape.micro_batches > 1 and fsdp:
-        accumulated = (layer * model.layers + root) // b * 4
+        accumulated = (sum(gathered.values()) + root) // b * 4
     forward_end = saved + head + root + accumulated
     worst_backward = 0
     for i in range(model.layers - 1, -1, -1):
         below = sum(kept[:i]) + around + waiting
-        above = sum(layer_grad.get(f"layer {j}", 0) for j in range(i + 1, model.layers))
-        if fsdp:
-            live = below + held[i] + act_grads + 2 * root + 2 * layer + layer // b * 4
-            live += above + accumulated
+        above = sum(layer_grad.get(name, 0) for name in names[i + 1 :])
+        if fsdp:  # this layer gathered, its unsharded float32 gradient and its expert
+            # stacks' gradients (outside FSDP2), the next layer (i - 1) prefetched
+            this = gathered.get(names[i], 0)
+            prefetched = gathered.get(names[i - 1], 0) if i > 0 else 0
+            live = below + held[i] + act_grads[i] + 2 * root + this + prefetched
+            live += this // b * 4 + expert_grad.get(names[i], 0) + above + accumulated
         else:  # .grad of the head (the root's, first) and of every layer done so far
-            live = below + held[i] + act_grads + layer_grad.get("root", 0) + above
-            live += layer_grad.get(f"layer {i}", 0)
+            live = below + held[i] + act_grads[i] + layer_grad.get("root", 0) + above
+            live += layer_grad.get(names[i], 0)
         worst_backward = max(worst_backward, live)
     live_peak = max(forward_end, worst_backward, grads)
     working = live_peak - min(saved, live_peak) if live_peak > saved else 0
@@ -353,10 +369,13 @@ def memory_terms(model: ShardedModel, shape: StepShape) -> MemoryTerms:
     return MemoryTerms(params, grads, optim, saved, working, peak, experts)
 
 
-def _grad_bytes_by_unit(model: ShardedModel) -> dict[str, int]:
-    """Sharded gradient bytes of each FSDP2 unit (root, layer N) on this rank."""
+def _grad_bytes_by_unit(model: ShardedModel, experts_only: bool = False) -> dict[str, int]:
+    """Sharded gradient bytes of each FSDP2 unit (root, layer N) on this rank (of its
+    expert-parallel stacks only when `experts_only`)."""
     out: dict[str, int] = {}
     for s in model.shards:
+        if experts_only and not s.expert_parallel:
+            continue
         if s.optimizer != "frozen":
             out[s.unit] = out.get(s.unit, 0) + s.local_bytes
     return out
