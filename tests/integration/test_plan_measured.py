@@ -6,10 +6,10 @@ every rank); the plan of the same config, made in this process under the fake pr
 group, must match:
 - parameter, gradient and optimizer-state bytes of every rank: exactly;
 - each parameter's local shape on every rank: exactly;
-- the bytes autograd saves for backward (activations): exactly, given the step's masked
-  token count (the planner's formula is per token; the count is the noise's draw);
-- the peak (torch's MemTracker over the whole step; not for the layout with gradient
-  accumulation, which MemTracker cannot follow): within 15%;
+- the bytes autograd holds saved for backward (activations): exactly, given the step's
+  masked token count (the planner's formula is per token; the count is the noise's draw);
+- the peak (torch's MemTracker over the whole step, a module called once per micro-batch
+  allowed): within 15%;
 - the collectives' bytes (torch.profiler's c10d events in a third step): see
   `check_collectives`.
 """
@@ -112,10 +112,17 @@ PP_LAYOUTS = {
 
 
 #: mixture-of-experts models in pipeline stages: 4 layers, 2 stages (layer 0 dense), each
-#: stage's experts split over its 2 data-parallel ranks
+#: stage's experts split over its 2 data-parallel ranks (ep 2) or on both (ep 1)
+PP_MOE = {**SIGMOID, **PIPELINE, "num_hidden_layers": 4}
 PP_MOE_LAYOUTS = {
-    4: {"pp2_ep2_muon_sigmoid": {"model": {**SIGMOID, **PIPELINE, "num_hidden_layers": 4},
-                                 "train": {"pipeline_parallel": 2, "expert_parallel": 2}}},
+    4: {"pp2_ep2_muon_sigmoid": {"model": PP_MOE,
+                                 "train": {"pipeline_parallel": 2, "expert_parallel": 2}},
+        # the same in 2 micro-batches of 4 rows (the routing of 128 tokens, not 32)
+        "pp2_ep2_mb2_muon_sigmoid": {"model": PP_MOE,
+                                     "train": {"pipeline_parallel": 2, "expert_parallel": 2,
+                                               "pipeline_microbatches": 2}},
+        # every stage's experts on each of its ranks: no routing between ranks
+        "pp2_ep1_muon_sigmoid": {"model": PP_MOE, "train": {"pipeline_parallel": 2}}},
 }  # fmt: skip
 
 
@@ -245,9 +252,9 @@ def test_expert_parallel_plan_equals_measured_bytes(world, tmp_path):
                for g in gaps.values()), gaps  # fmt: skip
 
 
-def assert_state_equals_plan(name: str, world: int, tmp_path, rank: int, got: dict) -> None:
+def assert_state_equals_plan(name: str, world: int, tmp_path, rank: int, got: dict):
     """The plan's parameter, gradient and optimizer-state bytes and local shapes of `rank`
-    equal those the real run measured (`got`), exactly."""
+    equal those the real run measured (`got`), exactly; returns the plan's memory terms."""
     plan = planned(name, world, tmp_path, sum(m or 0 for m in got["masked"]), rank)
     plan_rank = next(r for r in plan.ranks if r.rank == rank)
     memory, where = plan_rank.memory, f"{name} rank {rank}"
@@ -257,6 +264,7 @@ def assert_state_equals_plan(name: str, world: int, tmp_path, rank: int, got: di
     assert plan_rank.shards, where
     for row in plan_rank.shards:
         assert row["local"] == got["local_shapes"][row["name"]], (where, row["name"])
+    return memory
 
 
 @pytest.mark.slow
@@ -265,29 +273,56 @@ def test_pipeline_plan_equals_measured_bytes(world, tmp_path):
     """Pipeline parallelism (the trainer's own PipelineModel split and per-stage FSDP2, run
     by the planner under the fake process group): parameter, gradient and optimizer-state
     bytes and the local shapes of every rank (each holding its stage) equal the real run's
-    exactly; the first and last pp ranks hold different parts (embedding / head)."""
+    exactly; the first and last pp ranks hold different parts (embedding / head). The
+    activations (the most bytes autograd holds saved at once during the schedule's step:
+    the micro-batches in flight, the step's ids on the first stage, the loss scale on the
+    last) equal the plan's exactly on every rank, and the peak (MemTracker over the step,
+    the stages' receive buffers tracked) is within 15% (measured: -4.0% to +4.3%; the
+    gaps are printed, pytest -s)."""
     measured = measure(world, tmp_path, PP_LAYOUTS)
+    gaps = {}
     for name, ranks in measured.items():
         for rank, got in enumerate(ranks):
-            assert_state_equals_plan(name, world, tmp_path, rank, got)
+            memory = assert_state_equals_plan(name, world, tmp_path, rank, got)
+            where = f"{name} rank {rank}"
+            assert memory.activations == got["saved_activations"], where
+            gaps[where] = memory.peak / got["peak"] - 1
         first, last = measured[name][0], measured[name][-1]
         assert "model.embed_tokens.weight" in first["local_shapes"], name
         assert "lm_head.weight" not in first["local_shapes"], name
         assert "lm_head.weight" in last["local_shapes"], name
+    print(json.dumps(gaps, indent=1))
+    assert all(abs(gap) <= 0.15 for gap in gaps.values()), gaps
 
 
 @pytest.mark.slow
 def test_pipeline_moe_plan_equals_measured_bytes(tmp_path):
-    """MoE layers in pipeline stages with expert parallelism inside each stage (pp=2 x ep=2
-    on 4 processes): parameter, gradient and optimizer-state bytes and the local shapes of
-    every rank equal the real run's exactly; each stage's expert stacks are split over its
-    own 2 ranks."""
+    """MoE layers in pipeline stages (pp=2 on 4 processes, layer 0 dense), with expert
+    parallelism inside each stage (ep=2: each stage's expert stacks split over its own 2
+    ranks) or without (ep=1: FSDP2 shards them too): parameter, gradient and optimizer-state bytes and the local
+    shapes of every rank equal the real run's exactly, and the peak is within 15% (measured:
+    -7.7% to +8.7%). The activations: equal to the plan's with the experts on every rank
+    (ep=1); under ep=2 they depend on how many rows the routing sends each rank, which the
+    plan takes as balanced: within 15% for micro-batches of 4 rows (measured -6.0% to
+    -0.9%), while for micro-batches of one 32-token row, the largest of 8 routings per
+    rank, -19.2% to -6.7% (printed, not held to 15%)."""
     world = 4
     measured = measure(world, tmp_path, PP_MOE_LAYOUTS)
+    gaps = {}
     for name, ranks in measured.items():
+        ep = layout_config(PP_MOE_LAYOUTS[world][name])["train"].get("expert_parallel", 1)
         for rank, got in enumerate(ranks):
-            assert_state_equals_plan(name, world, tmp_path, rank, got)
+            memory = assert_state_equals_plan(name, world, tmp_path, rank, got)
             where = f"{name} rank {rank}"
             layer = 1 if rank < 2 else 2  # the stage's first MoE layer
             stack = got["local_shapes"][f"model.layers.{layer}.mlp.experts.gate_proj"]
-            assert stack[0] == 2, where  # 4 experts over ep=2
+            # 4 experts: whole ones over ep 2, or FSDP2's dim-0 shard over 2 ranks (ep 1)
+            assert stack[0] == 2, where
+            gaps[where] = {"activations": memory.activations / got["saved_activations"] - 1,
+                           "peak": memory.peak / got["peak"] - 1}  # fmt: skip
+            if ep == 1:
+                assert memory.activations == got["saved_activations"], where
+    print(json.dumps(gaps, indent=1))
+    assert all(abs(g["peak"]) <= 0.15 for g in gaps.values()), gaps
+    assert all(abs(g["activations"]) <= 0.15 for where, g in gaps.items()
+               if where.startswith("pp2_ep2_mb2")), gaps  # fmt: skip

@@ -290,15 +290,16 @@ def test_a_changed_pipeline_rule_changes_the_plan(monkeypatch):
 
 def test_pipeline_in_flight_p2p_and_bubble_against_hand_counts():
     # 1F1B, p 2, m 4 micro-batches of 1 row: rank 0 holds 2 micro-batches' saves at its
-    # peak, the last rank 1; each micro-batch's hidden states (1 x 32 x 64 float32) go
+    # peak (and the step's ids), the last rank 1 (and the loss scale, a 0-d float32); each micro-batch's hidden states (1 x 32 x 64 float32) go
     # forward from stage 0 and their gradients back from stage 1; bubble (p-1)/(m+p-1)
     cfg = pp4("train.pipeline_microbatches=4")
     shape = step_shape(cfg, 4)
     assert (shape.rows, shape.micro_batches) == (1, 4)
     first, last = shard_model(cfg, 4, rank=0), shard_model(cfg, 4, rank=3)
     assert in_flight(first) == 2 and in_flight(last) == 1
-    one = activation_bytes(first, shape)
-    assert memory_terms(first, shape).activations == 2 * one
+    one = activation_bytes(first, shape)  # the step's ids: one storage of 4 x 32 tokens
+    assert memory_terms(first, shape).activations == 2 * one + 4 * 32 * 8
+    assert memory_terms(last, shape).activations == activation_bytes(last, shape) + 4
     send = {c.dim: c for c in step_collectives(first, shape, 1)}["pp"]
     assert (send.calls, send.tensor_bytes, send.wire_bytes) == (4, 4 * 32 * 64 * 4, 4 * 32 * 64 * 4)
     assert bubble_fraction(first) == pytest.approx(1 / 5)

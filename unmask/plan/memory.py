@@ -49,6 +49,7 @@ and of its R rows (R = masked tokens); these are working memory, not saved tenso
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from unmask.plan.shards import ShardedModel
@@ -76,6 +77,10 @@ class StepShape:
     """Attention through varlen over packed rows (one sdpa call per document: `auto` on
     CPU): the documents' outputs are joined into a new tensor that o_proj reads, a second
     b q per token (as under cp, where the all-to-all makes it)."""
+    ns_bytes: int = 2
+    """Bytes of Muon's Newton-Schulz dtype (optim.ns_dtype as the run resolves it)."""
+    ns_comm_bytes: int = 2
+    """Bytes of the dtype Muon's owner all-to-all sends (float16 NS travels as float32)."""
 
 
 @dataclass(frozen=True)
@@ -128,17 +133,13 @@ def moe_mlp_bytes(arch, b: int) -> int:
     ranks), each one's gate, up and down inputs, the experts' output the routing weights
     scale and their product (b k (3 h + 3 I_moe)); the router's float32 logits (4 E); the
     sort's order, the rows' token ids and the weights in sorted order (20 k); the chosen
-    experts' ids (8 k), or under group-limited routing the groups' top-2 and top ids and
-    mask (16 G + 8 topk_group + G); the renormalized weights and their sum (4 k + 4); the
-    shared experts' SwiGLU (b 3 I_moe x shared)."""
+    experts' ids (8 k; what group-limited routing saves for the choice among groups is
+    freed in the forward with the choice, which no gradient reaches); the renormalized
+    weights and their sum (4 k + 4); the shared experts' SwiGLU (b 3 I_moe x shared)."""
     k, h, experts = arch.num_experts_per_tok, arch.hidden_size, arch.num_experts
     inner = arch.resolved_moe_intermediate_size
     shared = inner * arch.num_shared_experts
-    total = b * k * (3 * h + 3 * inner) + 4 * experts + 20 * k + b * 3 * shared
-    if arch.n_group > 1:
-        total += 16 * arch.n_group + 8 * arch.topk_group + arch.n_group
-    else:
-        total += 8 * k
+    total = b * k * (3 * h + 3 * inner) + 4 * experts + 28 * k + b * 3 * shared
     if (arch.norm_topk_prob or arch.router_score == "sigmoid") and k > 1:
         total += 4 * k + 4
     return total
@@ -167,7 +168,7 @@ def layer_activation_bytes(arch, rows: int, length: int, tp: int, bf16: bool,
     if arch.qk_norm:
         per_token += b * (q + kv) + 4 * (heads + kv_heads)
     if bf16:
-        per_token += 2 * 2 * head_dim
+        per_token += 2 * 2 * arch.rotary_dim
     return tokens * per_token
 
 
@@ -200,9 +201,10 @@ def layer_saves(model: ShardedModel, shape: StepShape) -> tuple[list[int], list[
     extra = 0
     if shape.dense_mask:  # sdpa's copy of the mask in the attention's dtype
         extra += shape.rows * shape.length * shape.length * (2 if shape.bf16 else 4)
-    # the heads come back from the all-to-all as (B, H, L/cp, D) under cp, or the documents'
-    # outputs are joined under varlen: o_proj
-    if layout.cp > 1 or shape.varlen:
+    # the heads come back from the all-to-all as (B, H, L/cp, D) under cp, the documents'
+    # outputs are joined under varlen, or under partial rotary (q and k rebuilt by a cat)
+    # sdpa writes its output in (B, H, L, D) order: o_proj
+    if layout.cp > 1 or shape.varlen or arch.rotary_dim < arch.resolved_head_dim:
         extra += (
             tokens
             * arch.num_attention_heads
@@ -232,17 +234,37 @@ def layer_saves(model: ShardedModel, shape: StepShape) -> tuple[list[int], list[
         held.append(kept_input + full if checkpointed else full + weight_copies)
         any_checkpointed |= checkpointed
     h = arch.hidden_size
-    around = tokens * (h * stream + 4 + 1)  # final norm input and statistics, the mask
-    around += shape.rows * shape.length * 8  # the ids (a cp slice keeps the whole rows)
+    around = 0
+    if model.holds_head:  # the final norm's input and statistics, the loss's mask
+        around += tokens * (h * stream + 4 + 1)
+    if model.pipeline is None:  # the ids (a cp slice keeps the whole rows)
+        around += shape.rows * shape.length * 8
     if any_checkpointed or not shape.bf16:  # the float32 RoPE tables: a checkpointed
-        around += 2 * tokens * arch.resolved_head_dim * 4  # layer's inputs, or float32's
+        around += 2 * tokens * arch.rotary_dim * 4  # layer's inputs, or float32's
     return kept, held, around
 
 
 def activation_bytes(model: ShardedModel, shape: StepShape) -> int:
-    """Bytes saved for backward at the end of one micro-batch's forward on this rank."""
+    """Bytes saved for backward at the end of one micro-batch's forward on this rank
+    (under a pipeline, beside `pipeline_saves`)."""
     kept, _, around = layer_saves(model, shape)
     return sum(kept) + around
+
+
+def pipeline_saves(model: ShardedModel, shape: StepShape) -> int:
+    """Bytes saved once per step under a pipeline, however many micro-batches are in
+    flight: the first stage's embedding saves its micro-batch's slice of the step's ids,
+    one storage of every micro-batch's rows (8 bytes a token), and the last stage's loss
+    multiplies every micro-batch by one 0-d float32 scale (parallel/pipeline.py). 0
+    without a pipeline (the ids are a micro-batch's own, in `layer_saves`)."""
+    if model.pipeline is None:
+        return 0
+    out = 0
+    if model.holds_embedding:
+        out += shape.micro_batches * shape.rows * shape.length * 8
+    if model.holds_head:
+        out += 4
+    return out
 
 
 def head_gradient_bytes(model: ShardedModel, shape: StepShape) -> int:
@@ -289,6 +311,101 @@ def gathered_units(model: ShardedModel, shape: StepShape) -> dict[str, int]:
     return units
 
 
+def _newton_schulz_bytes(numel: int, count: float, smaller: int, b: int) -> int:
+    """Newton-Schulz's temporaries on `count` matrices of `numel` elements in all (optim/
+    newton_schulz.py): the normalized X and the next X, and the two `smaller` x `smaller`
+    products of each matrix (X X^T and the polynomial), in the NS dtype (b bytes)."""
+    return int(b * (2 * numel + 2 * count * smaller * smaller))
+
+
+def muon_step_bytes(model: ShardedModel, shape: StepShape) -> int:
+    """Bytes Muon's step holds at its peak beyond the parameters, gradients and optimizer
+    state (optim/muon.py, optim/distributed.py), 0 without Muon. bn, bc: the NS and the
+    all-to-all dtypes' bytes; M: this rank's elements of the Muon matrices.
+
+    - FSDP2 / TP matrices (the owner all-to-all, one call over all of them): the float32 NS
+      inputs (4 M), the sent blocks in bc (cast when bc is not 4, then joined), the owned
+      matrices received and assembled (2 bc M_o), their updates (bn M_o), the blocks sent
+      back (bc M_o, and a copy of each block of a tall matrix, whose update is a
+      transposed view) and received (bc M): the largest of that end and the NS of the
+      largest shape group (its copy when several are batched, `_newton_schulz_bytes`).
+      M_o, the elements of the matrices this rank owns, is taken as M: the owners are
+      balanced by NS FLOPs (exact on one rank);
+    - whole matrices on this rank (expert stacks, replicated ones): all their float32 NS
+      inputs, the updates as they are made, one stack's NS, then a float32 copy of the
+      updates of one shape;
+    - one process (plain tensors): per shape, the float32 NS inputs, their batch, the NS,
+      the updates and their float32 copies; the largest shape.
+    """
+    bn, bc = shape.ns_bytes, shape.ns_comm_bytes
+    owner: list = []
+    local: list = []
+    plain: list = []
+    for s in model.shards:
+        if s.optimizer != "muon":
+            continue
+        if not s.mesh_dims:
+            plain.append(s)
+        elif len(s.global_shape) == 3 or all(pl == "R" for pl in s.placements):
+            local.append(s)
+        else:
+            owner.append(s)
+
+    def by_shape(shards, numel) -> dict[tuple, tuple[int, float]]:
+        groups: dict[tuple, tuple[int, float]] = {}
+        for s in shards:
+            key = tuple(s.global_shape[-2:])
+            total, count = groups.get(key, (0, 0.0))
+            groups[key] = (total + numel(s), count + numel(s) / (key[0] * key[1]))
+        return groups
+
+    peak = 0
+    left = 0  # what the owner call leaves referenced while the next layout starts
+    if owner:
+        m = sum(s.local_numel for s in owner)
+        tall = sum(s.local_numel for s in owner if s.global_shape[0] > s.global_shape[1])
+        sent = (bc * m if bc != 4 else 0) + bc * m
+        base = 4 * m + sent + 2 * bc * m
+        end = base + bn * m + bc * m + bc * tall + bc * m + (bn * m if bn != bc else 0)
+        ns = max(_newton_schulz_bytes(total, count, min(key), bn)
+                 + (bc * total if count > 1 else 0)
+                 for key, (total, count) in by_shape(owner, lambda s: s.local_numel).items())  # fmt: skip
+        peak = max(end, base + bn * m + ns)
+        left = 4 * m + bc * m
+    if local:
+        m = sum(s.local_numel for s in local)
+        groups = by_shape(local, lambda s: s.local_numel)
+        ns = max(_newton_schulz_bytes(s.local_numel, s.local_numel / math.prod(s.global_shape[-2:]),
+                                      min(s.global_shape[-2:]), bn) for s in local)  # fmt: skip
+        apply = 4 * max(total for total, _ in groups.values())
+        peak = max(peak, left + 4 * m + bn * m + ns, 4 * m + bn * m + apply)
+    for key, (total, count) in by_shape(plain, lambda s: s.local_numel).items():
+        batch = 4 * total if count > 1 else 0
+        ns = _newton_schulz_bytes(total, count, min(key), bn)
+        peak = max(peak, 4 * total + batch + ns, 4 * total + bn * total + 4 * total)
+    return peak
+
+
+def pipeline_buffer_bytes(model: ShardedModel, shape: StepShape) -> int:
+    """Bytes of the pipeline schedule's receive buffers on this rank beyond the saved
+    activations (torch.distributed.pipelining's stages make one per micro-batch in the
+    first step and keep them): every stage but the first receives each micro-batch's
+    hidden states (those of the micro-batches in flight are saved by its first layer, so
+    counted there), every stage but the last their gradients; rows x length x h in the
+    residual stream's dtype each. 0 without a pipeline."""
+    plan = model.pipeline
+    if plan is None:
+        return 0
+    sharded = model.layout.world_size > 1
+    one = shape.rows * shape.length // model.layout.cp * model.model_config.hidden_size
+    one *= 2 if (shape.bf16 and sharded) else 4
+    held = model.stages
+    receiving = sum(1 for stage in held if stage > 0)
+    sending = sum(1 for stage in held if stage < plan.num_stages - 1)
+    hidden = receiving * (shape.micro_batches - in_flight(model))
+    return int(one * (hidden + sending * shape.micro_batches))
+
+
 def in_flight(model: ShardedModel) -> float:
     """Micro-batches whose saved activations are live at once on this rank, in units of
     one micro-batch through all of its layers: 1 without a pipeline; under one (m
@@ -319,7 +436,10 @@ def memory_terms(model: ShardedModel, shape: StepShape) -> MemoryTerms:
       gathered with its unsharded float32 gradient and the gradients of its expert stacks,
       the next layer (i - 1) gathered ahead (FSDP2's prefetch), the sharded gradients of
       the layers above i; the activation gradients are the layer's kind's (dense or MoE);
-    - the optimizer step: every gradient.
+    - the optimizer step: every gradient and Muon's working buffers (`muon_step_bytes`).
+
+    Under a pipeline the schedule's receive buffers are live throughout
+    (`pipeline_buffer_bytes`).
 
     Without FSDP2 the gradients go straight to the parameters' .grad (float32). Under
     gradient accumulation FSDP2 keeps every unit's unsharded float32 gradient until the
@@ -329,10 +449,13 @@ def memory_terms(model: ShardedModel, shape: StepShape) -> MemoryTerms:
     """
     params, grads, optim = state_bytes(model)
     kept, held, around = layer_saves(model, shape)
-    saved = sum(kept) + around
-    waiting = int((in_flight(model) - 1) * saved)  # other micro-batches' saves
-    saved += waiting
+    one = sum(kept) + around
+    # other micro-batches' saves, and the step's own (the ids' storage, the loss scale)
+    waiting = int((in_flight(model) - 1) * one) + pipeline_saves(model, shape)
+    saved = one + waiting
     head = head_gradient_bytes(model, shape) if model.holds_head else 0
+    # the head's gradients, made in each micro-batch's forward, wait for its backward too
+    waiting += int((in_flight(model) - 1) * head)
     arch = model.model_config
     names = [f"layer {index}" for index in model.layer_indices]
     act_grads = [activation_gradient_bytes(model, shape, moe=bool(arch.num_experts)
@@ -347,22 +470,28 @@ def memory_terms(model: ShardedModel, shape: StepShape) -> MemoryTerms:
     accumulated = 0
     if shape.micro_batches > 1 and fsdp:
         accumulated = (sum(gathered.values()) + root) // b * 4
-    forward_end = saved + head + root + accumulated
+    buffers = pipeline_buffer_bytes(model, shape)
+    forward_end = waiting + one + head + root + accumulated + buffers
     worst_backward = 0
     for i in range(model.layers - 1, -1, -1):
         below = sum(kept[:i]) + around + waiting
         above = sum(layer_grad.get(name, 0) for name in names[i + 1 :])
-        if fsdp:  # this layer gathered, its unsharded float32 gradient and its expert
-            # stacks' gradients (outside FSDP2), the next layer (i - 1) prefetched
+        if fsdp:  # this layer gathered, its unsharded float32 gradient (under
+            # accumulation that is `accumulated`'s, as the root's: in bfloat16 the layer's
+            # gradients are made first, then added into it), its expert stacks' gradients
+            # (outside FSDP2), the next layer (i - 1) prefetched
             this = gathered.get(names[i], 0)
             prefetched = gathered.get(names[i - 1], 0) if i > 0 else 0
-            live = below + held[i] + act_grads[i] + 2 * root + this + prefetched
-            live += this // b * 4 + expert_grad.get(names[i], 0) + above + accumulated
+            fresh = (this if b < 4 else 0) if accumulated else this // b * 4
+            live = below + held[i] + act_grads[i] + root + (0 if accumulated else root)
+            live += this + prefetched + fresh + expert_grad.get(names[i], 0) + above
+            live += accumulated
         else:  # .grad of the head (the root's, first) and of every layer done so far
             live = below + held[i] + act_grads[i] + layer_grad.get("root", 0) + above
             live += layer_grad.get(names[i], 0)
-        worst_backward = max(worst_backward, live)
-    live_peak = max(forward_end, worst_backward, grads)
+        worst_backward = max(worst_backward, live + buffers)
+    optimizer_step = grads + muon_step_bytes(model, shape) + buffers
+    live_peak = max(forward_end, worst_backward, optimizer_step)
     working = live_peak - min(saved, live_peak) if live_peak > saved else 0
     peak = params + optim + live_peak
     experts = sum(state_bytes(model, experts_only=True))

@@ -118,6 +118,11 @@ class ShardedModel:
         return [0] if self.pipeline is None else self.pipeline.stages_of(self.pp_rank)
 
     @property
+    def holds_embedding(self) -> bool:
+        """Whether this rank runs the embedding (the first stage)."""
+        return self.pipeline is None or 0 in self.stages
+
+    @property
     def holds_head(self) -> bool:
         """Whether this rank computes the LM head and the loss (the last stage)."""
         return self.pipeline is None or self.pipeline.num_stages - 1 in self.stages
