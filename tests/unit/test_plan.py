@@ -169,6 +169,14 @@ def test_refusals_are_one_line():
                       DEVICES["h100"])  # fmt: skip
     with pytest.raises(InputError, match="num_hidden_layers=2 does not divide into"):
         make_run_plan(tiny_pp("train.pipeline_parallel=4"), 4, DEVICES["h100"])
+    # the trainer's own tensor-parallel checks (parallel/tensor.py)
+    with pytest.raises(
+        InputError,
+        match="train.tensor_parallel=2 splits the LM head by "
+        "vocabulary, which model.loss_implementation=full",
+    ):
+        make_run_plan(tiny("train.tensor_parallel=2", "model.loss_implementation=full"), 2,
+                      DEVICES["h100"])  # fmt: skip
     # the trainer's own expert-parallel checks (parallel/expert.py)
     with pytest.raises(InputError, match="expert_parallel=2 needs a mixture-of-experts model"):
         make_run_plan(tiny("train.expert_parallel=2"), 4, DEVICES["h100"])

@@ -25,7 +25,8 @@ stream's:
         + b 3 I (SwiGLU's gate and up, down's input)
         + 4 (2 + heads/tp [+ heads/tp + kv heads/tp]) (RMSNorm statistics, attention's
           log-sum-exp; float32)
-        + 4 head_dim under bfloat16 (the RoPE tables cast per layer)
+        + 4 rotary_dim under bfloat16 (the RoPE tables cast per layer: by FSDP2's input
+          cast; 8 rotary_dim under autocast, where q's and k's rotations cast them each)
   and per layer, not per token: rows x L x L x b with `attn_implementation: sdpa` and its
   dense document mask (its copy of the (B, 1, L, L) mask in the attention's dtype; L the
   whole row under cp); nothing with varlen (`auto` on CPU) or flex
@@ -77,6 +78,9 @@ class StepShape:
     """Attention through varlen over packed rows (one sdpa call per document: `auto` on
     CPU): the documents' outputs are joined into a new tensor that o_proj reads, a second
     b q per token (as under cp, where the all-to-all makes it)."""
+    full_loss: bool = False
+    """`model.loss_implementation: full`: the LM head's logits for every position over the
+    whole vocabulary and torch's cross-entropy (`full_loss_saves`, `full_loss_working`)."""
     ns_bytes: int = 2
     """Bytes of Muon's Newton-Schulz dtype (optim.ns_dtype as the run resolves it)."""
     ns_comm_bytes: int = 2
@@ -167,8 +171,8 @@ def layer_activation_bytes(arch, rows: int, length: int, tp: int, bf16: bool,
     per_token += 4 * (2 + heads)  # RMSNorm statistics, log-sum-exp
     if arch.qk_norm:
         per_token += b * (q + kv) + 4 * (heads + kv_heads)
-    if bf16:
-        per_token += 2 * 2 * arch.rotary_dim
+    if bf16:  # FSDP2 casts the layer's tables once; autocast's rotary casts them for q, k
+        per_token += 2 * 2 * arch.rotary_dim * (2 if autocast_casts else 1)
     return tokens * per_token
 
 
@@ -233,15 +237,58 @@ def layer_saves(model: ShardedModel, shape: StepShape) -> tuple[list[int], list[
         kept.append(kept_input if checkpointed else full + weight_copies)
         held.append(kept_input + full if checkpointed else full + weight_copies)
         any_checkpointed |= checkpointed
-    h = arch.hidden_size
-    around = 0
-    if model.holds_head:  # the final norm's input and statistics, the loss's mask
-        around += tokens * (h * stream + 4 + 1)
+    around = head_saves(model, shape)
     if model.pipeline is None:  # the ids (a cp slice keeps the whole rows)
         around += shape.rows * shape.length * 8
     if any_checkpointed or not shape.bf16:  # the float32 RoPE tables: a checkpointed
         around += 2 * tokens * arch.rotary_dim * 4  # layer's inputs, or float32's
     return kept, held, around
+
+
+def head_saves(model: ShardedModel, shape: StepShape) -> int:
+    """Bytes saved after the layers on this rank, for one micro-batch, which the head's and
+    the final norm's backward free before the layers' backward: the final norm's input and
+    statistics and the loss's row mask (or `full_loss_saves`); 0 on a pipeline rank
+    without the last stage."""
+    if not model.holds_head:
+        return 0
+    arch, layout = model.model_config, model.layout
+    tokens = shape.rows * shape.length // layout.cp
+    stream = 2 if (shape.bf16 and layout.world_size > 1) else 4
+    out = tokens * (arch.hidden_size * stream + 4)
+    return out + (full_loss_saves(model, shape) if shape.full_loss else tokens)
+
+
+def full_loss_saves(model: ShardedModel, shape: StepShape) -> int:
+    """Bytes `model.loss_implementation: full` saves per micro-batch (diffusion/loss.py
+    `full_cross_entropy`), over every position of this rank (T of them) and the V ids:
+    the head's input in the compute dtype (T h b; under autocast also the head's bfloat16
+    copy, V h 2), the float32 log-softmax (T V 4), the targets and the weights (T x (8 +
+    4): under a pipeline slices of the step's, in `pipeline_saves`), the cross-entropy's
+    0-d total weight."""
+    arch, layout = model.model_config, model.layout
+    tokens = shape.rows * shape.length // layout.cp
+    b = 2 if shape.bf16 else 4
+    casts = shape.bf16 and layout.world_size == 1
+    out = tokens * (arch.hidden_size * b + arch.vocab_size * 4) + 4
+    if casts:
+        out += arch.vocab_size * arch.hidden_size * 2
+    if model.pipeline is None:
+        out += tokens * (8 + 4)
+    return out
+
+
+def full_loss_working(model: ShardedModel, shape: StepShape) -> tuple[int, int]:
+    """(forward, backward): what `model.loss_implementation: full` holds beyond its saves
+    while it runs, T positions x V ids: the logits in the compute dtype and their float32
+    copy (one tensor in float32) as the log-softmax is made; in backward, beside the saved
+    log-softmax, the gradients of its output and of its input (float32; the input's copy
+    in the compute dtype is made after the other two are freed)."""
+    arch, layout = model.model_config, model.layout
+    logits = shape.rows * shape.length // layout.cp * arch.vocab_size
+    b = 2 if shape.bf16 else 4
+    forward = logits * (b + (4 if b < 4 else 0))
+    return forward, logits * (4 + 4)
 
 
 def activation_bytes(model: ShardedModel, shape: StepShape) -> int:
@@ -264,13 +311,17 @@ def pipeline_saves(model: ShardedModel, shape: StepShape) -> int:
         out += shape.micro_batches * shape.rows * shape.length * 8
     if model.holds_head:
         out += 4
+        if shape.full_loss:  # the full logits' loss saves the step's targets and weights
+            out += shape.micro_batches * shape.rows * shape.length * (8 + 4)
     return out
 
 
 def head_gradient_bytes(model: ShardedModel, shape: StepShape) -> int:
     """The LM head's float32 gradients made in the forward (diffusion/loss.py): the head
     (V x h; this rank's ceil(V / tp) rows under TP, the vocab-parallel head) and the R
-    masked rows' hidden states."""
+    masked rows' hidden states; none under `loss_implementation: full`."""
+    if shape.full_loss:
+        return 0
     arch, layout = model.model_config, model.layout
     tokens = shape.rows * shape.length // layout.cp
     masked = int(tokens * shape.masked_fraction)
@@ -429,7 +480,8 @@ def memory_terms(model: ShardedModel, shape: StepShape) -> MemoryTerms:
     optimizer state exists). The peak is the most live at any point of a walk through the
     step, on top of the parameters and the optimizer state:
 
-    - the forward's end: every saved activation, the head's gradients, the root gathered;
+    - the forward's end: every saved activation, the head's gradients, the root gathered
+      (under `loss_implementation: full` and the loss's logits, `full_loss_working`);
     - the backward of layer i (last to first): what layers below i saved, what layer i
       holds (recomputed when checkpointed), the activation gradients, the root gathered
       with its unsharded gradient (the head's, made first, reduced last), this layer
@@ -472,9 +524,15 @@ def memory_terms(model: ShardedModel, shape: StepShape) -> MemoryTerms:
         accumulated = (sum(gathered.values()) + root) // b * 4
     buffers = pipeline_buffer_bytes(model, shape)
     forward_end = waiting + one + head + root + accumulated + buffers
+    if shape.full_loss and model.holds_head:  # the whole logits as the loss is made; in
+        # its backward the root gathered again and the last layer prefetched
+        forward, backward = full_loss_working(model, shape)
+        last = gathered.get(names[-1], 0) if names else 0
+        forward_end = max(forward_end + forward, forward_end + backward + last)
+    layers_around = around - head_saves(model, shape)  # what the layers' backward still sees
     worst_backward = 0
     for i in range(model.layers - 1, -1, -1):
-        below = sum(kept[:i]) + around + waiting
+        below = sum(kept[:i]) + layers_around + waiting
         above = sum(layer_grad.get(name, 0) for name in names[i + 1 :])
         if fsdp:  # this layer gathered, its unsharded float32 gradient (under
             # accumulation that is `accumulated`'s, as the root's: in bfloat16 the layer's

@@ -209,6 +209,7 @@ def make_run_plan(cfg: RunConfig, world_size: int, device: Device, *, nodes: int
               and (attn == "varlen" or (attn == "auto" and not flex)))  # fmt: skip
     shape = StepShape(**{**asdict(shape), "masked_fraction": masked_fraction,
                          "dense_mask": dense_mask, "varlen": varlen,
+                         "full_loss": cfg.model.loss_implementation == "full",
                          "ns_bytes": ns_dtype_bytes(cfg, device),
                          "ns_comm_bytes": ns_bytes(cfg, device)})  # fmt: skip
     plans, first, ns_work = [], None, 0.0

@@ -35,6 +35,7 @@ from unmask.parallel.distributed import plan_layout
 from unmask.parallel.expert import check_moe_request
 from unmask.parallel.mesh import MeshLayout, build_mesh
 from unmask.parallel.pipeline import PipelinePlan, plan_pipeline
+from unmask.parallel.tensor import check_tensor_parallel
 from unmask.train.mfu import flop_model
 from unmask.train.setup import build_train_model, check_pipeline_request
 
@@ -141,7 +142,8 @@ def planned_model_config(cfg: RunConfig) -> RunConfig:
     if model.pretrained is None:
         return cfg
     arch = config_from_hf(read_config(model.pretrained))
-    keep = {"attn_implementation": model.attn_implementation, "lora": model.lora,
+    keep = {"attn_implementation": model.attn_implementation,
+            "loss_implementation": model.loss_implementation, "lora": model.lora,
             "lora_r": model.lora_r, "lora_alpha": model.lora_alpha,
             "lora_target_modules": model.lora_target_modules}  # fmt: skip
     return cfg.model_copy(update={"model": arch.model_copy(update={**keep, "pretrained": None})})
@@ -187,6 +189,7 @@ def layout_of(cfg: RunConfig, world_size: int) -> MeshLayout:
     check_pipeline_request(cfg)  # the trainer's own checks of a pipeline layout
     layout = plan_layout(world_size, t.fsdp2, t.dp_replicate, t.dp_shard, t.tensor_parallel,
                          t.context_parallel, t.pipeline_parallel)  # fmt: skip
+    check_tensor_parallel(cfg.model, t.tensor_parallel, lora=cfg.model.lora)  # and of TP
     dp = layout.dp if world_size > 1 else 1
     # the trainer's own check of an MoE / expert-parallel layout (parallel/expert.py)
     check_moe_request(cfg.model, t.expert_parallel, dp * layout.cp, t.tensor_parallel)
