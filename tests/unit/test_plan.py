@@ -355,6 +355,21 @@ def test_the_objective_entry_sets_the_head_share_and_the_dense_mask():
     assert gap == layers * mask_copy
 
 
+def test_the_full_logits_loss_adds_its_saves_by_hand():
+    # model.loss_implementation full on 2 ranks (FSDP2, float32): the head's input (T h 4),
+    # the log-softmax (T V 4), the targets and weights (T 12) and the 0-d total weight
+    # replace the chunked loss's row mask (T 1); its backward holds T V 8 more (the
+    # gradients of the log-softmax's output and input) beside them
+    chunked = make_run_plan(tiny(), 2, DEVICES["h100"]).ranks[0].memory
+    full = make_run_plan(tiny("model.loss_implementation=full"), 2, DEVICES["h100"])
+    memory = full.ranks[0].memory
+    tokens, h, vocab = 2 * 32, 64, 96
+    saves = tokens * (h * 4 + vocab * 4 + 8 + 4) + 4
+    assert memory.activations - chunked.activations == saves - tokens
+    state = memory.parameters + memory.optimizer
+    assert memory.peak >= state + memory.activations + tokens * vocab * 8
+
+
 def test_the_optimizer_term_is_muons_newton_schulz_by_hand():
     # 2 layers of q 64x64, k and v 32x64, o 64x64, gate and up 128x64, down 64x128; five
     # steps of 4 n^2 m + 2 n^3 (n the short side): 58,327,040 FLOPs a layer

@@ -8,8 +8,8 @@ rules (optim/updates.py `state_dtype`: float32, or wider): AdamW keeps exp_avg a
 exp_avg_sq like the parameter plus a 0-d float32 step, Muon one momentum buffer like the
 parameter.
 
-Activations: what autograd saves (save_for_backward) per token of one micro-batch on this
-rank, layer by layer, as the decoder's modules save it (models/transformer.py,
+Activations: what autograd holds saved (save_for_backward) at the end of a micro-batch's
+forward, per token of one micro-batch on this rank, layer by layer, as the decoder's modules save it (models/transformer.py,
 models/fused.py), with `h` the width, `q` = heads x head_dim / tp, `kv` = K/V heads x
 head_dim / tp, `I` = MLP width / tp, `b` the matmul dtype's bytes, `s` the residual
 stream's:
@@ -20,7 +20,8 @@ stream's:
         + b (q + 2 kv) (attention's q, k, v after RoPE) + b q (its output, which o_proj
           reads as a view; under cp a second b q: the heads come back from the all-to-all
           in another layout and o_proj reads a merged copy; likewise under varlen over
-          packed rows, which joins the documents' outputs)
+          packed rows, which joins the documents' outputs, and under partial rotary,
+          whose q and k are rebuilt by a cat, so sdpa's output is in (B, H, L, D) order)
         + b (q + kv) with per-head q/k norms (their inputs)
         + b 3 I (SwiGLU's gate and up, down's input)
         + 4 (2 + heads/tp [+ heads/tp + kv heads/tp]) (RMSNorm statistics, attention's
@@ -32,20 +33,29 @@ stream's:
   whole row under cp); nothing with varlen (`auto` on CPU) or flex
 
 Around the layers: the token ids (8 bytes each), the final norm's input and statistics, the
-loss's mask (1 byte) and the RoPE tables (float32, shared by the layers: saved when a
-layer multiplies by them in float32 or takes them as a checkpointed layer's inputs). A checkpointed
-layer keeps only its input (s h per token) and, in backward, recomputes one layer's full
-set at a time. Under autocast over float32 masters (one process, bf16) every linear's
+loss's mask (1 byte; `full_loss_saves` under `model.loss_implementation: full`) and the
+RoPE tables (float32, shared by the layers: saved when a layer multiplies by them in
+float32 or takes them as a checkpointed layer's inputs). A checkpointed layer keeps only
+its input (s h per token) and, in backward, recomputes one layer's full set at a time. Under autocast over float32 masters (one process, bf16) every linear's
 bfloat16 weight copy is kept for backward as well. tests/integration/test_plan_measured.py
 holds these equal to the bytes autograd saves in real runs.
 
 An MoE layer saves `moe_mlp_bytes` per token in place of the dense MLP's b 3 I (and,
 under bf16 across ranks, autocast's copies of its expert stacks); under a pipeline the
-schedule's in-flight micro-batches multiply the saves (`in_flight`).
+schedule's in-flight micro-batches multiply the saves (`in_flight`), the embedding and the
+final norm are on the first and last stage only, and the step's ids are one storage
+(`pipeline_saves`).
 
 The LM head computes its gradients in the forward (diffusion/loss.py): a float32 gradient
 of the whole head (V x h x 4: the head is replicated over tp and gathered whole by FSDP2)
-and of its R rows (R = masked tokens); these are working memory, not saved tensors.
+and of its R rows (R = masked tokens); these are working memory, not saved tensors. Under
+`model.loss_implementation: full` it computes none in the forward; the whole logits and
+their gradients are working memory instead (`full_loss_working`).
+
+Beyond the saves, the peak walk (`memory_terms`) counts the gathered FSDP2 units, the
+activation gradients of each layer's kind (`activation_gradient_bytes`), Muon's step
+(`muon_step_bytes`) and a pipeline's receive buffers (`pipeline_buffer_bytes`).
+tests/integration/test_plan_measured.py holds the peak within 15% of torch's MemTracker.
 """
 
 from __future__ import annotations
@@ -131,27 +141,36 @@ def state_bytes(model: ShardedModel, experts_only: bool = False) -> tuple[int, i
     return params, grads, optim
 
 
-def moe_mlp_bytes(arch, b: int) -> int:
+def moe_mlp_bytes(arch, b: int, expert_parallel: bool = False) -> int:
     """Bytes an MoE MLP (models/moe.py SparseMoE) saves per token in place of the dense
     MLP's b 3 I: its k routed copies of the token (gathered, under EP sent to the experts'
     ranks), each one's gate, up and down inputs, the experts' output the routing weights
-    scale and their product (b k (3 h + 3 I_moe)); the router's float32 logits (4 E); the
-    sort's order, the rows' token ids and the weights in sorted order (20 k); the chosen
-    experts' ids (8 k; what group-limited routing saves for the choice among groups is
-    freed in the forward with the choice, which no gradient reaches); the renormalized
-    weights and their sum (4 k + 4); the shared experts' SwiGLU (b 3 I_moe x shared)."""
+    scale and their product (b k (3 h + 3 I_moe)); the router's scores (r E, r the router's
+    bytes: 4, or 2 under bf16, whose autocast casts the router's float32 matmul back to
+    bfloat16 and then saves that copy of its input too, b h); the chosen experts' ids, the
+    sort's order and the rows' token ids (24 k) and the weights in sorted order (r k; what
+    group-limited routing saves for the choice among groups is freed in the forward with the
+    choice, which no gradient reaches); the renormalized weights and their sum (r k + r);
+    the shared experts' SwiGLU (b 3 I_moe x shared); under expert parallelism (`expert_
+    parallel`) the received rows' regrouping order and its inverse (16 k, on the experts'
+    ranks)."""
     k, h, experts = arch.num_experts_per_tok, arch.hidden_size, arch.num_experts
     inner = arch.resolved_moe_intermediate_size
     shared = inner * arch.num_shared_experts
-    total = b * k * (3 * h + 3 * inner) + 4 * experts + 28 * k + b * 3 * shared
+    r = b  # the router's float32 matmul runs (and is saved) in bfloat16 under autocast
+    total = b * k * (3 * h + 3 * inner) + r * experts + 24 * k + r * k + b * 3 * shared
+    if b == 2:
+        total += b * h
     if (arch.norm_topk_prob or arch.router_score == "sigmoid") and k > 1:
-        total += 4 * k + 4
+        total += r * k + r
+    if expert_parallel:
+        total += 16 * k
     return total
 
 
 def layer_activation_bytes(arch, rows: int, length: int, tp: int, bf16: bool,
                            stream_bytes: int, autocast_casts: bool,
-                           moe: bool = False) -> int:  # fmt: skip
+                           moe: bool = False, expert_parallel: bool = False) -> int:  # fmt: skip
     """Bytes one decoder layer saves over `rows` rows of `length` tokens on this rank
     (module docstring); `length` is this rank's part of a row (L / cp); `moe`: its MLP is
     a mixture of experts (`moe_mlp_bytes`)."""
@@ -167,7 +186,7 @@ def layer_activation_bytes(arch, rows: int, length: int, tp: int, bf16: bool,
     mlp_in = 2 if autocast_casts else 1
     per_token = 2 * stream_bytes * h + b * h * (attn_in + mlp_in)
     per_token += b * (q + 2 * kv) + b * q  # attention in and out
-    per_token += moe_mlp_bytes(arch, b) if moe else b * 3 * inter  # the MLP
+    per_token += moe_mlp_bytes(arch, b, expert_parallel) if moe else b * 3 * inter  # the MLP
     per_token += 4 * (2 + heads)  # RMSNorm statistics, log-sum-exp
     if arch.qk_norm:
         per_token += b * (q + kv) + 4 * (heads + kv_heads)
@@ -219,11 +238,21 @@ def layer_saves(model: ShardedModel, shape: StepShape) -> tuple[list[int], list[
     by_kind = {
         moe: extra
         + layer_activation_bytes(
-            arch, shape.rows, length, layout.tp, shape.bf16, stream, casts, moe
+            arch,
+            shape.rows,
+            length,
+            layout.tp,
+            shape.bf16,
+            stream,
+            casts,
+            moe,
+            any(s.expert_parallel for s in model.shards),
         )  # fmt: skip
         for moe in (False, True)
     }
     by_kind[True] += 4 * local_experts(model)  # the grouped GEMM's int32 offsets
+    if shape.bf16:  # autocast's bfloat16 copy of the router's weight
+        by_kind[True] += 2 * arch.num_experts * arch.hidden_size
     if shape.bf16 and sharded:  # autocast's bfloat16 copies of the expert stacks (FSDP2
         by_kind[True] += 2 * expert_stack_numel(model)  # leaves them at float32)
     kept_input = tokens * arch.hidden_size * stream

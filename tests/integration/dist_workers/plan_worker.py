@@ -50,9 +50,11 @@ def _bytes(tensors) -> int:
     return sum(_local(t).numel() * _local(t).element_size() for t in tensors)
 
 
-def _saved_storage(t) -> tuple[int, int] | None:
+def _saved_storage(t, parameters: frozenset = frozenset()) -> tuple[int, int] | None:
     """(address, bytes) of the storage a saved tensor holds; None for a parameter or a view
-    of one (a linear's transposed weight)."""
+    of one (a linear's transposed weight), or a tensor on a parameter's storage
+    (`parameters`: their addresses; an expert stack's local shard under expert parallelism,
+    which the grouped GEMM saves)."""
     if isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter):
         return None
     # a functional collective's result (expert parallelism's all-to-alls) wraps the tensor
@@ -60,6 +62,8 @@ def _saved_storage(t) -> tuple[int, int] | None:
     local = _local(t)
     local = getattr(local, "elem", local)
     storage = local.untyped_storage()
+    if storage.data_ptr() in parameters:
+        return None
     return storage.data_ptr(), storage.nbytes()
 
 
@@ -78,12 +82,15 @@ class LiveSaved:
     reference (a micro-batch's backward frees its graph), so a pipeline schedule's
     micro-batches in flight add up and finished ones drop out."""
 
-    def __init__(self) -> None:
+    def __init__(self, model: nn.Module) -> None:
         self.refs: dict[tuple[int, int], int] = {}
         self.live = self.most = 0
+        self.parameters = frozenset(
+            _local(p).untyped_storage().data_ptr() for p in model.parameters()
+        )
 
     def pack(self, t):
-        key = _saved_storage(t)
+        key = _saved_storage(t, self.parameters)
         if key is None:
             return t
         self.refs[key] = self.refs.get(key, 0) + 1
@@ -173,7 +180,7 @@ def measure(cfg_path: str, out_dir: Path) -> None:
         return real_step(*args, **kwargs)
 
     optimizer.step = step_recording_grads
-    live = LiveSaved()
+    live = LiveSaved(model)
     objective = trainer.objective
     real_call = type(objective).__call__
     masked = []
