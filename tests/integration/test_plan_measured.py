@@ -57,6 +57,9 @@ LAYOUTS = {
         "single_full_adamw_bf16": {"model": FULL, "optim": {"name": "adamw"},
                                    "train": {"bf16": True}},
         "single_full_muon": {"model": FULL},
+        # wider matrices, one row: the peak is Muon's step (one process: runs of a shape)
+        "single_muon_optimizer_peak": {"model": WIDE,
+                                       "train": {"per_device_train_batch_size": 1}},
     },
     2: {
         "fsdp_muon": {},

@@ -63,6 +63,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from unmask.optim.muon import NS_BATCH_NUMEL
 from unmask.plan.shards import ShardedModel
 
 
@@ -113,6 +114,9 @@ class MemoryTerms:
     experts: int = 0
     """Of parameters, gradients and optimizer state: the expert-parallel stacks' bytes
     (split over train.expert_parallel only; FSDP2 leaves them alone)."""
+    expert_working: int = 0
+    """Of the working buffers, when Muon's step is the peak: its buffers for the
+    expert-parallel stacks (split over train.expert_parallel too)."""
 
     def largest(self) -> tuple[str, int]:
         terms = {"parameters": self.parameters, "gradients": self.gradients,
@@ -394,11 +398,12 @@ def gathered_units(model: ShardedModel, shape: StepShape) -> dict[str, int]:
 def _newton_schulz_bytes(numel: int, count: float, smaller: int, b: int) -> int:
     """Newton-Schulz's temporaries on `count` matrices of `numel` elements in all (optim/
     newton_schulz.py): the normalized X and the next X, and the two `smaller` x `smaller`
-    products of each matrix (X X^T and the polynomial), in the NS dtype (b bytes)."""
-    return int(b * (2 * numel + 2 * count * smaller * smaller))
+    products of each matrix (X X^T and the polynomial), the previous step's still bound as
+    the next step's are made, in the NS dtype (b bytes)."""
+    return int(b * (2 * numel + 4 * count * smaller * smaller))
 
 
-def muon_step_bytes(model: ShardedModel, shape: StepShape) -> int:
+def muon_step_bytes(model: ShardedModel, shape: StepShape, experts: bool = True) -> int:
     """Bytes Muon's step holds at its peak beyond the parameters, gradients and optimizer
     state (optim/muon.py, optim/distributed.py), 0 without Muon. bn, bc: the NS and the
     all-to-all dtypes' bytes; M: this rank's elements of the Muon matrices.
@@ -413,16 +418,17 @@ def muon_step_bytes(model: ShardedModel, shape: StepShape) -> int:
       balanced by NS FLOPs (exact on one rank);
     - whole matrices on this rank (expert stacks, replicated ones): all their float32 NS
       inputs, the updates as they are made, one stack's NS, then a float32 copy of the
-      updates of one shape;
-    - one process (plain tensors): per shape, the float32 NS inputs, their batch, the NS,
-      the updates and their float32 copies; the largest shape.
+      updates of one shape (`experts` False: without the expert-parallel stacks);
+    - one process (plain tensors): per shape, in runs of at most NS_BATCH_NUMEL elements,
+      the float32 NS inputs, their batch, the NS, the updates and their float32 copies,
+      beside the previous run's float32 updates; the largest run.
     """
     bn, bc = shape.ns_bytes, shape.ns_comm_bytes
     owner: list = []
     local: list = []
     plain: list = []
     for s in model.shards:
-        if s.optimizer != "muon":
+        if s.optimizer != "muon" or (s.expert_parallel and not experts):
             continue
         if not s.mesh_dims:
             plain.append(s)
@@ -459,11 +465,30 @@ def muon_step_bytes(model: ShardedModel, shape: StepShape) -> int:
                                       min(s.global_shape[-2:]), bn) for s in local)  # fmt: skip
         apply = 4 * max(total for total, _ in groups.values())
         peak = max(peak, left + 4 * m + bn * m + ns, 4 * m + bn * m + apply)
-    for key, (total, count) in by_shape(plain, lambda s: s.local_numel).items():
-        batch = 4 * total if count > 1 else 0
-        ns = _newton_schulz_bytes(total, count, min(key), bn)
-        peak = max(peak, 4 * total + batch + ns, 4 * total + bn * total + 4 * total)
+    buckets: dict[tuple, list] = {}  # one process: by (rows, cols), in parameter order,
+    for s in plain:  # cut into runs of at most NS_BATCH_NUMEL elements (optim/muon.py)
+        buckets.setdefault(tuple(s.global_shape[-2:]), []).append(s)
+    before = 0  # the previous run's float32 updates, referenced until the next are made
+    for key, shards in buckets.items():
+        for run in _runs([s.local_numel for s in shards], NS_BATCH_NUMEL):
+            total, count = sum(run), sum(run) / (key[0] * key[1])
+            batch = 4 * total if len(run) > 1 else 0  # the float32 inputs joined
+            ns = _newton_schulz_bytes(total, count, min(key), bn)
+            updates = bn * total + (4 * total if bn != 4 else 0)  # and their float32 copies
+            peak = max(peak, before + 4 * total + batch + ns, before + 4 * total + updates)
+            before = 4 * total
     return peak
+
+
+def _runs(sizes: list[int], most: int) -> list[list[int]]:
+    """Consecutive sizes cut into runs of at most `most` in all (one size at least), as
+    MuonAdamW batches same-shape matrices."""
+    runs: list[list[int]] = [[]]
+    for size in sizes:
+        if runs[-1] and sum(runs[-1]) + size > most:
+            runs.append([])
+        runs[-1].append(size)
+    return runs if runs[-1] else []
 
 
 def pipeline_buffer_bytes(model: ShardedModel, shape: StepShape) -> int:
@@ -577,12 +602,16 @@ def memory_terms(model: ShardedModel, shape: StepShape) -> MemoryTerms:
             live = below + held[i] + act_grads[i] + layer_grad.get("root", 0) + above
             live += layer_grad.get(names[i], 0)
         worst_backward = max(worst_backward, live + buffers)
-    optimizer_step = grads + muon_step_bytes(model, shape) + buffers
+    muon = muon_step_bytes(model, shape)
+    optimizer_step = grads + muon + buffers
     live_peak = max(forward_end, worst_backward, optimizer_step)
     working = live_peak - min(saved, live_peak) if live_peak > saved else 0
     peak = params + optim + live_peak
     experts = sum(state_bytes(model, experts_only=True))
-    return MemoryTerms(params, grads, optim, saved, working, peak, experts)
+    expert_working = 0
+    if optimizer_step == live_peak:  # Muon's buffers for the expert stacks shrink with ep
+        expert_working = muon - muon_step_bytes(model, shape, experts=False)
+    return MemoryTerms(params, grads, optim, saved, working, peak, experts, expert_working)
 
 
 def _grad_bytes_by_unit(model: ShardedModel, experts_only: bool = False) -> dict[str, int]:
