@@ -239,18 +239,11 @@ def layer_saves(model: ShardedModel, shape: StepShape) -> tuple[list[int], list[
             * arch.resolved_head_dim
             * (2 if shape.bf16 else 4)
         )  # reads a merged copy of them
+    ep = any(s.expert_parallel for s in model.shards)
     by_kind = {
         moe: extra
         + layer_activation_bytes(
-            arch,
-            shape.rows,
-            length,
-            layout.tp,
-            shape.bf16,
-            stream,
-            casts,
-            moe,
-            any(s.expert_parallel for s in model.shards),
+            arch, shape.rows, length, layout.tp, shape.bf16, stream, casts, moe, ep
         )  # fmt: skip
         for moe in (False, True)
     }
@@ -437,12 +430,13 @@ def muon_step_bytes(model: ShardedModel, shape: StepShape, experts: bool = True)
         else:
             owner.append(s)
 
-    def by_shape(shards, numel) -> dict[tuple, tuple[int, float]]:
+    def by_shape(shards) -> dict[tuple, tuple[int, float]]:
+        """(rows, cols) -> (this rank's elements, matrices' worth of them)."""
         groups: dict[tuple, tuple[int, float]] = {}
         for s in shards:
             key = tuple(s.global_shape[-2:])
             total, count = groups.get(key, (0, 0.0))
-            groups[key] = (total + numel(s), count + numel(s) / (key[0] * key[1]))
+            groups[key] = (total + s.local_numel, count + s.local_numel / (key[0] * key[1]))
         return groups
 
     peak = 0
@@ -455,12 +449,12 @@ def muon_step_bytes(model: ShardedModel, shape: StepShape, experts: bool = True)
         end = base + bn * m + bc * m + bc * tall + bc * m + (bn * m if bn != bc else 0)
         ns = max(_newton_schulz_bytes(total, count, min(key), bn)
                  + (bc * total if count > 1 else 0)
-                 for key, (total, count) in by_shape(owner, lambda s: s.local_numel).items())  # fmt: skip
+                 for key, (total, count) in by_shape(owner).items())  # fmt: skip
         peak = max(end, base + bn * m + ns)
         left = 4 * m + bc * m
     if local:
         m = sum(s.local_numel for s in local)
-        groups = by_shape(local, lambda s: s.local_numel)
+        groups = by_shape(local)
         ns = max(_newton_schulz_bytes(s.local_numel, s.local_numel / math.prod(s.global_shape[-2:]),
                                       min(s.global_shape[-2:]), bn) for s in local)  # fmt: skip
         apply = 4 * max(total for total, _ in groups.values())
