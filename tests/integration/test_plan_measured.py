@@ -6,10 +6,10 @@ every rank); the plan of the same config, made in this process under the fake pr
 group, must match:
 - parameter, gradient and optimizer-state bytes of every rank: exactly;
 - each parameter's local shape on every rank: exactly;
-- the bytes autograd saves for backward (activations): exactly, given the step's masked
-  token count (the planner's formula is per token; the count is the noise's draw);
-- the peak (torch's MemTracker over the whole step; not for the layout with gradient
-  accumulation, which MemTracker cannot follow): within 15%;
+- the bytes autograd holds saved for backward (activations): exactly, given the step's
+  masked token count (the planner's formula is per token; the count is the noise's draw);
+- the peak (torch's MemTracker over the whole step, a module called once per micro-batch
+  allowed): within 15%;
 - the collectives' bytes (torch.profiler's c10d events in a third step): see
   `check_collectives`.
 """
@@ -40,6 +40,10 @@ BASE = {
     "eval": {"generate_accuracy": False},
 }  # fmt: skip
 
+#: wider layers (and experts) whose optimizer state outgrows one row's activations
+WIDE = {"hidden_size": 256, "intermediate_size": 768}
+#: the full-logits loss over a vocabulary of 1024 (its logits outgrow the layers here)
+FULL = {"loss_implementation": "full", "vocab_size": 1024}
 #: world size -> {layout name: overrides of BASE}
 LAYOUTS = {
     1: {
@@ -48,6 +52,14 @@ LAYOUTS = {
         "single_muon_packed": {"data": {"packing": True}},
         "single_adamw_bf16_ckpt": {"optim": {"name": "adamw"},
                                    "train": {"bf16": True, "activation_checkpointing": "full"}},
+        # the full-logits loss (model.loss_implementation: full) over 1024 ids, its
+        # backward the peak; under autocast, and in float32
+        "single_full_adamw_bf16": {"model": FULL, "optim": {"name": "adamw"},
+                                   "train": {"bf16": True}},
+        "single_full_muon": {"model": FULL},
+        # wider matrices, one row: the peak is Muon's step (one process: runs of a shape)
+        "single_muon_optimizer_peak": {"model": WIDE,
+                                       "train": {"per_device_train_batch_size": 1}},
     },
     2: {
         "fsdp_muon": {},
@@ -58,6 +70,12 @@ LAYOUTS = {
         # next-token LM: the head on every token with a target, a causal mask through sdpa
         "fsdp_ar_adamw_bf16": {"diffusion": {"objective": "ar"}, "optim": {"name": "adamw"},
                                "train": {"bf16": True}},
+        # torchtitan's loss: the whole logits of every position, float32 cross-entropy
+        "fsdp_ar_full_adamw_bf16": {"model": FULL, "diffusion": {"objective": "ar"},
+                                    "optim": {"name": "adamw"}, "train": {"bf16": True}},
+        "fsdp_full_muon_ckpt": {"model": FULL, "train": {"activation_checkpointing": "full"}},
+        # wider matrices, one row: the peak is Muon's step (the owner all-to-all's buffers)
+        "fsdp_muon_optimizer_peak": {"model": WIDE, "train": {"per_device_train_batch_size": 1}},
     },
     4: {
         "fsdp_muon_bf16_selective": {"train": {"bf16": True,
@@ -87,6 +105,11 @@ MOE_LAYOUTS = {
         "ep2_muon": {"model": MOE, "train": {"expert_parallel": 2}},
         "ep2_adamw_sigmoid_bf16": {"model": SIGMOID, "optim": {"name": "adamw"},
                                    "train": {"expert_parallel": 2, "bf16": True}},
+        # 8 wide experts, one row: the peak is Muon's step on the whole expert stacks
+        "ep2_muon_optimizer_peak": {"model": {**MOE, **WIDE, "moe_intermediate_size": 256,
+                                              "num_experts": 8},
+                                    "train": {"expert_parallel": 2,
+                                              "per_device_train_batch_size": 1}},
     },
     4: {
         "dp4_ep2_muon_sigmoid": {"model": SIGMOID, "train": {"expert_parallel": 2}},
@@ -112,10 +135,17 @@ PP_LAYOUTS = {
 
 
 #: mixture-of-experts models in pipeline stages: 4 layers, 2 stages (layer 0 dense), each
-#: stage's experts split over its 2 data-parallel ranks
+#: stage's experts split over its 2 data-parallel ranks (ep 2) or on both (ep 1)
+PP_MOE = {**SIGMOID, **PIPELINE, "num_hidden_layers": 4}
 PP_MOE_LAYOUTS = {
-    4: {"pp2_ep2_muon_sigmoid": {"model": {**SIGMOID, **PIPELINE, "num_hidden_layers": 4},
-                                 "train": {"pipeline_parallel": 2, "expert_parallel": 2}}},
+    4: {"pp2_ep2_muon_sigmoid": {"model": PP_MOE,
+                                 "train": {"pipeline_parallel": 2, "expert_parallel": 2}},
+        # the same in 2 micro-batches of 4 rows (the routing of 128 tokens, not 32)
+        "pp2_ep2_mb2_muon_sigmoid": {"model": PP_MOE,
+                                     "train": {"pipeline_parallel": 2, "expert_parallel": 2,
+                                               "pipeline_microbatches": 2}},
+        # every stage's experts on each of its ranks: no routing between ranks
+        "pp2_ep1_muon_sigmoid": {"model": PP_MOE, "train": {"pipeline_parallel": 2}}},
 }  # fmt: skip
 
 
@@ -215,15 +245,19 @@ def test_expert_parallel_plan_equals_measured_bytes(world, tmp_path):
     group as the trainer runs it): parameter, gradient and optimizer-state bytes and every
     parameter's local shape of every rank equal the real run's exactly, and so do the
     all-to-all bytes summed over the ranks (EP's dispatch and combine, Muon's; a rank's own
-    share depends on where the routing sends its rows). The activations
-    depend on how many rows the routing sends each rank (the plan assumes balanced routing),
-    so they are held within 15% per rank (measured: -14.0% to +3.2%, LLaDA2.0's partial
-    rotary attention not modelled), and the peak is never under by more than 15%
-    (measured: +8% to +31%, the working buffers over-counted on these tiny layers); the
-    gaps are printed (pytest -s)."""
+    share depends on where the routing sends its rows). Likewise the activations: the
+    plan takes the routing as balanced, and the routing moves rows between the ranks of
+    an ep group without making or dropping any, so their sum over the group equals the
+    plan's exactly, and each rank's is within 15% (measured -8.2% to +9.8%; not for the
+    one-row layout, whose 32 tokens a rank over 8 experts route unevenly: -15.2% and
+    +21.8%). The peak is within 15% on every rank (measured -6.3% to +13.0%, the plan
+    higher on the ranks that get the fewest rows; -0.7% where Muon's step on the whole
+    expert stacks is the peak); the gaps are printed (pytest -s)."""
     measured = measure(world, tmp_path, MOE_LAYOUTS)
     gaps = {}
     for name, ranks in measured.items():
+        ep = layout_config(MOE_LAYOUTS[world][name])["train"]["expert_parallel"]
+        group_plan, group_got = [0] * (world // ep), [0] * (world // ep)
         for rank, got in enumerate(ranks):
             plan = planned(name, world, tmp_path, sum(got["masked"]), rank)
             plan_rank = next(r for r in plan.ranks if r.rank == rank)
@@ -237,15 +271,20 @@ def test_expert_parallel_plan_equals_measured_bytes(world, tmp_path):
                 sent = sum(r["collectives"]["alltoall_base"][1] for r in ranks)
                 a2a = sum(c.tensor_bytes for c in plan.collectives if c.kind == "all-to-all")
                 assert sent == world * a2a, (where, sent, world * a2a)
+            group_plan[rank // ep] += memory.activations  # the ep group: ranks r // ep
+            group_got[rank // ep] += got["saved_activations"]
             gaps[where] = {"activations": memory.activations / got["saved_activations"] - 1,
-                           "peak": got["peak"] and memory.peak / got["peak"] - 1}  # fmt: skip
+                           "peak": memory.peak / got["peak"] - 1}  # fmt: skip
+        assert group_plan == group_got, (name, group_plan, group_got)
     print(json.dumps(gaps, indent=1))
-    assert all(abs(g["activations"]) <= 0.15 and g["peak"] >= -0.15 for g in gaps.values()), gaps
+    assert all(abs(g["peak"]) <= 0.15 for g in gaps.values()), gaps
+    assert all(abs(g["activations"]) <= 0.15 for where, g in gaps.items()
+               if not where.startswith("ep2_muon_optimizer_peak")), gaps  # fmt: skip
 
 
-def assert_state_equals_plan(name: str, world: int, tmp_path, rank: int, got: dict) -> None:
+def assert_state_equals_plan(name: str, world: int, tmp_path, rank: int, got: dict):
     """The plan's parameter, gradient and optimizer-state bytes and local shapes of `rank`
-    equal those the real run measured (`got`), exactly."""
+    equal those the real run measured (`got`), exactly; returns the plan's memory terms."""
     plan = planned(name, world, tmp_path, sum(m or 0 for m in got["masked"]), rank)
     plan_rank = next(r for r in plan.ranks if r.rank == rank)
     memory, where = plan_rank.memory, f"{name} rank {rank}"
@@ -255,6 +294,7 @@ def assert_state_equals_plan(name: str, world: int, tmp_path, rank: int, got: di
     assert plan_rank.shards, where
     for row in plan_rank.shards:
         assert row["local"] == got["local_shapes"][row["name"]], (where, row["name"])
+    return memory
 
 
 @pytest.mark.slow
@@ -263,29 +303,54 @@ def test_pipeline_plan_equals_measured_bytes(world, tmp_path):
     """Pipeline parallelism (the trainer's own PipelineModel split and per-stage FSDP2, run
     by the planner under the fake process group): parameter, gradient and optimizer-state
     bytes and the local shapes of every rank (each holding its stage) equal the real run's
-    exactly; the first and last pp ranks hold different parts (embedding / head)."""
+    exactly; the first and last pp ranks hold different parts (embedding / head). The
+    activations (the most bytes autograd holds saved at once during the schedule's step:
+    the micro-batches in flight, the step's ids on the first stage, the loss scale on the
+    last) equal the plan's exactly on every rank, and the peak (MemTracker over the step,
+    the stages' receive buffers tracked) is within 15% (measured: -4.0% to +4.0%; the
+    gaps are printed, pytest -s)."""
     measured = measure(world, tmp_path, PP_LAYOUTS)
+    gaps = {}
     for name, ranks in measured.items():
         for rank, got in enumerate(ranks):
-            assert_state_equals_plan(name, world, tmp_path, rank, got)
+            memory = assert_state_equals_plan(name, world, tmp_path, rank, got)
+            where = f"{name} rank {rank}"
+            assert memory.activations == got["saved_activations"], where
+            gaps[where] = memory.peak / got["peak"] - 1
         first, last = measured[name][0], measured[name][-1]
         assert "model.embed_tokens.weight" in first["local_shapes"], name
         assert "lm_head.weight" not in first["local_shapes"], name
         assert "lm_head.weight" in last["local_shapes"], name
+    print(json.dumps(gaps, indent=1))
+    assert all(abs(gap) <= 0.15 for gap in gaps.values()), gaps
 
 
 @pytest.mark.slow
 def test_pipeline_moe_plan_equals_measured_bytes(tmp_path):
-    """MoE layers in pipeline stages with expert parallelism inside each stage (pp=2 x ep=2
-    on 4 processes): parameter, gradient and optimizer-state bytes and the local shapes of
-    every rank equal the real run's exactly; each stage's expert stacks are split over its
-    own 2 ranks."""
+    """MoE layers in pipeline stages (pp=2 on 4 processes, layer 0 dense), with expert
+    parallelism inside each stage (ep=2: each stage's expert stacks split over its own 2
+    ranks) or without (ep=1: FSDP2 shards them too): parameter, gradient and optimizer-state bytes and the local
+    shapes of every rank equal the real run's exactly, and the peak is within 15% (measured:
+    -8.3% to +8.9%). The activations: equal to the plan's with the experts on every rank
+    (ep=1); under ep=2 they depend on how many rows the routing sends each rank, which the
+    plan takes as balanced: within 15% (measured -6.7% to +0.4%; micro-batches of one
+    32-token row: the largest of 8 routings per rank, -6.7% to -2.8%)."""
     world = 4
     measured = measure(world, tmp_path, PP_MOE_LAYOUTS)
+    gaps = {}
     for name, ranks in measured.items():
+        ep = layout_config(PP_MOE_LAYOUTS[world][name])["train"].get("expert_parallel", 1)
         for rank, got in enumerate(ranks):
-            assert_state_equals_plan(name, world, tmp_path, rank, got)
+            memory = assert_state_equals_plan(name, world, tmp_path, rank, got)
             where = f"{name} rank {rank}"
             layer = 1 if rank < 2 else 2  # the stage's first MoE layer
             stack = got["local_shapes"][f"model.layers.{layer}.mlp.experts.gate_proj"]
-            assert stack[0] == 2, where  # 4 experts over ep=2
+            # 4 experts: whole ones over ep 2, or FSDP2's dim-0 shard over 2 ranks (ep 1)
+            assert stack[0] == 2, where
+            gaps[where] = {"activations": memory.activations / got["saved_activations"] - 1,
+                           "peak": memory.peak / got["peak"] - 1}  # fmt: skip
+            if ep == 1:
+                assert memory.activations == got["saved_activations"], where
+    print(json.dumps(gaps, indent=1))
+    assert all(abs(g["peak"]) <= 0.15 and abs(g["activations"]) <= 0.15
+               for g in gaps.values()), gaps  # fmt: skip

@@ -1,12 +1,19 @@
-"""chunked_cross_entropy (masked-only LM head) against F.cross_entropy on full logits, and
-weighted_cross_entropy (gradients in the forward) against the plain path."""
+"""chunked_cross_entropy (masked-only LM head) against F.cross_entropy on full logits,
+weighted_cross_entropy (gradients in the forward) against the plain path, and the
+full-logits loss (`model.loss_implementation: full`) against the chunked one."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 from conftest import tiny_model
 
-from unmask.diffusion.loss import chunked_cross_entropy, weighted_cross_entropy
+from unmask.diffusion.loss import (
+    IGNORE_INDEX,
+    chunked_cross_entropy,
+    full_cross_entropy,
+    weighted_cross_entropy,
+)
+from unmask.parallel.pipeline import PipelineModel, plan_pipeline
 
 N, H, V = 13, 8, 50
 
@@ -172,4 +179,74 @@ def test_native_model_target_weights_equal_the_weighted_per_token_losses():
     ref_grads = torch.autograd.grad(plain, list(model.parameters()))
     torch.testing.assert_close(fused, plain, rtol=1e-6, atol=1e-6)
     for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-6)
+
+
+def test_full_cross_entropy_is_torchs_on_the_whole_logits():
+    """full_cross_entropy: the logits of every position, float32 cross_entropy, 0 where
+    there is no target, shaped like the targets."""
+    g = torch.Generator().manual_seed(3)
+    hidden = torch.randn(2, 5, H, generator=g)
+    weight = torch.randn(V, H, generator=g)
+    targets = torch.randint(0, V, (2, 5), generator=g)
+    targets[0, 1] = targets[1, 4] = IGNORE_INDEX
+    got = full_cross_entropy(hidden, weight, targets)
+    assert got.shape == (2, 5) and got.dtype == torch.float32
+    want = F.cross_entropy((hidden @ weight.T).reshape(10, V), targets.reshape(10),
+                           reduction="none").reshape(2, 5)  # fmt: skip
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert got[0, 1] == 0 and got[1, 4] == 0
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_full_loss_implementation_equals_the_chunked_path(tied):
+    """model.loss_implementation full (the whole logits) and chunked (the default) give
+    the same weighted loss, per-token losses and every parameter's gradient in float32."""
+    ids = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(4))
+    targets = torch.where(torch.rand(2, 12) < 0.5, ids, -100)
+    w = torch.where(targets != -100, torch.rand(2, 12), 0.0)
+    results = {}
+    for impl in ("chunked", "full"):
+        model = tiny_model(vocab_size=97, tie_word_embeddings=tied, loss_implementation=impl)
+        loss = model(ids, targets=targets, target_weights=w)
+        grads = torch.autograd.grad(loss, list(model.parameters()))
+        results[impl] = (loss, grads, model(ids, targets=targets))
+    (loss, grads, tokens), (ref_loss, ref_grads, ref_tokens) = results["full"], results["chunked"]
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(tokens, ref_tokens, rtol=1e-6, atol=1e-6)
+    assert bool((tokens[targets == -100] == 0).all())
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-6)
+
+
+def test_full_loss_under_bf16_autocast_rounds_the_logits():
+    """Under bf16 autocast the full path's logits are bfloat16 (as transformers' and
+    torchtitan's), the chunked path's float32: the losses differ by that rounding only."""
+    ids = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(5))
+    targets = torch.where(torch.rand(2, 12) < 0.5, ids, -100)
+    w = torch.where(targets != -100, 1.0, 0.0)
+    losses = {}
+    for impl in ("chunked", "full"):
+        model = tiny_model(vocab_size=97, loss_implementation=impl)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            losses[impl] = model(ids, targets=targets, target_weights=w)
+    assert losses["full"] != losses["chunked"]  # rounded differently
+    torch.testing.assert_close(losses["full"], losses["chunked"], rtol=1e-2, atol=0)
+
+
+def test_pipeline_last_stage_full_loss_equals_the_chunked_path():
+    """The pipeline's last stage (parallel/pipeline.py StageModule) takes the same
+    loss_implementation: its weighted loss and gradients equal the chunked stage's."""
+    ids = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(6))
+    targets = torch.where(torch.rand(2, 12) < 0.5, ids, -100)
+    w = torch.where(targets != -100, torch.rand(2, 12), 0.0)
+    plan = plan_pipeline(1, "gpipe", 1, 1, None, 2, 2)
+    results = {}
+    for impl in ("chunked", "full"):
+        model = tiny_model(vocab_size=97, tie_word_embeddings=False, loss_implementation=impl)
+        (stage,) = PipelineModel(model, plan, 0).stages
+        loss = stage(ids, targets=targets, target_weights=w)
+        results[impl] = (loss, torch.autograd.grad(loss, list(model.parameters())))
+    torch.testing.assert_close(results["full"][0], results["chunked"][0], rtol=1e-6, atol=1e-6)
+    for g, r in zip(results["full"][1], results["chunked"][1]):
         torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-6)

@@ -173,6 +173,14 @@ def test_refusals_are_one_line():
         InputError, match="num_hidden_layers=2 is fewer than the train.pipeline_parallel=4 stages"
     ):
         make_run_plan(tiny_pp("train.pipeline_parallel=4"), 4, DEVICES["h100"])
+    # the trainer's own tensor-parallel checks (parallel/tensor.py)
+    with pytest.raises(
+        InputError,
+        match="train.tensor_parallel=2 splits the LM head by "
+        "vocabulary, which model.loss_implementation=full",
+    ):
+        make_run_plan(tiny("train.tensor_parallel=2", "model.loss_implementation=full"), 2,
+                      DEVICES["h100"])  # fmt: skip
     # the trainer's own expert-parallel checks (parallel/expert.py)
     with pytest.raises(InputError, match="expert_parallel=2 needs a mixture-of-experts model"):
         make_run_plan(tiny("train.expert_parallel=2"), 4, DEVICES["h100"])
@@ -294,15 +302,16 @@ def test_a_changed_pipeline_rule_changes_the_plan(monkeypatch):
 
 def test_pipeline_in_flight_p2p_and_bubble_against_hand_counts():
     # 1F1B, p 2, m 4 micro-batches of 1 row: rank 0 holds 2 micro-batches' saves at its
-    # peak, the last rank 1; each micro-batch's hidden states (1 x 32 x 64 float32) go
+    # peak (and the step's ids), the last rank 1 (and the loss scale, a 0-d float32); each micro-batch's hidden states (1 x 32 x 64 float32) go
     # forward from stage 0 and their gradients back from stage 1; bubble (p-1)/(m+p-1)
     cfg = pp4("train.pipeline_microbatches=4")
     shape = step_shape(cfg, 4)
     assert (shape.rows, shape.micro_batches) == (1, 4)
     first, last = shard_model(cfg, 4, rank=0), shard_model(cfg, 4, rank=3)
     assert in_flight(first) == 2 and in_flight(last) == 1
-    one = activation_bytes(first, shape)
-    assert memory_terms(first, shape).activations == 2 * one
+    one = activation_bytes(first, shape)  # the step's ids: one storage of 4 x 32 tokens
+    assert memory_terms(first, shape).activations == 2 * one + 4 * 32 * 8
+    assert memory_terms(last, shape).activations == activation_bytes(last, shape) + 4
     send = {c.dim: c for c in step_collectives(first, shape, 1)}["pp"]
     assert (send.calls, send.tensor_bytes, send.wire_bytes) == (4, 4 * 32 * 64 * 4, 4 * 32 * 64 * 4)
     assert bubble_fraction(first) == pytest.approx(1 / 5)
@@ -348,6 +357,21 @@ def test_the_objective_entry_sets_the_head_share_and_the_dense_mask():
     mask_copy = 2 * 32 * 32 * 4  # rows x L x L, float32 (no bf16 here), per layer
     gap = ar.ranks[0].memory.activations - mdlm.ranks[0].memory.activations
     assert gap == layers * mask_copy
+
+
+def test_the_full_logits_loss_adds_its_saves_by_hand():
+    # model.loss_implementation full on 2 ranks (FSDP2, float32): the head's input (T h 4),
+    # the log-softmax (T V 4), the targets and weights (T 12) and the 0-d total weight
+    # replace the chunked loss's row mask (T 1); its backward holds T V 8 more (the
+    # gradients of the log-softmax's output and input) beside them
+    chunked = make_run_plan(tiny(), 2, DEVICES["h100"]).ranks[0].memory
+    full = make_run_plan(tiny("model.loss_implementation=full"), 2, DEVICES["h100"])
+    memory = full.ranks[0].memory
+    tokens, h, vocab = 2 * 32, 64, 96
+    saves = tokens * (h * 4 + vocab * 4 + 8 + 4) + 4
+    assert memory.activations - chunked.activations == saves - tokens
+    state = memory.parameters + memory.optimizer
+    assert memory.peak >= state + memory.activations + tokens * vocab * 8
 
 
 def test_the_optimizer_term_is_muons_newton_schulz_by_hand():

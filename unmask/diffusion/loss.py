@@ -22,6 +22,7 @@ from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Shard
 
 #: A target of -100 means "no loss here" (the masked-only loss reads only the other rows);
@@ -368,6 +369,21 @@ def weighted_cross_entropy(
                 block_rows,
             )  # fmt: skip
         return _WeightedCrossEntropy.apply(hidden, weight, targets, coef.detach(), block_rows)
+
+
+def full_cross_entropy(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor
+) -> torch.Tensor:
+    """Per-position cross-entropy through the whole logits (`model.loss_implementation:
+    full`), as transformers' and torchtitan's losses compute it: logits = hidden @
+    weight.T for every position in the compute dtype (autocast's, else hidden's), their
+    float32 copy, torch's cross_entropy (its log-softmax, (positions x V) float32, saved
+    for backward). hidden (..., H), targets (...) with -100 = no loss; returns (...)
+    float32, 0 at the positions without a target."""
+    logits = F.linear(hidden, weight)
+    losses = F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten(),
+                             ignore_index=IGNORE_INDEX, reduction="none")  # fmt: skip
+    return losses.view(targets.shape)
 
 
 def chunked_cross_entropy(

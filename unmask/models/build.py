@@ -38,7 +38,11 @@ def build_model(cfg: ModelConfig) -> nn.Module:
     if cfg.pretrained is not None:
         if is_encoder_folder(cfg.pretrained):
             return load_encoder(cfg.pretrained)
-        return from_pretrained(cfg.pretrained, attn_implementation=cfg.attn_implementation)
+        return from_pretrained(
+            cfg.pretrained,
+            attn_implementation=cfg.attn_implementation,
+            loss_implementation=cfg.loss_implementation,
+        )
     return MODEL_BUILDERS[cfg.model_type](cfg)
 
 
@@ -99,7 +103,10 @@ def build_empty(
 
 
 def from_pretrained(
-    folder: str | Path, dtype: torch.dtype | None = None, attn_implementation: str = "auto"
+    folder: str | Path,
+    dtype: torch.dtype | None = None,
+    attn_implementation: str = "auto",
+    loss_implementation: str = "chunked",
 ) -> DiffusionTransformer:
     """Load a local HF folder of a native family (Qwen3, Qwen2, Llama, Dream, LLaDA) or an
     unmask-saved one; its config.json is kept as `model.hf_source_config` for saving.
@@ -109,7 +116,12 @@ def from_pretrained(
     folder = Path(folder)
     source = read_config(folder)
     cfg = config_from_hf(source)
-    cfg = cfg.model_copy(update={"attn_implementation": attn_implementation})
+    cfg = cfg.model_copy(
+        update={
+            "attn_implementation": attn_implementation,
+            "loss_implementation": loss_implementation,
+        }
+    )
     state = read_state_dict(folder, cfg.model_type, cfg)
     model = build_empty(cfg, dtype=dtype or torch.float32)
     load_weights(model, state, folder)

@@ -141,10 +141,20 @@ class ModelConfig(BaseModel):
     document, no mask), or `auto` (for packed rows flex on CUDA, varlen elsewhere; sdpa
     without document ids). All give the same numbers."""
 
+    loss_implementation: Literal["chunked", "full"] = "chunked"
+    """The LM head's cross-entropy: `chunked` (the head only on the rows with a target, in
+    blocks over the vocabulary, float32, its gradients made in the forward; no (rows x
+    vocabulary) logits kept) or `full` (logits of every position over the whole vocabulary
+    in the compute dtype, their float32 copy, torch's cross_entropy: what transformers'
+    and torchtitan's losses allocate, for comparing memory with them). Equal losses and
+    gradients in float32; under bf16 `full`'s logits are rounded to bf16. Native decoders
+    (wrapped transformers encoders always compute full logits); not with
+    train.tensor_parallel (its head is split by vocabulary)."""
+
     pretrained: str | None = None
     """Local folder to load: a Hugging Face Qwen3 folder or one saved by unmask. When
     set, the architecture comes from the folder's config.json and the fields above
-    (except attn_implementation) are ignored."""
+    (except attn_implementation and loss_implementation) are ignored."""
 
     lora: bool = False
     """Train LoRA adapters (peft) instead of all weights; LoRA factors always use AdamW."""

@@ -452,4 +452,6 @@ def save_pretrained(model: nn.Module, folder: str | Path) -> None:
 
 
 def _plain(cfg: ModelConfig) -> ModelConfig:
-    return cfg.model_copy(update={"attn_implementation": "auto", "pretrained": None})
+    return cfg.model_copy(
+        update={"attn_implementation": "auto", "loss_implementation": "chunked", "pretrained": None}
+    )

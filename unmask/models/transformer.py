@@ -10,7 +10,12 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from unmask.diffusion.loss import IGNORE_INDEX, chunked_cross_entropy, weighted_cross_entropy
+from unmask.diffusion.loss import (
+    IGNORE_INDEX,
+    chunked_cross_entropy,
+    full_cross_entropy,
+    weighted_cross_entropy,
+)
 from unmask.models.attention import (
     AttentionMask,
     KVCache,
@@ -332,11 +337,17 @@ class DiffusionTransformer(nn.Module):
         target_weights: (B, L) float with targets: return sum_i w_i CE_i (0-d float32)
         over the target positions instead of the per-token losses, with the LM head's
         gradients computed in the forward (`weighted_cross_entropy`: one pass over the
-        head fewer).
+        head fewer). Under `loss_implementation: full` the losses come from the whole
+        logits instead (`full_cross_entropy`).
         """
         hidden = self.hidden_states(input_ids, doc_ids, position_ids, attention_mask, kv_cache)
         if targets is None:
             return self.lm_head(hidden)
+        if self.config.loss_implementation == "full":  # the whole logits, as HF / torchtitan
+            losses = full_cross_entropy(hidden, self.lm_head.weight, targets)
+            if target_weights is None:
+                return losses
+            return (losses * target_weights.detach().float()).sum()
         if target_weights is not None:
             selected = targets != IGNORE_INDEX
             return weighted_cross_entropy(

@@ -54,7 +54,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from unmask.diffusion.loss import IGNORE_INDEX, chunked_cross_entropy, weighted_cross_entropy
+from unmask.diffusion.loss import (
+    IGNORE_INDEX,
+    chunked_cross_entropy,
+    full_cross_entropy,
+    weighted_cross_entropy,
+)
 from unmask.errors import InputError
 from unmask.models.attention import AttentionMask, build_attention_mask, resolve_backend
 from unmask.models.transformer import document_positions, rotary_cos_sin
@@ -477,6 +482,9 @@ class StageModule(nn.Module):
         if not self.is_last:
             return x
         hidden = self.norm(x)
+        if self.config.loss_implementation == "full":  # the whole logits, as HF / torchtitan
+            losses = full_cross_entropy(hidden, self.lm_head.weight, targets)
+            return (losses * target_weights.detach().float()).sum()
         selected = targets != IGNORE_INDEX
         rows, weight, coef = hidden[selected], self.lm_head.weight, target_weights[selected]
         if self.split_backward:  # its weight pass runs the loss's backward a second time

@@ -41,8 +41,8 @@ PER_HEAD_NORMS = ("self_attn.q_norm", "self_attn.k_norm")
 
 def check_tensor_parallel(model: ModelConfig, tp: int, *, lora: bool = False) -> None:
     """One-line InputError when the model cannot be split tp ways (before any process
-    group work): wrapped transformers encoders, LoRA or 4-bit models, or a degree that does
-    not divide the heads, the key/value heads or the MLP width."""
+    group work): wrapped transformers encoders, LoRA or 4-bit models, the full-logits loss,
+    or a degree that does not divide the heads, the key/value heads or the MLP width."""
     if tp == 1:
         return
     key = f"train.tensor_parallel={tp}"
@@ -61,6 +61,11 @@ def check_tensor_parallel(model: ModelConfig, tp: int, *, lora: bool = False) ->
         raise InputError(
             f"{key} does not combine with model.lora / model.load_in_4bit (adapters and "
             "4-bit layers are not split); set train.tensor_parallel=1"
+        )
+    if model.loss_implementation == "full":
+        raise InputError(
+            f"{key} splits the LM head by vocabulary, which model.loss_implementation=full "
+            "(the whole logits on every rank) does not take; use loss_implementation chunked"
         )
     arch = architecture(model)
     for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):

@@ -113,6 +113,15 @@ def step_shape(cfg: RunConfig, world_size: int) -> StepShape:
                      reshard_after_forward=t.reshard_after_forward)  # fmt: skip
 
 
+def ns_dtype_bytes(cfg: RunConfig, device: Device) -> int:
+    """Bytes of Muon's Newton-Schulz dtype (optim/updates.py's `auto` rule on the planned
+    device)."""
+    name = cfg.optim.ns_dtype
+    if name == "auto":
+        name = auto_ns_dtype("cpu" if device.name == "cpu" else "cuda", cpu_has_native_bf16())[0]
+    return 4 if name == "float32" else 2
+
+
 def planned_ranks(world_size: int, ranks: list[int] | None) -> list[int]:
     """The ranks asked for, else the first and the last (torch.chunk shards: the first
     ranks hold the largest pieces, the last the smallest)."""
@@ -200,7 +209,10 @@ def make_run_plan(cfg: RunConfig, world_size: int, device: Device, *, nodes: int
     varlen = (cfg.data.packing and not spec.explicit_mask
               and (attn == "varlen" or (attn == "auto" and not flex)))  # fmt: skip
     shape = StepShape(**{**asdict(shape), "masked_fraction": masked_fraction,
-                         "dense_mask": dense_mask, "varlen": varlen})  # fmt: skip
+                         "dense_mask": dense_mask, "varlen": varlen,
+                         "full_loss": cfg.model.loss_implementation == "full",
+                         "ns_bytes": ns_dtype_bytes(cfg, device),
+                         "ns_comm_bytes": ns_bytes(cfg, device)})  # fmt: skip
     plans, first, ns_work = [], None, 0.0
     for rank in planned_ranks(world_size, ranks):
         sharded = shard_model(cfg, world_size, rank)

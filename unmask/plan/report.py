@@ -40,7 +40,7 @@ def fix_for(plan: RunPlan, cfg) -> str:
     t = cfg.train
     over = m.peak - plan.memory_limit
     if m.experts and name in ("parameters", "gradients", "optimizer state", "working buffers") \
-            and m.experts > over:  # fmt: skip
+            and m.experts + m.expert_working > over:  # fmt: skip
         return expert_fix(plan, m, over)
     if name == "activations":
         if checkpointing_choice(t) is False:
@@ -74,7 +74,7 @@ def expert_fix(plan: RunPlan, m, over: float) -> str:
     (a suggestion, within what the run accepts: ep divides the experts and the dp x cp
     ranks)."""
     ep, factor = plan.expert_parallel, 2
-    while m.experts * (1 - 1 / factor) < over and factor < 1024:
+    while (m.experts + m.expert_working) * (1 - 1 / factor) < over and factor < 1024:
         factor *= 2
     ranks = plan.world_size // plan.layout["tp"] // plan.layout["pp"]
     target = ep * factor

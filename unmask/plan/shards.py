@@ -6,7 +6,7 @@ returns at once, nothing is sent) as rank `rank` of `world_size`, builds the run
 (parallel/mesh.py `build_mesh`), builds the model on the meta device with the trainer's
 own `build_train_model` (train/setup.py: the pipeline stages this rank holds, tensor
 parallelism, activation checkpointing, expert parallelism, FSDP2, in the trainer's order;
-the pipeline planned by the trainer's `plan_pipeline`) and the run's optimizer
+the pipeline planned by the trainer's `pipeline_plan`) and the run's optimizer
 (optim/config.py `build_optimizer`: its Muon / AdamW routing), then reads each
 parameter's DTensor: global shape, local shape on this rank, mesh dims and placements. No number here comes from a second model of
 the sharding: change a parallelize rule and the shards change (tests/unit/test_plan.py).
@@ -35,6 +35,7 @@ from unmask.parallel.distributed import plan_layout
 from unmask.parallel.expert import check_moe_request
 from unmask.parallel.mesh import MeshLayout, build_mesh
 from unmask.parallel.pipeline import PipelinePlan
+from unmask.parallel.tensor import check_tensor_parallel
 from unmask.train.mfu import flop_model
 from unmask.train.setup import build_train_model, check_pipeline_request, pipeline_plan
 
@@ -118,6 +119,11 @@ class ShardedModel:
         return [0] if self.pipeline is None else self.pipeline.stages_of(self.pp_rank)
 
     @property
+    def holds_embedding(self) -> bool:
+        """Whether this rank runs the embedding (the first stage)."""
+        return self.pipeline is None or 0 in self.stages
+
+    @property
     def holds_head(self) -> bool:
         """Whether this rank computes the LM head and the loss (the last stage)."""
         return self.pipeline is None or self.pipeline.num_stages - 1 in self.stages
@@ -136,7 +142,8 @@ def planned_model_config(cfg: RunConfig) -> RunConfig:
     if model.pretrained is None:
         return cfg
     arch = config_from_hf(read_config(model.pretrained))
-    keep = {"attn_implementation": model.attn_implementation, "lora": model.lora,
+    keep = {"attn_implementation": model.attn_implementation,
+            "loss_implementation": model.loss_implementation, "lora": model.lora,
             "lora_r": model.lora_r, "lora_alpha": model.lora_alpha,
             "lora_target_modules": model.lora_target_modules}  # fmt: skip
     return cfg.model_copy(update={"model": arch.model_copy(update={**keep, "pretrained": None})})
@@ -182,6 +189,7 @@ def layout_of(cfg: RunConfig, world_size: int) -> MeshLayout:
     check_pipeline_request(cfg)  # the trainer's own checks of a pipeline layout
     layout = plan_layout(world_size, t.fsdp2, t.dp_replicate, t.dp_shard, t.tensor_parallel,
                          t.context_parallel, t.pipeline_parallel)  # fmt: skip
+    check_tensor_parallel(cfg.model, t.tensor_parallel, lora=cfg.model.lora)  # and of TP
     dp = layout.dp if world_size > 1 else 1
     # the trainer's own check of an MoE / expert-parallel layout (parallel/expert.py)
     check_moe_request(cfg.model, t.expert_parallel, dp * layout.cp, t.tensor_parallel)
@@ -190,7 +198,7 @@ def layout_of(cfg: RunConfig, world_size: int) -> MeshLayout:
 
 def pipeline_of(cfg: RunConfig, world_size: int) -> PipelinePlan | None:
     """The stages' layers and micro-batches the trainer plans (parallel/pipeline.py
-    `plan_pipeline`, over the rows a data-parallel rank trains on per step); None without
+    `pipeline_plan`, over the rows a data-parallel rank trains on per step); None without
     pipeline parallelism."""
     t = cfg.train
     if t.pipeline_parallel == 1:
