@@ -13,7 +13,7 @@ from unmask.diffusion.loss import (
     full_cross_entropy,
     weighted_cross_entropy,
 )
-from unmask.parallel.pipeline import PipelineModel, plan_pipeline
+from unmask.parallel.pipeline import LayerCosts, PipelineModel, plan_pipeline
 
 N, H, V = 13, 8, 50
 
@@ -240,7 +240,7 @@ def test_pipeline_last_stage_full_loss_equals_the_chunked_path():
     ids = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(6))
     targets = torch.where(torch.rand(2, 12) < 0.5, ids, -100)
     w = torch.where(targets != -100, torch.rand(2, 12), 0.0)
-    plan = plan_pipeline(1, "gpipe", 1, 1, None, 2, 2)
+    plan = plan_pipeline(1, "gpipe", 1, 1, None, LayerCosts((1.0, 1.0), 0.0, 0.0), 2)
     results = {}
     for impl in ("chunked", "full"):
         model = tiny_model(vocab_size=97, tie_word_embeddings=False, loss_implementation=impl)
