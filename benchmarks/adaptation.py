@@ -14,11 +14,10 @@ scored once (scores.json in the run). `--eval RUN` scores one run directory."""
 
 import argparse
 import json
-import os
-import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+from common import run_one_thread
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "adaptation.json"
@@ -29,12 +28,9 @@ EVERY = 100  # steps between scored checkpoints
 
 
 def unmask(args: list[str], log: Path) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    with log.open("w") as out:
-        done = subprocess.run([sys.executable, "-m", "unmask", *args], env=env, stdout=out,
-                              stderr=subprocess.STDOUT, cwd=ROOT)  # fmt: skip
-    if done.returncode:
-        raise SystemExit(f"{' '.join(args[:2])} failed ({done.returncode}); see {log}")
+    code = run_one_thread(["-m", "unmask", *args], log)
+    if code:
+        raise SystemExit(f"{' '.join(args[:2])} failed ({code}); see {log}")
 
 
 def train(out: Path, name: str, config: list[str], overrides: list[str]) -> Path:
@@ -76,11 +72,9 @@ def score(run: Path) -> dict[int, float]:
 
 
 def score_in_child(run: Path) -> dict[int, float]:
-    unmask_log = run.parent / f"{run.name}.score.log"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    with unmask_log.open("w") as out:
-        subprocess.run([sys.executable, __file__, "--eval", str(run)], env=env, stdout=out,
-                       stderr=subprocess.STDOUT, check=True)  # fmt: skip
+    log = run.parent / f"{run.name}.score.log"
+    if run_one_thread([__file__, "--eval", run], log):
+        raise SystemExit(f"scoring {run} failed; see {log}")
     return score(run)
 
 

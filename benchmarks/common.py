@@ -106,6 +106,17 @@ def run_workers(
         sys.exit(proc.stderr[-4000:])
 
 
+def run_one_thread(args: list[str | Path], log: Path) -> int:
+    """`python args` from the repository with one torch thread (OMP_NUM_THREADS=1, so two
+    such runs share a 2-core machine), stdout and stderr to `log`; the exit code."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    with log.open("w") as out:
+        cmd = [sys.executable, *map(str, args)]
+        return subprocess.run(
+            cmd, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=REPO
+        ).returncode
+
+
 # ------------------------------------------------------------------------------- report
 
 

@@ -11,10 +11,9 @@ over them, to benchmarks/results/distillation.json and .md (`--name` for another
 
 import argparse
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
+
+from common import run_one_thread
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -30,15 +29,13 @@ def train(teacher: Path, out: Path, name: str, seed: int, steps: int, extra: lis
     run = out / name
     if (run / "final").exists():
         return run
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    args = [sys.executable, "-m", "unmask", "train", str(ROOT / "recipes" / "distill_quickstart.yaml"),
+    args = ["-m", "unmask", "train", str(ROOT / "recipes" / "distill_quickstart.yaml"),
             f"model.pretrained={teacher}", f"distill.teacher={teacher}", f"train.seed={seed}",
             f"train.max_steps={steps}", f"train.save_steps={steps}", f"train.output_dir={run}",
             "eval.generate_accuracy=false", "train.overwrite_output_dir=true", *extra]  # fmt: skip
-    with (out / f"{name}.log").open("w") as log:
-        done = subprocess.run(args, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
-    if done.returncode:
-        raise SystemExit(f"the run {name} failed ({done.returncode}); see {log.name}")
+    code = run_one_thread(args, out / f"{name}.log")
+    if code:
+        raise SystemExit(f"the run {name} failed ({code}); see {out / f'{name}.log'}")
     return run
 
 
