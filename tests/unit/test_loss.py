@@ -236,17 +236,84 @@ def test_full_loss_under_bf16_autocast_rounds_the_logits():
 
 def test_pipeline_last_stage_full_loss_equals_the_chunked_path():
     """The pipeline's last stage (parallel/pipeline.py StageModule) takes the same
-    loss_implementation: its weighted loss and gradients equal the chunked stage's."""
+    loss_implementation: its weighted loss and gradients equal the chunked stage's, with
+    the head's gradients made in the forward (1F1B's fused loss) or in the backward
+    (GPipe's chunked one)."""
     ids = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(6))
     targets = torch.where(torch.rand(2, 12) < 0.5, ids, -100)
     w = torch.where(targets != -100, torch.rand(2, 12), 0.0)
-    plan = plan_pipeline(1, "gpipe", 1, 1, None, LayerCosts((1.0, 1.0), 0.0, 0.0), 2)
     results = {}
-    for impl in ("chunked", "full"):
-        model = tiny_model(vocab_size=97, tie_word_embeddings=False, loss_implementation=impl)
-        (stage,) = PipelineModel(model, plan, 0).stages
-        loss = stage(ids, targets=targets, target_weights=w)
-        results[impl] = (loss, torch.autograd.grad(loss, list(model.parameters())))
-    torch.testing.assert_close(results["full"][0], results["chunked"][0], rtol=1e-6, atol=1e-6)
-    for g, r in zip(results["full"][1], results["chunked"][1]):
-        torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-6)
+    for schedule in ("1f1b", "gpipe"):
+        plan = plan_pipeline(1, schedule, 1, 1, None, LayerCosts((1.0, 1.0), 0.0, 0.0), 2)
+        for impl in ("chunked", "full"):
+            model = tiny_model(vocab_size=97, tie_word_embeddings=False,
+                               loss_implementation=impl)  # fmt: skip
+            (stage,) = PipelineModel(model, plan, 0).stages
+            loss = stage(ids, targets=targets, target_weights=w)
+            results[schedule, impl] = (loss, torch.autograd.grad(loss, list(model.parameters())))
+    reference = results["1f1b", "chunked"]
+    for key in (("1f1b", "full"), ("gpipe", "chunked"), ("gpipe", "full")):
+        torch.testing.assert_close(results[key][0], reference[0], rtol=1e-6, atol=1e-6)
+        for g, r in zip(results[key][1], reference[1]):
+            torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-6)
+
+
+def test_split_backward_makes_each_gradient_once():
+    """Zero bubble's input pass and weight pass (torch.distributed.pipelining's
+    stage_backward_input / stage_backward_weight, as its schedule calls them) through a
+    chunked loss told which pass runs (BackwardPass): the same gradients, bit for bit, as
+    one plain backward, and each pass makes only its own gradient of the head: 2 x 2 N H V
+    FLOPs (the logits again, one matmul) against 3 x 2 N H V when the loss's backward
+    runs whole in both passes."""
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from unmask.diffusion.loss import BackwardPass
+
+    class MatmulFlops(TorchDispatchMode):  # torch's FlopCounterMode leaves out addmm_
+        def __init__(self):
+            super().__init__()
+            self.total = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            if name in ("mm", "addmm", "addmm_"):
+                first, second = args[-2], args[-1]
+                self.total += 2 * first.shape[0] * first.shape[1] * second.shape[1]
+            return func(*args, **(kwargs or {}))
+
+    g = torch.Generator().manual_seed(3)
+    n, h, v = 24, 16, 96
+    x0 = torch.randn(n, h, generator=g)
+    a0, w0 = torch.randn(h, h, generator=g) / 4, torch.randn(v, h, generator=g) / 4
+    targets = torch.randint(0, v, (n,), generator=g)
+    coef = torch.rand(n, generator=g)
+
+    def stage(holder):
+        x = x0.clone().requires_grad_(True)
+        a, w = a0.clone().requires_grad_(True), w0.clone().requires_grad_(True)
+        hidden = torch.tanh(x @ a)
+        loss = (chunked_cross_entropy(hidden, w, targets, 32, 8, backward_pass=holder)
+                * coef).sum()  # fmt: skip
+        return x, a, w, loss
+
+    x, a, w, loss = stage(None)
+    loss.backward()
+    plain = (x.grad, a.grad, w.grad)
+    head = 2 * n * h * v
+    for holder, per_pass in ((BackwardPass(), 2 * head), (None, 3 * head)):
+        x, a, w, loss = stage(holder)
+        flops = []
+        for kind in ("input", "weight"):
+            if holder is not None:
+                holder.kind = kind
+            with MatmulFlops() as counter:
+                if kind == "input":
+                    _, groups = stage_backward_input([loss], None, [x], iter([a, w]))
+                else:
+                    stage_backward_weight(iter([a, w]), groups)
+            flops.append(counter.total)
+        for got, want in zip((x.grad, a.grad, w.grad), plain):
+            assert torch.equal(got, want)
+        # besides the head: the input pass's x @ a input gradient, the weight pass's a's
+        assert flops == [per_pass + 2 * n * h * h] * 2

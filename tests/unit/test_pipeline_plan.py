@@ -80,9 +80,14 @@ def test_layer_costs_of_a_model_in_flops_per_token():
     # the norm, then half the tokens through the fused head: 3 passes of 2 x (64 + 1) x 3200
     assert costs.head == 12 * 64 + 0.5 * 3 * 2 * 65 * 3200 == 624768  # 1.96 layers
     assert balanced_split(costs, 2) == [6, 4]
-    # zero bubble's split backward runs the chunked loss's backward in both passes: 7
-    split = layer_costs(cfg, 32, head_share=0.5, split_backward=True)
-    assert split.head == 12 * 64 + 0.5 * 7 * 2 * 65 * 3200 and split.layers == costs.layers
+    # GPipe's chunked loss makes the head's gradients in its backward (logits recomputed):
+    # 4 passes, 2.61 layers; zero bubble's input and weight passes each recompute the
+    # logits for their own gradient: 5 passes, 3.26 layers
+    chunked = layer_costs(cfg, 32, head_share=0.5, head_loss="chunked")
+    assert chunked.head == 12 * 64 + 0.5 * 4 * 2 * 65 * 3200 and chunked.layers == costs.layers
+    assert balanced_split(chunked, 2) == [6, 4]
+    split = layer_costs(cfg, 32, head_share=0.5, head_loss="split")
+    assert split.head == 12 * 64 + 0.5 * 5 * 2 * 65 * 3200 and split.layers == costs.layers
     assert balanced_split(split, 2) == [7, 3]
     # an MoE layer: its active weights (router 8 x 64, top-2 of 8 experts of 32, one shared
     # expert of 32); the dense first layer keeps its SwiGLU of 192

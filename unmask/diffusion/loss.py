@@ -56,9 +56,21 @@ def _mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool) -
         out.addmm_(a, b)
 
 
+class BackwardPass:
+    """Which gradients the next backward of a chunked cross-entropy makes (`kind`): "full"
+    both; "input" the hidden rows' only, "weight" the head's only. A pipeline stage whose
+    backward is split into an input pass and a weight pass (zero bubble,
+    parallel/pipeline.py) sets it around each pass: autograd runs the loss's backward
+    once in each, and each then makes its own gradient (the logits recomputed, one matmul)
+    instead of both every time."""
+
+    def __init__(self) -> None:
+        self.kind = "full"
+
+
 class _ChunkedCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, vocab_chunk, row_chunk):
+    def forward(ctx, hidden, weight, targets, vocab_chunk, row_chunk, backward_pass=None):
         # hidden (N, H), weight (V, H), targets (N,) -> loss (N,) float32
         n, v = hidden.shape[0], weight.shape[0]
         acc = torch.promote_types(hidden.dtype, torch.float32)
@@ -79,32 +91,41 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         target_logit = (hidden * weight[targets].to(hidden.dtype)).to(acc).sum(-1)
         ctx.save_for_backward(hidden, weight, targets, lse)
         ctx.vocab_chunk, ctx.row_chunk = vocab_chunk, row_chunk
+        ctx.backward_pass = backward_pass
         return lse - target_logit
 
     @staticmethod
     def backward(ctx, grad_loss):
         hidden, weight, targets, lse = ctx.saved_tensors
-        want_weight = ctx.needs_input_grad[1]  # False for a frozen head (LoRA): a third less
+        kind = "full" if ctx.backward_pass is None else ctx.backward_pass.kind
+        want_hidden = ctx.needs_input_grad[0] and kind != "weight"
+        want_weight = ctx.needs_input_grad[1] and kind != "input"  # a frozen head (LoRA): less
         grad_hidden, grad_weight = _chunked_gradients(
-            hidden, weight, targets, lse, grad_loss, ctx.vocab_chunk, ctx.row_chunk, want_weight
-        )
+            hidden, weight, targets, lse, grad_loss, ctx.vocab_chunk, ctx.row_chunk,
+            want_weight, want_hidden=want_hidden,
+        )  # fmt: skip
         if want_weight:
             grad_weight = grad_weight.to(weight.dtype)
-        return grad_hidden.to(hidden.dtype), grad_weight, None, None, None
+        if want_hidden:
+            grad_hidden = grad_hidden.to(hidden.dtype)
+        return grad_hidden, grad_weight, None, None, None, None
 
 
 def _chunked_gradients(hidden, weight, targets, lse, grad_loss, vocab_chunk: int,
-                       row_chunk: int, want_weight: bool, start: int = 0):  # fmt: skip
-    """Both gradients of the per-row cross-entropy from its log-sum-exp, in the accumulation
-    dtype: d loss_i / d logits_ij = softmax_ij - [j == target_i], out of one (rows x chunk)
-    block per chunk with the target's -1 folded into it. weight holds the vocabulary rows
-    [start, start + V) (all of them, or a tensor-parallel rank's share: its targets
-    elsewhere get no -1 here)."""
+                       row_chunk: int, want_weight: bool, start: int = 0,
+                       want_hidden: bool = True):  # fmt: skip
+    """The gradients of the per-row cross-entropy from its log-sum-exp (the hidden rows'
+    unless not want_hidden, the head's when want_weight; None for the others), in the
+    accumulation dtype: d loss_i / d logits_ij = softmax_ij - [j == target_i], out of one
+    (rows x chunk) block per chunk with the target's -1 folded into it. weight holds the
+    vocabulary rows [start, start + V) (all of them, or a tensor-parallel rank's share: its
+    targets elsewhere get no -1 here)."""
     acc = lse.dtype
     n, v = hidden.shape[0], weight.shape[0]
     grad_loss = grad_loss.to(acc)
-    grad_hidden = torch.zeros(hidden.shape, dtype=acc, device=hidden.device)
-    grad_weight = None
+    grad_hidden = grad_weight = None
+    if want_hidden:
+        grad_hidden = torch.zeros(hidden.shape, dtype=acc, device=hidden.device)
     if want_weight:
         grad_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device)
     buffer = hidden.new_empty(min(n, row_chunk) * max(min(v, vocab_chunk), 1), dtype=acc)
@@ -119,7 +140,8 @@ def _chunked_gradients(hidden, weight, targets, lse, grad_loss, vocab_chunk: int
             probs.sub_(lse[r0:r1, None]).exp_().mul_(g_rows)
             hit, cols = _owned(t_rows, start + v0, v1 - v0)  # a mask, not indices: no sync
             probs.scatter_add_(1, cols[:, None], torch.where(hit[:, None], -g_rows, 0.0))
-            _mm_into(grad_hidden[r0:r1], probs, w.to(acc), first=v0 == 0)
+            if want_hidden:
+                _mm_into(grad_hidden[r0:r1], probs, w.to(acc), first=v0 == 0)
             if want_weight:
                 _mm_into(grad_weight[v0:v1], probs.T, h_acc, first=r0 == 0)
     return grad_hidden, grad_weight
@@ -392,6 +414,7 @@ def chunked_cross_entropy(
     targets: torch.Tensor,
     vocab_chunk: int = 8192,
     row_chunk: int = 4096,
+    backward_pass: BackwardPass | None = None,
 ) -> torch.Tensor:
     """Per-row cross-entropy -log softmax(hidden @ weight.T)[target], float32.
 
@@ -403,6 +426,9 @@ def chunked_cross_entropy(
     A weight split by vocabulary rows over tp ranks (a DTensor, `vocab_shard`) takes the
     vocab-parallel path: hidden and targets the same on every tp rank, losses too, and each
     rank's block 1/tp of the replicated one (vocab_chunk / tp columns).
+
+    backward_pass: which gradients each backward makes (`BackwardPass`; the replicated
+    head's path only, the vocab-parallel one makes both every time); None: both.
     """
     shard = vocab_shard(weight)
     local = weight if shard is None else shard.weight
@@ -414,4 +440,5 @@ def chunked_cross_entropy(
             return _VocabParallelCrossEntropy.apply(
                 hidden, shard.weight, targets, shard.start, shard.group, chunk, row_chunk
             )
-        return _ChunkedCrossEntropy.apply(hidden, weight, targets, vocab_chunk, row_chunk)
+        return _ChunkedCrossEntropy.apply(hidden, weight, targets, vocab_chunk, row_chunk,
+                                          backward_pass)  # fmt: skip

@@ -56,6 +56,7 @@ from torch.utils.checkpoint import checkpoint
 
 from unmask.diffusion.loss import (
     IGNORE_INDEX,
+    BackwardPass,
     chunked_cross_entropy,
     full_cross_entropy,
     weighted_cross_entropy,
@@ -73,9 +74,18 @@ SCHEDULES = {
 }
 #: schedules that hold several stages per rank (looped: stage s on pp rank s mod pp)
 MULTI_STAGE = ("interleaved_1f1b", "zero_bubble")
-#: schedules whose backward is an input pass and a weight pass (the head's loss then takes
-#: the plain chunked path, whose backward each pass runs whole: `layer_costs`)
-SPLIT_BACKWARD = ("zero_bubble",)
+#: train.pipeline_schedule -> how the last stage's loss makes the LM head's gradients:
+#: "fused" in the forward (diffusion/loss.py weighted_cross_entropy: 3 passes over the head,
+#: the gradients held until the micro-batch's backward); "chunked" in the backward (the
+#: logits recomputed there: 4 passes, nothing held), for GPipe, whose forwards all run
+#: before its backwards, so a forward that makes the head's gradients paces the forward
+#: half with work of the backward half, and every micro-batch's gradients would wait at
+#: once; "split" for zero bubble's input and weight passes, each making its own gradient
+#: (5 passes: `StageModule`)
+HEAD_LOSS = {"gpipe": "chunked", "1f1b": "fused", "interleaved_1f1b": "fused",
+             "zero_bubble": "split"}  # fmt: skip
+#: passes over the head's (rows x vocab) logits per micro-batch, by HEAD_LOSS
+HEAD_PASSES = {"fused": 3, "chunked": 4, "split": 5}
 
 
 @dataclass(frozen=True)
@@ -94,11 +104,11 @@ class LayerCosts:
         return math.fsum(self.layers[i] for i in layers) + extra
 
 
-def layer_costs(cfg, length: int, head_share: float, split_backward: bool = False) -> LayerCosts:
+def layer_costs(cfg, length: int, head_share: float, head_loss: str = "fused") -> LayerCosts:
     """The LayerCosts of a native decoder (cfg: its ModelConfig, the architecture) on rows
     of `length` tokens, the LM head running on `head_share` of the tokens (the masked ones:
-    the objective's, diffusion/registry.py `head_share`); split_backward: the schedule's
-    backward is an input and a weight pass (SPLIT_BACKWARD).
+    the objective's, diffusion/registry.py `head_share`); head_loss: how the schedule's last
+    stage makes the head's gradients (HEAD_LOSS).
 
     Counted as the MFU's FLOPs (train/mfu.py): 6 per matmul weight and token (forward 2,
     backward 4), attention scores 12 x length x heads x head_dim per token and layer; an MoE
@@ -108,9 +118,9 @@ def layer_costs(cfg, length: int, head_share: float, split_backward: bool = Fals
     norm about 12 x hidden (4 elementwise passes forward, twice that back); per head row,
     2 x (hidden + 1) x vocab per pass over its logits (the matmul, and the softmax's
     elementwise work). The fused loss makes 3 passes (logits, then both gradients, in its
-    forward); under a split backward the chunked loss makes 7: the logits forward, then
-    its backward (logits again and both gradients) once in the input pass and once more
-    in the weight pass, each of which runs it whole."""
+    forward); the chunked one 4 (the logits, then in its backward the logits again and
+    both gradients); the split one 5 (the logits; the input pass the logits again and the
+    hidden rows' gradient; the weight pass the logits again and the head's)."""
     hidden, head_dim = cfg.hidden_size, cfg.resolved_head_dim
     width = cfg.num_attention_heads * head_dim
     attention = 2 * hidden * width + 2 * hidden * cfg.num_key_value_heads * head_dim
@@ -124,7 +134,7 @@ def layer_costs(cfg, length: int, head_share: float, split_backward: bool = Fals
         for i in range(cfg.num_hidden_layers)
     )
     vocab = cfg.vocab_size
-    passes = 7 if split_backward else 3
+    passes = HEAD_PASSES[head_loss]
     head = 12.0 * hidden + head_share * passes * 2.0 * (hidden + 1) * vocab
     return LayerCosts(layers, 2.0 * hidden, head)
 
@@ -437,9 +447,9 @@ class StageModule(nn.Module):
         self.is_last = stage == plan.num_stages - 1
         self.gradient_checkpointing = False
         self.vocab_chunk = 8192
-        # zero bubble splits the backward into input and weight passes: the head's loss
-        # then takes the plain chunked path (the fused one hands out its gradients once)
-        self.split_backward = plan.schedule in SPLIT_BACKWARD
+        self.head_loss = HEAD_LOSS[plan.schedule]
+        # which pass of a split backward runs (set by the schedule's stage, `_stage_class`)
+        self.backward_pass = BackwardPass()
         self.embed_tokens = owner.model.embed_tokens if self.is_first else None
         self.layers = nn.ModuleList(owner.model.layers[i] for i in self.layer_ids)
         self.norm = owner.model.norm if self.is_last else None
@@ -487,10 +497,13 @@ class StageModule(nn.Module):
             return (losses * target_weights.detach().float()).sum()
         selected = targets != IGNORE_INDEX
         rows, weight, coef = hidden[selected], self.lm_head.weight, target_weights[selected]
-        if self.split_backward:  # its weight pass runs the loss's backward a second time
-            losses = chunked_cross_entropy(rows, weight, targets[selected], self.vocab_chunk)
-            return (losses * coef.detach().to(losses.dtype)).sum()
-        return weighted_cross_entropy(rows, weight, targets[selected], coef, self.vocab_chunk)
+        if self.head_loss == "fused":
+            return weighted_cross_entropy(rows, weight, targets[selected], coef,
+                                          self.vocab_chunk)  # fmt: skip
+        split = self.backward_pass if self.head_loss == "split" else None
+        losses = chunked_cross_entropy(rows, weight, targets[selected], self.vocab_chunk,
+                                       backward_pass=split)  # fmt: skip
+        return (losses * coef.detach().to(losses.dtype)).sum()
 
 
 class ModelCall:
@@ -551,6 +564,25 @@ def _stage_class():
         def forward_one_chunk(self, fwd_chunk_id, args, kwargs=None, save_forward_output=True):
             fed = {**(kwargs or {}), **self.chunk_kwargs[fwd_chunk_id]}
             return super().forward_one_chunk(fwd_chunk_id, args, fed, save_forward_output)
+
+        def _in_pass(self, kind: str, run, *args, **kwargs):
+            """run(*args, **kwargs) with the stage's loss told which backward pass runs."""
+            holder = self.submod.backward_pass
+            holder.kind = kind
+            try:
+                return run(*args, **kwargs)
+            finally:
+                holder.kind = "full"
+
+        def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True,
+                               last_backward=False):  # fmt: skip
+            kind = "full" if full_backward else "input"
+            return self._in_pass(kind, super().backward_one_chunk, bwd_chunk_id, loss=loss,
+                                 full_backward=full_backward, last_backward=last_backward)
+
+        def backward_weight_one_chunk(self, bwd_chunk_id, last_backward=False):
+            return self._in_pass("weight", super().backward_weight_one_chunk, bwd_chunk_id,
+                                 last_backward=last_backward)  # fmt: skip
 
     return FedStage
 

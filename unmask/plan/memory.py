@@ -64,6 +64,7 @@ import math
 from dataclasses import dataclass
 
 from unmask.optim.muon import NS_BATCH_NUMEL
+from unmask.parallel.pipeline import HEAD_LOSS
 from unmask.plan.shards import ShardedModel
 
 
@@ -271,18 +272,27 @@ def layer_saves(model: ShardedModel, shape: StepShape) -> tuple[list[int], list[
     return kept, held, around
 
 
-def head_saves(model: ShardedModel, shape: StepShape) -> int:
+def head_saves(model: ShardedModel, shape: StepShape) -> float:
     """Bytes saved after the layers on this rank, for one micro-batch, which the head's and
     the final norm's backward free before the layers' backward: the final norm's input and
-    statistics and the loss's row mask (or `full_loss_saves`); 0 on a pipeline rank
-    without the last stage."""
+    statistics and the loss's row mask (or `full_loss_saves`), and for the chunked loss
+    (parallel/pipeline.py HEAD_LOSS) what its backward recomputes from; 0 on a pipeline
+    rank without the last stage."""
     if not model.holds_head:
         return 0
     arch, layout = model.model_config, model.layout
     tokens = shape.rows * shape.length // layout.cp
     stream = 2 if (shape.bf16 and layout.world_size > 1) else 4
     out = tokens * (arch.hidden_size * stream + 4)
-    return out + (full_loss_saves(model, shape) if shape.full_loss else tokens)
+    if shape.full_loss:
+        return out + full_loss_saves(model, shape)
+    out += tokens
+    if model.pipeline is not None and HEAD_LOSS[model.pipeline.schedule] != "fused":
+        # the chunked loss's backward recomputes the logits from the masked rows' hidden
+        # states, their targets (int64) and log-sum-exps, and scales by their weights
+        # (their expected number, not rounded: the micro-batches in flight multiply it)
+        out += tokens * shape.masked_fraction * (arch.hidden_size * stream + 8 + 4 + 4)
+    return out
 
 
 def full_loss_saves(model: ShardedModel, shape: StepShape) -> int:
@@ -343,9 +353,11 @@ def pipeline_saves(model: ShardedModel, shape: StepShape) -> int:
 
 
 def head_gradient_bytes(model: ShardedModel, shape: StepShape) -> int:
-    """The LM head's float32 gradients made in the forward (diffusion/loss.py): the head
-    (V x h; this rank's ceil(V / tp) rows under TP, the vocab-parallel head) and the R
-    masked rows' hidden states; none under `loss_implementation: full`."""
+    """The LM head's float32 gradients (diffusion/loss.py), made in the forward by the fused
+    loss, in the backward by the chunked one (a GPipe or zero-bubble last stage,
+    parallel/pipeline.py HEAD_LOSS): the head (V x h; this rank's ceil(V / tp) rows under
+    TP, the vocab-parallel head) and the R masked rows' hidden states; none under
+    `loss_implementation: full`."""
     if shape.full_loss:
         return 0
     arch, layout = model.model_config, model.layout
@@ -554,8 +566,10 @@ def memory_terms(model: ShardedModel, shape: StepShape) -> MemoryTerms:
     waiting = int((in_flight(model) - 1) * one) + pipeline_saves(model, shape)
     saved = one + waiting
     head = head_gradient_bytes(model, shape) if model.holds_head else 0
-    # the head's gradients, made in each micro-batch's forward, wait for its backward too
-    waiting += int((in_flight(model) - 1) * head)
+    # the head's gradients, made in each micro-batch's forward by the fused loss, wait for
+    # its backward too (GPipe's and zero bubble's last stage make them in the backward)
+    if model.pipeline is None or HEAD_LOSS[model.pipeline.schedule] == "fused":
+        waiting += int((in_flight(model) - 1) * head)
     arch = model.model_config
     names = [f"layer {index}" for index in model.layer_indices]
     act_grads = [activation_gradient_bytes(model, shape, moe=bool(arch.num_experts)
@@ -605,7 +619,8 @@ def memory_terms(model: ShardedModel, shape: StepShape) -> MemoryTerms:
     expert_working = 0
     if optimizer_step == live_peak:  # Muon's buffers for the expert stacks shrink with ep
         expert_working = muon - muon_step_bytes(model, shape, experts=False)
-    return MemoryTerms(params, grads, optim, saved, working, peak, experts, expert_working)
+    return MemoryTerms(params, grads, optim, round(saved), round(working), round(peak), experts,
+                       expert_working)  # fmt: skip
 
 
 def _grad_bytes_by_unit(model: ShardedModel, experts_only: bool = False) -> dict[str, int]:

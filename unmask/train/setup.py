@@ -29,7 +29,7 @@ from unmask.parallel.expert import expert_mesh, shard_experts
 from unmask.parallel.fsdp import apply_fsdp, compile_blocks
 from unmask.parallel.mesh import fsdp_mesh, sub_mesh
 from unmask.parallel.pipeline import (
-    SPLIT_BACKWARD,
+    HEAD_LOSS,
     PipelineModel,
     PipelinePlan,
     layer_costs,
@@ -182,7 +182,7 @@ def pipeline_plan(cfg: RunConfig, rows: int) -> PipelinePlan | None:
         return None
     costs = layer_costs(architecture(cfg.model), cfg.data.packing_length,
                         head_share(cfg.diffusion.objective),
-                        split_backward=t.pipeline_schedule in SPLIT_BACKWARD)  # fmt: skip
+                        head_loss=HEAD_LOSS[t.pipeline_schedule])  # fmt: skip
     return plan_pipeline(t.pipeline_parallel, t.pipeline_schedule, t.pipeline_stages_per_rank,
                          t.pipeline_microbatches, t.pipeline_split, costs, rows)  # fmt: skip
 
