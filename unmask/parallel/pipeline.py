@@ -577,8 +577,14 @@ def _stage_class():
         def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True,
                                last_backward=False):  # fmt: skip
             kind = "full" if full_backward else "input"
-            return self._in_pass(kind, super().backward_one_chunk, bwd_chunk_id, loss=loss,
-                                 full_backward=full_backward, last_backward=last_backward)
+            return self._in_pass(
+                kind,
+                super().backward_one_chunk,
+                bwd_chunk_id,
+                loss=loss,
+                full_backward=full_backward,
+                last_backward=last_backward,
+            )
 
         def backward_weight_one_chunk(self, bwd_chunk_id, last_backward=False):
             return self._in_pass("weight", super().backward_weight_one_chunk, bwd_chunk_id,
