@@ -1,15 +1,18 @@
 """Pipeline parallelism on CPU gloo processes: each schedule's bubble, and per-rank memory.
 
-One model (31 layers, hidden 256, vocabulary 8192) and one global batch (split_batches: 16
-rows of 128 tokens) trained by the real trainer (unmask.train.Trainer) under pp=2 with each
-schedule, at m = 4p = 8 micro-batches of 2 rows (interleaved 1F1B and zero bubble: 2 stages
-per rank, so 4 stages), the layers cut by the trainer's default split (estimated cost,
-parallel/pipeline.py `balanced_split`). Why this model: its LM head (half the tokens through
-6 x 256 x 8192) costs about one decoder layer, so the first and last stages differ, and 31
-layers leave whole-layer cuts that can balance them (16 | 15 + head; 8 | 8 | 8 | 7 + head);
-the earlier 8-layer model (vocabulary 256) had a head of 0.04 layers in FLOPs and 2 to 4
-layers per stage, too coarse to balance anything, and 64-token micro-batches where fixed
-per-call costs weighed more than the FLOPs the split counts.
+Two models, one global batch (split_batches: 16 rows of 128 tokens), trained by the real
+trainer (unmask.train.Trainer) under pp=2 with each schedule, at m = 4p = 8 micro-batches of
+2 rows (interleaved 1F1B and zero bubble: 2 stages per rank, so 4 stages), the layers cut by
+the trainer's default split (estimated cost, parallel/pipeline.py `balanced_split`):
+
+- *equal*: 32 layers of hidden 256, a vocabulary of 512. Its LM head costs about a tenth of
+  a layer, so the default split gives every stage the same layers (16 | 16; 8 | 8 | 8 | 8):
+  the stages the formulas assume, so what it measures is the schedule and the pipeline's own
+  overhead.
+- *uneven*: 31 layers, a vocabulary of 8192. Its head (half the tokens through 6 x 256 x
+  8192) costs about one layer, so the split has something to balance (16 | 15 + head;
+  8 | 8 | 8 | 7 + head), and whole layers (about 3% of the model each) leave the stages a
+  little unequal: what the default split gives a model that does not divide evenly.
 
 Bubble: on every rank, the wall time of the schedule's step (torch.distributed.pipelining's
 `schedule.step`, the forward and backward of all micro-batches) and the time spent inside
@@ -53,9 +56,13 @@ import yaml
 from common import RESULTS, load_average, machine, publish, rotated, run_workers, with_spread
 
 REPORT = RESULTS / "pipeline.md"
-MODEL = {"hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 31,
-         "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 8192,
-         "tie_word_embeddings": False}  # fmt: skip
+_BASE = {"hidden_size": 256, "intermediate_size": 768, "num_attention_heads": 4,
+         "num_key_value_heads": 4, "tie_word_embeddings": False}  # fmt: skip
+#: name -> model (the module docstring says why each)
+MODELS = {"equal": {**_BASE, "num_hidden_layers": 32, "vocab_size": 512},
+          "uneven": {**_BASE, "num_hidden_layers": 31, "vocab_size": 8192}}  # fmt: skip
+#: the model whose parameters + optimizer state are measured
+MEMORY_MODEL = "uneven"
 ROWS, LENGTH, PP = 16, 128, 2
 M = 4 * PP
 #: schedule -> stages per rank
@@ -65,9 +72,9 @@ OPTIMS = {"adamw": {"name": "adamw"}, "muon": {"name": "muon", "ns_dtype": "floa
 TARGET = 1.25
 
 
-def config_tree(out: Path, train: dict, optim: dict) -> dict:
+def config_tree(out: Path, model: dict, train: dict, optim: dict) -> dict:
     return {
-        "model": MODEL,
+        "model": model,
         "data": {"dataset": "synthetic", "packing": False, "packing_length": LENGTH,
                  "synthetic_train_size": 512, "synthetic_eval_size": 8},
         "optim": {"learning_rate": 1e-3, **optim},
@@ -221,19 +228,23 @@ def worker(out: str, timed: int, kind: str, configs: list[str]) -> None:
 
 
 def write_configs(root: Path) -> dict[str, Path]:
+    """Every run's config: "<model>-<schedule>" (bubble) and "mem-<optim>-pp<N>"."""
     paths = {}
-    for schedule, per_rank in SCHEDULES.items():
-        train = {"pipeline_parallel": PP, "pipeline_schedule": schedule,
-                 "pipeline_stages_per_rank": per_rank, "pipeline_microbatches": M}  # fmt: skip
-        paths[schedule] = root / f"{schedule}.yaml"
-        paths[schedule].write_text(yaml.safe_dump(config_tree(root / schedule, train,
+    for model, fields in MODELS.items():
+        for schedule, per_rank in SCHEDULES.items():
+            train = {"pipeline_parallel": PP, "pipeline_schedule": schedule,
+                     "pipeline_stages_per_rank": per_rank, "pipeline_microbatches": M}  # fmt: skip
+            name = f"{model}-{schedule}"
+            paths[name] = root / f"{name}.yaml"
+            paths[name].write_text(yaml.safe_dump(config_tree(root / name, fields, train,
                                                               OPTIMS["adamw"])))  # fmt: skip
     for optim, keys in OPTIMS.items():
         for pp in (1, PP):
             name = f"mem-{optim}-pp{pp}"
             paths[name] = root / f"{name}.yaml"
             train = {"pipeline_parallel": pp} if pp > 1 else {}
-            paths[name].write_text(yaml.safe_dump(config_tree(root / name, train, keys)))
+            tree = config_tree(root / name, MODELS[MEMORY_MODEL], train, keys)
+            paths[name].write_text(yaml.safe_dump(tree))
     return paths
 
 
@@ -254,15 +265,16 @@ def main() -> None:
         root = Path(tmp)
         paths = write_configs(root)
         keys = ("idle", "wall", "replayed", "equal", "leveled", "shares", "costs")
-        found: dict[str, dict[str, list]] = {s: {k: [] for k in keys} for s in SCHEDULES}
+        runs = [f"{model}-{schedule}" for model in MODELS for schedule in SCHEDULES]
+        found: dict[str, dict[str, list]] = {r: {k: [] for k in keys} for r in runs}
         plans: dict[str, dict] = {}
         for index in range(rounds):
-            order = rotated(list(SCHEDULES), index)
+            order = rotated(runs, index)
             out = root / f"bubble-{index}.json"
             run_workers(PP, __file__, "--worker", out, timed, "bubble",
-                        *[paths[s] for s in order], timeout=1800, env=env)  # fmt: skip
-            for schedule, ranks in json.loads(out.read_text()).items():
-                got, stages = found[schedule], ranks[0]["stages"]
+                        *[paths[r] for r in order], timeout=3600, env=env)  # fmt: skip
+            for run, ranks in json.loads(out.read_text()).items():
+                got, stages = found[run], ranks[0]["stages"]
                 got["idle"].append(max(r["idle"] for r in ranks))
                 got["wall"].append(max(r["wall"] for r in ranks))
                 costs = {k: v for r in ranks for k, v in r["costs"].items()}
@@ -272,7 +284,7 @@ def main() -> None:
                 got["leveled"].append(replayed(order, leveled(costs, stages)))
                 got["shares"].append(stage_shares(costs, stages))
                 got["costs"].append(costs)
-                plans[schedule] = {"layers": ranks[0]["layers"], "shares": ranks[0]["shares"]}
+                plans[run] = {"layers": ranks[0]["layers"], "shares": ranks[0]["shares"]}
         memory = {}
         for pp in (1, PP):
             names = [f"mem-{optim}-pp{pp}" for optim in OPTIMS]
@@ -286,13 +298,17 @@ def main() -> None:
 def report(found, plans, memory, rounds, timed) -> str:
     import statistics
 
+    models = "; ".join(
+        f"*{name}*: {f['num_hidden_layers']} layers, vocabulary {f['vocab_size']}"
+        for name, f in MODELS.items()
+    )
     lines = [
         "# Pipeline parallelism: bubble per schedule, memory per rank",
         "",
         f"Machine: {machine('torch')}; load average at the end {load_average()} (shared).",
-        f"Model: {MODEL}; {ROWS} rows x {LENGTH} tokens per step (split_batches), pp={PP}, "
-        f"m={M} micro-batches; {rounds} interleaved rounds x {timed} timed steps (median per "
-        "round, then median (min-max) over rounds).",
+        f"Models: {models} (both {_BASE}); {ROWS} rows x {LENGTH} tokens per step "
+        f"(split_batches), pp={PP}, m={M} micro-batches; {rounds} interleaved rounds x "
+        f"{timed} timed steps (median per round, then median (min-max) over rounds).",
         "",
         "Idle fraction, the max over ranks: *wall* = 1 - time in the stage's compute calls / "
         "the schedule step's wall time (waits for peers, gloo transfers and other processes "
@@ -304,23 +320,26 @@ def report(found, plans, memory, rounds, timed) -> str:
         "*leveled* = replayed with each stage's measured total scaled to the stages' mean (its "
         "forward / backward proportions kept): what the forward / backward shape alone leaves.",
         "",
-        "| schedule | stages per rank | idle, wall | idle, replayed | formula | equal stages | "
-        f"replayed / formula | within {TARGET}x | leveled / formula | schedule step wall (s) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| model | schedule | stages per rank | idle, wall | wall / formula | idle, replayed | "
+        f"formula | equal stages | replayed / formula | within {TARGET}x (replayed) | "
+        "leveled / formula | schedule step wall (s) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for schedule, per_rank in SCHEDULES.items():
-        got, bound = found[schedule], formula(schedule)
-        ratios = [value / bound for value in got["replayed"]]
-        verdict = "yes" if statistics.median(ratios) <= TARGET else "**no**"
-        equal = (f"{got['equal'][0]:.4f}" if len(set(got["equal"])) == 1
-                 else with_spread(got["equal"], "{:.4f}"))  # fmt: skip
-        lines.append(
-            f"| {schedule} | {per_rank} | {with_spread(got['idle'], '{:.3f}')} | "
-            f"{with_spread(got['replayed'], '{:.3f}')} | {bound:.4f} | {equal} | "
-            f"{with_spread(ratios)} | {verdict} | "
-            f"{with_spread([v / bound for v in got['leveled']])} | "
-            f"{with_spread(got['wall'], '{:.3f}')} |"
-        )
+    for model in MODELS:
+        for schedule, per_rank in SCHEDULES.items():
+            got, bound = found[f"{model}-{schedule}"], formula(schedule)
+            ratios = [value / bound for value in got["replayed"]]
+            verdict = "yes" if statistics.median(ratios) <= TARGET else "**no**"
+            equal = (f"{got['equal'][0]:.4f}" if len(set(got["equal"])) == 1
+                     else with_spread(got["equal"], "{:.4f}"))  # fmt: skip
+            lines.append(
+                f"| {model} | {schedule} | {per_rank} | {with_spread(got['idle'], '{:.3f}')} | "
+                f"{with_spread([v / bound for v in got['idle']])} | "
+                f"{with_spread(got['replayed'], '{:.3f}')} | {bound:.4f} | {equal} | "
+                f"{with_spread(ratios)} | {verdict} | "
+                f"{with_spread([v / bound for v in got['leveled']])} | "
+                f"{with_spread(got['wall'], '{:.3f}')} |"
+            )
     lines += [
         "",
         "Each stage's layers (the default split) and its share of the cost: *estimated* (the "
@@ -329,23 +348,25 @@ def report(found, plans, memory, rounds, timed) -> str:
         "CPU milliseconds per micro-batch, forward / backward (zero bubble: forward / input "
         "pass / weight pass), median over rounds.",
         "",
-        "| schedule | layers per stage | estimated share | measured share | ms per stage |",
-        "|---|---|---|---|---|",
+        "| model | schedule | layers per stage | estimated share | measured share | ms per stage |",
+        "|---|---|---|---|---|---|",
     ]
-    for schedule in SCHEDULES:
-        plan, got = plans[schedule], found[schedule]
-        stages = range(len(plan["layers"]))
-        measured = [statistics.median(r[s] for r in got["shares"]) for s in stages]
-        kinds = "FIW" if schedule == "zero_bubble" else "FB"
-        ms = "; ".join(
-            " / ".join(f"{1e3 * statistics.median(c[f'{s}:{k}'] for c in got['costs']):.1f}"
-                       for k in kinds)
-            for s in stages
-        )  # fmt: skip
-        pct = lambda xs: " / ".join(f"{100 * x:.1f}%" for x in xs)  # noqa: E731
-        lines.append(f"| {schedule} | {' / '.join(map(str, plan['layers']))} | "
-                     f"{pct(plan['shares'])} | {pct(measured)} | {ms} |")  # fmt: skip
-    lines += ["", "| optimizer | params + optimizer state / rank, pp=1 | pp=2 (max over ranks) "
+    for model in MODELS:
+        for schedule in SCHEDULES:
+            plan, got = plans[f"{model}-{schedule}"], found[f"{model}-{schedule}"]
+            stages = range(len(plan["layers"]))
+            measured = [statistics.median(r[s] for r in got["shares"]) for s in stages]
+            kinds = "FIW" if schedule == "zero_bubble" else "FB"
+            ms = "; ".join(
+                " / ".join(f"{1e3 * statistics.median(c[f'{s}:{k}'] for c in got['costs']):.1f}"
+                           for k in kinds)
+                for s in stages
+            )  # fmt: skip
+            pct = lambda xs: " / ".join(f"{100 * x:.1f}%" for x in xs)  # noqa: E731
+            lines.append(f"| {model} | {schedule} | {' / '.join(map(str, plan['layers']))} | "
+                         f"{pct(plan['shares'])} | {pct(measured)} | {ms} |")  # fmt: skip
+    lines += ["", f"Parameters + optimizer state per rank, the *{MEMORY_MODEL}* model:", "",
+              "| optimizer | params + optimizer state / rank, pp=1 | pp=2 (max over ranks) "
               "| ratio |", "|---|---|---|---|"]  # fmt: skip
     for optim in OPTIMS:
         one, two = memory[f"mem-{optim}-pp1"], memory[f"mem-{optim}-pp{PP}"]

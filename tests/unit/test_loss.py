@@ -317,3 +317,30 @@ def test_split_backward_makes_each_gradient_once():
             assert torch.equal(got, want)
         # besides the head: the input pass's x @ a input gradient, the weight pass's a's
         assert flops == [per_pass + 2 * n * h * h] * 2
+
+
+def test_a_micro_batch_without_targets_leaves_gradients_that_later_ones_add_into():
+    """A micro-batch with no masked rows (0 targets) still gives the head a gradient, zeros
+    of its own: zero bubble's weight pass (torch's stage_backward_weight) adds the next
+    micro-batch's into it in place, which an expanded scalar refused ("more than one
+    element of the written-to tensor refers to a single memory location")."""
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+    from unmask.diffusion.loss import BackwardPass
+
+    g = torch.Generator().manual_seed(4)
+    w = (torch.randn(40, 8, generator=g) / 4).requires_grad_(True)
+    rows = torch.randn(6, 8, generator=g)
+    targets = torch.randint(0, 40, (6,), generator=g)
+    holder = BackwardPass()
+    for n in (0, 6):  # the empty micro-batch first
+        x = rows[:n].clone().requires_grad_(True)
+        loss = chunked_cross_entropy(x, w, targets[:n], backward_pass=holder).sum()
+        holder.kind = "input"
+        _, groups = stage_backward_input([loss], None, [x], iter([w]))
+        holder.kind = "weight"
+        stage_backward_weight(iter([w]), groups)
+        holder.kind = "full"
+    reference = w.detach().clone().requires_grad_(True)
+    F.cross_entropy(rows @ reference.T, targets, reduction="sum").backward()
+    torch.testing.assert_close(w.grad, reference.grad, rtol=1e-5, atol=1e-6)

@@ -305,8 +305,6 @@ PP2 = {"model": {"num_hidden_layers": 4}, "train": {"pipeline_parallel": 2}}
                     "pipeline_stages_per_rank": 2}},
          "model.num_hidden_layers=3 is fewer than the train.pipeline_parallel=2 x "
          "train.pipeline_stages_per_rank=2 = 4 stages"),
-        ({"train": {"pipeline_schedule": "zero_bubble", "pipeline_stages_per_rank": 2,
-                    "bf16": True}}, "zero_bubble does not run under train.bf16 yet"),
     ],
 )  # fmt: skip
 def test_bad_pipeline_requests_exit_2_with_one_line(two_processes, tiny_config, tmp_path,

@@ -432,8 +432,10 @@ def chunked_cross_entropy(
     """
     shard = vocab_shard(weight)
     local = weight if shard is None else shard.weight
-    if hidden.shape[0] == 0:
-        return hidden.sum(-1) * 0 + local.sum() * 0  # keeps both in the graph
+    if hidden.shape[0] == 0:  # keeps both in the graph, their gradients zeros; (local * 0)
+        # makes the head's a tensor of its own where local.sum()'s would be an expanded
+        # scalar, which a later micro-batch's gradient could not be added into in place
+        return hidden.sum(-1) * 0 + (local * 0).sum()
     with torch.autocast(device_type=hidden.device.type, enabled=False):
         if shard is not None:
             chunk = max(1, vocab_chunk // shard.ranks)

@@ -163,12 +163,6 @@ def check_pipeline_request(cfg: RunConfig) -> None:
     if cfg.eval.generate_accuracy:
         raise InputError(f"{key} splits training forwards only; no sampler runs through the "
                          "pipeline: set eval.generate_accuracy=false")  # fmt: skip
-    if cfg.train.pipeline_schedule == "zero_bubble" and cfg.train.bf16:
-        # torch 2.13's split backward of a bf16 (FSDP2 mixed-precision) stage writes into an
-        # expanded tensor and stops; fp32 is tested
-        raise InputError(f"{key} with pipeline_schedule zero_bubble does not run under "
-                         "train.bf16 yet; use pipeline_schedule interleaved_1f1b, or "
-                         "bf16=false")  # fmt: skip
 
 
 def pipeline_plan(cfg: RunConfig, rows: int) -> PipelinePlan | None:
