@@ -131,7 +131,7 @@ class TrainConfig(BaseModel):
     pipeline_parallel: int = Field(1, ge=1)
     """Pipeline stages' ranks: the decoder layers are split into consecutive stages, embeddings with the first, the final norm and LM head with the last (torch.distributed.pipelining; native decoders; docs/parallelism.md). The outermost mesh dim."""
     pipeline_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"] = "1f1b"
-    """How micro-batches flow through the stages (torch's ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble); the interleaved ones take pipeline_stages_per_rank >= 2."""
+    """How micro-batches flow through the stages (torch's ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble); the interleaved ones take pipeline_stages_per_rank >= 2. The last stage's loss makes the LM head's gradients in the forward under 1F1B and interleaved 1F1B, in the backward under gpipe and zero_bubble (docs/parallelism.md). Every schedule runs under bf16."""
     pipeline_stages_per_rank: int = Field(1, ge=1)
     """Stages each pipeline rank holds (interleaved_1f1b, zero_bubble: >= 2, stage s on pipeline rank s mod pipeline_parallel)."""
     pipeline_microbatches: int | None = Field(None, ge=1)

@@ -124,9 +124,15 @@ def encode_chunks(chunks: Iterator[Chunk], encoder_args: tuple, workers: int) ->
         # each chunk's encode_batch spreads over the cores while nothing else runs
         yield from map(ChunkEncoder(*encoder_args), chunks)
         return
-    # fork where there is one: workers need no re-import of unmask (seconds per worker)
-    methods = multiprocessing.get_all_start_methods()
-    context = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
+    # forkserver where there is one: the workers fork from a server process that has
+    # imported this module once (no re-import per worker) and runs no other threads. A
+    # plain fork of this process copies whatever locks its other threads (a test runner's,
+    # torch's, the tokenizer's) hold at that moment, and a worker can wait on one forever.
+    if "forkserver" in multiprocessing.get_all_start_methods():
+        context = multiprocessing.get_context("forkserver")
+        context.set_forkserver_preload([__name__])
+    else:
+        context = multiprocessing.get_context("spawn")
     with context.Pool(workers, initializer=_start_worker, initargs=encoder_args) as pool:
         pending: deque = deque()
         for chunk in chunks:
