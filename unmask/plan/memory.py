@@ -214,7 +214,7 @@ def local_experts(model: ShardedModel) -> int:
     return 0
 
 
-def layer_saves(model: ShardedModel, shape: StepShape) -> tuple[list[int], list[int], int]:
+def layer_saves(model: ShardedModel, shape: StepShape) -> tuple[list[int], list[int], float]:
     """(bytes each layer keeps through the forward, bytes each layer holds while its
     backward runs, bytes saved around the layers) for one micro-batch on this rank. A
     checkpointed layer keeps its input and holds it plus its recomputed set in backward."""
@@ -331,7 +331,7 @@ def activation_bytes(model: ShardedModel, shape: StepShape) -> int:
     """Bytes saved for backward at the end of one micro-batch's forward on this rank
     (under a pipeline, beside `pipeline_saves`)."""
     kept, _, around = layer_saves(model, shape)
-    return sum(kept) + around
+    return round(sum(kept) + around)
 
 
 def pipeline_saves(model: ShardedModel, shape: StepShape) -> int:
