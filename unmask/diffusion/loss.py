@@ -371,16 +371,20 @@ def weighted_cross_entropy(
     coef: torch.Tensor,
     vocab_chunk: int = 8192,
     row_chunk: int = 4096,
+    fused: bool = True,
+    backward_pass: BackwardPass | None = None,
 ) -> torch.Tensor:
     """sum_i coef_i * CE_i, 0-d float32: `(coef * chunked_cross_entropy(...)).sum()` with
     one pass over the LM head fewer when gradients are wanted (both are computed in the
     forward; tests/unit/test_loss.py pins them to the plain path). coef (N,) carries no
     gradient. Rows are taken `row_chunk * vocab_chunk // V` at a time (at least one), so
-    the block holds as many elements as chunked_cross_entropy's.
+    the block holds as many elements as chunked_cross_entropy's. fused=False: the plain
+    path all the same, its gradients made in the backward (told which by `backward_pass`).
     """
     needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-    if hidden.shape[0] == 0 or not needs_grad:
-        losses = chunked_cross_entropy(hidden, weight, targets, vocab_chunk, row_chunk)
+    if hidden.shape[0] == 0 or not needs_grad or not fused:
+        losses = chunked_cross_entropy(hidden, weight, targets, vocab_chunk, row_chunk,
+                                       backward_pass)  # fmt: skip
         return (losses * coef.detach().to(losses.dtype)).sum()
     block_rows = max(1, (row_chunk * vocab_chunk) // weight.shape[0])
     shard = vocab_shard(weight)
@@ -391,6 +395,29 @@ def weighted_cross_entropy(
                 block_rows,
             )  # fmt: skip
         return _WeightedCrossEntropy.apply(hidden, weight, targets, coef.detach(), block_rows)
+
+
+def weighted_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    target_weights: torch.Tensor,
+    vocab_chunk: int = 8192,
+    implementation: str = "chunked",
+    fused: bool = True,
+    backward_pass: BackwardPass | None = None,
+) -> torch.Tensor:
+    """sum_i w_i CE_i over the positions with a target (hidden (..., H), targets and
+    target_weights (...), -100 = no target), 0-d float32, by `model.loss_implementation`:
+    "full" through the whole logits (`full_cross_entropy`), "chunked" on the target rows
+    only (`weighted_cross_entropy`, with `fused` and `backward_pass`)."""
+    if implementation == "full":  # the whole logits, as HF / torchtitan
+        losses = full_cross_entropy(hidden, weight, targets)
+        return (losses * target_weights.detach().float()).sum()
+    selected = targets != IGNORE_INDEX
+    return weighted_cross_entropy(hidden[selected], weight, targets[selected],
+                                  target_weights[selected], vocab_chunk, fused=fused,
+                                  backward_pass=backward_pass)  # fmt: skip
 
 
 def full_cross_entropy(

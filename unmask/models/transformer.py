@@ -14,7 +14,7 @@ from unmask.diffusion.loss import (
     IGNORE_INDEX,
     chunked_cross_entropy,
     full_cross_entropy,
-    weighted_cross_entropy,
+    weighted_loss,
 )
 from unmask.models.attention import (
     AttentionMask,
@@ -343,17 +343,12 @@ class DiffusionTransformer(nn.Module):
         hidden = self.hidden_states(input_ids, doc_ids, position_ids, attention_mask, kv_cache)
         if targets is None:
             return self.lm_head(hidden)
-        if self.config.loss_implementation == "full":  # the whole logits, as HF / torchtitan
-            losses = full_cross_entropy(hidden, self.lm_head.weight, targets)
-            if target_weights is None:
-                return losses
-            return (losses * target_weights.detach().float()).sum()
+        implementation = self.config.loss_implementation
         if target_weights is not None:
-            selected = targets != IGNORE_INDEX
-            return weighted_cross_entropy(
-                hidden[selected], self.lm_head.weight, targets[selected],
-                target_weights[selected], vocab_chunk,
-            )  # fmt: skip
+            return weighted_loss(hidden, self.lm_head.weight, targets, target_weights,
+                                 vocab_chunk, implementation)  # fmt: skip
+        if implementation == "full":  # the whole logits, as HF / torchtitan
+            return full_cross_entropy(hidden, self.lm_head.weight, targets)
         return self._token_losses(hidden, targets, vocab_chunk)
 
     def _token_losses(

@@ -54,13 +54,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from unmask.diffusion.loss import (
-    IGNORE_INDEX,
-    BackwardPass,
-    chunked_cross_entropy,
-    full_cross_entropy,
-    weighted_cross_entropy,
-)
+from unmask.diffusion.loss import BackwardPass, weighted_loss
 from unmask.errors import InputError
 from unmask.models.attention import AttentionMask, build_attention_mask, resolve_backend
 from unmask.models.transformer import document_positions, rotary_cos_sin
@@ -491,19 +485,10 @@ class StageModule(nn.Module):
                 x = layer(x, cos, sin, mask)
         if not self.is_last:
             return x
-        hidden = self.norm(x)
-        if self.config.loss_implementation == "full":  # the whole logits, as HF / torchtitan
-            losses = full_cross_entropy(hidden, self.lm_head.weight, targets)
-            return (losses * target_weights.detach().float()).sum()
-        selected = targets != IGNORE_INDEX
-        rows, weight, coef = hidden[selected], self.lm_head.weight, target_weights[selected]
-        if self.head_loss == "fused":
-            return weighted_cross_entropy(rows, weight, targets[selected], coef,
-                                          self.vocab_chunk)  # fmt: skip
         split = self.backward_pass if self.head_loss == "split" else None
-        losses = chunked_cross_entropy(rows, weight, targets[selected], self.vocab_chunk,
-                                       backward_pass=split)  # fmt: skip
-        return (losses * coef.detach().to(losses.dtype)).sum()
+        return weighted_loss(self.norm(x), self.lm_head.weight, targets, target_weights,
+                             self.vocab_chunk, self.config.loss_implementation,
+                             fused=self.head_loss == "fused", backward_pass=split)  # fmt: skip
 
 
 class ModelCall:
