@@ -259,16 +259,16 @@ def test_pipeline_last_stage_full_loss_equals_the_chunked_path():
 
 
 def test_split_backward_makes_each_gradient_once():
-    """Zero bubble's input pass and weight pass (torch.distributed.pipelining's
-    stage_backward_input / stage_backward_weight, as its schedule calls them) through a
-    chunked loss told which pass runs (BackwardPass): the same gradients, bit for bit, as
-    one plain backward, and each pass makes only its own gradient of the head: 2 x 2 N H V
-    FLOPs (the logits again, one matmul) against 3 x 2 N H V when the loss's backward
-    runs whole in both passes."""
-    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+    """Zero bubble's input pass (one autograd backward while the stage's BackwardPass
+    defers) and weight pass (what it deferred, `take()`) through a linear layer and the
+    chunked loss: the same gradients, bit for bit, as one plain backward; the input pass
+    leaves the weights' gradients alone, and each pass makes only its own gradient of the
+    head: 2 x 2 N H V FLOPs each (the logits again, one matmul), besides the layer's
+    input gradient in the first and its weight gradient in the second."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from unmask.diffusion.loss import BackwardPass
+    from unmask.diffusion.backward import BackwardPass
+    from unmask.models.fused import linear
 
     class MatmulFlops(TorchDispatchMode):  # torch's FlopCounterMode leaves out addmm_
         def __init__(self):
@@ -292,7 +292,7 @@ def test_split_backward_makes_each_gradient_once():
     def stage(holder):
         x = x0.clone().requires_grad_(True)
         a, w = a0.clone().requires_grad_(True), w0.clone().requires_grad_(True)
-        hidden = torch.tanh(x @ a)
+        hidden = torch.tanh(linear(x, a, None, holder) if holder else x @ a.T)
         loss = (chunked_cross_entropy(hidden, w, targets, 32, 8, backward_pass=holder)
                 * coef).sum()  # fmt: skip
         return x, a, w, loss
@@ -300,25 +300,21 @@ def test_split_backward_makes_each_gradient_once():
     x, a, w, loss = stage(None)
     loss.backward()
     plain = (x.grad, a.grad, w.grad)
+    holder = BackwardPass()
+    x, a, w, loss = stage(holder)
+    holder.kind = "input"
+    with MatmulFlops() as first:
+        loss.backward()
+    holder.kind = "full"
+    assert x.grad is not None and a.grad is None and w.grad is None
+    weight_pass = holder.take()
+    with MatmulFlops() as second:
+        weight_pass()
+    for got, want in zip((x.grad, a.grad, w.grad), plain):
+        assert torch.equal(got, want)
     head = 2 * n * h * v
-    for holder, per_pass in ((BackwardPass(), 2 * head), (None, 3 * head)):
-        x, a, w, loss = stage(holder)
-        flops = []
-        for kind in ("input", "weight"):
-            if holder is not None:
-                holder.kind = kind
-            with MatmulFlops() as counter:
-                if kind == "input":
-                    _, groups = stage_backward_input([loss], None, [x], iter([a, w]))
-                else:
-                    stage_backward_weight(iter([a, w]), groups)
-            flops.append(counter.total)
-        for got, want in zip((x.grad, a.grad, w.grad), plain):
-            assert torch.equal(got, want)
-        # besides the head: the input pass's x @ a input gradient, the weight pass's a's
-        assert flops == [per_pass + 2 * n * h * h] * 2
-
-
+    assert [first.total, second.total] == [2 * head + 2 * n * h * h] * 2
+    assert holder.take() is not weight_pass  # taken once: the next take has nothing
 def test_a_micro_batch_without_targets_leaves_gradients_that_later_ones_add_into():
     """A micro-batch with no masked rows (0 targets) still gives the head a gradient, zeros
     of its own: zero bubble's weight pass (torch's stage_backward_weight) adds the next

@@ -25,6 +25,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Shard
 
+from unmask.diffusion.backward import BackwardPass, add_gradient
+
 #: A target of -100 means "no loss here" (the masked-only loss reads only the other rows);
 #: the same value torch's cross_entropy ignores by default.
 IGNORE_INDEX = -100
@@ -56,18 +58,6 @@ def _mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool) -
         out.addmm_(a, b)
 
 
-class BackwardPass:
-    """Which gradients the next backward of a chunked cross-entropy makes (`kind`): "full"
-    both; "input" the hidden rows' only, "weight" the head's only. A pipeline stage whose
-    backward is split into an input pass and a weight pass (zero bubble,
-    parallel/pipeline.py) sets it around each pass: autograd runs the loss's backward
-    once in each, and each then makes its own gradient (the logits recomputed, one matmul)
-    instead of both every time."""
-
-    def __init__(self) -> None:
-        self.kind = "full"
-
-
 class _ChunkedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, vocab_chunk, row_chunk, backward_pass=None):
@@ -91,22 +81,35 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         target_logit = (hidden * weight[targets].to(hidden.dtype)).to(acc).sum(-1)
         ctx.save_for_backward(hidden, weight, targets, lse)
         ctx.vocab_chunk, ctx.row_chunk = vocab_chunk, row_chunk
-        ctx.backward_pass = backward_pass
+        # the head itself: what its deferred gradient goes into (saved tensors may be copies)
+        ctx.backward_pass, ctx.target = backward_pass, weight
         return lse - target_logit
 
     @staticmethod
     def backward(ctx, grad_loss):
         hidden, weight, targets, lse = ctx.saved_tensors
-        kind = "full" if ctx.backward_pass is None else ctx.backward_pass.kind
-        want_hidden = ctx.needs_input_grad[0] and kind != "weight"
-        want_weight = ctx.needs_input_grad[1] and kind != "input"  # a frozen head (LoRA): less
+        chunks = (ctx.vocab_chunk, ctx.row_chunk)
+        want_weight = ctx.needs_input_grad[1]  # a frozen head (LoRA): less
+        split = ctx.backward_pass
+        if want_weight and split is not None and split.deferring:
+            # the input pass: the hidden rows' gradient now, the head's in the weight pass
+            # (its logits recomputed there: 5 passes over them per micro-batch, not 6)
+            target = ctx.target
+
+            def head_gradient() -> None:
+                grad = _chunked_gradients(hidden, weight, targets, lse, grad_loss, *chunks,
+                                          True, want_hidden=False)[1]  # fmt: skip
+                add_gradient(target, grad.to(weight.dtype))
+
+            split.defer(head_gradient)
+            want_weight = False
         grad_hidden, grad_weight = _chunked_gradients(
-            hidden, weight, targets, lse, grad_loss, ctx.vocab_chunk, ctx.row_chunk,
-            want_weight, want_hidden=want_hidden,
+            hidden, weight, targets, lse, grad_loss, *chunks, want_weight,
+            want_hidden=ctx.needs_input_grad[0],
         )  # fmt: skip
-        if want_weight:
+        if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
-        if want_hidden:
+        if grad_hidden is not None:
             grad_hidden = grad_hidden.to(hidden.dtype)
         return grad_hidden, grad_weight, None, None, None, None
 
@@ -379,7 +382,8 @@ def weighted_cross_entropy(
     forward; tests/unit/test_loss.py pins them to the plain path). coef (N,) carries no
     gradient. Rows are taken `row_chunk * vocab_chunk // V` at a time (at least one), so
     the block holds as many elements as chunked_cross_entropy's. fused=False: the plain
-    path all the same, its gradients made in the backward (told which by `backward_pass`).
+    path all the same, its gradients made in the backward (the head's deferred to the
+    weight pass while `backward_pass` is deferring, diffusion/backward.py).
     """
     needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     if hidden.shape[0] == 0 or not needs_grad or not fused:
@@ -454,8 +458,9 @@ def chunked_cross_entropy(
     vocab-parallel path: hidden and targets the same on every tp rank, losses too, and each
     rank's block 1/tp of the replicated one (vocab_chunk / tp columns).
 
-    backward_pass: which gradients each backward makes (`BackwardPass`; the replicated
-    head's path only, the vocab-parallel one makes both every time); None: both.
+    backward_pass: a split backward's passes (diffusion/backward.py): while it is
+    deferring, the head's gradient is left to its weight pass (the replicated head's path
+    only; the vocab-parallel one makes both in the input pass); None: both at once.
     """
     shard = vocab_shard(weight)
     local = weight if shard is None else shard.weight

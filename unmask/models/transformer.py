@@ -30,7 +30,11 @@ from unmask.models.moe import SparseMoE, init_moe_weights
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm over the last dim; statistics in float32, output in input dtype."""
+    """Root-mean-square norm over the last dim; statistics in float32, output in input dtype.
+    `backward_pass`: set by a zero-bubble pipeline stage (parallel/pipeline.py), whose
+    input pass leaves the weight's gradient to its weight pass (models/fused.py)."""
+
+    backward_pass = None
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -38,7 +42,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
+        return rms_norm(x, self.weight, self.eps, self.backward_pass)
 
 
 def rotary_cos_sin(

@@ -48,16 +48,19 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from types import MethodType
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from unmask.diffusion.loss import BackwardPass, weighted_loss
+from unmask.diffusion.backward import BackwardPass
+from unmask.diffusion.loss import weighted_loss
 from unmask.errors import InputError
 from unmask.models.attention import AttentionMask, build_attention_mask, resolve_backend
-from unmask.models.transformer import document_positions, rotary_cos_sin
+from unmask.models.fused import deferring_linear_forward
+from unmask.models.transformer import RMSNorm, document_positions, rotary_cos_sin
 
 #: train.pipeline_schedule -> torch.distributed.pipelining's schedule class name
 SCHEDULES = {
@@ -448,6 +451,8 @@ class StageModule(nn.Module):
         self.layers = nn.ModuleList(owner.model.layers[i] for i in self.layer_ids)
         self.norm = owner.model.norm if self.is_last else None
         self.lm_head = owner.lm_head if self.is_last else None
+        if self.head_loss == "split":
+            defer_weight_gradients(self, self.backward_pass)
 
     def checkpoints(self, index: int) -> bool:
         """As DiffusionTransformer.checkpoints, by the layer's index in the whole model."""
@@ -489,6 +494,24 @@ class StageModule(nn.Module):
         return weighted_loss(self.norm(x), self.lm_head.weight, targets, target_weights,
                              self.vocab_chunk, self.config.loss_implementation,
                              fused=self.head_loss == "fused", backward_pass=split)  # fmt: skip
+
+
+def defer_weight_gradients(module: nn.Module, backward_pass: BackwardPass) -> int:
+    """Let module's norms (RMSNorm) and linear layers (nn.Linear and FSDP2's subclass of
+    it, whose forward is nn.Linear's; not peft's or bitsandbytes' layers) leave their
+    weights' gradients to `backward_pass` while it defers (diffusion/backward.py): a
+    zero-bubble stage's input pass. Returns how many layers defer."""
+    count = 0
+    for sub in module.modules():
+        if isinstance(sub, RMSNorm):
+            sub.backward_pass = backward_pass
+        elif isinstance(sub, nn.Linear) and type(sub).forward is nn.Linear.forward:
+            sub.backward_pass = backward_pass
+            sub.forward = MethodType(deferring_linear_forward, sub)
+        else:
+            continue
+        count += 1
+    return count
 
 
 class ModelCall:
@@ -550,32 +573,44 @@ def _stage_class():
             fed = {**(kwargs or {}), **self.chunk_kwargs[fwd_chunk_id]}
             return super().forward_one_chunk(fwd_chunk_id, args, fed, save_forward_output)
 
-        def _in_pass(self, kind: str, run, *args, **kwargs):
-            """run(*args, **kwargs) with the stage's loss told which backward pass runs."""
+        def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True,
+                               last_backward=False):  # fmt: skip
+            """The backward, told whether it is a split backward's input pass (zero
+            bubble: the weights' gradients deferred to `backward_weight_one_chunk`)."""
             holder = self.submod.backward_pass
-            holder.kind = kind
+            holder.kind = "full" if full_backward else "input"
             try:
-                return run(*args, **kwargs)
+                return super().backward_one_chunk(bwd_chunk_id, loss=loss,
+                                                  full_backward=full_backward,
+                                                  last_backward=last_backward)  # fmt: skip
             finally:
                 holder.kind = "full"
 
-        def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True,
-                               last_backward=False):  # fmt: skip
-            kind = "full" if full_backward else "input"
-            return self._in_pass(
-                kind,
-                super().backward_one_chunk,
-                bwd_chunk_id,
-                loss=loss,
-                full_backward=full_backward,
-                last_backward=last_backward,
-            )
-
         def backward_weight_one_chunk(self, bwd_chunk_id, last_backward=False):
-            return self._in_pass("weight", super().backward_weight_one_chunk, bwd_chunk_id,
-                                 last_backward=last_backward)  # fmt: skip
+            super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
+            _into_reduce_dtype(self.submod)
 
     return FedStage
+
+
+def _into_reduce_dtype(module: nn.Module) -> None:
+    """Under FSDP2 mixed precision, the gradients a weight pass just made (bfloat16) added
+    into the float32 sums FSDP2 keeps between reduce-scatters, as its own post-backward does
+    with the ones autograd made. Without it the schedule's reduce-scatter would get the
+    weight pass's bfloat16 gradients beside the input pass's float32 sums in one group (the
+    embedding, router and expert stacks get theirs in the input pass), which FSDP2 refuses,
+    and would sum a stage's micro-batches in bfloat16. (FSDP2's own per-parameter steps, as
+    torch.distributed.pipelining's stage calls FSDP2's internals for its reduce.)"""
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    if not isinstance(module, FSDPModule):
+        return
+    for state in fully_shard.state(module)._state_ctx.all_states:
+        for group in state._fsdp_param_groups:
+            for param in group.fsdp_params:
+                if hasattr(param, "_unsharded_param"):
+                    param.accumulate_unsharded_grad_if_needed()
+                    param.to_accumulated_grad_if_needed()
 
 
 class PipelineRunner:
@@ -616,8 +651,12 @@ class PipelineRunner:
             )
             outputs = (torch.zeros((), device=device, requires_grad=True) if module.is_last
                        else act)  # fmt: skip
+            # zero bubble: the input pass is one autograd backward whose linear layers,
+            # norms and head leave their weights' gradients to the weight pass, which runs
+            # just those (diffusion/backward.py), instead of torch's second graph walk
+            split = module.backward_pass.take if module.head_loss == "split" else None
             stage = fed(module, module.stage, plan.num_stages, device, input_args=inputs,
-                        output_args=outputs, group=self.group)  # fmt: skip
+                        output_args=outputs, group=self.group, dw_builder=split)  # fmt: skip
             self.stages.append(stage)
         schedule = getattr(pipelining, SCHEDULES[plan.schedule])
         first_arg = self.stages[0] if plan.stages_per_rank == 1 else self.stages
