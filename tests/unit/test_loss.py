@@ -315,14 +315,15 @@ def test_split_backward_makes_each_gradient_once():
     head = 2 * n * h * v
     assert [first.total, second.total] == [2 * head + 2 * n * h * h] * 2
     assert holder.take() is not weight_pass  # taken once: the next take has nothing
+
+
 def test_a_micro_batch_without_targets_leaves_gradients_that_later_ones_add_into():
     """A micro-batch with no masked rows (0 targets) still gives the head a gradient, zeros
-    of its own: zero bubble's weight pass (torch's stage_backward_weight) adds the next
-    micro-batch's into it in place, which an expanded scalar refused ("more than one
-    element of the written-to tensor refers to a single memory location")."""
-    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
-
-    from unmask.diffusion.loss import BackwardPass
+    of its own, into which zero bubble's weight pass (diffusion/backward.py add_gradient)
+    adds the next micro-batch's in place: the sum of both equals one backward of all rows.
+    (An expanded scalar there made torch's own split backward fail: "more than one element
+    of the written-to tensor refers to a single memory location".)"""
+    from unmask.diffusion.backward import BackwardPass
 
     g = torch.Generator().manual_seed(4)
     w = (torch.randn(40, 8, generator=g) / 4).requires_grad_(True)
@@ -333,10 +334,9 @@ def test_a_micro_batch_without_targets_leaves_gradients_that_later_ones_add_into
         x = rows[:n].clone().requires_grad_(True)
         loss = chunked_cross_entropy(x, w, targets[:n], backward_pass=holder).sum()
         holder.kind = "input"
-        _, groups = stage_backward_input([loss], None, [x], iter([w]))
-        holder.kind = "weight"
-        stage_backward_weight(iter([w]), groups)
+        loss.backward()
         holder.kind = "full"
+        holder.take()()
     reference = w.detach().clone().requires_grad_(True)
     F.cross_entropy(rows @ reference.T, targets, reduction="sum").backward()
     torch.testing.assert_close(w.grad, reference.grad, rtol=1e-5, atol=1e-6)
