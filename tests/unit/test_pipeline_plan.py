@@ -196,6 +196,22 @@ def test_bubble_formula_is_torchs_schedule_with_equal_stages(schedule, p, v, m):
     assert idle == pytest.approx((p - 1) / (work + p - 1), rel=1e-12)
 
 
+@pytest.mark.parametrize(("p", "v", "m"), [(2, 2, 8), (4, 2, 16), (3, 3, 6)])
+@pytest.mark.parametrize("passes", [(60, 65, 43), (1, 1.5, 0.5), (1, 2, 1), (1, 0.8, 1.2)])
+def test_zero_bubble_formula_at_unequal_passes_is_torchs_schedule(p, v, m, passes):
+    # forward, input pass and weight pass costs of every stage (the first as measured on
+    # CPU, ms): torch's interleaved zero bubble idles (p-1)(F+I-W) / (vm(F+I+W) + that);
+    # a weight pass dearer than the input pass leaves (p-1) F, as with equal passes
+    order = torch_order("zero_bubble", p, v, m)
+    forward, input_pass, weight_pass = passes
+    costs = {(s, k): c for s in range(p * v)
+             for k, c in (("F", forward), ("I", input_pass), ("W", weight_pass))}  # fmt: skip
+    idle = schedule_idle(order, costs)
+    assert idle == pytest.approx(bubble_formula("zero_bubble", p, m, v, passes), rel=1e-12)
+    drain = (p - 1) * (forward + max(input_pass - weight_pass, 0))
+    assert idle == pytest.approx(drain / (v * m * sum(passes) + drain), rel=1e-12)
+
+
 def test_schedule_idle_of_unequal_stages_against_a_hand_count():
     # GPipe, 2 micro-batches, stage 1 twice stage 0 (F 2, B 4 against 1, 2): rank 1 ends
     # its forwards at 5 and its backwards at 13, rank 0's last backward at 15; rank 0 works

@@ -180,18 +180,26 @@ def balanced_split(costs: LayerCosts, stages: int) -> list[int]:
     return sizes[::-1]
 
 
-def bubble_formula(schedule: str, degree: int, microbatches: int,
-                   stages_per_rank: int = 1) -> float:  # fmt: skip
+def bubble_formula(schedule: str, degree: int, microbatches: int, stages_per_rank: int = 1,
+                   passes: tuple[float, float, float] = (1.0, 1.0, 1.0)) -> float:  # fmt: skip
     """The share of a step a rank idles under `schedule` with equal stages and free
     communication: (p - 1) / (v m + p - 1) for gpipe, 1F1B and interleaved 1F1B (p ranks,
-    v stages per rank, m micro-batches); (p - 1) / (3 v m + p - 1) for zero bubble, whose
-    backward is an input pass and a weight pass, each as long as the forward (ZB-H1's
-    T_F = T_B = T_W): the weight passes fill all of the drain but one forward per rank
-    step, (p - 1) forwards of idle against 3 v m of work (torch's
-    ScheduleInterleavedZeroBubble replayed with these costs gives exactly this)."""
+    v stages per rank, m micro-batches), whatever the forward and backward cost.
+
+    Zero bubble's depends on what its passes cost, `passes` = (forward F, input pass I,
+    weight pass W) of a stage's micro-batch: (p - 1) (F + I - W) / (v m (F + I + W) +
+    (p - 1) (F + I - W)), ZB-H1's bubble (p - 1)(T_F + T_B - T_W) from the zero-bubble
+    paper, with (p - 1) F when W > I (the weight passes then more than fill what the input
+    passes leave). Equal passes (the paper's T_F = T_B = T_W) give (p - 1) / (3 v m + p - 1):
+    the weight passes fill all of the drain but one forward per rank step. torch's
+    ScheduleInterleavedZeroBubble replayed with such costs gives exactly this
+    (tests/unit/test_pipeline_plan.py)."""
     p, m, v = degree, microbatches, stages_per_rank
-    work = 3 * v * m if schedule == "zero_bubble" else v * m
-    return (p - 1) / (work + p - 1)
+    if schedule != "zero_bubble":
+        return (p - 1) / (v * m + p - 1)
+    forward, input_pass, weight_pass = passes
+    drain = (p - 1) * (forward + max(input_pass - weight_pass, 0.0))
+    return drain / (v * m * (forward + input_pass + weight_pass) + drain)
 
 
 def schedule_idle(order: dict[int, list[tuple[int, str, int]]],
