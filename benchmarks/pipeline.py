@@ -29,7 +29,10 @@ input pass and weight pass equal); *equal stages* replays the same recorded orde
 forward 1, input and weight passes 1 each (backward 2) on every stage, which must give the
 formula; *leveled* replays it with each stage's measured total scaled to the stages' mean,
 its forward / backward (input / weight) proportions kept: the part of the excess over the
-formula that unequal stages do not explain.
+formula that unequal stages do not explain. Zero bubble's idle also depends on what its
+passes cost ((p - 1)(F + I - W) / (v m (F + I + W) + (p - 1)(F + I - W)), `bubble_formula`
+with `passes`): *formula at the measured passes* is that with the run's forward, input and
+weight pass (mean over stages), beside the equal-pass formula.
 
 Memory: parameter + optimizer-state bytes held by a rank after one step (AdamW and
 MuonAdamW), the max over ranks, pp=2 (1f1b) against one process.

@@ -19,6 +19,12 @@ Every stage gets its micro-batch's side inputs (document ids, positions, an expl
 attention mask; the targets on the last stage) from the same rows every pp rank of a
 pipeline reads, so neither they nor the RoPE tables travel.
 
+Zero bubble splits each backward into an input pass and a weight pass. Here the input pass
+is one autograd backward in which the stage's linear layers, norms and LM head leave their
+weights' gradients to the weight pass (`defer_weight_gradients`, diffusion/backward.py),
+and the weight pass (torch's `dw_builder` hook) runs just those matmuls: no second walk of
+the graph, as torch's own split does.
+
 Mixture-of-experts layers are ordinary layers of a stage (first_k_dense_replace's dense
 ones too). Their balancing losses need no help from the last stage: each MoE layer hangs its
 aux and z losses on its output (models/moe.py, AuxLossScaler), so the stage's backward,
