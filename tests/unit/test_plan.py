@@ -314,7 +314,7 @@ def test_pipeline_in_flight_p2p_and_bubble_against_hand_counts():
     assert memory_terms(last, shape).activations == activation_bytes(last, shape) + 4
     send = {c.dim: c for c in step_collectives(first, shape, 1)}["pp"]
     assert (send.calls, send.tensor_bytes, send.wire_bytes) == (4, 4 * 32 * 64 * 4, 4 * 32 * 64 * 4)
-    assert bubble_fraction(first) == pytest.approx(1 / 5)
+    assert bubble_fraction(first, shape.length) == pytest.approx(1 / 5)
     plan = make_run_plan(cfg, 4, DEVICES["h100"])
     assert plan.step_s == pytest.approx(
         plan.compute_s / (1 - 1 / 5) + plan.optimizer_s + plan.exposed_comm_s
@@ -325,7 +325,20 @@ def test_pipeline_in_flight_p2p_and_bubble_against_hand_counts():
     inter = shard_model(pp4("train.pipeline_schedule=interleaved_1f1b",
                             "train.pipeline_stages_per_rank=2"), 2, rank=0)  # fmt: skip
     assert in_flight(inter) == min(4 * 2, (2 - 1) * 2 + 2 * (2 - 1) + 1) / 2
-    assert bubble_fraction(inter) == pytest.approx(1 / (4 * 2 + 1))
+    assert bubble_fraction(inter, shape.length) == pytest.approx(1 / (4 * 2 + 1))
+    # zero bubble (v 2): the passes' FLOPs per token and layer, the attention scores'
+    # backward (8 x width x length) in the input pass, every weight 2 in each pass
+    zb = shard_model(pp4("train.pipeline_schedule=zero_bubble",
+                         "train.pipeline_stages_per_rank=2"), 2, rank=0)  # fmt: skip
+    m = zb.model_config
+    width = m.num_attention_heads * m.resolved_head_dim
+    weights = (2 * m.hidden_size * width + 2 * m.hidden_size * m.num_key_value_heads
+               * m.resolved_head_dim + 3 * m.hidden_size * m.intermediate_size)  # fmt: skip
+    scores = 4 * width * shape.length
+    f, i, w = 2 * weights + scores, 2 * weights + 2 * scores, 2 * weights
+    drain = (2 - 1) * (f + i - w)
+    assert bubble_fraction(zb, shape.length) == pytest.approx(drain / (4 * 2 * (f + i + w) + drain))
+    assert bubble_fraction(zb, shape.length) > 1 / (3 * 4 * 2 + 1)  # the equal-pass formula
 
 
 def test_expert_stacks_that_do_not_fit_are_told_the_expert_parallel_that_fixes_it():

@@ -142,6 +142,18 @@ def layer_costs(cfg, length: int, head_share: float, head_loss: str = "fused") -
     return LayerCosts(layers, 2.0 * hidden, head)
 
 
+def split_passes(cfg, length: int) -> tuple[float, float, float]:
+    """Estimated (forward, input pass, weight pass) FLOPs per token of the decoder's layers
+    under zero bubble's split backward, the `passes` of `bubble_formula`: each matmul
+    weight 2 in each pass (as `layer_costs` counts its 6), the attention scores (no
+    weight) a third of their 12 x width x length in the forward and the rest, their
+    backward, in the input pass."""
+    width = cfg.num_attention_heads * cfg.resolved_head_dim
+    scores = 12.0 * width * length * cfg.num_hidden_layers
+    weights = (math.fsum(layer_costs(cfg, length, 0.0).layers) - scores) / 6
+    return 2 * weights + scores / 3, 2 * weights + 2 * scores / 3, 2 * weights
+
+
 def balanced_split(costs: LayerCosts, stages: int) -> list[int]:
     """Layers per stage (consecutive, at least one each) that make the stages' costs as
     equal as whole layers allow: the smallest largest stage, and among the splits that

@@ -25,7 +25,7 @@ from unmask.models.attention import FLEX_MIN_HEAD_DIM
 from unmask.optim.newton_schulz import ns_flops
 from unmask.optim.updates import auto_ns_dtype, cpu_has_native_bf16
 from unmask.parallel.batch import per_rank_batch_size
-from unmask.parallel.pipeline import bubble_formula
+from unmask.parallel.pipeline import bubble_formula, split_passes
 from unmask.plan.devices import Device
 from unmask.plan.memory import MemoryTerms, StepShape, memory_terms
 from unmask.plan.shards import (
@@ -162,17 +162,22 @@ def newton_schulz_flops(model: ShardedModel, cfg: RunConfig) -> float:
     return total
 
 
-def bubble_fraction(model: ShardedModel) -> float:
+def bubble_fraction(model: ShardedModel, length: int) -> float:
     """Share of a step a pipeline rank idles (parallel/pipeline.py `bubble_formula`):
     (p - 1) / (m v + p - 1) for GPipe, 1F1B and interleaved 1F1B (m micro-batches, p ranks,
     v stages per rank: the warm-up and drain of p - 1 stage steps against m v of work);
-    (p - 1) / (3 m v + p - 1) for zero bubble, whose deferred weight-gradient passes fill
-    the drain but one forward per rank step (backward = input + weight passes, each about
-    one forward: ZB-H1's). 0 without a pipeline."""
+    for zero bubble (p - 1)(F + I - W) / (m v (F + I + W) + (p - 1)(F + I - W)), ZB-H1's,
+    at the passes' estimated FLOPs on rows of `length` tokens (`split_passes`: the
+    attention's backward makes the input pass longer than the weight pass). 0 without a
+    pipeline."""
     plan = model.pipeline
     if plan is None:
         return 0.0
-    return bubble_formula(plan.schedule, plan.degree, plan.microbatches, plan.stages_per_rank)
+    passes = (1.0, 1.0, 1.0)
+    if plan.schedule == "zero_bubble":
+        passes = split_passes(model.model_config, length)
+    return bubble_formula(plan.schedule, plan.degree, plan.microbatches, plan.stages_per_rank,
+                          passes)  # fmt: skip
 
 
 def link_seconds(collective: Collective, device: Device) -> float:
@@ -237,7 +242,7 @@ def make_run_plan(cfg: RunConfig, world_size: int, device: Device, *, nodes: int
     exposed = sum(link_seconds(c, device) for c in collectives
                   if c.dim not in ("dp_shard_cp", "dp_replicate"))  # fmt: skip
     exposed += max(0.0, overlapped - compute)
-    bubble = bubble_fraction(first)
+    bubble = bubble_fraction(first, shape.length)
     compute_with_bubble = compute / (1 - bubble)
     # the optimizer runs after the backward, outside the overlap; Newton-Schulz in its dtype
     optimizer_s = ns_work / (device.peak(ns_bytes(cfg, device) == 2) * mfu)
