@@ -136,12 +136,11 @@ class _Linear(torch.autograd.Function):
         if not (want_weight or want_bias):
             return grad_x, None, None, None
         if ctx.backward_pass.deferring:
+            targets = ctx.targets
 
             def deferred() -> None:
-                for target, grad in zip(ctx_targets, weight_gradients()):
+                for target, grad in zip(targets, weight_gradients()):
                     add_gradient(target, grad)
-
-            ctx_targets = ctx.targets
 
             ctx.backward_pass.defer(deferred)
             return grad_x, None, None, None
