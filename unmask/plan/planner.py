@@ -259,6 +259,11 @@ def make_run_plan(cfg: RunConfig, world_size: int, device: Device, *, nodes: int
     if total_steps is None:
         notes.append("the run's length comes from its data (num_train_epochs): give --tokens "
                      "or train.max_steps for a wall time")  # fmt: skip
+    if first.pipeline is not None and first.pipeline.schedule == "zero_bubble":
+        notes.append("zero bubble: each linear layer and norm holds its input and output "
+                     "gradient from a micro-batch's input pass to its weight pass; the "
+                     "memory estimate leaves them out (about one micro-batch's saved "
+                     "activations of the stage per weight pass not yet run)")  # fmt: skip
     return RunPlan(world_size=world_size, nodes=nodes, device=device.name,
                    layout=asdict(layout), parameters=total_params, ranks=plans,
                    collectives=collectives, rows_per_rank=shape.rows,
