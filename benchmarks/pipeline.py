@@ -277,7 +277,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         paths = write_configs(root)
-        keys = ("idle", "wall", "replayed", "equal", "leveled", "shares", "costs", "passes")
+        keys = ("idle", "wall", "replayed", "equal", "leveled", "shares", "costs", "at_passes")
         runs = [f"{model}-{schedule}" for model in MODELS for schedule in SCHEDULES]
         found: dict[str, dict[str, list]] = {r: {k: [] for k in keys} for r in runs}
         plans: dict[str, dict] = {}
@@ -297,7 +297,7 @@ def main() -> None:
                 got["leveled"].append(replayed(order, leveled(costs, stages)))
                 got["shares"].append(stage_shares(costs, stages))
                 got["costs"].append(costs)
-                got["passes"].append(formula(run.split("-", 1)[1], mean_passes(costs, stages)))
+                got["at_passes"].append(formula(run.split("-", 1)[1], mean_passes(costs, stages)))
                 plans[run] = {"layers": ranks[0]["layers"], "shares": ranks[0]["shares"]}
         memory = {}
         for pp in (1, PP):
@@ -355,7 +355,7 @@ def report(found, plans, memory, rounds, timed) -> str:
             verdict = "yes" if statistics.median(ratios) <= TARGET else "**no**"
             equal = (f"{got['equal'][0]:.4f}" if len(set(got["equal"])) == 1
                      else with_spread(got["equal"], "{:.4f}"))  # fmt: skip
-            at_passes = [r / f for r, f in zip(got["replayed"], got["passes"])]
+            at_passes = [r / f for r, f in zip(got["replayed"], got["at_passes"])]
             verdict_passes = "yes" if statistics.median(at_passes) <= TARGET else "**no**"
             lines.append(
                 f"| {model} | {schedule} | {per_rank} | {with_spread(got['idle'], '{:.3f}')} | "
@@ -363,7 +363,7 @@ def report(found, plans, memory, rounds, timed) -> str:
                 f"{with_spread(got['replayed'], '{:.3f}')} | {bound:.4f} | {equal} | "
                 f"{with_spread(ratios)} | {verdict} | "
                 f"{with_spread([v / bound for v in got['leveled']])} | "
-                f"{with_spread(got['passes'], '{:.4f}')} | {with_spread(at_passes)} | "
+                f"{with_spread(got['at_passes'], '{:.4f}')} | {with_spread(at_passes)} | "
                 f"{verdict_passes} | {with_spread(got['wall'], '{:.3f}')} |"
             )
     lines += [

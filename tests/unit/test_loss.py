@@ -302,10 +302,10 @@ def test_split_backward_makes_each_gradient_once():
     plain = (x.grad, a.grad, w.grad)
     holder = BackwardPass()
     x, a, w, loss = stage(holder)
-    holder.kind = "input"
+    holder.deferring = True
     with MatmulFlops() as first:
         loss.backward()
-    holder.kind = "full"
+    holder.deferring = False
     assert x.grad is not None and a.grad is None and w.grad is None
     weight_pass = holder.take()
     with MatmulFlops() as second:
@@ -333,9 +333,9 @@ def test_a_micro_batch_without_targets_leaves_gradients_that_later_ones_add_into
     for n in (0, 6):  # the empty micro-batch first
         x = rows[:n].clone().requires_grad_(True)
         loss = chunked_cross_entropy(x, w, targets[:n], backward_pass=holder).sum()
-        holder.kind = "input"
+        holder.deferring = True
         loss.backward()
-        holder.kind = "full"
+        holder.deferring = False
         holder.take()()
     reference = w.detach().clone().requires_grad_(True)
     F.cross_entropy(rows @ reference.T, targets, reduction="sum").backward()

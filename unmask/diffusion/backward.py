@@ -29,18 +29,14 @@ import torch
 
 
 class BackwardPass:
-    """Which gradients the next backward of a stage makes (`kind`): "full", every one;
-    "input", those of the activations only, each deferring layer handing its weight's to
-    `defer` instead. The stage sets `kind` around a backward and calls `take` after it."""
+    """Which gradients the next backward of a stage makes: every one, or while `deferring`
+    (an input pass) those of the activations only, each deferring layer handing its
+    weight's to `defer` instead. The stage sets `deferring` around a backward and calls
+    `take` after it."""
 
     def __init__(self) -> None:
-        self.kind = "full"
+        self.deferring = False
         self._deferred: list[Callable[[], None]] = []
-
-    @property
-    def deferring(self) -> bool:
-        """True while an input pass runs: weight gradients go to `defer`."""
-        return self.kind == "input"
 
     def defer(self, make: Callable[[], None]) -> None:
         """Keep `make` (it computes a weight's gradient and adds it, `add_gradient`) for the

@@ -604,13 +604,13 @@ def _stage_class():
             """The backward, told whether it is a split backward's input pass (zero
             bubble: the weights' gradients deferred to `backward_weight_one_chunk`)."""
             holder = self.submod.backward_pass
-            holder.kind = "full" if full_backward else "input"
+            holder.deferring = not full_backward
             try:
                 return super().backward_one_chunk(bwd_chunk_id, loss=loss,
                                                   full_backward=full_backward,
                                                   last_backward=last_backward)  # fmt: skip
             finally:
-                holder.kind = "full"
+                holder.deferring = False
 
         def backward_weight_one_chunk(self, bwd_chunk_id, last_backward=False):
             super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
