@@ -44,6 +44,9 @@ TWO = {  # pp=2 on 2 processes: every schedule, Muon, accumulation
 FOUR = {  # 4 processes: pp composed with FSDP2 and TP
     "dp2pp2": {"train": {"dp_shard": 2}},
     "dp2pp2-muon-accum4": deep_update(deep_update(MUON, ACCUM4), {"train": {"dp_shard": 2}}),
+    # zero bubble's deferred weight passes under FSDP2 (their gradients reduced with the rest)
+    "dp2pp2-zerobubble": {"train": {"dp_shard": 2, "pipeline_schedule": "zero_bubble",
+                                    "pipeline_stages_per_rank": 2, "pipeline_microbatches": 4}},
     "pp2tp2": {"train": {"tensor_parallel": 2}},
     "pp2tp2-muon-accum4": deep_update(deep_update(MUON, ACCUM4),
                                       {"train": {"tensor_parallel": 2}}),
