@@ -258,13 +258,13 @@ def test_pipeline_last_stage_full_loss_equals_the_chunked_path():
             torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-6)
 
 
-def test_split_backward_makes_each_gradient_once():
-    """Zero bubble's input pass (one autograd backward while the stage's BackwardPass
-    defers) and weight pass (what it deferred, `take()`) through a linear layer and the
-    chunked loss: the same gradients, bit for bit, as one plain backward; the input pass
-    leaves the weights' gradients alone, and each pass makes only its own gradient of the
-    head: 2 x 2 N H V FLOPs each (the logits again, one matmul), besides the layer's
-    input gradient in the first and its weight gradient in the second."""
+def test_zero_bubble_stage_makes_each_gradient_once():
+    """Zero bubble's last stage through a linear layer and the fused loss: the loss makes
+    the head's and the hidden rows' gradients in its forward (3 x 2 N H V FLOPs: the
+    logits, then both gradients), the input pass (one autograd backward while the stage's
+    BackwardPass defers) only the layer's input gradient, the weight pass (what it
+    deferred, `take()`) only the layer's weight gradient; together the same gradients, bit
+    for bit, as one plain backward."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from unmask.diffusion.backward import BackwardPass
@@ -293,50 +293,44 @@ def test_split_backward_makes_each_gradient_once():
         x = x0.clone().requires_grad_(True)
         a, w = a0.clone().requires_grad_(True), w0.clone().requires_grad_(True)
         hidden = torch.tanh(linear(x, a, None, holder) if holder else x @ a.T)
-        loss = (chunked_cross_entropy(hidden, w, targets, 32, 8, backward_pass=holder)
-                * coef).sum()  # fmt: skip
-        return x, a, w, loss
+        return x, a, w, weighted_cross_entropy(hidden, w, targets, coef, 32, 8)
 
     x, a, w, loss = stage(None)
     loss.backward()
     plain = (x.grad, a.grad, w.grad)
     holder = BackwardPass()
-    x, a, w, loss = stage(holder)
+    with MatmulFlops() as forward:
+        x, a, w, loss = stage(holder)
     holder.deferring = True
     with MatmulFlops() as first:
         loss.backward()
     holder.deferring = False
-    assert x.grad is not None and a.grad is None and w.grad is None
+    assert x.grad is not None and a.grad is None and w.grad is not None
     weight_pass = holder.take()
     with MatmulFlops() as second:
         weight_pass()
     for got, want in zip((x.grad, a.grad, w.grad), plain):
         assert torch.equal(got, want)
-    head = 2 * n * h * v
-    assert [first.total, second.total] == [2 * head + 2 * n * h * h] * 2
+    head, layer = 2 * n * h * v, 2 * n * h * h
+    assert [forward.total, first.total, second.total] == [3 * head + layer, layer, layer]
     assert holder.take() is not weight_pass  # taken once: the next take has nothing
 
 
 def test_a_micro_batch_without_targets_leaves_gradients_that_later_ones_add_into():
     """A micro-batch with no masked rows (0 targets) still gives the head a gradient, zeros
-    of its own, into which zero bubble's weight pass (diffusion/backward.py add_gradient)
-    adds the next micro-batch's in place: the sum of both equals one backward of all rows.
-    (An expanded scalar there made torch's own split backward fail: "more than one element
-    of the written-to tensor refers to a single memory location".)"""
-    from unmask.diffusion.backward import BackwardPass
-
+    of its own, into which the next micro-batch's is added in place: the sum of both
+    equals one backward of all rows. (An expanded scalar there made torch's own split
+    backward fail: "more than one element of the written-to tensor refers to a single
+    memory location".)"""
     g = torch.Generator().manual_seed(4)
     w = (torch.randn(40, 8, generator=g) / 4).requires_grad_(True)
     rows = torch.randn(6, 8, generator=g)
     targets = torch.randint(0, 40, (6,), generator=g)
-    holder = BackwardPass()
     for n in (0, 6):  # the empty micro-batch first
         x = rows[:n].clone().requires_grad_(True)
-        loss = chunked_cross_entropy(x, w, targets[:n], backward_pass=holder).sum()
-        holder.deferring = True
-        loss.backward()
-        holder.deferring = False
-        holder.take()()
+        chunked_cross_entropy(x, w, targets[:n]).sum().backward()
+        if n == 0:
+            assert w.grad is not None and w.grad.stride() == (8, 1) and not w.grad.any()
     reference = w.detach().clone().requires_grad_(True)
     F.cross_entropy(rows @ reference.T, targets, reduction="sum").backward()
     torch.testing.assert_close(w.grad, reference.grad, rtol=1e-5, atol=1e-6)

@@ -11,6 +11,7 @@ import pytest
 from unmask.cli import main
 from unmask.errors import InputError
 from unmask.parallel.pipeline import (
+    HEAD_LOSS,
     LayerCosts,
     PipelinePlan,
     balanced_split,
@@ -81,14 +82,12 @@ def test_layer_costs_of_a_model_in_flops_per_token():
     assert costs.head == 12 * 64 + 0.5 * 3 * 2 * 65 * 3200 == 624768  # 1.96 layers
     assert balanced_split(costs, 2) == [6, 4]
     # GPipe's chunked loss makes the head's gradients in its backward (logits recomputed):
-    # 4 passes, 2.61 layers; zero bubble's input and weight passes each recompute the
-    # logits for their own gradient: 5 passes, 3.26 layers
+    # 4 passes, 2.61 layers
     chunked = layer_costs(cfg, 32, head_share=0.5, head_loss="chunked")
     assert chunked.head == 12 * 64 + 0.5 * 4 * 2 * 65 * 3200 and chunked.layers == costs.layers
     assert balanced_split(chunked, 2) == [6, 4]
-    split = layer_costs(cfg, 32, head_share=0.5, head_loss="split")
-    assert split.head == 12 * 64 + 0.5 * 5 * 2 * 65 * 3200 and split.layers == costs.layers
-    assert balanced_split(split, 2) == [7, 3]
+    assert {HEAD_LOSS[s] for s in ("1f1b", "interleaved_1f1b", "zero_bubble")} == {"fused"}
+    assert HEAD_LOSS["gpipe"] == "chunked"
     # an MoE layer: its active weights (router 8 x 64, top-2 of 8 experts of 32, one shared
     # expert of 32); the dense first layer keeps its SwiGLU of 192
     moe = ModelConfig(model_type="llada2_moe", hidden_size=64, intermediate_size=192,
@@ -210,6 +209,19 @@ def test_zero_bubble_formula_at_unequal_passes_is_torchs_schedule(p, v, m, passe
     assert idle == pytest.approx(bubble_formula("zero_bubble", p, m, v, passes), rel=1e-12)
     drain = (p - 1) * (forward + max(input_pass - weight_pass, 0))
     assert idle == pytest.approx(drain / (v * m * sum(passes) + drain), rel=1e-12)
+
+
+@pytest.mark.parametrize(("p", "v", "m"), [(2, 2, 8), (4, 2, 16), (3, 3, 6), (4, 2, 4)])
+def test_zero_bubbles_last_stage_runs_each_input_pass_right_after_its_forward(p, v, m):
+    # what lets zero bubble's last stage use the fused loss (HEAD_LOSS): the head's
+    # gradients its forward makes are handed over by the very next action, so one
+    # micro-batch's wait at a time, as under 1F1B
+    assert HEAD_LOSS["zero_bubble"] == "fused"
+    last = p * v - 1
+    actions = torch_order("zero_bubble", p, v, m)[last % p]
+    forwards = [i for i, (stage, kind, _) in enumerate(actions) if (stage, kind) == (last, "F")]
+    assert len(forwards) == m
+    assert all(actions[i + 1] == (last, "I", actions[i][2]) for i in forwards)
 
 
 def test_schedule_idle_of_unequal_stages_against_a_hand_count():

@@ -25,8 +25,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Shard
 
-from unmask.diffusion.backward import BackwardPass, add_gradient
-
 #: A target of -100 means "no loss here" (the masked-only loss reads only the other rows);
 #: the same value torch's cross_entropy ignores by default.
 IGNORE_INDEX = -100
@@ -60,7 +58,7 @@ def _mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool) -
 
 class _ChunkedCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, vocab_chunk, row_chunk, backward_pass=None):
+    def forward(ctx, hidden, weight, targets, vocab_chunk, row_chunk):
         # hidden (N, H), weight (V, H), targets (N,) -> loss (N,) float32
         n, v = hidden.shape[0], weight.shape[0]
         acc = torch.promote_types(hidden.dtype, torch.float32)
@@ -81,8 +79,6 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         target_logit = (hidden * weight[targets].to(hidden.dtype)).to(acc).sum(-1)
         ctx.save_for_backward(hidden, weight, targets, lse)
         ctx.vocab_chunk, ctx.row_chunk = vocab_chunk, row_chunk
-        # the head itself: what its deferred gradient goes into (saved tensors may be copies)
-        ctx.backward_pass, ctx.target = backward_pass, weight
         return lse - target_logit
 
     @staticmethod
@@ -90,19 +86,6 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         hidden, weight, targets, lse = ctx.saved_tensors
         chunks = (ctx.vocab_chunk, ctx.row_chunk)
         want_weight = ctx.needs_input_grad[1]  # a frozen head (LoRA): less
-        split = ctx.backward_pass
-        if want_weight and split is not None and split.deferring:
-            # the input pass: the hidden rows' gradient now, the head's in the weight pass
-            # (its logits recomputed there: 5 passes over them per micro-batch, not 6)
-            target = ctx.target
-
-            def head_gradient() -> None:
-                grad = _chunked_gradients(hidden, weight, targets, lse, grad_loss, *chunks,
-                                          True, want_hidden=False)[1]  # fmt: skip
-                add_gradient(target, grad.to(weight.dtype))
-
-            split.defer(head_gradient)
-            want_weight = False
         grad_hidden, grad_weight = _chunked_gradients(
             hidden, weight, targets, lse, grad_loss, *chunks, want_weight,
             want_hidden=ctx.needs_input_grad[0],
@@ -111,7 +94,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
             grad_weight = grad_weight.to(weight.dtype)
         if grad_hidden is not None:
             grad_hidden = grad_hidden.to(hidden.dtype)
-        return grad_hidden, grad_weight, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None
 
 
 def _chunked_gradients(hidden, weight, targets, lse, grad_loss, vocab_chunk: int,
@@ -375,20 +358,17 @@ def weighted_cross_entropy(
     vocab_chunk: int = 8192,
     row_chunk: int = 4096,
     fused: bool = True,
-    backward_pass: BackwardPass | None = None,
 ) -> torch.Tensor:
     """sum_i coef_i * CE_i, 0-d float32: `(coef * chunked_cross_entropy(...)).sum()` with
     one pass over the LM head fewer when gradients are wanted (both are computed in the
     forward; tests/unit/test_loss.py pins them to the plain path). coef (N,) carries no
     gradient. Rows are taken `row_chunk * vocab_chunk // V` at a time (at least one), so
     the block holds as many elements as chunked_cross_entropy's. fused=False: the plain
-    path all the same, its gradients made in the backward (the head's deferred to the
-    weight pass while `backward_pass` is deferring, diffusion/backward.py).
+    path all the same, its gradients made in the backward.
     """
     needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     if hidden.shape[0] == 0 or not needs_grad or not fused:
-        losses = chunked_cross_entropy(hidden, weight, targets, vocab_chunk, row_chunk,
-                                       backward_pass)  # fmt: skip
+        losses = chunked_cross_entropy(hidden, weight, targets, vocab_chunk, row_chunk)
         return (losses * coef.detach().to(losses.dtype)).sum()
     block_rows = max(1, (row_chunk * vocab_chunk) // weight.shape[0])
     shard = vocab_shard(weight)
@@ -409,19 +389,17 @@ def weighted_loss(
     vocab_chunk: int = 8192,
     implementation: str = "chunked",
     fused: bool = True,
-    backward_pass: BackwardPass | None = None,
 ) -> torch.Tensor:
     """sum_i w_i CE_i over the positions with a target (hidden (..., H), targets and
     target_weights (...), -100 = no target), 0-d float32, by `model.loss_implementation`:
     "full" through the whole logits (`full_cross_entropy`), "chunked" on the target rows
-    only (`weighted_cross_entropy`, with `fused` and `backward_pass`)."""
+    only (`weighted_cross_entropy`, with `fused`)."""
     if implementation == "full":  # the whole logits, as HF / torchtitan
         losses = full_cross_entropy(hidden, weight, targets)
         return (losses * target_weights.detach().float()).sum()
     selected = targets != IGNORE_INDEX
     return weighted_cross_entropy(hidden[selected], weight, targets[selected],
-                                  target_weights[selected], vocab_chunk, fused=fused,
-                                  backward_pass=backward_pass)  # fmt: skip
+                                  target_weights[selected], vocab_chunk, fused=fused)  # fmt: skip
 
 
 def full_cross_entropy(
@@ -445,7 +423,6 @@ def chunked_cross_entropy(
     targets: torch.Tensor,
     vocab_chunk: int = 8192,
     row_chunk: int = 4096,
-    backward_pass: BackwardPass | None = None,
 ) -> torch.Tensor:
     """Per-row cross-entropy -log softmax(hidden @ weight.T)[target], float32.
 
@@ -457,10 +434,6 @@ def chunked_cross_entropy(
     A weight split by vocabulary rows over tp ranks (a DTensor, `vocab_shard`) takes the
     vocab-parallel path: hidden and targets the same on every tp rank, losses too, and each
     rank's block 1/tp of the replicated one (vocab_chunk / tp columns).
-
-    backward_pass: a split backward's passes (diffusion/backward.py): while it is
-    deferring, the head's gradient is left to its weight pass (the replicated head's path
-    only; the vocab-parallel one makes both in the input pass); None: both at once.
     """
     shard = vocab_shard(weight)
     local = weight if shard is None else shard.weight
@@ -474,5 +447,4 @@ def chunked_cross_entropy(
             return _VocabParallelCrossEntropy.apply(
                 hidden, shard.weight, targets, shard.start, shard.group, chunk, row_chunk
             )
-        return _ChunkedCrossEntropy.apply(hidden, weight, targets, vocab_chunk, row_chunk,
-                                          backward_pass)  # fmt: skip
+        return _ChunkedCrossEntropy.apply(hidden, weight, targets, vocab_chunk, row_chunk)

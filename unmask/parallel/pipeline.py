@@ -20,10 +20,11 @@ attention mask; the targets on the last stage) from the same rows every pp rank 
 pipeline reads, so neither they nor the RoPE tables travel.
 
 Zero bubble splits each backward into an input pass and a weight pass. Here the input pass
-is one autograd backward in which the stage's linear layers, norms and LM head leave their
-weights' gradients to the weight pass (`defer_weight_gradients`, diffusion/backward.py),
-and the weight pass (torch's `dw_builder` hook) runs just those matmuls: no second walk of
-the graph, as torch's own split does.
+is one autograd backward in which the stage's linear layers and norms leave their weights'
+gradients to the weight pass (`defer_weight_gradients`, diffusion/backward.py), and the
+weight pass (torch's `dw_builder` hook) runs just those matmuls: no second walk of the
+graph, as torch's own split does. The LM head's loss makes both its gradients in the
+forward (`HEAD_LOSS`), and the last stage's input pass comes right after it.
 
 Mixture-of-experts layers are ordinary layers of a stage (first_k_dense_replace's dense
 ones too). Their balancing losses need no help from the last stage: each MoE layer hangs its
@@ -79,16 +80,19 @@ SCHEDULES = {
 MULTI_STAGE = ("interleaved_1f1b", "zero_bubble")
 #: train.pipeline_schedule -> how the last stage's loss makes the LM head's gradients:
 #: "fused" in the forward (diffusion/loss.py weighted_cross_entropy: 3 passes over the head,
-#: the gradients held until the micro-batch's backward); "chunked" in the backward (the
-#: logits recomputed there: 4 passes, nothing held), for GPipe, whose forwards all run
-#: before its backwards, so a forward that makes the head's gradients paces the forward
-#: half with work of the backward half, and every micro-batch's gradients would wait at
-#: once; "split" for zero bubble's input and weight passes, each making its own gradient
-#: (5 passes: `StageModule`)
+#: the gradients held until the micro-batch's backward, which on the last stage of 1F1B,
+#: interleaved 1F1B and zero bubble comes right after its forward; zero bubble's input
+#: pass hands both over, its weight pass has none of the head's work); "chunked" in the
+#: backward (the logits recomputed there: 4 passes, nothing held), for GPipe, whose forwards
+#: all run before its backwards, so a forward that makes the head's gradients paces the
+#: forward half with work of the backward half, and every micro-batch's gradients would
+#: wait at once
 HEAD_LOSS = {"gpipe": "chunked", "1f1b": "fused", "interleaved_1f1b": "fused",
-             "zero_bubble": "split"}  # fmt: skip
+             "zero_bubble": "fused"}  # fmt: skip
+#: schedules whose backward is split into an input pass and a weight pass
+SPLIT_BACKWARD = ("zero_bubble",)
 #: passes over the head's (rows x vocab) logits per micro-batch, by HEAD_LOSS
-HEAD_PASSES = {"fused": 3, "chunked": 4, "split": 5}
+HEAD_PASSES = {"fused": 3, "chunked": 4}
 
 
 @dataclass(frozen=True)
@@ -122,8 +126,7 @@ def layer_costs(cfg, length: int, head_share: float, head_loss: str = "fused") -
     2 x (hidden + 1) x vocab per pass over its logits (the matmul, and the softmax's
     elementwise work). The fused loss makes 3 passes (logits, then both gradients, in its
     forward); the chunked one 4 (the logits, then in its backward the logits again and
-    both gradients); the split one 5 (the logits; the input pass the logits again and the
-    hidden rows' gradient; the weight pass the logits again and the head's)."""
+    both gradients)."""
     hidden, head_dim = cfg.hidden_size, cfg.resolved_head_dim
     width = cfg.num_attention_heads * head_dim
     attention = 2 * hidden * width + 2 * hidden * cfg.num_key_value_heads * head_dim
@@ -477,7 +480,7 @@ class StageModule(nn.Module):
         self.layers = nn.ModuleList(owner.model.layers[i] for i in self.layer_ids)
         self.norm = owner.model.norm if self.is_last else None
         self.lm_head = owner.lm_head if self.is_last else None
-        if self.head_loss == "split":
+        if plan.schedule in SPLIT_BACKWARD:
             defer_weight_gradients(self, self.backward_pass)
 
     def checkpoints(self, index: int) -> bool:
@@ -516,10 +519,9 @@ class StageModule(nn.Module):
                 x = layer(x, cos, sin, mask)
         if not self.is_last:
             return x
-        split = self.backward_pass if self.head_loss == "split" else None
         return weighted_loss(self.norm(x), self.lm_head.weight, targets, target_weights,
                              self.vocab_chunk, self.config.loss_implementation,
-                             fused=self.head_loss == "fused", backward_pass=split)  # fmt: skip
+                             fused=self.head_loss == "fused")  # fmt: skip
 
 
 def defer_weight_gradients(module: nn.Module, backward_pass: BackwardPass) -> int:
@@ -680,7 +682,7 @@ class PipelineRunner:
             # zero bubble: the input pass is one autograd backward whose linear layers,
             # norms and head leave their weights' gradients to the weight pass, which runs
             # just those (diffusion/backward.py), instead of torch's second graph walk
-            split = module.backward_pass.take if module.head_loss == "split" else None
+            split = module.backward_pass.take if plan.schedule in SPLIT_BACKWARD else None
             stage = fed(module, module.stage, plan.num_stages, device, input_args=inputs,
                         output_args=outputs, group=self.group, dw_builder=split)  # fmt: skip
             self.stages.append(stage)

@@ -354,8 +354,8 @@ def pipeline_saves(model: ShardedModel, shape: StepShape) -> int:
 
 def head_gradient_bytes(model: ShardedModel, shape: StepShape) -> int:
     """The LM head's float32 gradients (diffusion/loss.py), made in the forward by the fused
-    loss, in the backward by the chunked one (a GPipe or zero-bubble last stage,
-    parallel/pipeline.py HEAD_LOSS): the head (V x h; this rank's ceil(V / tp) rows under
+    loss, in the backward by the chunked one (a GPipe last stage, parallel/pipeline.py
+    HEAD_LOSS): the head (V x h; this rank's ceil(V / tp) rows under
     TP, the vocab-parallel head) and the R masked rows' hidden states; none under
     `loss_implementation: full`."""
     if shape.full_loss:
@@ -567,7 +567,7 @@ def memory_terms(model: ShardedModel, shape: StepShape) -> MemoryTerms:
     saved = one + waiting
     head = head_gradient_bytes(model, shape) if model.holds_head else 0
     # the head's gradients, made in each micro-batch's forward by the fused loss, wait for
-    # its backward too (GPipe's and zero bubble's last stage make them in the backward)
+    # its backward too (GPipe's last stage makes them in the backward)
     if model.pipeline is None or HEAD_LOSS[model.pipeline.schedule] == "fused":
         waiting += int((in_flight(model) - 1) * head)
     arch = model.model_config
