@@ -211,17 +211,22 @@ def test_zero_bubble_formula_at_unequal_passes_is_torchs_schedule(p, v, m, passe
     assert idle == pytest.approx(drain / (v * m * sum(passes) + drain), rel=1e-12)
 
 
-@pytest.mark.parametrize(("p", "v", "m"), [(2, 2, 8), (4, 2, 16), (3, 3, 6), (4, 2, 4)])
-def test_zero_bubbles_last_stage_runs_each_input_pass_right_after_its_forward(p, v, m):
-    # what lets zero bubble's last stage use the fused loss (HEAD_LOSS): the head's
-    # gradients its forward makes are handed over by the very next action, so one
-    # micro-batch's wait at a time, as under 1F1B
-    assert HEAD_LOSS["zero_bubble"] == "fused"
+@pytest.mark.parametrize(("schedule", "p", "v", "m"),
+                         [("1f1b", 2, 1, 8), ("1f1b", 4, 1, 16), ("interleaved_1f1b", 2, 2, 8),
+                          ("interleaved_1f1b", 4, 2, 16), ("zero_bubble", 2, 2, 8),
+                          ("zero_bubble", 4, 2, 16), ("zero_bubble", 3, 3, 6),
+                          ("zero_bubble", 4, 2, 4)])  # fmt: skip
+def test_the_last_stage_runs_each_backward_right_after_its_forward(schedule, p, v, m):
+    # what lets these schedules' last stage use the fused loss (HEAD_LOSS) and the plan
+    # count one micro-batch's head gradients (plan/memory.py): the gradients its forward
+    # makes are taken by the very next action, its backward (zero bubble's input pass)
+    assert HEAD_LOSS[schedule] == "fused"
     last = p * v - 1
-    actions = torch_order("zero_bubble", p, v, m)[last % p]
+    actions = torch_order(schedule, p, v, m)[last % p]
     forwards = [i for i, (stage, kind, _) in enumerate(actions) if (stage, kind) == (last, "F")]
     assert len(forwards) == m
-    assert all(actions[i + 1] == (last, "I", actions[i][2]) for i in forwards)
+    backward = "I" if schedule == "zero_bubble" else "B"
+    assert all(actions[i + 1] == (last, backward, actions[i][2]) for i in forwards)
 
 
 def test_schedule_idle_of_unequal_stages_against_a_hand_count():

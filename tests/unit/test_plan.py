@@ -349,6 +349,29 @@ def test_pipeline_in_flight_p2p_and_bubble_against_hand_counts():
     assert not [n for n in plan.notes if "zero bubble" in n]
 
 
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "interleaved_1f1b", "zero_bubble"])
+def test_the_last_stage_holds_one_micro_batchs_head_gradients(schedule, monkeypatch):
+    # the fused loss makes the head's gradients in the forward, and the last stage's
+    # backward of that micro-batch runs next (test_pipeline_plan.py checks torch's orders;
+    # GPipe's chunked loss makes them in its backward): whatever the micro-batches in flight
+    # on the rank (1.5 under the interleaved schedules at p 2, v 2), one micro-batch's
+    # head gradients are in the peak, here made larger than everything else
+    import unmask.plan.memory as memory
+
+    per_rank = ("train.pipeline_stages_per_rank=2",) if schedule in (
+        "interleaved_1f1b", "zero_bubble") else ()  # fmt: skip
+    cfg = pp4(f"train.pipeline_schedule={schedule}", *per_rank)
+    last = shard_model(cfg, 2, rank=1)
+    assert last.holds_head
+    shape = step_shape(cfg, 2)
+    sentinel = 10**15
+    peaks = []
+    for extra in (sentinel, 2 * sentinel):  # both peaks where the head's gradients are
+        monkeypatch.setattr(memory, "head_gradient_bytes", lambda model, shape, e=extra: e)
+        peaks.append(memory_terms(last, shape).peak)
+    assert peaks[1] - peaks[0] == sentinel
+
+
 def test_expert_stacks_that_do_not_fit_are_told_the_expert_parallel_that_fixes_it():
     # 64 experts of 64 x 256 over ep 2 at world 4: each rank holds 32 whole experts per
     # layer (their state is not sharded by FSDP2, so more ranks alone do not help)

@@ -565,11 +565,11 @@ def memory_terms(model: ShardedModel, shape: StepShape) -> MemoryTerms:
     # other micro-batches' saves, and the step's own (the ids' storage, the loss scale)
     waiting = int((in_flight(model) - 1) * one) + pipeline_saves(model, shape)
     saved = one + waiting
+    # the head's gradients: one micro-batch's at a time. The fused loss makes them in the
+    # forward, and on a pipeline's last stage (1F1B, interleaved 1F1B, zero bubble) that
+    # micro-batch's backward runs next and takes them (tests/unit/test_pipeline_plan.py
+    # checks torch's orders); GPipe's chunked loss makes them in the backward
     head = head_gradient_bytes(model, shape) if model.holds_head else 0
-    # the head's gradients, made in each micro-batch's forward by the fused loss, wait for
-    # its backward too (GPipe's last stage makes them in the backward)
-    if model.pipeline is None or HEAD_LOSS[model.pipeline.schedule] == "fused":
-        waiting += int((in_flight(model) - 1) * head)
     arch = model.model_config
     names = [f"layer {index}" for index in model.layer_indices]
     act_grads = [activation_gradient_bytes(model, shape, moe=bool(arch.num_experts)
