@@ -4,9 +4,9 @@ A zero-bubble pipeline schedule (parallel/pipeline.py) runs each stage's backwar
 parts: the *input pass* makes the gradient its upstream stage waits for, the *weight pass*
 the parameters' gradients, which nobody waits for and which the schedule uses to fill the
 gaps. Here the input pass is one ordinary autograd backward in which the layers that know
-how (models/fused.py `linear` and `rms_norm`) make only their input's gradient and hand their weight's to `BackwardPass.defer`, as a
-function of the tensors they already hold; the weight pass calls those functions
-(`BackwardPass.take`): each weight's matmul, nothing else. Every other parameter gets its
+how (models/fused.py `linear` and `rms_norm`) make only their input's gradient and hand
+their weight's to `BackwardPass.defer`, as a function of the tensors they already hold; the
+weight pass calls those functions (`BackwardPass.take`): each weight's matmul, nothing else. Every other parameter gets its
 gradient in the input pass, as in a plain backward (the LM head's, which the fused loss made
 in the forward, is handed over there).
 

@@ -679,9 +679,9 @@ class PipelineRunner:
             )
             outputs = (torch.zeros((), device=device, requires_grad=True) if module.is_last
                        else act)  # fmt: skip
-            # zero bubble: the input pass is one autograd backward whose linear layers,
-            # norms and head leave their weights' gradients to the weight pass, which runs
-            # just those (diffusion/backward.py), instead of torch's second graph walk
+            # zero bubble: the input pass is one autograd backward whose linear layers and
+            # norms leave their weights' gradients to the weight pass, which runs just
+            # those (diffusion/backward.py), instead of torch's second graph walk
             split = module.backward_pass.take if plan.schedule in SPLIT_BACKWARD else None
             stage = fed(module, module.stage, plan.num_stages, device, input_args=inputs,
                         output_args=outputs, group=self.group, dw_builder=split)  # fmt: skip

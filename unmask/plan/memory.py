@@ -355,9 +355,8 @@ def pipeline_saves(model: ShardedModel, shape: StepShape) -> int:
 def head_gradient_bytes(model: ShardedModel, shape: StepShape) -> int:
     """The LM head's float32 gradients (diffusion/loss.py), made in the forward by the fused
     loss, in the backward by the chunked one (a GPipe last stage, parallel/pipeline.py
-    HEAD_LOSS): the head (V x h; this rank's ceil(V / tp) rows under
-    TP, the vocab-parallel head) and the R masked rows' hidden states; none under
-    `loss_implementation: full`."""
+    HEAD_LOSS): the head (V x h; this rank's ceil(V / tp) rows under TP, the vocab-parallel
+    head) and the R masked rows' hidden states; none under `loss_implementation: full`."""
     if shape.full_loss:
         return 0
     arch, layout = model.model_config, model.layout

@@ -30,6 +30,7 @@ from unmask.parallel.fsdp import apply_fsdp, compile_blocks
 from unmask.parallel.mesh import fsdp_mesh, sub_mesh
 from unmask.parallel.pipeline import (
     HEAD_LOSS,
+    SPLIT_BACKWARD,
     PipelineModel,
     PipelinePlan,
     layer_costs,
@@ -244,9 +245,9 @@ def build_train_model(cfg: RunConfig, tokenizer, added_tokens: int, device: torc
                                mesh["pp"].size())  # fmt: skip
             experts = shard_experts(model, grid)
         units = model.stages if pipeline is not None else [model]
-        # zero bubble's weight pass finds the weights the forward used among the module's
-        # parameters: they must stay gathered from the forward to it
-        reshard = t.reshard_after_forward and not (pipeline and pipeline.schedule == "zero_bubble")
+        # a split backward's weight pass (zero bubble's) finds the weights the forward used
+        # among the module's parameters: they must stay gathered from the forward to it
+        reshard = t.reshard_after_forward and not (pipeline and pipeline.schedule in SPLIT_BACKWARD)
         for unit in units:  # under PP: each stage is an FSDP2 root of its own
             layers = decoder_layers(model) if pipeline is None else list(unit.layers)
             apply_fsdp(unit, fsdp_mesh(mesh), layers, bf16=t.bf16, reshard_after_forward=reshard,
