@@ -80,7 +80,8 @@ def describe_validation_error(
     message = first["msg"].removeprefix("Value error, ")  # our validators' own words
     bound = next(iter(first.get("ctx", {}).values()), None)
     if first["type"] in _BOUNDS and isinstance(bound, int | float):
-        message = f"must be {_BOUNDS[first['type']]} {bound:g}"  # Field(ge=1): "must be >= 1"
+        shown = bound if isinstance(bound, int) else f"{bound:g}"  # a whole int, a short float
+        message = f"must be {_BOUNDS[first['type']]} {shown}"  # Field(ge=1): "must be >= 1"
     if not dotted:
         return f"bad {what}s: {message}"
     got = first.get("input")

@@ -26,10 +26,15 @@ By = pytest.importorskip("selenium.webdriver.common.by").By
 NoSuchElementException = pytest.importorskip("selenium.common").NoSuchElementException
 
 
+#: a run folder's name that is HTML: the page must draw it as text and run nothing
+HOSTILE = "<img src=x onerror=window.pwned=1>"
+
+
 @pytest.fixture(scope="module")
 def runs_dir(tmp_path_factory):
     """runs/finished: a real 6-step run; runs/running: a run still logging (its config
-    plans 100 steps; the test writes its metrics)."""
+    plans 100 steps; the test writes its metrics); runs/HOSTILE: a run whose name and
+    metric keys are HTML."""
     configs, root = tmp_path_factory.mktemp("configs"), tmp_path_factory.mktemp("runs")
     config = write_run_config(configs, "tiny", {}, {})
     train_in_process(config, root / "finished")
@@ -38,6 +43,11 @@ def runs_dir(tmp_path_factory):
     tree = yaml.safe_load((root / "finished" / "config.yaml").read_text())
     tree["train"] = {**tree["train"], "max_steps": 100, "output_dir": str(running)}
     (running / "config.yaml").write_text(yaml.safe_dump(tree))
+    hostile = root / HOSTILE
+    hostile.mkdir()
+    records = [{"step": 1, "loss": 2.0}, {"step": 2, "eval_loss": 1.5, HOSTILE: 1},
+               {"step": 3, "loss": 1.0, "<script>window.pwned=2</script>": "<b>x</b>"}]  # fmt: skip
+    (hostile / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     return root
 
 
@@ -122,17 +132,35 @@ def test_runs_view_lists_runs_and_draws_their_curves(page, runs_dir, tmp_path):
     append_metrics(runs_dir / "running", range(1, 11))  # written just now: running
     driver.get(base + "/")
     driver.find_element(By.ID, "tab-runs").click()
-    wait_for(lambda: len(table(driver)) == 2)
+    wait_for(lambda: len(table(driver)) == 3)
     rows = table(driver)
     assert rows["finished"][1] == "finished" and rows["finished"][2] == "6/6"
     assert rows["running"][1] == "running" and rows["running"][2] == "10/100"
     assert rows["running"][4] == f"{4.2 / 10**0.5:.4f}"  # eval loss at step 10
     assert rows["running"][6] == "45s"  # 0.5 s a step, 90 steps left
-    assert curve_points(driver) == {"finished": 6, "running": 10}
+    assert curve_points(driver) == {"finished": 6, "running": 10, HOSTILE: 2}
     driver.save_screenshot(str(tmp_path / "runs.png"))
     append_metrics(runs_dir / "running", range(11, 21))  # the run goes on: the page follows
     wait_for(lambda: table(driver)["running"][2] == "20/100", timeout=20)
-    assert curve_points(driver) == {"finished": 6, "running": 20}
+    assert curve_points(driver) == {"finished": 6, "running": 20, HOSTILE: 2}
+
+
+def test_a_hostile_run_name_and_metric_keys_render_as_text_and_run_nothing(page, tmp_path):
+    """The folder named HOSTILE (and its HTML metric keys and values): its name is the
+    text of its table cell and its chart's title; no element was made of it, no script ran
+    (an onerror handler would set window.pwned), the page's own script still works."""
+    driver, base = page
+    driver.get(base + "/#runs")
+    wait_for(lambda: HOSTILE in table(driver))
+    assert table(driver)[HOSTILE][0] == HOSTILE
+    titles = driver.execute_script(
+        "return [...document.querySelectorAll('.plot h3')].map((h) => h.textContent);"
+    )
+    assert HOSTILE in titles
+    time.sleep(0.5)  # an injected image would have failed to load and fired by now
+    assert driver.execute_script("return window.pwned === undefined;")
+    assert driver.find_elements(By.CSS_SELECTOR, "img, script:not([src])") == []
+    driver.save_screenshot(str(tmp_path / "hostile.png"))
 
 
 def table(driver) -> dict[str, list[str]]:

@@ -2,6 +2,8 @@
 at different times, so one forward pass holds rows at different blocks of answers of
 different lengths, decode exactly what `sample` decodes for each prompt alone."""
 
+import sys
+
 import pytest
 import torch
 from conftest import save_tiny_model
@@ -202,14 +204,16 @@ def test_prefix_cache_evicts_the_least_recently_used_within_its_bound(sm):
     """Bytes never exceed the bound: the entry used longest ago goes first; an entry larger
     than the bound is not kept."""
     entry = lambda n: FirstForward(torch.zeros(n, dtype=torch.uint8), None)  # noqa: E731
-    cache = PrefixCache(250)
+    one = PrefixCache.size("a", entry(100))  # the tensor's 100 bytes and the key's
+    assert one == 100 + sys.getsizeof("a")
+    cache = PrefixCache(int(2.5 * one))
     cache.put("a", entry(100))
     cache.put("b", entry(100))
     assert cache.get("a") is not None  # a is now the most recent
     cache.put("c", entry(100))
-    assert list(cache.entries) == ["a", "c"] and cache.bytes == 200 and cache.evictions == 1
-    cache.put("d", entry(300))
-    assert list(cache.entries) == ["a", "c"] and cache.bytes == 200
+    assert list(cache.entries) == ["a", "c"] and cache.bytes == 2 * one and cache.evictions == 1
+    cache.put("d", entry(400))  # over the bound: not kept
+    assert list(cache.entries) == ["a", "c"] and cache.bytes == 2 * one
     # through the engine: one-block answers of prompts of one length, so entries of one size
     prompts = ["rev 11=", "rev 22=", "rev 11=", "rev 33=", "rev 11="]  # A B A C A
     config = SamplingConfig(gen_length=4, block_length=4, cache="prefix")

@@ -7,6 +7,10 @@ import sys
 from pathlib import Path
 
 from unmask.cli.flags import add_base_flag, nonnegative_int, positive_int
+from unmask.serve.protocol import Limits
+
+#: --header-timeout's default (serve/server.py HEADER_SECONDS; not imported: uvicorn)
+HEADER_SECONDS = 10.0
 
 #: --one-thread-below's default (docs/serving.md, Threads)
 ONE_THREAD_BELOW = 256
@@ -50,8 +54,65 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
     srv.add_argument("--device", default="auto", help="auto (cuda when visible), cpu or cuda")
     srv.add_argument("--drain-timeout", type=float, default=60.0, help="seconds SIGTERM waits "
                      "for requests in flight (default 60)")  # fmt: skip
+    limits = srv.add_argument_group("limits of one request (docs/serving.md, Security); "
+                                    "over any: 400 before any work")  # fmt: skip
+    limits.add_argument("--max-tokens", type=positive_int, default=Limits.max_tokens,
+                        metavar="N", help="answer tokens (canvas) of one prompt "
+                        f"(default {Limits.max_tokens}; the model's positions bound it too)")  # fmt: skip
+    limits.add_argument("--max-steps", type=positive_int, default=Limits.max_steps, metavar="N",
+                        help=f"denoising steps of one prompt (default {Limits.max_steps})")  # fmt: skip
+    limits.add_argument("--max-prompts", type=positive_int, default=Limits.max_prompts,
+                        metavar="N", help="prompts in one completions request "
+                        f"(default {Limits.max_prompts})")  # fmt: skip
+    limits.add_argument("--max-stop-chars", type=positive_int, default=Limits.max_stop_chars,
+                        metavar="N", help="characters of one stop string (up to 4 strings; "
+                        f"default {Limits.max_stop_chars})")  # fmt: skip
+    limits.add_argument("--max-body-mb", type=megabytes, default=Limits.max_body_bytes / 2**20,
+                        metavar="MB", help="MiB of one request body "
+                        f"(default {Limits.max_body_bytes / 2**20:g})")  # fmt: skip
+    limits.add_argument("--header-timeout", type=seconds, default=HEADER_SECONDS,
+                        metavar="S", help="seconds a connection may take to send a request's "
+                        f"headers (default {HEADER_SECONDS:g}; its body: "
+                        f"{Limits.body_seconds:g})")  # fmt: skip
+    access = srv.add_argument_group("who may call it (docs/serving.md, Security)")
+    access.add_argument("--allowed-host", action="append", default=[], metavar="NAME",
+                        help="a Host name to answer besides the bound address and localhost "
+                        "(repeatable; a name other than those is refused: DNS rebinding)")  # fmt: skip
+    access.add_argument("--cors-origin", action="append", default=[], type=origin,
+                        metavar="ORIGIN",
+                        help="a web origin (https://app.example:3000) whose pages may call "
+                        "the API (repeatable; default: only the server's own page)")  # fmt: skip
+    access.add_argument("--allow-no-key", action="store_true", help="serve a --host beyond "
+                        "this machine without --api-key (refused otherwise)")  # fmt: skip
     add_base_flag(srv)
     srv.set_defaults(func=cmd_serve)
+
+
+def seconds(text: str) -> float:
+    """An argparse type: a number of seconds > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0 (got {text!r})")
+    return value
+
+
+def origin(text: str) -> str:
+    """A web origin as browsers send it: scheme://host[:port], nothing after."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(text)
+    if (
+        parts.scheme not in ("http", "https")
+        or not parts.netloc
+        or text != (f"{parts.scheme}://{parts.netloc}")
+    ):
+        raise argparse.ArgumentTypeError(
+            f"must be an origin such as https://app.example:3000 (got {text!r})"
+        )
+    return text
 
 
 def megabytes(text: str) -> float:
@@ -74,9 +135,19 @@ def cmd_serve(ns: argparse.Namespace) -> int:
 
     try:
         from unmask.serve import run_server
+        from unmask.serve.server import check_exposure, open_socket
     except ModuleNotFoundError as err:  # starlette and uvicorn: the serve extra
         raise InputError(f"unmask serve needs {err.name}; pip install 'unmask[serve]'") from None
 
+    # what can be refused is refused before the model loads (minutes for a big one)
+    api_key = ns.api_key or os.environ.get("UNMASK_API_KEY") or None
+    check_exposure(ns.host, api_key, ns.allow_no_key)
+    if ns.runs is not None and not Path(ns.runs).is_dir():
+        raise InputError(f"--runs {ns.runs!r} is not a folder; give the folder that holds the "
+                         "run directories")  # fmt: skip
+    if not 0 <= ns.port <= 65535:
+        raise InputError(f"--port {ns.port} is not a port number (0-65535; 0: any free port)")
+    sock = open_socket(ns.host, ns.port)
     sm = load_for_sampling(ns.model, ns.tokenizer, ns.device, ns.mask_id, base=ns.base)
     set_sampling_threads(sm.model, sm.device)
     if ns.threads is not None:
@@ -84,10 +155,15 @@ def cmd_serve(ns: argparse.Namespace) -> int:
 
         torch.set_num_threads(ns.threads)
     name = ns.model_name or Path(ns.model).resolve().name
+    limits = Limits(max_tokens=ns.max_tokens, max_steps=ns.max_steps,
+                    max_prompts=ns.max_prompts, max_stop_chars=ns.max_stop_chars,
+                    max_body_bytes=int(ns.max_body_mb * 2**20))  # fmt: skip
     return run_server(sm, model_name=name, host=ns.host, port=ns.port,
-                      max_batch=ns.max_batch, max_queue=ns.max_queue,
-                      api_key=ns.api_key or os.environ.get("UNMASK_API_KEY") or None,
+                      max_batch=ns.max_batch, max_queue=ns.max_queue, api_key=api_key,
                       runs_dir=ns.runs, drain_seconds=ns.drain_timeout,
                       prefix_cache_bytes=int(ns.prefix_cache_mb * 2**20),
                       one_thread_below=ns.one_thread_below,
-                      watch_load=not ns.ignore_load)  # fmt: skip
+                      watch_load=not ns.ignore_load, limits=limits,
+                      allowed_hosts=ns.allowed_host, cors_origins=ns.cors_origin,
+                      allow_no_key=ns.allow_no_key, header_seconds=ns.header_timeout,
+                      sock=sock)  # fmt: skip

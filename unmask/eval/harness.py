@@ -157,6 +157,7 @@ class UnmaskLM(LM):
                 "estimator is the bidirectional one); use generate_until tasks"
             )
 
+    @torch.inference_mode()
     def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
         self._check_likelihood()
         results = []
@@ -176,6 +177,7 @@ class UnmaskLM(LM):
             self.cache_hook.add_partial("loglikelihood", request.args, (est.value, greedy))
         return results
 
+    @torch.inference_mode()
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
         self._check_likelihood()
         results = []
@@ -198,6 +200,7 @@ class UnmaskLM(LM):
             results.append(total)
         return results
 
+    @torch.inference_mode()
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         groups: dict[tuple, list[int]] = {}
         for index, request in enumerate(requests):

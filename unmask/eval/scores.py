@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 import yaml
 
 from unmask.checkpoint import load_for_sampling, resolve_model_folder
@@ -271,6 +272,7 @@ def score_text(sm: SamplingModel, ids: list[int], context: int, mc: MonteCarlo, 
                             shift_logits=mc.shift_logits)  # fmt: skip
 
 
+@torch.inference_mode()  # scoring only: no graph built or kept
 def score_file(request: ScoreRequest) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """The records of a file's items and its summary record (`"summary": true`, with how it
     was scored): answers given prompts (request.pairs), each line of a text

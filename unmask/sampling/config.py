@@ -44,7 +44,7 @@ class SamplingConfig(BaseModel):
     lengths after reading a folder's defaults.
     """
 
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, allow_inf_nan=False)
 
     gen_length: int | Literal["auto"] = 32
     """Tokens to generate after each prompt (the canvas of masks), or `auto`: start from
@@ -309,9 +309,11 @@ def without_none(options: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in options.items() if v is not None}
 
 
-def resolve_sampling(*layers: dict[str, Any]) -> SamplingConfig:
+def resolve_sampling(*layers: dict[str, Any], strict: bool = False) -> SamplingConfig:
     """One SamplingConfig from layered settings (a folder's defaults, then a task's, then
-    the user's); later layers win, None means "not set". Bad values: one-line InputError."""
+    the user's); later layers win, None means "not set". Bad values: one-line InputError.
+    strict: values of the type each field has, no coercion (the server's requests: "8" is
+    not a number)."""
     merged: dict[str, Any] = {}
     for layer in layers:
         layer = without_none(layer)
@@ -321,7 +323,7 @@ def resolve_sampling(*layers: dict[str, Any]) -> SamplingConfig:
             merged.pop("gen_length", None)
         merged.update(layer)
     try:
-        return SamplingConfig.model_validate(merged)
+        return SamplingConfig.model_validate(merged, strict=strict)
     except ValidationError as err:
         raise InputError(describe_validation_error(err, "sampling option", _hint)) from None
 

@@ -13,26 +13,34 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.routing import Route
 
 from unmask.data.sft import split_chat
 from unmask.errors import InputError
+from unmask.sampling.generate import special_ids
 from unmask.sampling.show import EOS_GLYPH
 from unmask.sampling.texts import SamplingModel
 from unmask.serve import runs_view
 from unmask.serve.engine import Draining, Engine, Job, QueueFull
+from unmask.serve.guard import Guard, error_body
 from unmask.serve.protocol import (
     CanvasRequest,
     ChatRequest,
     CompletionRequest,
+    Limits,
     RequestError,
     check_lengths,
+    finite_json,
+    parse_json,
     parse_request,
     sampling_config,
 )
@@ -46,11 +54,22 @@ class Server:
     """What the routes share: the model, the engine, the served name and the options."""
 
     def __init__(self, sm: SamplingModel, engine: Engine, model_name: str,
-                 api_key: str | None = None, runs_dir: Path | None = None):  # fmt: skip
+                 api_key: str | None = None, runs_dir: Path | None = None,
+                 limits: Limits | None = None, allowed_hosts: frozenset[str] | None = None,
+                 cors_origins: frozenset[str] = frozenset()):  # fmt: skip
         self.sm, self.engine, self.model_name = sm, engine, model_name
         self.api_key, self.runs_dir = api_key, runs_dir
+        self.limits = limits or Limits()
+        self.allowed_hosts, self.cors_origins = allowed_hosts, cors_origins
         config = getattr(sm.model, "config", None)
         self.max_context = getattr(config, "max_position_embeddings", None)
+        # no token is longer than the tokenizer's longest vocabulary entry, so a prompt of
+        # more characters than that many times the context cannot fit: refused untokenized
+        vocab = sm.tokenizer.get_vocab()
+        self.longest_token = max(map(len, vocab), default=1) if vocab else 1
+        # one thread tokenizes (off the event loop; a fast tokenizer is not shared between
+        # threads that tokenize at once)
+        self.tokenizing = ThreadPoolExecutor(1, thread_name_prefix="unmask-tokenize")
         self.created = int(time.time())
 
     # ------------------------------------------------------------------- request checks
@@ -69,18 +88,28 @@ class Server:
                                code="model_not_found")  # fmt: skip
 
     def make_job(self, text: str, request, max_tokens: int | None, **extra) -> Job:
-        """The Job of one prompt, its options checked (RequestError 400)."""
+        """The Job of one prompt, its options checked (RequestError 400). Tokenizes: run it
+        on `self.tokenizing` (`make_jobs`)."""
         sm = self.sm
+        config = sampling_config(request, sm.saved, max_tokens)
+        try:
+            special_ids(config, sm.eos_id, sm.pad_id, self.engine.eot_id)
+        except InputError as err:
+            raise RequestError(400, str(err), param="unmask") from None
+        if self.max_context is not None and len(text) > self.max_context * self.longest_token:
+            raise RequestError(
+                400, f"the prompt ({len(text)} characters) cannot fit the model's "
+                f"{self.max_context} positions", param="prompt",
+                code="context_length_exceeded")  # fmt: skip
         ids = sm.tokenizer(text, add_special_tokens=False)["input_ids"]
         if not ids:
             raise RequestError(400, "the prompt is empty after tokenization", param="prompt")
-        config = sampling_config(request, sm.saved, max_tokens)
         try:
             config = config.fitted(len(ids))
         except InputError as err:
             raise RequestError(400, str(err), param="max_tokens",
                                code="context_length_exceeded") from None  # fmt: skip
-        config = check_lengths(config)
+        config = check_lengths(config, self.limits)
         canvas = config.gen_length_max if config.gen_length == "auto" else config.gen_length
         if self.max_context is not None and len(ids) + canvas > self.max_context:
             raise RequestError(
@@ -88,6 +117,25 @@ class Server:
                 f"model's {self.max_context} positions; shorten the prompt or max_tokens",
                 param="prompt", code="context_length_exceeded")  # fmt: skip
         return Job(ids, config, emit=lambda event: None, seed=request.seed, **extra)
+
+    async def make_jobs(self, texts: list[str], request, max_tokens: int | None,
+                        **extra) -> list[Job]:  # fmt: skip
+        """`make_job` of each prompt, on the tokenizing thread (a long prompt does not hold
+        the event loop: other requests and /health go on)."""
+        if len(texts) > self.limits.max_prompts:
+            raise RequestError(400, f"{len(texts)} prompts in one request are over this "
+                               f"server's {self.limits.max_prompts} (--max-prompts)",
+                               param="prompt")  # fmt: skip
+        if len(texts) > self.engine.max_batch + self.engine.max_queue:
+            raise RequestError(400, f"{len(texts)} prompts can never fit this server's batch "
+                               f"and queue ({self.engine.max_batch} + {self.engine.max_queue}); "
+                               "send fewer at a time", param="prompt")  # fmt: skip
+        loop = asyncio.get_running_loop()
+
+        def make() -> list[Job]:
+            return [self.make_job(text, request, max_tokens, **extra) for text in texts]
+
+        return await loop.run_in_executor(self.tokenizing, make)
 
     # ------------------------------------------------------------------------- running
 
@@ -158,11 +206,38 @@ def _usage(done: list[dict]) -> dict[str, int]:
             "total_tokens": prompt + completion}  # fmt: skip
 
 
-async def _read_json(request: Request) -> Any:
+async def _read_json(request: Request, limits: Limits) -> Any:
+    """The body as JSON (`parse_json`), read within the size and time limits: a body over
+    max_body_bytes is refused as soon as its Content-Length (or its bytes) say so."""
+    too_big = RequestError(400, f"the request body is over this server's "
+                           f"{limits.max_body_bytes} bytes (--max-body-mb)",
+                           code="request_too_large", headers={"Connection": "close"})  # fmt: skip
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        if not declared.isdigit():
+            raise RequestError(400, "the Content-Length header is not a number")
+        if int(declared) > limits.max_body_bytes:
+            raise too_big
+    chunks: list[bytes] = []
+
+    async def read() -> None:
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limits.max_body_bytes:
+                raise too_big
+            chunks.append(chunk)
+
     try:
-        return json.loads(await request.body())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise RequestError(400, f"the request body is not valid JSON ({err})") from None
+        await asyncio.wait_for(read(), limits.body_seconds)
+    except asyncio.TimeoutError:
+        raise RequestError(408, f"the request body did not arrive within "
+                           f"{limits.body_seconds:g} s", code="request_timeout",
+                           headers={"Connection": "close"}) from None  # fmt: skip
+    body = b"".join(chunks)
+    if len(body) > 2**16:  # parsing a long body takes a while: not on the event loop
+        return await run_in_threadpool(parse_json, body)
+    return parse_json(body)
 
 
 def _chat_prompt(tokenizer, messages) -> str:
@@ -176,8 +251,9 @@ def _chat_prompt(tokenizer, messages) -> str:
         raise RequestError(400, str(err), param="messages") from None
 
 
-def build_app(server: Server) -> Starlette:
-    """The ASGI app: OpenAI routes, /health, /metrics, the page and its data."""
+def build_app(server: Server) -> Guard:
+    """The ASGI app: OpenAI routes, /health, /metrics, the page and its data, behind the
+    Host, Origin and Content-Type checks of guard.py."""
 
     def route(handler: Callable, open_route: bool = False):
         async def wrapped(request: Request):
@@ -191,22 +267,26 @@ def build_app(server: Server) -> Starlette:
 
         return wrapped
 
+    limits = server.limits
+
     async def completions(request: Request):
-        req = parse_request(CompletionRequest, await _read_json(request))
+        req = parse_request(CompletionRequest, await _read_json(request, limits))
         server.check_model(req.model)
         prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
         if not prompts:
             raise RequestError(400, "prompt is an empty list", param="prompt")
-        stops = req.stops()
-        jobs = [server.make_job(p, req, req.max_tokens, stops=stops) for p in prompts]
+        stops = req.stops(limits)
+        jobs = await server.make_jobs(prompts, req, req.max_tokens, stops=stops)
         return await respond(request, req, jobs, chat=False)
 
     async def chat(request: Request):
-        req = parse_request(ChatRequest, await _read_json(request))
+        req = parse_request(ChatRequest, await _read_json(request, limits))
         server.check_model(req.model)
-        prompt = _chat_prompt(server.sm.tokenizer, req.messages)
+        stops = req.stops(limits)
+        prompt = await asyncio.get_running_loop().run_in_executor(
+            server.tokenizing, _chat_prompt, server.sm.tokenizer, req.messages)  # fmt: skip
         max_tokens = req.max_completion_tokens or req.max_tokens
-        jobs = [server.make_job(prompt, req, max_tokens, stops=req.stops())]
+        jobs = await server.make_jobs([prompt], req, max_tokens, stops=stops)
         return await respond(request, req, jobs, chat=True)
 
     async def respond(request: Request, req, jobs: list[Job], chat: bool):
@@ -264,8 +344,8 @@ def build_app(server: Server) -> Starlette:
 
     async def canvas(request: Request):
         """The playground: the answer canvas after every denoising step (null = a mask)."""
-        req = parse_request(CanvasRequest, await _read_json(request))
-        job = server.make_job(req.prompt, req, req.max_tokens, trace=True)
+        req = parse_request(CanvasRequest, await _read_json(request, limits))
+        (job,) = await server.make_jobs([req.prompt], req, req.max_tokens, trace=True)
         queue = server.start([job])
         sm = server.sm
 
@@ -308,24 +388,30 @@ def build_app(server: Server) -> Starlette:
                                  media_type="text/plain; version=0.0.4")  # fmt: skip
 
     async def page(request: Request):
-        return FileResponse(STATIC / "index.html")
+        return FileResponse(STATIC / "index.html", media_type="text/html; charset=utf-8")
 
     async def script(request: Request):
-        return FileResponse(STATIC / "app.js", media_type="text/javascript")
+        return FileResponse(STATIC / "app.js", media_type="text/javascript; charset=utf-8")
 
+    async def style(request: Request):
+        return FileResponse(STATIC / "app.css", media_type="text/css; charset=utf-8")
+
+    # a runs folder's files are read off the event loop, and whatever they hold is data:
+    # NaN / infinite numbers (a diverged run) are served as null
     async def runs(request: Request):
         if server.runs_dir is None:
             raise RequestError(404, "this server was started without --runs DIR")
-        return JSONResponse({"runs": runs_view.list_runs(server.runs_dir)})
+        rows = await run_in_threadpool(runs_view.list_runs, server.runs_dir)
+        return JSONResponse(finite_json({"runs": rows}))
 
     async def run_curves(request: Request):
         if server.runs_dir is None:
             raise RequestError(404, "this server was started without --runs DIR")
         name = request.path_params["name"]
-        found = runs_view.run_dir(server.runs_dir, name)
+        found = await run_in_threadpool(runs_view.run_dir, server.runs_dir, name)
         if found is None:  # names only: never a path from the request
             raise RequestError(404, f"no run named {name!r} in the runs folder")
-        return JSONResponse(runs_view.curves(found))
+        return JSONResponse(finite_json(await run_in_threadpool(runs_view.curves, found)))
 
     async def info(request: Request):
         return JSONResponse({"model": server.model_name, "runs": server.runs_dir is not None,
@@ -341,11 +427,32 @@ def build_app(server: Server) -> Starlette:
         # the page and its script hold no data: they load without the key, the page asks it
         Route("/", route(page, open_route=True), methods=["GET"]),
         Route("/app.js", route(script, open_route=True), methods=["GET"]),
+        Route("/app.css", route(style, open_route=True), methods=["GET"]),
         Route("/api/info", route(info), methods=["GET"]),
         Route("/api/runs", route(runs), methods=["GET"]),
         Route("/api/runs/{name}", route(run_curves), methods=["GET"]),
     ]
-    return Starlette(routes=routes)
+
+    async def http_error(request: Request, exc: HTTPException):
+        """Starlette's own refusals (an unknown route, a wrong method) in OpenAI's body."""
+        server.engine.stats.count(f"http_{exc.status_code}")
+        if exc.status_code == 404:
+            message = f"no route {request.url.path!r}; see docs/serving.md for the routes"
+        elif exc.status_code == 405:
+            message = f"{request.method} is not allowed on {request.url.path!r}"
+        else:
+            message = str(exc.detail)
+        return JSONResponse(error_body(message, code=f"http_{exc.status_code}"),
+                            status_code=exc.status_code, headers=exc.headers)  # fmt: skip
+
+    async def server_error(request: Request, exc: Exception):
+        server.engine.stats.count("http_500")
+        return JSONResponse(error_body(f"internal error ({type(exc).__name__}); the server "
+                                       "goes on", kind="server_error"), status_code=500)  # fmt: skip
+
+    app = Starlette(routes=routes,
+                    exception_handlers={HTTPException: http_error, Exception: server_error})  # fmt: skip
+    return Guard(app, server.allowed_hosts, server.cors_origins, server.engine.stats.count)
 
 
 def metrics_text(engine: Engine) -> str:

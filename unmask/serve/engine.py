@@ -41,6 +41,7 @@ two threads to one thread's.
 from __future__ import annotations
 
 import json
+import sys
 import threading
 import time
 from collections import OrderedDict, deque
@@ -89,8 +90,12 @@ class FirstForward:
 
     @property
     def nbytes(self) -> int:
-        kv = sum(k.nbytes + v.nbytes for k, v in self.kv or [])
-        return self.logits.nbytes + kv
+        """Bytes the entry keeps alive: the whole storage under each tensor (a view of a
+        bigger tensor holds all of it), each storage once. Made under inference mode, the
+        tensors hold no autograd graph (its activations would be the bulk otherwise)."""
+        tensors = [self.logits, *(t for pair in self.kv or [] for t in pair)]
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+        return sum(storages.values())
 
 
 class PrefixCache:
@@ -110,22 +115,36 @@ class PrefixCache:
             self.entries.move_to_end(key)
         return entry
 
+    @staticmethod
+    def size(key: Any, entry: FirstForward) -> int:
+        """The bytes an entry costs: its tensors' storages and its key (the prompt's
+        token ids as a tuple of Python ints, the options' JSON)."""
+        return entry.nbytes + _object_bytes(key)
+
     def put(self, key: tuple, entry: FirstForward) -> None:
-        size = entry.nbytes
+        size = self.size(key, entry)
         if size > self.max_bytes:
             return
         old = self.entries.pop(key, None)
         if old is not None:
-            self.bytes -= old.nbytes
+            self.bytes -= self.size(key, old)
         while self.bytes + size > self.max_bytes:
-            _, dropped = self.entries.popitem(last=False)
-            self.bytes -= dropped.nbytes
+            dropped_key, dropped = self.entries.popitem(last=False)
+            self.bytes -= self.size(dropped_key, dropped)
             self.evictions += 1
         self.entries[key] = entry
         self.bytes += size
 
     def __len__(self) -> int:
         return len(self.entries)
+
+
+def _object_bytes(value: Any) -> int:
+    """Bytes of a key made of tuples, strings and ints (each int counted as its own object,
+    an upper bound: small ints are shared)."""
+    if isinstance(value, tuple):
+        return sys.getsizeof(value) + sum(_object_bytes(item) for item in value)
+    return sys.getsizeof(value)
 
 
 class Threaded:
@@ -298,6 +317,12 @@ class Engine:
     # ----------------------------------------------------------------- the scheduler side
 
     def _loop(self) -> None:
+        # every forward of the server under inference mode: no autograd graph is built or
+        # kept (a cached result would hold its forward's activations), and it is faster
+        with torch.inference_mode():
+            self._serve()
+
+    def _serve(self) -> None:
         while True:
             with self.cond:
                 while not self.waiting and not self.active and not self.closing:

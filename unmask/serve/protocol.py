@@ -9,6 +9,9 @@ not accepted from a request, nor any path: the model is fixed when the server st
 
 from __future__ import annotations
 
+import json
+import math
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -24,6 +27,31 @@ UNMASK_OPTIONS = tuple(
     for name in SamplingConfig.model_fields
     if name not in RUNTIME_OPTIONS and name not in OPENAI_NAMED
 )
+
+
+#: a seed is a 64-bit signed integer (torch.Generator.manual_seed's range)
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+#: OpenAI's bound on stop strings per request
+MAX_STOPS = 4
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The most work one request may ask for (server flags; docs/serving.md, Security).
+    A request over any is refused with 400 before it is tokenized or queued."""
+
+    max_tokens: int = 4096
+    """Answer tokens of one prompt: the canvas (max_tokens, gen_length, gen_length_max)."""
+    max_steps: int = 4096
+    """Denoising steps of one prompt (`unmask.steps`)."""
+    max_prompts: int = 32
+    """Prompts in one completions request (a list prompt)."""
+    max_stop_chars: int = 256
+    """Characters of one stop string (at most MAX_STOPS strings, as OpenAI's API)."""
+    max_body_bytes: int = 4 * 2**20
+    """Bytes of one request body."""
+    body_seconds: float = 30.0
+    """Seconds a client may take to send a request's body."""
 
 
 class RequestError(Exception):
@@ -43,7 +71,10 @@ class RequestError(Exception):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    """Types as OpenAI's API has them: no coercion ("8" is not a number, 1 is not true), no
+    unknown fields, no NaN or infinity."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class StreamOptions(_Strict):
@@ -62,7 +93,7 @@ class _Sampling(_Strict):
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=0)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=1)
@@ -71,10 +102,15 @@ class _Sampling(_Strict):
     """unmask's sampler options by SamplingConfig name: steps, block_length, threshold,
     cache, remasking, ..."""
 
-    def stops(self) -> tuple[str, ...]:
+    def stops(self, limits: Limits) -> tuple[str, ...]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        if len(stops) > 4 or any(not s for s in stops):
-            raise RequestError(400, "stop takes up to 4 non-empty strings", param="stop")
+        if len(stops) > MAX_STOPS or any(not s for s in stops):
+            raise RequestError(400, f"stop takes up to {MAX_STOPS} non-empty strings",
+                               param="stop")  # fmt: skip
+        if any(len(s) > limits.max_stop_chars for s in stops):
+            raise RequestError(400, f"a stop string is longer than this server's "
+                               f"{limits.max_stop_chars} characters (--max-stop-chars)",
+                               param="stop")  # fmt: skip
         return tuple(stops)
 
 
@@ -112,8 +148,63 @@ class CanvasRequest(_Strict):
     prompt: str
     max_tokens: int | None = Field(None, gt=0)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     unmask: dict[str, Any] | None = None
+
+
+def _refuse_constant(name: str) -> None:
+    raise ValueError(f"{name} is not JSON (send a number, or null)")
+
+
+def parse_json(body: bytes) -> Any:
+    """The request body as JSON, strictly: UTF-8, no NaN / Infinity, no lone surrogate in a
+    string (a tokenizer cannot take one), nesting within what Python's parser recurses
+    through. RequestError 400 otherwise."""
+    try:
+        value = json.loads(body, parse_constant=_refuse_constant)
+    except RecursionError:
+        raise RequestError(400, "the request body is nested too deeply") from None
+    except (json.JSONDecodeError, UnicodeDecodeError, ValueError) as err:
+        raise RequestError(400, f"the request body is not valid JSON ({err})") from None
+    _check_strings(value)
+    return value
+
+
+def _check_strings(value: Any) -> None:
+    """RequestError 400 on a string (or key) that is not valid Unicode text (a lone UTF-16
+    surrogate such as "\\ud800"). Iterative: parse_json bounded the depth already."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            items = (item,)
+        elif isinstance(item, dict):
+            items = tuple(item)
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+            continue
+        else:
+            continue
+        for text in items:
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError:
+                raise RequestError(400, "a string in the request holds a lone UTF-16 "
+                                   "surrogate (\\ud800-\\udfff without its pair); send valid "
+                                   "Unicode text") from None  # fmt: skip
+
+
+def finite_json(value: Any) -> Any:
+    """value with every NaN or infinite float replaced by None (JSON has no NaN: a diverged
+    run's loss is served as null)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite_json(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [finite_json(v) for v in value]
+    return value
 
 
 def parse_request(kind: type[_Strict], body: Any) -> _Strict:
@@ -133,7 +224,8 @@ def parse_request(kind: type[_Strict], body: Any) -> _Strict:
 def sampling_config(request, saved: dict[str, Any], max_tokens: int | None) -> SamplingConfig:
     """The request's SamplingConfig: the model folder's options, then the request's (its
     "unmask" options, then the OpenAI-named ones), later ones winning, as `unmask generate`
-    merges a folder's options with its flags. RequestError 400 on a bad option."""
+    merges a folder's options with its flags; the request's values strictly typed.
+    RequestError 400 on a bad option."""
     options = dict(request.unmask or {})
     for key in options:
         if key not in UNMASK_OPTIONS:
@@ -147,13 +239,23 @@ def sampling_config(request, saved: dict[str, Any], max_tokens: int | None) -> S
     named = {"gen_length": max_tokens, "temperature": request.temperature,
              "top_p": getattr(request, "top_p", None), "top_k": getattr(request, "top_k", None)}  # fmt: skip
     try:
-        return resolve_sampling(saved, options, named)
+        return resolve_sampling(saved, options, named, strict=True)
     except InputError as err:
         raise RequestError(400, str(err), param="unmask") from None
 
 
-def check_lengths(config: SamplingConfig) -> SamplingConfig:
-    """config, its lengths checked (blocks, steps per block); RequestError 400 otherwise."""
+def check_lengths(config: SamplingConfig, limits: Limits) -> SamplingConfig:
+    """config, its lengths checked (blocks, steps per block) and within the server's limits
+    (canvas, steps); RequestError 400 otherwise."""
+    canvas = config.gen_length_max if config.gen_length == "auto" else config.gen_length
+    if canvas > limits.max_tokens:
+        raise RequestError(400, f"the answer canvas ({canvas} tokens) is over this server's "
+                           f"{limits.max_tokens} (--max-tokens)", param="max_tokens",
+                           code="context_length_exceeded")  # fmt: skip
+    steps = config.steps or canvas
+    if steps > limits.max_steps:
+        raise RequestError(400, f"unmask.steps ({steps}) is over this server's "
+                           f"{limits.max_steps} (--max-steps)", param="unmask.steps")  # fmt: skip
     try:
         config.check_lengths()
     except ValueError as err:

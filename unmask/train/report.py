@@ -186,7 +186,7 @@ def planned_steps(run_dir: Path) -> int | None:
     try:
         config = yaml.safe_load((Path(run_dir) / CONFIG_FILE).read_text())
         steps = config["train"]["max_steps"]
-    except (OSError, yaml.YAMLError, KeyError, TypeError):
+    except (OSError, ValueError, yaml.YAMLError, KeyError, TypeError):  # ValueError: not UTF-8
         return None
     return steps if isinstance(steps, int) and steps > 0 else None
 

@@ -1,6 +1,8 @@
 // The page of `unmask serve`: the playground (the canvas after every denoising step, from
 // POST /v1/unmask/canvas) and the runs of --runs DIR (GET /api/runs, /api/runs/NAME).
-// No libraries: the page works offline.
+// No libraries: the page works offline. Everything drawn from the server (run names, model
+// names, tokens, error messages) goes in as text (textContent, setAttribute), never as HTML;
+// the server's Content-Security-Policy forbids inline script and style besides.
 "use strict";
 
 const MASK = "\u2591";
@@ -140,11 +142,16 @@ function svgElement(name, attributes) {
 function drawCurves(name, curves) {
   // loss (blue) and eval loss (orange) by step, on shared axes
   const W = 320, H = 180, L = 42, B = 22, T = 8, R = 8;
+  // a diverged step's loss arrives as null (JSON has no NaN): left out of the curve
+  const finite = (series) => (series || []).filter((p) => Number.isFinite(p[0]) && Number.isFinite(p[1]));
+  curves = { loss: finite(curves.loss), eval_loss: finite(curves.eval_loss) };
   const all = [...curves.loss, ...curves.eval_loss];
   const box = document.createElement("div");
   box.className = "plot";
   box.dataset.run = name;
-  box.innerHTML = `<h3>${name}</h3>`;
+  const title = document.createElement("h3");
+  title.textContent = name;  // a folder's name is data: never HTML
+  box.appendChild(title);
   const svg = svgElement("svg", { width: W, height: H });
   box.appendChild(svg);
   if (!all.length) {
@@ -177,7 +184,12 @@ function drawCurves(name, curves) {
   }
   const legend = document.createElement("div");
   legend.className = "legend";
-  legend.innerHTML = '<span style="color:#2563eb">\u2014 loss</span><span style="color:#ea580c">\u2014 eval loss</span>';
+  for (const [key, label] of [["loss", "loss"], ["eval_loss", "eval loss"]]) {
+    const item = document.createElement("span");
+    item.className = key;
+    item.textContent = "\u2014 " + label;
+    legend.appendChild(item);
+  }
   box.appendChild(legend);
   return box;
 }
