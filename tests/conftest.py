@@ -106,6 +106,24 @@ def tiny_config(tmp_path):
     return make
 
 
+#: runs whose training step tests/unit/test_step_audit.py audits (every objective, dense and
+#: MoE), updates of TINY
+_AUDIT_MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+AUDIT_CASES = {
+    "mdlm": {"diffusion": {"objective": "mdlm", "t_sampling": "antithetic"}},
+    "llada_random_length": {"diffusion": {"objective": "llada", "random_length_prob": 0.5}},
+    "sft": {"diffusion": {"objective": "sft", "prompt_drop_prob": 0.1}},
+    "dream_cart": {"model": {"model_type": "dream"},
+                   "diffusion": {"objective": "dream", "loss_weight": "cart[geo_p:0.3]"}},
+    "bd3lm": {"diffusion": {"objective": "bd3lm", "block_size": 4}},
+    "ar": {"diffusion": {"objective": "ar"}},
+    "fastdllm_v2": {"diffusion": {"objective": "fastdllm_v2", "block_size": 4}},
+    "packed": {"data": {"packing": True}},
+    "moe": {"model": {"model_type": "llada_moe", **_AUDIT_MOE}},
+    "moe_sigmoid_shared": {"model": {"model_type": "llada2_moe", "num_shared_experts": 1, **_AUDIT_MOE}},
+}  # fmt: skip
+
+
 #: the tiny native model every test builds: a qwen3_dllm (4 query and 2 key/value heads, as
 #: ModelConfig's defaults) of ~30k parameters; `tiny_model` overrides what a test needs
 TINY_MODEL = {"vocab_size": 128, "hidden_size": 32, "intermediate_size": 64,

@@ -220,8 +220,10 @@ def test_full_loss_implementation_equals_the_chunked_path(tied):
 
 
 def test_full_loss_under_bf16_autocast_rounds_the_logits():
-    """Under bf16 autocast the full path's logits are bfloat16 (as transformers' and
-    torchtitan's), the chunked path's float32: the losses differ by that rounding only."""
+    """Under bf16 autocast both paths run the head's GEMM in bfloat16 (the full path as
+    transformers' and torchtitan's; the chunked path too, on a CPU widening the bf16
+    product, loss.py Precision): equal but for the order of the log-sum-exp's float32
+    sums, and both off the float32 path by the logits' rounding only."""
     ids = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(5))
     targets = torch.where(torch.rand(2, 12) < 0.5, ids, -100)
     w = torch.where(targets != -100, 1.0, 0.0)
@@ -230,8 +232,10 @@ def test_full_loss_under_bf16_autocast_rounds_the_logits():
         model = tiny_model(vocab_size=97, loss_implementation=impl)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             losses[impl] = model(ids, targets=targets, target_weights=w)
-    assert losses["full"] != losses["chunked"]  # rounded differently
-    torch.testing.assert_close(losses["full"], losses["chunked"], rtol=1e-2, atol=0)
+        losses[impl + " float32"] = model(ids, targets=targets, target_weights=w)
+    torch.testing.assert_close(losses["full"], losses["chunked"], rtol=1e-6, atol=0)
+    assert losses["chunked"] != losses["chunked float32"]  # rounded
+    torch.testing.assert_close(losses["chunked"], losses["chunked float32"], rtol=1e-2, atol=0)
 
 
 def test_pipeline_last_stage_full_loss_equals_the_chunked_path():
@@ -334,3 +338,42 @@ def test_a_micro_batch_without_targets_leaves_gradients_that_later_ones_add_into
     reference = w.detach().clone().requires_grad_(True)
     F.cross_entropy(rows @ reference.T, targets, reduction="sum").backward()
     torch.testing.assert_close(w.grad, reference.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_the_head_under_bf16_autocast_runs_bf16_gemms_with_float32_results():
+    """Under bf16 autocast the fused loss's three GEMMs take bf16 (the logits and both
+    gradients; the master weight float32, so its gradient is float32 too), the loss and
+    gradients equal the float32 path's within bf16 rounding."""
+    from unmask.train.audit import MatmulAudit
+
+    g = torch.Generator().manual_seed(7)
+    n, h, v = 300, 32, 97  # rows in three blocks of the smallest multiple
+    hidden0 = torch.randn(n, h, generator=g).to(torch.bfloat16)
+    weight0 = torch.randn(v, h, generator=g) / 4
+    targets = torch.randint(0, v, (n,), generator=g)
+    coef = torch.rand(n, generator=g)
+    results = {}
+    for precision in ("bfloat16", "float32"):
+        hidden = hidden0.clone().requires_grad_(True)
+        weight = weight0.clone().requires_grad_(True)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bfloat16"):
+            with MatmulAudit() as audit:
+                loss = weighted_cross_entropy(hidden.float() if precision == "float32"
+                                              else hidden, weight, targets, coef, 128, 1)  # fmt: skip
+        loss.backward()
+        assert set(audit.flops_by_dtype()) == {getattr(torch, precision)}
+        assert audit.total == 3 * 2 * n * h * v
+        assert weight.grad.dtype == torch.float32 and hidden.grad.dtype == torch.bfloat16
+        results[precision] = (loss, hidden.grad.float(), weight.grad)
+    for got, want in zip(results["bfloat16"], results["float32"]):
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+
+
+def test_row_blocks_of_the_fused_loss_are_multiples_of_128_where_they_fit():
+    from unmask.diffusion.loss import loss_block_rows
+
+    budget = 4096 * 8192  # the default row_chunk x vocab_chunk
+    assert loss_block_rows(126_464, budget) == 256  # LLaDA: 265 rows fit
+    assert loss_block_rows(152_064, budget) == 128  # Dream: 220
+    assert loss_block_rows(500_000, budget) == 67  # fewer than 128 fit: as many as fit
+    assert loss_block_rows(128, budget) == budget // 128

@@ -6,6 +6,8 @@ All act on a batch dict of (B, L) tensors (`input_ids`, optional `doc_ids`, `pos
 
 import torch
 
+from unmask.host import host_read
+
 _ROW_KEYS = ("input_ids", "doc_ids", "position_ids", "maskable")
 
 
@@ -22,9 +24,10 @@ def random_length_cut(batch: dict, prob: float, seed: int, step: int) -> dict:
     if prob <= 0:
         return batch
     gen = torch.Generator().manual_seed(int(seed) * 1_000_003 + int(step))
-    fire = torch.rand((), generator=gen).item() < prob
     length = batch["input_ids"].shape[1]
-    new_length = int(torch.randint(1, length + 1, (), generator=gen))
+    with host_read():  # draws of a CPU generator: no device is waited for
+        fire = torch.rand((), generator=gen).item() < prob
+        new_length = int(torch.randint(1, length + 1, (), generator=gen))
     return _slice_columns(batch, new_length) if fire else batch
 
 

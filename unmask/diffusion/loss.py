@@ -16,6 +16,15 @@ Under tensor parallelism the head arrives split by vocabulary rows (a DTensor): 
 functions then run on the rank's own rows and assemble the log-sum-exp over the tp ranks
 (the vocab-parallel section below), equal to the replicated head within float rounding
 (tests/integration/test_vocab_parallel.py).
+
+Precision: the head's three GEMMs (the logits, the hidden rows' and the head's gradients)
+run in the compute dtype, autocast's (bf16 under train.bf16) or else the hidden rows', with
+float32 outputs and accumulation; the log-sum-exp, the softmax and every sum are float32.
+On a GPU that is tensor cores with fp32 accumulation (`torch.mm(..., out_dtype=float32)`,
+15x the CUDA-core float32 rate on an H100); where that form is missing (a CPU) a bf16 GEMM's
+bf16 result is widened, as transformers' models compute their logits. The head's gradient
+is accumulated and returned in float32 (the master weights' dtype), the hidden rows' in
+their dtype. tests/unit/test_loss.py pins the bf16 path to the float32 one.
 """
 
 from typing import NamedTuple
@@ -24,6 +33,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Shard
+
+from unmask.host import HostCopy
 
 #: A target of -100 means "no loss here" (the masked-only loss reads only the other rows);
 #: the same value torch's cross_entropy ignores by default.
@@ -40,45 +51,88 @@ def _block(buffer: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     return buffer[: rows * cols].view(rows, cols)
 
 
-def _logits_into(out: torch.Tensor, h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """out = h @ w.T in h's dtype, stored in out's (float32) dtype. h (R, H), w (C, H)."""
-    w = w.to(h.dtype)
-    if h.dtype == out.dtype:
-        return torch.mm(h, w.T, out=out)
-    return out.copy_(h @ w.T)
+def compute_dtype(hidden: torch.Tensor) -> torch.dtype:
+    """The dtype the head's GEMMs take: autocast's where it is on, else the hidden rows'."""
+    device = hidden.device.type
+    if torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return hidden.dtype
 
 
-def _mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool) -> None:
-    """out = a @ b when first, else out += a @ b; no temporary of out's size."""
-    if first:
-        torch.mm(a, b, out=out)
+_WIDE_OUTPUT: dict[torch.device, bool] = {}
+
+
+def _wide_output(a: torch.Tensor, out: torch.Tensor) -> bool:
+    """Whether torch multiplies a's dtype into out's wider one on a's device (the
+    `out_dtype` form of mm / addmm: CUDA's bf16 and fp16 GEMMs), tried once per device on a
+    small product and checked against the widened one."""
+    if a.device.type == "cpu" or a.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    key = (a.device, a.dtype, out.dtype)
+    if key not in _WIDE_OUTPUT:
+        x = torch.arange(48, device=a.device).reshape(6, 8).to(a.dtype) / 7
+        try:
+            got = torch.mm(x, x.T, out_dtype=out.dtype)
+            acc = torch.addmm(got.clone(), x, x.T, out_dtype=out.dtype)
+            want = x.to(out.dtype) @ x.T.to(out.dtype)
+            _WIDE_OUTPUT[key] = bool(torch.allclose(got, want, rtol=1e-3)
+                                     and torch.allclose(acc, 2 * want, rtol=1e-3))  # fmt: skip
+        except (RuntimeError, TypeError):
+            _WIDE_OUTPUT[key] = False
+    return _WIDE_OUTPUT[key]
+
+
+def _mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool = True) -> None:
+    """out = a @ b when first, else out += a @ b; a and b in the compute dtype, out in the
+    accumulation dtype (float32): no temporary of out's size where the GEMM writes float32
+    itself."""
+    if a.dtype == out.dtype:
+        if first:
+            torch.mm(a, b, out=out)
+        else:
+            out.addmm_(a, b)
+    elif _wide_output(a, out):
+        if first:
+            torch.mm(a, b, out_dtype=out.dtype, out=out)
+        else:
+            torch.addmm(out, a, b, out_dtype=out.dtype, out=out)
+    elif first:
+        out.copy_(a @ b)
     else:
-        out.addmm_(a, b)
+        out.add_(a @ b)
+
+
+def _logits_into(out: torch.Tensor, h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """out = h @ w.T (h (R, H), w (C, H) in the compute dtype) stored in out's float32."""
+    _mm_into(out, h, w.T)
+    return out
 
 
 class _ChunkedCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, vocab_chunk, row_chunk):
-        # hidden (N, H), weight (V, H), targets (N,) -> loss (N,) float32
+    def forward(ctx, hidden, weight, targets, vocab_chunk, row_chunk, compute):
+        # hidden (N, H), weight (V, H), targets (N,) -> loss (N,) float32; the GEMMs in
+        # `compute` (module doc: Precision)
         n, v = hidden.shape[0], weight.shape[0]
-        acc = torch.promote_types(hidden.dtype, torch.float32)
+        acc = torch.promote_types(compute, torch.float32)
         buffer = hidden.new_empty(min(n, row_chunk) * min(v, vocab_chunk), dtype=acc)
         lse = torch.empty(n, dtype=acc, device=hidden.device)
+        hidden_c, weight_c = hidden.to(compute), weight.to(compute)
         for r0, r1 in _chunks(n, row_chunk):
-            h = hidden[r0:r1]
+            h = hidden_c[r0:r1]
             # online logsumexp over vocabulary chunks: running max and sum of exp(x - max)
             run_max = torch.full((r1 - r0,), float("-inf"), dtype=acc, device=hidden.device)
             run_sum = torch.zeros(r1 - r0, dtype=acc, device=hidden.device)
             for v0, v1 in _chunks(v, vocab_chunk):
-                logits = _logits_into(_block(buffer, r1 - r0, v1 - v0), h, weight[v0:v1])
+                logits = _logits_into(_block(buffer, r1 - r0, v1 - v0), h, weight_c[v0:v1])
                 new_max = torch.maximum(run_max, logits.amax(dim=1))
                 run_sum.mul_(torch.exp(run_max - new_max))
                 run_sum.add_(logits.sub_(new_max[:, None]).exp_().sum(dim=1))
                 run_max = new_max
             lse[r0:r1] = run_max + run_sum.log()
-        target_logit = (hidden * weight[targets].to(hidden.dtype)).to(acc).sum(-1)
+        target_logit = (hidden_c.to(acc) * weight_c[targets].to(acc)).sum(-1)
         ctx.save_for_backward(hidden, weight, targets, lse)
-        ctx.vocab_chunk, ctx.row_chunk = vocab_chunk, row_chunk
+        ctx.vocab_chunk, ctx.row_chunk, ctx.compute = vocab_chunk, row_chunk, compute
         return lse - target_logit
 
     @staticmethod
@@ -88,25 +142,27 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         want_weight = ctx.needs_input_grad[1]  # a frozen head (LoRA): less
         grad_hidden, grad_weight = _chunked_gradients(
             hidden, weight, targets, lse, grad_loss, *chunks, want_weight,
-            want_hidden=ctx.needs_input_grad[0],
+            want_hidden=ctx.needs_input_grad[0], compute=ctx.compute,
         )  # fmt: skip
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
         if grad_hidden is not None:
             grad_hidden = grad_hidden.to(hidden.dtype)
-        return grad_hidden, grad_weight, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None
 
 
 def _chunked_gradients(hidden, weight, targets, lse, grad_loss, vocab_chunk: int,
                        row_chunk: int, want_weight: bool, start: int = 0,
-                       want_hidden: bool = True):  # fmt: skip
+                       want_hidden: bool = True, compute: torch.dtype | None = None):  # fmt: skip
     """The gradients of the per-row cross-entropy from its log-sum-exp (the hidden rows'
     unless not want_hidden, the head's when want_weight; None for the others), in the
     accumulation dtype: d loss_i / d logits_ij = softmax_ij - [j == target_i], out of one
     (rows x chunk) block per chunk with the target's -1 folded into it. weight holds the
     vocabulary rows [start, start + V) (all of them, or a tensor-parallel rank's share: its
-    targets elsewhere get no -1 here)."""
+    targets elsewhere get no -1 here). The GEMMs in `compute` (None: hidden's dtype)."""
     acc = lse.dtype
+    compute = hidden.dtype if compute is None else compute
+    hidden, weight = hidden.to(compute), weight.to(compute)
     n, v = hidden.shape[0], weight.shape[0]
     grad_loss = grad_loss.to(acc)
     grad_hidden = grad_weight = None
@@ -117,7 +173,6 @@ def _chunked_gradients(hidden, weight, targets, lse, grad_loss, vocab_chunk: int
     buffer = hidden.new_empty(min(n, row_chunk) * max(min(v, vocab_chunk), 1), dtype=acc)
     for r0, r1 in _chunks(n, row_chunk):
         h = hidden[r0:r1]
-        h_acc = h.to(acc)
         g_rows = grad_loss[r0:r1, None]
         t_rows = targets[r0:r1]
         for v0, v1 in _chunks(v, vocab_chunk):
@@ -126,10 +181,11 @@ def _chunked_gradients(hidden, weight, targets, lse, grad_loss, vocab_chunk: int
             probs.sub_(lse[r0:r1, None]).exp_().mul_(g_rows)
             hit, cols = _owned(t_rows, start + v0, v1 - v0)  # a mask, not indices: no sync
             probs.scatter_add_(1, cols[:, None], torch.where(hit[:, None], -g_rows, 0.0))
+            probs_c = probs.to(compute)
             if want_hidden:
-                _mm_into(grad_hidden[r0:r1], probs, w.to(acc), first=v0 == 0)
+                _mm_into(grad_hidden[r0:r1], probs_c, w, first=v0 == 0)
             if want_weight:
-                _mm_into(grad_weight[v0:v1], probs.T, h_acc, first=r0 == 0)
+                _mm_into(grad_weight[v0:v1], probs_c.T, h, first=r0 == 0)
     return grad_hidden, grad_weight
 
 
@@ -138,24 +194,25 @@ class _WeightedCrossEntropy(torch.autograd.Function):
     so the backward only scales them by the incoming gradient)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, coef, block_rows):
-        # hidden (N, H), weight (V, H), targets (N,), coef (N,) -> 0-d float32
+    def forward(ctx, hidden, weight, targets, coef, block_rows, compute):
+        # hidden (N, H), weight (V, H), targets (N,), coef (N,) -> 0-d float32; the GEMMs
+        # in `compute` (module doc: Precision)
         n, v = hidden.shape[0], weight.shape[0]
-        acc = torch.promote_types(hidden.dtype, torch.float32)
+        acc = torch.promote_types(compute, torch.float32)
         want_hidden, want_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_hidden = grad_weight = None
         if want_hidden:
             grad_hidden = torch.empty(hidden.shape, dtype=acc, device=hidden.device)
         if want_weight:
             grad_weight = torch.empty(weight.shape, dtype=acc, device=weight.device)
-        w_acc = weight.to(acc)
+        hidden_c, weight_c = hidden.to(compute), weight.to(compute)
         buffer = hidden.new_empty(min(n, block_rows) * v, dtype=acc)
         total = torch.zeros((), dtype=acc, device=hidden.device)
         for r0, r1 in _chunks(n, block_rows):
-            h = hidden[r0:r1]
+            h = hidden_c[r0:r1]
             t_rows = targets[r0:r1, None]
             c = coef[r0:r1].to(acc)
-            logits = _logits_into(_block(buffer, r1 - r0, v), h, weight)  # (R, V)
+            logits = _logits_into(_block(buffer, r1 - r0, v), h, weight_c)  # (R, V)
             row_max = logits.amax(dim=1)
             target_logit = logits.gather(1, t_rows).squeeze(1)
             probs = logits.sub_(row_max[:, None]).exp_()  # unnormalized, in place
@@ -163,10 +220,11 @@ class _WeightedCrossEntropy(torch.autograd.Function):
             total += (c * (row_max + sums.log() - target_logit)).sum()
             # d (c_i CE_i) / d logits_ij = c_i (softmax_ij - [j == target_i])
             probs.mul_((c / sums)[:, None]).scatter_add_(1, t_rows, -c[:, None])
+            probs_c = probs.to(compute)
             if want_hidden:
-                torch.mm(probs, w_acc, out=grad_hidden[r0:r1])
+                _mm_into(grad_hidden[r0:r1], probs_c, weight_c)
             if want_weight:
-                _mm_into(grad_weight, probs.T, h.to(acc), first=r0 == 0)
+                _mm_into(grad_weight, probs_c.T, h, first=r0 == 0)
         ctx.grads = (grad_hidden, grad_weight)
         ctx.dtypes = (hidden.dtype, weight.dtype)
         return total
@@ -181,7 +239,7 @@ class _WeightedCrossEntropy(torch.autograd.Function):
             grad_hidden = grad_hidden.mul_(g).to(hidden_dtype)
         if grad_weight is not None:
             grad_weight = grad_weight.mul_(g).to(weight_dtype)
-        return grad_hidden, grad_weight, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None
 
 
 # ---------------------------------------------------------------- vocab-parallel LM head
@@ -251,25 +309,27 @@ def _local_target_logit(hidden, weight, targets, start, acc) -> torch.Tensor:
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, start, group, vocab_chunk, row_chunk):
+    def forward(ctx, hidden, weight, targets, start, group, vocab_chunk, row_chunk, compute):
         # hidden (N, H) the same on every tp rank, weight (V_local, H) this rank's rows
         n, v = hidden.shape[0], weight.shape[0]
-        acc = torch.promote_types(hidden.dtype, torch.float32)
+        acc = torch.promote_types(compute, torch.float32)
         buffer = hidden.new_empty(min(n, row_chunk) * max(min(v, vocab_chunk), 1), dtype=acc)
         run_max = torch.full((n,), float("-inf"), dtype=acc, device=hidden.device)
         run_sum = torch.zeros(n, dtype=acc, device=hidden.device)
+        hidden_c, weight_c = hidden.to(compute), weight.to(compute)
         for r0, r1 in _chunks(n, row_chunk):
-            h, m, s = hidden[r0:r1], run_max[r0:r1], run_sum[r0:r1]
+            h, m, s = hidden_c[r0:r1], run_max[r0:r1], run_sum[r0:r1]
             for v0, v1 in _chunks(v, vocab_chunk):
-                logits = _logits_into(_block(buffer, r1 - r0, v1 - v0), h, weight[v0:v1])
+                logits = _logits_into(_block(buffer, r1 - r0, v1 - v0), h, weight_c[v0:v1])
                 new_max = torch.maximum(m, logits.amax(dim=1))
                 s.mul_(torch.exp(m - new_max))
                 s.add_(logits.sub_(new_max[:, None]).exp_().sum(dim=1))
                 m.copy_(new_max)
-        target_logit = _local_target_logit(hidden, weight, targets, start, acc)
+        target_logit = _local_target_logit(hidden_c, weight_c, targets, start, acc)
         lse, target_logit = _global_lse(run_max, run_sum, target_logit, group)
         ctx.save_for_backward(hidden, weight, targets, lse)
         ctx.start, ctx.group, ctx.vocab_chunk, ctx.row_chunk = start, group, vocab_chunk, row_chunk
+        ctx.compute = compute
         return lse - target_logit
 
     @staticmethod
@@ -288,11 +348,12 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             ctx.row_chunk,
             want_weight,
             start=ctx.start,
+            compute=ctx.compute,
         )
         dist.all_reduce(grad_hidden, group=ctx.group)
         if want_weight:
             grad_weight = grad_weight.to(weight.dtype)
-        return grad_hidden.to(hidden.dtype), grad_weight, None, None, None, None, None
+        return grad_hidden.to(hidden.dtype), grad_weight, None, None, None, None, None, None
 
 
 class _VocabParallelWeightedCrossEntropy(torch.autograd.Function):
@@ -301,23 +362,23 @@ class _VocabParallelWeightedCrossEntropy(torch.autograd.Function):
     the hidden rows' gradient is summed over the ranks once at the end."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, coef, start, group, block_rows):
+    def forward(ctx, hidden, weight, targets, coef, start, group, block_rows, compute):
         n, v = hidden.shape[0], weight.shape[0]
-        acc = torch.promote_types(hidden.dtype, torch.float32)
+        acc = torch.promote_types(compute, torch.float32)
         want_hidden, want_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_hidden = grad_weight = None
         if want_hidden:
             grad_hidden = torch.zeros(hidden.shape, dtype=acc, device=hidden.device)
         if want_weight:
             grad_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device)
-        w_acc = weight.to(acc)
+        hidden_c, weight_c = hidden.to(compute), weight.to(compute)
         buffer = hidden.new_empty(min(n, block_rows) * max(v, 1), dtype=acc)
         total = torch.zeros((), dtype=acc, device=hidden.device)
         for r0, r1 in _chunks(n, block_rows):
-            h = hidden[r0:r1]
+            h = hidden_c[r0:r1]
             hit, cols = _owned(targets[r0:r1], start, v)
             c = coef[r0:r1].to(acc)
-            logits = _logits_into(_block(buffer, r1 - r0, v), h, weight)  # (R, V_local)
+            logits = _logits_into(_block(buffer, r1 - r0, v), h, weight_c)  # (R, V_local)
             if v:
                 row_max = logits.amax(dim=1)
                 target_logit = torch.where(hit, logits.gather(1, cols[:, None]).squeeze(1), 0.0)
@@ -334,10 +395,11 @@ class _VocabParallelWeightedCrossEntropy(torch.autograd.Function):
             probs.mul_((c / sums)[:, None])
             if v:
                 probs.scatter_add_(1, cols[:, None], torch.where(hit, -c, 0.0)[:, None])
+            probs_c = probs.to(compute)
             if want_hidden:
-                torch.mm(probs, w_acc, out=grad_hidden[r0:r1])
+                _mm_into(grad_hidden[r0:r1], probs_c, weight_c)
             if want_weight:
-                _mm_into(grad_weight, probs.T, h.to(acc), first=r0 == 0)
+                _mm_into(grad_weight, probs_c.T, h, first=r0 == 0)
         if want_hidden:
             dist.all_reduce(grad_hidden, group=group)
         ctx.grads = (grad_hidden, grad_weight)
@@ -347,7 +409,7 @@ class _VocabParallelWeightedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_total):
         grad_hidden, grad_weight = _WeightedCrossEntropy.backward(ctx, grad_total)[:2]
-        return grad_hidden, grad_weight, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None
 
 
 def weighted_cross_entropy(
@@ -370,15 +432,68 @@ def weighted_cross_entropy(
     if hidden.shape[0] == 0 or not needs_grad or not fused:
         losses = chunked_cross_entropy(hidden, weight, targets, vocab_chunk, row_chunk)
         return (losses * coef.detach().to(losses.dtype)).sum()
-    block_rows = max(1, (row_chunk * vocab_chunk) // weight.shape[0])
+    block_rows = loss_block_rows(weight.shape[0], row_chunk * vocab_chunk)
     shard = vocab_shard(weight)
+    compute = compute_dtype(hidden)
     with torch.autocast(device_type=hidden.device.type, enabled=False):
         if shard is not None:  # the replicated path's rows per block, 1/tp of its columns
             return _VocabParallelWeightedCrossEntropy.apply(
                 hidden, shard.weight, targets, coef.detach(), shard.start, shard.group,
-                block_rows,
+                block_rows, compute,
             )  # fmt: skip
-        return _WeightedCrossEntropy.apply(hidden, weight, targets, coef.detach(), block_rows)
+        return _WeightedCrossEntropy.apply(hidden, weight, targets, coef.detach(), block_rows,
+                                           compute)  # fmt: skip
+
+
+#: rows of a block of the fused loss are a multiple of this (a GEMM's M tile on a GPU)
+BLOCK_ROWS_MULTIPLE = 128
+
+
+def loss_block_rows(vocab: int, elements: int) -> int:
+    """Rows per block of the fused loss: as many as fit `elements` (rows x vocab) logits,
+    rounded down to a multiple of BLOCK_ROWS_MULTIPLE when that many fit (a GEMM's last M
+    tile left partly empty wastes its share of the block's work: 265 rows at vocabulary
+    126,464 became 256); fewer (at least 1) when the vocabulary leaves room for less."""
+    rows = max(1, elements // max(1, vocab))
+    if rows < BLOCK_ROWS_MULTIPLE:
+        return rows
+    return rows - rows % BLOCK_ROWS_MULTIPLE
+
+
+class SelectedRows:
+    """The positions of `targets` (any shape, -100 = no target) that have one, gathered
+    without a device sync: their count is copied to the host as soon as the targets exist
+    (`HostCopy`; make this before the model's forward, so the copy is done long before the
+    loss reads it), and the rows are taken by `nonzero_static` with that count, where
+    boolean indexing would wait for the whole forward to learn how many rows it returns."""
+
+    def __init__(self, targets: torch.Tensor):
+        self.shape = targets.shape
+        self.mask = (targets != IGNORE_INDEX).reshape(-1)
+        self._count = HostCopy(self.mask.sum())
+        self._index: torch.Tensor | None = None
+
+    @property
+    def count(self) -> int:
+        return int(self._count.item())
+
+    @property
+    def index(self) -> torch.Tensor:
+        """(count,) long: the flat positions with a target, in order."""
+        if self._index is None:
+            size = self.count
+            self._index = torch.nonzero_static(self.mask, size=size).squeeze(1)
+        return self._index
+
+    def take(self, values: torch.Tensor) -> torch.Tensor:
+        """values (*targets.shape, ...) -> (count, ...) at the positions with a target."""
+        flat = values.reshape(self.mask.shape[0], *values.shape[len(self.shape) :])
+        return flat.index_select(0, self.index)
+
+    def scatter(self, rows: torch.Tensor) -> torch.Tensor:
+        """(count,) values back to their positions: targets.shape, 0 where there is none."""
+        flat = torch.zeros(self.mask.shape[0], dtype=rows.dtype, device=rows.device)
+        return flat.index_put((self.index,), rows).view(self.shape)
 
 
 def weighted_loss(
@@ -389,17 +504,20 @@ def weighted_loss(
     vocab_chunk: int = 8192,
     implementation: str = "chunked",
     fused: bool = True,
+    selected: SelectedRows | None = None,
 ) -> torch.Tensor:
     """sum_i w_i CE_i over the positions with a target (hidden (..., H), targets and
     target_weights (...), -100 = no target), 0-d float32, by `model.loss_implementation`:
     "full" through the whole logits (`full_cross_entropy`), "chunked" on the target rows
-    only (`weighted_cross_entropy`, with `fused`)."""
+    only (`weighted_cross_entropy`, with `fused`). selected: the targets' `SelectedRows`,
+    made before the forward (None: made here, and on a GPU the count read then waits for
+    the forward)."""
     if implementation == "full":  # the whole logits, as HF / torchtitan
         losses = full_cross_entropy(hidden, weight, targets)
         return (losses * target_weights.detach().float()).sum()
-    selected = targets != IGNORE_INDEX
-    return weighted_cross_entropy(hidden[selected], weight, targets[selected],
-                                  target_weights[selected], vocab_chunk, fused=fused)  # fmt: skip
+    selected = SelectedRows(targets) if selected is None else selected
+    return weighted_cross_entropy(selected.take(hidden), weight, selected.take(targets),
+                                  selected.take(target_weights), vocab_chunk, fused=fused)  # fmt: skip
 
 
 def full_cross_entropy(
@@ -441,10 +559,13 @@ def chunked_cross_entropy(
         # makes the head's a tensor of its own where local.sum()'s would be an expanded
         # scalar, which a later micro-batch's gradient could not be added into in place
         return hidden.sum(-1) * 0 + (local * 0).sum()
+    compute = compute_dtype(hidden)
     with torch.autocast(device_type=hidden.device.type, enabled=False):
         if shard is not None:
             chunk = max(1, vocab_chunk // shard.ranks)
             return _VocabParallelCrossEntropy.apply(
-                hidden, shard.weight, targets, shard.start, shard.group, chunk, row_chunk
-            )
-        return _ChunkedCrossEntropy.apply(hidden, weight, targets, vocab_chunk, row_chunk)
+                hidden, shard.weight, targets, shard.start, shard.group, chunk, row_chunk,
+                compute,
+            )  # fmt: skip
+        return _ChunkedCrossEntropy.apply(hidden, weight, targets, vocab_chunk, row_chunk,
+                                          compute)  # fmt: skip

@@ -48,10 +48,20 @@ def cart_weights(masked: torch.Tensor, geo_p: float, doc_ids: torch.Tensor | Non
     kernel = geo_p * (1.0 - geo_p) ** (dist - 1.0)
     kernel.fill_diagonal_(0.0)  # (L, L)
     clean = (~masked).float()
-    if doc_ids is None or bool((doc_ids == doc_ids[:, :1]).all()):
+    if doc_ids is None:
         return 0.5 * clean @ kernel  # kernel is symmetric
-    same = doc_ids[:, :, None] == doc_ids[:, None, :]  # (B, L, L)
-    return 0.5 * torch.einsum("bij,bj->bi", kernel * same, clean)
+    # only clean tokens of the token's own document: the kernel masked per row, a block of
+    # query positions at a time (a (B, L, L) float matrix for long rows otherwise)
+    out = torch.empty_like(clean)
+    for start in range(0, length, CART_QUERY_BLOCK):
+        stop = min(start + CART_QUERY_BLOCK, length)
+        same = doc_ids[:, start:stop, None] == doc_ids[:, None, :]  # (B, q, L)
+        out[:, start:stop] = torch.bmm(kernel[start:stop] * same, clean[:, :, None])[..., 0]
+    return 0.5 * out
+
+
+#: query positions per block of the document-aware CART weights
+CART_QUERY_BLOCK = 512
 
 
 def bd3lm_attention_mask(length: int, block_size: int, device=None) -> torch.Tensor:
@@ -74,6 +84,16 @@ def bd3lm_block_mask(block: torch.Tensor) -> torch.Tensor:
     return torch.cat([top, bottom], dim=1)
 
 
+def dense_ids(ids: torch.Tensor) -> torch.Tensor:
+    """(B, L) ids renumbered 0, 1, ... per row in increasing order of id (each row's ids
+    then index a tensor of L columns): by a sort, so nothing is read back from the device to
+    size anything, where unique() or max() would be."""
+    ordered, order = ids.sort(dim=1)
+    starts = torch.ones_like(ordered, dtype=torch.bool)
+    starts[:, 1:] = ordered[:, 1:] != ordered[:, :-1]
+    return torch.empty_like(ids).scatter_(1, order, starts.long().cumsum(1) - 1)
+
+
 def bd3lm_blocks(
     position_ids: torch.Tensor, maskable: torch.Tensor, doc_ids: torch.Tensor | None,
     block_size: int,
@@ -82,10 +102,9 @@ def bd3lm_blocks(
     maskable part starts (its answer; position 0 for a plain document), and the prompt
     before it is cut into blocks -1, -2, ... from its end: the layout the block-causal
     sampler (`unmask.sampling.generate.canvas_blocks`) decodes with."""
-    docs = torch.zeros_like(position_ids) if doc_ids is None else doc_ids.long()
-    docs = docs - docs.min(dim=1, keepdim=True).values  # 0-based per row, for scatter
-    big = int(position_ids.max()) + 1
-    first = torch.full((docs.shape[0], int(docs.max()) + 1), big, device=docs.device)
+    docs = torch.zeros_like(position_ids) if doc_ids is None else dense_ids(doc_ids.long())
+    big = torch.iinfo(torch.long).max
+    first = torch.full(docs.shape, big, device=docs.device)
     candidates = torch.where(maskable, position_ids, torch.full_like(position_ids, big))
     first = first.scatter_reduce(1, docs, candidates, reduce="amin")
     first = torch.where(first == big, torch.zeros_like(first), first)  # nothing maskable

@@ -256,16 +256,22 @@ class SparseMoE(nn.Module):
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         experts, weights, logits = self.gate(flat)
-        order = experts.reshape(-1).argsort(stable=True)
+        chosen = experts.reshape(-1)  # (T k,) the expert of each routed slot
+        order = chosen.argsort(stable=True)
         token = order // self.top_k
-        counts = torch.bincount(experts.reshape(-1), minlength=self.num_experts)
-        rows = flat[token]
+        counts = expert_counts(chosen[order], self.num_experts)
+        rows = flat.index_select(0, token)
         if self.expert_parallel is not None:
             out = self.expert_parallel.run(self.experts, rows, counts)
         else:
             out = self.experts(rows, counts)
-        out = out * weights.reshape(-1)[order, None].to(out.dtype)
-        y = torch.zeros_like(flat, dtype=out.dtype).index_add_(0, token, out)
+        # back to (token, slot) order, each slot weighted, the k slots of a token summed in
+        # float32: a gather and a fixed-order sum, where an index_add_ would add the slots
+        # with atomics in whatever order they land (bf16 sums that change run to run)
+        unsorted = out.index_select(0, order.argsort())  # slot order
+        gates = weights.reshape(-1, 1).to(out.dtype)
+        y = (unsorted * gates).view(-1, self.top_k, out.shape[-1]).sum(1, dtype=torch.float32)
+        y = y.to(out.dtype)
         if self.shared_experts is not None:
             y = y + self.shared_experts(flat)
         if self.training and torch.is_grad_enabled():
@@ -301,6 +307,16 @@ class SparseMoE(nn.Module):
         if bias is None or self.bias_rate == 0:
             return
         bias += self.bias_rate * torch.sign(load.mean() - load).to(bias.dtype)
+
+
+def expert_counts(sorted_experts: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Routed slots per expert (num_experts,) long, from the slots' experts sorted: each
+    expert's end in the sorted list (`searchsorted`) minus its start. No device sync, where
+    `bincount` reads its input's maximum back to the host first; exact and deterministic,
+    where a float `histc` or atomic counts would not be."""
+    bounds = torch.arange(num_experts + 1, device=sorted_experts.device, dtype=sorted_experts.dtype)
+    ends = torch.searchsorted(sorted_experts, bounds)
+    return ends[1:] - ends[:-1]
 
 
 def moe_blocks(model: nn.Module) -> list[SparseMoE]:

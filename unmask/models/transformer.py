@@ -11,7 +11,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from unmask.diffusion.loss import (
-    IGNORE_INDEX,
+    SelectedRows,
     chunked_cross_entropy,
     full_cross_entropy,
     weighted_loss,
@@ -43,6 +43,20 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps, self.backward_pass)
+
+
+def embed(embedding: nn.Embedding, input_ids: torch.Tensor) -> torch.Tensor:
+    """The embedding's rows in the compute dtype: autocast's where it is on (bf16 under
+    train.bf16, as FSDP2's bf16 parameters give them on several GPUs), so the residual
+    stream, the norms' outputs and the hidden rows the LM head reads have the same dtype on
+    one device as on many; else the embedding's own. nn.Embedding is not an autocast op: on
+    its own it would keep a float32 stream (and a float32 head) wherever the parameters are
+    float32."""
+    x = embedding(input_ids)
+    device = x.device.type
+    if torch.is_autocast_enabled(device):
+        x = x.to(torch.get_autocast_dtype(device))
+    return x
 
 
 def rotary_cos_sin(
@@ -303,7 +317,7 @@ class DiffusionTransformer(nn.Module):
             dense = attention_mask if mask.dense is None else mask.dense & attention_mask
             mask = AttentionMask("sdpa", dense=dense)
         cos, sin = rotary_cos_sin(position_ids, self.config.rotary_dim, self.config.rope_theta)
-        x = self.model.embed_tokens(input_ids)
+        x = embed(self.model.embed_tokens, input_ids)
         for index, layer in enumerate(self.model.layers):
             if kv_cache is not None:
                 x = layer(x, cos, sin, mask, (kv_cache, index))
@@ -344,26 +358,21 @@ class DiffusionTransformer(nn.Module):
         head fewer). Under `loss_implementation: full` the losses come from the whole
         logits instead (`full_cross_entropy`).
         """
+        implementation = self.config.loss_implementation
+        selected = None  # the target rows' count goes to the host while the forward runs
+        if targets is not None and implementation != "full":
+            selected = SelectedRows(targets)
         hidden = self.hidden_states(input_ids, doc_ids, position_ids, attention_mask, kv_cache)
         if targets is None:
             return self.lm_head(hidden)
-        implementation = self.config.loss_implementation
         if target_weights is not None:
             return weighted_loss(hidden, self.lm_head.weight, targets, target_weights,
-                                 vocab_chunk, implementation)  # fmt: skip
+                                 vocab_chunk, implementation, selected=selected)  # fmt: skip
         if implementation == "full":  # the whole logits, as HF / torchtitan
             return full_cross_entropy(hidden, self.lm_head.weight, targets)
-        return self._token_losses(hidden, targets, vocab_chunk)
-
-    def _token_losses(
-        self, hidden: torch.Tensor, targets: torch.Tensor, vocab_chunk: int
-    ) -> torch.Tensor:
-        selected = targets != IGNORE_INDEX  # (B, L)
-        rows = chunked_cross_entropy(
-            hidden[selected], self.lm_head.weight, targets[selected], vocab_chunk
-        )
-        losses = torch.zeros(targets.shape, dtype=torch.float32, device=hidden.device)
-        return losses.masked_scatter(selected, rows.float())
+        rows = chunked_cross_entropy(selected.take(hidden), self.lm_head.weight,
+                                     selected.take(targets), vocab_chunk)  # fmt: skip
+        return selected.scatter(rows.float())
 
     def num_parameters(self, exclude_embeddings: bool = False) -> int:
         """Number of distinct parameters (a tied matrix counts once)."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.distributed as dist
@@ -43,7 +44,9 @@ class DistState:
     def is_main(self) -> bool:
         return self.rank == 0
 
-    @property
+    # places on mesh dims, looked up once: a DeviceMesh answers by searching its (host)
+    # rank tensor, which a step asks for every micro-batch
+    @cached_property
     def dp_rank(self) -> int:
         """Which rows of a global batch this rank reads: its place on the "dp" mesh dim
         (tp and cp peers read the same rows)."""
@@ -53,11 +56,11 @@ class DistState:
     def dp_size(self) -> int:
         return self.layout.dp
 
-    @property
+    @cached_property
     def tp_rank(self) -> int:
         return 0 if self.mesh is None else self.mesh["tp"].get_local_rank()
 
-    @property
+    @cached_property
     def pp_rank(self) -> int:
         """This rank's place in its pipeline (0: holds the first stage)."""
         return 0 if self.mesh is None else self.mesh["pp"].get_local_rank()

@@ -146,15 +146,17 @@ class MoETraining:
             block.update_expert_bias(load)
             block.load.zero_()
             block.aux_sum.zero_()
-        self.loads += loads.cpu()
-        self.aux += stats[-1].cpu()
+        if self.loads.device != loads.device:  # summed where they are made: read when logged
+            self.loads, self.aux = self.loads.to(loads.device), self.aux.to(loads.device)
+        self.loads += loads
+        self.aux += stats[-1]
 
     def _every_stage(self) -> tuple[torch.Tensor, float]:
         """(loads of every MoE layer of the model, in layer order; the aux loss summed over
         them): this rank's, or under pipeline parallelism every stage's, gathered over the
         pp group (every rank calls this at the same steps)."""
         if self.stages is None:
-            return self.loads, float(self.aux)
+            return self.loads.cpu(), float(self.aux)
         mine = (self.layer_ids, self.loads.tolist(), float(self.aux))
         gathered: list = [None] * dist.get_world_size(self.stages)
         dist.all_gather_object(gathered, mine, group=self.stages)

@@ -63,11 +63,11 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from unmask.diffusion.backward import BackwardPass
-from unmask.diffusion.loss import weighted_loss
+from unmask.diffusion.loss import SelectedRows, weighted_loss
 from unmask.errors import InputError
 from unmask.models.attention import AttentionMask, build_attention_mask, resolve_backend
 from unmask.models.fused import deferring_linear_forward
-from unmask.models.transformer import RMSNorm, document_positions, rotary_cos_sin
+from unmask.models.transformer import RMSNorm, document_positions, embed, rotary_cos_sin
 
 #: train.pipeline_schedule -> torch.distributed.pipelining's schedule class name
 SCHEDULES = {
@@ -496,8 +496,11 @@ class StageModule(nn.Module):
                 targets: torch.Tensor | None = None,
                 target_weights: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
         """x: input ids (B, L) on the first stage, hidden states (B, L, H) after it."""
+        selected = None  # the last stage: the target rows' count to the host before the work
+        if self.is_last and self.config.loss_implementation != "full":
+            selected = SelectedRows(targets)
         if self.is_first:
-            x = self.embed_tokens(x)
+            x = embed(self.embed_tokens, x)
         batch, length = x.shape[0], x.shape[1]
         cfg = self.config
         if position_ids is None:
@@ -521,7 +524,7 @@ class StageModule(nn.Module):
             return x
         return weighted_loss(self.norm(x), self.lm_head.weight, targets, target_weights,
                              self.vocab_chunk, self.config.loss_implementation,
-                             fused=self.head_loss == "fused")  # fmt: skip
+                             fused=self.head_loss == "fused", selected=selected)  # fmt: skip
 
 
 def defer_weight_gradients(module: nn.Module, backward_pass: BackwardPass) -> int:

@@ -88,6 +88,36 @@ class FlopModel:
         return dense + 6 * self.head_params * rows
 
 
+class CallFlops:
+    """The model FLOPs of the training forwards a model really ran: a forward pre-hook
+    records each call's rows and length (an objective may feed more than its batch: BD3LM
+    the noisy and the clean copy of a row side by side, Fast-dLLM v2 two masks of each row
+    twice over) and the rows its LM head runs on (the call's targets that are not -100; all
+    of them without targets). Forwards without gradients (evaluation, sampling) are left
+    out. `context`: the context-parallel degree (a call's rows are its slice of each row,
+    which attends over the whole row)."""
+
+    def __init__(self, model: nn.Module, flops: FlopModel, context: int = 1):
+        self.flops, self.context = flops, context
+        self.pending: float | torch.Tensor = 0.0
+        model.register_forward_pre_hook(self._record, with_kwargs=True)
+
+    def _record(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if not (module.training and torch.is_grad_enabled()):
+            return
+        ids = args[0] if args else kwargs["input_ids"]
+        rows, length = ids.shape[0], ids.shape[1]
+        targets = kwargs.get("targets")
+        head = rows * length if targets is None else (targets != -100).sum().double()
+        self.pending = self.pending + self.flops.step_flops(rows * length, length * self.context,
+                                                            head)  # fmt: skip
+
+    def take(self) -> float | torch.Tensor:
+        """The FLOPs recorded since the last take (a 0-d tensor still on the device, or 0)."""
+        value, self.pending = self.pending, 0.0
+        return value
+
+
 def flop_model(model: nn.Module) -> FlopModel:
     """The FlopModel of a native decoder (its `lm_head`), an encoder from transformers (its
     output embeddings) or either under a LoRA wrapper; the layer count and attention width

@@ -127,8 +127,8 @@ class TrainStep:
                 sums[key] = sums.get(key, 0.0) + value
             loss_sum_total += loss_sum.detach().float()
             counted += count.detach().float()
-            if self.flops is not None:
-                flops = flops + self._micro_batch_flops(batch)
+            if self.flops is not None:  # of the forwards the objective ran (mfu.CallFlops)
+                flops = flops + self.flops.take()
         if scale is None:  # the count came with the forward: scale the gradients now
             if self.sharded:  # sum over ranks: the normalization stays global
                 loss_sum_total, counted, stop = all_reduce_sum(
@@ -189,14 +189,3 @@ class TrainStep:
         if self.sharded:
             (stacked,) = all_reduce_sum(stacked)
         return dict(zip(sums, stacked * scale))
-
-    def _micro_batch_flops(self, batch: dict):
-        """Model FLOPs of the micro-batch just computed (mfu.py), with the LM head on the
-        rows the objective masked (its `last_stats`; every token when it has none). Under
-        context parallelism the batch is this rank's slice; its tokens attend over whole
-        rows."""
-        rows, length = batch["input_ids"].shape
-        whole = length * (self.context.size if self.context is not None else 1)
-        masked = self.objective.last_stats.get("num_masked")
-        head_rows = rows * length if masked is None else masked.double()
-        return self.flops.step_flops(rows * length, whole, head_rows)

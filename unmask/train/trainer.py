@@ -50,7 +50,7 @@ from unmask.train.metrics import (
     progress_postfix,
     truncate_metrics,
 )
-from unmask.train.mfu import device_peak, flop_model, matmul_dtype, raise_cached_peak
+from unmask.train.mfu import CallFlops, device_peak, flop_model, matmul_dtype, raise_cached_peak
 from unmask.train.plan import make_plan
 from unmask.train.report import run_summary
 from unmask.train.run_dir import (
@@ -178,7 +178,10 @@ class Trainer(TrainStep, Evaluation, CheckpointedState):
         self.objective = build_run_objective(cfg, self.tokenizer, added_tokens, self.device,
                                              self.dist.mesh, self.notices)  # fmt: skip
         # mfu.py: the FLOP count (of the whole model: not under PP, where a rank holds part)
-        self.flops = flop_model(self.model) if t.log_mfu and self.pipeline is None else None
+        self.flops = None
+        if t.log_mfu and self.pipeline is None:
+            context = self.context.size if self.context is not None else 1
+            self.flops = CallFlops(self.model, flop_model(self.model), context)
         self.optimizer = build_optimizer(cfg.optim, self.model)
         # MoE: the step's expert load over micro-batches and ranks, the expert-bias update
         # (under PP: the forwards of a step are the pipeline's micro-batches, and the

@@ -1,0 +1,82 @@
+"""What one training step asks of the hardware, audited on a CPU (unmask/train/audit.py),
+for dense and MoE models and every training objective:
+- under bf16 autocast its matmuls run in bf16: float32 matmul FLOPs <= 1% of all (the LM
+  head and the residual stream were float32 at world size 1: the head's three GEMMs ran on
+  CUDA cores at a fifteenth of the tensor-core rate);
+- a steady-state step makes no device sync but the non-finite guard's one read of its flag
+  (the masked rows are gathered by a count copied to the host early, expert counts come
+  from a sort, the expert load stays on the device);
+- the FLOPs the trainer counts for MFU are torch's FlopCounterMode's over the same step
+  (within 2%; exact here), with the forwards the objective really ran (BD3LM and Fast-dLLM
+  v2 feed the model more tokens than their batch holds).
+"""
+
+import pytest
+import torch
+import yaml
+from conftest import AUDIT_CASES as CASES
+from conftest import TINY, deep_update
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
+
+from unmask.config import load_config
+from unmask.diffusion.recipes import dense_ids
+from unmask.train.audit import MatmulAudit, SyncAudit
+from unmask.train.trainer import Trainer
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def trainer_for(tmp_path, extra: dict) -> Trainer:
+    tree = deep_update(TINY, {"train": {"output_dir": str(tmp_path / "run")}})
+    tree = deep_update(tree, extra)
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(tree))
+    return Trainer(load_config(path))
+
+
+def step(trainer: Trainer) -> dict:
+    batches = [next(trainer.loader) for _ in range(trainer.cfg.train.gradient_accumulation_steps)]
+    stats = trainer.train_step(batches)
+    trainer.step += 1
+    return stats
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_a_bf16_step_runs_its_matmuls_in_bf16_and_waits_for_the_device_once(tmp_path, name):
+    """sdpa attention: the GPU default (flex) is not differentiable on a CPU, and varlen,
+    the CPU's packed-row kernel, reads its document runs to the host by design."""
+    extra = deep_update(CASES[name], {"train": {"bf16": True},
+                                      "model": {"attn_implementation": "sdpa"}})  # fmt: skip
+    trainer = trainer_for(tmp_path, extra)
+    step(trainer)  # the first step makes the optimizer's state
+    with MatmulAudit(sites=True) as matmuls, SyncAudit() as syncs:
+        step(trainer)
+    assert matmuls.total > 0
+    assert matmuls.share(torch.float32) <= 0.01, matmuls.largest(torch.float32)
+    assert matmuls.share(torch.bfloat16) >= 0.99
+    found = syncs.found
+    assert len(found) == 1 and found[0][0] == "Tensor.tolist", found  # the guard's flag
+    assert "step.py" in found[0][1] and "train_step" in found[0][1], found
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_the_mfu_flop_count_equals_flop_counter_mode(tmp_path, name):
+    """AdamW (no matmuls in the optimizer), float32, attention through sdpa's math kernel
+    (its matmuls are what FlopCounterMode counts on a CPU) and MoE experts one matmul each
+    (`loop`: torch's counter has no formula for grouped GEMMs)."""
+    extra = {"optim": {"name": "adamw"}, "model": {"attn_implementation": "sdpa"}}
+    if "moe" in name:
+        extra["model"]["moe_implementation"] = "loop"
+    trainer = trainer_for(tmp_path, deep_update(CASES[name], extra))
+    step(trainer)
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        stats = step(trainer)
+    counted = counter.get_total_flops()
+    assert counted > 0
+    assert float(stats["flops"]) == pytest.approx(counted, rel=0.02)
+
+
+def test_dense_ids_number_each_rows_ids_in_order():
+    ids = torch.tensor([[7, 7, 3, 3, 9, 7], [100, 100, 100, 5, 5, 5000]])
+    assert dense_ids(ids).tolist() == [[1, 1, 0, 0, 2, 1], [1, 1, 1, 0, 0, 2]]
