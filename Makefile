@@ -90,6 +90,7 @@ bench-quick: $(STAMP)
 	$(BIN)/python benchmarks/pipeline.py --quick
 	$(BIN)/python benchmarks/vocab_parallel.py --quick
 	$(BIN)/python benchmarks/sequence_parallel.py --quick
+	$(BIN)/python benchmarks/gpu.py --profile --dry
 
 clean-venv:
 	rm -rf $(VENV)

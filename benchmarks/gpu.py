@@ -18,8 +18,22 @@ train/mfu.py's FLOP count of the same model (built on the meta device), its toke
 step the trainer's step plan (train/plan.py), and the plan fits the device. Nothing is
 launched.
 
-Run: python benchmarks/gpu.py          (GPU machine; writes benchmarks/results/gpu.md)
-     python benchmarks/gpu.py --dry    (any machine, a minute on a CPU)
+`--profile` (the prepared GPU run, gpu_profile.py): one command, at most `--budget` seconds
+(default 460: it fits one 10-minute device call with room to spare), that runs the phases
+in order of value (environment and GEMM rates, the LLaDA slice with Muon, the MoE slice,
+the Dream slice with AdamW, sampling, the LLaDA slice with Muon at 64k tokens per
+optimizer step, `unmask serve`, `pytest -m cuda`), each in a process of its own with what is
+left of the budget, and writes after each one the phase's files, a summary and (with
+`--bundle`) one archive of them all; a phase that fails or runs out of time is named in the
+summary and the others go on. `--profile --dry` runs every phase on the CPU with tiny shapes.
+
+`--wheels` downloads into .whl/ (ignored) the Python packages unmask needs that the lent
+GPU image lacks (docs/scaling.md, On a GPU, says how a run installs them).
+
+Run: python benchmarks/gpu.py                 (GPU machine; writes benchmarks/results/gpu.md)
+     python benchmarks/gpu.py --dry           (any machine, a minute on a CPU)
+     python benchmarks/gpu.py --profile       (GPU machine; benchmarks/results/gpu/)
+     python benchmarks/gpu.py --profile --dry (a CPU; a temporary folder unless --out)
 """
 
 from __future__ import annotations
@@ -30,6 +44,8 @@ import os
 import statistics
 import subprocess
 import sys
+import tarfile
+import tempfile
 import time
 from pathlib import Path
 
@@ -199,6 +215,137 @@ def suite(warmup: int, steps: int, device_name: str | None, only: list[str]) -> 
     return 1 if failed else 0
 
 
+#: --profile's phases in order of value (gpu_profile.py)
+PROFILE_PHASES = ["env", "train-llada-8b-muon", "train-llada-moe-7b-a1b-muon",
+                  "train-dream-7b-adamw", "sample", "train-llada-8b-muon-64k", "serve",
+                  "cuda-tests"]  # fmt: skip
+#: a phase is not started with less than this left of the budget
+MIN_PHASE_S = 25
+
+
+def profile(out: Path, dry: bool, budget: float, bundle: Path | None, only: list[str]) -> int:
+    """The prepared GPU run (module docstring): phases in subprocesses within the budget."""
+    started = time.monotonic()
+    out.mkdir(parents=True, exist_ok=True)
+    status: dict[str, str] = {}
+    for name in PROFILE_PHASES:
+        if only and name not in only:
+            continue
+        left = budget - (time.monotonic() - started)
+        if left < MIN_PHASE_S:
+            status[name] = f"not run ({left:.0f} s of the budget left)"
+            continue
+        phase_started = time.monotonic()
+        command = [sys.executable, __file__, "--phase", name, "--out", str(out)]
+        command += ["--dry"] if dry else []
+        log = out / f"log-{name}.txt"
+        print(f"gpu.py --profile: {name} ({left:.0f} s left)", flush=True)
+        try:
+            with open(log, "w") as handle:
+                proc = subprocess.run(command, stdout=handle, stderr=subprocess.STDOUT,
+                                      timeout=left, cwd=REPO)  # fmt: skip
+            took = time.monotonic() - phase_started
+            status[name] = f"ok, {took:.0f} s" if proc.returncode == 0 else (
+                f"failed (exit {proc.returncode}, {took:.0f} s): {_last_line(log)}")  # fmt: skip
+        except subprocess.TimeoutExpired:
+            status[name] = f"cut off at the budget ({left:.0f} s)"
+        print(f"gpu.py --profile: {name}: {status[name]}", flush=True)
+        _summary(out, status, dry)
+        if bundle is not None:
+            _bundle(out, bundle)
+    _summary(out, status, dry)
+    if bundle is not None:
+        _bundle(out, bundle)
+    print((out / "summary.md").read_text())
+    return 0 if all(v.startswith("ok") for v in status.values()) else 1
+
+
+def _last_line(path: Path) -> str:
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    return lines[-1][:200] if lines else ""
+
+
+def _bundle(out: Path, bundle: Path) -> None:
+    """One gzipped tar of the results folder (the device tool returns few files), replaced
+    whole after each phase."""
+    partial = bundle.with_name(bundle.name + ".partial")
+    with tarfile.open(partial, "w:gz") as tar:
+        tar.add(out, arcname=out.name)
+    partial.replace(bundle)
+
+
+def _summary(out: Path, status: dict[str, str], dry: bool) -> None:
+    """summary.md: each phase's outcome and headline numbers, from its JSON."""
+
+    def read(name: str) -> dict | None:
+        path = out / f"{name}.json"
+        return json.loads(path.read_text()) if path.exists() else None
+
+    env = read("env") or {}
+    lines = [f"# GPU profile: {env.get('device', 'device unknown')}"
+             + (" (DRY RUN on a CPU: no number here means anything)" if dry else ""), "",
+             f"torch {env.get('torch')}, CUDA {env.get('cuda')}; {time.strftime('%Y-%m-%d')}; "
+             "`python benchmarks/gpu.py --profile` (benchmarks/gpu_profile.py)", "",
+             "| phase | outcome |", "| --- | --- |"]  # fmt: skip
+    lines += [f"| {name} | {outcome} |" for name, outcome in status.items()]
+    rates = env.get("tflops", {})
+    if rates:
+        lines += ["", "GEMM TFLOP/s: " + "; ".join(f"{k} {v}" for k, v in rates.items())]
+    train = [(n, read(n)) for n in PROFILE_PHASES if n.startswith("train-")]
+    rows = [(n, r) for n, r in train if r]
+    if rows:
+        lines += ["", "| case | tokens/step | step s (spread) | optimizer s | MFU e2e | "
+                  "MFU model-only | GPU busy | syncs/step | float32 matmul share | peak GiB "
+                  "(plan) |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+        for _, r in rows:
+            flops = r["matmul_flops_by_dtype"]
+            share = flops.get("torch.float32", 0) / max(1, sum(flops.values()))
+            syncs = r["cuda_syncs"]
+            opt = statistics.median(r["optimizer_s"]) if r["optimizer_s"] else 0.0
+            lines.append(
+                f"| {r['case']} | {r['tokens_per_step']} | {r['step_s_median']} "
+                f"({r['step_spread']:.1%}) | {opt:.4f} | {r['mfu_end_to_end']:.1%} | "
+                f"{r['mfu_model_only']:.1%} | {r['profile']['gpu_busy_share']} | "
+                f"{len(syncs) if isinstance(syncs, list) else '-'} | {share:.2%} | "
+                f"{r['peak_gib']} ({r['planned_peak_gib']}) |")  # fmt: skip
+    sample = read("sample")
+    if sample:
+        lines += ["", "Sampling (the dense slice, tokens/s): " + "; ".join(
+            f"batch {r['batch']} {r['cache']} {r['tokens_per_s']}" for r in sample["rows"])]  # fmt: skip
+    serve = read("serve")
+    if serve:
+        lines += ["", f"unmask serve: {serve['clients']} concurrent requests, "
+                  f"{serve['concurrent_tokens_per_s']} tokens/s"]  # fmt: skip
+    (out / "summary.md").write_text("\n".join(lines) + "\n")
+
+
+#: what unmask needs that the lent GPU image (Python 3.12, torch 2.11) lacks: name==version
+GPU_WHEELS = ["pydantic==2.14.4", "pydantic-core==2.50.5", "annotated-types==0.8.0",
+              "typing-inspection==0.4.5", "datasets==5.2.0", "dill==0.4.1",
+              "multiprocess==0.70.19", "torchdata==0.11.0", "zstandard==0.25.0",
+              "starlette==1.10.0", "uvicorn==0.54.0", "openai==3.57.0", "distro==1.9.0",
+              "jiter==0.19.0", "sniffio==1.3.1"]  # fmt: skip
+
+
+def wheels(folder: Path) -> int:
+    """Download GPU_WHEELS for CPython 3.12 on x86-64 Linux into folder (README of the
+    device tool: the lent machine reaches no registry)."""
+    folder.mkdir(exist_ok=True)
+    platforms = []
+    for tag in ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64",
+                "manylinux2014_x86_64", "manylinux1_x86_64"):  # fmt: skip
+        platforms += ["--platform", tag]
+    for spec in GPU_WHEELS:
+        proc = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps",
+                               "--only-binary=:all:", "--python-version", "3.12",
+                               "--implementation", "cp", *platforms, "-d", str(folder), spec])  # fmt: skip
+        if proc.returncode != 0:
+            print(f"gpu.py --wheels: {spec} could not be downloaded", file=sys.stderr)
+            return 1
+    print(f"gpu.py --wheels: {len(GPU_WHEELS)} wheels in {folder}")
+    return 0
+
+
 def plan_peak(cfg, kind: str) -> float:
     from unmask.plan.devices import resolve_device
 
@@ -212,13 +359,38 @@ def main() -> int:
     parser.add_argument("--device", default=None, help="planner device (default: from the GPU)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--cases", nargs="*", default=[], help="run only these cases")
+    parser.add_argument("--cases", nargs="*", default=[], help="run only these cases "
+                        "(--profile: these phases)")  # fmt: skip
+    parser.add_argument("--profile", action="store_true", help="the prepared GPU run "
+                        "(gpu_profile.py); with --dry on the CPU, tiny")  # fmt: skip
+    parser.add_argument("--out", help="--profile: results folder (default "
+                        "benchmarks/results/gpu; --dry: a temporary one)")  # fmt: skip
+    parser.add_argument("--budget", type=float, default=460.0,
+                        help="--profile: seconds for all phases (default 460)")  # fmt: skip
+    parser.add_argument("--bundle", help="--profile: also keep one .tar.gz of the results "
+                        "here, updated after each phase")  # fmt: skip
+    parser.add_argument("--wheels", nargs="?", const=str(REPO / ".whl"), metavar="DIR",
+                        help="download the packages the GPU image lacks (default .whl/)")  # fmt: skip
+    parser.add_argument("--phase", help=argparse.SUPPRESS)
     parser.add_argument("--worker", nargs=2, metavar=("OUT", "CONFIG"), help=argparse.SUPPRESS)
     parser.add_argument("overrides", nargs="*", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         worker(args.worker[0], args.worker[1], args.overrides, args.warmup, args.steps)
         return 0
+    if args.wheels:
+        return wheels(Path(args.wheels))
+    if args.phase:
+        from gpu_profile import run_phase
+
+        run_phase(args.phase, Path(args.out), args.dry)
+        return 0
+    if args.profile:
+        out = Path(args.out) if args.out else None
+        if out is None:
+            out = Path(tempfile.mkdtemp(prefix="gpu-profile-")) if args.dry else RESULTS / "gpu"
+        bundle = Path(args.bundle) if args.bundle else None
+        return profile(out, args.dry, args.budget, bundle, args.cases)
     if args.dry:
         return dry(args.world, args.device or "h100")
     return suite(args.warmup, args.steps, args.device, args.cases)

@@ -106,6 +106,15 @@ def tiny_config(tmp_path):
     return make
 
 
+#: a parametrization's CUDA case: marked `cuda` (`pytest -m cuda` runs every such test: the
+#: prepared GPU run does) and skipped where no GPU is visible
+CUDA = pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA device")])  # fmt: skip
+#: a module or test that needs a GPU: `pytestmark = NEEDS_CUDA`
+NEEDS_CUDA = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                   reason="no CUDA device")]  # fmt: skip
+
+
 #: runs whose training step tests/unit/test_step_audit.py audits (every objective, dense and
 #: MoE), updates of TINY
 _AUDIT_MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}

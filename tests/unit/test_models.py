@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import tiny_model
+from conftest import CUDA, tiny_model
 
 import unmask.models
 from unmask.errors import InputError
@@ -107,8 +107,7 @@ def test_packed_row_equals_documents_run_alone():
 
 
 # CUDA: the compiled (Triton) flex kernel against CUDA's sdpa; skipped without a GPU
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="no CUDA device"))]  # fmt: skip
+DEVICES = ["cpu", CUDA]
 
 
 @pytest.mark.parametrize("device", DEVICES)

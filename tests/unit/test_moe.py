@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 import transformers
-from conftest import PARITY_SIZES, perturb_norms
+from conftest import CUDA, PARITY_SIZES, perturb_norms
 from safetensors.torch import load_file, save_file
 
 from unmask.errors import InputError
@@ -143,8 +143,7 @@ def test_expert_count_disagreeing_with_weights_is_refused(tmp_path):
 
 # the CUDA cases run where a GPU is present (CUDA's bf16 grouped GEMM is the fast path on
 # sm90; float32 takes torch's fallback) and are skipped elsewhere
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="no CUDA device"))]  # fmt: skip
+DEVICES = ["cpu", CUDA]
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -46,9 +46,11 @@ class DiffusionConfig(BaseModel):
     Post-training). `preference`: DPO on MC ELBOs of chosen/rejected pairs against the
     frozen starting model (VRPO; section `preference:`)."""
 
-    t_sampling: Literal["uniform", "antithetic"] = "uniform"
-    """How the noise level t is drawn per sequence: `uniform` i.i.d. per row, or
-    `antithetic` (one u, rows spaced 1/B apart; lower gradient variance)."""
+    t_sampling: Literal["uniform", "antithetic", "fixed"] = "uniform"
+    """How the noise level t is drawn per sequence: `uniform` i.i.d. per row, `antithetic`
+    (one u, rows spaced 1/B apart; lower gradient variance), or `fixed` (every row at
+    t = 0.5: for benchmarks, whose steps then mask about the same number of tokens; not for
+    training a model)."""
 
     time_eps: float = Field(1e-3, gt=0.0, lt=1.0)
     """Lower bound on t: t = (1 - time_eps) * u + time_eps keeps the 1/t weight finite."""

@@ -488,12 +488,33 @@ class SelectedRows:
     def take(self, values: torch.Tensor) -> torch.Tensor:
         """values (*targets.shape, ...) -> (count, ...) at the positions with a target."""
         flat = values.reshape(self.mask.shape[0], *values.shape[len(self.shape) :])
+        if flat.requires_grad:  # saves the 1-byte mask, not the 8-byte index (_TakeRows)
+            return _TakeRows.apply(flat, self.mask, self.count, self.index)
         return flat.index_select(0, self.index)
 
     def scatter(self, rows: torch.Tensor) -> torch.Tensor:
         """(count,) values back to their positions: targets.shape, 0 where there is none."""
         flat = torch.zeros(self.mask.shape[0], dtype=rows.dtype, device=rows.device)
         return flat.index_put((self.index,), rows).view(self.shape)
+
+
+class _TakeRows(torch.autograd.Function):
+    """rows = values.index_select(0, index) whose backward rebuilds the index from the mask
+    and the host count: what it holds for backward is the boolean mask (one byte a
+    position, the same whatever the count), not the index (eight bytes a target row)."""
+
+    @staticmethod
+    def forward(ctx, values, mask, count: int, index):
+        ctx.save_for_backward(mask)
+        ctx.count = count
+        return values.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (mask,) = ctx.saved_tensors
+        index = torch.nonzero_static(mask, size=ctx.count).squeeze(1)
+        values = grad.new_zeros((mask.shape[0], *grad.shape[1:]))
+        return values.index_copy_(0, index, grad), None, None, None
 
 
 def weighted_loss(

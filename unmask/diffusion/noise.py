@@ -15,6 +15,10 @@ import torch
 RowSlice = tuple[int, int]
 
 
+#: t of every row under `t_sampling: fixed`
+FIXED_T = 0.5
+
+
 def rand_rows(
     shape: tuple[int, ...],
     rows: RowSlice | None = None,
@@ -43,7 +47,12 @@ def sample_t(
     `uniform`: t = (1 - eps) u + eps with u ~ U[0, 1) i.i.d.
     `antithetic`: one u, then u_i = (u + i / B) mod 1 (stratified; lower variance); B is
     the whole batch's row count when `rows` says this is a slice of it.
+    `fixed`: every row at t = FIXED_T (no draw): about half of the maskable tokens masked at
+    every step, so a benchmark's steps do comparable work (the LM head's share moves with
+    the masked count; with a few rows per step a random t moves it by +-45%).
     """
+    if method == "fixed":
+        return torch.full((batch_size,), FIXED_T, device=device)
     if method == "uniform":
         u = rand_rows((batch_size,), rows, generator, device)
     elif method == "antithetic":
@@ -52,7 +61,8 @@ def sample_t(
         offsets = torch.arange(total, device=device, dtype=torch.float32) / total
         u = torch.remainder(u0 + offsets, 1.0)[offset : offset + batch_size]
     else:
-        raise ValueError(f"unknown t sampling method {method!r}; expected uniform or antithetic")
+        raise ValueError(f"unknown t sampling method {method!r}; expected uniform, antithetic "
+                         "or fixed")  # fmt: skip
     return (1.0 - eps) * u + eps
 
 

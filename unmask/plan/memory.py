@@ -15,8 +15,7 @@ head_dim / tp, `I` = MLP width / tp, `b` the matmul dtype's bytes, `s` the resid
 stream's:
 
   layer:  s h (input_layernorm's input) + s h (post_attention_layernorm's input)
-        + b h x (1, or 3 under autocast over a float32 stream: q/k/v each cast their input)
-        + b h x (1, or 2 likewise for gate/up)
+        + b h (the attention's normed input) + b h (the MLP's)
         + b (q + 2 kv) (attention's q, k, v after RoPE) + b q (its output, which o_proj
           reads as a view; under cp a second b q: the heads come back from the all-to-all
           in another layout and o_proj reads a merged copy; likewise under varlen over
@@ -33,7 +32,8 @@ stream's:
   whole row under cp); nothing with varlen (`auto` on CPU) or flex
 
 Around the layers: the token ids (8 bytes each), the final norm's input and statistics, the
-loss's mask (1 byte; `full_loss_saves` under `model.loss_implementation: full`) and the
+loss's mask of target rows (1 byte; `full_loss_saves` under `model.loss_implementation:
+full`) and the
 RoPE tables (float32, shared by the layers: saved when a layer multiplies by them in
 float32 or takes them as a checkpointed layer's inputs). A checkpointed layer keeps only
 its input (s h per token) and, in backward, recomputes one layer's full set at a time. Under autocast over float32 masters (one process, bf16) every linear's
@@ -149,13 +149,15 @@ def state_bytes(model: ShardedModel, experts_only: bool = False) -> tuple[int, i
 def moe_mlp_bytes(arch, b: int, expert_parallel: bool = False) -> int:
     """Bytes an MoE MLP (models/moe.py SparseMoE) saves per token in place of the dense
     MLP's b 3 I: its k routed copies of the token (gathered, under EP sent to the experts'
-    ranks), each one's gate, up and down inputs, the experts' output the routing weights
-    scale and their product (b k (3 h + 3 I_moe)); the router's scores (r E, r the router's
+    ranks), each one's gate, up and down inputs, and the experts' output back in slot
+    order, which the routing weights scale (b k (2 h + 3 I_moe); the weighted slots are
+    summed, which saves nothing); the router's scores (r E, r the router's
     bytes: 4, or 2 under bf16, whose autocast casts the router's float32 matmul back to
     bfloat16 and then saves that copy of its input too, b h); the chosen experts' ids, the
-    sort's order and the rows' token ids (24 k) and the weights in sorted order (r k; what
-    group-limited routing saves for the choice among groups is freed in the forward with the
-    choice, which no gradient reaches); the renormalized weights and their sum (r k + r);
+    rows' token ids and the order the output goes back in (24 k); the routing weights of
+    the slots (r k; what group-limited routing saves for the choice among groups is freed
+    in the forward with the choice, which no gradient reaches); the renormalized weights
+    and their sum (r k + r);
     the shared experts' SwiGLU (b 3 I_moe x shared); under expert parallelism (`expert_
     parallel`) the received rows' regrouping order and its inverse (16 k, on the experts'
     ranks)."""
@@ -163,7 +165,7 @@ def moe_mlp_bytes(arch, b: int, expert_parallel: bool = False) -> int:
     inner = arch.resolved_moe_intermediate_size
     shared = inner * arch.num_shared_experts
     r = b  # the router's float32 matmul runs (and is saved) in bfloat16 under autocast
-    total = b * k * (3 * h + 3 * inner) + r * experts + 24 * k + r * k + b * 3 * shared
+    total = b * k * (2 * h + 3 * inner) + r * experts + 24 * k + r * k + b * 3 * shared
     if b == 2:
         total += b * h
     if (arch.norm_topk_prob or arch.router_score == "sigmoid") and k > 1:
@@ -187,9 +189,9 @@ def layer_activation_bytes(arch, rows: int, length: int, tp: int, bf16: bool,
     kv_heads = max(arch.num_key_value_heads // tp, 1)
     q, kv = heads * head_dim, kv_heads * head_dim
     inter = arch.intermediate_size // tp
-    attn_in = 3 if autocast_casts else 1
-    mlp_in = 2 if autocast_casts else 1
-    per_token = 2 * stream_bytes * h + b * h * (attn_in + mlp_in)
+    # the stream is in the matmul dtype (models/transformer.py embed: autocast's under bf16),
+    # so q/k/v and gate/up read one saved input each, no copy made by autocast
+    per_token = 2 * stream_bytes * h + b * h * 2
     per_token += b * (q + 2 * kv) + b * q  # attention in and out
     per_token += moe_mlp_bytes(arch, b, expert_parallel) if moe else b * 3 * inter  # the MLP
     per_token += 4 * (2 + heads)  # RMSNorm statistics, log-sum-exp
@@ -222,8 +224,8 @@ def layer_saves(model: ShardedModel, shape: StepShape) -> tuple[list[int], list[
     length = shape.length // layout.cp
     tokens = shape.rows * length
     sharded = model.layout.world_size > 1
-    stream = 2 if (shape.bf16 and sharded) else 4
-    casts = shape.bf16 and not sharded
+    stream = 2 if shape.bf16 else 4  # the residual stream in the compute dtype everywhere
+    casts = shape.bf16 and not sharded  # float32 masters: autocast casts each weight
     # under cp, attention runs on whole rows of heads / cp: the same bytes as L / cp tokens
     # of all heads, but the dense mask is over whole rows
     extra = 0
@@ -282,11 +284,11 @@ def head_saves(model: ShardedModel, shape: StepShape) -> float:
         return 0
     arch, layout = model.model_config, model.layout
     tokens = shape.rows * shape.length // layout.cp
-    stream = 2 if (shape.bf16 and layout.world_size > 1) else 4
+    stream = 2 if shape.bf16 else 4
     out = tokens * (arch.hidden_size * stream + 4)
     if shape.full_loss:
         return out + full_loss_saves(model, shape)
-    out += tokens
+    out += tokens  # the target rows' mask (diffusion/loss.py SelectedRows)
     if model.pipeline is not None and HEAD_LOSS[model.pipeline.schedule] != "fused":
         # the chunked loss's backward recomputes the logits from the masked rows' hidden
         # states, their targets (int64) and log-sum-exps, and scales by their weights
