@@ -101,3 +101,15 @@ def test_expert_counts_need_no_sync():
         torch.cuda.set_sync_debug_mode("default")
     assert counts.sum().item() == 4096
     assert torch.equal(counts.cpu(), torch.bincount(chosen.cpu(), minlength=8))
+
+
+def test_batches_of_a_cuda_run_arrive_pinned(tmp_path):
+    """In-process loading (dataloader_num_workers 0) pins each micro-batch, as DataLoader
+    workers do: the step's copy to the GPU is asynchronous."""
+    tree = deep_update(TINY, {"train": {"output_dir": str(tmp_path / "run")}})
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(tree))
+    trainer = Trainer(load_config(path))
+    batch = next(trainer.loader)
+    assert all(value.is_pinned() for value in batch.values())
+    trainer.loader.close()

@@ -61,9 +61,15 @@ class Prefetcher:
         self._stream: Iterator[Batch] | None = None
 
     def fetch(self, k: int) -> Batch:
-        """Micro-batch k; consecutive calls must ask for k, k + 1, ... unless restarted."""
+        """Micro-batch k; consecutive calls must ask for k, k + 1, ... unless restarted.
+        With pin_memory (training on CUDA) its tensors are in pinned memory, as a
+        DataLoader's workers pin theirs: the step's copy to the GPU is then asynchronous,
+        where one from pageable memory may wait for the stream."""
         if self.num_workers == 0:
-            return self.batch_at(k)
+            batch = self.batch_at(k)
+            if self.pin_memory:
+                batch = {key: value.pin_memory() for key, value in batch.items()}
+            return batch
         if self._stream is None:
             loader = DataLoader(
                 _MicroBatches(self.batch_at), batch_size=None, sampler=range(k, 2**62),

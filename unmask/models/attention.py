@@ -23,6 +23,7 @@ except ImportError:  # torch without flex attention
     create_block_mask = flex_attention = None
 
 _compiled_flex: Any = None
+_compiled_block_mask: Any = None  # torch.compile(create_block_mask), or False once it failed
 
 
 @dataclass
@@ -108,8 +109,25 @@ def build_attention_mask(doc_ids: torch.Tensor | None, backend: str) -> Attentio
     def same_document(b, h, q_idx, kv_idx):
         return doc_ids[b, q_idx] == doc_ids[b, kv_idx]
 
-    block = create_block_mask(same_document, batch, None, length, length, device=doc_ids.device)
-    return AttentionMask(backend, block=block)
+    return AttentionMask(backend, block=_block_mask(same_document, batch, length, doc_ids.device))
+
+
+def _block_mask(mask_mod, batch: int, length: int, device: torch.device):
+    """flex's BlockMask of mask_mod: on CUDA through a compiled create_block_mask (one graph
+    per (rows, length), as torchtitan builds them: the eager one evaluates mask_mod on every
+    (query, key) pair, a (B, L, L) tensor per forward); eagerly elsewhere, and from then on
+    if compiling it fails (said once)."""
+    global _compiled_block_mask
+    if device.type == "cuda" and _compiled_block_mask is not False:
+        if _compiled_block_mask is None:
+            _compiled_block_mask = torch.compile(create_block_mask, dynamic=False)
+        try:
+            return _compiled_block_mask(mask_mod, batch, None, length, length, device=device)
+        except Exception as err:  # a compiler failure: the eager path works
+            warnings.warn(f"unmask: the compiled flex block mask failed ({type(err).__name__}: "
+                          f"{err}); building block masks eagerly", stacklevel=2)  # fmt: skip
+            _compiled_block_mask = False
+    return create_block_mask(mask_mod, batch, None, length, length, device=device)
 
 
 def _flex_function(device: torch.device, head_dim: int):
@@ -131,6 +149,9 @@ def attend(
         whole = replace(mask, context=None)
         return mask.context.attend(q, k, v, lambda q, k, v: attend(q, k, v, whole, scale))
     if mask.backend == "flex":
+        if torch.compiler.is_compiling():  # inside a compiled block: flex is traced with it
+            return flex_attention(q, k, v, block_mask=mask.block, scale=scale,
+                                  enable_gqa=k.shape[1] != q.shape[1])  # fmt: skip
         with warnings.catch_warnings():
             warnings.filterwarnings(
                 "ignore", message=".*flex_attention called without torch.compile"

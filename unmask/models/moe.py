@@ -37,6 +37,8 @@ bias update (`update_expert_bias`), which the optimizer runs once per step
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -47,10 +49,35 @@ from unmask.models.config import ModelConfig
 from unmask.models.fused import swiglu
 
 
+class _Recompute:
+    """Whether a checkpointed layer's forward is running again in backward (activation
+    checkpointing's recomputation): statistics of a forward must count once. Set by
+    `recomputing()`, the context torch.utils.checkpoint enters around the recomputation
+    (`checkpoint_contexts`); a plain Python flag, which torch.compile reads as a constant
+    and guards on (one graph for the forward, one for the recomputation), where asking
+    autograd whether a backward is running would break the compiled graph."""
+
+    active = False
+
+
+@contextlib.contextmanager
+def recomputing():
+    before = _Recompute.active
+    _Recompute.active = True
+    try:
+        yield
+    finally:
+        _Recompute.active = before
+
+
+def checkpoint_contexts():
+    """torch.utils.checkpoint's `context_fn`: nothing around the forward, `recomputing()`
+    around the recomputation."""
+    return contextlib.nullcontext(), recomputing()
+
+
 def _in_backward() -> bool:
-    """True while autograd runs a backward (activation-checkpoint recomputation): statistics
-    of a forward must count once."""
-    return torch._C._current_graph_task_id() != -1
+    return _Recompute.active
 
 
 class AuxLossScaler(torch.autograd.Function):

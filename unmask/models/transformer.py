@@ -26,7 +26,7 @@ from unmask.models.attention import (
 from unmask.models.config import ModelConfig
 from unmask.models.fused import rms_norm, swiglu
 from unmask.models.hf import save_pretrained
-from unmask.models.moe import SparseMoE, init_moe_weights
+from unmask.models.moe import SparseMoE, checkpoint_contexts, init_moe_weights
 
 
 class RMSNorm(nn.Module):
@@ -322,7 +322,8 @@ class DiffusionTransformer(nn.Module):
             if kv_cache is not None:
                 x = layer(x, cos, sin, mask, (kv_cache, index))
             elif self.checkpoints(index) and torch.is_grad_enabled():
-                x = checkpoint(layer, x, cos, sin, mask, use_reentrant=False)
+                x = checkpoint(layer, x, cos, sin, mask, use_reentrant=False,
+                               context_fn=checkpoint_contexts)  # fmt: skip
             else:
                 x = layer(x, cos, sin, mask)
         return self.model.norm(x)[:, :length]

@@ -14,12 +14,16 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 
-def compile_blocks(blocks: list[nn.Module]) -> int:
+def compile_blocks(blocks: list[nn.Module], fullgraph: bool = True) -> int:
     """torch.compile each block in place (one graph per block, reused by every block of the
     same shape); returns how many. Per-block rather than whole-model compilation keeps
-    compile time flat in depth and composes with FSDP2."""
+    compile time flat in depth and composes with FSDP2. fullgraph: a graph break is an
+    error, not a silent split of the block into pieces with Python between them (a dense
+    or MoE block is one graph, two for an MoE block under activation checkpointing: its
+    forward and its recomputation; tests/unit/test_compile_blocks.py); False where the
+    attention backend cannot be traced whole (varlen reads its document runs to the host)."""
     for block in blocks:
-        block.compile()
+        block.compile(fullgraph=fullgraph)
     return len(blocks)
 
 

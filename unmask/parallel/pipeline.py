@@ -67,6 +67,7 @@ from unmask.diffusion.loss import SelectedRows, weighted_loss
 from unmask.errors import InputError
 from unmask.models.attention import AttentionMask, build_attention_mask, resolve_backend
 from unmask.models.fused import deferring_linear_forward
+from unmask.models.moe import checkpoint_contexts
 from unmask.models.transformer import RMSNorm, document_positions, embed, rotary_cos_sin
 
 #: train.pipeline_schedule -> torch.distributed.pipelining's schedule class name
@@ -517,7 +518,8 @@ class StageModule(nn.Module):
         cos, sin = rotary_cos_sin(position_ids, cfg.rotary_dim, cfg.rope_theta)
         for index, layer in zip(self.layer_ids, self.layers):
             if self.checkpoints(index) and torch.is_grad_enabled():
-                x = checkpoint(layer, x, cos, sin, mask, use_reentrant=False)
+                x = checkpoint(layer, x, cos, sin, mask, use_reentrant=False,
+                               context_fn=checkpoint_contexts)  # fmt: skip
             else:
                 x = layer(x, cos, sin, mask)
         if not self.is_last:

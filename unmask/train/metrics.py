@@ -55,7 +55,8 @@ def format_line(step: int, total: int, values: dict, eta_s: float | None) -> str
     if "tokens_per_second" in values:
         parts.append(f"{values['tokens_per_second'] / 1000:.1f}k tok/s")
     if "mfu" in values:
-        parts.append(f"mfu {values['mfu']:.1%}")
+        model = values.get("mfu_model_only")
+        parts.append(f"mfu {values['mfu']:.1%}" + (f" (model {model:.1%})" if model else ""))
     if values.get("skipped_steps"):
         parts.append(f"skipped {values['skipped_steps']}")
     if eta_s is not None:
@@ -195,9 +196,10 @@ class LogWindow:
     turns the window's FLOPs into `mfu`, over the same wall time as `tokens_per_second`.
     """
 
-    def __init__(self, peak_flops: float | None = None) -> None:
+    def __init__(self, peak_flops: float | None = None, timer=None) -> None:
         self.peak_flops = peak_flops
         self.peak_raised = False  # set when a window ran faster than peak_flops
+        self.timer = timer  # mfu.DeviceTimer: reads the steps' optimizer marks
         self.restart()
 
     def restart(self) -> None:
@@ -205,6 +207,7 @@ class LogWindow:
         self.loss: float | torch.Tensor = 0.0
         self.flops: float | torch.Tensor = 0.0
         self.objective: dict[str, torch.Tensor] = {}  # the objective's step means, summed
+        self.optimizer_marks: list = []  # (start, stop) of each step's optimizer update
         self.steps, self.tokens = 0, 0
         self.started = time.perf_counter()
 
@@ -214,6 +217,8 @@ class LogWindow:
         self.flops = self.flops + stats.get("flops", 0.0)
         for key, value in stats.get("objective", {}).items():
             self.objective[key] = self.objective.get(key, 0.0) + value.detach().double()
+        if "optimizer_marks" in stats:
+            self.optimizer_marks.append(stats["optimizer_marks"])
         self.steps += 1
         self.tokens += tokens
 
@@ -233,6 +238,10 @@ class LogWindow:
                 self.peak_flops = rate  # achieved model FLOP rate is a lower bound of it
                 self.peak_raised = True
             values["mfu"] = rate / self.peak_flops
+            if self.timer is not None and self.optimizer_marks:  # the steps less the updates
+                optimizer = sum(self.timer.seconds(a, b) for a, b in self.optimizer_marks)
+                model = max(elapsed - optimizer, 1e-9)
+                values["mfu_model_only"] = float(self.flops) / model / self.peak_flops
         self.restart()
         return values
 

@@ -88,6 +88,28 @@ class FlopModel:
         return dense + 6 * self.head_params * rows
 
 
+class DeviceTimer:
+    """Marks in the device's stream and the seconds between two of them, read later: CUDA
+    events on a GPU (recorded without a sync; read when the window is logged, a step that
+    syncs anyway), the wall clock elsewhere."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def mark(self):
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def seconds(self, start, stop) -> float:
+        if self.cuda:
+            stop.synchronize()
+            return start.elapsed_time(stop) / 1e3
+        return stop - start
+
+
 class CallFlops:
     """The model FLOPs of the training forwards a model really ran: a forward pre-hook
     records each call's rows and length (an objective may feed more than its batch: BD3LM

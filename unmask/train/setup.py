@@ -233,8 +233,10 @@ def build_train_model(cfg: RunConfig, tokenizer, added_tokens: int, device: torc
         apply_tensor_parallel(model, mesh["tp"], decoder_layers(model),
                               sequence_parallel=t.sequence_parallel)  # fmt: skip
     model.gradient_checkpointing = checkpointing_choice(t)
-    if t.torch_compile:
-        compile_blocks(decoder_layers(model))
+    if t.torch_compile:  # whole graphs, but where varlen attention may run (not CUDA)
+        attention = cfg.model.attn_implementation
+        traceable = attention in ("sdpa", "flex") or (attention == "auto" and device.type == "cuda")
+        compile_blocks(decoder_layers(model), fullgraph=traceable)
     if cfg.model.lora:  # peft wrapper: base frozen, LoRA factors train (AdamW)
         model = apply_lora(model, cfg.model)
     model.to(device)

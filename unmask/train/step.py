@@ -161,8 +161,10 @@ class TrainStep:
         if self.sharded:
             stats["stop"] = read[1]
         if stats["finite"]:  # a non-finite step changes nothing: no update, same schedule
+            started = self.timer.mark()
             self.optimizer.step()
             self.scheduler.step()
+            stats["optimizer_marks"] = (started, self.timer.mark())  # model-only MFU
         self.optimizer.zero_grad(set_to_none=True)
         return stats
 

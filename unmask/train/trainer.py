@@ -50,7 +50,14 @@ from unmask.train.metrics import (
     progress_postfix,
     truncate_metrics,
 )
-from unmask.train.mfu import CallFlops, device_peak, flop_model, matmul_dtype, raise_cached_peak
+from unmask.train.mfu import (
+    CallFlops,
+    DeviceTimer,
+    device_peak,
+    flop_model,
+    matmul_dtype,
+    raise_cached_peak,
+)
 from unmask.train.plan import make_plan
 from unmask.train.report import run_summary
 from unmask.train.run_dir import (
@@ -178,6 +185,7 @@ class Trainer(TrainStep, Evaluation, CheckpointedState):
         self.objective = build_run_objective(cfg, self.tokenizer, added_tokens, self.device,
                                              self.dist.mesh, self.notices)  # fmt: skip
         # mfu.py: the FLOP count (of the whole model: not under PP, where a rank holds part)
+        self.timer = DeviceTimer(self.device)  # the optimizer's share of a step
         self.flops = None
         if t.log_mfu and self.pipeline is None:
             context = self.context.size if self.context is not None else 1
@@ -262,7 +270,7 @@ class Trainer(TrainStep, Evaluation, CheckpointedState):
         logger.print(self._summary())
         for notice in self.notices:
             logger.print(notice)
-        window = LogWindow()
+        window = LogWindow(timer=self.timer)
         if self.flops is not None and self.dist.is_main:  # only rank 0 logs
             peak = device_peak(self.device, matmul_dtype(self.device.type, cfg.train.bf16))
             window.peak_flops = peak.flops
