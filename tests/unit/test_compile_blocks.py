@@ -32,7 +32,7 @@ def test_compiled_blocks_are_whole_graphs_that_compile_once(kind, checkpointing)
         layer.compile(fullgraph=True, backend="aot_eager")
     g = torch.Generator().manual_seed(0)
     graphs = []
-    for step in range(20):
+    for _ in range(20):
         ids = torch.randint(0, 100, (2, 24), generator=g)
         docs = torch.zeros(2, 24, dtype=torch.long)
         docs[:, int(torch.randint(1, 23, (1,), generator=g)) :] = 1  # a packed row's cut
