@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	@echo "unmask: installing torch 2.13.0"
 	$(BIN)/pip install -q torch==2.13.0
 	@echo "unmask: installing unmask with its extras"
-	$(BIN)/pip install -q -e ".[dev,lora,qlora,plot,eval,wandb,trackio,serve]"
+	$(BIN)/pip install -q -e ".[dev,lora,qlora,plot,eval,wandb,trackio,serve,float8]"
 	touch $(STAMP)
 	@echo "unmask: $(VENV) is ready"
 

@@ -218,7 +218,7 @@ def suite(warmup: int, steps: int, device_name: str | None, only: list[str]) -> 
 #: --profile's phases in order of value (gpu_profile.py)
 PROFILE_PHASES = ["env", "train-llada-8b-muon", "train-llada-moe-7b-a1b-muon",
                   "train-dream-7b-adamw", "sample", "train-llada-8b-muon-64k", "serve",
-                  "cuda-tests"]  # fmt: skip
+                  "train-llada-8b-muon-float8", "cuda-tests"]  # fmt: skip
 #: a phase is not started with less than this left of the budget
 MIN_PHASE_S = 25
 
@@ -324,7 +324,7 @@ GPU_WHEELS = ["pydantic==2.14.4", "pydantic-core==2.50.5", "annotated-types==0.8
               "typing-inspection==0.4.5", "datasets==5.2.0", "dill==0.4.1",
               "multiprocess==0.70.19", "torchdata==0.11.0", "zstandard==0.25.0",
               "starlette==1.10.0", "uvicorn==0.54.0", "openai==3.57.0", "distro==1.9.0",
-              "jiter==0.19.0", "sniffio==1.3.1"]  # fmt: skip
+              "jiter==0.19.0", "sniffio==1.3.1", "torchao==0.18.0"]  # fmt: skip
 
 
 def wheels(folder: Path) -> int:

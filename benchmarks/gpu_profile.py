@@ -47,7 +47,8 @@ _MOE = ["model.model_type=llada_moe", "model.hidden_size=2048", "model.intermedi
         "model.moe_intermediate_size=1024", "model.router_aux_loss_coef=0.01"]  # fmt: skip
 _COMMON = ["model.num_hidden_layers=4", "train.per_device_train_batch_size=2",
            "train.torch_compile=true", "data.packing=true", "diffusion.t_sampling=fixed",
-           "train.save_steps=0", "train.eval_steps=0", "train.logging_steps=1000"]  # fmt: skip
+           "train.activation_checkpointing=auto", "train.save_steps=0", "train.eval_steps=0",
+           "train.logging_steps=1000"]  # fmt: skip
 #: case -> (config, overrides): 4-layer slices of the real shapes on one GPU
 TRAIN_CASES = {
     "llada-8b-muon": (MODELS / "llada_8b.yaml", _COMMON),
@@ -56,9 +57,11 @@ TRAIN_CASES = {
     # Muon amortized as real runs do: 8 micro-batches (65,536 tokens) per optimizer step
     "llada-8b-muon-64k": (MODELS / "llada_8b.yaml",
                           _COMMON + ["train.gradient_accumulation_steps=8"]),
+    # the first case with its decoder linears in float8 (torchao)
+    "llada-8b-muon-float8": (MODELS / "llada_8b.yaml", _COMMON + ["train.float8=true"]),
 }  # fmt: skip
 #: what --dry makes of every case: a model a CPU trains in seconds, the case's own layout
-DRY = ["model.hidden_size=64", "model.intermediate_size=128", "model.num_attention_heads=4",
+DRY = ["train.float8=false", "model.hidden_size=64", "model.intermediate_size=128", "model.num_attention_heads=4",
        "model.num_key_value_heads=4", "model.num_hidden_layers=2", "model.vocab_size=512",
        "data.packing_length=64", "train.torch_compile=false", "train.bf16=false",
        "model.attn_implementation=sdpa", "data.synthetic_train_size=512"]  # fmt: skip
@@ -310,12 +313,15 @@ def _profile_summary(prof, step_seconds: float) -> dict:
 def phase_train(out: Path, case: str, dry: bool, warmup: int = 3, steps: int = 8) -> dict:
     import torch
 
+    from unmask.plan.checkpointing import resolve_checkpointing, training_device
     from unmask.train.audit import MatmulAudit, SyncAudit
     from unmask.train.mfu import device_peak, matmul_dtype
     from unmask.train.trainer import Trainer
 
     device = _device(dry)
     cfg, config, overrides = _case_config(case, dry, out)
+    # what `unmask train` does with activation_checkpointing auto (the planner's choice)
+    cfg, checkpointing = resolve_checkpointing(cfg, 1, training_device(cfg))
     if dry:
         warmup, steps = 1, 2
     started = time.perf_counter()
@@ -371,7 +377,8 @@ def phase_train(out: Path, case: str, dry: bool, warmup: int = 3, steps: int = 8
     model_only = sum(flops) / (sum(step_s) - sum(optimizer_s)) / peak_flops
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     try:
-        planned = _plan_peak(config, overrides, name)
+        resolved = f"train.activation_checkpointing={cfg.train.activation_checkpointing}"
+        planned = _plan_peak(config, [*overrides, resolved], name)
     except Exception as err:  # the plan is a comparison, not the measurement
         planned = f"not planned: {err}"[:160]
     # one step each: torch's sync report, unmask's audits (eager: a dispatch mode and
@@ -392,6 +399,7 @@ def phase_train(out: Path, case: str, dry: bool, warmup: int = 3, steps: int = 8
     result = {
         "case": case, "device": name, "config": str(config.relative_to(REPO)),
         "overrides": overrides, "tokens_per_step": trainer.plan.tokens_per_step,
+        "activation_checkpointing": checkpointing or cfg.train.activation_checkpointing,
         "build_s": round(build_s, 1), "warmup_s": round(warmup_s, 1),
         "step_s": [round(s, 4) for s in step_s],
         "step_s_median": round(statistics.median(step_s), 4),
@@ -416,7 +424,8 @@ def phase_train(out: Path, case: str, dry: bool, warmup: int = 3, steps: int = 8
     table = [f"# GPU profile: {case} ({name})", "",
              f"{result['config']} with {' '.join(overrides)}; {result['tokens_per_step']} tokens "
              f"per optimizer step; build {result['build_s']} s, {warmup} warm-up steps "
-             f"{result['warmup_s']} s (the first compiles)", "",
+             f"{result['warmup_s']} s (the first compiles); "
+             f"{result['activation_checkpointing']}", "",
              "| step s (median, spread) | optimizer s | MFU end to end | MFU model-only | "
              "GPU busy | syncs/step | float32 matmul FLOPs | graph breaks / new graphs after warm-up | "
              "peak GiB (plan) |",

@@ -35,6 +35,7 @@ def add_plan(sub: argparse._SubParsersAction) -> None:
 def cmd_plan(ns: argparse.Namespace) -> int:
     from unmask.config import load_config
     from unmask.errors import InputError
+    from unmask.plan.checkpointing import resolve_checkpointing
     from unmask.plan.devices import resolve_device
     from unmask.plan.planner import DEFAULT_MFU, make_run_plan
     from unmask.plan.report import refusal, render
@@ -52,6 +53,9 @@ def cmd_plan(ns: argparse.Namespace) -> int:
         return device_peak(torch.device("cpu"), "bfloat16" if bf16 else "float32").flops
 
     device = resolve_device(ns.device, cpu_peak)
+    cfg, line = resolve_checkpointing(cfg, ns.world, device)  # train.activation_checkpointing auto
+    if line:
+        print(f"unmask: {line}", file=sys.stderr)
     plan = make_run_plan(cfg, ns.world, device, nodes=ns.nodes,
                          mfu=DEFAULT_MFU if ns.mfu is None else ns.mfu, tokens=ns.tokens,
                          ranks=ns.ranks)  # fmt: skip

@@ -113,6 +113,27 @@ def step_shape(cfg: RunConfig, world_size: int) -> StepShape:
                      reshard_after_forward=t.reshard_after_forward)  # fmt: skip
 
 
+def run_shape(cfg: RunConfig, world_size: int, device: Device,
+              masked_fraction: float) -> StepShape:  # fmt: skip
+    """`step_shape` with what the run's settings and the device decide: the LM head's share
+    of tokens, the attention's mask kind, the loss implementation, Newton-Schulz's bytes."""
+    spec = objective_spec(cfg.diffusion.objective)
+    shape = step_shape(cfg, world_size)
+    # sdpa keeps a dense document mask (under attn_implementation sdpa, and for an objective
+    # that passes its own mask, ar's causal one, on every device); flex (CUDA, heads of 16
+    # features or more) a block mask; varlen (`auto` elsewhere) none: one call per document
+    attn = cfg.model.attn_implementation
+    dense_mask = attn == "sdpa" or spec.explicit_mask
+    flex = device.name != "cpu" and cfg.model.resolved_head_dim >= FLEX_MIN_HEAD_DIM
+    varlen = (cfg.data.packing and not spec.explicit_mask
+              and (attn == "varlen" or (attn == "auto" and not flex)))  # fmt: skip
+    return StepShape(**{**asdict(shape), "masked_fraction": masked_fraction,
+                        "dense_mask": dense_mask, "varlen": varlen,
+                        "full_loss": cfg.model.loss_implementation == "full",
+                        "ns_bytes": ns_dtype_bytes(cfg, device),
+                        "ns_comm_bytes": ns_bytes(cfg, device)})  # fmt: skip
+
+
 def ns_dtype_bytes(cfg: RunConfig, device: Device) -> int:
     """Bytes of Muon's Newton-Schulz dtype (optim/updates.py's `auto` rule on the planned
     device)."""
@@ -192,7 +213,6 @@ def make_run_plan(cfg: RunConfig, world_size: int, device: Device, *, nodes: int
     """The plan of `cfg` at `world_size` ranks on `nodes` nodes of `device`;
     masked_fraction: the share of tokens the LM head runs on (default: the objective's
     registry entry says, `head_share`, else 1/2)."""
-    spec = objective_spec(cfg.diffusion.objective)
     if masked_fraction is None:
         masked_fraction = head_share(cfg.diffusion.objective)
     if world_size < 1:
@@ -204,20 +224,7 @@ def make_run_plan(cfg: RunConfig, world_size: int, device: Device, *, nodes: int
         raise InputError(f"--mfu must be in (0, 1], got {mfu}")
     cfg = planned_model_config(cfg)
     layout = layout_of(cfg, world_size)  # one-line InputError for a mesh that cannot factor
-    shape = step_shape(cfg, world_size)
-    # sdpa keeps a dense document mask (under attn_implementation sdpa, and for an objective
-    # that passes its own mask, ar's causal one, on every device); flex (CUDA, heads of 16
-    # features or more) a block mask; varlen (`auto` elsewhere) none: one call per document
-    attn = cfg.model.attn_implementation
-    dense_mask = attn == "sdpa" or spec.explicit_mask
-    flex = device.name != "cpu" and cfg.model.resolved_head_dim >= FLEX_MIN_HEAD_DIM
-    varlen = (cfg.data.packing and not spec.explicit_mask
-              and (attn == "varlen" or (attn == "auto" and not flex)))  # fmt: skip
-    shape = StepShape(**{**asdict(shape), "masked_fraction": masked_fraction,
-                         "dense_mask": dense_mask, "varlen": varlen,
-                         "full_loss": cfg.model.loss_implementation == "full",
-                         "ns_bytes": ns_dtype_bytes(cfg, device),
-                         "ns_comm_bytes": ns_bytes(cfg, device)})  # fmt: skip
+    shape = run_shape(cfg, world_size, device, masked_fraction)
     plans, first, ns_work = [], None, 0.0
     for rank in planned_ranks(world_size, ranks):
         sharded = shard_model(cfg, world_size, rank)

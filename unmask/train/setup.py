@@ -20,6 +20,7 @@ from unmask.diffusion import Objective, build_objective, objective_spec
 from unmask.diffusion.registry import head_share, names_that
 from unmask.errors import InputError
 from unmask.models import build_model, decoder_layers, folder_mask_token_id, max_positions
+from unmask.models.float8 import convert_to_float8
 from unmask.models.hf import architecture
 from unmask.models.hf_wrapped import is_wrapped
 from unmask.models.lora import apply_lora, lora_targets
@@ -204,9 +205,11 @@ def prepare_tokenizer(cfg: RunConfig):
 def checkpointing_choice(t) -> bool | int:
     """The model's activation checkpointing flag: False (none), True (every layer) or n
     (every n-th layer, selective); train.activation_checkpointing wins over the older
-    train.gradient_checkpointing boolean."""
+    train.gradient_checkpointing boolean. `auto` is resolved before the trainer is built
+    (`unmask train`: unmask.plan.resolve_checkpointing); one left unresolved (a Trainer
+    made from Python) is the gradient_checkpointing boolean (default none)."""
     choice = t.activation_checkpointing
-    if choice is None:
+    if choice in (None, "auto"):
         return t.gradient_checkpointing
     if choice == "selective":
         return t.activation_checkpointing_every
@@ -233,6 +236,8 @@ def build_train_model(cfg: RunConfig, tokenizer, added_tokens: int, device: torc
         apply_tensor_parallel(model, mesh["tp"], decoder_layers(model),
                               sequence_parallel=t.sequence_parallel)  # fmt: skip
     model.gradient_checkpointing = checkpointing_choice(t)
+    if t.float8 and device.type != "meta":  # torchao's float8 linears, before compile and
+        convert_to_float8(model)  # FSDP2 (torchtitan's order); the planner plans bf16 ones
     if t.torch_compile:  # whole graphs, but where varlen attention may run (not CUDA)
         attention = cfg.model.attn_implementation
         traceable = attention in ("sdpa", "flex") or (attention == "auto" and device.type == "cuda")

@@ -21,6 +21,7 @@ from unmask.data import make_loader
 from unmask.data.streaming import StreamSpec
 from unmask.diffusion import objective_spec
 from unmask.errors import RunStopped
+from unmask.models.float8 import check_float8
 from unmask.models.lora import check_request as check_lora_request
 from unmask.models.quant import check_4bit
 from unmask.optim.config import build_optimizer
@@ -136,6 +137,7 @@ class Trainer(TrainStep, Evaluation, CheckpointedState):
         self.sharded = self.dist.mesh is not None  # world size 1: no process group, no mesh
         self.context = ContextShard.from_mesh(self.dist.mesh)  # None: whole rows per rank
         check_4bit(cfg.model, self.device, self.dist.world_size)
+        check_float8(t.float8, t.bf16, self.device)
         self.tokenizer, saved_tokenizer, added_tokens = prepare_tokenizer(cfg)
         data = objective_datasets(cfg, self.tokenizer, saved_tokenizer)
         self.train_rows, self.eval_rows = data.train, data.eval
