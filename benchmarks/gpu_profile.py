@@ -313,20 +313,22 @@ def _profile_summary(prof, step_seconds: float) -> dict:
 def phase_train(out: Path, case: str, dry: bool, warmup: int = 3, steps: int = 8) -> dict:
     import torch
 
-    from unmask.plan.checkpointing import resolve_checkpointing, training_device
+    import unmask.plan.checkpointing  # noqa: F401 (activation_checkpointing auto decides)
     from unmask.train.audit import MatmulAudit, SyncAudit
     from unmask.train.mfu import device_peak, matmul_dtype
     from unmask.train.trainer import Trainer
 
     device = _device(dry)
     cfg, config, overrides = _case_config(case, dry, out)
-    # what `unmask train` does with activation_checkpointing auto (the planner's choice)
-    cfg, checkpointing = resolve_checkpointing(cfg, 1, training_device(cfg))
     if dry:
         warmup, steps = 1, 2
     started = time.perf_counter()
     trainer = Trainer(cfg)
     build_s = time.perf_counter() - started
+    # activation_checkpointing auto, as `unmask train` decides it (the planner's memory walk)
+    checkpointing = next((n for n in trainer.notices if n.startswith("activation checkpointing")),
+                         f"activation checkpointing: {cfg.train.activation_checkpointing}")  # fmt: skip
+    chosen = checkpointing.split(":", 1)[1].split("(")[0].strip()
     accumulation = cfg.train.gradient_accumulation_steps
     timer = _Timer(device)
     optimizer_step = trainer.optimizer.step
@@ -377,7 +379,7 @@ def phase_train(out: Path, case: str, dry: bool, warmup: int = 3, steps: int = 8
     model_only = sum(flops) / (sum(step_s) - sum(optimizer_s)) / peak_flops
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     try:
-        resolved = f"train.activation_checkpointing={cfg.train.activation_checkpointing}"
+        resolved = f"train.activation_checkpointing={chosen}"
         planned = _plan_peak(config, [*overrides, resolved], name)
     except Exception as err:  # the plan is a comparison, not the measurement
         planned = f"not planned: {err}"[:160]
@@ -399,7 +401,7 @@ def phase_train(out: Path, case: str, dry: bool, warmup: int = 3, steps: int = 8
     result = {
         "case": case, "device": name, "config": str(config.relative_to(REPO)),
         "overrides": overrides, "tokens_per_step": trainer.plan.tokens_per_step,
-        "activation_checkpointing": checkpointing or cfg.train.activation_checkpointing,
+        "activation_checkpointing": checkpointing,
         "build_s": round(build_s, 1), "warmup_s": round(warmup_s, 1),
         "step_s": [round(s, 4) for s in step_s],
         "step_s_median": round(statistics.median(step_s), 4),

@@ -1,7 +1,8 @@
 """train.activation_checkpointing auto (unmask/plan/checkpointing.py): the least
 recomputation whose planned peak fits the device: none, else selective, else full; a
-config that says (activation_checkpointing, or gradient_checkpointing) decides itself;
-`unmask train` says which at start-up and trains with it."""
+config that says (activation_checkpointing, or gradient_checkpointing) decides itself; the
+trainer decides from its own built model (the rank's real shards) and says which at
+start-up, `unmask plan` from its meta build, and the two agree."""
 
 from dataclasses import replace
 
@@ -9,15 +10,18 @@ import pytest
 import yaml
 from conftest import TINY, deep_update
 
+import unmask.plan.checkpointing as auto
 from unmask.cli import main
 from unmask.config import load_config
 from unmask.plan.checkpointing import (
+    CHOICES,
     USABLE_MEMORY,
-    checkpointing_is_auto,
     planned_peaks,
     resolve_checkpointing,
 )
 from unmask.plan.devices import DEVICES
+from unmask.train.setup import checkpointing_is_auto
+from unmask.train.trainer import Trainer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -30,18 +34,21 @@ def config(tmp_path, **train):
     return load_config(path)
 
 
+def fitting(peak: float):
+    """An H100 whose usable memory holds just `peak` bytes."""
+    return replace(DEVICES["h100"], memory_bytes=peak / USABLE_MEMORY * 1.0001)
+
+
 def test_auto_takes_the_least_recomputation_that_fits(tmp_path):
     cfg = config(tmp_path)
-    assert checkpointing_is_auto(cfg) and cfg.train.activation_checkpointing == "auto"
+    assert checkpointing_is_auto(cfg.train) and cfg.train.activation_checkpointing == "auto"
     peaks = planned_peaks(cfg, 1, DEVICES["h100"])
     assert peaks["none"] > peaks["selective"] > peaks["full"] > 0  # each recomputes more
-    for choice, peak in peaks.items():  # a device whose usable memory holds just that peak
-        device = replace(DEVICES["h100"], memory_bytes=peak / USABLE_MEMORY * 1.0001)
-        resolved, line = resolve_checkpointing(cfg, 1, device)
+    for choice, peak in peaks.items():
+        resolved, line = resolve_checkpointing(cfg, 1, fitting(peak))
         assert resolved.train.activation_checkpointing == choice, (choice, line)
         assert line.startswith(f"activation checkpointing: {choice} (auto: planned peak")
-    tiny = replace(DEVICES["h100"], memory_bytes=1.0)
-    resolved, line = resolve_checkpointing(cfg, 1, tiny)
+    resolved, line = resolve_checkpointing(cfg, 1, replace(DEVICES["h100"], memory_bytes=1.0))
     assert resolved.train.activation_checkpointing == "full"
     assert "not even full fits" in line
 
@@ -51,11 +58,26 @@ def test_auto_takes_the_least_recomputation_that_fits(tmp_path):
                                    {"gradient_checkpointing": True}])  # fmt: skip
 def test_a_config_that_says_decides_itself(tmp_path, train):
     cfg = config(tmp_path, **train)
-    assert not checkpointing_is_auto(cfg)
+    assert not checkpointing_is_auto(cfg.train)
     assert resolve_checkpointing(cfg, 1, replace(DEVICES["h100"], memory_bytes=1.0)) == (cfg, "")
 
 
-def test_unmask_train_says_which_and_trains_with_it(tmp_path, capsys):
+def test_the_trainer_decides_from_its_built_model_as_the_plan_does(tmp_path, monkeypatch):
+    """The trainer's walk over its real shards gives the planner's peaks; on a device that
+    holds only the selective peak the model is built checkpointing every other layer."""
+    cfg = config(tmp_path)
+    peaks = planned_peaks(cfg, 1, DEVICES["h100"])
+    monkeypatch.setattr(auto, "training_device", lambda device: fitting(peaks["selective"]))
+    trainer = Trainer(cfg)
+    line = next(n for n in trainer.notices if n.startswith("activation checkpointing"))
+    assert line.startswith("activation checkpointing: selective (auto: planned peak per rank")
+    shown = {c: f"{c} {peaks[c] / 2**30:.1f}" for c in CHOICES}
+    assert all(text in line for text in shown.values()), (line, shown)
+    assert trainer.model.gradient_checkpointing == cfg.train.activation_checkpointing_every
+    trainer.loader.close()
+
+
+def test_unmask_train_says_which(tmp_path, capsys):
     path = tmp_path / "run.yaml"
     tree = deep_update(TINY, {"train": {"output_dir": str(tmp_path / "run"), "max_steps": 2,
                                         "save_steps": 0, "eval_steps": 0}})  # fmt: skip

@@ -1,7 +1,6 @@
 """`unmask train [CONFIG.yaml] [section.key=value ...]`: one run of the training loop."""
 
 import argparse
-import os
 import sys
 
 from unmask.cli.flags import REFERENCE
@@ -50,38 +49,16 @@ def cmd_train(ns: argparse.Namespace) -> int:
 
     # what a stop prints (a signal, a lost peer, a second Ctrl-C): the user's own command
     ns.resume_command = resume_command(cfg.train.output_dir, path, overrides)
-    cfg, checkpointing = auto_checkpointing(cfg)
+    import unmask.plan.checkpointing  # noqa: F401 (activation_checkpointing auto decides)
+
     trainer = Trainer(cfg)
     trainer.resume_command = ns.resume_command
-    if checkpointing:  # printed with the trainer's other start-up notices
-        trainer.notices.append(checkpointing)
     try:
         trainer.train()
     except KeyboardInterrupt:  # a second Ctrl-C: the newest complete checkpoint stays
         print(f"unmask: interrupted; {resume_advice(ns.resume_command)}", file=sys.stderr)
         return 130
     return trainer.exit_code  # 0, or 130 after a Ctrl-C stop (SIGTERM / SIGUSR1 stop: 0)
-
-
-def auto_checkpointing(cfg):
-    """train.activation_checkpointing auto decided from the planner's peak for this run at
-    the launch's world size on the device it trains on (unmask/plan/checkpointing.py):
-    (cfg, the start-up line); cfg unchanged and "" when the config decides."""
-    from unmask.plan.checkpointing import (
-        checkpointing_is_auto,
-        resolve_checkpointing,
-        training_device,
-    )
-
-    if not checkpointing_is_auto(cfg):
-        return cfg, ""
-    from unmask.models.float8 import check_float8
-    from unmask.parallel.distributed import resolve_device
-
-    # what the trainer refuses anyway, refused before the planner's minutes
-    check_float8(cfg.train.float8, cfg.train.bf16, resolve_device(cfg.train.device))
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    return resolve_checkpointing(cfg, world, training_device(cfg))
 
 
 def resume_hint(command: str) -> str:

@@ -1,17 +1,30 @@
 """`train.activation_checkpointing: auto`: the least recomputation whose planned peak fits.
 
 Recomputing activations costs a third more dense work (full checkpointing runs every
-layer's forward twice), so a run should recompute only what its memory needs. `unmask
-train` asks the planner (the run's own model and parallel layout, sharded on the meta
-device under a fake process group: shards.py, memory.py) for each rank's peak with no
-checkpointing, selective (every `activation_checkpointing_every`-th layer) and full, and
-takes the first whose peak is within the usable share of the device's memory
-(planner.USABLE_MEMORY of it); it says which at start-up, with the three peaks.
+layer's forward twice), so a run should recompute only what its memory needs. The planner's
+memory walk (memory.py) gives each rank's peak with no checkpointing, selective (every
+`activation_checkpointing_every`-th layer) and full; the first whose peak is within the
+usable share of the device's memory (planner.USABLE_MEMORY of it) wins, and the start-up
+log says which, with the three peaks.
+
+Two callers:
+- the trainer, once its model is built and sharded (`choose_for_trainer`, registered with
+  unmask.train.setup when this module is imported: `unmask train` imports it): the peaks
+  are those of the rank's real shards, the largest over the ranks (an all-reduce), so
+  every rank decides alike; checkpointing is a flag each forward reads, set after the
+  build;
+- `unmask plan` (`resolve_checkpointing`), before it plans: on the meta device, under a
+  fake process group, in a process with no other (torch caches DTensor sharding results by
+  mesh layout, and a fake rank's would leak into a real run of the same process: planning
+  stays out of training processes).
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
+
+import torch
+import torch.distributed as dist
 
 from unmask.config import RunConfig
 from unmask.diffusion.registry import head_share
@@ -19,71 +32,100 @@ from unmask.errors import InputError
 from unmask.plan.devices import DEVICES, Device, resolve_device
 from unmask.plan.memory import memory_terms
 from unmask.plan.planner import USABLE_MEMORY, planned_ranks, run_shape
-from unmask.plan.shards import planned_model_config, shard_model
+from unmask.plan.shards import describe_shards, planned_model_config, routing_of, shard_model
+from unmask.train.setup import checkpointing_is_auto, register_checkpointing_resolver
 
 #: the choices in order of recomputation: the first that fits wins
 CHOICES = ("none", "selective", "full")
 
 
-def checkpointing_is_auto(cfg: RunConfig) -> bool:
-    """Whether the run leaves activation checkpointing to `resolve_checkpointing`."""
-    t = cfg.train
-    return t.activation_checkpointing in (None, "auto") and (
-        "gradient_checkpointing" not in t.model_fields_set
-    )
+def flags(cfg: RunConfig) -> dict[str, bool | int]:
+    """Each choice as the model's checkpointing flag."""
+    return {"none": False, "selective": cfg.train.activation_checkpointing_every, "full": True}
 
 
-def planned_peaks(cfg: RunConfig, world_size: int, device: Device) -> dict[str, float]:
-    """The largest planned peak over the planned ranks (bytes), for each of CHOICES."""
-    planned = planned_model_config(cfg)
-    shape = run_shape(planned, world_size, device, head_share(cfg.diffusion.objective))
-    flags = {"none": False, "selective": cfg.train.activation_checkpointing_every, "full": True}
-    peaks = dict.fromkeys(CHOICES, 0.0)
-    for rank in planned_ranks(world_size, None):
-        sharded = shard_model(planned, world_size, rank)
-        for choice in CHOICES:
-            terms = memory_terms(sharded, replace(shape, checkpointing=flags[choice]))
-            peaks[choice] = max(peaks[choice], terms.peak)
-    return peaks
+def choose(peaks: dict[str, float], device: Device) -> tuple[str, str]:
+    """(the first of CHOICES whose peak fits the device, why, in words)."""
+    gib = 2**30
+    limit = USABLE_MEMORY * device.memory_bytes
+    choice = next((c for c in CHOICES if peaks[c] <= limit), "full")
+    why = (f"planned peak per rank {', '.join(f'{c} {peaks[c] / gib:.1f}' for c in CHOICES)} "
+           f"GiB, of {device.memory_bytes / gib:.1f} GiB on {device.label} "
+           f"({USABLE_MEMORY:.0%} usable)")  # fmt: skip
+    if peaks["full"] > limit:
+        why += "; not even full fits: `unmask plan` says what would"
+    return choice, why
 
 
-def training_device(cfg: RunConfig) -> Device:
-    """The device this process will train on, as the planner describes it: the visible
-    GPU's row of the device table (by name; an unknown one priced as an H100), with the
-    card's own memory, or this machine's CPU and RAM."""
-    import torch
-
-    wants_cuda = cfg.train.device in ("auto", "cuda")
-    if wants_cuda and torch.cuda.is_available():
-        name = torch.cuda.get_device_name(0)
+def training_device(device: torch.device) -> Device:
+    """The planner's description of the device a process trains on: the GPU's row of the
+    device table (by name; an unknown one priced as an H100), with the card's own memory;
+    or this machine's CPU and RAM."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
         kind = next((k for k in DEVICES if k != "cpu" and k in name.lower()), "h100")
-        memory = torch.cuda.get_device_properties(0).total_memory
+        memory = torch.cuda.get_device_properties(device).total_memory
         return replace(DEVICES[kind], label=name, memory_bytes=float(memory))
     return resolve_device("cpu")
 
 
+def choose_for_trainer(trainer) -> tuple[bool | int, str]:
+    """The trainer's checkpointing flag for auto and the start-up line: the memory walk over
+    this rank's real shards (its model and optimizer as built), the largest peak of each
+    choice over the ranks."""
+    from unmask.models import build_model
+    from unmask.train.mfu import flop_model
+
+    cfg, model = trainer.cfg, trainer.model
+    layout, world = trainer.dist.layout, trainer.dist.world_size
+    pipeline = trainer.pipeline_plan
+    device = training_device(trainer.device)
+    with torch.device("meta"):  # the whole model's FLOPs and parameters (under PP: one
+        whole = build_model(cfg.model) if pipeline is not None else None  # stage here)
+    counted = whole if whole is not None else model
+    sharded = describe_shards(model, routing_of(trainer.optimizer), layout, trainer.dist.rank,
+                              pipeline, trainer.dist.pp_rank, flop_model(counted),
+                              sum(p.numel() for p in counted.parameters()))  # fmt: skip
+    shape = run_shape(planned_model_config(cfg), world, device,
+                      head_share(cfg.diffusion.objective))  # fmt: skip
+    peaks = torch.tensor([memory_terms(sharded, replace(shape, checkpointing=flags(cfg)[c])).peak
+                          for c in CHOICES], dtype=torch.float64)  # fmt: skip
+    if trainer.sharded:
+        on_device = peaks.to(trainer.device)
+        dist.all_reduce(on_device, op=dist.ReduceOp.MAX)
+        peaks = on_device.cpu()
+    choice, why = choose(dict(zip(CHOICES, peaks.tolist())), device)
+    return flags(cfg)[choice], f"activation checkpointing: {choice} (auto: {why})"
+
+
+def planned_peaks(cfg: RunConfig, world_size: int, device: Device) -> dict[str, float]:
+    """The largest planned peak over the planned ranks (bytes), for each of CHOICES, on the
+    meta device (the planner's build: a process without a process group)."""
+    planned = planned_model_config(cfg)
+    shape = run_shape(planned, world_size, device, head_share(cfg.diffusion.objective))
+    peaks = dict.fromkeys(CHOICES, 0.0)
+    for rank in planned_ranks(world_size, None):
+        sharded = shard_model(planned, world_size, rank)
+        for choice in CHOICES:
+            terms = memory_terms(sharded, replace(shape, checkpointing=flags(cfg)[choice]))
+            peaks[choice] = max(peaks[choice], terms.peak)
+    return peaks
+
+
 def resolve_checkpointing(cfg: RunConfig, world_size: int, device: Device
                           ) -> tuple[RunConfig, str]:  # fmt: skip
-    """(cfg with activation_checkpointing decided, the start-up line saying how); cfg as it
-    is and "" when the run decides it itself (module docstring). A layout the planner
-    cannot plan keeps none, and the line says why."""
-    if not checkpointing_is_auto(cfg):
+    """`unmask plan`'s decision: (cfg with activation_checkpointing decided, the line saying
+    how); cfg as it is and "" when the config decides itself. A run the planner cannot plan
+    keeps none, and the line says why."""
+    if not checkpointing_is_auto(cfg.train):
         return cfg, ""
-    gib = 2**30
     try:
-        peaks = planned_peaks(cfg, world_size, device)
+        choice, why = choose(planned_peaks(cfg, world_size, device), device)
     except InputError as err:
         choice, why = "none", f"the planner cannot plan this run: {err}"
-    except Exception as err:  # the planner's failure must not stop a run it only advises
-        choice, why = "none", f"the planner failed on this run ({type(err).__name__}: {err})"
-    else:
-        limit = USABLE_MEMORY * device.memory_bytes
-        choice = next((c for c in CHOICES if peaks[c] <= limit), "full")
-        why = (f"planned peak per rank {', '.join(f'{c} {peaks[c] / gib:.1f}' for c in CHOICES)}"
-               f" GiB, of {device.memory_bytes / gib:.1f} GiB on {device.label} "
-               f"({USABLE_MEMORY:.0%} usable)")  # fmt: skip
-        if peaks["full"] > limit:
-            why += "; not even full fits: `unmask plan` says what would"
     train = cfg.train.model_copy(update={"activation_checkpointing": choice})
     return cfg.model_copy(update={"train": train}), (
         f"activation checkpointing: {choice} (auto: {why})")  # fmt: skip
+
+
+register_checkpointing_resolver(choose_for_trainer)

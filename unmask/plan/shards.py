@@ -227,23 +227,28 @@ def shard_model(cfg: RunConfig, world_size: int, rank: int = 0) -> ShardedModel:
             whole = model if pipeline is None else build_model(cfg.model)
             flops = flop_model(whole)
             parameters = sum(p.numel() for p in whole.parameters())
-        routing = _routing(cfg, model)
-        shards = _read_shards(model, routing, layout)
-        layers = decoder_layers(model)
-        indices = tuple(range(len(layers)))
-        pp_rank = 0
-        if pipeline is not None:
-            pp_rank = mesh["pp"].get_local_rank()
-            indices = tuple(sorted(i for stage in pipeline.stages_of(pp_rank)
-                                   for i in pipeline.layers[stage]))  # fmt: skip
-        model_config = model.config
-    return ShardedModel(rank, layout, shards, model_config, len(layers), flops, indices,
+        pp_rank = mesh["pp"].get_local_rank() if pipeline is not None else 0
+        return describe_shards(model, routing_of(build_optimizer(cfg.optim, model)), layout,
+                               rank, pipeline, pp_rank, flops, parameters)  # fmt: skip
+
+
+def describe_shards(model: nn.Module, routing: dict[int, str], layout: MeshLayout, rank: int,
+                    pipeline, pp_rank: int, flops, parameters: int) -> ShardedModel:  # fmt: skip
+    """The ShardedModel of a built model: the planner's meta build, or a trainer's own
+    (its real shards: unmask/plan/checkpointing.py). routing: parameter id -> muon /
+    adamw (`routing_of` the optimizer)."""
+    shards = _read_shards(model, routing, layout)
+    layers = decoder_layers(model)
+    indices = tuple(range(len(layers)))
+    if pipeline is not None:
+        indices = tuple(sorted(i for stage in pipeline.stages_of(pp_rank)
+                               for i in pipeline.layers[stage]))  # fmt: skip
+    return ShardedModel(rank, layout, shards, model.config, len(layers), flops, indices,
                         pipeline, pp_rank, parameters)  # fmt: skip
 
 
-def _routing(cfg: RunConfig, model: nn.Module) -> dict[int, str]:
-    """Parameter id -> muon / adamw, from the run's own optimizer's param groups."""
-    optimizer = build_optimizer(cfg.optim, model)
+def routing_of(optimizer) -> dict[int, str]:
+    """Parameter id -> muon / adamw, from an optimizer's param groups."""
     route = {}
     for group in optimizer.param_groups:
         for p in group["params"]:

@@ -202,12 +202,42 @@ def prepare_tokenizer(cfg: RunConfig):
     return tokenizer, as_loaded, added
 
 
+#: decides train.activation_checkpointing auto for a built trainer: trainer -> (the model's
+#: flag, the start-up line); registered by unmask.plan.checkpointing (the planner's memory
+#: walk lives a layer above the trainer), which `unmask train` imports
+_CHECKPOINTING_RESOLVERS: list = []
+
+
+def register_checkpointing_resolver(resolver) -> None:
+    """Make `resolver` decide activation_checkpointing auto (the last registered wins)."""
+    _CHECKPOINTING_RESOLVERS.append(resolver)
+
+
+def checkpointing_resolver():
+    return _CHECKPOINTING_RESOLVERS[-1] if _CHECKPOINTING_RESOLVERS else None
+
+
+def checkpointing_is_auto(t) -> bool:
+    """Whether train.activation_checkpointing is left to the planner (auto, and no
+    gradient_checkpointing given in the config)."""
+    return t.activation_checkpointing in (None, "auto") and (
+        "gradient_checkpointing" not in t.model_fields_set
+    )
+
+
+def set_checkpointing(model: torch.nn.Module, flag: bool | int) -> None:
+    """Set the checkpointing flag the model's forward reads (under a LoRA wrapper: the
+    wrapped model's)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base.gradient_checkpointing = flag
+
+
 def checkpointing_choice(t) -> bool | int:
     """The model's activation checkpointing flag: False (none), True (every layer) or n
     (every n-th layer, selective); train.activation_checkpointing wins over the older
-    train.gradient_checkpointing boolean. `auto` is resolved before the trainer is built
-    (`unmask train`: unmask.plan.resolve_checkpointing); one left unresolved (a Trainer
-    made from Python) is the gradient_checkpointing boolean (default none)."""
+    train.gradient_checkpointing boolean. `auto` builds with the gradient_checkpointing
+    boolean (default none); the trainer then decides from the built model's memory where a
+    resolver is registered (`checkpointing_resolver`)."""
     choice = t.activation_checkpointing
     if choice in (None, "auto"):
         return t.gradient_checkpointing

@@ -75,9 +75,12 @@ from unmask.train.setup import (
     check_model_fits,
     check_pipeline_request,
     check_sequence_request,
+    checkpointing_is_auto,
+    checkpointing_resolver,
     objective_datasets,
     pipeline_plan,
     prepare_tokenizer,
+    set_checkpointing,
 )
 from unmask.train.signals import StopSignals
 from unmask.train.state import CheckpointedState, LoraRecord, Progress, resumed_thread_count
@@ -201,6 +204,10 @@ class Trainer(TrainStep, Evaluation, CheckpointedState):
         stages = None if self.pipeline is None else self.pipeline.group
         self.moe = attach_moe_training(self.model, self.optimizer, self.dist, forwards,
                                        stages)  # fmt: skip
+        if checkpointing_is_auto(t) and (resolver := checkpointing_resolver()) is not None:
+            flag, line = resolver(self)  # the memory of the model as built (plan/checkpointing.py)
+            set_checkpointing(self.model, flag)
+            self.notices.append(line)
         self.scheduler = build_scheduler(
             self.optimizer,
             cfg.optim.lr_scheduler_type,
