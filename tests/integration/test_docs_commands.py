@@ -19,7 +19,7 @@ either code that runs or says why it does not.
 The sandbox holds what the docs name: runs/quickstart (made by the Makefile's own
 quickstart recipe, on a tiny model), my_run.yaml and run.yaml (tiny configs), runs/tiny
 and runs/tiny-lr1e-2, prompt and pair files, jsonl.zst shards, a parquet file and a
-tokenizer folder, and the shipped configs/, recipes/ and data sample.
+tokenizer folder, and the shipped configs/, recipes/, examples/ and data sample.
 """
 
 import json
@@ -198,6 +198,7 @@ def build_sandbox(root: Path) -> None:
     # the shipped files the docs name, as in a clone
     (root / "configs").symlink_to(REPO / "configs")
     (root / "recipes").symlink_to(REPO / "recipes")
+    (root / "examples").symlink_to(REPO / "examples")
     (root / "data" / "fineweb_edu_sample").symlink_to(REPO / "data" / "fineweb_edu_sample")
 
 

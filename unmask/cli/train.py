@@ -39,6 +39,8 @@ def cmd_train(ns: argparse.Namespace) -> int:
 
     path, overrides = split_train_args(ns.args, ns.config)
     cfg = load_config(path, overrides)
+    if getattr(ns, "debug", False):  # tracebacks, and the start-up log's routing table
+        cfg.train = cfg.train.model_copy(update={"log_level": "debug"})
     if ns.print_config:  # what would run, written nowhere
         print(dump_config(cfg), end="")
         return 0

@@ -112,6 +112,10 @@ class TrainConfig(BaseModel):
     nothing. A logger whose package is missing stops the run before anything is written."""
     run_name: str | None = None
     """Name shown by loggers; defaults to the output_dir's name."""
+    log_level: Literal["info", "debug"] = "info"
+    """debug: the start-up log also lists every trainable parameter with its shape, its
+    optimizer (Muon or AdamW) and the routing rule that chose it (`unmask train --debug`
+    sets it)."""
     log_mfu: bool = True
     """Log mfu (model FLOPs utilization, 0-1: the model's FLOPs per second over the device's
     peak; formula in docs/operations.md) at every logging step. The peak is a known GPU's

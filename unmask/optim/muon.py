@@ -133,7 +133,7 @@ class MuonAdamW(torch.optim.Optimizer):
 
     def __init__(
         self,
-        model_or_named_params: nn.Module | NamedParams,
+        model_or_named_params: nn.Module | NamedParams | Iterable[Tensor],
         lr: float = 1e-3,
         weight_decay: float = 0.0,
         betas: tuple[float, float] = (0.9, 0.999),
@@ -150,6 +150,7 @@ class MuonAdamW(torch.optim.Optimizer):
         muon_exclude: Iterable[str] = (),
         fused: bool = False,
         verbose: bool = True,
+        model: nn.Module | None = None,
     ) -> None:
         _validate(
             lr=lr,
@@ -168,7 +169,8 @@ class MuonAdamW(torch.optim.Optimizer):
             ns_dtype = str(ns_dtype).removeprefix("torch.")
         if not isinstance(ns_coefficients, str):
             ns_coefficients = tuple(float(v) for v in ns_coefficients)
-        self.routing = route_parameters(model_or_named_params, muon_include, muon_exclude)
+        self.routing = route_parameters(model_or_named_params, muon_include, muon_exclude,
+                                        model=model)  # fmt: skip
         self.ns_dtype_choice = (ns_dtype, "as given")
         if ns_dtype == "auto":
             device = _local(self.routing.muon[0][1]).device if self.routing.muon else None
@@ -214,6 +216,12 @@ class MuonAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if not any(p.grad is not None for group in self.param_groups for p in group["params"]):
+            raise InputError(
+                "MuonAdamW.step: none of its parameters has a gradient: they are not the ones "
+                "the model trains with (an optimizer made before fully_shard, to(), or "
+                "another change of the model's parameters); make it after (docs/muon.md)"
+            )
         for group in self.param_groups:
             if group["use_muon"]:
                 self._muon_group_step(group)

@@ -5,10 +5,17 @@ shape:
 
 * AdamW without weight decay: 1-D and scalar parameters, biases, the weights of norm layers.
 * AdamW with weight decay: embeddings (``nn.Embedding`` weights and anything tied to them),
-  the output head (``get_output_embeddings()``), LoRA factors, names containing ``embed``,
-  ``lm_head``, ``wte``, ``wpe`` or ``lora``, and parameters with more than three dims.
-  Embeddings and the head are decayed like the other matrices, as nanoGPT and the HF
-  Trainer do; only norms, biases and 1-D parameters are exempt.
+  the output layer, LoRA factors, names containing ``embed``, ``lm_head``, ``wte``, ``wpe``
+  or ``lora``, and parameters with more than three dims. Embeddings and the head are
+  decayed like the other matrices, as nanoGPT and the HF Trainer do; only norms, biases
+  and 1-D parameters are exempt.
+* The output layer (Muon's authors keep the first and last layers on AdamW: they map
+  tokens or features in and out, not a hidden space to a hidden space): the module
+  ``get_output_embeddings()`` returns; a parameter whose name has a part ``head``,
+  ``classifier`` or ``score`` (``lm_head``, ``classifier.weight``, transformers'
+  ``score``); and, when neither names one, the model's last ``nn.Linear`` in registration
+  order (a classifier or an ``nn.Sequential``), unless the model is a stack of blocks
+  (parameter names with ``.layers.``: there the last linear is a hidden layer).
 * AdamW with weight decay also: MoE routers (``is_moe_router`` modules, models/moe.py). A
   router's rows are one logit per expert, not a hidden transform; orthogonalizing them would
   force every expert's score direction to equal norm and tie the experts' loads to the
@@ -34,6 +41,8 @@ from unmask.errors import InputError
 
 #: Name fragments that always mean AdamW (the LlamaFactory review list).
 ADAMW_NAME_PARTS = ("embed", "lm_head", "wte", "wpe", "lora")
+#: Whole parts of a name (split on "." and "_") that mark an output layer.
+OUTPUT_NAME_PARTS = ("head", "classifier", "score")
 
 NamedParams = Iterable[tuple[str, nn.Parameter]]
 
@@ -47,6 +56,22 @@ class Routing:
     adamw_no_decay: list[tuple[str, nn.Parameter]] = field(default_factory=list)
     frozen: list[str] = field(default_factory=list)
     reasons: dict[str, str] = field(default_factory=dict)
+    order: list[str] = field(default_factory=list)  # names in parameter order
+
+    def table(self) -> str:
+        """Every parameter: its name, shape, optimizer and why (the routing rules)."""
+        rows = [(name, tuple(p.shape), label) for label, named in
+                (("muon", self.muon), ("adamw (decay)", self.adamw_decay),
+                 ("adamw (no decay)", self.adamw_no_decay)) for name, p in named]  # fmt: skip
+        order = {name: i for i, name in enumerate(self.order)}
+        rows.sort(key=lambda row: order.get(row[0], len(order)))
+        width = max([len(name) for name, _, _ in rows] + [9])
+        lines = [f"{'parameter':<{width}}  {'shape':<18} {'optimizer':<17} why"]
+        for name, shape, label in rows:
+            lines.append(f"{name:<{width}}  {str(shape):<18} {label:<17} {self.reasons[name]}")
+        lines += [f"{name:<{width}}  {'':<18} {'frozen':<17} requires_grad False"
+                  for name in self.frozen]  # fmt: skip
+        return "\n".join(lines)
 
     def summary(self) -> str:
         """Tensor counts and parameter totals per group, one line each."""
@@ -94,11 +119,29 @@ def _module_of(model: nn.Module, getter: str) -> nn.Module | None:
     return module if isinstance(module, nn.Module) else None
 
 
+def _output_layer(model: nn.Module) -> nn.Module | None:
+    """The model's output layer (module docstring): get_output_embeddings(), else, when no
+    parameter name marks one and the model is not a stack of blocks, its last nn.Linear."""
+    head = _module_of(model, "get_output_embeddings")
+    if head is not None:
+        return head
+    names = [name for name, _ in model.named_parameters()]
+    if any(_names_output(name) for name in names) or any(".layers." in f".{n}" for n in names):
+        return None
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    return linears[-1] if linears else None
+
+
+def _names_output(name: str) -> bool:
+    parts = re.split(r"[._]", name.lower())
+    return any(part in OUTPUT_NAME_PARTS for part in parts)
+
+
 def _roles(model: nn.Module) -> tuple[dict[int, set[str]], dict[int, list[str]]]:
     """Per parameter (by id): the roles of the modules owning it, and all its names."""
     roles: dict[int, set[str]] = defaultdict(set)
     aliases: dict[int, list[str]] = defaultdict(list)
-    head = _module_of(model, "get_output_embeddings")
+    head = _output_layer(model)
     embed = _module_of(model, "get_input_embeddings")
     for mod_name, module in model.named_modules(remove_duplicate=False):
         for leaf, p in module.named_parameters(recurse=False):
@@ -133,8 +176,11 @@ def _compile(patterns: Iterable[str], what: str) -> list[re.Pattern[str]]:
     return compiled
 
 
-def _default_route(p: Tensor, names: Sequence[str], roles: set[str]) -> tuple[str, str]:
-    """(destination, reason) by the rules of the module docstring; destination in muon/decay/no_decay."""
+def _default_route(p: Tensor, names: Sequence[str], roles: set[str],
+                   output_by_name: bool = True) -> tuple[str, str]:  # fmt: skip
+    """(destination, reason) by the rules of the module docstring; destination in
+    muon/decay/no_decay. output_by_name: names mark the output layer (not where the model
+    says which it is, get_output_embeddings)."""
     leaf = names[0].rsplit(".", 1)[-1]
     lowered = [n.lower() for n in names]
     if p.ndim < 2:
@@ -147,7 +193,7 @@ def _default_route(p: Tensor, names: Sequence[str], roles: set[str]) -> tuple[st
         tied = " (tied)" if len(names) > 1 else ""
         return "decay", "embedding" + tied
     if "output head" in roles:
-        return "decay", "output head"
+        return "decay", "output layer"
     if "router" in roles:
         return "decay", "MoE router"
     if len(names) > 1:
@@ -155,25 +201,32 @@ def _default_route(p: Tensor, names: Sequence[str], roles: set[str]) -> tuple[st
     for part in ADAMW_NAME_PARTS:
         if any(part in n for n in lowered):
             return "decay", f"name contains {part!r}"
+    if output_by_name and any(_names_output(n) for n in names):
+        return "decay", "output layer (by name)"
     if p.ndim > 3:
         return "decay", f"{p.ndim}-D tensor"
     return "muon", "hidden matrix" if p.ndim == 2 else "expert stack (3-D)"
 
 
 def route_parameters(
-    model_or_named_params: nn.Module | NamedParams,
+    model_or_named_params: nn.Module | NamedParams | Iterable[Tensor],
     muon_include: Iterable[str] = (),
     muon_exclude: Iterable[str] = (),
+    model: nn.Module | None = None,
 ) -> Routing:
     """Split trainable parameters into Muon, AdamW-with-decay and AdamW-without-decay.
 
     Args:
         model_or_named_params: a module (module roles are used: embeddings, norms, the
-            output head, weights tied between them), or ``(name, param)`` pairs (then only
-            names and shapes; pass ``named_parameters(remove_duplicate=False)`` so tied
-            weights show every name).
+            output layer, weights tied between them); ``(name, param)`` pairs (then only
+            names and shapes, unless ``model`` is given; pass
+            ``named_parameters(remove_duplicate=False)`` so tied weights show every name);
+            or bare parameters (``model.parameters()``, torch's habit) with ``model`` given
+            to name them. Bare parameters without a model are refused in one line: the
+            rules need names.
         muon_include: regexes forcing matching 2-D/3-D parameters to Muon; checked first.
         muon_exclude: regexes forcing matching parameters to AdamW.
+        model: the module the parameters belong to (their names and roles come from it).
 
     Returns:
         A :class:`Routing` in parameter order, each parameter once under its first name.
@@ -181,23 +234,52 @@ def route_parameters(
     include = _compile(muon_include, "muon_include")
     exclude = _compile(muon_exclude, "muon_exclude")
     if isinstance(model_or_named_params, nn.Module):
-        model = model_or_named_params
-        roles, aliases = _roles(model)
-        named = list(model.named_parameters())
+        model, items = model_or_named_params, None
     else:
-        roles, aliases = defaultdict(set), defaultdict(list)
+        items = list(model_or_named_params)
+    output_by_name = model is None or _module_of(model, "get_output_embeddings") is None
+    roles, aliases = (_roles(model) if model is not None
+                      else (defaultdict(set), defaultdict(list)))  # fmt: skip
+    if items is None:
+        named = list(model.named_parameters())
+    elif all(isinstance(item, Tensor) for item in items):
+        if model is None:
+            raise InputError(
+                "MuonAdamW routes parameters by name and module (embeddings and the output "
+                "layer to AdamW, hidden matrices to Muon) and got bare tensors: pass the model, "
+                "model.named_parameters(), or model=model beside the parameters"
+            )
         named = []
-        for name, p in model_or_named_params:
-            if not aliases[id(p)]:
+        for p in items:
+            names = aliases.get(id(p))
+            if not names:
+                raise InputError(f"MuonAdamW got a parameter of shape {tuple(p.shape)} that "
+                                 "is not one of model's; pass that model's parameters")  # fmt: skip
+            named.append((names[0], p))
+    elif all(isinstance(item, tuple) and len(item) == 2 for item in items):
+        named, seen = [], set()
+        for name, p in items:
+            if model is None:
+                if not aliases[id(p)]:
+                    named.append((name, p))
+                aliases[id(p)].append(name)
+            elif id(p) not in seen:
+                seen.add(id(p))
                 named.append((name, p))
-            aliases[id(p)].append(name)
+    else:
+        kind = type(next(i for i in items if not isinstance(i, (Tensor, tuple)))).__name__
+        raise InputError(
+            f"MuonAdamW takes a model, model.named_parameters() or model.parameters() with "
+            f"model=model; got {kind} items (param groups: one MuonAdamW per group, or "
+            "muon_include / muon_exclude to route)"
+        )
     routing = Routing()
     for name, p in named:
         names = aliases[id(p)] or [name]
         if not p.requires_grad:
             routing.frozen.append(name)
             continue
-        dest, reason = _default_route(p, names, roles[id(p)])
+        dest, reason = _default_route(p, names, roles[id(p)], output_by_name)
         if (pat := _first_match(include, names)) is not None:
             if p.ndim not in (2, 3):
                 raise InputError(
@@ -215,4 +297,5 @@ def route_parameters(
         }[dest]
         target.append((name, p))
         routing.reasons[name] = reason
+        routing.order.append(name)
     return routing

@@ -72,11 +72,33 @@ def training_device(device: torch.device) -> Device:
 def choose_for_trainer(trainer) -> tuple[bool | int, str]:
     """The trainer's checkpointing flag for auto and the start-up line: the memory walk over
     this rank's real shards (its model and optimizer as built), the largest peak of each
-    choice over the ranks."""
-    from unmask.models import build_model
+    choice over the ranks. A run the planner does not model (a wrapped transformers
+    encoder, a 4-bit base, sequence parallelism) keeps none, and the line says why."""
+    try:
+        return _choose_for_trainer(trainer)
+    except Exception as err:  # the same on every rank: each reaches here before any collective
+        why = str(err) if isinstance(err, InputError) else f"{type(err).__name__}: {err}"
+        return (
+            False,
+            f"activation checkpointing: none (auto: the planner cannot plan this run: {why})",
+        )
+
+
+def _choose_for_trainer(trainer) -> tuple[bool | int, str]:
+    from unmask.models import ModelConfig, build_model
     from unmask.train.mfu import flop_model
 
     cfg, model = trainer.cfg, trainer.model
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    built = getattr(base, "config", None)  # a pretrained folder's architecture, as loaded
+    if isinstance(built, ModelConfig):
+        m = cfg.model
+        keep = {"pretrained": None, "load_in_4bit": m.load_in_4bit, "lora": m.lora,
+                "lora_r": m.lora_r, "lora_alpha": m.lora_alpha,
+                "lora_target_modules": m.lora_target_modules,
+                "attn_implementation": m.attn_implementation,
+                "loss_implementation": m.loss_implementation}  # fmt: skip
+        cfg = cfg.model_copy(update={"model": built.model_copy(update=keep)})
     layout, world = trainer.dist.layout, trainer.dist.world_size
     pipeline = trainer.pipeline_plan
     device = training_device(trainer.device)

@@ -287,6 +287,8 @@ class Trainer(TrainStep, Evaluation, CheckpointedState):
         routing = getattr(self.optimizer, "routing", None)
         if routing is not None:
             logger.print(routing.summary())
+            if cfg.train.log_level == "debug":  # each parameter, its optimizer and why
+                logger.print(routing.table())
         ns_choice = getattr(self.optimizer, "ns_dtype_choice", None)
         if ns_choice is not None and routing is not None and routing.muon:
             dtype, why = ns_choice
