@@ -42,16 +42,21 @@ def _resume_equals_uninterrupted(root, extra: dict) -> dict:
     return full
 
 
-def test_resume_mid_anneal_equals_the_uninterrupted_run(ar_final, tmp_path):
+def test_resume_mid_anneal_equals_the_uninterrupted_run(ar_final, tmp_path, capsys):
     extra = {"model": {"pretrained": str(ar_final)},
              "diffusion": {"objective": "mdlm", "adaptation": {
                  "attention": "anneal", "anneal_steps": 8, "shift": True}}}  # fmt: skip
     _resume_equals_uninterrupted(tmp_path, extra)
+    out = capsys.readouterr().out  # the start-up line names what is adapted
+    assert (
+        f"adapting {ar_final} (a causal checkpoint): attention annealed over 8 steps, "
+        "logit shift on"
+    ) in out
     saved = json.loads((tmp_path / "full" / "final" / "generation_config.json").read_text())
     assert saved["unmask"]["shift_logits"] is True  # the adapted model samples shifted
 
 
-def test_resume_mid_block_schedule_equals_the_uninterrupted_run(ar_final, tmp_path):
+def test_resume_mid_block_schedule_equals_the_uninterrupted_run(ar_final, tmp_path, capsys):
     schedule = {"warmup": [1, 4], "warmup_steps": 2, "stable_steps": 2, "decay": [10, 5],
                 "decay_steps": 1}  # fmt: skip
     extra = {
@@ -61,6 +66,10 @@ def test_resume_mid_block_schedule_equals_the_uninterrupted_run(ar_final, tmp_pa
     _resume_equals_uninterrupted(tmp_path, extra)
     saved = json.loads((tmp_path / "full" / "final" / "generation_config.json").read_text())
     assert saved["unmask"]["block_causal"] is True and saved["unmask"]["block_length"] == 5
+    assert (
+        "block schedule: bd3lm blocks of 1 to step 2, 4 to step 4, the whole row to "
+        "step 6, 10 to step 7, then 5"
+    ) in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(

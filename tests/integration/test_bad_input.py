@@ -169,3 +169,27 @@ def test_lmms_engine_hub_dataset_offline_is_one_line_with_the_local_alternative(
     assert "'HuggingFaceFW/fineweb-edu' is not a local path" in err[0]
     assert "set data.dataset to that local folder" in err[0]
     assert not (tmp_path / "run").exists()
+
+
+def test_a_mistyped_flag_names_the_flag_it_is_close_to(capsys):
+    code, err = run_main(["generate", "--model", "x", "--prompt", "a", "--temprature", "0.5"],
+                         capsys)  # fmt: skip
+    assert code == 2 and len(err) == 1
+    assert err[0] == (
+        "unmask: error: unrecognized arguments: --temprature 0.5 (did you mean "
+        "'--temperature'?); see `unmask generate --help`"
+    )
+
+
+def test_resuming_with_another_model_is_refused_naming_the_keys(tiny_config, tmp_path, capsys):
+    config = tiny_config({"train": {"max_steps": 3, "save_steps": 3, "eval_steps": 0}})
+    assert main(["train", str(config)]) == 0
+    run = tmp_path / "run"
+    before = snapshot(run)
+    code, err = run_main(["train", str(config), "train.resume_from_checkpoint=true",
+                          "train.max_steps=6", "model.hidden_size=64",
+                          "model.attn_implementation=flex"], capsys)  # fmt: skip
+    assert code == 2 and len(err) == 1
+    assert "holds a run of another model (model.hidden_size 32 there, 64 here)" in err[0]
+    assert "attn_implementation" not in err[0]  # how the model computes may change
+    assert snapshot(run) == before

@@ -187,3 +187,30 @@ def test_llada2_flash_on_512_gpus_in_4_pipeline_stages_with_ep(capsys):
     send = kinds[("pp", "send/recv")]  # stage 0 sends each micro-batch's hidden states
     assert send["calls"] == m and send["tensor_bytes"] == m * length * h * 2
     assert plan["fits"]
+
+
+def test_plan_text_names_the_expert_split_and_placements_in_words(capsys):
+    # the header says how the experts split; each shard row says where it lives in words
+    assert main(["plan", str(MODELS / "llada2_flash.yaml"), "--world", "512", "--nodes",
+                 "64"]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    header = out.splitlines()[0]
+    assert header.endswith("x pp 1 (ep 64: the experts split over 64 ranks)")
+    rows = {line.split()[0]: line for line in out.splitlines() if line.startswith("  model.")}
+    q_proj = rows["model.layers.0.self_attn.q_proj.weight"].split()
+    assert " ".join(q_proj[1:]) == "(4096, 4096) -> (8, 4096) muon dp_shard_cp split on dim 0"
+    assert rows["model.layers.1.mlp.experts.gate_proj"].endswith(
+        "ep_replica whole; ep split on dim 0"
+    )
+    # the columns line up: every shape starts at one column
+    starts = {line.index("(") for line in rows.values()}
+    assert len(starts) == 1
+
+
+def test_placement_words():
+    from unmask.plan.report import placement_words
+
+    assert placement_words("S(0)") == "split on dim 0"
+    assert placement_words("_S(1, 8)") == "split on dim 1 (strided, 8 blocks)"
+    assert placement_words("R") == "whole"
+    assert placement_words("P(sum)") == "partial sums"

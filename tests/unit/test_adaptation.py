@@ -134,6 +134,10 @@ def test_block_schedule_warms_up_holds_the_row_and_decays():
     sizes = [schedule.block_size(step, 16) for step in range(14)]
     assert sizes == [1, 1, 1, 4, 4, 4, 16, 16, 8, 8, 2, 2, 2, 2]
     assert schedule.length() == 10 and schedule.final_block == 2
+    assert schedule.describe() == (
+        "1 to step 3, 4 to step 6, the whole row to step 8, 8 to step 10, then 2"
+    )  # the start-up line's words
+    assert BlockSchedule(decay=[4]).describe() == "4"
 
 
 def test_shifted_adaptation_loss_by_hand():

@@ -67,6 +67,12 @@ def test_named_heads_go_to_adamw_without_a_model():
     # a transformer stack's last linear is a hidden layer: the native model keeps its MLPs
     native = groups(MuonAdamW(tiny_model(), verbose=False))
     assert native["model.layers.1.mlp.down_proj.weight"] == "muon"
+    # so is the last linear inside an element of any list of blocks
+    blocks = nn.Module()
+    blocks.blocks = nn.ModuleList(nn.Module() for _ in range(3))
+    for block in blocks.blocks:
+        block.proj = nn.Linear(8, 8)
+    assert groups(MuonAdamW(blocks, verbose=False))["blocks.2.proj.weight"] == "muon"
 
 
 def test_a_step_without_any_gradient_is_refused():

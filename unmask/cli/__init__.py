@@ -20,7 +20,7 @@ import traceback
 from unmask.cli import evaluate, generate, plan, preprocess, runs, serve, train
 from unmask.cli.flags import REFERENCE, Parser, UsageError, version_line
 from unmask.cli.sampling_flags import SAMPLING_GROUP, sampling_flags
-from unmask.errors import InputError, NothingToTrain, RunStopped
+from unmask.errors import InputError, NothingToTrain, RunStopped, did_you_mean
 
 #: each command's subparser, in the order `unmask --help` lists them
 COMMANDS = (
@@ -50,12 +50,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def flag_hint(parser: argparse.ArgumentParser, command: str, extra: list[str]) -> str:
+    """ " (did you mean '--temperature'?)" for the first unknown flag close to one the
+    command takes ("" otherwise)."""
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    flags = [f for action in sub.choices[command]._actions for f in action.option_strings]
+    for word in extra:
+        if word.startswith("--"):
+            hint = did_you_mean(word.split("=", 1)[0], flags)
+            if hint:
+                return hint
+    return ""
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     try:
         ns, extra = parser.parse_known_args(argv)
         if extra:  # named with the subcommand whose --help lists what it takes
-            raise UsageError(f"unrecognized arguments: {' '.join(extra)}; see "
+            hint = flag_hint(parser, ns.command, extra)
+            raise UsageError(f"unrecognized arguments: {' '.join(extra)}{hint}; see "
                              f"`unmask {ns.command} --help`")  # fmt: skip
     except UsageError as exc:
         print(f"unmask: error: {exc}", file=sys.stderr)

@@ -243,10 +243,29 @@ def adapted(context: ObjectiveContext, objective):
     seed = run.train.seed if run is not None else 0
     if getattr(diffusion, "adaptation", None) is not None:
         objective = AdaptingObjective(objective, diffusion.adaptation, seed)
+        if run is not None:
+            context.notices.append(adaptation_line(run))
     if getattr(diffusion, "block_schedule", None) is not None:
         length = run.data.packing_length if run is not None else diffusion.block_size
         objective = ScheduledBlocks(objective, diffusion.block_schedule, length)
+        context.notices.append(
+            f"block schedule: bd3lm blocks of {diffusion.block_schedule.describe()}"
+        )
     return objective
+
+
+def adaptation_line(run) -> str:
+    """The start-up line that names what is adapted: the causal checkpoint, how the
+    attention opens and whether logits shift."""
+    adaptation = run.diffusion.adaptation
+    attention = adaptation.attention
+    if attention == "anneal":
+        attention = f"annealed over {adaptation.anneal_steps} steps"
+    shift = "on" if adaptation.shift else "off"
+    return (
+        f"adapting {run.model.pretrained} (a causal checkpoint): attention {attention}, "
+        f"logit shift {shift}"
+    )
 
 
 register_objective_wrapper(adapted)

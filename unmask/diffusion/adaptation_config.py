@@ -79,3 +79,18 @@ class BlockSchedule(BaseModel):
     @property
     def final_block(self) -> int:
         return self.decay[-1]
+
+    def describe(self) -> str:
+        """'1 to step 50, 4 to step 100, the whole row to step 200, then 4'."""
+        parts, step = [], 0
+        for size in self.warmup:
+            step += self.warmup_steps
+            parts.append(f"{size} to step {step}")
+        if self.stable_steps:
+            step += self.stable_steps
+            parts.append(f"the whole row to step {step}")
+        for size in self.decay[:-1]:
+            step += self.decay_steps
+            parts.append(f"{size} to step {step}")
+        parts.append(f"then {self.decay[-1]}" if parts else f"{self.decay[-1]}")
+        return ", ".join(parts)

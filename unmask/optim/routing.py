@@ -15,7 +15,8 @@ shape:
   ``classifier`` or ``score`` (``lm_head``, ``classifier.weight``, transformers'
   ``score``); and, when neither names one, the model's last ``nn.Linear`` in registration
   order (a classifier or an ``nn.Sequential``), unless the model is a stack of blocks
-  (parameter names with ``.layers.``: there the last linear is a hidden layer).
+  (parameter names with ``.layers.``, or that linear inside an element of a list of
+  blocks, ``blocks.7.proj``: there the last linear is a hidden layer).
 * AdamW with weight decay also: MoE routers (``is_moe_router`` modules, models/moe.py). A
   router's rows are one logit per expert, not a hidden transform; orthogonalizing them would
   force every expert's score direction to equal norm and tie the experts' loads to the
@@ -128,8 +129,21 @@ def _output_layer(model: nn.Module) -> nn.Module | None:
     names = [name for name, _ in model.named_parameters()]
     if any(_names_output(name) for name in names) or any(".layers." in f".{n}" for n in names):
         return None
-    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
-    return linears[-1] if linears else None
+    linears = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    if not linears:
+        return None
+    name, last = linears[-1]
+    if _in_repeated_block(name):
+        return None
+    return last
+
+
+def _in_repeated_block(module_name: str) -> bool:
+    """Whether a module sits inside an element of a list of blocks: a numeric name part
+    with more parts after it (`blocks.7.proj`: block 7's linear, a hidden layer), not an
+    nn.Sequential's own element (`2`, `net.2`: the Sequential's last linear, its output)."""
+    parts = module_name.split(".")
+    return any(part.isdigit() for part in parts[:-1])
 
 
 def _names_output(name: str) -> bool:

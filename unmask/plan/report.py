@@ -4,6 +4,7 @@ override that would make it fit."""
 from __future__ import annotations
 
 import math
+import re
 
 from unmask.plan.planner import RunPlan
 from unmask.train.setup import checkpointing_choice
@@ -94,10 +95,26 @@ def refusal(plan: RunPlan, cfg) -> str:
             f"term is {name} ({gib(value)}): {fix_for(plan, cfg)}")  # fmt: skip
 
 
+def placement_words(placement: str) -> str:
+    """A DTensor placement as its str() prints it, in words: S(0) "split on dim 0",
+    _S(0, 8) "split on dim 0 (strided, 8 blocks)", R "whole", P(sum) "partial sums"."""
+    m = re.fullmatch(r"_?S\((\d+)(?:, *(\d+))?\)", placement)
+    if m:
+        strided = f" (strided, {m.group(2)} blocks)" if m.group(2) else ""
+        return f"split on dim {m.group(1)}{strided}"
+    if placement == "R":
+        return "whole"
+    if placement.startswith("P"):
+        return "partial sums"
+    return placement
+
+
 def render(plan: RunPlan, label: str) -> str:
     """The plan as text (what `unmask plan` prints)."""
     layout = plan.layout
     dims = " x ".join(f"{k} {v}" for k, v in layout.items())
+    if plan.expert_parallel > 1:  # experts on their own (replica, ep) grid of the ranks
+        dims += f" (ep {plan.expert_parallel}: the experts split over {plan.expert_parallel} ranks)"
     lines = [
         f"plan: {label} on {plan.world_size} x {plan.device} ({plan.nodes} node"
         f"{'s' if plan.nodes > 1 else ''}), mesh {dims}",
@@ -118,10 +135,15 @@ def render(plan: RunPlan, label: str) -> str:
         "",
         f"shards of rank {plan.ranks[0].rank} (its first layer, and first MoE layer, stand for the others)",
     ]
-    for row in plan.ranks[0].shards:
-        shape = f"{tuple(row['global'])} -> {tuple(row['local'])}"
-        where = ", ".join(f"{d}:{p}" for d, p in zip(row["mesh"], row["placements"])) or "whole"
-        lines.append(f"  {row['name']:<42} {shape:<34} {row['optimizer']:<6} {where}")
+    rows = plan.ranks[0].shards
+    shapes = [f"{tuple(row['global'])} -> {tuple(row['local'])}" for row in rows]
+    name_width = max([len(row["name"]) for row in rows] + [4])
+    shape_width = max([len(shape) for shape in shapes] + [5])
+    for row, shape in zip(rows, shapes):
+        where = "; ".join(f"{d} {placement_words(p)}" for d, p in
+                          zip(row["mesh"], row["placements"])) or "whole on every rank"  # fmt: skip
+        lines.append(f"  {row['name']:<{name_width}}  {shape:<{shape_width}}  "
+                     f"{row['optimizer']:<6} {where}")  # fmt: skip
     lines += [
         "",
         f"step: {plan.tokens_per_step:,} tokens, {plan.flops_per_step:.3e} model FLOPs; "

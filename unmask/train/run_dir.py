@@ -66,6 +66,7 @@ def prepare_output_dir(
     notices = []
     resume = resolve_resume(out, t.resume_from_checkpoint)
     if resume is not None:
+        check_same_model(out, cfg)
         check_steps_left(out, resume, total_steps, cfg.eval.generate_accuracy)
     holds_run = out.is_dir() and any(out.iterdir())
     fresh_after_resume = resume is None and t.resume_from_checkpoint is True and holds_run
@@ -96,6 +97,33 @@ def prepare_output_dir(
     if removed:
         notices.append(f"removed {len(removed)} unfinished save(s) of a stopped run: {removed}")
     return resume, notices
+
+
+#: model keys a resumed run may change: how it computes, not what it holds
+RUNTIME_MODEL_KEYS = ("attn_implementation", "loss_implementation", "moe_implementation",
+                      "pretrained")  # fmt: skip
+
+
+def check_same_model(out: Path, cfg: RunConfig) -> None:
+    """InputError naming every model key whose value differs between the config and the
+    run being resumed (its config.yaml): its checkpoints hold another model. Keys of how
+    the model computes (RUNTIME_MODEL_KEYS) may change; a run without config.yaml, or
+    keys it does not hold, are not compared."""
+    try:
+        saved = yaml.safe_load((out / CONFIG_FILE).read_text()) or {}
+    except (OSError, ValueError, yaml.YAMLError):
+        return
+    ran = saved.get("model") if isinstance(saved, dict) else None
+    if not isinstance(ran, dict):
+        return
+    now = cfg.model.model_dump(mode="json")
+    changed = [f"model.{key} {ran[key]!r} there, {now[key]!r} here" for key in now
+               if key in ran and key not in RUNTIME_MODEL_KEYS and ran[key] != now[key]]  # fmt: skip
+    if changed:
+        raise InputError(
+            f"{str(out)!r} holds a run of another model ({'; '.join(changed)}); resume it "
+            "with the run's model, or train this one in another output_dir"
+        )
 
 
 def check_steps_left(out: Path, resume: Path, total_steps: int, heldout: bool) -> None:
