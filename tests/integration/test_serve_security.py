@@ -265,6 +265,16 @@ def test_unknown_routes_and_wrong_methods_get_openai_error_bodies(server):
     assert_openai_error(httpx.get(server + "/v1/completions"), 405, "GET is not allowed")
 
 
+def test_the_page_files_are_served_by_name_only(server):
+    script = httpx.get(server + "/static/common.js")
+    assert script.status_code == 200 and script.headers["content-type"].startswith(
+        "text/javascript"
+    )
+    assert httpx.get(server + "/static/app.css").headers["content-type"].startswith("text/css")
+    for name in ("index.html", "..%2Fapp.py", "%2E%2E", "nope.js", "__init__.py"):
+        assert_openai_error(httpx.get(server + "/static/" + name), 404, "no page file|no route")
+
+
 # ------------------------------------------------------------------------- a runs folder
 
 

@@ -66,11 +66,16 @@ def test_the_page_has_no_html_sinks_and_nothing_inline():
     """What the page draws from the server goes in as text; the Content-Security-Policy
     (script-src 'self', style-src 'self') has nothing inline to allow."""
     static = Path(unmask.serve.__file__).parent / "static"
-    script = (static / "app.js").read_text()
-    for sink in ("innerHTML", "outerHTML", "insertAdjacentHTML", "document.write", "eval(",
-                 "new Function", "setAttribute(\"on", "setAttribute(\"style"):  # fmt: skip
-        assert sink not in script, sink
+    scripts = sorted(static.glob("*.js"))
+    assert len(scripts) >= 4  # common, play, runs, main at least
+    for path in scripts:
+        script = path.read_text()
+        for sink in ("innerHTML", "outerHTML", "insertAdjacentHTML", "document.write", "eval(",
+                     "new Function", "setAttribute(\"on", "setAttribute(\"style"):  # fmt: skip
+            assert sink not in script, (path.name, sink)
     page = (static / "index.html").read_text()
     assert "<style" not in page and " style=" not in page
-    assert re.findall(r"<script[^>]*>", page) == ['<script src="/app.js">']
+    tags = re.findall(r"<script[^>]*>", page)
+    assert tags and all(re.fullmatch(r'<script src="/static/[a-z]+\.js">', t) for t in tags)
+    assert {t.split("/static/")[1][:-2] for t in tags} == {p.name for p in scripts}
     assert not re.search(r"\son[a-z]+=", page)  # no inline event handlers

@@ -46,6 +46,15 @@ from unmask.serve.protocol import (
 )
 
 STATIC = Path(__file__).resolve().parent / "static"
+#: the page's files (GET /static/NAME), by name, with their media types: a request names
+#: one of these, never a path
+STATIC_FILES = {
+    path.name: (
+        "text/javascript; charset=utf-8" if path.suffix == ".js" else "text/css; charset=utf-8"
+    )  # fmt: skip
+    for path in sorted(STATIC.iterdir())
+    if path.suffix in (".js", ".css")
+}
 #: seconds a client is told to wait after a 429
 RETRY_AFTER = 1
 
@@ -390,11 +399,12 @@ def build_app(server: Server) -> Guard:
     async def page(request: Request):
         return FileResponse(STATIC / "index.html", media_type="text/html; charset=utf-8")
 
-    async def script(request: Request):
-        return FileResponse(STATIC / "app.js", media_type="text/javascript; charset=utf-8")
-
-    async def style(request: Request):
-        return FileResponse(STATIC / "app.css", media_type="text/css; charset=utf-8")
+    async def static_file(request: Request):
+        name = request.path_params["name"]
+        kind = STATIC_FILES.get(name)  # names only: the folder's own files, never a path
+        if kind is None:
+            raise RequestError(404, f"no page file {name!r}")
+        return FileResponse(STATIC / name, media_type=kind)
 
     # a runs folder's files are read off the event loop, and whatever they hold is data:
     # NaN / infinite numbers (a diverged run) are served as null
@@ -426,8 +436,7 @@ def build_app(server: Server) -> Guard:
         Route("/metrics", route(metrics), methods=["GET"]),
         # the page and its script hold no data: they load without the key, the page asks it
         Route("/", route(page, open_route=True), methods=["GET"]),
-        Route("/app.js", route(script, open_route=True), methods=["GET"]),
-        Route("/app.css", route(style, open_route=True), methods=["GET"]),
+        Route("/static/{name}", route(static_file, open_route=True), methods=["GET"]),
         Route("/api/info", route(info), methods=["GET"]),
         Route("/api/runs", route(runs), methods=["GET"]),
         Route("/api/runs/{name}", route(run_curves), methods=["GET"]),
