@@ -12,6 +12,7 @@ optimizer made before holds the old ones, which never get a gradient).
 
 import argparse
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -68,7 +69,9 @@ def main() -> None:
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
-    print(f"rank {dist.get_rank()} ({args.layout}): loss {losses[0]:.3f} -> {losses[-1]:.3f}")
+    line = f"rank {dist.get_rank()} ({args.layout}): loss {losses[0]:.3f} -> {losses[-1]:.3f}\n"
+    sys.stdout.write(line)  # one write: the two processes' lines do not interleave
+    sys.stdout.flush()
     if dist.get_rank() == 0:
         assert losses[-1] < 0.7 * losses[0], losses
     dist.destroy_process_group()

@@ -70,16 +70,21 @@ def test_plot_overlays_runs_into_out(runs, tmp_path, capsys):
 
 
 def test_runs_lists_statuses(runs, capsys):
+    with open(runs / "stopped" / "metrics.jsonl", "a") as handle:  # as the trainer ends a run
+        handle.write(json.dumps({"step": 3, "heldout_exact_match": 0.5}) + "\n")
     code, out, err = run_main(["runs", str(runs)], capsys)
     assert code == 0 and err == []
     header, *rows = out
-    assert header.split() == ["run", "status", "step", "loss", "eval", "loss", "checkpoint",
-                              "last", "written"]  # fmt: skip
+    assert header.split() == ["run", "status", "step", "loss", "eval", "loss", "held-out",
+                              "checkpoint", "last", "written"]  # fmt: skip
     by_name = {row.split()[0].rsplit("/", 1)[1]: row for row in rows}
     assert set(by_name) == {"finished", "stopped", "crashed"}
     assert " finished " in by_name["finished"] and " 6/6 " in by_name["finished"]
     assert "checkpoint-6" in by_name["finished"]
     assert " stopped at step 3 " in by_name["stopped"] and " 3/6 " in by_name["stopped"]
+    end = header.index("held-out") + len("held-out")  # the column's numbers end with its name
+    assert by_name["stopped"][:end].endswith(" 50.0%")
+    assert by_name["finished"][:end].endswith(" -")  # the tiny run does not measure it
     assert " crashed " in by_name["crashed"] and " 5/6 " in by_name["crashed"]
     assert "checkpoint-3" in by_name["crashed"]
     final_eval = [r["eval_loss"] for r in read_metrics(runs / "finished") if "eval_loss" in r][-1]

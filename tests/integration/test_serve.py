@@ -162,6 +162,14 @@ def test_chat_prompt_is_the_role_lines_template(client):
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == plain.choices[0].text
 
 
+def test_a_model_never_trained_on_chat_is_named_at_start_and_in_info(server):
+    # the tiny folder: the char tokenizer (no chat template) and no run config
+    notices = httpx.get(server + "/api/info", headers=AUTH).json()["notices"]
+    assert len(notices) == 1 and notices[0].startswith(
+        "chat: this model's tokenizer has no chat template and no run config says it "
+        "trained on chat rows")  # fmt: skip
+
+
 def test_stop_strings_cut_the_text(client):
     kwargs = dict(model="tiny", prompt="sort 8=", max_tokens=16, extra_body={"unmask": BLOCK})
     full = client.completions.create(**kwargs).choices[0].text

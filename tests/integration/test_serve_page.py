@@ -1,13 +1,18 @@
 """The page of `unmask serve` in a real headless Chromium (the system's chromium and
 chromedriver, driven by Selenium): the playground draws the canvas filling in step by step,
-the runs view lists a finished run (trained here) and a running one (its metrics.jsonl
-growing while the page is open) with their loss curves. Screenshots go to the test's
-temporary folder."""
+the runs view lists a finished run (trained here), a running one (its metrics.jsonl
+growing while the page is open) and hand-written ones, and draws one chart per chosen
+metric with the runs overlaid: a legend, log scale, markers, held-out accuracy, the run
+filter. Screenshots go to the test's temporary folder (UNMASK_DOCS_SCREENSHOTS=1: the
+runs page's and the playground's also to docs/serving-runs.png, docs/serving-playground.png)."""
 
 import json
+import os
+import re
 import shutil
 import signal
 import time
+from pathlib import Path
 
 import pytest
 import yaml
@@ -34,7 +39,9 @@ HOSTILE = "<img src=x onerror=window.pwned=1>"
 def runs_dir(tmp_path_factory):
     """runs/finished: a real 6-step run; runs/running: a run still logging (its config
     plans 100 steps; the test writes its metrics); runs/HOSTILE: a run whose name and
-    metric keys are HTML."""
+    metric keys are HTML; runs/decades: a finished 30-step run whose loss falls from 10 to
+    0.011, with eval points, MFU and a held-out exact match of 80%; runs/one-point: a run
+    that has logged one step."""
     configs, root = tmp_path_factory.mktemp("configs"), tmp_path_factory.mktemp("runs")
     config = write_run_config(configs, "tiny", {}, {})
     train_in_process(config, root / "finished")
@@ -48,6 +55,20 @@ def runs_dir(tmp_path_factory):
     records = [{"step": 1, "loss": 2.0}, {"step": 2, "eval_loss": 1.5, HOSTILE: 1},
                {"step": 3, "loss": 1.0, "<script>window.pwned=2</script>": "<b>x</b>"}]  # fmt: skip
     (hostile / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    decades = root / "decades"
+    (decades / "final").mkdir(parents=True)
+    (decades / "final" / "config.json").write_text("{}")
+    tree["train"] = {**tree["train"], "max_steps": 30, "output_dir": str(decades)}
+    (decades / "config.yaml").write_text(yaml.safe_dump(tree))
+    records = [{"step": s, "loss": 10.0 / s**2, "learning_rate": 1e-3, "mfu": 0.3 + s / 100}
+               for s in range(1, 31)]  # fmt: skip
+    for s in (10, 20, 30):
+        records[s - 1]["eval_loss"] = 12.0 / s**2
+    records.append({"step": 30, "heldout_exact_match": 0.8})  # as the trainer ends a run
+    (decades / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    one = root / "one-point"
+    one.mkdir()
+    (one / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 3.0}) + "\n")
     return root
 
 
@@ -62,16 +83,21 @@ def append_metrics(run, steps) -> None:
             handle.write(json.dumps(record) + "\n")
 
 
+def chromium(width: int = 1200, height: int = 800):
+    """A headless Chromium of the system's chromium and chromedriver."""
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu",
+                 f"--window-size={width},{height}", "--disable-dev-shm-usage"):  # fmt: skip
+        options.add_argument(flag)
+    return webdriver.Chrome(options=options,
+                            service=webdriver.ChromeService(executable_path=CHROMEDRIVER))  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def page(runs_dir):
     proc, base = start_server(runs_dir / "finished" / "final", "--runs", str(runs_dir))
-    options = webdriver.ChromeOptions()
-    options.binary_location = CHROMIUM
-    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--window-size=1200,800",
-                 "--disable-dev-shm-usage"):  # fmt: skip
-        options.add_argument(flag)
-    driver = webdriver.Chrome(options=options,
-                              service=webdriver.ChromeService(executable_path=CHROMEDRIVER))  # fmt: skip
+    driver = chromium()
     yield driver, base
     driver.quit()
     proc.send_signal(signal.SIGTERM)
@@ -95,7 +121,8 @@ def test_playground_shows_the_canvas_filling_in(page, tmp_path):
     driver, base = page
     driver.get(base + "/")
     wait_for(lambda: driver.find_element(By.ID, "model").text == "tiny")
-    for field, value in (("max_tokens", "12"), ("block_length", "4"), ("delay", "250")):
+    fields = (("opt-max_tokens", "12"), ("opt-block_length", "4"), ("delay", "250"))
+    for field, value in fields:
         element = driver.find_element(By.ID, field)
         element.clear()
         element.send_keys(value)
@@ -127,40 +154,248 @@ def test_playground_shows_the_canvas_filling_in(page, tmp_path):
     assert (tmp_path / "playground.png").stat().st_size > 10_000
 
 
+def test_playground_offers_every_option_a_legend_and_each_tokens_probability(page, tmp_path):
+    from selenium.webdriver.support.ui import Select
+
+    from unmask.serve.protocol import sampling_options
+
+    driver, base = page
+    driver.get(base + "/")
+    wait_for(lambda: driver.find_element(By.ID, "model").text == "tiny")
+    # every option a request takes (unmask generate's flags less the hooks) has a field
+    names = [option["name"] for option in sampling_options({})]
+    assert len(names) == 28
+    for name in names:
+        driver.find_element(By.ID, "opt-" + name)
+    legend = driver.find_element(By.ID, "play-legend").get_attribute("textContent")
+    for words in ("prompt", "mask", "new this step", "low confidence", "end of text", "hover"):
+        assert words in legend
+    # a decoder sets its options in the form; the request sends them
+    decoders = Select(driver.find_element(By.ID, "decoder"))
+    assert [o.text.split(":")[0] for o in decoders.options] == [
+        "the model folder's", "LLaDA", "Dream", "Fast-dLLM", "MDLM", "random order"]  # fmt: skip
+    decoders.select_by_value("fastdllm")
+    value = lambda name: driver.find_element(By.ID, "opt-" + name).get_attribute("value")  # noqa: E731
+    assert (value("threshold"), value("cache"), value("remasking")) == ("0.9", "dual", "")
+    decoders.select_by_value("dream")
+    assert (value("threshold"), value("remasking"), value("schedule")) == ("", "entropy", "dream")
+    decoders.select_by_value("llada")
+    for field, text in (("opt-max_tokens", "8"), ("opt-block_length", "8"), ("opt-steps", "8"),
+                        ("delay", "0")):  # fmt: skip
+        element = driver.find_element(By.ID, field)
+        element.clear()
+        element.send_keys(text)
+    driver.find_element(By.ID, "run").click()
+    wait_for(lambda: driver.find_element(By.ID, "canvas").get_attribute("data-done") == "1")
+    # hovering a committed token says its step and the probability it was committed with
+    tokens = driver.find_elements(By.CSS_SELECTOR, "#canvas .tok")
+    assert tokens
+    steps = []
+    for token in tokens:
+        title = token.get_attribute("title")
+        match = re.fullmatch(r"committed at step (\d+) \(p (\d+\.\d)%\)", title)
+        assert match, title
+        p = float(token.get_attribute("data-p"))
+        assert 0 < p <= 1 and match.group(2) == f"{p * 100:.1f}"
+        assert ("low" in token.get_attribute("class").split()) == (p < 0.5)
+        steps.append(int(match.group(1)))
+    assert sorted(steps) == list(range(1, 9))  # one token a step (llada, 8 steps)
+    driver.find_element(By.CSS_SELECTOR, "#all-options summary").click()  # open: every option
+    time.sleep(0.2)
+    path = tmp_path / "serving-playground.png"
+    driver.save_screenshot(str(path))
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    if os.environ.get("UNMASK_DOCS_SCREENSHOTS") == "1":
+        shutil.copy(path, Path(__file__).resolve().parents[2] / "docs" / "serving-playground.png")
+
+
 def test_runs_view_lists_runs_and_draws_their_curves(page, runs_dir, tmp_path):
     driver, base = page
     append_metrics(runs_dir / "running", range(1, 11))  # written just now: running
     driver.get(base + "/")
     driver.find_element(By.ID, "tab-runs").click()
-    wait_for(lambda: len(table(driver)) == 3)
+    wait_for(lambda: len(table(driver)) == 5)
     rows = table(driver)
     assert rows["finished"][1] == "finished" and rows["finished"][2] == "6/6"
     assert rows["running"][1] == "running" and rows["running"][2] == "10/100"
     assert rows["running"][4] == f"{4.2 / 10**0.5:.4f}"  # eval loss at step 10
-    assert rows["running"][6] == "45s"  # 0.5 s a step, 90 steps left
-    assert curve_points(driver) == {"finished": 6, "running": 10, HOSTILE: 2}
+    assert rows["running"][7] == "45s"  # 0.5 s a step, 90 steps left
+    assert line_points(driver) == {"finished": 6, "running": 10, HOSTILE: 2, "decades": 30,
+                                   "one-point": 0}  # fmt: skip
     driver.save_screenshot(str(tmp_path / "runs.png"))
     append_metrics(runs_dir / "running", range(11, 21))  # the run goes on: the page follows
     wait_for(lambda: table(driver)["running"][2] == "20/100", timeout=20)
-    assert curve_points(driver) == {"finished": 6, "running": 20, HOSTILE: 2}
+    assert line_points(driver)["running"] == 20
+
+
+def test_runs_are_overlaid_in_one_chart_per_metric_with_a_legend(page):
+    """The loss chart holds every run that logged a loss, each its own colour, and a
+    legend naming each (its text: the run's name)."""
+    driver, base = page
+    open_runs(driver, base)
+    loss = charts(driver)["loss"]
+    assert {"finished", "decades", "running", "one-point", HOSTILE} <= set(loss["series"])
+    assert set(loss["legend"]) == set(loss["series"])
+    colours = {run: s["colour"] for run, s in loss["series"].items()}
+    assert len(set(colours.values())) == len(colours)  # one colour a run
+    order = driver.execute_script(
+        "return [...document.querySelectorAll('#plots .runs-chart')].map((c) => c.dataset.metric);"
+    )
+    assert order == ["loss", "eval_loss", "heldout_exact_match"]  # the defaults, in this order
+    assert len(loss["xticks"]) >= 4 and loss["xticks"][0] in ("0", "1", "5")  # steps
+
+
+def test_a_loss_that_spans_decades_is_drawn_on_a_log_scale(page):
+    """decades' loss falls from 10 to 0.011: a log y axis, ticked at powers of ten; the
+    chart's scale menu forces linear (ticks at 1, 2 or 5 times a power of ten) and back."""
+    driver, base = page
+    open_runs(driver, base)
+    loss = charts(driver)["loss"]
+    assert loss["scale"] == "log" and loss["caption"] == "step   (log y)"
+    assert loss["yticks"] == ["0.01", "0.1", "1", "10"]
+    assert loss["menu"] == "auto (log)"
+    # y positions: equal steps for each power of ten
+    ys = loss["ytick_y"]
+    assert max(ys[i] - ys[i + 1] for i in range(3)) - min(ys[i] - ys[i + 1] for i in range(3)) < 1
+    choose_scale(driver, "loss", "linear")
+    loss = charts(driver)["loss"]
+    assert loss["scale"] == "linear" and loss["yticks"] == ["0", "2", "4", "6", "8", "10"]
+    choose_scale(driver, "loss", "auto")
+    assert charts(driver)["loss"]["scale"] == "log"
+    # a metric within a factor of 30 stays linear: learning rates 7.5e-4 to 3e-3
+    tick_metric(driver, "learning_rate")
+    rate = wait_for(lambda: charts(driver).get("learning_rate"))
+    assert rate["scale"] == "linear" and rate["menu"] == "auto (linear)"
+    assert len(rate["yticks"]) >= 3 and all(float(t) < 0.01 for t in rate["yticks"])
+
+
+def test_a_one_point_run_and_sparse_eval_points_are_drawn_as_markers(page):
+    driver, base = page
+    open_runs(driver, base)
+    loss, evals = charts(driver)["loss"], charts(driver)["eval_loss"]
+    one = loss["series"]["one-point"]
+    assert (one["points"], one["markers"]) == (0, 1)  # no line: a circle
+    assert loss["series"]["decades"]["markers"] == 0  # a dense series: a line
+    # eval every 10 of 30 steps: a line through 3 markers; every 5 of >= 20: markers too
+    assert evals["series"]["decades"]["markers"] == 3 and evals["series"]["decades"]["points"] == 3
+    assert evals["series"]["running"]["markers"] == evals["series"]["running"]["points"] >= 2
+    # each marker says its run, step and value on hover
+    tips = driver.execute_script(
+        "return [...document.querySelectorAll('.runs-chart[data-metric=eval_loss] circle title')]"
+        "  .map((t) => t.textContent);"
+    )
+    assert f"decades: step 30, {12 / 900:.6g}"[:24] in [t[:24] for t in tips]
+
+
+def test_held_out_accuracy_is_a_column_and_a_metric(page):
+    driver, base = page
+    open_runs(driver, base)
+    rows = table(driver)
+    assert rows["decades"][5] == "80.0%" and rows["finished"][5] == "-"
+    heldout = charts(driver)["heldout_exact_match"]
+    assert heldout["title"] == "held-out exact match (heldout_exact_match)"
+    assert list(heldout["series"]) == ["decades"]
+    assert heldout["series"]["decades"]["markers"] == 1  # one measurement: a marker
+    metrics = driver.execute_script(
+        "return [...document.querySelectorAll('#runs-metrics input')]"
+        "  .map((i) => [i.value, i.checked]);"
+    )
+    assert ["heldout_exact_match", True] in metrics and ["mfu", False] in metrics
+    assert {"loss", "eval_loss", "learning_rate", "tokens_per_second", "elapsed_seconds",
+            "mfu"} <= {key for key, _ in metrics}  # fmt: skip
+    tick_metric(driver, "heldout_exact_match")  # unticked: its chart goes
+    wait_for(lambda: "heldout_exact_match" not in charts(driver))
+
+
+def test_the_filter_and_the_run_boxes_hide_runs(page, runs_dir):
+    """Typing in the filter keeps the runs whose name holds the text (table and charts);
+    unticking a run's box (or clicking its legend entry) hides its series everywhere; the
+    choices survive the refresh of a running run."""
+    driver, base = page
+    open_runs(driver, base)
+    driver.find_element(By.ID, "runs-filter").send_keys("dec")
+    wait_for(lambda: list(charts(driver)["loss"]["series"]) == ["decades"])
+    shown = driver.execute_script(
+        "return [...document.querySelectorAll('#runs-table tbody tr')]"
+        "  .filter((tr) => tr.offsetParent !== null).map((tr) => tr.dataset.run);"
+    )
+    assert shown == ["decades"]
+    driver.find_element(By.ID, "runs-filter").clear()
+    driver.find_element(By.ID, "runs-filter").send_keys(" ")  # an input event, then empty
+    driver.find_element(By.ID, "runs-filter").send_keys("\b")
+    wait_for(lambda: "finished" in charts(driver)["loss"]["series"])
+    box = driver.execute_script(
+        "return [...document.querySelectorAll('#runs-table input.runs-show')]"
+        "  .find((b) => b.dataset.run === 'finished');"
+    )
+    box.click()
+    wait_for(lambda: "finished" not in charts(driver)["loss"]["series"])
+    assert "finished" in charts(driver)["loss"]["legend"]  # struck through, not gone
+    tick_metric(driver, "mfu")
+    # the running run logs on: after the refresh, finished is still hidden, mfu still shown
+    step = int(table(driver)["running"][2].split("/")[0])
+    append_metrics(runs_dir / "running", range(step + 1, step + 6))
+    wait_for(lambda: table(driver)["running"][2] == f"{step + 5}/100", timeout=20)
+    drawn = charts(driver)
+    assert "mfu" in drawn and "finished" not in drawn["loss"]["series"]
+    legend = driver.execute_script(
+        "return [...document.querySelectorAll('.runs-chart[data-metric=loss] .runs-entry')]"
+        "  .find((b) => b.dataset.run === 'finished');"
+    )
+    legend.click()  # the legend entry shows it again
+    wait_for(lambda: "finished" in charts(driver)["loss"]["series"])
 
 
 def test_a_hostile_run_name_and_metric_keys_render_as_text_and_run_nothing(page, tmp_path):
     """The folder named HOSTILE (and its HTML metric keys and values): its name is the
-    text of its table cell and its chart's title; no element was made of it, no script ran
-    (an onerror handler would set window.pwned), the page's own script still works."""
+    text of its table cell and its legend entries; its HTML keys are not served; no element
+    was made of them, no script ran (an onerror handler would set window.pwned), the page's
+    own script still works."""
     driver, base = page
-    driver.get(base + "/#runs")
-    wait_for(lambda: HOSTILE in table(driver))
+    open_runs(driver, base)
     assert table(driver)[HOSTILE][0] == HOSTILE
-    titles = driver.execute_script(
-        "return [...document.querySelectorAll('.plot h3')].map((h) => h.textContent);"
+    assert HOSTILE in charts(driver)["loss"]["legend"]
+    keys = driver.execute_script(
+        "return [...document.querySelectorAll('#runs-metrics input')].map((i) => i.value);"
     )
-    assert HOSTILE in titles
+    assert not [key for key in keys if "<" in key]
     time.sleep(0.5)  # an injected image would have failed to load and fired by now
     assert driver.execute_script("return window.pwned === undefined;")
     assert driver.find_elements(By.CSS_SELECTOR, "img, script:not([src])") == []
     driver.save_screenshot(str(tmp_path / "hostile.png"))
+
+
+def test_a_screenshot_of_the_runs_page(runs_dir, tmp_path):
+    """The Runs page of docs/serving.md: the runs above, less the hostile one, in a server
+    of their own; with UNMASK_DOCS_SCREENSHOTS=1 the PNG replaces docs/serving-runs.png."""
+    if not (runs_dir / "running" / "metrics.jsonl").exists():  # this test alone
+        append_metrics(runs_dir / "running", range(1, 21))
+    shown = tmp_path / "runs"
+    shown.mkdir()
+    for name in ("decades", "finished", "one-point", "running"):
+        (shown / name).symlink_to(runs_dir / name)
+    proc, base = start_server(runs_dir / "finished" / "final", "--runs", str(shown))
+    driver = chromium(1200, 1200)
+    try:
+        driver.get(base + "/#runs")
+        wait_for(lambda: len(charts(driver)) == 3)
+        time.sleep(0.3)
+        path = tmp_path / "serving-runs.png"
+        driver.save_screenshot(str(path))
+    finally:
+        driver.quit()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 20_000
+    if os.environ.get("UNMASK_DOCS_SCREENSHOTS") == "1":
+        shutil.copy(path, Path(__file__).resolve().parents[2] / "docs" / "serving-runs.png")
+
+
+def open_runs(driver, base: str) -> None:
+    """The page loaded afresh (not a jump to #runs of the page shown), its charts drawn."""
+    driver.get("about:blank")
+    driver.get(base + "/#runs")
+    wait_for(lambda: len(table(driver)) == 5 and "loss" in charts(driver))
 
 
 def table(driver) -> dict[str, list[str]]:
@@ -173,12 +408,51 @@ def table(driver) -> dict[str, list[str]]:
     )
 
 
-def curve_points(driver) -> dict[str, int]:
-    """Points of each run's drawn loss curve."""
-    return driver.execute_script(
-        "const out = {};"
-        "for (const plot of document.querySelectorAll('.plot'))"
-        "  out[plot.dataset.run] = plot.querySelector('polyline.loss')"
-        "    .getAttribute('points').split(' ').length;"
-        "return out;"
-    )
+#: each chart as drawn: its scale, title, menu, ticks, legend, and per run its line's points,
+#: its markers and its colour (read in one script: the page redraws in between)
+READ_CHARTS = """
+const out = {};
+for (const chart of document.querySelectorAll('#plots .runs-chart')) {
+  const series = {};
+  for (const g of chart.querySelectorAll('g.runs-series')) {
+    const line = g.querySelector('polyline'), dot = g.querySelector('circle');
+    series[g.dataset.run] = {
+      points: line ? line.getAttribute('points').split(' ').length : 0,
+      markers: g.querySelectorAll('circle').length,
+      colour: line ? line.getAttribute('stroke') : dot.getAttribute('fill'),
+    };
+  }
+  const major = [...chart.querySelectorAll('text.runs-ytick:not(.runs-minor)')];
+  const select = chart.querySelector('select.runs-scale');
+  out[chart.dataset.metric] = {
+    scale: chart.dataset.scale, series, title: chart.querySelector('h3').textContent,
+    menu: select.options[select.selectedIndex].textContent,
+    legend: [...chart.querySelectorAll('.runs-entry')].map((e) => e.textContent),
+    yticks: major.map((t) => t.textContent),
+    ytick_y: major.map((t) => Number(t.getAttribute('y'))),
+    xticks: [...chart.querySelectorAll('text.runs-xtick')].map((t) => t.textContent),
+    caption: chart.querySelector('text.runs-caption')?.textContent,
+  };
+}
+return out;
+"""
+
+
+def charts(driver) -> dict[str, dict]:
+    return driver.execute_script(READ_CHARTS)
+
+
+def line_points(driver) -> dict[str, int]:
+    """Points of each run's drawn loss line (0: markers only)."""
+    return {run: s["points"] for run, s in charts(driver)["loss"]["series"].items()}
+
+
+def choose_scale(driver, metric: str, value: str) -> None:
+    from selenium.webdriver.support.ui import Select
+
+    menu = driver.find_element(By.CSS_SELECTOR, f'.runs-chart[data-metric="{metric}"] select')
+    Select(menu).select_by_value(value)
+
+
+def tick_metric(driver, key: str) -> None:
+    driver.find_element(By.CSS_SELECTOR, f'#runs-metrics input[value="{key}"]').click()

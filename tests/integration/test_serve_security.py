@@ -284,10 +284,12 @@ def test_a_diverged_or_hostile_run_is_served_as_data(server):
     rows = {row["name"]: row for row in runs.json()["runs"]}
     assert rows["diverged"]["loss"] is None  # -inf at the last step: null
     assert rows["odd bytes"]["planned_steps"] is None and rows["odd bytes"]["loss"] is None
-    curves = httpx.get(server + "/api/runs/diverged").json()
+    curves = httpx.get(server + "/api/runs/diverged").json()["metrics"]
     assert curves["loss"] == [[1, 2.0], [2, None], [3, None]]
     assert curves["eval_loss"] == [[2, None]]
     assert all(math.isfinite(v) for s in curves.values() for _, v in s if v is not None)
+    # an HTML metric key is not served at all (keys: letters, digits and _ . / - only)
+    assert set(curves) == {"loss", "eval_loss", "tokens_per_second", "elapsed_seconds"}
     odd = httpx.get(server + "/api/runs/odd%20bytes")
     assert odd.status_code == 200 and "error" in odd.json()
     assert_openai_error(httpx.get(server + "/api/runs/%2E%2E"), 404, "no run named")

@@ -80,6 +80,11 @@ def test_resumed_steps_replace_the_crashed_attempts():
         ('{"step": 1}\n[1, 2]\n{"step": 3}\n', "metrics.jsonl:2: expected a JSON object"),
         ('{"loss": 1.0}\n', 'metrics.jsonl:1: expected a JSON object with an integer "step"'),
         ('{"step": 1, "loss": "low"}\n', "metrics.jsonl:1: loss is 'low', not a number"),
+        (
+            '{"step": 1, "loss": 1' + "0" * 400 + "}\n",
+            "metrics.jsonl:1: loss is 1000000000000000000000000000000000000..., not a number",
+        ),
+        ('{"step": 1, "x": 1' + "0" * 5000 + "}\n", "metrics.jsonl:1: not a JSON line (Exceeds"),
     ],
 )
 def test_bad_metrics_name_the_file_and_line(tmp_path, lines, expected):
@@ -166,6 +171,22 @@ def test_runs_table_is_aligned(tmp_path):
     assert len(notes) == 1
     assert notes[0].startswith(f"{tmp_path / 'c' / 'metrics.jsonl'}:1: not a JSON line")
     assert re.search(r"\d{4}-\d\d-\d\d \d\d:\d\d \(\d+[smhd] ago\)$", rows[0])
+
+
+def test_runs_table_shows_the_held_out_exact_match(tmp_path):
+    """The last logged heldout_exact_match (the trainer logs it alone at the last step), as
+    a percentage under `held-out`; `-` for a run that never measured it."""
+    rows = six_steps() + [{"step": 6, "heldout_exact_match": 0.987}]
+    make_run(tmp_path / "measured", rows, checkpoints=(6,), final=True)
+    make_run(tmp_path / "plain", six_steps(), checkpoints=(6,), final=True)
+    infos = [run_info(p) for p in find_runs(tmp_path)]
+    assert [info.heldout for info in infos] == [0.987, None]
+    header, measured, plain = runs_table(infos).splitlines()
+    assert header.split() == ["run", "status", "step", "loss", "eval", "loss", "held-out",
+                              "checkpoint", "last", "written"]  # fmt: skip
+    end = header.index("held-out") + len("held-out")
+    assert measured[:end].endswith(" 98.7%") and plain[:end].endswith(" -")
+    assert infos[0].status == "finished"  # the held-out record at the last step changes nothing
 
 
 def test_find_runs_includes_the_folder_itself_and_rejects_bad_folders(tmp_path):
@@ -255,6 +276,31 @@ def test_log_scale_only_when_the_loss_spans_orders_of_magnitude(tmp_path):
     assert build_figures([flat])[0]["loss"].axes[0].get_yscale() == "linear"
     assert build_figures([falling])[0]["loss"].axes[0].get_yscale() == "log"
     assert build_figures([flat])[0]["learning_rate"].axes[0].get_yscale() == "linear"
+
+
+def test_held_out_exact_match_is_its_own_plot(tmp_path):
+    """heldout_exact_match.png: each run that measured it, a marker at its step (the legend
+    gives the last value), on a 0-100% axis; runs that did not are named in a note; no
+    note at all when no run measured it (eval.generate_accuracy off)."""
+    a = make_run(tmp_path / "a", six_steps() + [{"step": 6, "heldout_exact_match": 0.875}])
+    b = make_run(tmp_path / "b", [record(s, 2.0) for s in range(1, 4)]
+                 + [{"step": 2, "heldout_exact_match": 0.25}, {"step": 3, "loss": 1.5},
+                    {"step": 3, "heldout_exact_match": 0.5}])  # fmt: skip
+    c = make_run(tmp_path / "c", six_steps())
+    figures, notes = build_figures(load_runs([a, b, c]))
+    assert list(figures)[-1] == "heldout_exact_match"
+    ax = figures["heldout_exact_match"].axes[0]
+    assert ax.get_title().startswith("Held-out exact match") and ax.get_xlabel() == X_LABEL
+    assert legend_texts(ax) == ["a (87.5%)", "b (50.0%)"]
+    lines = ax.get_lines()
+    assert [list(line.get_xdata()) for line in lines] == [[6], [2, 3]]
+    assert [list(line.get_ydata()) for line in lines] == [[0.875], [0.25, 0.5]]
+    assert all(line.get_marker() == "o" for line in lines)
+    assert ax.get_ylim() == pytest.approx((-0.03, 1.03))
+    assert ax.yaxis.get_major_formatter()(0.5, 0) == "50%"
+    assert "heldout_exact_match.png leaves out c (never logged heldout_exact_match)" in notes
+    figures, notes = build_figures(load_runs([c]))
+    assert "heldout_exact_match" not in figures and not any("heldout" in n for n in notes)
 
 
 def test_left_out_quantities_are_said(tmp_path):

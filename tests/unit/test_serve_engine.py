@@ -71,6 +71,42 @@ def test_rows_joining_between_blocks_decode_as_each_prompt_alone(sm, options):
     assert engine.stats.row_forwards > engine.stats.forwards  # rows shared forward passes
 
 
+def test_a_traced_steps_proposals_and_probabilities_are_the_models(sm):
+    """The playground's hover: at the first step each masked position's proposal is the
+    argmax of the model's logits on [prompt | masks] (the mask token never proposed) and
+    its probability softmax(logits)[proposal]; positions committed before a step carry
+    none. Tracing changes no token."""
+    prompt = sm.tokenizer("rev 4812=", add_special_tokens=False)["input_ids"]
+    config = SamplingConfig(gen_length=8, block_length=4, steps=8)
+    events: list[dict] = []
+    engine = Engine(sm, start=False)
+    job = Job(prompt, config, emit=events.append, trace=True)
+    while job.block >= 0 and not any(e["type"] == "done" for e in events):
+        engine.run_block([job])
+    steps = [e for e in events if e["type"] == "step"]
+    assert len(steps) == 8 and all(len(e["proposed"]) == 8 for e in steps)
+    ids = torch.tensor([prompt + [sm.mask_id] * 8])
+    with torch.no_grad():
+        raw = sm.model(ids)[0, len(prompt) : len(prompt) + 4].double()
+    logits = raw.clone()
+    logits[:, sm.mask_id] = -torch.inf
+    first = steps[0]
+    assert first["proposed"][:4] == logits.argmax(-1).tolist()
+    probs = torch.softmax(raw, -1)
+    expected = probs.gather(-1, logits.argmax(-1)[:, None]).squeeze(-1)
+    assert first["probability"][:4] == pytest.approx(expected.tolist(), abs=1e-4)
+    assert first["proposed"][4:] == [None] * 4  # the next block: not yet proposed
+    for before, after in zip(steps, steps[1:]):  # committed: no proposal after
+        for i, token in enumerate(before["canvas"]):
+            if token != sm.mask_id:
+                assert after["proposed"][i] is None and after["probability"][i] is None
+    untraced: list[dict] = []
+    plain = Job(prompt, config, emit=untraced.append)
+    while plain.block >= 0 and not any(e["type"] == "done" for e in untraced):
+        engine.run_block([plain])
+    assert plain.answer == job.answer
+
+
 def test_stop_strings_hold_back_text_that_may_start_one(sm):
     """Streamed text never shows the start of a stop string that the next block completes,
     and the final text is cut before the first stop string."""

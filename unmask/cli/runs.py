@@ -32,7 +32,8 @@ def cmd_export(ns: argparse.Namespace) -> int:
 def add_plot(sub: argparse._SubParsersAction) -> None:
     plot = sub.add_parser(
         "plot",
-        help="PNG curves of runs: loss, learning rate, grad norm, tokens/s, skipped steps",
+        help="PNG curves of runs: loss, learning rate, grad norm, tokens/s, skipped steps, "
+        "held-out exact match",
         description="One PNG per quantity of metrics.jsonl, the runs overlaid (docs/operations.md).",
     )
     plot.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories to draw")
@@ -52,7 +53,8 @@ def cmd_plot(ns: argparse.Namespace) -> int:
 def add_runs(sub: argparse._SubParsersAction) -> None:
     runs = sub.add_parser(
         "runs",
-        help="list run directories: status, last loss and eval loss, newest checkpoint",
+        help="list run directories: status, last loss, eval loss and held-out exact match, "
+        "newest checkpoint",
         description="Status rules (finished, stopped at step N, crashed): docs/operations.md.",
     )
     runs.add_argument("folder", nargs="?", default="runs", metavar="FOLDER",

@@ -84,6 +84,9 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
                         "the API (repeatable; default: only the server's own page)")  # fmt: skip
     access.add_argument("--allow-no-key", action="store_true", help="serve a --host beyond "
                         "this machine without --api-key (refused otherwise)")  # fmt: skip
+    access.add_argument("--allow-train", action="store_true", help="let the page queue "
+                        "training runs into --runs DIR, one at a time (docs/serving.md, "
+                        "Training from the page); beyond this machine only with --api-key")  # fmt: skip
     add_base_flag(srv)
     srv.set_defaults(func=cmd_serve)
 
@@ -135,12 +138,13 @@ def cmd_serve(ns: argparse.Namespace) -> int:
 
     try:
         from unmask.serve import run_server
-        from unmask.serve.server import check_exposure, open_socket
+        from unmask.serve.server import check_exposure, check_training, open_socket
     except ModuleNotFoundError as err:  # starlette and uvicorn: the serve extra
         raise InputError(f"unmask serve needs {err.name}; pip install 'unmask[serve]'") from None
 
     # what can be refused is refused before the model loads (minutes for a big one)
     api_key = ns.api_key or os.environ.get("UNMASK_API_KEY") or None
+    check_training(ns.host, api_key, ns.allow_train, ns.runs)
     check_exposure(ns.host, api_key, ns.allow_no_key)
     if ns.runs is not None and not Path(ns.runs).is_dir():
         raise InputError(f"--runs {ns.runs!r} is not a folder; give the folder that holds the "
@@ -155,6 +159,9 @@ def cmd_serve(ns: argparse.Namespace) -> int:
 
         torch.set_num_threads(ns.threads)
     name = ns.model_name or Path(ns.model).resolve().name
+    from unmask.serve.chat import chat_notice
+
+    notices = tuple(filter(None, [chat_notice(ns.model, sm.tokenizer)]))
     limits = Limits(max_tokens=ns.max_tokens, max_steps=ns.max_steps,
                     max_prompts=ns.max_prompts, max_stop_chars=ns.max_stop_chars,
                     max_body_bytes=int(ns.max_body_mb * 2**20))  # fmt: skip
@@ -166,4 +173,5 @@ def cmd_serve(ns: argparse.Namespace) -> int:
                       watch_load=not ns.ignore_load, limits=limits,
                       allowed_hosts=ns.allowed_host, cors_origins=ns.cors_origin,
                       allow_no_key=ns.allow_no_key, header_seconds=ns.header_timeout,
-                      sock=sock)  # fmt: skip
+                      allow_train=ns.allow_train,
+                      sock=sock, notices=notices)  # fmt: skip

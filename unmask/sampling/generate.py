@@ -370,6 +370,11 @@ class _BlockDecoder:
         #: the full forward, as first_forward(store, columns) -> (B, Lb, V) logits, it puts
         #: the K/V in the canvas's cache as the full forward would. None: the plain forward
         self.first_forward: Callable[[bool, slice], torch.Tensor] | None = None
+        #: the server's playground: keep each step's proposals and their probabilities
+        #: (`proposed`, `proposal_p`: (B, Lb), for the positions masked before the step)
+        self.trace = False
+        self.proposed: torch.Tensor | None = None
+        self.proposal_p: torch.Tensor | None = None
 
     def step(self, step: int, generator, out: GenerationOutput) -> bool:
         """Commit this step's tokens; False when the block has no mask left."""
@@ -393,6 +398,9 @@ class _BlockDecoder:
             out.row_forwards += self.canvas.x.shape[0]
         x0, filtered = propose_tokens(self.logits, self.mask_id, cfg.temperature, cfg.top_k,
                                       cfg.top_p, generator)  # fmt: skip
+        if self.trace:  # LLaDA's confidence of each proposal (read only: nothing changes)
+            p = CONFIDENCE_FNS["low_confidence"](self.logits, None, x0)
+            self.proposed, self.proposal_p = x0.clone(), p.masked_fill(~is_mask, float("nan"))
         x0 = torch.where(is_mask, x0, x_block)
         region = is_mask if cfg.sub_block_length is None else self._sub_block(is_mask)
         commit = self._commits(step, region, x0, filtered, generator)

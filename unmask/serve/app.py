@@ -29,7 +29,7 @@ from unmask.errors import InputError
 from unmask.sampling.generate import special_ids
 from unmask.sampling.show import EOS_GLYPH
 from unmask.sampling.texts import SamplingModel
-from unmask.serve import runs_view
+from unmask.serve import runs_view, training
 from unmask.serve.engine import Draining, Engine, Job, QueueFull
 from unmask.serve.guard import Guard, error_body
 from unmask.serve.protocol import (
@@ -43,6 +43,7 @@ from unmask.serve.protocol import (
     parse_json,
     parse_request,
     sampling_config,
+    sampling_options,
 )
 
 STATIC = Path(__file__).resolve().parent / "static"
@@ -65,8 +66,10 @@ class Server:
     def __init__(self, sm: SamplingModel, engine: Engine, model_name: str,
                  api_key: str | None = None, runs_dir: Path | None = None,
                  limits: Limits | None = None, allowed_hosts: frozenset[str] | None = None,
-                 cors_origins: frozenset[str] = frozenset()):  # fmt: skip
+                 cors_origins: frozenset[str] = frozenset(),
+                 training: training.TrainQueue | None = None):  # fmt: skip
         self.sm, self.engine, self.model_name = sm, engine, model_name
+        self.training = training  # --allow-train: the Train tab's queue (training.py)
         self.api_key, self.runs_dir = api_key, runs_dir
         self.limits = limits or Limits()
         self.allowed_hosts, self.cors_origins = allowed_hosts, cors_origins
@@ -80,6 +83,8 @@ class Server:
         # threads that tokenize at once)
         self.tokenizing = ThreadPoolExecutor(1, thread_name_prefix="unmask-tokenize")
         self.created = int(time.time())
+        self.sampling_options = sampling_options(sm.saved)  # the playground's form
+        self.notices: list[str] = []  # warnings about the model (chat.py), for the page
 
     # ------------------------------------------------------------------- request checks
 
@@ -371,8 +376,13 @@ def build_app(server: Server) -> Guard:
                 async for _, event in server.events(request, [job], queue):
                     if event["type"] == "step":
                         count += 1
-                        yield _sse({"step": count,
-                                    "canvas": [token_text(t) for t in event["canvas"]]})  # fmt: skip
+                        frame = {"step": count,
+                                 "canvas": [token_text(t) for t in event["canvas"]]}  # fmt: skip
+                        if "proposed" in event:  # block decoding: each mask's proposal
+                            frame["proposed"] = [None if t is None else token_text(t)
+                                                 for t in event["proposed"]]  # fmt: skip
+                            frame["probability"] = event["probability"]
+                        yield _sse(frame)
                     elif event["type"] == "done":
                         yield _sse({"done": True, "text": event["text"],
                                     "finish_reason": event["finish_reason"],
@@ -425,7 +435,10 @@ def build_app(server: Server) -> Guard:
 
     async def info(request: Request):
         return JSONResponse({"model": server.model_name, "runs": server.runs_dir is not None,
-                             "defaults": server.sm.saved})  # fmt: skip
+                             "train": server.training is not None,
+                             "defaults": server.sm.saved,
+                             "sampling_options": server.sampling_options,
+                             "notices": server.notices})  # fmt: skip
 
     routes = [
         Route("/v1/completions", route(completions), methods=["POST"]),
@@ -440,6 +453,7 @@ def build_app(server: Server) -> Guard:
         Route("/api/info", route(info), methods=["GET"]),
         Route("/api/runs", route(runs), methods=["GET"]),
         Route("/api/runs/{name}", route(run_curves), methods=["GET"]),
+        *training.routes(server, route, lambda request: _read_json(request, limits)),
     ]
 
     async def http_error(request: Request, exc: HTTPException):

@@ -392,12 +392,14 @@ class Engine:
             decoder.first_forward = first_forward
         out = GenerationOutput(x, start)
         traced = [row for row, job in enumerate(rows) if job.trace]
+        decoder.trace = bool(traced)
         for step in range(decoder.max_steps):
             if not decoder.step(step, rows[0].generator, out):
                 break
             for row in traced:
                 current = canvas.x[row, start : start + block + later[row]].tolist()
-                rows[row].emit({"type": "step", "canvas": rows[row].answer + current})
+                rows[row].emit({"type": "step", "canvas": rows[row].answer + current,
+                                **self._proposals(decoder, row, rows[row], later[row])})  # fmt: skip
         out.nfe -= saved["calls"]  # the decoder counted the step-0 forward it asked for
         out.row_forwards -= saved["rows"]
         self.stats.saved_row_forwards += saved["rows"]
@@ -412,6 +414,21 @@ class Engine:
             job.block += 1
             ended = sm.eos_id is not None and sm.eos_id in job.answer
             self._advance(job, ended or job.block * block >= job.config.gen_length)
+
+    @staticmethod
+    def _proposals(decoder, row: int, job: Job, after: int) -> dict[str, list]:
+        """A traced step's proposals, aligned with its canvas: the token proposed at each
+        position of the block that was masked before the step and its probability (None
+        elsewhere: the finished blocks, the masks after the block)."""
+        before = [None] * len(job.answer)
+        tokens = decoder.proposed[row].tolist()
+        probs = decoder.proposal_p[row].tolist()
+        proposed = [t if p == p else None for t, p in zip(tokens, probs)]  # NaN: was not a mask
+        probability = [round(p, 4) if p == p else None for p in probs]
+        return {
+            "proposed": before + proposed + [None] * after,
+            "probability": before + probability + [None] * after,
+        }
 
     def prefix_key(self, job: Job) -> tuple | None:
         """The prefix cache's key of a job's first forward, None when it is not cached (no

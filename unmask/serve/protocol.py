@@ -17,7 +17,12 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from unmask.errors import InputError, describe_validation_error, did_you_mean
-from unmask.sampling.config import RUNTIME_OPTIONS, SamplingConfig, resolve_sampling
+from unmask.sampling.config import (
+    RUNTIME_OPTIONS,
+    SamplingConfig,
+    option_choices,
+    resolve_sampling,
+)
 
 #: SamplingConfig fields a request sets with OpenAI's names (max_tokens -> gen_length)
 OPENAI_NAMED = ("gen_length", "temperature", "top_p", "top_k")
@@ -148,6 +153,8 @@ class CanvasRequest(_Strict):
     prompt: str
     max_tokens: int | None = Field(None, gt=0)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=0)
     seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     unmask: dict[str, Any] | None = None
 
@@ -242,6 +249,38 @@ def sampling_config(request, saved: dict[str, Any], max_tokens: int | None) -> S
         return resolve_sampling(saved, options, named, strict=True)
     except InputError as err:
         raise RequestError(400, str(err), param="unmask") from None
+
+
+def sampling_options(saved: dict[str, Any]) -> list[dict[str, Any]]:
+    """What the playground offers: every sampling option a request takes (the OpenAI-named
+    ones, then unmask's, in SamplingConfig's order; `unmask generate`'s flags less the
+    hooks), each with its kind (int, float, bool, choice, int_or_auto), its choices, the
+    value this model folder uses (its generation_config.json, else the built-in default) and
+    the first sentence of its description."""
+    out = []
+    for name, field in SamplingConfig.model_fields.items():
+        if name in RUNTIME_OPTIONS:
+            continue
+        choices = option_choices(name)
+        annotation = str(field.annotation)
+        if name == "gen_length":  # max_tokens: a count ("auto" only from the folder)
+            kind = "int"
+        elif choices:
+            kind = "choice"
+        elif "Literal" in annotation:  # a number or a word: gen_length int | "auto"
+            kind = "int_or_auto"
+        elif "bool" in annotation:
+            kind = "bool"
+        elif "float" in annotation:
+            kind = "float"
+        else:
+            kind = "int"
+        value = saved.get(name, field.get_default())
+        out.append({"name": "max_tokens" if name == "gen_length" else name,
+                    "group": "openai" if name in OPENAI_NAMED else "unmask",
+                    "kind": kind, "choices": list(choices or ()),
+                    "value": value, "doc": (field.description or "").split(". ")[0]})  # fmt: skip
+    return out
 
 
 def check_lengths(config: SamplingConfig, limits: Limits) -> SamplingConfig:

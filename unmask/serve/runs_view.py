@@ -1,21 +1,37 @@
 """The page's runs view: the run directories of `--runs DIR` as `unmask runs` reads them
-(train/report.py), with tokens/s, an ETA and each run's curves from metrics.jsonl.
+(train/report.py), with tokens/s, an ETA, the held-out exact match and each run's curves
+from metrics.jsonl: every numeric key it logged.
 
 Runs are named by their folder's name under DIR; a request names a run, never a path, and
-only names `find_runs` lists are answered.
+only names `find_runs` lists are answered. A metric key is data too: only keys of
+METRIC_KEY are served, at most MAX_KEYS of them a run and MAX_POINTS points a key.
 """
 
 from __future__ import annotations
 
+import math
+import re
 import time
 from pathlib import Path
 from typing import Any
 
 from unmask.errors import InputError
-from unmask.train.report import find_runs, last_value, read_history, run_info, series
+from unmask.train.metrics import METRICS_FILE
+from unmask.train.report import (
+    HELDOUT_KEY,
+    NUMBER_KEYS,
+    find_runs,
+    last_value,
+    read_history,
+    run_info,
+)
 
 #: a run whose files changed this recently and that is not finished is shown as running
 RUNNING_SECONDS = 120.0
+#: the metric keys served: letters, digits and _ . / - (moe_load_max_over_mean/layer_3)
+METRIC_KEY = re.compile(r"[A-Za-z0-9_./-]{1,64}")
+MAX_KEYS = 64  # a run's metrics served: the known ones first, then by name
+MAX_POINTS = 1000  # a longer series is thinned evenly, keeping its first and last points
 
 
 def _name(runs_dir: Path, path: Path) -> str:
@@ -43,7 +59,8 @@ def _eta(records: list[dict], planned: int | None) -> float | None:
 
 def list_runs(runs_dir: Path) -> list[dict[str, Any]]:
     """One row per run: name, status (`running` when not finished and written within
-    RUNNING_SECONDS), step, planned steps, loss, eval loss, tokens/s, ETA seconds."""
+    RUNNING_SECONDS), step, planned steps, loss, eval loss, the last held-out exact match
+    (heldout_exact_match, 0-1), tokens/s, ETA seconds."""
     rows = []
     now = time.time()
     for path in find_runs(runs_dir):
@@ -58,7 +75,7 @@ def list_runs(runs_dir: Path) -> list[dict[str, Any]]:
         rows.append({
             "name": _name(runs_dir, path), "status": status, "step": info.last_step,
             "planned_steps": info.planned_steps, "loss": info.loss,
-            "eval_loss": info.eval_loss,
+            "eval_loss": info.eval_loss, HELDOUT_KEY: info.heldout,
             "tokens_per_second": last_value(records, "tokens_per_second"),
             "eta_seconds": _eta(records, info.planned_steps) if status == "running" else None,
             "last_written": info.last_written,
@@ -66,14 +83,53 @@ def list_runs(runs_dir: Path) -> list[dict[str, Any]]:
     return rows
 
 
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _float(value: int | float) -> float:
+    try:
+        return float(value)
+    except OverflowError:  # an integer past float's range (JSON allows any)
+        return math.inf if value > 0 else -math.inf
+
+
+def thin(points: list, limit: int = MAX_POINTS) -> list:
+    """At most limit points, evenly spread, the first and the last kept."""
+    if len(points) <= limit:
+        return points
+    if limit < 2:
+        return points[-limit:] if limit else []
+    last = len(points) - 1
+    return [points[round(i * last / (limit - 1))] for i in range(limit)]
+
+
+def metric_keys(records: list[dict]) -> list[str]:
+    """The keys of METRIC_KEY that some record gives a number: the known ones (NUMBER_KEYS)
+    in their order, then the others by name; `step` is the x axis, not a metric."""
+    found = {k for r in records for k, v in r.items() if _number(v) and METRIC_KEY.fullmatch(k)}
+    found.discard("step")
+    known = [k for k in NUMBER_KEYS if k in found]
+    return known + sorted(found - set(known))
+
+
 def curves(path: Path) -> dict[str, Any]:
-    """The run's loss and eval loss by step."""
+    """The run's metrics by step: {"metrics": {key: [[step, value], ...]}} for every
+    numeric key of metric_keys (at most MAX_KEYS; "keys_left_out" counts the others), each
+    series thinned to MAX_POINTS ("thinned": the keys that were). NaN and inf stay floats:
+    the route serves them as null."""
+    empty = {"metrics": {}, "keys_left_out": 0, "thinned": []}
+    if not (path / METRICS_FILE).is_file():
+        return empty  # a run that has not logged a step yet
     try:
         records = read_history(path)
-    except InputError as err:
-        return {"error": str(err), "loss": [], "eval_loss": []}
-    out = {}
-    for key in ("loss", "eval_loss"):
-        steps, values = series(records, key)
-        out[key] = [[s, v] for s, v in zip(steps, values)]
-    return out
+    except InputError as err:  # named by the run's folder, not its path on the server
+        return {**empty, "error": str(err).replace(str(path), path.name)}
+    keys = metric_keys(records)
+    metrics, thinned = {}, []
+    for key in keys[:MAX_KEYS]:
+        points = [[r["step"], _float(r[key])] for r in records if _number(r.get(key))]
+        if len(points) > MAX_POINTS:
+            thinned.append(key)
+        metrics[key] = thin(points)
+    return {"metrics": metrics, "keys_left_out": max(0, len(keys) - MAX_KEYS), "thinned": thinned}

@@ -27,6 +27,7 @@ from unmask.serve.app import Server, build_app
 from unmask.serve.engine import Engine
 from unmask.serve.guard import allowed_host_names, error_body, host_name
 from unmask.serve.protocol import Limits
+from unmask.serve.training import TrainQueue
 
 #: seconds a connection may take to send a request's headers (--header-timeout)
 HEADER_SECONDS = 10.0
@@ -53,6 +54,21 @@ def check_exposure(host: str, api_key: str | None, allow_no_key: bool) -> None:
             f"--host {host} serves beyond this machine; give --api-key KEY (or set "
             "$UNMASK_API_KEY), or --allow-no-key to serve it to everyone who can reach the port"
         )
+
+
+def check_training(host: str, api_key: str | None, allow_train: bool, runs_dir) -> None:
+    """InputError for --allow-train without --runs (where its runs go), or on a bind beyond
+    this machine without an API key, --allow-no-key or not: anyone who reached the port
+    could run training jobs on this machine."""
+    if not allow_train:
+        return
+    if runs_dir is None:
+        raise InputError("--allow-train needs --runs DIR: the folder the page's runs are "
+                         "written into")  # fmt: skip
+    if api_key is None and not is_loopback(host):
+        raise InputError(f"--allow-train on --host {host} needs --api-key KEY (or "
+                         "$UNMASK_API_KEY): without one, anyone who reaches the port could "
+                         "run training on this machine (--allow-no-key does not cover it)")  # fmt: skip
 
 
 def open_socket(host: str, port: int) -> socket.socket:
@@ -130,16 +146,19 @@ def run_server(sm: SamplingModel, *, model_name: str, host: str = "127.0.0.1",
                watch_load: bool = False, limits: Limits | None = None,
                allowed_hosts: list[str] | tuple[str, ...] = (),
                cors_origins: list[str] | tuple[str, ...] = (), allow_no_key: bool = False,
-               header_seconds: float = HEADER_SECONDS,
-               sock: socket.socket | None = None) -> int:  # fmt: skip
+               header_seconds: float = HEADER_SECONDS, allow_train: bool = False,
+               sock: socket.socket | None = None, notices: tuple[str, ...] = ()) -> int:  # fmt: skip
     """Serve until SIGTERM / SIGINT; returns the exit code (0). prefix_cache_bytes: the
     bound of the engine's prefix cache (0: off; docs/serving.md, Prefix cache). The forwards
     run on torch's thread count, those that feed fewer than `one_thread_below` positions on
     one thread and, with watch_load, the others on no more than the idle cores
     (engine.Threaded; only on a CPU). limits: the most one request may ask (protocol.Limits);
     allowed_hosts, cors_origins: Host names and web origins added to the defaults
-    (guard.py); sock: bound already by `open_socket` (None: bound here)."""
+    (guard.py); allow_train: the page may queue training runs into runs_dir (training.py);
+    sock: bound already by `open_socket` (None: bound here); notices: warnings about the
+    model (chat.py), printed at start-up and shown by the page."""
     check_exposure(host, api_key, allow_no_key)
+    check_training(host, api_key, allow_train, runs_dir)
     if runs_dir is not None:
         runs_dir = Path(runs_dir)
         if not runs_dir.is_dir():
@@ -156,7 +175,8 @@ def run_server(sm: SamplingModel, *, model_name: str, host: str = "127.0.0.1",
     port = sock.getsockname()[1]
     server = Server(sm, engine, model_name, api_key=api_key, runs_dir=runs_dir, limits=limits,
                     allowed_hosts=allowed_host_names(host, allowed_hosts),
-                    cors_origins=frozenset(cors_origins))  # fmt: skip
+                    cors_origins=frozenset(cors_origins),
+                    training=TrainQueue(runs_dir) if allow_train else None)  # fmt: skip
     config = uvicorn.Config(build_app(server), host=host, port=port, log_level=log_level,
                             timeout_graceful_shutdown=drain_seconds, lifespan="off",
                             http=header_deadline_protocol(header_seconds),
@@ -175,7 +195,15 @@ def run_server(sm: SamplingModel, *, model_name: str, host: str = "127.0.0.1",
           f"queue {max_queue}, prefix cache {prefix_cache_bytes / 2**20:g} MiB, {threads} torch "
           f"thread(s){small})",
           file=sys.stderr, flush=True)  # fmt: skip
+    for notice in notices:
+        print(f"unmask: WARNING: {notice}", file=sys.stderr, flush=True)
+    server.notices = list(notices)
+    if allow_train:
+        print(f"unmask: the page may queue training runs into {str(runs_dir)!r} (--allow-train)",
+              file=sys.stderr, flush=True)  # fmt: skip
     _Server(config).run(sockets=[sock])
+    if server.training is not None:  # the running job checkpoints and exits (bounded)
+        server.training.close()
     engine.close(timeout=drain_seconds)
     print("unmask: server stopped", file=sys.stderr, flush=True)
     return 0

@@ -1,6 +1,7 @@
 """`unmask plot`: one or more runs' metrics.jsonl drawn as PNG files, one per quantity
 (loss with eval-loss markers, learning rate, gradient norm, tokens/s, skipped non-finite
-steps), the runs overlaid, x = optimizer step.
+steps; expert load and the held-out exact match when a run logged them), the runs overlaid,
+x = optimizer step.
 
 `build_figures` returns the matplotlib figures (tests read their labels); `plot_runs`
 checks every input, builds the figures and only then writes. matplotlib is the optional
@@ -12,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from unmask.errors import InputError
-from unmask.train.report import PLOTS_DIR, SKIP_KEYS, read_history, series
+from unmask.train.report import HELDOUT_KEY, PLOTS_DIR, SKIP_KEYS, read_history, series
 
 MISSING_MATPLOTLIB = "unmask plot needs matplotlib: pip install 'unmask[plot]'"
 FIGSIZE = (7.0, 4.2)  # inches
@@ -47,7 +48,13 @@ QUANTITIES = (
     Quantity("moe_load", ("moe_load_max_over_mean",),
              "Expert load: largest expert over the mean (1 = balanced), worst layer",
              "max / mean tokens per expert"),
+    # runs with eval.generate_accuracy only (the others get no note about it)
+    Quantity("heldout_exact_match", (HELDOUT_KEY,),
+             "Held-out exact match (greedy answers; legend: the last one)",
+             "exact match"),
 )  # fmt: skip
+#: drawn only when a run logged them: no note when none did
+OPTIONAL = ("moe_load", "heldout_exact_match")
 
 
 @dataclass
@@ -90,7 +97,7 @@ def build_figures(runs: list[Run]) -> tuple[dict[str, object], list[str]]:
     figures, notes = {}, []
     for quantity in QUANTITIES:
         drawn = [(index, run) for index, run in enumerate(runs) if _logged(run, quantity)]
-        if not drawn and quantity.name == "moe_load":
+        if not drawn and quantity.name in OPTIONAL:
             continue
         if not drawn:
             what = "skipped a step" if quantity.name == "skipped_steps" else "logged it"
@@ -118,6 +125,9 @@ def build_figures(runs: list[Run]) -> tuple[dict[str, object], list[str]]:
                 ax.yaxis.set_minor_formatter(ticker.FuncFormatter(_two_and_five))
         elif quantity.name == "learning_rate":
             ax.ticklabel_format(axis="y", style="sci", scilimits=(-2, 3))
+        elif quantity.name == "heldout_exact_match":
+            ax.yaxis.set_major_formatter(ticker.PercentFormatter(1.0))
+            ax.set_ylim(-0.03, 1.03)  # 0% to 100%: one run's accuracy reads against the scale
         elif quantity.name == "tokens_per_second":
             ax.yaxis.set_major_formatter(ticker.FuncFormatter(_thousands))
             ax.set_ylim(bottom=0)  # from 0: noise in a flat throughput does not look like a trend
@@ -140,6 +150,10 @@ def _draw(ax, quantity: Quantity, run: Run, color: str) -> list[float]:
                     marker="." if len(values) < 50 else None, label=run.label)  # fmt: skip
         return values
     steps, values = series(run.records, quantity.keys[0])
+    if quantity.name == "heldout_exact_match":  # measured once or a few times: markers
+        ax.plot(steps, values, color=color, linewidth=1.0, marker="o", markersize=6,
+                label=f"{run.label} ({values[-1]:.1%})")  # fmt: skip
+        return values
     marker = "." if len(values) == 1 else None  # a single point shows only as a marker
     ax.plot(steps, values, color=color, linewidth=1.4, marker=marker, label=run.label)
     drawn += values

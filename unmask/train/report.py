@@ -21,6 +21,7 @@ A run still training looks `crashed` (or `stopped`) too: its `last written` time
 import json
 import math
 import shlex
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +36,7 @@ CONFIG_FILE = "config.yaml"
 FINAL_DIR = "final"
 EVAL_RESULTS = "eval_results.json"
 PLOTS_DIR = "plots"  # `unmask plot`'s default output: not the run's own writing
+HELDOUT_KEY = "heldout_exact_match"  # exact match of greedy answers to held-out prompts, 0-1
 SKIP_KEYS = ("skipped_steps",)  # the running count of non-finite steps skipped
 NUMBER_KEYS = ("loss", "eval_loss", "learning_rate", "tokens_per_second", "tokens_seen",
                "grad_norm", "mfu", "heldout_exact_match", "elapsed_seconds",
@@ -56,9 +58,11 @@ def parse_metrics(path: Path) -> list[dict]:
         where = f"{path}:{number}"
         try:
             record = json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        except ValueError as err:  # not UTF-8, not JSON, an integer of over 4300 digits
             cut = " (a run killed mid-write can leave a cut last line: delete it)"
-            reason = getattr(err, "msg", None) or "not UTF-8"
+            reason = getattr(err, "msg", None) or (
+                "not UTF-8" if isinstance(err, UnicodeDecodeError) else str(err)
+            )
             raise InputError(
                 f"{where}: not a JSON line ({reason})" + (cut if number == len(lines) else "")
             ) from None
@@ -68,13 +72,15 @@ def parse_metrics(path: Path) -> list[dict]:
         for key in NUMBER_KEYS:
             value = record.get(key)
             if value is not None and (isinstance(value, bool) or not _is_number(value)):
-                raise InputError(f"{where}: {key} is {value!r}, not a number")
+                shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+                raise InputError(f"{where}: {key} is {shown}, not a number")
         records.append(record)
     return records
 
 
 def _is_number(value) -> bool:
-    return isinstance(value, (int, float))
+    """A float, or an int that float() takes (JSON's integers have no bound)."""
+    return isinstance(value, float) or (isinstance(value, int) and abs(value) <= sys.float_info.max)
 
 
 def latest_records(records: list[dict]) -> list[dict]:
@@ -150,6 +156,7 @@ class RunInfo:
     checkpoint: Path | None  # the newest complete checkpoint
     last_written: float  # newest modification time of its files and folders (epoch seconds)
     problem: str | None = None  # why metrics.jsonl could not be read
+    heldout: float | None = None  # the last logged heldout_exact_match (a fraction)
 
 
 def is_run_dir(path: Path) -> bool:
@@ -225,12 +232,13 @@ def run_info(run_dir: str | Path) -> RunInfo:
         path=run_dir, status=status, last_step=last, planned_steps=planned,
         loss=last_value(records, "loss"), eval_loss=last_value(records, "eval_loss"),
         checkpoint=newest, last_written=max(p.lstat().st_mtime for p in written),
-        problem=problem,
+        problem=problem, heldout=last_value(records, HELDOUT_KEY),
     )  # fmt: skip
 
 
-COLUMNS = ("run", "status", "step", "loss", "eval loss", "checkpoint", "last written")
-_RIGHT = {"step", "loss", "eval loss"}  # numbers align right
+COLUMNS = ("run", "status", "step", "loss", "eval loss", "held-out", "checkpoint",
+           "last written")  # fmt: skip
+_RIGHT = {"step", "loss", "eval loss", "held-out"}  # numbers align right
 
 
 def runs_table(infos: list[RunInfo], now: float | None = None) -> str:
@@ -258,6 +266,7 @@ def _row(info: RunInfo, now: float) -> tuple[str, ...]:
     stamp = time.strftime("%Y-%m-%d %H:%M", time.localtime(info.last_written))
     return (
         str(info.path), info.status, step, _number(info.loss), _number(info.eval_loss),
+        "-" if info.heldout is None else f"{info.heldout:.1%}",
         info.checkpoint.name if info.checkpoint is not None else "-",
         f"{stamp} ({_age(now - info.last_written)} ago)",
     )  # fmt: skip
@@ -338,7 +347,7 @@ def _heldout(run_dir: Path, records: list[dict]) -> str | None:
         result = json.loads((run_dir / EVAL_RESULTS).read_text())
         return f"{result['heldout_exact_match']:.1%} on {result['num_examples']} prompts"
     except (OSError, ValueError, KeyError, TypeError):
-        value = last_value(records, "heldout_exact_match")
+        value = last_value(records, HELDOUT_KEY)
         return None if value is None else f"{value:.1%}"
 
 

@@ -37,6 +37,7 @@ from unmask.checkpoint.layout import (
 )
 from unmask.config import RunConfig
 from unmask.errors import InputError, NothingToTrain, RunStopped
+from unmask.models.lora import LORA_SETTINGS
 from unmask.parallel.mesh import launch_env, share_from_rank0
 from unmask.train.metrics import METRICS_FILE
 from unmask.train.report import EVAL_RESULTS, find_runs, run_info
@@ -117,8 +118,12 @@ def check_same_model(out: Path, cfg: RunConfig) -> None:
     if not isinstance(ran, dict):
         return
     now = cfg.model.model_dump(mode="json")
+    if bool(ran.get("lora")) != bool(now.get("lora")):
+        return  # LoRA on one side only: the checkpoint loader names that
+    # LoRA's own settings: the loader's check names them (models/lora.py)
+    skip = {*RUNTIME_MODEL_KEYS, "lora", *LORA_SETTINGS}
     changed = [f"model.{key} {ran[key]!r} there, {now[key]!r} here" for key in now
-               if key in ran and key not in RUNTIME_MODEL_KEYS and ran[key] != now[key]]  # fmt: skip
+               if key in ran and key not in skip and ran[key] != now[key]]  # fmt: skip
     if changed:
         raise InputError(
             f"{str(out)!r} holds a run of another model ({'; '.join(changed)}); resume it "

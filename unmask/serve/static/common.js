@@ -25,6 +25,8 @@ for (const button of document.querySelectorAll("header button[data-tab]")) {
 
 // what each tab runs when shown (runs.js registers its refresh)
 const tabHooks = {};
+// what runs once /api/info has answered, given its body (play.js builds its options form)
+const infoHooks = [];
 
 function showTab(name) {
   for (const b of document.querySelectorAll("header button[data-tab]")) {

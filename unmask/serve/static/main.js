@@ -6,5 +6,6 @@ fetch("/api/info", { headers: headers() }).then(async (response) => {
   const info = await response.json();
   $("model").textContent = info.model;
   $("tab-runs").style.display = info.runs ? "" : "none";
+  for (const hook of infoHooks) hook(info);
   if (location.hash === "#runs" && info.runs) showTab("runs");
 });
