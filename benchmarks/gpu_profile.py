@@ -48,7 +48,7 @@ _MOE = ["model.model_type=llada_moe", "model.hidden_size=2048", "model.intermedi
 _COMMON = ["model.num_hidden_layers=4", "train.per_device_train_batch_size=2",
            "train.torch_compile=true", "data.packing=true", "diffusion.t_sampling=fixed",
            "train.activation_checkpointing=auto", "train.save_steps=0", "train.eval_steps=0",
-           "train.logging_steps=1000"]  # fmt: skip
+           "train.logging_steps=1000", "train.nonfinite_check=logging"]  # fmt: skip
 #: case -> (config, overrides): 4-layer slices of the real shapes on one GPU
 TRAIN_CASES = {
     "llada-8b-muon": (MODELS / "llada_8b.yaml", _COMMON),

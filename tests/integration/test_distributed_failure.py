@@ -65,16 +65,20 @@ def test_killed_rank_stops_the_run_and_the_last_checkpoint_resumes(tmp_path):
         assert float(stats["loss"]) == pytest.approx(logged[step + 1], abs=1e-5)
 
 
-def test_slurm_usr1_through_torchrun_stops_every_rank_at_one_checkpoint(tmp_path):
+@pytest.mark.parametrize("check", ["step", "logging"])
+def test_slurm_usr1_through_torchrun_stops_every_rank_at_one_checkpoint(tmp_path, check):
     """SLURM's `--signal=USR1@120` reaches torchrun, which forwards it to the ranks when told
     to (`--signals-to-handle ...,SIGUSR1`, as configs/distributed/slurm.sbatch does): every
     rank finishes its step, one intact checkpoint of that step is written, and the run
-    resumes from it."""
+    resumes from it. With train.nonfinite_check logging the ranks learn of the signal with
+    the flags' read, at a logging step (every 3rd here)."""
     from unmask.checkpoint.layout import verify
 
     out = tmp_path / "run"
+    every = 1 if check == "step" else 3
     cfg_path = write_run_config(tmp_path, "run", {}, {"train": {
-        "max_steps": 2000, "save_steps": 0, "eval_steps": 0, "split_batches": True}})  # fmt: skip
+        "max_steps": 2000, "save_steps": 0, "eval_steps": 0, "split_batches": True,
+        "nonfinite_check": check, "logging_steps": every}})  # fmt: skip
     flags = ("--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1", "--shutdown-timeout=60")
     cmd = torchrun_command(2, "-m", "unmask", "train", cfg_path, flags=flags)
     launcher = subprocess.Popen(cmd, env=rank_env(), stdout=subprocess.PIPE,
@@ -96,6 +100,7 @@ def test_slurm_usr1_through_torchrun_stops_every_rank_at_one_checkpoint(tmp_path
             launcher.wait()
     (checkpoint,) = list_checkpoints(out)
     step = int(checkpoint.name.split("-")[1])
+    assert step % every == 0
     assert verify(checkpoint) is None and is_distributed_checkpoint(checkpoint)
     assert f"stopped by SIGUSR1 at step {step}; checkpoint-{step} is saved" in stdout
     assert not (out / "final").exists()

@@ -167,6 +167,47 @@ def test_nan_rollback_goes_back_with_a_lower_learning_rate(tiny_config, tmp_path
     assert steps == sorted(set(steps)) and steps[-1] == 12  # rolled back: logged once
 
 
+def test_checking_at_logging_steps_trains_as_checking_every_step(tiny_config, tmp_path):
+    """train.nonfinite_check logging: with no bad step, the same losses and weights as the
+    per-step check (the read moves, nothing else)."""
+    train = {"max_steps": 6, "save_steps": 3, "eval_steps": 3, "logging_steps": 2}
+    Trainer(load_config(tiny_config({"train": train}))).train()
+    late = {**train, "nonfinite_check": "logging", "output_dir": str(tmp_path / "late")}
+    Trainer(load_config(tiny_config({"train": late}, "late.yaml"))).train()
+    assert losses(tmp_path / "run") == losses(tmp_path / "late")
+    assert _same_weights(tmp_path / "run", tmp_path / "late")
+
+
+def test_checking_at_logging_steps_stops_or_rolls_back_at_the_read(tiny_config, tmp_path):
+    """A bad step under nonfinite_check logging has updated the weights: at the next read
+    (a log line) the run stops naming the last checkpoint, no checkpoint of it is written;
+    with nan_rollback it goes back to that checkpoint with the lower learning rate."""
+    train = {"max_steps": 12, "save_steps": 4, "eval_steps": 0, "logging_steps": 4,
+             "nonfinite_check": "logging"}  # fmt: skip
+    trainer = Trainer(load_config(tiny_config({"train": train})))
+    trainer.objective = NonFiniteAt(trainer, {6})
+    with pytest.raises(RunStopped) as info:
+        trainer.train()
+    message = str(info.value)
+    # step 6's update made the weights NaN, so steps 7 and 8 were too
+    assert message.startswith("3 of steps 6-8 had a non-finite loss or gradient norm "
+                              "(train.nonfinite_check logging reads the flag after the updates")  # fmt: skip
+    assert "checkpoint-4" in message
+    assert [p.name for p in list_checkpoints(tmp_path / "run")] == ["checkpoint-4"]
+    back = {**train, "nan_rollback": True, "lr_backoff": 0.5,
+            "output_dir": str(tmp_path / "back")}  # fmt: skip
+    cfg = tiny_config({"train": back, "optim": {"lr_scheduler_type": "constant",
+                                                "warmup_steps": 0}}, "back.yaml")  # fmt: skip
+    trainer = Trainer(load_config(cfg))
+    trainer.objective = NonFiniteAt(trainer, {6}, once=True)
+    trainer.train()
+    state = json.loads((tmp_path / "back" / "checkpoint-12" / "trainer_state.json").read_text())
+    assert state["guard"]["lr_scale"] == 0.5
+    records = read_metrics(tmp_path / "back")
+    assert [r["step"] for r in records if "loss" in r] == [4, 8, 12]
+    assert [r["learning_rate"] for r in records if "loss" in r][-1] == pytest.approx(1.5e-3)
+
+
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory):
     """A finished tiny run (4 steps): checkpoint-2, checkpoint-4 and final/; cases copy it."""

@@ -1,7 +1,7 @@
 """The step audit of tests/unit/test_step_audit.py under FSDP2 over 2 real gloo processes
 (dist_workers/audit_worker.py): bf16 parameters all-gathered by FSDP2's mixed-precision
 policy, every objective, dense and MoE: float32 matmul FLOPs <= 1% and no device sync but
-the guard's."""
+the guard's (none with train.nonfinite_check logging)."""
 
 import json
 
@@ -41,3 +41,4 @@ def test_an_fsdp2_bf16_step_runs_its_matmuls_in_bf16_and_waits_once(audits, name
         syncs = result["syncs"]
         assert len(syncs) == 1 and syncs[0][0] == "Tensor.tolist", syncs
         assert "step.py" in syncs[0][1], syncs
+        assert result["syncs_logging"] == []  # train.nonfinite_check logging: none

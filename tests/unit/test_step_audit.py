@@ -3,8 +3,8 @@ for dense and MoE models and every training objective:
 - under bf16 autocast its matmuls run in bf16: float32 matmul FLOPs <= 1% of all (the LM
   head and the residual stream were float32 at world size 1: the head's three GEMMs ran on
   CUDA cores at a fifteenth of the tensor-core rate);
-- a steady-state step makes no device sync but the non-finite guard's one read of its flag
-  (the masked rows are gathered by a count copied to the host early, expert counts come
+- a steady-state step makes no device sync but the non-finite guard's one read of its flag,
+  and none when that flag is read at logging steps (train.nonfinite_check) (the masked rows are gathered by a count copied to the host early, expert counts come
   from a sort, the expert load stays on the device);
 - the FLOPs the trainer counts for MFU are torch's FlopCounterMode's over the same step
   (within 2%; exact here), with the forwards the objective really ran (BD3LM and Fast-dLLM
@@ -58,6 +58,20 @@ def test_a_bf16_step_runs_its_matmuls_in_bf16_and_waits_for_the_device_once(tmp_
     found = syncs.found
     assert len(found) == 1 and found[0][0] == "Tensor.tolist", found  # the guard's flag
     assert "step.py" in found[0][1] and "train_step" in found[0][1], found
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_checking_the_flag_at_logging_steps_leaves_a_step_no_sync(tmp_path, name):
+    """train.nonfinite_check logging: the guard's flag stays on the device until the log
+    line, so a steady-state step waits for the device nowhere."""
+    extra = deep_update(CASES[name], {"train": {"bf16": True, "nonfinite_check": "logging"},
+                                      "model": {"attn_implementation": "sdpa"}})  # fmt: skip
+    trainer = trainer_for(tmp_path, extra)
+    step(trainer)
+    with SyncAudit() as syncs:
+        stats = step(trainer)
+    assert syncs.found == [], syncs.found
+    assert stats["finite"] is None and bool(stats["flags"][0])
 
 
 @pytest.mark.parametrize("name", list(CASES))

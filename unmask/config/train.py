@@ -75,6 +75,14 @@ class TrainConfig(BaseModel):
     with the learning rate scaled by lr_backoff, instead of stopping."""
     lr_backoff: float = Field(0.5, gt=0.0, le=1.0)
     """Learning-rate factor applied at each nan_rollback (they multiply)."""
+    nonfinite_check: Literal["step", "logging"] = "step"
+    """When the non-finite flag is read. `step`: every step, before the update (a bad step
+    is skipped, as max_bad_steps says; the step's one host-device sync). `logging`: with the
+    logging window, before each log line, evaluation and checkpoint (no sync in the steps
+    between, as torchtitan: on a GPU the host runs ahead and queues the next step's kernels
+    while this one runs); a bad step has updated the weights by then, so the run stops, or
+    with nan_rollback goes back to its last checkpoint, and under several processes a stop
+    signal is acted on at that read too. docs/operations.md."""
     seed: int = 42
     """Seed for model init, data order and noise."""
     bf16: bool = False

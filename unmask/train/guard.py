@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 
 @dataclass
 class GuardState:
@@ -60,3 +62,36 @@ class NonFiniteGuard:
         self.state.in_a_row = 0
         self.state.lr_scale *= self.lr_backoff
         return self.state.lr_scale
+
+
+class DeferredFlags:
+    """train.nonfinite_check `logging`: each step's flags (finite, and under several
+    processes a stop signal on some rank) kept on the device and read together, once, at
+    the trainer's next log line, evaluation or checkpoint."""
+
+    def __init__(self) -> None:
+        self.bad: torch.Tensor | None = None  # non-finite steps since the last read
+        self.first: torch.Tensor | None = None  # the first of them (0: none)
+        self.stop: torch.Tensor | None = None
+        self.since = 0  # the first step since the last read
+
+    @property
+    def pending(self) -> bool:
+        return self.bad is not None
+
+    def add(self, step: int, flags: torch.Tensor) -> None:
+        """A step's flags: [finite] or [finite, stop] (0-d bools, on the device)."""
+        bad = (~flags[0]).to(torch.int64)
+        stop = flags[1] if flags.numel() > 1 else torch.zeros_like(flags[0])
+        if self.bad is None:
+            self.bad, self.first, self.stop, self.since = bad, bad * step, stop, step
+            return
+        self.first = torch.where((self.first == 0) & (bad > 0), bad * step, self.first)
+        self.bad = self.bad + bad
+        self.stop = self.stop | stop
+
+    def read(self) -> tuple[int, int, bool]:
+        """(non-finite steps, the first of them, stop) since the last read: the one sync."""
+        bad, first, stop = torch.stack([self.bad, self.first, self.stop.to(torch.int64)]).tolist()
+        self.bad = self.first = self.stop = None
+        return bad, first, bool(stop)

@@ -96,7 +96,9 @@ class TrainStep:
         `learning_rate`, `flops` (train.log_mfu: this device's model FLOPs, mfu.py; a 0-d
         tensor) and `finite` (bool): the step's one host-device sync, the flag the non-finite
         guard needs to skip the update. In a multi-process run the same read carries `stop`
-        (a stop signal reached some rank), summed in the loss's all-reduce."""
+        (a stop signal reached some rank), summed in the loss's all-reduce. With
+        train.nonfinite_check `logging` nothing is read: `finite` is None, `flags` the device
+        tensor of both (the trainer reads them with the log window) and the update runs."""
         batches = [self._prepared(batch) for batch in batches]
         if self.context is not None:
             batches = [self._context_slice(batch) for batch in batches]
@@ -156,11 +158,15 @@ class TrainStep:
         flags = torch.isfinite(loss) & torch.isfinite(grad_norm)
         if self.sharded:
             flags = torch.stack([flags, stop > 0])
-        read = flags.reshape(-1).tolist()  # the one sync of a step: the guard needs it now
-        stats["finite"] = read[0]
-        if self.sharded:
-            stats["stop"] = read[1]
-        if stats["finite"]:  # a non-finite step changes nothing: no update, same schedule
+        if self.cfg.train.nonfinite_check == "logging":  # read later, with the log window
+            stats["flags"] = flags.reshape(-1)
+            stats["finite"] = None
+        else:
+            read = flags.reshape(-1).tolist()  # the one sync of a step: the guard needs it
+            stats["finite"] = read[0]
+            if self.sharded:
+                stats["stop"] = read[1]
+        if stats["finite"] is not False:  # a non-finite step changes nothing: no update
             started = self.timer.mark()
             self.optimizer.step()
             self.scheduler.step()

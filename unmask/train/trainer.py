@@ -41,7 +41,7 @@ from unmask.sampling.config import (
     generation_config_text,
 )
 from unmask.train.evaluation import Evaluation
-from unmask.train.guard import NonFiniteGuard
+from unmask.train.guard import DeferredFlags, NonFiniteGuard
 from unmask.train.host_memory import trim_host_memory
 from unmask.train.metrics import (
     LogWindow,
@@ -227,6 +227,8 @@ class Trainer(TrainStep, Evaluation, CheckpointedState):
         self.step = 0
         self.progress = Progress()  # tokens_seen, the last eval loss
         self.guard = NonFiniteGuard(t.max_bad_steps, t.nan_rollback, t.lr_backoff)
+        self.deferred = DeferredFlags()  # nonfinite_check logging: the flags not read yet
+        self.deferred_stop = False  # a stop signal the last read of them carried
         self.stopped_by = ""  # the signal that stopped the run, if one did
         self._stop_signals: StopSignals | None = None  # while train() runs
         self.exit_code = 0
@@ -313,6 +315,11 @@ class Trainer(TrainStep, Evaluation, CheckpointedState):
                         continue
                     window.add(stats, plan.tokens_per_step)  # on the device: no sync
                     at_end = self.step == plan.total_steps
+                    if self.deferred.pending and (at_end or any(
+                            every and self.step % every == 0 for every in
+                            (plan.logging_every, plan.eval_every, plan.save_every))):  # fmt: skip
+                        if not self._read_deferred(logger):  # rolled back
+                            continue
                     values: dict = {}
                     if self.step % plan.logging_every == 0 or at_end:  # the window is read
                         values.update(
@@ -409,7 +416,11 @@ class Trainer(TrainStep, Evaluation, CheckpointedState):
 
     def _guard_step(self, stats: dict, logger) -> bool:
         """True when the step counted; for a non-finite one: skip it, roll back to the last
-        checkpoint or stop (guard.py)."""
+        checkpoint or stop (guard.py). train.nonfinite_check `logging`: the step's flags are
+        kept on the device (`deferred`) and the step counts."""
+        if stats["finite"] is None:
+            self.deferred.add(self.step, stats["flags"])
+            return True
         action = self.guard.record(self.step, stats["finite"])
         if action == "ok":
             return True
@@ -422,11 +433,31 @@ class Trainer(TrainStep, Evaluation, CheckpointedState):
         )
         if action == "skip":
             return False
+        streak = f"steps {state.first_bad_step}-{self.step}"
+        why = f"{self.cfg.train.max_bad_steps} in a row, train.max_bad_steps"
+        return self._rollback_or_stop(action == "rollback", streak, why, logger)
+
+    def _read_deferred(self, logger) -> bool:
+        """train.nonfinite_check `logging`: read the flags of the steps since the last read
+        (one sync). A non-finite step among them has updated the weights: roll back to the
+        last checkpoint (nan_rollback) or stop. Returns False after a rollback."""
+        bad, first, stop = self.deferred.read()
+        self.deferred_stop = stop
+        if not bad:
+            return True
+        self.guard.state.first_bad_step = first
+        streak = f"{bad} of steps {first}-{self.step}"
+        why = ("train.nonfinite_check logging reads the flag after the updates: set it to "
+               "step to skip such steps")  # fmt: skip
+        return self._rollback_or_stop(self.cfg.train.nan_rollback, streak, why, logger)
+
+    def _rollback_or_stop(self, rollback: bool, streak: str, why: str, logger) -> bool:
+        """Back to the last checkpoint with the learning rate times lr_backoff (False), or
+        RunStopped naming it."""
         self.checkpointer.wait()  # an async checkpoint in flight is published first
         newest = newest_intact(self.output_dir)[0] if self.dist.is_main else None
         newest = share_from_rank0(lambda: newest)
-        streak = f"steps {state.first_bad_step}-{self.step}"
-        if action == "rollback" and newest is not None:
+        if rollback and newest is not None:
             scale = self.guard.rolled_back()
             self._restore(newest)
             self.guard.state.lr_scale = scale  # the restore brought back the older scale
@@ -436,10 +467,9 @@ class Trainer(TrainStep, Evaluation, CheckpointedState):
                          f"x {scale:g} (train.lr_backoff)")  # fmt: skip
             return False
         raise RunStopped(
-            f"{streak} had a non-finite loss or gradient norm ({self.cfg.train.max_bad_steps} in "
-            f"a row, train.max_bad_steps); the last good checkpoint is "
-            f"{newest or 'none (no checkpoint yet)'}: resume from it with a lower "
-            "optim.learning_rate, or set train.nan_rollback=true"
+            f"{streak} had a non-finite loss or gradient norm ({why}); the last good "
+            f"checkpoint is {newest or 'none (no checkpoint yet)'}: resume from it with a "
+            "lower optim.learning_rate, or set train.nan_rollback=true"
         )
 
     def _stop_requested(self, stop: StopSignals, stats: dict) -> bool:
@@ -448,9 +478,17 @@ class Trainer(TrainStep, Evaluation, CheckpointedState):
         the guard's, so asking costs no collective and no sync of its own."""
         if not self.sharded:
             return stop.requested
+        if stats["finite"] is None:  # nonfinite_check logging: at the flags' read only
+            requested, self.deferred_stop = self.deferred_stop, False
+            return requested
         return stats["stop"]
 
     def _stop(self, stop: StopSignals, logger, saved: bool) -> None:
+        if self.deferred.pending:  # nonfinite_check logging: no checkpoint of a bad update
+            bad, first, _ = self.deferred.read()
+            if bad:
+                self._rollback_or_stop(False, f"{bad} of steps {first}-{self.step}",
+                                       "read as the run stopped", logger)  # fmt: skip
         if not saved:
             self.save()
         self.stopped_by = stop.name or "a signal on another rank"

@@ -32,8 +32,15 @@ def audit(config: str) -> dict:
             with MatmulAudit(sites=True) as matmuls, SyncAudit() as syncs:
                 trainer.train_step(batches)
         trainer.step += 1
+    # train.nonfinite_check logging: the flags stay on the device, the step waits for none
+    trainer.cfg.train.nonfinite_check = "logging"
+    batches = [next(trainer.loader) for _ in range(accumulation)]
+    with SyncAudit() as late:
+        stats = trainer.train_step(batches)
+    assert stats["finite"] is None and stats["flags"].numel() == 2  # finite, stop
     trainer.loader.close()
     return {
+        "syncs_logging": late.found,
         "flops": {str(dtype): flops for dtype, flops in matmuls.flops_by_dtype().items()},
         "float32_largest": [
             [r.op, r.shapes, r.flops, r.site] for r in matmuls.largest(torch.float32)
