@@ -98,4 +98,12 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
-__all__ = ["COMMANDS", "SAMPLING_GROUP", "build_parser", "main", "sampling_flags"]
+def entry() -> None:
+    """The `unmask` command and `python -m unmask.cli`: main()'s exit code; a process that
+    ran under a launcher leaves through `end_process` (gloo's threads and finalization)."""
+    from unmask.parallel.mesh import end_process
+
+    end_process(main())
+
+
+__all__ = ["COMMANDS", "SAMPLING_GROUP", "build_parser", "entry", "main", "sampling_flags"]

@@ -17,6 +17,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from unmask.config import load_config
+from unmask.parallel.mesh import end_process
 from unmask.train.audit import MatmulAudit, SyncAudit
 from unmask.train.trainer import Trainer
 
@@ -54,3 +55,4 @@ if __name__ == "__main__":
     results = {Path(config).stem: audit(config) for config in sys.argv[2:]}
     rank = int(os.environ.get("RANK", "0"))
     Path(sys.argv[1], f"rank-{rank}.json").write_text(json.dumps(results, indent=2))
+    end_process(0)

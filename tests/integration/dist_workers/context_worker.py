@@ -20,6 +20,7 @@ from conftest import tiny_model  # noqa: E402
 
 from unmask.models.transformer import DiffusionTransformer  # noqa: E402
 from unmask.parallel.context import ContextShard, heads_to_seq, seq_to_heads  # noqa: E402
+from unmask.parallel.mesh import end_process  # noqa: E402
 
 LENGTH = 24
 #: name -> (heads, kv heads, packed rows (doc ids), attention backend)
@@ -102,3 +103,4 @@ def main(out: Path) -> None:
 
 if __name__ == "__main__":
     main(Path(sys.argv[1]))
+    end_process(0)

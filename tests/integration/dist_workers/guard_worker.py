@@ -18,6 +18,7 @@ from faults import NonFiniteAt, skipping_reference  # noqa: E402
 
 from unmask.config import load_config  # noqa: E402
 from unmask.errors import RunStopped  # noqa: E402
+from unmask.parallel.mesh import end_process  # noqa: E402
 from unmask.train.trainer import Trainer  # noqa: E402
 
 
@@ -40,3 +41,4 @@ if __name__ == "__main__":
     results = {Path(spec.split(":")[0]).stem: run(spec) for spec in sys.argv[2:]}
     if int(os.environ.get("RANK", "0")) == 0:
         Path(sys.argv[1]).write_text(json.dumps(results, indent=2))
+    end_process(0)

@@ -12,7 +12,7 @@ import sys
 
 from unmask.config import load_config
 from unmask.data import build_datasets, build_tokenizer, ensure_special_tokens, make_loader
-from unmask.parallel.mesh import launch_env
+from unmask.parallel.mesh import end_process, launch_env
 
 
 def main(config: str, out_prefix: str, batches: int) -> None:
@@ -30,3 +30,4 @@ def main(config: str, out_prefix: str, batches: int) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2], int(sys.argv[3]))
+    end_process(0)

@@ -19,6 +19,7 @@ from pathlib import Path
 from unmask.cli import main
 from unmask.config import load_config
 from unmask.models.moe import moe_blocks
+from unmask.parallel.mesh import end_process
 from unmask.train.trainer import Trainer
 
 
@@ -49,3 +50,4 @@ def run_all(results: str, configs: list[str]) -> None:
 
 if __name__ == "__main__":
     run_all(sys.argv[1], sys.argv[2:])
+    end_process(0)

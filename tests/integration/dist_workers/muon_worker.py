@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/: conftest
 from conftest import matrices_in, newton_schulz_calls  # noqa: E402
 
 from unmask.optim import MuonAdamW  # noqa: E402
+from unmask.parallel.mesh import end_process  # noqa: E402
 
 STEPS = 5
 #: (rows, cols): rows below the world size leave ranks with zero rows; 7 and 18 are uneven;
@@ -96,3 +97,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    end_process(0)

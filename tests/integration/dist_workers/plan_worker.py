@@ -35,6 +35,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from unmask.parallel.mesh import end_process
+
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     """The plain tensor inside a tensor subclass: a DTensor's local tensor, or the result
@@ -242,3 +244,4 @@ if __name__ == "__main__":
     out = Path(sys.argv[1])
     for path in sys.argv[2:]:
         measure(path, out)
+    end_process(0)

@@ -35,7 +35,7 @@ import unmask.optim.distributed as muon_distributed  # noqa: E402
 from unmask.models.transformer import decoder_layers  # noqa: E402
 from unmask.optim import MuonAdamW  # noqa: E402
 from unmask.parallel.fsdp import apply_fsdp  # noqa: E402
-from unmask.parallel.mesh import MeshLayout, build_mesh, fsdp_mesh  # noqa: E402
+from unmask.parallel.mesh import MeshLayout, build_mesh, end_process, fsdp_mesh  # noqa: E402
 from unmask.parallel.tensor import apply_tensor_parallel  # noqa: E402
 
 STEPS = 2
@@ -236,3 +236,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    end_process(0)

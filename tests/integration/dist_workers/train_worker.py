@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from unmask.cli import main
+from unmask.parallel.mesh import end_process
 
 
 def run_all(results_path: str, configs: list[str]) -> None:
@@ -28,3 +29,4 @@ def run_all(results_path: str, configs: list[str]) -> None:
 
 if __name__ == "__main__":
     run_all(sys.argv[1], sys.argv[2:])
+    end_process(0)

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/: conftest
 
 from conftest import tiny_model  # noqa: E402
 
-from unmask.parallel.mesh import MeshLayout, build_mesh  # noqa: E402
+from unmask.parallel.mesh import MeshLayout, build_mesh, end_process  # noqa: E402
 from unmask.parallel.tensor import apply_tensor_parallel  # noqa: E402
 
 #: 4 query and 4 key/value heads: tp 2 and 4 split them
@@ -121,3 +121,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    end_process(0)
