@@ -9,9 +9,11 @@
     - On the ~100M qwen3_dllm (hidden 768, intermediate 2048, vocab 32000, tied, 12 heads /
       4 KV heads) cut to ``--layers 1`` (the full embedding plus one decoder layer: the same
       matrix shapes), with fp32 NS, extrapolated to 12 layers. torch.optim.Muon always
-      iterates in bf16, and this CPU's bf16 GEMM is pathological (X @ Y with neither
-      operand transposed runs at ~0.5 GFLOP/s, vs ~80 for fp32), which would make one
-      torch step on this slice take ~100 s; ``--torch-100m`` runs it anyway.
+      iterates in bf16, and a CPU without bf16 matrix units runs bf16 GEMMs pathologically
+      (X @ Y with neither operand transposed at ~0.5 GFLOP/s vs ~80 for fp32 on the machine
+      this was first run on; the report gives this machine's, measured: `gemm_rates`),
+      which would make one torch step on this slice take ~100 s; ``--torch-100m`` runs it
+      anyway.
     - torch's bf16 comparison therefore runs on the smaller model of (c).
 (c) Muon's share of a whole training step (forward + backward + optimizer) vs AdamW, at two
     tokens-per-step settings, on a smaller qwen3_dllm (the 100M one is too slow on CPU),
@@ -277,14 +279,36 @@ def bench_share(
 # ------------------------------------------------------------------------------- main
 
 
-def _report(env: str, ns_rows, big_rows, big_what, small_rows, share_rows, share_what) -> str:
+def gemm_rates(n: int = 512, repeats: int = 3) -> dict[str, float]:
+    """GFLOP/s of one n x n x n GEMM on this CPU (best of `repeats`): fp32, and bf16 with
+    the second operand transposed (X @ Y^T) and not (X @ Y), the two forms NS runs."""
+    gen = torch.Generator().manual_seed(0)
+    x, y = torch.randn(n, n, generator=gen), torch.randn(n, n, generator=gen)
+    forms = {"fp32": (x, y), "bf16 X @ Y^T": (x.bfloat16(), y.bfloat16().t()),
+             "bf16 X @ Y": (x.bfloat16(), y.bfloat16())}  # fmt: skip
+    rates = {}
+    for name, (a, b) in forms.items():
+        best = float("inf")
+        for _ in range(repeats):
+            started = time.perf_counter()
+            a @ b
+            best = min(best, time.perf_counter() - started)
+        rates[name] = 2 * n**3 / best / 1e9
+    return rates
+
+
+def _report(env: str, ns_rows, big_rows, big_what, small_rows, share_rows, share_what,
+            rates: dict[str, float]) -> str:  # fmt: skip
+    gemm = ", ".join(f"{name} {rate:.1f}" for name, rate in rates.items())
     return "\n".join(
         [
             "# Muon on CPU: Newton-Schulz variants, optimizer step, share of a training step",
             "",
-            f"Written by `benchmarks/muon.py` ({env}). Medians. CPU numbers, not GPU ones: this "
-            "CPU has no bf16 matrix units, and torch's bf16 GEMM here runs at ~10 GFLOP/s for "
-            "X @ Y^T but ~0.5 GFLOP/s for X @ Y, vs ~80 GFLOP/s for fp32, the reverse of a GPU.",
+            f"Written by `benchmarks/muon.py` ({env}). Medians. CPU numbers, not GPU ones: "
+            f"torch's 512 x 512 GEMM on this CPU, measured (GFLOP/s): {gemm}. On a GPU bf16 "
+            "runs on tensor cores at many times fp32's rate; on a CPU without bf16 matrix "
+            "units it can be the reverse (0.5 GFLOP/s for bf16 X @ Y against 80 for fp32 on "
+            "the machine these benchmarks were first run on).",
             "",
             "## (a) Gram vs standard Newton-Schulz (one matrix, fp32, Polar Express schedule)",
             "",
@@ -365,7 +389,8 @@ def main() -> None:
         f"torch {torch.__version__}, {args.threads} CPU thread(s), "
         f"{time.perf_counter() - start:.0f} s in all"
     )
-    text = _report(env, ns_rows, big_rows, big_what, small_rows, share_rows, share_what)
+    text = _report(env, ns_rows, big_rows, big_what, small_rows, share_rows, share_what,
+                   gemm_rates())  # fmt: skip
     publish(text, None if args.quick else args.out)
 
 

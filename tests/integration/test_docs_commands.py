@@ -40,7 +40,7 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 RUNNABLE = {"bash", "text", "python"}
-KNOWN = RUNNABLE | {"yaml", "json"}
+KNOWN = RUNNABLE | {"yaml", "json", "toml"}
 #: overrides that turn the Makefile's quickstart into a tiny run (checkpoints at steps 2 and 4)
 TINY_QUICKSTART = [
     "model.hidden_size=32", "model.intermediate_size=64", "model.num_hidden_layers=2",

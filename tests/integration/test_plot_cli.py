@@ -10,7 +10,7 @@ import pytest
 from conftest import read_metrics
 
 from unmask.cli import main
-from unmask.train.report import run_summary
+from unmask.runs.report import run_summary
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 PLOTTED = ("loss", "learning_rate", "grad_norm", "tokens_per_second")

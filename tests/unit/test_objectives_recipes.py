@@ -196,7 +196,7 @@ def test_bd3lm_block_zero_does_not_see_later_clean_blocks():
 
 
 def test_bd3lm_blocks_start_at_each_answer_and_match_the_sampler():
-    from unmask.sampling.generate import _Canvas, canvas_blocks
+    from unmask.sampling.generate import Canvas, canvas_blocks
 
     # two packed documents: prompt 6 + answer 8, then a plain 5-token document
     maskable = torch.tensor([[False] * 6 + [True] * 8 + [True] * 5])
@@ -216,7 +216,7 @@ def test_bd3lm_blocks_start_at_each_answer_and_match_the_sampler():
     positions = torch.arange(14)[None]
     attn = bd3lm_block_mask(bd3lm_blocks(positions, maskable[:, :14], None, 4))[:, None]
     valid = torch.ones(1, 14, dtype=torch.bool)
-    canvas = _Canvas(state, valid, valid & (positions < 6), MASK, 0.0, "none",
+    canvas = Canvas(state, valid, valid & (positions < 6), MASK, 0.0, "none",
                      canvas_blocks(6, 8, 4))  # fmt: skip
     with torch.no_grad():
         training = model(torch.cat([noisy, x0], 1), position_ids=positions.repeat(1, 2),

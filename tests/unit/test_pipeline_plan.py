@@ -11,7 +11,7 @@ import pytest
 from unmask.cli import main
 from unmask.errors import InputError
 from unmask.parallel.pipeline import (
-    HEAD_LOSS,
+    PIPELINE_SCHEDULES,
     LayerCosts,
     PipelinePlan,
     balanced_split,
@@ -86,8 +86,9 @@ def test_layer_costs_of_a_model_in_flops_per_token():
     chunked = layer_costs(cfg, 32, head_share=0.5, head_loss="chunked")
     assert chunked.head == 12 * 64 + 0.5 * 4 * 2 * 65 * 3200 and chunked.layers == costs.layers
     assert balanced_split(chunked, 2) == [6, 4]
-    assert {HEAD_LOSS[s] for s in ("1f1b", "interleaved_1f1b", "zero_bubble")} == {"fused"}
-    assert HEAD_LOSS["gpipe"] == "chunked"
+    fused = ("1f1b", "interleaved_1f1b", "zero_bubble")
+    assert {PIPELINE_SCHEDULES[s].head_loss for s in fused} == {"fused"}
+    assert PIPELINE_SCHEDULES["gpipe"].head_loss == "chunked"
     # an MoE layer: its active weights (router 8 x 64, top-2 of 8 experts of 32, one shared
     # expert of 32); the dense first layer keeps its SwiGLU of 192
     moe = ModelConfig(model_type="llada2_moe", hidden_size=64, intermediate_size=192,
@@ -160,7 +161,6 @@ def torch_order(schedule: str, p: int, v: int, m: int) -> dict:
     from torch import nn
     from torch.distributed import pipelining
 
-    from unmask.parallel.pipeline import SCHEDULES
     from unmask.plan.shards import fake_world
 
     with fake_world(0, p):
@@ -168,7 +168,7 @@ def torch_order(schedule: str, p: int, v: int, m: int) -> dict:
         stages = [pipelining.PipelineStage(nn.Linear(2, 2), s, p * v, torch.device("cpu"),
                                            input_args=x, output_args=x)
                   for s in range(0, p * v, p)]  # fmt: skip
-        built = getattr(pipelining, SCHEDULES[schedule])(
+        built = PIPELINE_SCHEDULES[schedule].schedule_class()(
             stages if v > 1 else stages[0], m, loss_fn=lambda out, target: out.sum()
         )
         return {rank: [(a.stage_index, a.computation_type.value, a.microbatch_index)
@@ -217,10 +217,10 @@ def test_zero_bubble_formula_at_unequal_passes_is_torchs_schedule(p, v, m, passe
                           ("zero_bubble", 4, 2, 16), ("zero_bubble", 3, 3, 6),
                           ("zero_bubble", 4, 2, 4)])  # fmt: skip
 def test_the_last_stage_runs_each_backward_right_after_its_forward(schedule, p, v, m):
-    # what lets these schedules' last stage use the fused loss (HEAD_LOSS) and the plan
+    # what lets these schedules' last stage use the fused loss (ScheduleSpec.head_loss) and the plan
     # count one micro-batch's head gradients (plan/memory.py): the gradients its forward
     # makes are taken by the very next action, its backward (zero bubble's input pass)
-    assert HEAD_LOSS[schedule] == "fused"
+    assert PIPELINE_SCHEDULES[schedule].head_loss == "fused"
     last = p * v - 1
     actions = torch_order(schedule, p, v, m)[last % p]
     forwards = [i for i, (stage, kind, _) in enumerate(actions) if (stage, kind) == (last, "F")]

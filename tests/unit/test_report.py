@@ -1,4 +1,4 @@
-"""Reading run directories (unmask/train/report.py) and drawing them (plots.py), on run
+"""Reading run directories (unmask/runs/report.py) and drawing them (plots.py), on run
 directories written by hand: metrics history, status rules, the runs table, the end-of-run
 summary, the figures and the PNG files."""
 
@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from unmask.errors import InputError
-from unmask.train.plots import (
+from unmask.runs.plots import (
     MISSING_MATPLOTLIB,
     X_LABEL,
     Run,
@@ -18,7 +18,7 @@ from unmask.train.plots import (
     load_runs,
     plot_runs,
 )
-from unmask.train.report import (
+from unmask.runs.report import (
     find_runs,
     latest_records,
     read_history,

@@ -31,6 +31,7 @@ SETTINGS = [
     dict(remasking="confidence_threshold", threshold=0.9),
     dict(gen_length="auto", block_length=4, gen_length_max=16, auto_eos_threshold=0.8),
     dict(autoregressive=True, top_k=3),
+    dict(decoder="left_to_right", gen_length=6),
     dict(block_causal=True, shift_logits=True, blocks_from_start=True, block_length=4,
          threshold=0.9),
 ]  # fmt: skip

@@ -1,5 +1,6 @@
 """The command line: `unmask train | plan | generate | eval | export | preprocess | plot |
-runs | serve`. The only package that reads argv.
+runs | serve`. The only package that reads argv. Plug-ins of installed packages (the
+`unmask.plugins` entry points, plugins.py) are imported first.
 
 One module per command family (train.py; plan.py; generate.py and evaluate.py, with
 sampling_flags.py; preprocess.py; runs.py: export, plot, runs; serve.py), each with an `add_<command>`
@@ -19,6 +20,7 @@ import traceback
 
 from unmask.cli import evaluate, generate, plan, preprocess, runs, serve, train
 from unmask.cli.flags import REFERENCE, Parser, UsageError, version_line
+from unmask.cli.plugins import load_plugins
 from unmask.cli.sampling_flags import SAMPLING_GROUP, sampling_flags
 from unmask.errors import InputError, NothingToTrain, RunStopped, did_you_mean
 
@@ -64,6 +66,11 @@ def flag_hint(parser: argparse.ArgumentParser, command: str, extra: list[str]) -
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:  # before the parser: a registered decoder is a --decoder choice
+        load_plugins()
+    except InputError as exc:
+        print(f"unmask: error: {exc}", file=sys.stderr)
+        return 2
     parser = build_parser()
     try:
         ns, extra = parser.parse_known_args(argv)

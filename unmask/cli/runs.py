@@ -43,7 +43,7 @@ def add_plot(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_plot(ns: argparse.Namespace) -> int:
-    from unmask.train.plots import plot_runs
+    from unmask.runs.plots import plot_runs
 
     for line in plot_runs(ns.run_dirs, ns.out):
         print(line)
@@ -63,7 +63,7 @@ def add_runs(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_runs(ns: argparse.Namespace) -> int:
-    from unmask.train.report import find_runs, run_info, runs_table
+    from unmask.runs.report import find_runs, run_info, runs_table
 
     found = find_runs(ns.folder)
     if not found:

@@ -4,6 +4,15 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from unmask.errors import OneOf
+from unmask.parallel.pipeline import PIPELINE_SCHEDULES
+
+
+def _schedule_names() -> list[str]:
+    """train.pipeline_schedule's values: the schedules registered when a config is
+    validated (parallel/pipeline.py; a plug-in's too)."""
+    return list(PIPELINE_SCHEDULES)
+
 
 class AcceleratorConfig(BaseModel):
     """The HF TrainingArguments ``accelerator_config`` keys unmask reads."""
@@ -147,8 +156,8 @@ class TrainConfig(BaseModel):
     """Ranks each MoE layer's experts are split over (expert parallelism: tokens reach their experts by all-to-all; docs/parallelism.md). Carved out of the data-parallel x context ranks, which it must divide; must divide model.num_experts."""
     pipeline_parallel: int = Field(1, ge=1)
     """Pipeline stages' ranks: the decoder layers are split into consecutive stages, embeddings with the first, the final norm and LM head with the last (torch.distributed.pipelining; native decoders; docs/parallelism.md). The outermost mesh dim."""
-    pipeline_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"] = "1f1b"
-    """How micro-batches flow through the stages (torch's ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble); the interleaved ones take pipeline_stages_per_rank >= 2. The last stage's loss makes the LM head's gradients in the forward under 1F1B and interleaved 1F1B, in the backward under gpipe and zero_bubble (docs/parallelism.md). Every schedule runs under bf16."""
+    pipeline_schedule: Annotated[str, OneOf(_schedule_names)] = "1f1b"
+    """How micro-batches flow through the stages: gpipe, 1f1b, interleaved_1f1b, zero_bubble (torch's ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble), or a schedule added with `unmask.parallel.pipeline.register_schedule`; the interleaved ones take pipeline_stages_per_rank >= 2. The last stage's loss makes the LM head's gradients in the forward under 1f1b, interleaved_1f1b and zero_bubble, in the backward under gpipe (docs/parallelism.md). Every schedule runs under bf16."""
     pipeline_stages_per_rank: int = Field(1, ge=1)
     """Stages each pipeline rank holds (interleaved_1f1b, zero_bubble: >= 2, stage s on pipeline rank s mod pipeline_parallel)."""
     pipeline_microbatches: int | None = Field(None, ge=1)

@@ -99,7 +99,7 @@ def _samples_left_to_right(diffusion) -> dict:
 def _check_run(run) -> None:
     """ar runs the native decoder under a causal mask: not a wrapped encoder, not split
     over context-parallel ranks (the mask is an explicit one)."""
-    if run.model.model_type in ("bert", "modernbert"):
+    if not run.model.native:
         raise ValueError(
             f"diffusion.objective ar needs a native decoder (model_type qwen3_dllm, "
             f"qwen2_dllm, llama_dllm, ...), not the encoder {run.model.model_type!r}"

@@ -263,6 +263,12 @@ class ModelConfig(BaseModel):
             )
 
     @property
+    def native(self) -> bool:
+        """Whether model_type is a native decoder family (else a wrapped transformers
+        encoder: models/families.py `Family.kind`)."""
+        return FAMILIES[self.model_type].native
+
+    @property
     def resolved_moe_intermediate_size(self) -> int:
         """moe_intermediate_size, or intermediate_size when it is None."""
         return self.moe_intermediate_size or self.intermediate_size

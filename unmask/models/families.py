@@ -217,6 +217,12 @@ FAMILIES: dict[str, Family] = {fam.name: fam for fam in _ENTRIES}
 FAMILY_NAMES: tuple[str, ...] = tuple(FAMILIES)
 DEFAULT_FAMILY = "qwen3_dllm"
 
+
+def native_families() -> list[str]:
+    """The model_type names of native decoder families, registration order."""
+    return [name for name, fam in FAMILIES.items() if fam.native]
+
+
 _BY_HF_TYPE: dict[str, Family] = {}
 for _fam in _ENTRIES:
     for _hf_type in _fam.hf_model_types:

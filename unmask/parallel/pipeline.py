@@ -24,7 +24,7 @@ is one autograd backward in which the stage's linear layers and norms leave thei
 gradients to the weight pass (`defer_weight_gradients`, diffusion/backward.py), and the
 weight pass (torch's `dw_builder` hook) runs just those matmuls: no second walk of the
 graph, as torch's own split does. The LM head's loss makes both its gradients in the
-forward (`HEAD_LOSS`), and the last stage's input pass comes right after it.
+forward (`ScheduleSpec.head_loss`), and the last stage's input pass comes right after it.
 
 Mixture-of-experts layers are ordinary layers of a stage (first_k_dense_replace's dense
 ones too). Their balancing losses need no help from the last stage: each MoE layer hangs its
@@ -70,30 +70,93 @@ from unmask.models.fused import deferring_linear_forward
 from unmask.models.moe import checkpoint_contexts
 from unmask.models.transformer import RMSNorm, document_positions, embed, rotary_cos_sin
 
-#: train.pipeline_schedule -> torch.distributed.pipelining's schedule class name
-SCHEDULES = {
-    "gpipe": "ScheduleGPipe",
-    "1f1b": "Schedule1F1B",
-    "interleaved_1f1b": "ScheduleInterleaved1F1B",
-    "zero_bubble": "ScheduleInterleavedZeroBubble",
-}
-#: schedules that hold several stages per rank (looped: stage s on pp rank s mod pp)
-MULTI_STAGE = ("interleaved_1f1b", "zero_bubble")
-#: train.pipeline_schedule -> how the last stage's loss makes the LM head's gradients:
-#: "fused" in the forward (diffusion/loss.py weighted_cross_entropy: 3 passes over the head,
-#: the gradients held until the micro-batch's backward, which on the last stage of 1F1B,
-#: interleaved 1F1B and zero bubble comes right after its forward; zero bubble's input
-#: pass hands both over, its weight pass has none of the head's work); "chunked" in the
-#: backward (the logits recomputed there: 4 passes, nothing held), for GPipe, whose forwards
-#: all run before its backwards, so a forward that makes the head's gradients paces the
-#: forward half with work of the backward half, and every micro-batch's gradients would
-#: wait at once
-HEAD_LOSS = {"gpipe": "chunked", "1f1b": "fused", "interleaved_1f1b": "fused",
-             "zero_bubble": "fused"}  # fmt: skip
-#: schedules whose backward is split into an input pass and a weight pass
-SPLIT_BACKWARD = ("zero_bubble",)
-#: passes over the head's (rows x vocab) logits per micro-batch, by HEAD_LOSS
+
+@dataclass(frozen=True)
+class ScheduleSpec:
+    """One pipeline schedule: everything the trainer, `unmask plan` and the memory model read
+    of it, so a schedule is one object (`register_schedule` adds one from outside).
+
+    torch_class: the torch.distributed.pipelining schedule (a class, or its name there).
+    multi_stage: several stages per rank (looped: stage s on pp rank s mod pp), so
+    train.pipeline_stages_per_rank >= 2; else exactly 1.
+    head_loss: how the last stage's loss makes the LM head's gradients: "fused" in the
+    forward (diffusion/loss.py weighted_cross_entropy: 3 passes over the head, the gradients
+    held until the micro-batch's backward, which on the last stage of 1F1B, interleaved 1F1B
+    and zero bubble comes right after its forward; zero bubble's input pass hands both over,
+    its weight pass has none of the head's work); "chunked" in the backward (the logits
+    recomputed there: 4 passes, nothing held), for GPipe, whose forwards all run before its
+    backwards, so a forward that makes the head's gradients paces the forward half with work
+    of the backward half, and every micro-batch's gradients would wait at once.
+    split_backward: the backward runs as an input pass and a weight pass (torch's
+    `dw_builder`; zero bubble), which changes the bubble (`bubble_formula`) and keeps FSDP2
+    from resharding after the forward.
+    forwards_first: every micro-batch's forward runs before any backward (GPipe), so all
+    their activations are live at once (`in_flight`)."""
+
+    name: str
+    torch_class: str | type
+    multi_stage: bool = False
+    head_loss: str = "fused"
+    split_backward: bool = False
+    forwards_first: bool = False
+
+    def schedule_class(self) -> type:
+        if isinstance(self.torch_class, str):
+            from torch.distributed import pipelining  # lazily, as the stage does
+
+            return getattr(pipelining, self.torch_class)
+        return self.torch_class
+
+    def in_flight(self, microbatches: int, degree: int, stages_per_rank: int, rank: int) -> float:
+        """Micro-batches whose saved activations are live at once on pp rank `rank`, in
+        units of one micro-batch through all of the rank's layers: every forward first (m),
+        one stage per rank min(m, p - r) (1F1B's warm-up), several min(m v, (v - 1) p +
+        2 (p - 1 - r) + 1) stage-micro-batches of 1/v of the rank's layers each
+        (torch.distributed.pipelining's interleaved warm-up counts)."""
+        m, p, v, r = microbatches, degree, stages_per_rank, rank
+        if self.forwards_first:
+            return float(m)
+        if v == 1:
+            return float(min(m, p - r))
+        return min(m * v, (v - 1) * p + 2 * (p - 1 - r) + 1) / v
+
+
+#: train.pipeline_schedule values, by name
+PIPELINE_SCHEDULES: dict[str, ScheduleSpec] = {}
+
+
+def register_schedule(spec: ScheduleSpec) -> None:
+    """Add `spec` as a train.pipeline_schedule value (ValueError when its name is taken or
+    its head_loss is neither "fused" nor "chunked")."""
+    if spec.name in PIPELINE_SCHEDULES:
+        raise ValueError(f"pipeline schedule {spec.name!r} is already registered")
+    if spec.head_loss not in HEAD_PASSES:
+        raise ValueError(f"pipeline schedule {spec.name!r}: head_loss must be one of "
+                         f"{sorted(HEAD_PASSES)}, not {spec.head_loss!r}")  # fmt: skip
+    PIPELINE_SCHEDULES[spec.name] = spec
+
+
+def schedule_spec(name: str) -> ScheduleSpec:
+    """The registered schedule `name`; InputError naming the registered ones."""
+    spec = PIPELINE_SCHEDULES.get(name)
+    if spec is None:
+        raise InputError(f"unknown train.pipeline_schedule {name!r}; expected one of "
+                         f"{list(PIPELINE_SCHEDULES)}")  # fmt: skip
+    return spec
+
+
+#: passes over the head's (rows x vocab) logits per micro-batch, by ScheduleSpec.head_loss
 HEAD_PASSES = {"fused": 3, "chunked": 4}
+
+for _spec in (
+    ScheduleSpec("gpipe", "ScheduleGPipe", head_loss="chunked", forwards_first=True),
+    ScheduleSpec("1f1b", "Schedule1F1B"),
+    ScheduleSpec("interleaved_1f1b", "ScheduleInterleaved1F1B", multi_stage=True),
+    ScheduleSpec(
+        "zero_bubble", "ScheduleInterleavedZeroBubble", multi_stage=True, split_backward=True
+    ),  # fmt: skip
+):
+    register_schedule(_spec)
 
 
 @dataclass(frozen=True)
@@ -116,7 +179,7 @@ def layer_costs(cfg, length: int, head_share: float, head_loss: str = "fused") -
     """The LayerCosts of a native decoder (cfg: its ModelConfig, the architecture) on rows
     of `length` tokens, the LM head running on `head_share` of the tokens (the masked ones:
     the objective's, diffusion/registry.py `head_share`); head_loss: how the schedule's last
-    stage makes the head's gradients (HEAD_LOSS).
+    stage makes the head's gradients (`ScheduleSpec.head_loss`).
 
     Counted as the MFU's FLOPs (train/mfu.py): 6 per matmul weight and token (forward 2,
     backward 4), attention scores 12 x length x heads x head_dim per token and layer; an MoE
@@ -217,7 +280,7 @@ def bubble_formula(schedule: str, degree: int, microbatches: int, stages_per_ran
     ScheduleInterleavedZeroBubble replayed with such costs gives exactly this
     (tests/unit/test_pipeline_plan.py)."""
     p, m, v = degree, microbatches, stages_per_rank
-    if schedule != "zero_bubble":
+    if not schedule_spec(schedule).split_backward:
         return (p - 1) / (v * m + p - 1)
     forward, input_pass, weight_pass = passes
     drain = (p - 1) * (forward + max(input_pass - weight_pass, 0.0))
@@ -329,17 +392,19 @@ def plan_pipeline(degree: int, schedule: str, stages_per_rank: int, microbatches
     (a data-parallel rank's rows x gradient_accumulation_steps), which the micro-batches
     cut."""
     num_layers = len(costs.layers)
-    multi = schedule in MULTI_STAGE
+    multi = schedule_spec(schedule).multi_stage
     key = f"train.pipeline_schedule={schedule}"
+    single = [n for n, spec in PIPELINE_SCHEDULES.items() if not spec.multi_stage]
+    looped = [n for n, spec in PIPELINE_SCHEDULES.items() if spec.multi_stage]
     if multi and stages_per_rank < 2:
         raise InputError(
             f"{key} interleaves several stages per rank; set train.pipeline_stages_per_rank "
-            f">= 2 (got {stages_per_rank}), or use pipeline_schedule gpipe or 1f1b"
+            f">= 2 (got {stages_per_rank}), or use pipeline_schedule {' or '.join(single)}"
         )
     if not multi and stages_per_rank > 1:
         raise InputError(
             f"{key} runs one stage per rank, not train.pipeline_stages_per_rank="
-            f"{stages_per_rank}; use interleaved_1f1b or zero_bubble, or set it to 1"
+            f"{stages_per_rank}; use {' or '.join(looped)}, or set it to 1"
         )
     stages = degree * stages_per_rank
     what = (f"train.pipeline_parallel={degree} x train.pipeline_stages_per_rank="
@@ -474,14 +539,14 @@ class StageModule(nn.Module):
         self.is_last = stage == plan.num_stages - 1
         self.gradient_checkpointing = False
         self.vocab_chunk = 8192
-        self.head_loss = HEAD_LOSS[plan.schedule]
+        self.head_loss = schedule_spec(plan.schedule).head_loss
         # which pass of a split backward runs (set by the schedule's stage, `_stage_class`)
         self.backward_pass = BackwardPass()
         self.embed_tokens = owner.model.embed_tokens if self.is_first else None
         self.layers = nn.ModuleList(owner.model.layers[i] for i in self.layer_ids)
         self.norm = owner.model.norm if self.is_last else None
         self.lm_head = owner.lm_head if self.is_last else None
-        if plan.schedule in SPLIT_BACKWARD:
+        if schedule_spec(plan.schedule).split_backward:
             defer_weight_gradients(self, self.backward_pass)
 
     def checkpoints(self, index: int) -> bool:
@@ -667,7 +732,6 @@ class PipelineRunner:
     def _build(self, rows: int, length: int) -> None:
         """The stages and the schedule for micro-batches of `rows` rows of `length` tokens:
         static shapes (no start-up shape exchange), fixed from the first step on."""
-        from torch.distributed import pipelining
 
         plan, device = self.plan, self.device
         hidden = self.model.config.hidden_size
@@ -687,11 +751,12 @@ class PipelineRunner:
             # zero bubble: the input pass is one autograd backward whose linear layers and
             # norms leave their weights' gradients to the weight pass, which runs just
             # those (diffusion/backward.py), instead of torch's second graph walk
-            split = module.backward_pass.take if plan.schedule in SPLIT_BACKWARD else None
+            split = (module.backward_pass.take if schedule_spec(plan.schedule).split_backward
+                     else None)  # fmt: skip
             stage = fed(module, module.stage, plan.num_stages, device, input_args=inputs,
                         output_args=outputs, group=self.group, dw_builder=split)  # fmt: skip
             self.stages.append(stage)
-        schedule = getattr(pipelining, SCHEDULES[plan.schedule])
+        schedule = schedule_spec(plan.schedule).schedule_class()
         first_arg = self.stages[0] if plan.stages_per_rank == 1 else self.stages
         self.schedule = schedule(first_arg, plan.microbatches, loss_fn=self._loss,
                                  scale_grads=False)  # fmt: skip

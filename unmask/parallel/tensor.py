@@ -28,7 +28,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from unmask.errors import InputError
 from unmask.models.build import is_encoder_folder
 from unmask.models.config import ModelConfig
-from unmask.models.families import FAMILIES
+from unmask.models.families import FAMILIES, native_families
 from unmask.models.hf import architecture
 
 #: Column-parallel (output features split) and row-parallel (input features split) linears.
@@ -53,7 +53,7 @@ def check_tensor_parallel(model: ModelConfig, tp: int, *, lora: bool = False) ->
         )
     if not FAMILIES[model.model_type].native:
         raise InputError(
-            f"{key} needs a native decoder (qwen3_dllm, qwen2_dllm, llama_dllm, dream, llada); "
+            f"{key} needs a native decoder ({', '.join(native_families())}); "
             f"model.model_type {model.model_type!r} is a wrapped HF model: set "
             "train.tensor_parallel=1"
         )

@@ -29,10 +29,12 @@ import torch.distributed as dist
 from unmask.config import RunConfig
 from unmask.diffusion.registry import head_share
 from unmask.errors import InputError
+from unmask.models import ModelConfig, build_model
 from unmask.plan.devices import DEVICES, Device, resolve_device
 from unmask.plan.memory import memory_terms
 from unmask.plan.planner import USABLE_MEMORY, planned_ranks, run_shape
 from unmask.plan.shards import describe_shards, planned_model_config, routing_of, shard_model
+from unmask.train.mfu import flop_model
 from unmask.train.setup import checkpointing_is_auto, register_checkpointing_resolver
 
 #: the choices in order of recomputation: the first that fits wins
@@ -85,9 +87,6 @@ def choose_for_trainer(trainer) -> tuple[bool | int, str]:
 
 
 def _choose_for_trainer(trainer) -> tuple[bool | int, str]:
-    from unmask.models import ModelConfig, build_model
-    from unmask.train.mfu import flop_model
-
     cfg, model = trainer.cfg, trainer.model
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     built = getattr(base, "config", None)  # a pretrained folder's architecture, as loaded

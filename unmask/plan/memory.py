@@ -64,7 +64,7 @@ import math
 from dataclasses import dataclass
 
 from unmask.optim.muon import NS_BATCH_NUMEL
-from unmask.parallel.pipeline import HEAD_LOSS
+from unmask.parallel.pipeline import schedule_spec
 from unmask.plan.shards import ShardedModel
 
 
@@ -278,7 +278,7 @@ def head_saves(model: ShardedModel, shape: StepShape) -> float:
     """Bytes saved after the layers on this rank, for one micro-batch, which the head's and
     the final norm's backward free before the layers' backward: the final norm's input and
     statistics and the loss's row mask (or `full_loss_saves`), and for the chunked loss
-    (parallel/pipeline.py HEAD_LOSS) what its backward recomputes from; 0 on a pipeline
+    (parallel/pipeline.py ScheduleSpec.head_loss) what its backward recomputes from; 0 on a pipeline
     rank without the last stage."""
     if not model.holds_head:
         return 0
@@ -289,7 +289,7 @@ def head_saves(model: ShardedModel, shape: StepShape) -> float:
     if shape.full_loss:
         return out + full_loss_saves(model, shape)
     out += tokens  # the target rows' mask (diffusion/loss.py SelectedRows)
-    if model.pipeline is not None and HEAD_LOSS[model.pipeline.schedule] != "fused":
+    if model.pipeline is not None and schedule_spec(model.pipeline.schedule).head_loss != "fused":
         # the chunked loss's backward recomputes the logits from the masked rows' hidden
         # states, their targets (int64) and log-sum-exps, and scales by their weights
         # (their expected number, not rounded: the micro-batches in flight multiply it)
@@ -357,7 +357,7 @@ def pipeline_saves(model: ShardedModel, shape: StepShape) -> int:
 def head_gradient_bytes(model: ShardedModel, shape: StepShape) -> int:
     """The LM head's float32 gradients (diffusion/loss.py), made in the forward by the fused
     loss, in the backward by the chunked one (a GPipe last stage, parallel/pipeline.py
-    HEAD_LOSS): the head (V x h; this rank's ceil(V / tp) rows under TP, the vocab-parallel
+    ScheduleSpec.head_loss): the head (V x h; this rank's ceil(V / tp) rows under TP, the vocab-parallel
     head) and the R masked rows' hidden states; none under `loss_implementation: full`."""
     if shape.full_loss:
         return 0
@@ -528,12 +528,9 @@ def in_flight(model: ShardedModel) -> float:
     plan = model.pipeline
     if plan is None:
         return 1.0
-    m, p, v, r = plan.microbatches, plan.degree, plan.stages_per_rank, model.pp_rank
-    if plan.schedule == "gpipe":
-        return float(m)
-    if plan.stages_per_rank == 1:
-        return float(min(m, p - r))
-    return min(m * v, (v - 1) * p + 2 * (p - 1 - r) + 1) / v
+    return schedule_spec(plan.schedule).in_flight(
+        plan.microbatches, plan.degree, plan.stages_per_rank, model.pp_rank
+    )
 
 
 def memory_terms(model: ShardedModel, shape: StepShape) -> MemoryTerms:

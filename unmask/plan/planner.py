@@ -25,7 +25,7 @@ from unmask.models.attention import FLEX_MIN_HEAD_DIM
 from unmask.optim.newton_schulz import ns_flops
 from unmask.optim.updates import auto_ns_dtype, cpu_has_native_bf16
 from unmask.parallel.batch import per_rank_batch_size
-from unmask.parallel.pipeline import SPLIT_BACKWARD, bubble_formula, split_passes
+from unmask.parallel.pipeline import bubble_formula, schedule_spec, split_passes
 from unmask.plan.devices import Device
 from unmask.plan.memory import MemoryTerms, StepShape, memory_terms
 from unmask.plan.shards import (
@@ -195,7 +195,7 @@ def bubble_fraction(model: ShardedModel, length: int) -> float:
     if plan is None:
         return 0.0
     passes = (1.0, 1.0, 1.0)
-    if plan.schedule == "zero_bubble":
+    if schedule_spec(plan.schedule).split_backward:
         passes = split_passes(model.model_config, length)
     return bubble_formula(plan.schedule, plan.degree, plan.microbatches, plan.stages_per_rank,
                           passes)  # fmt: skip
@@ -266,7 +266,7 @@ def make_run_plan(cfg: RunConfig, world_size: int, device: Device, *, nodes: int
     if total_steps is None:
         notes.append("the run's length comes from its data (num_train_epochs): give --tokens "
                      "or train.max_steps for a wall time")  # fmt: skip
-    if first.pipeline is not None and first.pipeline.schedule in SPLIT_BACKWARD:
+    if first.pipeline is not None and schedule_spec(first.pipeline.schedule).split_backward:
         notes.append("zero bubble: each linear layer and norm holds its input and output "
                      "gradient from a micro-batch's input pass to its weight pass; the "
                      "memory estimate leaves them out (about one micro-batch's saved "

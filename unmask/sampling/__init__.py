@@ -2,11 +2,13 @@
 `SamplingConfig`, likelihoods, held-out accuracy."""
 
 from unmask.sampling.config import SamplingConfig, resolve_sampling
+from unmask.sampling.decoders import BlockDecoder, WholeDecoder, register_decoder
 from unmask.sampling.generate import GenerationOutput, cfg_combine, generate, left_pad, sample
 from unmask.sampling.schedules import dream_schedule, num_transfer_tokens
 from unmask.sampling.transfer import add_gumbel_noise, register_confidence, select_top_k
 
 __all__ = [
+    "BlockDecoder",
     "GenerationOutput",
     "SamplingConfig",
     "add_gumbel_noise",
@@ -16,7 +18,9 @@ __all__ = [
     "left_pad",
     "num_transfer_tokens",
     "register_confidence",
+    "register_decoder",
     "resolve_sampling",
     "sample",
     "select_top_k",
+    "WholeDecoder",
 ]

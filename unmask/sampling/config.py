@@ -18,6 +18,7 @@ from unmask.diffusion.config import DiffusionConfig
 from unmask.diffusion.registry import objective_spec
 from unmask.errors import InputError, describe_validation_error, did_you_mean
 from unmask.models.families import samples_with_logit_shift
+from unmask.sampling.decoders import decoder_names
 from unmask.sampling.hooks import import_hook
 from unmask.sampling.schedules import SCHEDULES
 from unmask.sampling.transfer import remasking_choices
@@ -30,6 +31,7 @@ _CHOICES = {
     "remasking": remasking_choices,
     "schedule": lambda: SCHEDULES,
     "cache": lambda: CACHES,
+    "decoder": decoder_names,
 }
 # Options of one call, never of a model folder: generation_config.json neither holds nor
 # gives them (a downloaded folder must not name code to run), model_dump leaves them out.
@@ -120,6 +122,11 @@ class SamplingConfig(BaseModel):
     sequence's first position, so the first answer block holds the prompt's tail; sub-block
     threshold decoding; each later block's first token read from the finished block's last
     position (blocks_from_start.py). Default: from the model folder."""
+    decoder: str | None = None
+    """The decoding strategy by name: masked, left_to_right, blocks_from_start, or one
+    added with `unmask.sampling.register_decoder` (docs/sampling.md). Default: the one the
+    options imply (left_to_right with autoregressive, blocks_from_start with
+    blocks_from_start, else masked)."""
     ddpm_cache: bool = False
     """With `origin` remasking: reuse the last logits while no token changed (MDLM)."""
     gen_length_max: int | None = Field(None, gt=0)
@@ -152,6 +159,8 @@ class SamplingConfig(BaseModel):
     @field_validator(*_CHOICES, mode="before")
     @classmethod
     def _known_choice(cls, value, info):
+        if value is None and info.field_name == "decoder":  # the one the options imply
+            return value
         choices = option_choices(info.field_name)
         if value not in choices:
             raise ValueError(

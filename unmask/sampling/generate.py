@@ -13,7 +13,10 @@ Swappable parts (docs/diffusion.md, Sampling):
     a position sees its own block and the blocks before it; the prompt is cut into blocks
     of block_length from its end). Block-causal K/V of finished blocks never change, so
     both caches are exact there;
-  - the model call: classifier-free guidance, Dream's logit shift.
+  - the model call: classifier-free guidance, Dream's logit shift;
+  - the decoder (`decoders.py`): `masked` (the block decoder above), `left_to_right` (an
+    autoregressive model), `blocks_from_start` (Fast-dLLM v2's form), or one registered
+    with `register_decoder` and named by `decoder`.
 Batches of prompts of different lengths are left-padded (attention mask + position ids);
 with `eos_id` a row stops once a finished block holds EOS, and everything after its
 first EOS is EOS. `sample` returns the tokens with NFE and throughput.
@@ -32,6 +35,7 @@ from unmask.sampling.autolength import prompt_mask, sample_auto
 from unmask.sampling.autoregressive import decode_left_to_right
 from unmask.sampling.blocks_from_start import decode_blocks_from_start
 from unmask.sampling.config import SamplingConfig
+from unmask.sampling.decoders import BlockDecoder, WholeDecoder, decoder_class, register_decoder
 from unmask.sampling.hooks import call_logits_hook, call_tokens_hook
 from unmask.sampling.schedules import dream_transfer_count, num_transfer_tokens, unmask_fraction
 from unmask.sampling.transfer import (
@@ -110,7 +114,7 @@ def canvas_blocks(prompt_len: int, gen_length: int, block_length: int, device=No
     return torch.div(offset, block_length, rounding_mode="floor")
 
 
-class _Canvas:
+class Canvas:
     """The rows still being decoded: tokens, positions, attention mask and K/V cache."""
 
     def __init__(self, x, valid, prompt_valid, mask_id, cfg_scale, cache, blocks=None):
@@ -202,12 +206,11 @@ def sample(
     batch, prompt_len = prompt_ids.shape
     prompt_valid = prompt_mask(prompt_ids, attention_mask)  # ValueError on an empty prompt
     config = config.fitted(prompt_len)  # row_length: the canvas that fills a training row
-    if config.autoregressive:  # an ar model: one token per forward, KV cache
-        return _sample_left_to_right(model, prompt_ids, prompt_valid, config, eos_id,
-                                     generator, on_step, pad_id)  # fmt: skip
-    if config.blocks_from_start:  # Fast-dLLM v2's form and sampler
-        return _sample_blocks_from_start(model, prompt_ids, prompt_valid, config, mask_id,
-                                         eos_id, generator)  # fmt: skip
+    decoder_cls = decoder_class(config)  # decoders.py: the named strategy
+    if issubclass(decoder_cls, WholeDecoder):  # left_to_right, blocks_from_start, ...
+        return decoder_cls().decode(model, prompt_ids, prompt_valid, config, mask_id=mask_id,
+                                    eos_id=eos_id, pad_id=pad_id, eot_id=eot_id,
+                                    generator=generator, on_step=on_step)  # fmt: skip
     num_blocks = config.check_lengths()
     special = special_ids(config, eos_id, pad_id, eot_id)
     started = time.perf_counter()
@@ -220,7 +223,7 @@ def sample(
     blocks = None
     if config.block_causal:
         blocks = canvas_blocks(prompt_len, gen_length, block_length, device)
-    canvas = _Canvas(x_all.clone(), valid, in_prompt, mask_id, config.cfg_scale, config.cache,
+    canvas = Canvas(x_all.clone(), valid, in_prompt, mask_id, config.cfg_scale, config.cache,
                      blocks)  # fmt: skip
     rows = torch.arange(batch, device=device)  # rows of x_all still being decoded
     out = GenerationOutput(x_all, prompt_len, history=[] if config.history else None)
@@ -230,8 +233,8 @@ def sample(
 
     for block in range(num_blocks):
         start, stop = prompt_len + block * block_length, prompt_len + (block + 1) * block_length
-        decoder = _BlockDecoder(config, model, canvas, start, stop, steps_per_block, mask_id,
-                                special)  # fmt: skip
+        decoder = decoder_cls(config, model, canvas, start, stop, steps_per_block, mask_id,
+                              special)  # fmt: skip
         for step in range(decoder.max_steps):
             if not decoder.step(step, generator, out):
                 break
@@ -255,61 +258,66 @@ def sample(
     return out
 
 
-def _sample_left_to_right(model, prompt_ids, prompt_valid, config, eos_id, generator,
-                          on_step, pad_id) -> GenerationOutput:  # fmt: skip
-    """`sample` for an autoregressive model (`config.autoregressive`): autoregressive.py."""
-    started = time.perf_counter()
-    history = [] if config.history else None
+class LeftToRight(WholeDecoder):
+    """`left_to_right`: an autoregressive model (`config.autoregressive`), one token per
+    forward with a KV cache (autoregressive.py)."""
 
-    def step(canvas: torch.Tensor) -> None:
-        if history is not None:
-            history.append(canvas)
-        if on_step is not None:
-            on_step(canvas)
+    def decode(self, model, prompt_ids, prompt_valid, config, *, mask_id, eos_id, pad_id,
+               eot_id, generator, on_step) -> GenerationOutput:  # fmt: skip
+        started = time.perf_counter()
+        history = [] if config.history else None
 
-    fill = eos_id if eos_id is not None else (pad_id if pad_id is not None else 0)
-    done = decode_left_to_right(
-        model, prompt_ids, prompt_valid, config.gen_length, temperature=config.temperature,
-        top_k=config.top_k, top_p=config.top_p, eos_id=eos_id, fill_id=fill,
-        generator=generator, on_step=step if (history is not None or on_step) else None,
-    )  # fmt: skip
-    out = GenerationOutput(done.sequences, prompt_ids.shape[1], nfe=done.forwards,
-                           steps=done.forwards, decoded=done.decoded,
-                           row_forwards=done.row_forwards, history=history)  # fmt: skip
-    _finish(out, done.sequences, -1, eos_id)
-    out.seconds = time.perf_counter() - started
-    return out
+        def step(canvas: torch.Tensor) -> None:
+            if history is not None:
+                history.append(canvas)
+            if on_step is not None:
+                on_step(canvas)
 
-
-def _sample_blocks_from_start(model, prompt_ids, prompt_valid, config, mask_id, eos_id,
-                              generator) -> GenerationOutput:  # fmt: skip
-    """`sample` for Fast-dLLM v2's form (blocks_from_start.py): rows of one prompt length
-    decode together (blocks are counted from each row's first real token); each row's
-    first gen_length answer tokens fill its place in the (B, P + G) output."""
-    started = time.perf_counter()
-    batch, width = prompt_ids.shape
-    gen = config.gen_length
-    sequences = torch.full((batch, width + gen), mask_id, dtype=prompt_ids.dtype,
-                           device=prompt_ids.device)  # fmt: skip
-    sequences[:, :width] = prompt_ids
-    out = GenerationOutput(sequences, width)
-    lengths = prompt_valid.sum(1)
-    for length in lengths.unique().tolist():
-        rows = (lengths == length).nonzero().squeeze(1)
-        done = decode_blocks_from_start(
-            model, prompt_ids[rows, width - length :], gen, block_length=config.block_length,
-            sub_block_length=config.sub_block_length or config.block_length,
-            threshold=config.threshold, mask_id=mask_id, temperature=config.temperature,
-            top_k=config.top_k, top_p=config.top_p, eos_id=eos_id, generator=generator,
+        fill = eos_id if eos_id is not None else (pad_id if pad_id is not None else 0)
+        done = decode_left_to_right(
+            model, prompt_ids, prompt_valid, config.gen_length, temperature=config.temperature,
+            top_k=config.top_k, top_p=config.top_p, eos_id=eos_id, fill_id=fill,
+            generator=generator, on_step=step if (history is not None or on_step) else None,
         )  # fmt: skip
-        sequences[rows, width:] = done.sequences[:, length : length + gen]
-        out.nfe += done.forwards
-        out.steps += done.forwards
-        out.decoded += done.decoded
-        out.row_forwards += done.row_forwards
-    _finish(out, sequences, mask_id, eos_id)
-    out.seconds = time.perf_counter() - started
-    return out
+        out = GenerationOutput(done.sequences, prompt_ids.shape[1], nfe=done.forwards,
+                               steps=done.forwards, decoded=done.decoded,
+                               row_forwards=done.row_forwards, history=history)  # fmt: skip
+        _finish(out, done.sequences, -1, eos_id)
+        out.seconds = time.perf_counter() - started
+        return out
+
+
+class BlocksFromStart(WholeDecoder):
+    """`blocks_from_start`: Fast-dLLM v2's form (blocks_from_start.py): rows of one prompt
+    length decode together (blocks are counted from each row's first real token); each
+    row's first gen_length answer tokens fill its place in the (B, P + G) output."""
+
+    def decode(self, model, prompt_ids, prompt_valid, config, *, mask_id, eos_id, pad_id,
+               eot_id, generator, on_step) -> GenerationOutput:  # fmt: skip
+        started = time.perf_counter()
+        batch, width = prompt_ids.shape
+        gen = config.gen_length
+        sequences = torch.full((batch, width + gen), mask_id, dtype=prompt_ids.dtype,
+                               device=prompt_ids.device)  # fmt: skip
+        sequences[:, :width] = prompt_ids
+        out = GenerationOutput(sequences, width)
+        lengths = prompt_valid.sum(1)
+        for length in lengths.unique().tolist():
+            rows = (lengths == length).nonzero().squeeze(1)
+            done = decode_blocks_from_start(
+                model, prompt_ids[rows, width - length :], gen, block_length=config.block_length,
+                sub_block_length=config.sub_block_length or config.block_length,
+                threshold=config.threshold, mask_id=mask_id, temperature=config.temperature,
+                top_k=config.top_k, top_p=config.top_p, eos_id=eos_id, generator=generator,
+            )  # fmt: skip
+            sequences[rows, width:] = done.sequences[:, length : length + gen]
+            out.nfe += done.forwards
+            out.steps += done.forwards
+            out.decoded += done.decoded
+            out.row_forwards += done.row_forwards
+        _finish(out, sequences, mask_id, eos_id)
+        out.seconds = time.perf_counter() - started
+        return out
 
 
 def special_ids(config: SamplingConfig, eos_id, pad_id, eot_id) -> dict[str, list[int]]:
@@ -348,14 +356,13 @@ def end_of_turn_id(tokenizer) -> int | None:
     return next((vocab[t] for t in END_OF_TURN_TOKENS if t in vocab), None)
 
 
-class _BlockDecoder:
-    """The steps of one block: a forward (or a cache / ddpm reuse), proposals, commits."""
+class MaskedBlockDecoder(BlockDecoder):
+    """`masked`: the masked-diffusion block decoder. Each step a forward (or a cache / ddpm
+    reuse), proposals, and commits chosen by remasking and schedule, threshold, factor or
+    sub_block_length (LLaDA, Dream, Fast-dLLM v1 and v2's sub-blocks, MDLM's origin)."""
 
     def __init__(self, config, model, canvas, start, stop, steps_per_block, mask_id, special):
-        self.config, self.model, self.canvas = config, model, canvas
-        self.start, self.stop, self.mask_id = start, stop, mask_id
-        self.special = special
-        self.steps_per_block = steps_per_block
+        super().__init__(config, model, canvas, start, stop, steps_per_block, mask_id, special)
         parallel = config.threshold is not None or config.factor is not None
         self.max_steps = (stop - start) if parallel else steps_per_block
         if config.remasking == "confidence_threshold":  # the quota, then what was carried
@@ -363,18 +370,8 @@ class _BlockDecoder:
         masked = (canvas.x[:, start:stop] == mask_id).sum(1)
         self.quota = num_transfer_tokens(masked, steps_per_block)  # (B, steps_per_block)
         self.carried = torch.zeros_like(masked)  # confidence_threshold: quota left over
-        self.visible = stop if config.growing_canvas else canvas.x.shape[1]
         self.logits: torch.Tensor | None = None
         self.last_x: torch.Tensor | None = None
-        #: the server's cross-request cache (serve/engine.py): called for step 0 instead of
-        #: the full forward, as first_forward(store, columns) -> (B, Lb, V) logits, it puts
-        #: the K/V in the canvas's cache as the full forward would. None: the plain forward
-        self.first_forward: Callable[[bool, slice], torch.Tensor] | None = None
-        #: the server's playground: keep each step's proposals and their probabilities
-        #: (`proposed`, `proposal_p`: (B, Lb), for the positions masked before the step)
-        self.trace = False
-        self.proposed: torch.Tensor | None = None
-        self.proposal_p: torch.Tensor | None = None
 
     def step(self, step: int, generator, out: GenerationOutput) -> bool:
         """Commit this step's tokens; False when the block has no mask left."""
@@ -389,7 +386,7 @@ class _BlockDecoder:
         )
         cfg = self.config
         if not reuse:
-            logits = self._forward(step)
+            logits = self.forward(step)
             if cfg.logits_hook is not None:  # the model's logits, as in Dream
                 logits = call_logits_hook(cfg.logits_hook, out.steps, self.canvas.x, logits)
             self.logits = self._adjusted(logits)
@@ -432,23 +429,6 @@ class _BlockDecoder:
         sub = torch.arange(is_mask.shape[1], device=is_mask.device) // self.config.sub_block_length
         first = is_mask.long().argmax(1)  # the first masked position of each row
         return is_mask & (sub[None, :] == sub[first][:, None])
-
-    def _forward(self, step: int) -> torch.Tensor:
-        """Logits (B, Lb, V) of the block's positions: a full forward (which refreshes the
-        cache) at the block start, every cache_refresh steps and without a cache; else
-        only what the cache does not hold."""
-        cfg, start, stop = self.config, self.start, self.stop
-        shift = 1 if cfg.shift_logits else 0
-        refresh = step == 0 or (cfg.cache_refresh > 0 and step % cfg.cache_refresh == 0)
-        if cfg.cache == "none" or refresh:
-            lo, hi, store = 0, self.visible, cfg.cache != "none"
-            if step == 0 and self.first_forward is not None:
-                return self.first_forward(store, slice(start - shift, stop - shift))
-        else:
-            lo, hi, store = start - shift, (self.visible if cfg.cache == "prefix" else stop), False
-        full = self.canvas.forward(self.model, lo, hi, store, self.visible)  # (B, hi - lo, V)
-        # Dream shift: position i is predicted from hidden state i - 1 (start >= 1)
-        return full[:, start - shift - lo : stop - shift - lo]
 
     def _commits(self, step, is_mask, x0, filtered, generator) -> torch.Tensor:
         """Bool (B, Lb): the masked positions this step fills."""
@@ -528,8 +508,16 @@ def generate(
                   on_step=on_step).sequences  # fmt: skip
 
 
+register_decoder("masked", MaskedBlockDecoder)
+register_decoder("left_to_right", LeftToRight)
+register_decoder("blocks_from_start", BlocksFromStart)
+
 __all__ = [
+    "BlocksFromStart",
+    "Canvas",
     "GenerationOutput",
+    "LeftToRight",
+    "MaskedBlockDecoder",
     "canvas_blocks",
     "cfg_combine",
     "generate",

@@ -5,8 +5,9 @@ A masked-diffusion answer is decoded block by block (sampling/generate.py); ever
 block's steps need is the canvas at its start: the prompt, the finished blocks and masks
 for the current and later blocks. So the scheduler keeps, per request, only its prompt,
 its finished blocks and its sampling config, and runs each block with the sampler's own
-block decoder (`_BlockDecoder` on a `_Canvas`: the code `sample`, hence `unmask generate`,
-runs, no copy). Rows of one block call may be at different blocks of different answers:
+block decoder (the config's `BlockDecoder` on a `Canvas`, sampling/decoders.py: the code
+`sample`, hence `unmask generate`, runs, no copy; one registered from outside the package
+too). Rows of one block call may be at different blocks of different answers:
 each row is laid out [left padding | prompt + finished blocks | current block | later
 masks | right padding], aligned on the current block, and padding is masked out of
 attention with position ids counted over real tokens, as `sample` does for left-padded
@@ -16,7 +17,8 @@ remasking, threshold, temperature, ...) are decoded in separate calls, taken in 
 Greedy rows give the tokens `unmask generate` gives for the prompt alone (batch
 invariance: tests/integration/test_serve.py). A request with a `seed` owns its generator
 and is decoded alone, so it draws exactly what `unmask generate --seed` draws. gen_length
-`auto` (a growing canvas) is decoded by `sample` in one piece, alone.
+`auto` (a growing canvas) and a decoder that is not a block decoder (a `WholeDecoder`:
+left_to_right, blocks_from_start) are decoded by `sample` in one piece, alone.
 
 Prefix cache (`PrefixCache`, `--prefix-cache-mb`): the first forward of a prompt's first
 block sees [prompt | masks], a canvas the prompt and a few options decide, so its result
@@ -54,10 +56,10 @@ import torch
 
 from unmask.parallel.threads import IdleCores
 from unmask.sampling.config import SamplingConfig
+from unmask.sampling.decoders import decoder_class, decodes_by_block
 from unmask.sampling.generate import (
+    Canvas,
     GenerationOutput,
-    _BlockDecoder,
-    _Canvas,
     canvas_blocks,
     end_of_turn_id,
     sample,
@@ -213,7 +215,9 @@ class Job:
 
     @property
     def auto(self) -> bool:
-        return self.config.gen_length == "auto"
+        """Decoded by `sample` in one piece: gen_length auto, or a decoder that is not a
+        block decoder."""
+        return self.config.gen_length == "auto" or not decodes_by_block(self.config)
 
     @cached_property
     def group(self) -> tuple:
@@ -377,11 +381,11 @@ class Engine:
         blocks = None
         if cfg.block_causal:  # a row's blocks are these shifted by its block index
             blocks = canvas_blocks(start, width - start, block, sm.device)
-        canvas = _Canvas(x.to(sm.device), valid.to(sm.device), in_prompt.to(sm.device),
+        canvas = Canvas(x.to(sm.device), valid.to(sm.device), in_prompt.to(sm.device),
                          sm.mask_id, cfg.cfg_scale, cfg.cache, blocks)  # fmt: skip
         special = special_ids(cfg, sm.eos_id, sm.pad_id, self.eot_id)
-        decoder = _BlockDecoder(cfg, self.model, canvas, start, start + block, steps_per_block,
-                                sm.mask_id, special)  # fmt: skip
+        decoder = decoder_class(cfg)(cfg, self.model, canvas, start, start + block,
+                                     steps_per_block, sm.mask_id, special)  # fmt: skip
         keys = [self.prefix_key(job) for job in rows]
         saved = {"calls": 0, "rows": 0}  # forwards the prefix cache gave
         if any(key is not None for key in keys):
@@ -398,8 +402,11 @@ class Engine:
                 break
             for row in traced:
                 current = canvas.x[row, start : start + block + later[row]].tolist()
+                proposals = {}  # a decoder that keeps none (a registered one may not)
+                if decoder.proposed is not None:
+                    proposals = self._proposals(decoder, row, rows[row], later[row])
                 rows[row].emit({"type": "step", "canvas": rows[row].answer + current,
-                                **self._proposals(decoder, row, rows[row], later[row])})  # fmt: skip
+                                **proposals})  # fmt: skip
         out.nfe -= saved["calls"]  # the decoder counted the step-0 forward it asked for
         out.row_forwards -= saved["rows"]
         self.stats.saved_row_forwards += saved["rows"]
@@ -432,16 +439,16 @@ class Engine:
 
     def prefix_key(self, job: Job) -> tuple | None:
         """The prefix cache's key of a job's first forward, None when it is not cached (no
-        cache, a block after the first, hooks (code: no key), other samplers)."""
+        cache, a block after the first, hooks (code: no key), a decoder decoding alone)."""
         cfg = job.config
         if self.prefix_cache is None or job.answer or job.block:
             return None
-        if cfg.logits_hook or cfg.tokens_hook or cfg.autoregressive or cfg.blocks_from_start:
+        if cfg.logits_hook or cfg.tokens_hook or job.auto:
             return None
         options = json.dumps(cfg.model_dump(exclude=set(_AFTER_FORWARD)), sort_keys=True)
         return (self.model_key, tuple(job.prompt_ids), options)
 
-    def _first_forward(self, canvas: _Canvas, visible: int, keys: list, store: bool,
+    def _first_forward(self, canvas: Canvas, visible: int, keys: list, store: bool,
                        columns: slice, saved: dict) -> torch.Tensor:  # fmt: skip
         """The block call's step-0 logits (B, Lb, V) (`columns` of the full forward), the
         K/V in canvas.cache when `store`: rows with a cached key take the cache's, rows that
@@ -469,7 +476,7 @@ class Engine:
         if computed:
             if len(computed) < batch:  # a canvas of the rows computed
                 idx = torch.tensor(computed, device=canvas.x.device)
-                sub = _Canvas(canvas.x[idx], canvas.valid[idx], canvas.prompt_valid[idx],
+                sub = Canvas(canvas.x[idx], canvas.valid[idx], canvas.prompt_valid[idx],
                               canvas.mask_id, canvas.cfg_scale, "prefix" if store else "none",
                               canvas.blocks)  # fmt: skip
             part = sub.forward(self.model, 0, visible, store, visible)[:, columns]
@@ -491,7 +498,7 @@ class Engine:
         return torch.stack(logits)
 
     @staticmethod
-    def _row_kv(sub: _Canvas, i: int, valid: torch.Tensor) -> list:
+    def _row_kv(sub: Canvas, i: int, valid: torch.Tensor) -> list:
         """Row i's K/V (with CFG its unconditional row too) over its real positions."""
         left, span = int(valid.long().argmax()), int(valid.sum())
         rows = [i, i + sub.x.shape[0]] if sub.cfg_scale > 0 else [i]
@@ -499,7 +506,7 @@ class Engine:
                 for k, v in zip(sub.cache.keys, sub.cache.values)]  # fmt: skip
 
     @staticmethod
-    def _splice_kv(canvas: _Canvas, sub: _Canvas, computed: list[int],
+    def _splice_kv(canvas: Canvas, sub: Canvas, computed: list[int],
                    given: dict[int, FirstForward], visible: int) -> None:  # fmt: skip
         """canvas.cache: the computed rows' K/V (sub's) and the given rows' at their real
         positions (padding: zeros, which no real position attends)."""
@@ -525,7 +532,7 @@ class Engine:
         canvas.cache.keys, canvas.cache.values = keys, values
 
     def _run_whole(self, job: Job) -> None:
-        """gen_length auto: `sample` grows and decodes the canvas in one call."""
+        """A job decoded in one call of `sample` (`Job.auto`)."""
         sm = self.sm
         prompt_len = len(job.prompt_ids)
 

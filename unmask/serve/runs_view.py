@@ -1,5 +1,5 @@
 """The page's runs view: the run directories of `--runs DIR` as `unmask runs` reads them
-(train/report.py), with tokens/s, an ETA, the held-out exact match and each run's curves
+(runs/report.py), with tokens/s, an ETA, the held-out exact match and each run's curves
 from metrics.jsonl: every numeric key it logged.
 
 Runs are named by their folder's name under DIR; a request names a run, never a path, and
@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from unmask.errors import InputError
-from unmask.train.metrics import METRICS_FILE
-from unmask.train.report import (
+from unmask.runs.report import (
     HELDOUT_KEY,
+    METRICS_FILE,
     NUMBER_KEYS,
     find_runs,
     last_value,

@@ -12,15 +12,7 @@ import torch
 from tqdm import tqdm
 
 from unmask.errors import InputError
-
-METRICS_FILE = "metrics.jsonl"
-
-
-def format_duration(seconds: float) -> str:
-    seconds = max(0, int(seconds))
-    hours, rest = divmod(seconds, 3600)
-    minutes, secs = divmod(rest, 60)
-    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"
+from unmask.runs.report import METRICS_FILE, format_duration
 
 
 def progress_postfix(values: dict) -> dict | None:

@@ -39,8 +39,7 @@ from unmask.config import RunConfig
 from unmask.errors import InputError, NothingToTrain, RunStopped
 from unmask.models.lora import LORA_SETTINGS
 from unmask.parallel.mesh import launch_env, share_from_rank0
-from unmask.train.metrics import METRICS_FILE
-from unmask.train.report import EVAL_RESULTS, find_runs, run_info
+from unmask.runs.report import EVAL_RESULTS, METRICS_FILE, find_runs, run_info
 
 CONFIG_FILE = "config.yaml"
 CONFIG_HISTORY = "config_history"  # earlier config.yaml files of a resumed run

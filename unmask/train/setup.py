@@ -30,12 +30,11 @@ from unmask.parallel.expert import expert_mesh, shard_experts
 from unmask.parallel.fsdp import apply_fsdp, compile_blocks
 from unmask.parallel.mesh import fsdp_mesh, sub_mesh
 from unmask.parallel.pipeline import (
-    HEAD_LOSS,
-    SPLIT_BACKWARD,
     PipelineModel,
     PipelinePlan,
     layer_costs,
     plan_pipeline,
+    schedule_spec,
 )
 from unmask.parallel.tensor import apply_tensor_parallel
 
@@ -178,7 +177,7 @@ def pipeline_plan(cfg: RunConfig, rows: int) -> PipelinePlan | None:
         return None
     costs = layer_costs(architecture(cfg.model), cfg.data.packing_length,
                         head_share(cfg.diffusion.objective),
-                        head_loss=HEAD_LOSS[t.pipeline_schedule])  # fmt: skip
+                        head_loss=schedule_spec(t.pipeline_schedule).head_loss)  # fmt: skip
     return plan_pipeline(t.pipeline_parallel, t.pipeline_schedule, t.pipeline_stages_per_rank,
                          t.pipeline_microbatches, t.pipeline_split, costs, rows)  # fmt: skip
 
@@ -284,7 +283,9 @@ def build_train_model(cfg: RunConfig, tokenizer, added_tokens: int, device: torc
         units = model.stages if pipeline is not None else [model]
         # a split backward's weight pass (zero bubble's) finds the weights the forward used
         # among the module's parameters: they must stay gathered from the forward to it
-        reshard = t.reshard_after_forward and not (pipeline and pipeline.schedule in SPLIT_BACKWARD)
+        reshard = t.reshard_after_forward and not (
+            pipeline and schedule_spec(pipeline.schedule).split_backward
+        )
         for unit in units:  # under PP: each stage is an FSDP2 root of its own
             layers = decoder_layers(model) if pipeline is None else list(unit.layers)
             apply_fsdp(unit, fsdp_mesh(mesh), layers, bf16=t.bf16, reshard_after_forward=reshard,

@@ -34,6 +34,7 @@ from unmask.parallel.mesh import launch_env, share_from_rank0
 from unmask.parallel.pipeline import PipelineRunner, balancing_notice
 from unmask.parallel.tensor import check_tensor_parallel
 from unmask.parallel.threads import set_threads
+from unmask.runs.report import run_summary
 from unmask.sampling.config import (
     GENERATION_FILE,
     fitted_to_rows,
@@ -60,7 +61,6 @@ from unmask.train.mfu import (
     raise_cached_peak,
 )
 from unmask.train.plan import make_plan
-from unmask.train.report import run_summary
 from unmask.train.run_dir import (
     CONFIG_FILE,
     prepare_output_dir,

@@ -30,7 +30,16 @@ import yaml
 
 from unmask.checkpoint import list_checkpoints
 from unmask.errors import InputError
-from unmask.train.metrics import METRICS_FILE, format_duration
+
+#: the file a run logs its metrics to, one JSON record per line
+METRICS_FILE = "metrics.jsonl"
+
+
+def format_duration(seconds: float) -> str:
+    seconds = max(0, int(seconds))
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"
 
 CONFIG_FILE = "config.yaml"
 FINAL_DIR = "final"

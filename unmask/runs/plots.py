@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from unmask.errors import InputError
-from unmask.train.report import HELDOUT_KEY, PLOTS_DIR, SKIP_KEYS, read_history, series
+from unmask.runs.report import HELDOUT_KEY, PLOTS_DIR, SKIP_KEYS, read_history, series
 
 MISSING_MATPLOTLIB = "unmask plot needs matplotlib: pip install 'unmask[plot]'"
 FIGSIZE = (7.0, 4.2)  # inches

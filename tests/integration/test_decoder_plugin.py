@@ -1,0 +1,183 @@
+"""A decoder added from outside the package, as docs/architecture.md says (Where to add, a
+new decoder): a `BlockDecoder` subclass registered with `register_decoder` is a `decoder`
+choice of `sample`, of `unmask generate --decoder`, of the serving engine's block calls and,
+loaded as an installed package's `unmask.plugins` entry point, of `unmask serve`, with no
+edit of unmask/."""
+
+import subprocess
+import sys
+import textwrap
+
+import httpx
+import pytest
+import torch
+from conftest import save_tiny_model
+from test_serve import AUTH, KEY, generate, start_server
+
+from unmask.checkpoint import load_for_sampling
+from unmask.sampling import SamplingConfig, sample
+from unmask.sampling.decoders import DECODERS
+from unmask.sampling.texts import before_eos
+from unmask.serve.engine import Engine, Job
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+#: the plug-in, as a package would ship it: a module that registers a decoder on import
+PLUGIN = textwrap.dedent('''
+    """A toy decoder: one token per step, the rightmost mask of the block first, the
+    model's argmax there; the block's logits from BlockDecoder.forward."""
+    import torch
+
+    from unmask.sampling import BlockDecoder, register_decoder
+
+
+    class RightToLeft(BlockDecoder):
+        def step(self, step, generator, out):
+            masks = self.block_masks()
+            if not masks.any():
+                return False
+            logits = self.forward(step)  # (B, Lb, V): cache, guidance, prefix cache
+            out.nfe += 1
+            out.row_forwards += masks.shape[0]
+            width = masks.shape[1]
+            order = masks.long() * (1 + torch.arange(width))
+            last = order.argmax(1)  # the rightmost mask of each row
+            rows = torch.arange(masks.shape[0])
+            chosen = logits[rows, last].argmax(-1)
+            has = masks.any(1)
+            block = self.canvas.x[:, self.start : self.stop]
+            block[rows[has], last[has]] = chosen[has]
+            out.decoded += int(has.sum())
+            out.steps += 1
+            return True
+
+
+    register_decoder("right_to_left", RightToLeft)
+''')
+PROMPTS = ["rev 90417=", "a", "sort 31=", "add 12+7="]
+LENGTHS = [8, 4, 12, 8]
+
+
+@pytest.fixture(scope="module")
+def plugin_dir(tmp_path_factory):
+    """The plug-in as an installed package: its module and a dist-info folder whose
+    entry_points.txt names it in the `unmask.plugins` group (what pip writes)."""
+    root = tmp_path_factory.mktemp("plugin")
+    (root / "toy_decoder.py").write_text(PLUGIN)
+    info = root / "toy_decoder-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: toy-decoder\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("[unmask.plugins]\ntoy = toy_decoder\n")
+    return root
+
+
+@pytest.fixture(scope="module")
+def registered(plugin_dir):
+    sys.path.insert(0, str(plugin_dir))
+    import toy_decoder  # noqa: F401  (registers it)
+
+    yield "right_to_left"
+    DECODERS.pop("right_to_left")  # the registry is process-wide: leave it as it was
+    sys.path.remove(str(plugin_dir))
+    sys.modules.pop("toy_decoder")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return save_tiny_model(tmp_path_factory.mktemp("decoder") / "model", seed=0)
+
+
+@pytest.fixture(scope="module")
+def sm(model_dir):
+    return load_for_sampling(model_dir, device="cpu")
+
+
+def ids_of(sm, prompt: str) -> torch.Tensor:
+    return torch.tensor([sm.tokenizer(prompt, add_special_tokens=False)["input_ids"]])
+
+
+def test_sample_runs_the_registered_decoder(registered, sm):
+    config = SamplingConfig(gen_length=8, block_length=4, decoder=registered, history=True)
+    prompt = ids_of(sm, "rev 90417=")
+    out = sample(sm.model, prompt, config, mask_id=sm.mask_id)
+    start = out.prompt_length
+    first = torch.cat([prompt, torch.full((1, 8), sm.mask_id)], dim=1)
+    canvases = [first, *out.history]
+    changed = [int((a[0] != b[0]).nonzero()[0]) - start for a, b in zip(canvases, canvases[1:])]
+    assert changed == [3, 2, 1, 0, 7, 6, 5, 4]  # right to left, block by block
+    assert out.nfe == out.steps == 8 and out.decoded == 8
+    for before, after, at in zip(canvases, canvases[1:], changed):  # the model's argmax there
+        assert int(after[0, start + at]) == int(sm.model(before)[0, start + at].argmax())
+
+
+def test_generate_takes_the_decoder_flag(registered, model_dir, sm, tmp_path):
+    texts = generate(model_dir, tmp_path, PROMPTS[:2], "--gen-length", "8", "--block-length",
+                     "4", "--decoder", registered)  # fmt: skip
+    config = SamplingConfig(gen_length=8, block_length=4, decoder=registered)
+    for prompt, text in zip(PROMPTS, texts):
+        out = sample(sm.model, ids_of(sm, prompt), config, mask_id=sm.mask_id, eos_id=sm.eos_id)
+        tokens = before_eos(out.answers[0].tolist(), sm.eos_id)
+        assert text == sm.tokenizer.decode(tokens)
+
+
+def test_the_engine_batches_it_as_each_prompt_alone(registered, sm):
+    """Rows joining between block calls, at different blocks of different answers, decode
+    what `sample` decodes for each prompt alone (the engine's block calls, by hand)."""
+    engine = Engine(sm, start=False)
+    jobs, events = [], {i: [] for i in range(len(PROMPTS))}
+    for i, (prompt, length) in enumerate(zip(PROMPTS, LENGTHS)):
+        config = SamplingConfig(gen_length=length, block_length=4, decoder=registered)
+        ids = sm.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        jobs.append(Job(ids, config, emit=events[i].append))
+    assert not any(job.auto for job in jobs) and len({job.group for job in jobs}) == 1
+    active, call = [], 0
+    while call == 0 or active:
+        active += [job for job, at in zip(jobs, [0, 0, 1, 2]) if at == call]
+        engine.run_block(active)
+        active = [job for job in active if job.block >= 0]
+        call += 1
+    for i, (prompt, length) in enumerate(zip(PROMPTS, LENGTHS)):
+        config = SamplingConfig(gen_length=length, block_length=4, decoder=registered)
+        out = sample(sm.model, ids_of(sm, prompt), config, mask_id=sm.mask_id, eos_id=sm.eos_id)
+        expected = sm.tokenizer.decode(before_eos(out.answers[0].tolist(), sm.eos_id))
+        done = [e for e in events[i] if e["type"] == "done"]
+        assert done and done[0]["text"] == expected
+
+
+def test_unmask_serve_loads_it_as_an_entry_point_and_serves_it(
+    plugin_dir, registered, model_dir, tmp_path, monkeypatch
+):
+    monkeypatch.setenv("PYTHONPATH", str(plugin_dir))  # the package is "installed" there
+    proc, base = start_server(model_dir, "--api-key", KEY)
+    try:
+        expected = generate(model_dir, tmp_path, ["rev 123="], "--gen-length", "8",
+                            "--block-length", "4", "--decoder", registered)  # fmt: skip
+        body = {"model": "tiny", "prompt": "rev 123=", "max_tokens": 8,
+                "unmask": {"block_length": 4, "decoder": registered}}  # fmt: skip
+        reply = httpx.post(base + "/v1/completions", json=body, headers=AUTH, timeout=60)
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["choices"][0]["text"] == expected[0]
+        info = httpx.get(base + "/api/info", headers=AUTH).json()
+        decoder = next(o for o in info["sampling_options"] if o["name"] == "decoder")
+        assert registered in decoder["choices"]
+        body["unmask"]["decoder"] = "nope"
+        refused = httpx.post(base + "/v1/completions", json=body, headers=AUTH, timeout=60)
+        assert refused.status_code == 400 and "unknown decoder 'nope'" in refused.text
+    finally:
+        proc.terminate()
+        proc.wait(60)
+
+
+def test_a_plugin_that_fails_to_import_stops_the_command_in_one_line(tmp_path):
+    info = tmp_path / "broken-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: broken\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("[unmask.plugins]\nbroken = no_such_module_here\n")
+    env = {"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"}
+    run = subprocess.run([sys.executable, "-m", "unmask", "runs", str(tmp_path)], env=env,
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert run.returncode == 2
+    assert run.stderr.strip() == (
+        "unmask: error: plug-in 'broken' (no_such_module_here) failed to load: "
+        "ModuleNotFoundError: No module named 'no_such_module_here'"
+    )

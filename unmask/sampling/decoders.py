@@ -1,0 +1,151 @@
+"""Decoders: the named strategies a canvas is decoded with, one registry for `sample` (hence
+`unmask generate`, `unmask eval` and the lm-eval adapter) and the server's engine.
+
+`DECODERS` maps a name to a decoder class; `register_decoder` adds one from outside the
+package; `SamplingConfig.decoder` names one (None: the one the options imply, `implied`).
+Two kinds:
+
+- `BlockDecoder`: the steps of one block of a canvas (`Canvas`, sampling/generate.py).
+  `sample` makes one per block, left to right, and the server's engine makes one per block
+  call, for rows at different blocks of different answers (continuous batching, prefix
+  cache). A subclass implements `step`; `forward` gives the block's logits through the
+  canvas's K/V cache, classifier-free guidance and the server's prefix cache, so a new
+  decoder gets all three by calling it.
+- `WholeDecoder`: decodes every answer of a batch in one call (`decode`); the server runs
+  its requests one at a time.
+
+Built in (sampling/generate.py): `masked` (the masked-diffusion block decoder: LLaDA's,
+Dream's, Fast-dLLM's threshold / factor and v2's sub-blocks, MDLM's `origin`, chosen by
+remasking, schedule, threshold, factor, sub_block_length), `left_to_right` (an
+autoregressive model: one token per forward with a KV cache) and `blocks_from_start`
+(Fast-dLLM v2's form).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:  # pragma: no cover
+    from unmask.sampling.config import SamplingConfig
+    from unmask.sampling.generate import Canvas, GenerationOutput
+
+#: every decoder by name, the built-in ones first
+DECODERS: dict[str, type[BlockDecoder] | type[WholeDecoder]] = {}
+
+
+class BlockDecoder:
+    """The steps of one block, positions [start, stop) of `canvas`: each `step` commits
+    some of the block's masks in canvas.x; `max_steps` bounds the steps a block may take.
+
+    config: the SamplingConfig; special: the token ids the EOS options act on
+    (`special_ids`); steps_per_block: the block's share of config.steps."""
+
+    def __init__(self, config: SamplingConfig, model: torch.nn.Module, canvas: Canvas,
+                 start: int, stop: int, steps_per_block: int, mask_id: int,
+                 special: dict[str, list[int]]):  # fmt: skip
+        self.config, self.model, self.canvas = config, model, canvas
+        self.start, self.stop, self.mask_id = start, stop, mask_id
+        self.special = special
+        self.steps_per_block = steps_per_block
+        self.max_steps = stop - start
+        #: the columns the model sees: the whole canvas, or with growing_canvas up to the
+        #: block's end
+        self.visible = stop if config.growing_canvas else canvas.x.shape[1]
+        #: the server's cross-request cache (serve/engine.py): called for step 0 instead of
+        #: the full forward, as first_forward(store, columns) -> (B, Lb, V) logits, it puts
+        #: the K/V in the canvas's cache as the full forward would. None: the plain forward
+        self.first_forward: Callable[[bool, slice], torch.Tensor] | None = None
+        #: the server's playground: keep each step's proposals and their probabilities
+        #: (`proposed`, `proposal_p`: (B, Lb), NaN probability where nothing was masked)
+        self.trace = False
+        self.proposed: torch.Tensor | None = None
+        self.proposal_p: torch.Tensor | None = None
+
+    def step(self, step: int, generator: torch.Generator | None, out: GenerationOutput) -> bool:
+        """Commit this step's tokens in canvas.x (counting forwards in out.nfe and
+        out.row_forwards, commits in out.decoded, steps in out.steps); False when the block
+        is done (no step was taken)."""
+        raise NotImplementedError
+
+    def block_masks(self) -> torch.Tensor:
+        """Bool (B, Lb): the block's positions still masked."""
+        return self.canvas.x[:, self.start : self.stop] == self.mask_id
+
+    def forward(self, step: int) -> torch.Tensor:
+        """Logits (B, Lb, V) of the block's positions at this step: a full forward (which
+        refreshes the cache) at the block start, every cache_refresh steps and without a
+        cache; else only what the cache does not hold. Dream's logit shift applied."""
+        cfg, start, stop = self.config, self.start, self.stop
+        shift = 1 if cfg.shift_logits else 0
+        refresh = step == 0 or (cfg.cache_refresh > 0 and step % cfg.cache_refresh == 0)
+        if cfg.cache == "none" or refresh:
+            lo, hi, store = 0, self.visible, cfg.cache != "none"
+            if step == 0 and self.first_forward is not None:
+                return self.first_forward(store, slice(start - shift, stop - shift))
+        else:
+            lo, hi, store = start - shift, (self.visible if cfg.cache == "prefix" else stop), False
+        full = self.canvas.forward(self.model, lo, hi, store, self.visible)  # (B, hi - lo, V)
+        # Dream shift: position i is predicted from hidden state i - 1 (start >= 1)
+        return full[:, start - shift - lo : stop - shift - lo]
+
+
+class WholeDecoder:
+    """Decodes every answer of a batch in one call."""
+
+    def decode(self, model: torch.nn.Module, prompt_ids: torch.Tensor,
+               prompt_valid: torch.Tensor, config: SamplingConfig, *, mask_id: int,
+               eos_id: int | None, pad_id: int | None, eot_id: int | None,
+               generator: torch.Generator | None,
+               on_step: Callable[[torch.Tensor], None] | None) -> GenerationOutput:  # fmt: skip
+        """The GenerationOutput `sample` returns: prompt_ids (B, P) left-padded,
+        prompt_valid (B, P) bool True on real prompt tokens."""
+        raise NotImplementedError
+
+
+def register_decoder(name: str, decoder: type[BlockDecoder] | type[WholeDecoder]) -> None:
+    """Add `decoder` (a BlockDecoder or WholeDecoder subclass) as `SamplingConfig.decoder`
+    value `name` (a `--decoder` choice, an `"unmask": {"decoder": ...}` option of a served
+    request). ValueError when the name is taken or the class is neither kind."""
+    if name in DECODERS:
+        raise ValueError(f"decoder {name!r} is already registered")
+    if not (isinstance(decoder, type) and issubclass(decoder, (BlockDecoder, WholeDecoder))):
+        raise ValueError(f"decoder {name!r} must subclass BlockDecoder or WholeDecoder")
+    DECODERS[name] = decoder
+
+
+def decoder_names() -> tuple[str, ...]:
+    return tuple(DECODERS)
+
+
+def implied(config: SamplingConfig) -> str:
+    """The decoder a config names, or the one its options imply: left_to_right for an
+    autoregressive model, blocks_from_start for Fast-dLLM v2's form, else masked."""
+    if config.decoder is not None:
+        return config.decoder
+    if config.autoregressive:
+        return "left_to_right"
+    return "blocks_from_start" if config.blocks_from_start else "masked"
+
+
+def decoder_class(config: SamplingConfig) -> type[BlockDecoder] | type[WholeDecoder]:
+    return DECODERS[implied(config)]
+
+
+def decodes_by_block(config: SamplingConfig) -> bool:
+    """Whether the config's decoder works block by block (the server batches those)."""
+    return issubclass(decoder_class(config), BlockDecoder)
+
+
+__all__ = [
+    "DECODERS",
+    "BlockDecoder",
+    "WholeDecoder",
+    "decoder_class",
+    "decoder_names",
+    "decodes_by_block",
+    "implied",
+    "register_decoder",
+]
