@@ -167,6 +167,20 @@ PARITY_SIZES = {"vocab_size": 97, "hidden_size": 64, "intermediate_size": 96,
                 "max_position_embeddings": 128}  # fmt: skip
 
 
+def installed_plugin(root: Path, module: str, entry: str | None, source: str = "") -> Path:
+    """A plug-in package "installed" in folder `root` (put it on sys.path or PYTHONPATH):
+    module `module` with `source` (none when empty) and a dist-info folder whose
+    entry_points.txt names `entry` (default: the module) in the `unmask.plugins` group, as
+    pip writes it. Returns root."""
+    if source:
+        (root / f"{module}.py").write_text(source)
+    info = root / f"{module}-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {module}\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text(f"[unmask.plugins]\ntoy = {entry or module}\n")
+    return root
+
+
 def save_tiny_model(folder, seed: int = 0, **fields):
     """A random tiny qwen3_dllm (or the family and fields given, as tiny_model takes them)
     + the char tokenizer saved as an HF folder; returns folder."""

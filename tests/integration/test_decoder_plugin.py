@@ -11,7 +11,7 @@ import textwrap
 import httpx
 import pytest
 import torch
-from conftest import save_tiny_model
+from conftest import installed_plugin, save_tiny_model
 from test_serve import AUTH, KEY, generate, start_server
 
 from unmask.checkpoint import load_for_sampling
@@ -60,15 +60,9 @@ LENGTHS = [8, 4, 12, 8]
 
 @pytest.fixture(scope="module")
 def plugin_dir(tmp_path_factory):
-    """The plug-in as an installed package: its module and a dist-info folder whose
-    entry_points.txt names it in the `unmask.plugins` group (what pip writes)."""
-    root = tmp_path_factory.mktemp("plugin")
-    (root / "toy_decoder.py").write_text(PLUGIN)
-    info = root / "toy_decoder-0.1.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: toy-decoder\nVersion: 0.1\n")
-    (info / "entry_points.txt").write_text("[unmask.plugins]\ntoy = toy_decoder\n")
-    return root
+    """The plug-in as an installed package (its module, and its entry point in the
+    `unmask.plugins` group)."""
+    return installed_plugin(tmp_path_factory.mktemp("plugin"), "toy_decoder", None, PLUGIN)
 
 
 @pytest.fixture(scope="module")
@@ -169,15 +163,12 @@ def test_unmask_serve_loads_it_as_an_entry_point_and_serves_it(
 
 
 def test_a_plugin_that_fails_to_import_stops_the_command_in_one_line(tmp_path):
-    info = tmp_path / "broken-0.1.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: broken\nVersion: 0.1\n")
-    (info / "entry_points.txt").write_text("[unmask.plugins]\nbroken = no_such_module_here\n")
+    installed_plugin(tmp_path, "broken", "no_such_module_here")
     env = {"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"}
     run = subprocess.run([sys.executable, "-m", "unmask", "runs", str(tmp_path)], env=env,
                          capture_output=True, text=True, timeout=120)  # fmt: skip
     assert run.returncode == 2
     assert run.stderr.strip() == (
-        "unmask: error: plug-in 'broken' (no_such_module_here) failed to load: "
+        "unmask: error: plug-in 'toy' (no_such_module_here) failed to load: "
         "ModuleNotFoundError: No module named 'no_such_module_here'"
     )

@@ -13,7 +13,7 @@ import sys
 import textwrap
 
 import pytest
-from conftest import losses, train_in_process, write_run_config
+from conftest import installed_plugin, losses, train_in_process, write_run_config
 from launch import rank_env, torchrun_command
 
 from unmask.config import load_config
@@ -39,12 +39,8 @@ BASE = {
 def plugin(tmp_path_factory):
     """The plug-in as an installed package (its module and a dist-info folder naming it in
     the `unmask.plugins` entry-point group), registered in this process too."""
-    root = tmp_path_factory.mktemp("schedule_plugin")
-    (root / "toy_schedule.py").write_text(PLUGIN)
-    info = root / "toy_schedule-0.1.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: toy-schedule\nVersion: 0.1\n")
-    (info / "entry_points.txt").write_text("[unmask.plugins]\ntoy = toy_schedule\n")
+    root = installed_plugin(tmp_path_factory.mktemp("schedule_plugin"), "toy_schedule", None,
+                            PLUGIN)  # fmt: skip
     sys.path.insert(0, str(root))
     import toy_schedule  # noqa: F401  (registers it here: the one-process reference)
 
