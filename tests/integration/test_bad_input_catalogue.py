@@ -851,3 +851,42 @@ def test_debug_shows_the_traceback(tiny_config, tmp_path):
     assert "Traceback (most recent call last)" in debug.stderr
     assert debug.stderr.strip().splitlines()[-1] == plain.stderr.strip()
     assert not (tmp_path / "run").exists()
+
+
+#: the catalogue's layout cases, and layouts of pipeline and expert parallelism. Left out:
+#: what the planner cannot plan at all, each refused in its own line before any layout
+#: (sequence parallelism; a wrapped transformers encoder: "the planner plans native decoders")
+LAYOUT_CASES = [
+    *(c for c in CASES if c.id.startswith(("tensor-parallel", "context-parallel",
+                                           "packing-length-above"))
+      and not c.id.endswith("wrapped-hf-model")),
+    case("pipeline-with-tied-embeddings",
+         over("train.pipeline_parallel=2", "model.tie_word_embeddings=true"),
+         "train.pipeline_parallel=2 puts the embedding on the first stage"),
+    case("pipeline-with-lora", over("train.pipeline_parallel=2", "model.lora=true"),
+         "train.pipeline_parallel=2 does not combine with model.lora"),
+    case("pipeline-above-the-world-size", over("train.pipeline_parallel=2"),
+         "does not divide the world size 1"),
+    case("expert-parallel-on-a-dense-model", over("train.expert_parallel=2"),
+         "train.expert_parallel=2 needs a mixture-of-experts model"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("build, expect", LAYOUT_CASES)
+def test_the_planner_refuses_a_bad_layout_in_the_trainers_line(
+    build, expect, tmp_path, tiny_config, trained, model_folder, capsys, monkeypatch
+):
+    """`unmask plan` and `unmask train` check a layout with the same function
+    (train/setup.py plan_parallel): the same exit code and the same line."""
+    monkeypatch.chdir(tmp_path)
+    argv = build(Ctx(tmp_path, tiny_config, trained, model_folder))
+    assert argv[0] == "train"
+    errors = {}
+    for command in (argv, ["plan", *argv[1:], "--world", "1", "--device", "cpu"]):
+        capsys.readouterr()
+        assert main(command) == 2, command
+        err = capsys.readouterr().err
+        errors[command[0]] = [line for line in err.splitlines() if line.startswith("unmask: error")]
+    assert len(errors["train"]) == 1 and errors["plan"] == errors["train"], errors
+    for part in expect:
+        assert part in errors["plan"][0], (part, errors)

@@ -164,14 +164,14 @@ def test_playground_offers_every_option_a_legend_and_each_tokens_probability(pag
     wait_for(lambda: driver.find_element(By.ID, "model").text == "tiny")
     # every option a request takes (unmask generate's flags less the hooks) has a field
     names = [option["name"] for option in sampling_options({})]
-    assert len(names) == 28
+    assert len(names) == 29 and "decoder" in names
     for name in names:
         driver.find_element(By.ID, "opt-" + name)
     legend = driver.find_element(By.ID, "play-legend").get_attribute("textContent")
     for words in ("prompt", "mask", "new this step", "low confidence", "end of text", "hover"):
         assert words in legend
-    # a decoder sets its options in the form; the request sends them
-    decoders = Select(driver.find_element(By.ID, "decoder"))
+    # a preset (a published sampler) sets its options in the form; the request sends them
+    decoders = Select(driver.find_element(By.ID, "preset"))
     assert [o.text.split(":")[0] for o in decoders.options] == [
         "the model folder's", "LLaDA", "Dream", "Fast-dLLM", "MDLM", "random order"]  # fmt: skip
     decoders.select_by_value("fastdllm")

@@ -154,7 +154,8 @@ def test_refusals_are_one_line():
     with pytest.raises(InputError, match=r"--device 'h1000' is not a device .*did you mean 'h100'"):
         resolve_device("h1000")
     with pytest.raises(InputError, match="does not divide the world size 6"):
-        make_run_plan(tiny("train.tensor_parallel=4"), 6, DEVICES["h100"])
+        make_run_plan(tiny("train.tensor_parallel=4", "model.num_attention_heads=4",
+                           "model.num_key_value_heads=4"), 6, DEVICES["h100"])  # fmt: skip
     with pytest.raises(InputError, match="--nodes 3 does not divide --world 4"):
         make_run_plan(tiny(), 4, DEVICES["h100"], nodes=3)
     # the trainer's own pipeline checks (train/setup.py, parallel/pipeline.py)

@@ -94,17 +94,20 @@ def setup(
     pipeline_parallel: int = 1,
     timeout_s: float = 1800,
     env: LaunchEnv | None = None,
+    layout: MeshLayout | None = None,
 ) -> DistState:
     """Process group + mesh from the environment (torchrun, accelerate launch, srun).
 
     shard: shard parameters over the ranks (FSDP2 / HSDP with dp_replicate x dp_shard);
     False replicates them on every rank (dp_replicate = world size / (cp * tp)).
     tensor_parallel / context_parallel / pipeline_parallel: the tp, cp and pp mesh dims (see
-    MeshLayout). The layout is checked (one-line InputError) before any process group work.
+    MeshLayout). The layout is checked (one-line InputError) before any process group work;
+    `layout`, one planned already (the trainer's `ParallelPlan`), is used as it is.
     """
     env = env or launch_env()
-    layout = plan_layout(env.world_size, shard, dp_replicate, dp_shard, tensor_parallel,
-                         context_parallel, pipeline_parallel)  # fmt: skip
+    if layout is None:
+        layout = plan_layout(env.world_size, shard, dp_replicate, dp_shard, tensor_parallel,
+                             context_parallel, pipeline_parallel)  # fmt: skip
     if env.world_size == 1:
         return DistState(0, 1, device, None)
     if device.type == "cuda":

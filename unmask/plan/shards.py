@@ -30,14 +30,10 @@ from unmask.models.build import _no_init, build_model  # no-op initializers, who
 from unmask.models.families import FAMILIES
 from unmask.models.hf import config_from_hf, read_config
 from unmask.optim.config import build_optimizer
-from unmask.parallel.batch import per_rank_batch_size
-from unmask.parallel.distributed import plan_layout
-from unmask.parallel.expert import check_moe_request
 from unmask.parallel.mesh import MeshLayout, build_mesh
 from unmask.parallel.pipeline import PipelinePlan
-from unmask.parallel.tensor import check_tensor_parallel
 from unmask.train.mfu import flop_model
-from unmask.train.setup import build_train_model, check_pipeline_request, pipeline_plan
+from unmask.train.setup import ParallelPlan, build_train_model, plan_parallel
 
 
 @dataclass(frozen=True)
@@ -178,35 +174,26 @@ def fake_world(rank: int, world_size: int):
         dist.destroy_process_group()
 
 
-def layout_of(cfg: RunConfig, world_size: int) -> MeshLayout:
-    """The mesh sizes the trainer would build (parallel/distributed.py `plan_layout`)."""
-    t = cfg.train
-    if t.sequence_parallel:  # its activations and collectives are not the planner's TP ones
+def parallel_of(cfg: RunConfig, world_size: int) -> ParallelPlan:
+    """The layout the trainer would plan at `world_size` (train/setup.py `plan_parallel`:
+    the same checks, so a layout the trainer refuses is refused here in the same line)."""
+    if cfg.train.sequence_parallel:  # its activations and collectives are not the planner's
         raise InputError(
             "unmask plan does not model train.sequence_parallel yet "
             "(docs/scaling.md); plan the layout with train.sequence_parallel=false"
         )
-    check_pipeline_request(cfg)  # the trainer's own checks of a pipeline layout
-    layout = plan_layout(world_size, t.fsdp2, t.dp_replicate, t.dp_shard, t.tensor_parallel,
-                         t.context_parallel, t.pipeline_parallel)  # fmt: skip
-    check_tensor_parallel(cfg.model, t.tensor_parallel, lora=cfg.model.lora)  # and of TP
-    dp = layout.dp if world_size > 1 else 1
-    # the trainer's own check of an MoE / expert-parallel layout (parallel/expert.py)
-    check_moe_request(cfg.model, t.expert_parallel, dp * layout.cp, t.tensor_parallel)
-    return layout
+    return plan_parallel(cfg, world_size)
+
+
+def layout_of(cfg: RunConfig, world_size: int) -> MeshLayout:
+    """The mesh sizes the trainer would build."""
+    return parallel_of(cfg, world_size).layout
 
 
 def pipeline_of(cfg: RunConfig, world_size: int) -> PipelinePlan | None:
-    """The stages' layers and micro-batches the trainer plans (parallel/pipeline.py
-    `pipeline_plan`, over the rows a data-parallel rank trains on per step); None without
-    pipeline parallelism."""
-    t = cfg.train
-    if t.pipeline_parallel == 1:
-        return None
-    layout = layout_of(cfg, world_size)
-    rows = per_rank_batch_size(t.per_device_train_batch_size, layout.dp, t.split_batches,
-                               "the data-parallel size")  # fmt: skip
-    return pipeline_plan(cfg, rows * t.gradient_accumulation_steps)
+    """The stages' layers and micro-batches the trainer plans; None without pipeline
+    parallelism."""
+    return parallel_of(cfg, world_size).pipeline
 
 
 def shard_model(cfg: RunConfig, world_size: int, rank: int = 0) -> ShardedModel:

@@ -4,6 +4,7 @@ model (vocabulary, 4-bit base, activation checkpointing, compiled blocks, LoRA, 
 the objective with what it needs beside the model (its registry entry says what)."""
 
 import copy
+from dataclasses import dataclass
 
 import torch
 
@@ -24,11 +25,14 @@ from unmask.models.float8 import convert_to_float8
 from unmask.models.hf import architecture
 from unmask.models.hf_wrapped import is_wrapped
 from unmask.models.lora import apply_lora, lora_targets
+from unmask.models.lora import check_request as check_lora_request
 from unmask.models.quant import quantize_4bit
+from unmask.parallel.batch import per_rank_batch_size
 from unmask.parallel.context import check_context_parallel
-from unmask.parallel.expert import expert_mesh, shard_experts
+from unmask.parallel.distributed import plan_layout
+from unmask.parallel.expert import check_moe_request, expert_mesh, shard_experts
 from unmask.parallel.fsdp import apply_fsdp, compile_blocks
-from unmask.parallel.mesh import fsdp_mesh, sub_mesh
+from unmask.parallel.mesh import MeshLayout, fsdp_mesh, sub_mesh
 from unmask.parallel.pipeline import (
     PipelineModel,
     PipelinePlan,
@@ -36,7 +40,50 @@ from unmask.parallel.pipeline import (
     plan_pipeline,
     schedule_spec,
 )
-from unmask.parallel.tensor import apply_tensor_parallel
+from unmask.parallel.tensor import apply_tensor_parallel, check_tensor_parallel
+
+
+@dataclass(frozen=True)
+class ParallelPlan:
+    """A run's parallel layout at a world size, planned once after every pre-check
+    (`plan_parallel`): the trainer and `unmask plan` both build it, so they accept and
+    refuse the same configs with the same line.
+
+    layout: the mesh sizes (pp x dp_replicate x dp_shard x cp x tp); expert_parallel: the
+    ranks one MoE layer's experts are split over; dp: the ranks that read different rows
+    (1 on one process); rows: the rows each data-parallel rank trains on per micro-batch;
+    pipeline: the stages' layers and micro-batches (None without pipeline parallelism)."""
+
+    world_size: int
+    layout: MeshLayout
+    expert_parallel: int
+    dp: int
+    rows: int
+    pipeline: PipelinePlan | None
+
+
+def plan_parallel(cfg: RunConfig, world_size: int) -> ParallelPlan:
+    """Every check of a run's layout before any process group exists (LoRA, the rows
+    against the model's positions, tensor, context, sequence and pipeline parallelism, the
+    mesh's factoring, experts), then the plan; a one-line InputError for the first problem."""
+    t = cfg.train
+    check_lora_request(cfg.model)
+    check_model_fits(cfg)
+    check_tensor_parallel(cfg.model, t.tensor_parallel, lora=cfg.model.lora)
+    check_context_request(cfg, world_size)
+    check_sequence_request(cfg)
+    check_pipeline_request(cfg)
+    layout = plan_layout(world_size, t.fsdp2, t.dp_replicate, t.dp_shard, t.tensor_parallel,
+                         t.context_parallel, t.pipeline_parallel)  # fmt: skip
+    dp = layout.dp if world_size > 1 else 1
+    check_moe_request(cfg.model, t.expert_parallel, dp * layout.cp, t.tensor_parallel)
+    what = "the world size" if dp == world_size else "the data-parallel size"
+    # rows per micro-batch on this rank; the global batch grows with the world size unless
+    # split_batches (then per_device_train_batch_size is the global batch)
+    rows = per_rank_batch_size(t.per_device_train_batch_size, dp, t.split_batches, what)
+    # the stages' layers and micro-batches (pp peers read the same rows)
+    pipeline = pipeline_plan(cfg, rows * t.gradient_accumulation_steps)
+    return ParallelPlan(world_size, layout, t.expert_parallel, dp, rows, pipeline)
 
 
 def check_model_fits(cfg: RunConfig) -> None:

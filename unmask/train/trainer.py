@@ -22,17 +22,14 @@ from unmask.data.streaming import StreamSpec
 from unmask.diffusion import objective_spec
 from unmask.errors import RunStopped
 from unmask.models.float8 import check_float8
-from unmask.models.lora import check_request as check_lora_request
 from unmask.models.quant import check_4bit
 from unmask.optim.config import build_optimizer
 from unmask.optim.schedule import build_scheduler
-from unmask.parallel.batch import per_rank_batch_size
 from unmask.parallel.context import ContextShard, attach_context
-from unmask.parallel.distributed import collective_failure, plan_layout, resolve_device, setup
-from unmask.parallel.expert import attach_moe_training, check_moe_request
+from unmask.parallel.distributed import collective_failure, resolve_device, setup
+from unmask.parallel.expert import attach_moe_training
 from unmask.parallel.mesh import launch_env, share_from_rank0
 from unmask.parallel.pipeline import PipelineRunner, balancing_notice
-from unmask.parallel.tensor import check_tensor_parallel
 from unmask.parallel.threads import set_threads
 from unmask.runs.report import run_summary
 from unmask.sampling.config import (
@@ -71,14 +68,10 @@ from unmask.train.run_dir import (
 from unmask.train.setup import (
     build_run_objective,
     build_train_model,
-    check_context_request,
-    check_model_fits,
-    check_pipeline_request,
-    check_sequence_request,
     checkpointing_is_auto,
     checkpointing_resolver,
     objective_datasets,
-    pipeline_plan,
+    plan_parallel,
     prepare_tokenizer,
     set_checkpointing,
 )
@@ -105,37 +98,17 @@ class Trainer(TrainStep, Evaluation, CheckpointedState):
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg
         t = cfg.train
-        check_lora_request(cfg.model)
         check_async_request(t.async_checkpoint, cfg.model.lora)
         check_trackers(t.report_to)
-        check_model_fits(cfg)
         env = launch_env()
-        check_tensor_parallel(cfg.model, t.tensor_parallel, lora=cfg.model.lora)
-        check_context_request(cfg, env.world_size)
-        check_sequence_request(cfg)
-        check_pipeline_request(cfg)
-        # the mesh's sizes, checked before any process group work; tp and cp peers read the
-        # same rows, so batches are split over the data-parallel ranks only
-        layout = plan_layout(env.world_size, t.fsdp2, t.dp_replicate, t.dp_shard,
-                             t.tensor_parallel, t.context_parallel,
-                             t.pipeline_parallel)  # fmt: skip
-        dp = layout.dp if env.world_size > 1 else 1
-        check_moe_request(cfg.model, t.expert_parallel, dp * layout.cp, t.tensor_parallel)
-        what = "the world size" if dp == env.world_size else "the data-parallel size"
-        # rows per micro-batch on this rank; the global batch grows with the world size
-        # unless split_batches (then per_device_train_batch_size is the global batch)
-        self.local_batch_size = per_rank_batch_size(
-            t.per_device_train_batch_size, dp, t.split_batches, what
-        )
-        batch_ranks = 1 if t.split_batches else dp
-        # the stages' layers and micro-batches (pp peers read the same rows)
-        self.pipeline_plan = pipeline_plan(cfg, self.local_batch_size
-                                           * t.gradient_accumulation_steps)  # fmt: skip
-        self.dist = setup(resolve_device(t.device), shard=t.fsdp2, dp_replicate=t.dp_replicate,
-                          dp_shard=t.dp_shard, tensor_parallel=t.tensor_parallel,
-                          context_parallel=t.context_parallel,
-                          pipeline_parallel=t.pipeline_parallel, timeout_s=t.ddp_timeout,
-                          env=env)  # fmt: skip
+        # every check of the layout, then the mesh's sizes, the rows per rank and the
+        # pipeline's stages, before any process group work (the planner builds the same)
+        self.parallel = plan_parallel(cfg, env.world_size)
+        self.local_batch_size = self.parallel.rows
+        batch_ranks = 1 if t.split_batches else self.parallel.dp
+        self.pipeline_plan = self.parallel.pipeline
+        self.dist = setup(resolve_device(t.device), timeout_s=t.ddp_timeout, env=env,
+                          layout=self.parallel.layout)  # fmt: skip
         self.device = self.dist.device
         self.sharded = self.dist.mesh is not None  # world size 1: no process group, no mesh
         self.context = ContextShard.from_mesh(self.dist.mesh)  # None: whole rows per rank

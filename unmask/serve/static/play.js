@@ -1,10 +1,10 @@
 // The playground (common.js holds the shared helpers).
 "use strict";
 
-// The decoders the playground names: each sets these options (and clears the other
-// options of the form); "the model folder's" sends none of them. Every option stays
-// editable under "every option".
-const DECODERS = [
+// The presets the playground names, the published samplers: each sets these options (and
+// clears the other options of the form); "the model folder's" sends none of them. Every
+// option (the decoder strategy too) stays editable under "every option".
+const PRESETS = [
   ["", "the model folder's", {}],
   ["llada", "LLaDA: low confidence, per-block quotas", { remasking: "low_confidence", schedule: "llada" }],
   ["dream", "Dream: entropy, dream timesteps", { remasking: "entropy", schedule: "dream" }],
@@ -64,15 +64,15 @@ infoHooks.push((info) => {  // warnings about the model (a chat it was never tra
   }));
 });
 
-for (const [value, label] of DECODERS) {
+for (const [value, label] of PRESETS) {
   const item = document.createElement("option");
   item.value = value;
   item.textContent = label;
-  $("decoder").appendChild(item);
+  $("preset").appendChild(item);
 }
 
-$("decoder").addEventListener("change", () => {
-  const chosen = DECODERS.find((d) => d[0] === $("decoder").value)[2];
+$("preset").addEventListener("change", () => {
+  const chosen = PRESETS.find((d) => d[0] === $("preset").value)[2];
   for (const input of $("options").querySelectorAll("[data-option]")) {
     const value = chosen[input.dataset.option];
     input.value = value === undefined ? "" : String(value);
