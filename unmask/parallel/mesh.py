@@ -137,16 +137,18 @@ def init_process_group(env: LaunchEnv, device: torch.device, timeout_s: float) -
 
 
 def end_process(code: int) -> NoReturn:
-    """Exit with `code`. A process that joined a process group destroys it (as PyTorch
-    asks), flushes its streams and leaves without interpreter finalization: gloo's worker
-    threads drop a finished collective's tensors a moment after the caller's wait returns,
-    and when that drop lands in Python's finalization it needs the GIL the exiting
-    interpreter no longer gives, and the process aborts ("terminate called without an
-    active exception", SIGABRT) after a run that succeeded (pytorch/pytorch#179291 describes it). Every
-    file this package writes is closed by then; other processes use sys.exit."""
+    """Exit with `code`. A process that joined a process group destroys it when it ends
+    well (as PyTorch asks), flushes its streams and leaves without interpreter
+    finalization: gloo's worker threads drop a finished collective's tensors a moment after
+    the caller's wait returns, and when that drop lands in Python's finalization it needs
+    the GIL the exiting interpreter no longer gives, and the process aborts ("terminate
+    called without an active exception", SIGABRT) after a run that succeeded
+    (pytorch/pytorch#179291 describes it). Every file this package writes is closed by
+    then; other processes use sys.exit."""
     if not (dist.is_available() and dist.is_initialized()):
         sys.exit(code)
-    dist.destroy_process_group()
+    if code == 0:  # after a failure (a lost peer) a communicator may never finish closing
+        dist.destroy_process_group()
     gc.collect()  # closes what only garbage still holds
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
