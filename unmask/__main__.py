@@ -1,5 +1,3 @@
-import sys
+from unmask.cli import entry
 
-from unmask.cli import main
-
-sys.exit(main())
+entry()

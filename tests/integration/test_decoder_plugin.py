@@ -162,13 +162,31 @@ def test_unmask_serve_loads_it_as_an_entry_point_and_serves_it(
         proc.wait(60)
 
 
-def test_a_plugin_that_fails_to_import_stops_the_command_in_one_line(tmp_path):
+@pytest.mark.parametrize("command", [["-m", "unmask", "runs"], ["-m", "unmask.eval.harness"]])
+def test_a_plugin_that_fails_to_import_stops_the_command_in_one_line(tmp_path, command):
+    """`unmask` and `unmask-lm-eval` both load the plug-ins first."""
     installed_plugin(tmp_path, "broken", "no_such_module_here")
     env = {"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"}
-    run = subprocess.run([sys.executable, "-m", "unmask", "runs", str(tmp_path)], env=env,
+    run = subprocess.run([sys.executable, *command, str(tmp_path)], env=env,
                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    name = "unmask" if command[1] == "unmask" else "unmask-lm-eval"
     assert run.returncode == 2
     assert run.stderr.strip() == (
-        "unmask: error: plug-in 'toy' (no_such_module_here) failed to load: "
+        f"{name}: error: plug-in 'toy' (no_such_module_here) failed to load: "
         "ModuleNotFoundError: No module named 'no_such_module_here'"
     )
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (dict(decoder="blocks_from_start"), "blocks_from_start is Fast-dLLM v2's form"),
+        (dict(decoder="left_to_right", cfg_scale=1.0), "has no mask to guide with"),
+        (dict(decoder="masked", autoregressive=True), "an autoregressive model decodes left"),
+        (dict(decoder="masked", blocks_from_start=True, block_causal=True, shift_logits=True,
+              block_length=4, threshold=0.9), "block_causal attention cannot use the logit"),
+    ],
+)  # fmt: skip
+def test_options_are_checked_for_the_decoder_that_runs(options, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingConfig(**options)

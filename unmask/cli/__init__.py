@@ -1,6 +1,6 @@
 """The command line: `unmask train | plan | generate | eval | export | preprocess | plot |
 runs | serve`. The only package that reads argv. Plug-ins of installed packages (the
-`unmask.plugins` entry points, plugins.py) are imported first.
+`unmask.plugins` entry points, unmask/plugins.py) are imported first.
 
 One module per command family (train.py; plan.py; generate.py and evaluate.py, with
 sampling_flags.py; preprocess.py; runs.py: export, plot, runs; serve.py), each with an `add_<command>`
@@ -20,9 +20,9 @@ import traceback
 
 from unmask.cli import evaluate, generate, plan, preprocess, runs, serve, train
 from unmask.cli.flags import REFERENCE, Parser, UsageError, version_line
-from unmask.cli.plugins import load_plugins
 from unmask.cli.sampling_flags import SAMPLING_GROUP, sampling_flags
 from unmask.errors import InputError, NothingToTrain, RunStopped, did_you_mean
+from unmask.plugins import load_plugins
 
 #: each command's subparser, in the order `unmask --help` lists them
 COMMANDS = (

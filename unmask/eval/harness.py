@@ -44,6 +44,8 @@ except ImportError as err:  # pragma: no cover - only without the eval extra
 
 from unmask.checkpoint import load_for_sampling
 from unmask.data.sft import has_chat_template, split_chat
+from unmask.errors import InputError
+from unmask.plugins import load_plugins
 from unmask.sampling.config import SamplingConfig, resolve_sampling
 from unmask.sampling.generate import sample
 from unmask.sampling.likelihood import (
@@ -257,6 +259,11 @@ def cli(argv: list[str] | None = None) -> None:
     """`unmask-lm-eval ...`: lm-eval's command line with the `unmask` model registered."""
     from lm_eval.__main__ import cli_evaluate  # only the command needs lm-eval's CLI module
 
+    try:  # a registered decoder is a sampling model_arg
+        load_plugins()
+    except InputError as err:
+        print(f"unmask-lm-eval: error: {err}", file=sys.stderr)
+        sys.exit(2)
     if argv is not None:
         sys.argv = ["lm_eval", *argv]
     cli_evaluate()

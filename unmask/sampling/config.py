@@ -18,7 +18,7 @@ from unmask.diffusion.config import DiffusionConfig
 from unmask.diffusion.registry import objective_spec
 from unmask.errors import InputError, describe_validation_error, did_you_mean
 from unmask.models.families import samples_with_logit_shift
-from unmask.sampling.decoders import decoder_names
+from unmask.sampling.decoders import decoder_names, implied
 from unmask.sampling.hooks import import_hook
 from unmask.sampling.schedules import SCHEDULES
 from unmask.sampling.transfer import remasking_choices
@@ -196,9 +196,13 @@ class SamplingConfig(BaseModel):
             raise ValueError("remasking='origin' reveals masks at random; it takes no threshold")
         if self.ddpm_cache and (self.remasking != "origin" or self.cache != "none"):
             raise ValueError("ddpm_cache needs remasking='origin' and cache='none'")
-        if self.autoregressive:
+        decoder = implied(self)  # what the options are checked for: the decoder that runs
+        if decoder == "left_to_right":
             check_autoregressive(self)
-        if self.blocks_from_start:
+        elif self.autoregressive:
+            raise ValueError(f"an autoregressive model decodes left to right; decoder "
+                             f"{decoder!r} decodes masks it never learned to fill")  # fmt: skip
+        if decoder == "blocks_from_start":
             check_blocks_from_start(self)
         elif self.block_causal and self.shift_logits:
             raise ValueError(

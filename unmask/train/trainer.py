@@ -22,6 +22,7 @@ from unmask.data.streaming import StreamSpec
 from unmask.diffusion import objective_spec
 from unmask.errors import RunStopped
 from unmask.models.float8 import check_float8
+from unmask.models.lora import check_request as check_lora_request
 from unmask.models.quant import check_4bit
 from unmask.optim.config import build_optimizer
 from unmask.optim.schedule import build_scheduler
@@ -98,6 +99,7 @@ class Trainer(TrainStep, Evaluation, CheckpointedState):
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg
         t = cfg.train
+        check_lora_request(cfg.model)  # first: a missing peft is named before what needs it
         check_async_request(t.async_checkpoint, cfg.model.lora)
         check_trackers(t.report_to)
         env = launch_env()

@@ -1,6 +1,6 @@
 """Plug-ins from installed packages: each module a package names under the `unmask.plugins`
-entry-point group is imported when the `unmask` command starts, before its parser is built,
-so what the module registers (an objective, a model family, a confidence score, a decoder, a
+entry-point group is imported when the `unmask` command (before its parser is built) or
+`unmask-lm-eval` starts, so what the module registers (an objective, a model family, a confidence score, a decoder, a
 data format) is a choice of every command: `--decoder NAME` of generate and eval, a
 `"decoder"` of a request to `unmask serve`, a `diffusion.objective` of train.
 
