@@ -878,7 +878,8 @@ def test_the_planner_refuses_a_bad_layout_in_the_trainers_line(
     build, expect, tmp_path, tiny_config, trained, model_folder, capsys, monkeypatch
 ):
     """`unmask plan` and `unmask train` check a layout with the same function
-    (train/setup.py plan_parallel): the same exit code and the same line."""
+    (train/setup.py plan_parallel): the same exit code and the same line (the planner's
+    only line)."""
     monkeypatch.chdir(tmp_path)
     argv = build(Ctx(tmp_path, tiny_config, trained, model_folder))
     assert argv[0] == "train"
@@ -888,6 +889,8 @@ def test_the_planner_refuses_a_bad_layout_in_the_trainers_line(
         assert main(command) == 2, command
         err = capsys.readouterr().err
         errors[command[0]] = [line for line in err.splitlines() if line.startswith("unmask: error")]
+        if command[0] == "plan":  # the refusal alone (no notice repeating it before)
+            assert err.strip().splitlines() == errors["plan"], err
     assert len(errors["train"]) == 1 and errors["plan"] == errors["train"], errors
     for part in expect:
         assert part in errors["plan"][0], (part, errors)

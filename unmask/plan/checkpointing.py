@@ -137,13 +137,11 @@ def resolve_checkpointing(cfg: RunConfig, world_size: int, device: Device
                           ) -> tuple[RunConfig, str]:  # fmt: skip
     """`unmask plan`'s decision: (cfg with activation_checkpointing decided, the line saying
     how); cfg as it is and "" when the config decides itself. A run the planner cannot plan
-    keeps none, and the line says why."""
+    raises its InputError here (the plan itself would, in the same words: one line, not a
+    notice and then the error)."""
     if not checkpointing_is_auto(cfg.train):
         return cfg, ""
-    try:
-        choice, why = choose(planned_peaks(cfg, world_size, device), device)
-    except InputError as err:
-        choice, why = "none", f"the planner cannot plan this run: {err}"
+    choice, why = choose(planned_peaks(cfg, world_size, device), device)
     train = cfg.train.model_copy(update={"activation_checkpointing": choice})
     return cfg.model_copy(update={"train": train}), (
         f"activation checkpointing: {choice} (auto: {why})")  # fmt: skip
