@@ -350,6 +350,11 @@ class PipelinePlan:
     def num_stages(self) -> int:
         return self.degree * self.stages_per_rank
 
+    @property
+    def spec(self) -> ScheduleSpec:
+        """The schedule's `ScheduleSpec`."""
+        return schedule_spec(self.schedule)
+
     def stages_of(self, pp_rank: int) -> list[int]:
         """The stages pp rank `pp_rank` holds, in order."""
         return [pp_rank + k * self.degree for k in range(self.stages_per_rank)]
@@ -539,14 +544,14 @@ class StageModule(nn.Module):
         self.is_last = stage == plan.num_stages - 1
         self.gradient_checkpointing = False
         self.vocab_chunk = 8192
-        self.head_loss = schedule_spec(plan.schedule).head_loss
+        self.head_loss = plan.spec.head_loss
         # which pass of a split backward runs (set by the schedule's stage, `_stage_class`)
         self.backward_pass = BackwardPass()
         self.embed_tokens = owner.model.embed_tokens if self.is_first else None
         self.layers = nn.ModuleList(owner.model.layers[i] for i in self.layer_ids)
         self.norm = owner.model.norm if self.is_last else None
         self.lm_head = owner.lm_head if self.is_last else None
-        if schedule_spec(plan.schedule).split_backward:
+        if plan.spec.split_backward:
             defer_weight_gradients(self, self.backward_pass)
 
     def checkpoints(self, index: int) -> bool:
@@ -751,12 +756,11 @@ class PipelineRunner:
             # zero bubble: the input pass is one autograd backward whose linear layers and
             # norms leave their weights' gradients to the weight pass, which runs just
             # those (diffusion/backward.py), instead of torch's second graph walk
-            split = (module.backward_pass.take if schedule_spec(plan.schedule).split_backward
-                     else None)  # fmt: skip
+            split = module.backward_pass.take if plan.spec.split_backward else None
             stage = fed(module, module.stage, plan.num_stages, device, input_args=inputs,
                         output_args=outputs, group=self.group, dw_builder=split)  # fmt: skip
             self.stages.append(stage)
-        schedule = schedule_spec(plan.schedule).schedule_class()
+        schedule = plan.spec.schedule_class()
         first_arg = self.stages[0] if plan.stages_per_rank == 1 else self.stages
         self.schedule = schedule(first_arg, plan.microbatches, loss_fn=self._loss,
                                  scale_grads=False)  # fmt: skip

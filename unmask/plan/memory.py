@@ -64,7 +64,6 @@ import math
 from dataclasses import dataclass
 
 from unmask.optim.muon import NS_BATCH_NUMEL
-from unmask.parallel.pipeline import schedule_spec
 from unmask.plan.shards import ShardedModel
 
 
@@ -289,7 +288,7 @@ def head_saves(model: ShardedModel, shape: StepShape) -> float:
     if shape.full_loss:
         return out + full_loss_saves(model, shape)
     out += tokens  # the target rows' mask (diffusion/loss.py SelectedRows)
-    if model.pipeline is not None and schedule_spec(model.pipeline.schedule).head_loss != "fused":
+    if model.pipeline is not None and model.pipeline.spec.head_loss != "fused":
         # the chunked loss's backward recomputes the logits from the masked rows' hidden
         # states, their targets (int64) and log-sum-exps, and scales by their weights
         # (their expected number, not rounded: the micro-batches in flight multiply it)
@@ -528,9 +527,7 @@ def in_flight(model: ShardedModel) -> float:
     plan = model.pipeline
     if plan is None:
         return 1.0
-    return schedule_spec(plan.schedule).in_flight(
-        plan.microbatches, plan.degree, plan.stages_per_rank, model.pp_rank
-    )
+    return plan.spec.in_flight(plan.microbatches, plan.degree, plan.stages_per_rank, model.pp_rank)
 
 
 def memory_terms(model: ShardedModel, shape: StepShape) -> MemoryTerms:

@@ -24,14 +24,12 @@ from unmask.errors import InputError
 from unmask.models.attention import FLEX_MIN_HEAD_DIM
 from unmask.optim.newton_schulz import ns_flops
 from unmask.optim.updates import auto_ns_dtype, cpu_has_native_bf16
-from unmask.parallel.batch import per_rank_batch_size
-from unmask.parallel.pipeline import bubble_formula, schedule_spec, split_passes
+from unmask.parallel.pipeline import bubble_formula, split_passes
 from unmask.plan.devices import Device
 from unmask.plan.memory import MemoryTerms, StepShape, memory_terms
 from unmask.plan.shards import (
     ShardedModel,
-    layout_of,
-    pipeline_of,
+    parallel_of,
     planned_model_config,
     shard_model,
 )
@@ -99,12 +97,8 @@ class RunPlan:
 def step_shape(cfg: RunConfig, world_size: int) -> StepShape:
     """This rank's micro-batch and the step's settings, as the trainer sizes them."""
     t = cfg.train
-    layout = layout_of(cfg, world_size)
-    dp = layout.dp if world_size > 1 else 1
-    rows = per_rank_batch_size(t.per_device_train_batch_size, dp, t.split_batches,
-                               "the data-parallel size")  # fmt: skip
-    micro = t.gradient_accumulation_steps
-    pipeline = pipeline_of(cfg, world_size)
+    parallel = parallel_of(cfg, world_size)  # the trainer's plan: its rows per rank
+    rows, micro, pipeline = parallel.rows, t.gradient_accumulation_steps, parallel.pipeline
     if pipeline is not None:  # the step's rows cut into the schedule's micro-batches
         rows, micro = rows * micro // pipeline.microbatches, pipeline.microbatches
     return StepShape(rows=rows, length=cfg.data.packing_length,
@@ -195,7 +189,7 @@ def bubble_fraction(model: ShardedModel, length: int) -> float:
     if plan is None:
         return 0.0
     passes = (1.0, 1.0, 1.0)
-    if schedule_spec(plan.schedule).split_backward:
+    if plan.spec.split_backward:
         passes = split_passes(model.model_config, length)
     return bubble_formula(plan.schedule, plan.degree, plan.microbatches, plan.stages_per_rank,
                           passes)  # fmt: skip
@@ -223,7 +217,7 @@ def make_run_plan(cfg: RunConfig, world_size: int, device: Device, *, nodes: int
     if not 0 < mfu <= 1:
         raise InputError(f"--mfu must be in (0, 1], got {mfu}")
     cfg = planned_model_config(cfg)
-    layout = layout_of(cfg, world_size)  # one-line InputError for a mesh that cannot factor
+    layout = parallel_of(cfg, world_size).layout  # a one-line InputError for a bad layout
     shape = run_shape(cfg, world_size, device, masked_fraction)
     plans, first, ns_work = [], None, 0.0
     for rank in planned_ranks(world_size, ranks):
@@ -266,7 +260,7 @@ def make_run_plan(cfg: RunConfig, world_size: int, device: Device, *, nodes: int
     if total_steps is None:
         notes.append("the run's length comes from its data (num_train_epochs): give --tokens "
                      "or train.max_steps for a wall time")  # fmt: skip
-    if first.pipeline is not None and schedule_spec(first.pipeline.schedule).split_backward:
+    if first.pipeline is not None and first.pipeline.spec.split_backward:
         notes.append("zero bubble: each linear layer and norm holds its input and output "
                      "gradient from a micro-batch's input pass to its weight pass; the "
                      "memory estimate leaves them out (about one micro-batch's saved "

@@ -185,27 +185,16 @@ def parallel_of(cfg: RunConfig, world_size: int) -> ParallelPlan:
     return plan_parallel(cfg, world_size)
 
 
-def layout_of(cfg: RunConfig, world_size: int) -> MeshLayout:
-    """The mesh sizes the trainer would build."""
-    return parallel_of(cfg, world_size).layout
-
-
-def pipeline_of(cfg: RunConfig, world_size: int) -> PipelinePlan | None:
-    """The stages' layers and micro-batches the trainer plans; None without pipeline
-    parallelism."""
-    return parallel_of(cfg, world_size).pipeline
-
-
 def shard_model(cfg: RunConfig, world_size: int, rank: int = 0) -> ShardedModel:
     """Rank `rank`'s shards of the run's model at `world_size` (see the module docstring);
     cfg: a planned config (`planned_model_config`)."""
-    layout = layout_of(cfg, world_size)
+    parallel = parallel_of(cfg, world_size)
+    layout, pipeline = parallel.layout, parallel.pipeline
     with fake_world(rank, world_size), warnings.catch_warnings():
         # torch's note on slicing the flattened dims the trainer's own code slices
         warnings.filterwarnings("ignore", message="Slicing a flattened dim")
         mesh = build_mesh(torch.device("cpu"), layout) if world_size > 1 else None
         meta = torch.device("meta")
-        pipeline = pipeline_of(cfg, world_size)
         with meta, _no_init():  # no storage to fill (and no torch._dynamo import)
             model = build_train_model(cfg, _Vocabulary(cfg.model.vocab_size), 0, meta, mesh,
                                       pipeline)  # fmt: skip

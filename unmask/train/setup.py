@@ -330,9 +330,7 @@ def build_train_model(cfg: RunConfig, tokenizer, added_tokens: int, device: torc
         units = model.stages if pipeline is not None else [model]
         # a split backward's weight pass (zero bubble's) finds the weights the forward used
         # among the module's parameters: they must stay gathered from the forward to it
-        reshard = t.reshard_after_forward and not (
-            pipeline and schedule_spec(pipeline.schedule).split_backward
-        )
+        reshard = t.reshard_after_forward and not (pipeline and pipeline.spec.split_backward)
         for unit in units:  # under PP: each stage is an FSDP2 root of its own
             layers = decoder_layers(model) if pipeline is None else list(unit.layers)
             apply_fsdp(unit, fsdp_mesh(mesh), layers, bf16=t.bf16, reshard_after_forward=reshard,
