@@ -41,6 +41,7 @@ def format_duration(seconds: float) -> str:
     minutes, secs = divmod(rest, 60)
     return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"
 
+
 CONFIG_FILE = "config.yaml"
 FINAL_DIR = "final"
 EVAL_RESULTS = "eval_results.json"
