@@ -298,7 +298,7 @@ def tp_worker(out: str, rounds: int, steps: int) -> None:
     from torch.distributed.tensor import Replicate, distribute_tensor
 
     import unmask.optim.distributed as muon_distributed
-    from unmask.models.transformer import decoder_layers
+    from unmask.models import decoder_layers
     from unmask.optim import MuonAdamW
     from unmask.parallel.fsdp import apply_fsdp
     from unmask.parallel.mesh import MeshLayout, build_mesh, fsdp_mesh

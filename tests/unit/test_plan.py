@@ -2,14 +2,15 @@
 rule changes the plan), shard shapes and traffic against hand formulas, refusals."""
 
 import math
+from dataclasses import replace
 
 import pytest
 
 import unmask.parallel.expert as expert
-import unmask.parallel.tensor as tensor_parallel
 import unmask.train.setup as train_setup
 from unmask.config import load_config
 from unmask.errors import InputError
+from unmask.models.families import FAMILIES
 from unmask.parallel.mesh import MeshLayout
 from unmask.parallel.pipeline import PipelinePlan
 from unmask.plan.devices import DEVICES, resolve_device
@@ -99,9 +100,12 @@ def test_a_changed_tensor_parallel_rule_changes_the_plan(monkeypatch):
     cfg = tiny("train.tensor_parallel=2")
     before = shapes(shard_model(cfg, 2))
     assert before["model.layers.0.mlp.up_proj.weight"] == (64, 64)  # column-parallel
-    # the rule the trainer applies, changed: up_proj no longer split
-    monkeypatch.setattr(tensor_parallel, "COLWISE",
-                        tuple(n for n in tensor_parallel.COLWISE if n != "mlp.up_proj"))  # fmt: skip
+    # the rule the trainer applies (the family's declaration), changed: up_proj not split
+    family = FAMILIES[cfg.model.model_type]
+    tensor = family.shape.tensor
+    tensor = replace(tensor, colwise=tuple(n for n in tensor.colwise if n != "mlp.up_proj"))
+    monkeypatch.setitem(FAMILIES, family.name,
+                        replace(family, shape=replace(family.shape, tensor=tensor)))  # fmt: skip
     after = shapes(shard_model(cfg, 2))
     assert after["model.layers.0.mlp.up_proj.weight"] == (128, 64)
     assert after["model.layers.0.mlp.gate_proj.weight"] == (64, 64)

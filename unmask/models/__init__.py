@@ -4,7 +4,7 @@
 `cfg.model_type` (seed torch before calling), or the weights in `cfg.pretrained`.
 
 Modules, bottom to top (each imports only those above it in this list):
-families (the registry), config (ModelConfig), attention, hf (config.json, safetensors,
+shape (the declaration of a family's blocks), families (the registry), config (ModelConfig), attention, hf (config.json, safetensors,
 saving), transformer (DiffusionTransformer), hf_wrapped (transformers encoders), build
 (build_model, build_empty, from_pretrained), lora, quant.
 """
@@ -16,6 +16,9 @@ from unmask.models.build import (
     build_model,
     from_pretrained,
     max_positions,
+    register_family,
+    shape_of,
+    unregister_family,
 )
 from unmask.models.config import ModelConfig
 from unmask.models.families import (
@@ -31,7 +34,8 @@ from unmask.models.hf import (
     hf_config_dict,
     save_pretrained,
 )
-from unmask.models.transformer import DiffusionTransformer, decoder_layers
+from unmask.models.shape import ModelShape, TensorPlan, decoder_layers
+from unmask.models.transformer import DiffusionTransformer
 
 __all__ = [
     "FAMILIES",
@@ -41,6 +45,8 @@ __all__ = [
     "Family",
     "KVCache",
     "ModelConfig",
+    "ModelShape",
+    "TensorPlan",
     "build_empty",
     "build_model",
     "config_from_hf",
@@ -50,6 +56,9 @@ __all__ = [
     "from_pretrained",
     "hf_config_dict",
     "max_positions",
+    "register_family",
     "samples_with_logit_shift",
     "save_pretrained",
+    "shape_of",
+    "unregister_family",
 ]

@@ -275,3 +275,13 @@ class KVCache:
         """Keep only batch rows `rows` (finished rows leave the batch)."""
         self.keys = [k[rows] for k in self.keys]
         self.values = [v[rows] for v in self.values]
+
+
+def document_positions(doc_ids: torch.Tensor) -> torch.Tensor:
+    """Positions that restart at 0 where doc_ids changes along a row. (B, L) -> (B, L) long."""
+    length = doc_ids.shape[1]
+    index = torch.arange(length, device=doc_ids.device).expand_as(doc_ids)
+    starts = torch.ones_like(doc_ids, dtype=torch.bool)
+    starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    last_start = torch.where(starts, index, 0).cummax(dim=1).values
+    return index - last_start

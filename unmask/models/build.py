@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from unmask.models.config import ModelConfig
-from unmask.models.families import FAMILIES
+from unmask.models.families import FAMILIES, Family, add_family, remove_family
 from unmask.models.hf import (
     check_weight_files,
     config_from_hf,
@@ -22,8 +22,9 @@ from unmask.models.hf import (
     read_config,
     read_state_dict,
 )
-from unmask.models.hf_wrapped import build_encoder, is_encoder_folder, load_encoder
+from unmask.models.hf_wrapped import build_encoder, is_encoder_folder, is_wrapped, load_encoder
 from unmask.models.moe import moe_blocks
+from unmask.models.shape import WRAPPED, ModelShape
 from unmask.models.transformer import DiffusionTransformer
 
 MODEL_BUILDERS: dict[str, Callable[[ModelConfig], nn.Module]] = {
@@ -31,6 +32,31 @@ MODEL_BUILDERS: dict[str, Callable[[ModelConfig], nn.Module]] = {
     for name, family in FAMILIES.items()
 }
 """family name -> random-init builder (native families: DiffusionTransformer)."""
+
+
+def register_family(family: Family, builder: Callable[[ModelConfig], nn.Module]) -> None:
+    """Add a model family from outside the package: `family` (models/families.py, with its
+    `shape` declaration when its blocks differ from the decoder's) becomes a valid
+    `model.model_type`, built by `builder(cfg)` (a random-init model in the layout
+    models/shape.py names). ValueError when its name or config.json model_type is taken."""
+    if family.name in MODEL_BUILDERS:
+        raise ValueError(f"model family {family.name!r} is already registered")
+    add_family(family)
+    MODEL_BUILDERS[family.name] = builder
+
+
+def unregister_family(name: str) -> None:
+    """Take a family added with `register_family` out again."""
+    remove_family(name)
+    MODEL_BUILDERS.pop(name, None)
+
+
+def shape_of(cfg: ModelConfig) -> ModelShape:
+    """The shape declaration (models/shape.py) of the model cfg builds: its family's, or
+    `WRAPPED` for a pretrained transformers encoder folder."""
+    if is_wrapped(cfg):
+        return WRAPPED
+    return FAMILIES[cfg.model_type].shape
 
 
 def build_model(cfg: ModelConfig) -> nn.Module:
@@ -91,7 +117,7 @@ def build_empty(
     if not FAMILIES[cfg.model_type].native:
         raise ValueError(f"build_empty builds native decoders; {cfg.model_type!r} is an encoder")
     with torch.device("meta"), _no_init():
-        model = DiffusionTransformer(cfg)
+        model = MODEL_BUILDERS[cfg.model_type](cfg)
     model.to_empty(device=device)
     model.tie_weights()
     for buffer_owner in moe_blocks(model):  # statistics buffers: not in the state dict

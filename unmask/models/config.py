@@ -4,11 +4,12 @@ Field names are the Hugging Face `config.json` names, so a Qwen3 folder's config
 onto this class key for key (see `unmask.models.hf.config_from_hf`).
 """
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from unmask.models.families import DEFAULT_FAMILY, FAMILIES, FAMILY_NAMES
+from unmask.errors import OneOf
+from unmask.models.families import DEFAULT_FAMILY, FAMILIES, family_names
 
 
 class ModelConfig(BaseModel):
@@ -16,13 +17,13 @@ class ModelConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
-    model_type: Literal[FAMILY_NAMES] = DEFAULT_FAMILY  # the names in models/families.py
+    model_type: Annotated[str, OneOf(family_names)] = DEFAULT_FAMILY  # models/families.py
     """Model family, a name in the registry models/families.py. `qwen3_dllm`, `qwen2_dllm`,
     `llama_dllm`, `dream`, `llada`: the native bidirectional decoder with that family's
     switches and HF layout; `qwen3_moe_dllm`, `llada_moe`, `llada2_moe`: the same decoder with
     mixture-of-experts MLPs (Qwen3-MoE, OLMoE / LLaDA-MoE and LLaDA2.0 layouts, the MoE fields
     below); `bert`, `modernbert`: transformers' masked-LM encoders built from the size fields
-    here."""
+    here; or a family added with `unmask.models.register_family`."""
 
     vocab_size: int = Field(256, ge=1)
     """Number of token ids (rows of the embedding and of the LM head)."""

@@ -33,7 +33,8 @@ Llama-style (a new style also needs a reader and writer in models/hf.py), `hf_ab
 `hf_extra` for keys its transformers config lacks or adds, `keeps_source_config`,
 `mask_token_id` and `logit_shift` for remote-code releases. Then add a round-trip case to
 tests/unit/test_families.py; ModelConfig, the builder, loading and saving read the rest from
-here.
+here. A family with blocks of its own also declares them (`shape`, models/shape.py) and is
+added with models/build.py `register_family(family, builder)`, from outside the package too.
 """
 
 import re
@@ -41,6 +42,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Literal
+
+from unmask.models.shape import DECODER, WRAPPED, ModelShape
 
 # Native (HF Llama-style) key -> LLaDA key; N is the layer index.
 LLADA_KEY_MAP = {
@@ -103,10 +106,15 @@ class Family:
     released layout names none)."""
     logit_shift: bool = False
     """Position i is predicted from the output at i - 1 (Dream); sampled with the shift."""
+    shape: ModelShape | None = None
+    """The declaration of its blocks that parallelism, the planner and the FLOP count read
+    (models/shape.py); None = the native decoder's (`DECODER`), or for encoders `WRAPPED`."""
 
     def __post_init__(self) -> None:
         for name in ("config_defaults", "key_map", "hf_extra"):  # read-only views
             object.__setattr__(self, name, MappingProxyType(dict(getattr(self, name))))
+        if self.shape is None:
+            object.__setattr__(self, "shape", DECODER if self.native else WRAPPED)
 
     @property
     def native(self) -> bool:
@@ -212,10 +220,17 @@ _ENTRIES = (
     ),
 )
 
-FAMILIES: dict[str, Family] = {fam.name: fam for fam in _ENTRIES}
-"""family name (`model.model_type`) -> Family, in the order the docs list them."""
-FAMILY_NAMES: tuple[str, ...] = tuple(FAMILIES)
+FAMILIES: dict[str, Family] = {}
+"""family name (`model.model_type`) -> Family, in the order the docs list them (then the
+families added with models/build.py `register_family`)."""
 DEFAULT_FAMILY = "qwen3_dllm"
+_BY_HF_TYPE: dict[str, Family] = {}
+
+
+def family_names() -> tuple[str, ...]:
+    """Every `model.model_type` value, registration order (read when a config is validated,
+    so a family registered from outside is a valid model_type)."""
+    return tuple(FAMILIES)
 
 
 def native_families() -> list[str]:
@@ -223,15 +238,33 @@ def native_families() -> list[str]:
     return [name for name, fam in FAMILIES.items() if fam.native]
 
 
-_BY_HF_TYPE: dict[str, Family] = {}
-for _fam in _ENTRIES:
-    for _hf_type in _fam.hf_model_types:
-        if _hf_type in _BY_HF_TYPE:
-            raise RuntimeError(f"config.json model_type {_hf_type!r} names two families")
-        _BY_HF_TYPE[_hf_type] = _fam
+def native_hf_model_types() -> tuple[str, ...]:
+    """config.json `model_type` values the native loader reads, in registry order."""
+    return tuple(t for t, f in _BY_HF_TYPE.items() if f.native)
 
-NATIVE_HF_MODEL_TYPES: tuple[str, ...] = tuple(t for t, f in _BY_HF_TYPE.items() if f.native)
-"""config.json `model_type` values the native loader reads, in registry order."""
+
+def add_family(family: Family) -> None:
+    """Add `family` to the registry (ValueError when its name or one of its config.json
+    model_types is taken). models/build.py `register_family` also names its builder."""
+    if family.name in FAMILIES:
+        raise ValueError(f"model family {family.name!r} is already registered")
+    for hf_type in family.hf_model_types:
+        if hf_type in _BY_HF_TYPE:
+            raise ValueError(f"config.json model_type {hf_type!r} names two families")
+    FAMILIES[family.name] = family
+    for hf_type in family.hf_model_types:
+        _BY_HF_TYPE[hf_type] = family
+    _TO_FOLDER[family.name] = _compile(family.key_map)
+    _FROM_FOLDER[family.name] = _compile({v: k for k, v in family.key_map.items()})
+
+
+def remove_family(name: str) -> None:
+    """Take a registered family out again (tests that register one clean up with it)."""
+    family = FAMILIES.pop(name)
+    for hf_type in family.hf_model_types:
+        _BY_HF_TYPE.pop(hf_type, None)
+    _TO_FOLDER.pop(name, None)
+    _FROM_FOLDER.pop(name, None)
 
 
 def family_for_hf_type(model_type: Any) -> Family | None:
@@ -272,8 +305,10 @@ def _compile(mapping: Mapping[str, str]) -> list[tuple[re.Pattern, str]]:
     return out
 
 
-_TO_FOLDER = {fam.name: _compile(fam.key_map) for fam in _ENTRIES}
-_FROM_FOLDER = {fam.name: _compile({v: k for k, v in fam.key_map.items()}) for fam in _ENTRIES}
+_TO_FOLDER: dict[str, list[tuple[re.Pattern, str]]] = {}
+_FROM_FOLDER: dict[str, list[tuple[re.Pattern, str]]] = {}
+for _fam in _ENTRIES:
+    add_family(_fam)
 
 
 def _rename(key: str, rules: list[tuple[re.Pattern, str]]) -> str:

@@ -27,10 +27,10 @@ from unmask.models.config import ModelConfig
 from unmask.models.families import (
     DEFAULT_FAMILY,
     FAMILIES,
-    NATIVE_HF_MODEL_TYPES,
     Family,
     family_for_hf_type,
     from_folder_keys,
+    native_hf_model_types,
     released_mask_token_id,
     to_folder_keys,
 )
@@ -139,10 +139,10 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     """ModelConfig from a config.json dict of a native family (Qwen3, Qwen2, Llama, Dream,
     LLaDA) or one written by unmask (its "unmask" tag names the family)."""
     model_type = hf.get("model_type")
-    if model_type not in NATIVE_HF_MODEL_TYPES:
+    if model_type not in native_hf_model_types():
         raise InputError(
             f"config.json: model_type {model_type!r} is not supported; expected one of "
-            f"{', '.join(NATIVE_HF_MODEL_TYPES)} (or a folder saved by unmask)"
+            f"{', '.join(native_hf_model_types())} (or a folder saved by unmask)"
         )
     name = (hf.get("unmask") or {}).get("model_type") or family_for_hf_type(model_type).name
     family = FAMILIES.get(name) if isinstance(name, str) else None

@@ -6,6 +6,8 @@ Hugging Face `Qwen3ForCausalLM` state-dict keys, so loading an HF folder is a pl
 state-dict load and optimizers can route parameters by name.
 """
 
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -21,6 +23,7 @@ from unmask.models.attention import (
     KVCache,
     attend,
     build_attention_mask,
+    document_positions,
     resolve_backend,
 )
 from unmask.models.config import ModelConfig
@@ -81,16 +84,6 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
-
-
-def document_positions(doc_ids: torch.Tensor) -> torch.Tensor:
-    """Positions that restart at 0 where doc_ids changes along a row. (B, L) -> (B, L) long."""
-    length = doc_ids.shape[1]
-    index = torch.arange(length, device=doc_ids.device).expand_as(doc_ids)
-    starts = torch.ones_like(doc_ids, dtype=torch.bool)
-    starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
-    last_start = torch.where(starts, index, 0).cummax(dim=1).values
-    return index - last_start
 
 
 def context_rows(context, input_ids: torch.Tensor, doc_ids: torch.Tensor | None,
@@ -279,8 +272,19 @@ class DiffusionTransformer(nn.Module):
         position_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         kv_cache: KVCache | None = None,
+        *,
+        layers: Sequence[int] | None = None,
+        first: bool = True,
+        last: bool = True,
     ) -> torch.Tensor:
-        """Final-norm hidden states (B, L, H) for input_ids (B, L); see `forward`."""
+        """Final-norm hidden states (B, L, H) for input_ids (B, L); see `forward`.
+
+        A pipeline stage runs this same forward over its layers (models/shape.py
+        `StagedModel`): `layers` the indices of the layers to run (None: all), `first`
+        False when input_ids are the hidden states (B, L, H) of the stage before (no
+        embedding), `last` False to return the last layer's output without the final norm."""
+        batch, length = input_ids.shape[0], input_ids.shape[1]
+        device = input_ids.device
         context = self.context_parallel
         if context is not None:
             if kv_cache is not None or attention_mask is not None:
@@ -291,21 +295,17 @@ class DiffusionTransformer(nn.Module):
             if doc_ids is not None:
                 position_ids = document_positions(doc_ids)
             else:
-                position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)
-                position_ids = position_ids.expand_as(input_ids)
-        length, shards = input_ids.shape[1], self.sequence_parallel
+                position_ids = torch.arange(length, device=device).expand(batch, length)
+        shards = self.sequence_parallel
         if shards is not None and length % shards:
-            if kv_cache is not None:
+            if kv_cache is not None or not first:
                 raise ValueError(f"sequence parallelism over {shards} ranks needs a multiple of "
                                  f"{shards} tokens with a KV cache; got {length}")  # fmt: skip
             input_ids, doc_ids, position_ids, attention_mask = pad_to_multiple(
                 shards, input_ids, doc_ids, position_ids, attention_mask
             )
         backend = resolve_backend(
-            self.config.attn_implementation,
-            doc_ids,
-            input_ids.device,
-            self.config.resolved_head_dim,
+            self.config.attn_implementation, doc_ids, device, self.config.resolved_head_dim
         )
         if attention_mask is not None:  # an explicit mask (block diffusion) needs sdpa
             backend = "sdpa"
@@ -317,8 +317,9 @@ class DiffusionTransformer(nn.Module):
             dense = attention_mask if mask.dense is None else mask.dense & attention_mask
             mask = AttentionMask("sdpa", dense=dense)
         cos, sin = rotary_cos_sin(position_ids, self.config.rotary_dim, self.config.rope_theta)
-        x = embed(self.model.embed_tokens, input_ids)
-        for index, layer in enumerate(self.model.layers):
+        x = embed(self.model.embed_tokens, input_ids) if first else input_ids
+        for index in range(len(self.model.layers)) if layers is None else layers:
+            layer = self.model.layers[index]
             if kv_cache is not None:
                 x = layer(x, cos, sin, mask, (kv_cache, index))
             elif self.checkpoints(index) and torch.is_grad_enabled():
@@ -326,6 +327,8 @@ class DiffusionTransformer(nn.Module):
                                context_fn=checkpoint_contexts)  # fmt: skip
             else:
                 x = layer(x, cos, sin, mask)
+        if not last:
+            return x
         return self.model.norm(x)[:, :length]
 
     def forward(
@@ -396,12 +399,6 @@ class DiffusionTransformer(nn.Module):
     def save_pretrained(self, folder: str) -> None:
         """Write an HF folder in this family's layout (config.json + model.safetensors)."""
         save_pretrained(self, folder)
-
-
-def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """The transformer blocks (``model.model.layers``), or none for other models."""
-    layers = getattr(getattr(model, "model", None), "layers", None)
-    return list(layers) if layers is not None else []
 
 
 def _resized(module: nn.Module, new_size: int) -> nn.Module:

@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 from unmask.errors import InputError
-from unmask.models.transformer import document_positions
+from unmask.models.attention import document_positions
 
 #: batch keys holding one value per token, (B, L): sliced along the sequence
 TOKEN_KEYS = ("input_ids", "doc_ids", "position_ids", "maskable", "noisy_input_ids", "masked")

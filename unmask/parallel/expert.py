@@ -41,9 +41,9 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from unmask.errors import InputError
+from unmask.models.build import is_wrapped
 from unmask.models.config import ModelConfig
 from unmask.models.hf import architecture
-from unmask.models.hf_wrapped import is_wrapped
 from unmask.models.moe import SparseMoE, moe_blocks
 from unmask.parallel.mesh import sub_mesh
 

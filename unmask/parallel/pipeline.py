@@ -60,15 +60,12 @@ from types import MethodType
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from unmask.diffusion.backward import BackwardPass
 from unmask.diffusion.loss import SelectedRows, weighted_loss
 from unmask.errors import InputError
-from unmask.models.attention import AttentionMask, build_attention_mask, resolve_backend
+from unmask.models.build import shape_of
 from unmask.models.fused import deferring_linear_forward
-from unmask.models.moe import checkpoint_contexts
-from unmask.models.transformer import RMSNorm, document_positions, embed, rotary_cos_sin
 
 
 @dataclass(frozen=True)
@@ -191,18 +188,11 @@ def layer_costs(cfg, length: int, head_share: float, head_loss: str = "fused") -
     elementwise work). The fused loss makes 3 passes (logits, then both gradients, in its
     forward); the chunked one 4 (the logits, then in its backward the logits again and
     both gradients)."""
-    hidden, head_dim = cfg.hidden_size, cfg.resolved_head_dim
-    width = cfg.num_attention_heads * head_dim
-    attention = 2 * hidden * width + 2 * hidden * cfg.num_key_value_heads * head_dim
-    scores = 12 * width * length
-    dense = 3 * hidden * cfg.intermediate_size
-    inner = cfg.resolved_moe_intermediate_size
-    routed = (cfg.num_experts * hidden + cfg.num_experts_per_tok * 3 * inner * hidden
-              + 3 * hidden * inner * cfg.num_shared_experts)  # fmt: skip
-    layers = tuple(
-        6.0 * (attention + (routed if cfg.is_moe_layer(i) else dense)) + scores
-        for i in range(cfg.num_hidden_layers)
-    )
+    shape = shape_of(cfg)  # the family's declaration: its layers' weights and attention
+    hidden = cfg.hidden_size
+    scores = 12 * shape.attention_width(cfg) * length
+    layers = tuple(6.0 * shape.layer_matmul_params(cfg, i) + scores
+                   for i in range(cfg.num_hidden_layers))  # fmt: skip
     vocab = cfg.vocab_size
     passes = HEAD_PASSES[head_loss]
     head = 12.0 * hidden + head_share * passes * 2.0 * (hidden + 1) * vocab
@@ -215,8 +205,7 @@ def split_passes(cfg, length: int) -> tuple[float, float, float]:
     weight 2 in each pass (as `layer_costs` counts its 6), the attention scores (no
     weight) a third of their 12 x width x length in the forward and the rest, their
     backward, in the input pass."""
-    width = cfg.num_attention_heads * cfg.resolved_head_dim
-    scores = 12.0 * width * length * cfg.num_hidden_layers
+    scores = 12.0 * shape_of(cfg).attention_width(cfg) * length * cfg.num_hidden_layers
     weights = (math.fsum(layer_costs(cfg, length, 0.0).layers) - scores) / 6
     return 2 * weights + scores / 3, 2 * weights + 2 * scores / 3, 2 * weights
 
@@ -498,10 +487,12 @@ class _Layers(nn.Module):
 
 
 class PipelineModel(nn.Module):
-    """This rank's share of a DiffusionTransformer: its stages' layers (keyed by their index
-    in the whole model), the embedding when it holds the first stage, the norm and LM head
-    when it holds the last. The optimizer, checkpoints and train()/eval() see this module;
-    the schedule runs its `stages` (`StageModule`, one per stage), which share its modules.
+    """This rank's share of a model: its stages' layers (keyed by their index in the whole
+    model), the embedding when it holds the first stage, the norm and LM head when it holds
+    the last. The optimizer, checkpoints and train()/eval() see this module; the schedule
+    runs its `stages` (`StageModule`, one per stage), which share its modules and run the
+    model's own forward over their layers (models/shape.py `StagedModel`): `runner`, the
+    whole model cut down to what this rank holds.
     """
 
     def __init__(self, whole: nn.Module, plan: PipelinePlan, pp_rank: int) -> None:
@@ -517,17 +508,20 @@ class PipelineModel(nn.Module):
                                      for i in plan.layers[s]})  # fmt: skip
         self.model.norm = whole.model.norm if last in held else None
         self.lm_head = whole.lm_head if last in held else None
+        # the whole model runs the stages' forwards; it holds the same modules as this one
+        # (the other ranks' layers dropped) and is not a submodule, so no name changes
+        whole.model, whole.lm_head = self.model, self.lm_head
+        self.__dict__["runner"] = whole
         # plain list: the stages share these modules and must not rename them
         self.stages = [StageModule(self, s) for s in held]
 
     @property
     def gradient_checkpointing(self):
-        return self.stages[0].gradient_checkpointing
+        return self.runner.gradient_checkpointing
 
     @gradient_checkpointing.setter
     def gradient_checkpointing(self, flag) -> None:
-        for stage in self.stages:
-            stage.gradient_checkpointing = flag
+        self.runner.gradient_checkpointing = flag
 
 
 class StageModule(nn.Module):
@@ -538,11 +532,11 @@ class StageModule(nn.Module):
         super().__init__()
         plan = owner.plan
         self.config = owner.config
+        self.__dict__["runner"] = owner.runner  # not a submodule: the parts below are
         self.stage = stage
         self.layer_ids = plan.layers[stage]
         self.is_first = stage == 0
         self.is_last = stage == plan.num_stages - 1
-        self.gradient_checkpointing = False
         self.vocab_chunk = 8192
         self.head_loss = plan.spec.head_loss
         # which pass of a split backward runs (set by the schedule's stage, `_stage_class`)
@@ -554,13 +548,6 @@ class StageModule(nn.Module):
         if plan.spec.split_backward:
             defer_weight_gradients(self, self.backward_pass)
 
-    def checkpoints(self, index: int) -> bool:
-        """As DiffusionTransformer.checkpoints, by the layer's index in the whole model."""
-        flag = self.gradient_checkpointing
-        if isinstance(flag, bool):
-            return flag
-        return flag > 0 and index % flag == 0
-
     def forward(self, x: torch.Tensor, doc_ids: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None,
@@ -570,31 +557,12 @@ class StageModule(nn.Module):
         selected = None  # the last stage: the target rows' count to the host before the work
         if self.is_last and self.config.loss_implementation != "full":
             selected = SelectedRows(targets)
-        if self.is_first:
-            x = embed(self.embed_tokens, x)
-        batch, length = x.shape[0], x.shape[1]
-        cfg = self.config
-        if position_ids is None:
-            if doc_ids is not None:
-                position_ids = document_positions(doc_ids)
-            else:
-                position_ids = torch.arange(length, device=x.device).expand(batch, length)
-        backend = "sdpa" if attention_mask is not None else resolve_backend(
-            cfg.attn_implementation, doc_ids, x.device, cfg.resolved_head_dim)  # fmt: skip
-        mask = build_attention_mask(doc_ids, backend)
-        if attention_mask is not None:
-            dense = attention_mask if mask.dense is None else mask.dense & attention_mask
-            mask = AttentionMask("sdpa", dense=dense)
-        cos, sin = rotary_cos_sin(position_ids, cfg.rotary_dim, cfg.rope_theta)
-        for index, layer in zip(self.layer_ids, self.layers):
-            if self.checkpoints(index) and torch.is_grad_enabled():
-                x = checkpoint(layer, x, cos, sin, mask, use_reentrant=False,
-                               context_fn=checkpoint_contexts)  # fmt: skip
-            else:
-                x = layer(x, cos, sin, mask)
+        x = self.runner.hidden_states(x, doc_ids, position_ids, attention_mask,
+                                      layers=self.layer_ids, first=self.is_first,
+                                      last=self.is_last)  # fmt: skip
         if not self.is_last:
             return x
-        return weighted_loss(self.norm(x), self.lm_head.weight, targets, target_weights,
+        return weighted_loss(x, self.lm_head.weight, targets, target_weights,
                              self.vocab_chunk, self.config.loss_implementation,
                              fused=self.head_loss == "fused", selected=selected)  # fmt: skip
 
@@ -606,7 +574,7 @@ def defer_weight_gradients(module: nn.Module, backward_pass: BackwardPass) -> in
     zero-bubble stage's input pass. Returns how many layers defer."""
     count = 0
     for sub in module.modules():
-        if isinstance(sub, RMSNorm):
+        if hasattr(type(sub), "backward_pass"):  # a norm that can defer (models/fused.py)
             sub.backward_pass = backward_pass
         elif isinstance(sub, nn.Linear) and type(sub).forward is nn.Linear.forward:
             sub.backward_pass = backward_pass

@@ -1,4 +1,5 @@
-"""Tensor parallelism (Megatron-style) of the native decoder with DTensor's parallelize_module.
+"""Tensor parallelism (Megatron-style) with DTensor's parallelize_module, of the layers a
+family's shape declares (models/shape.py `TensorPlan`; below, the native decoder's).
 
 Each decoder layer's q/k/v and gate/up projections are column-parallel (every tp rank holds
 heads / tp of the query and key/value heads, and intermediate / tp of the MLP's columns),
@@ -26,17 +27,11 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from unmask.errors import InputError
-from unmask.models.build import is_encoder_folder
+from unmask.models.build import is_encoder_folder, shape_of
 from unmask.models.config import ModelConfig
-from unmask.models.families import FAMILIES, native_families
+from unmask.models.families import FAMILIES
 from unmask.models.hf import architecture
-
-#: Column-parallel (output features split) and row-parallel (input features split) linears.
-COLWISE = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj",
-           "mlp.up_proj")  # fmt: skip
-ROWWISE = ("self_attn.o_proj", "mlp.down_proj")
-#: Per-head norms whose weights see only a rank's own heads.
-PER_HEAD_NORMS = ("self_attn.q_norm", "self_attn.k_norm")
+from unmask.models.shape import TensorPlan, decoder_layers
 
 
 def check_tensor_parallel(model: ModelConfig, tp: int, *, lora: bool = False) -> None:
@@ -51,11 +46,12 @@ def check_tensor_parallel(model: ModelConfig, tp: int, *, lora: bool = False) ->
             f"{key} needs a native decoder; model.pretrained {model.pretrained!r} is a "
             "transformers encoder (wrapped HF model): set train.tensor_parallel=1"
         )
-    if not FAMILIES[model.model_type].native:
+    if shape_of(model).tensor is None:
+        splittable = [name for name, fam in FAMILIES.items() if fam.shape.tensor is not None]
         raise InputError(
-            f"{key} needs a native decoder ({', '.join(native_families())}); "
-            f"model.model_type {model.model_type!r} is a wrapped HF model: set "
-            "train.tensor_parallel=1"
+            f"{key} needs a family that declares how its layers split "
+            f"({', '.join(splittable)}); model.model_type {model.model_type!r} declares none: "
+            "set train.tensor_parallel=1"
         )
     if lora or model.load_in_4bit:
         raise InputError(
@@ -68,7 +64,7 @@ def check_tensor_parallel(model: ModelConfig, tp: int, *, lora: bool = False) ->
             "(the whole logits on every rank) does not take; use loss_implementation chunked"
         )
     arch = architecture(model)
-    for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+    for name in shape_of(arch).tensor.divides:
         value = getattr(arch, name)
         if value % tp:
             raise InputError(
@@ -99,28 +95,26 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh,
 
     if sequence_parallel and not vocab_parallel:
         raise ValueError("sequence parallelism scatters the vocab-parallel embedding's output")
-    # the attention and MLP inputs enter as one replicated DTensor, so the gradients of the
-    # q/k/v (gate/up) inputs are summed locally and all-reduced once per module, not once
-    # per projection (4 activation all-reduces per layer instead of 7)
+    tensor = shape_of(model.config).tensor  # the family's declaration (models/shape.py)
+    # each module's hidden-state input enters as one replicated DTensor, so the gradients of
+    # the linears that read it (q/k/v, gate/up) are summed locally and all-reduced once per
+    # module, not once per projection (4 activation all-reduces per decoder layer, not 7)
     replicated = Replicate()
     plan = {
-        "self_attn": PrepareModuleInput(
-            input_layouts=(replicated, None, None, None, None),
-            desired_input_layouts=(replicated, None, None, None, None),
+        name: PrepareModuleInput(
+            input_layouts=(replicated, *[None] * (count - 1)),
+            desired_input_layouts=(replicated, *[None] * (count - 1)),
             use_local_output=False,
-        ),
-        "mlp": PrepareModuleInput(
-            input_layouts=(replicated,), desired_input_layouts=(replicated,),
-            use_local_output=False,
-        ),
+        )
+        for name, count in tensor.inputs.items()
     }  # fmt: skip
-    plan.update({name: ColwiseParallel() for name in COLWISE})
-    plan.update({name: RowwiseParallel() for name in ROWWISE})
+    plan.update({name: ColwiseParallel() for name in tensor.colwise})
+    plan.update({name: RowwiseParallel() for name in tensor.rowwise})
     if sequence_parallel:
-        plan.update(sequence_plan())
-    for layer in model.model.layers if layers is None else layers:
+        plan.update(sequence_plan(tensor))
+    for layer in decoder_layers(model) if layers is None else layers:
         layer_plan = dict(plan)
-        for name in PER_HEAD_NORMS:  # (B, L, heads, head_dim): the heads are split
+        for name in tensor.per_head_norms:  # (B, L, heads, head_dim): the heads are split
             if any(True for _ in layer.get_submodule(name).parameters()):
                 layer_plan[name] = SequenceParallel(sequence_dim=2, use_local_output=True)
         parallelize_module(layer, tp_mesh, layer_plan)
@@ -135,13 +129,13 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh,
     return model
 
 
-def sequence_plan() -> dict:
+def sequence_plan(tensor: TensorPlan) -> dict:
     """Megatron's sequence parallelism in DTensor's styles (as torchtitan's llama plan):
     between the layers the residual stream is each rank's L / N tokens (a plain tensor);
-    the pre-attention and pre-MLP norms run on that shard (`SequenceParallel`), the
-    attention and MLP inputs are all-gathered over the sequence (Shard(1) -> Replicate),
-    and the o and down projections reduce-scatter their partial sums back to the shard
-    (instead of all-reducing them)."""
+    the norms the family declares (`TensorPlan.sequence_norms`) run on that shard
+    (`SequenceParallel`), the modules' hidden-state inputs are all-gathered over the
+    sequence (Shard(1) -> Replicate), and the row-parallel linears reduce-scatter their
+    partial sums back to the shard (instead of all-reducing them)."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         PrepareModuleInput,
@@ -150,20 +144,15 @@ def sequence_plan() -> dict:
     )
 
     tokens, whole = Shard(1), Replicate()
-    return {
-        "input_layernorm": SequenceParallel(),
-        "post_attention_layernorm": SequenceParallel(),
-        "self_attn": PrepareModuleInput(
-            input_layouts=(tokens, None, None, None, None),
-            desired_input_layouts=(whole, None, None, None, None),
+    plan: dict = {name: SequenceParallel() for name in tensor.sequence_norms}
+    for name, count in tensor.inputs.items():
+        plan[name] = PrepareModuleInput(
+            input_layouts=(tokens, *[None] * (count - 1)),
+            desired_input_layouts=(whole, *[None] * (count - 1)),
             use_local_output=False,
-        ),
-        "mlp": PrepareModuleInput(
-            input_layouts=(tokens,), desired_input_layouts=(whole,), use_local_output=False,
-        ),
-        "self_attn.o_proj": RowwiseParallel(output_layouts=tokens),
-        "mlp.down_proj": RowwiseParallel(output_layouts=tokens),
-    }  # fmt: skip
+        )
+    plan.update({name: RowwiseParallel(output_layouts=tokens) for name in tensor.rowwise})
+    return plan
 
 
 def shard_vocabulary(model: nn.Module, tp_mesh: DeviceMesh,

@@ -56,13 +56,24 @@ Beyond the saves, the peak walk (`memory_terms`) counts the gathered FSDP2 units
 activation gradients of each layer's kind (`activation_gradient_bytes`), Muon's step
 (`muon_step_bytes`) and a pipeline's receive buffers (`pipeline_buffer_bytes`).
 tests/integration/test_plan_measured.py holds the peak within 15% of torch's MemTracker.
+
+A family whose shape declares other blocks (models/shape.py, `activation_formula` False)
+gets no formula: `traced_layer_bytes` runs its forward under torch's FakeTensorMode (shapes
+and dtypes, no storage, no compute) at the micro-batch's rows and length and counts the
+bytes each layer's modules save for backward, as autograd's saved-tensor hooks see them,
+at tp = 1 (an upper bound under tensor parallelism, which splits some of them).
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
 from dataclasses import dataclass
 
+import torch
+
+from unmask.models.build import _no_init, build_model, shape_of
 from unmask.optim.muon import NS_BATCH_NUMEL
 from unmask.plan.shards import ShardedModel
 
@@ -201,6 +212,54 @@ def layer_activation_bytes(arch, rows: int, length: int, tp: int, bf16: bool,
     return tokens * per_token
 
 
+@functools.lru_cache(maxsize=32)
+def traced_layer_bytes(arch_json: str, rows: int, length: int, bf16: bool,
+                       autocast: bool) -> tuple[int, ...]:  # fmt: skip
+    """Bytes each layer of the model `arch_json` (a ModelConfig's JSON) saves for backward
+    over `rows` rows of `length` tokens: its forward run under FakeTensorMode (no storage)
+    with saved-tensor hooks, each saved storage counted once, on the layer that saved it
+    first, parameters left out. bf16: bfloat16 compute, by autocast over float32 weights
+    (`autocast`: one process, whose saves include autocast's weight copies) or with the
+    weights themselves in bfloat16 (FSDP2's mixed precision)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from unmask.models.config import ModelConfig
+
+    arch = ModelConfig.model_validate_json(arch_json)
+    with FakeTensorMode(), _no_init():
+        model = build_model(arch)
+        if bf16 and not autocast:
+            model = model.to(torch.bfloat16)
+        params = {p.untyped_storage()._cdata for p in model.parameters()}
+        layers = list(model.model.layers)
+        totals = [0] * len(layers)
+        seen: set[int] = set()
+        current: list[int | None] = [None]
+
+        def enter(index: int):
+            return lambda module, args: current.__setitem__(0, index)
+
+        handles = [layer.register_forward_pre_hook(enter(i)) for i, layer in enumerate(layers)]
+        handles += [layer.register_forward_hook(lambda *a: current.__setitem__(0, None))
+                    for layer in layers]  # fmt: skip
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            key = t.untyped_storage()._cdata
+            if current[0] is not None and key not in params and key not in seen:
+                seen.add(key)
+                totals[current[0]] += t.untyped_storage().nbytes()
+            return t
+
+        cast = (torch.autocast("cpu", dtype=torch.bfloat16) if bf16 and autocast
+                else contextlib.nullcontext())  # fmt: skip
+        ids = torch.zeros(rows, length, dtype=torch.long)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), cast:
+            model.hidden_states(ids)
+        for handle in handles:
+            handle.remove()
+    return tuple(totals)
+
+
 def expert_stack_numel(model: ShardedModel) -> int:
     """Elements of one MoE layer's expert stacks (gate, up, down) this rank computes with."""
     arch = model.model_config
@@ -257,9 +316,17 @@ def layer_saves(model: ShardedModel, shape: StepShape) -> tuple[list[int], list[
     kept_input = tokens * arch.hidden_size * stream
     # autocast's bfloat16 copy of each linear weight of a layer that is not checkpointed
     weight_copies = 2 * model.flops.matmul_params // model.layers if casts else 0
+    traced = None
+    if not shape_of(arch).activation_formula:  # a family without the decoder's formula
+        traced = traced_layer_bytes(arch.model_dump_json(), shape.rows, length, shape.bf16,
+                                    autocast=casts)  # fmt: skip
+        weight_copies = 0  # the trace saw autocast's copies
     kept, held, any_checkpointed = [], [], False
     for position, index in enumerate(model.layer_indices):
-        full = by_kind[bool(arch.num_experts) and arch.is_moe_layer(index)]
+        if traced is not None:
+            full = traced[index]
+        else:
+            full = by_kind[bool(arch.num_experts) and arch.is_moe_layer(index)]
         flag = shape.checkpointing
         checkpointed = flag if isinstance(flag, bool) else (flag > 0 and position % flag == 0)
         kept.append(kept_input if checkpointed else full + weight_copies)

@@ -25,10 +25,10 @@ from torch import nn
 
 from unmask.config import RunConfig
 from unmask.errors import InputError
-from unmask.models import decoder_layers
 from unmask.models.build import _no_init, build_model  # no-op initializers, whole model
 from unmask.models.families import FAMILIES
 from unmask.models.hf import config_from_hf, read_config
+from unmask.models.shape import decoder_layers
 from unmask.optim.config import build_optimizer
 from unmask.parallel.mesh import MeshLayout, build_mesh
 from unmask.parallel.pipeline import PipelinePlan

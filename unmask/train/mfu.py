@@ -38,6 +38,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from unmask.models.build import shape_of
+
 # Dense peak FLOP/s (no structured sparsity: the datasheets' "with sparsity" figures halved),
 # from NVIDIA's datasheets: H100 (SXM5 / NVL / PCIe), H200 (SXM / NVL), A100 (SXM4 and
 # PCIe, 40 and 80 GB). "float32": the CUDA-core FP32 rate, what a float32 matmul gets at
@@ -153,7 +155,7 @@ def flop_model(model: nn.Module) -> FlopModel:
     return FlopModel(
         matmul_params=sum(m.in_features * m.out_features for m in linears) + _active_experts(model),
         layers=cfg.num_hidden_layers,
-        attention_width=cfg.num_attention_heads * cfg.resolved_head_dim,
+        attention_width=shape_of(cfg).attention_width(cfg),
         head_params=head.in_features * head.out_features,
         head_on_masked=on_masked,
     )

@@ -32,7 +32,7 @@ from conftest import matrices_in, newton_schulz_calls, tiny_model  # noqa: E402
 from plan_worker import collective_bytes  # noqa: E402
 
 import unmask.optim.distributed as muon_distributed  # noqa: E402
-from unmask.models.transformer import decoder_layers  # noqa: E402
+from unmask.models import decoder_layers  # noqa: E402
 from unmask.optim import MuonAdamW  # noqa: E402
 from unmask.parallel.fsdp import apply_fsdp  # noqa: E402
 from unmask.parallel.mesh import MeshLayout, build_mesh, end_process, fsdp_mesh  # noqa: E402

@@ -1,0 +1,126 @@
+"""A family's shape: the one declaration of its block that parallelism, the planner and the
+FLOP count read, so that none of them spells out a family's module names or formulas.
+
+Each `Family` (models/families.py) carries a `ModelShape`. What reads it:
+
+- tensor parallelism (parallel/tensor.py) splits each layer by `TensorPlan`: which linears
+  are column- and row-parallel, which modules' first input enters replicated, the per-head
+  norms, the norms sequence parallelism shards, and the architecture fields the degree must
+  divide;
+- the pipeline (parallel/pipeline.py) cuts the layers by `layer_matmul_params` and
+  `attention_width` (`layer_costs`) and runs each stage through the model's own
+  `hidden_states` over the stage's layers (`StagedModel`, no copy of the forward);
+- the MFU (train/mfu.py) counts the attention term with `attention_width`;
+- the memory model (plan/memory.py) uses its formulas for the decoder block
+  (`activation_formula` True) and otherwise measures what a layer saves for backward by
+  running the model on the meta device (no storage, no compute).
+
+The model a family builds (models/build.py `register_family`) keeps the layout these paths
+name: the layers at `model.layers`, the embedding at `model.embed_tokens`, the final norm at
+`model.norm`, the head at `lm_head` (HF's layout, which every native family has).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Protocol, runtime_checkable
+
+import torch
+
+
+@dataclass(frozen=True)
+class TensorPlan:
+    """How tensor parallelism splits one layer (names relative to the layer), Megatron's
+    way: column-parallel linears split their outputs, row-parallel ones their inputs (their
+    outputs summed over the tp ranks); each module in `inputs` takes its first positional
+    input (the hidden states) as one replicated DTensor, so the gradients of the linears
+    that read it are summed once per module (the value: how many positional inputs the
+    module's forward takes)."""
+
+    colwise: tuple[str, ...]
+    rowwise: tuple[str, ...]
+    inputs: Mapping[str, int]
+    per_head_norms: tuple[str, ...] = ()
+    """Norms over each head's features (B, L, heads, head_dim) that see a rank's heads."""
+    sequence_norms: tuple[str, ...] = ()
+    """The norms sequence parallelism runs on each rank's share of the tokens."""
+    divides: tuple[str, ...] = ("num_attention_heads", "num_key_value_heads",
+                                "intermediate_size")  # fmt: skip
+    """Architecture (ModelConfig) fields the tp degree must divide."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "inputs", MappingProxyType(dict(self.inputs)))
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The declaration of a family's blocks (module docstring). `tensor` None: the family
+    cannot be split by tensor parallelism (a transformers encoder); `staged` False: it has
+    no `StagedModel` forward, so no pipeline; `activation_formula`: plan/memory.py's
+    formulas describe its layers (the decoder block of models/transformer.py), else the
+    planner measures them on the meta device."""
+
+    name: str
+    tensor: TensorPlan | None = None
+    staged: bool = True
+    activation_formula: bool = False
+
+    def attention_width(self, arch) -> int:
+        """Query heads x head dim: the width of the attention scores' matmuls."""
+        return arch.num_attention_heads * arch.resolved_head_dim
+
+    def attention_params(self, arch) -> int:
+        """Weights of one layer's q, k, v and o projections."""
+        kv = arch.num_key_value_heads * arch.resolved_head_dim
+        return 2 * arch.hidden_size * self.attention_width(arch) + 2 * arch.hidden_size * kv
+
+    def mlp_params(self, arch, index: int) -> int:
+        """Matmul weights one token uses in layer `index`'s MLP: a gated MLP's 3 h I, or an
+        MoE layer's router, top-k experts and shared experts."""
+        hidden = arch.hidden_size
+        if arch.num_experts and arch.is_moe_layer(index):
+            inner = arch.resolved_moe_intermediate_size
+            return (arch.num_experts * hidden + arch.num_experts_per_tok * 3 * inner * hidden
+                    + 3 * hidden * inner * arch.num_shared_experts)  # fmt: skip
+        return 3 * hidden * arch.intermediate_size
+
+    def layer_matmul_params(self, arch, index: int) -> int:
+        """Matmul weights one token uses in layer `index` (its active ones)."""
+        return self.attention_params(arch) + self.mlp_params(arch, index)
+
+
+@runtime_checkable
+class StagedModel(Protocol):
+    """What a pipeline stage calls: the model's own forward over some of its layers."""
+
+    def hidden_states(self, input_ids: torch.Tensor, doc_ids: torch.Tensor | None = None,
+                      position_ids: torch.Tensor | None = None,
+                      attention_mask: torch.Tensor | None = None, kv_cache=None, *,
+                      layers=None, first: bool = True,
+                      last: bool = True) -> torch.Tensor: ...  # fmt: skip
+
+
+DECODER_TENSOR_PLAN = TensorPlan(
+    colwise=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj",
+             "mlp.up_proj"),
+    rowwise=("self_attn.o_proj", "mlp.down_proj"),
+    inputs={"self_attn": 5, "mlp": 1},  # attention: (x, cos, sin, mask, cache)
+    per_head_norms=("self_attn.q_norm", "self_attn.k_norm"),
+    sequence_norms=("input_layernorm", "post_attention_layernorm"),
+)  # fmt: skip
+
+DECODER = ModelShape("decoder", DECODER_TENSOR_PLAN, activation_formula=True)
+"""The native decoder block (models/transformer.py DecoderLayer): pre-norm GQA attention
+and a gated MLP or a mixture of experts."""
+
+WRAPPED = ModelShape("transformers", tensor=None, staged=False)
+"""A transformers masked-LM class run as it is (models/hf_wrapped.py): no tensor or
+pipeline parallelism."""
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's blocks (``model.model.layers``), or none for other models."""
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    return list(layers) if layers is not None else []
