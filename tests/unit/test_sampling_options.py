@@ -34,6 +34,8 @@ SETTINGS = [
     dict(decoder="left_to_right", gen_length=6),
     dict(block_causal=True, shift_logits=True, blocks_from_start=True, block_length=4,
          threshold=0.9),
+    dict(decoder="joint_threshold", edit_threshold=0.3, max_post_edit_steps=4,
+         penalty_lambda=3.0, joint_preset="quality"),
 ]  # fmt: skip
 HOOKS = dict(logits_hook="json:dumps", tokens_hook="json:loads")  # any importable callable
 

@@ -3,6 +3,7 @@
 
 from unmask.sampling.config import SamplingConfig, resolve_sampling
 from unmask.sampling.decoders import BlockDecoder, WholeDecoder, register_decoder
+from unmask.sampling.editing import JointThreshold  # registers decoder joint_threshold
 from unmask.sampling.generate import GenerationOutput, cfg_combine, generate, left_pad, sample
 from unmask.sampling.schedules import dream_schedule, num_transfer_tokens
 from unmask.sampling.transfer import add_gumbel_noise, register_confidence, select_top_k
@@ -10,6 +11,7 @@ from unmask.sampling.transfer import add_gumbel_noise, register_confidence, sele
 __all__ = [
     "BlockDecoder",
     "GenerationOutput",
+    "JointThreshold",
     "SamplingConfig",
     "add_gumbel_noise",
     "cfg_combine",

@@ -32,7 +32,22 @@ _CHOICES = {
     "schedule": lambda: SCHEDULES,
     "cache": lambda: CACHES,
     "decoder": decoder_names,
+    "joint_preset": lambda: tuple(JOINT_PRESETS),
 }
+# options that may be None (not given) though they take one of a set of names
+_UNSET_CHOICES = ("decoder", "joint_preset")
+# Decoder joint_threshold (sampling/editing.py): LLaDA2.1's decoding modes, the report's S and
+# Q modes (arXiv 2602.08676; the model cards of inclusionAI/LLaDA2.1-mini and -flash), and
+# SGLang's JointThreshold defaults (= speedy) for what neither a preset nor an option sets.
+JOINT_PRESETS = {
+    "speedy": {"threshold": 0.5, "edit_threshold": 0.0, "max_post_edit_steps": 16,
+               "penalty_lambda": 0.0},
+    "quality": {"threshold": 0.7, "edit_threshold": 0.5, "max_post_edit_steps": 16,
+                "penalty_lambda": 0.0},
+}  # fmt: skip
+JOINT_DEFAULT_PRESET = "speedy"
+# the options only decoder joint_threshold reads
+JOINT_OPTIONS = ("edit_threshold", "max_post_edit_steps", "penalty_lambda", "joint_preset")
 # Options of one call, never of a model folder: generation_config.json neither holds nor
 # gives them (a downloaded folder must not name code to run), model_dump leaves them out.
 RUNTIME_OPTIONS = ("logits_hook", "tokens_hook", "history")
@@ -123,10 +138,26 @@ class SamplingConfig(BaseModel):
     threshold decoding; each later block's first token read from the finished block's last
     position (blocks_from_start.py). Default: from the model folder."""
     decoder: str | None = None
-    """The decoding strategy by name: masked, left_to_right, blocks_from_start, or one
-    added with `unmask.sampling.register_decoder` (docs/sampling.md). Default: the one the
-    options imply (left_to_right with autoregressive, blocks_from_start with
-    blocks_from_start, else masked)."""
+    """The decoding strategy by name: masked, left_to_right, blocks_from_start,
+    joint_threshold (LLaDA2.1's token editing), or one added with
+    `unmask.sampling.register_decoder` (docs/sampling.md). Default: the one the options
+    imply (left_to_right with autoregressive, blocks_from_start with blocks_from_start,
+    else masked)."""
+    edit_threshold: float | None = Field(None, ge=0.0, le=1.0)
+    """Decoder joint_threshold (LLaDA2.1's T2T edits): a filled answer token of the current
+    block is replaced by the model's argmax where that differs and its probability is above
+    this (0 = wherever the argmax differs). None = the preset's (speedy 0, quality 0.5)."""
+    max_post_edit_steps: int | None = Field(None, ge=0)
+    """Decoder joint_threshold: steps of edits alone once a block has no mask left (a block
+    also ends at the first step that changes nothing). None = the preset's (16)."""
+    penalty_lambda: float | None = Field(None, ge=0.0)
+    """Decoder joint_threshold: repetition penalty, subtracted from the logit of the token
+    just before each position of the block (SGLang's 2-gram penalty; 0 = off, 3 curbs most
+    repetition). None = the preset's (0)."""
+    joint_preset: Literal[tuple(JOINT_PRESETS)] | None = None
+    """Decoder joint_threshold: LLaDA2.1's mode, speedy (threshold 0.5, edit_threshold 0)
+    or quality (threshold 0.7, edit_threshold 0.5), both max_post_edit_steps 16; options
+    given win over it. None = speedy (SGLang's defaults)."""
     ddpm_cache: bool = False
     """With `origin` remasking: reuse the last logits while no token changed (MDLM)."""
     gen_length_max: int | None = Field(None, gt=0)
@@ -159,7 +190,7 @@ class SamplingConfig(BaseModel):
     @field_validator(*_CHOICES, mode="before")
     @classmethod
     def _known_choice(cls, value, info):
-        if value is None and info.field_name == "decoder":  # the one the options imply
+        if value is None and info.field_name in _UNSET_CHOICES:  # the implied / default one
             return value
         choices = option_choices(info.field_name)
         if value not in choices:
@@ -202,6 +233,13 @@ class SamplingConfig(BaseModel):
         elif self.autoregressive:
             raise ValueError(f"an autoregressive model decodes left to right; decoder "
                              f"{decoder!r} decodes masks it never learned to fill")  # fmt: skip
+        if decoder == "joint_threshold":
+            check_joint_threshold(self)
+        else:
+            given = [name for name in JOINT_OPTIONS if getattr(self, name) is not None]
+            if given:
+                raise ValueError(f"{given[0]} is an option of decoder joint_threshold (the "
+                                 f"decoder here is {decoder!r}); give decoder joint_threshold")  # fmt: skip
         if decoder == "blocks_from_start":
             check_blocks_from_start(self)
         elif self.block_causal and self.shift_logits:
@@ -316,6 +354,41 @@ def check_blocks_from_start(config: SamplingConfig) -> None:
         raise ValueError("blocks_from_start decodes sub-blocks by threshold; give threshold")
     if config.gen_length == "auto" or config.cfg_scale > 0 or config.block_length is None:
         raise ValueError("blocks_from_start needs block_length, a gen_length N and cfg_scale 0")
+
+
+def check_joint_threshold(config: SamplingConfig) -> None:
+    """LLaDA2.1's joint-threshold decoder (sampling/editing.py) scores a proposal by its own
+    probability, fills by threshold above the llada quota and edits: the options of the
+    masked decoder's other rules do not apply, and the threshold is a probability."""
+    if config.threshold is not None and not 0.0 <= config.threshold <= 1.0:
+        raise ValueError(f"decoder joint_threshold: threshold is a probability, from 0 to 1 "
+                         f"(got {config.threshold})")  # fmt: skip
+    refused = {
+        "remasking": config.remasking != "low_confidence",
+        "schedule": config.schedule != "llada",
+        "alg_temp": bool(config.alg_temp),
+        "factor": config.factor is not None,
+        "sub_block_length": config.sub_block_length is not None,
+        "confidence_eos_eot_inf": config.confidence_eos_eot_inf,
+        "ddpm_cache": config.ddpm_cache,
+        "blocks_from_start": config.blocks_from_start,
+    }
+    for name, given in refused.items():
+        if given:
+            raise ValueError(
+                f"decoder joint_threshold takes no {name} (it fills masks whose proposal's "
+                f"probability clears threshold, at least the llada quota, and edits filled "
+                f"tokens); leave {name} at its default"
+            )
+
+
+def joint_threshold_settings(config: SamplingConfig) -> dict[str, Any]:
+    """threshold, edit_threshold, max_post_edit_steps and penalty_lambda of decoder
+    joint_threshold: each option given, else its value in the preset (joint_preset, else
+    speedy: SGLang JointThreshold's defaults)."""
+    preset = JOINT_PRESETS[config.joint_preset or JOINT_DEFAULT_PRESET]
+    return {name: preset[name] if getattr(config, name) is None else getattr(config, name)
+            for name in preset}  # fmt: skip
 
 
 def without_none(options: dict[str, Any]) -> dict[str, Any]:

@@ -60,7 +60,9 @@ class GenerationOutput:
     guided call on 2B rows counts once). steps: denoising steps taken over all blocks
     (the `step` hooks see). tokens: answer tokens before each row's first
     EOS, summed over rows. decoded: positions committed by the model (the EOS fill of
-    stopped rows excluded). row_forwards: forward calls times rows in them. history: with
+    stopped rows excluded). edits: committed tokens the decoder replaced by others
+    (joint_threshold's T2T edits; 0 for decoders that never edit). row_forwards: forward
+    calls times rows in them. history: with
     config.history, the (B, P + G) canvas after every step (what `--show` draws), else None.
     """
 
@@ -70,6 +72,7 @@ class GenerationOutput:
     steps: int = 0
     tokens: int = 0
     decoded: int = 0
+    edits: int = 0
     row_forwards: int = 0
     seconds: float = 0.0
     history: list[torch.Tensor] | None = None
@@ -356,6 +359,23 @@ def end_of_turn_id(tokenizer) -> int | None:
     return next((vocab[t] for t in END_OF_TURN_TOKENS if t in vocab), None)
 
 
+def eos_adjusted(logits: torch.Tensor, special: dict[str, list[int]],
+                 eos_penalty: float) -> torch.Tensor:  # fmt: skip
+    """The model's logits with eos_penalty subtracted from EOS and PAD and, with
+    logits_eos_inf, EOS at -inf (LLaDA): both proposals and confidences see them. special:
+    `special_ids`. Out of place."""
+    penalized, forbidden = special["penalized"], special["forbidden"]
+    if penalized:
+        ids = torch.tensor(penalized, device=logits.device)
+        logits = logits.index_add(-1, ids, torch.full(
+            (*logits.shape[:-1], len(penalized)), -eos_penalty,
+            dtype=logits.dtype, device=logits.device))  # fmt: skip
+    if forbidden:
+        logits = logits.index_fill(-1, torch.tensor(forbidden, device=logits.device),
+                                   float("-inf"))  # fmt: skip
+    return logits
+
+
 class MaskedBlockDecoder(BlockDecoder):
     """`masked`: the masked-diffusion block decoder. Each step a forward (or a cache / ddpm
     reuse), proposals, and commits chosen by remasking and schedule, threshold, factor or
@@ -410,18 +430,7 @@ class MaskedBlockDecoder(BlockDecoder):
         return True
 
     def _adjusted(self, logits: torch.Tensor) -> torch.Tensor:
-        """The model's logits with eos_penalty subtracted from EOS and PAD and, with
-        logits_eos_inf, EOS at -inf (LLaDA): both proposals and confidences see them."""
-        penalized, forbidden = self.special["penalized"], self.special["forbidden"]
-        if penalized:
-            ids = torch.tensor(penalized, device=logits.device)
-            logits = logits.index_add(-1, ids, torch.full(
-                (*logits.shape[:-1], len(penalized)), -self.config.eos_penalty,
-                dtype=logits.dtype, device=logits.device))  # fmt: skip
-        if forbidden:
-            logits = logits.index_fill(-1, torch.tensor(forbidden, device=logits.device),
-                                       float("-inf"))  # fmt: skip
-        return logits
+        return eos_adjusted(logits, self.special, self.config.eos_penalty)
 
     def _sub_block(self, is_mask: torch.Tensor) -> torch.Tensor:
         """Bool (B, Lb): the masks of each row's first sub-block that still has one
@@ -511,6 +520,8 @@ def generate(
 register_decoder("masked", MaskedBlockDecoder)
 register_decoder("left_to_right", LeftToRight)
 register_decoder("blocks_from_start", BlocksFromStart)
+# joint_threshold (LLaDA2.1's token editing) registers itself in editing.py, which builds on
+# this module; the package imports it (sampling/__init__.py)
 
 __all__ = [
     "BlocksFromStart",

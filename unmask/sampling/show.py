@@ -1,7 +1,10 @@
 """`unmask generate --show`: the canvas after every denoising step, masked positions drawn
 as a shaded block and EOS as a middle dot, so the answer visibly fills in and where it
-ends shows. On a terminal each frame redraws the last in place; elsewhere (a file, a pipe,
-CI logs) frames are written one after another as plain lines, with no escape codes."""
+ends shows. A decoder that edits tokens it committed (joint_threshold) shows it: the step
+line counts the tokens the step replaced and those replaced so far, and on a terminal
+the replaced tokens are underlined. On a terminal each frame redraws the last in place;
+elsewhere (a file, a pipe, CI logs) frames are written one after another as plain lines,
+with no escape codes."""
 
 import sys
 import time
@@ -11,21 +14,34 @@ import torch
 
 MASK_GLYPH = "\u2591"  # light shade
 EOS_GLYPH = "\u00b7"  # middle dot
+UNDERLINE, PLAIN = "\x1b[4m", "\x1b[24m"  # an edited token, on a terminal
 
 
 def render_row(tokenizer, row: list[int], mask_id: int, skip_ids: set[int],
-               eos_id: int | None = None) -> str:  # fmt: skip
+               eos_id: int | None = None, marked: set[int] = frozenset()) -> str:  # fmt: skip
     """Text of one canvas row: tokens decoded one by one, masks as MASK_GLYPH, EOS as
-    EOS_GLYPH, skip_ids (left padding) left out."""
+    EOS_GLYPH, skip_ids (left padding) left out; the tokens at positions `marked` (indices
+    into row) underlined."""
     pieces = []
-    for token in row:
+    for at, token in enumerate(row):
         if token == mask_id:
-            pieces.append(MASK_GLYPH)
+            piece = MASK_GLYPH
         elif token == eos_id:
-            pieces.append(EOS_GLYPH)
+            piece = EOS_GLYPH
         elif token not in skip_ids:
-            pieces.append(tokenizer.decode([token]))
+            piece = tokenizer.decode([token])
+        else:
+            continue
+        pieces.append(f"{UNDERLINE}{piece}{PLAIN}" if at in marked else piece)
     return "".join(pieces)
+
+
+def edited(before: torch.Tensor | None, after: torch.Tensor, mask_id: int) -> torch.Tensor:
+    """Bool, after's shape: positions that held a token (not a mask) in `before` and hold
+    another in `after` (all False without a `before` of the same shape)."""
+    if before is None or before.shape != after.shape:
+        return torch.zeros(after.shape, dtype=torch.bool)
+    return (before != mask_id) & (after != before)
 
 
 class TerminalAnimation:
@@ -41,11 +57,20 @@ class TerminalAnimation:
         self.delay = delay if self.in_place else 0.0
         self.lines = 0
         self.step = 0
+        self.previous: torch.Tensor | None = None
+        self.edits = 0  # tokens replaced by others so far
 
     def __call__(self, canvas: torch.Tensor) -> None:
         self.step += 1
-        text = [f"step {self.step}"] + [
-            self._row(row) for row in canvas.tolist()
+        changed = edited(self.previous, canvas.cpu(), self.mask_id)
+        self.previous = canvas.cpu().clone()
+        count = int(changed.sum())
+        self.edits += count
+        title = f"step {self.step}"
+        if self.edits:  # a decoder that edits (joint_threshold)
+            title += f" ({count} edited, {self.edits} so far)"
+        text = [title] + [
+            self._row(row, changed[b]) for b, row in enumerate(canvas.tolist())
         ]  # fmt: skip
         if not self.in_place:
             self.stream.write("".join(line + "\n" for line in text))
@@ -59,8 +84,11 @@ class TerminalAnimation:
         if self.delay:
             time.sleep(self.delay)
 
-    def _row(self, row: list[int]) -> str:
+    def _row(self, row: list[int], changed: torch.Tensor) -> str:
         start = 0
         while start < len(row) and row[start] in self.padding:
             start += 1
-        return render_row(self.tokenizer, row[start:], self.mask_id, set(), self.eos_id)
+        marked = set()
+        if self.in_place:  # underlined on a terminal; plain text elsewhere
+            marked = {at - start for at in changed.nonzero().flatten().tolist() if at >= start}
+        return render_row(self.tokenizer, row[start:], self.mask_id, set(), self.eos_id, marked)

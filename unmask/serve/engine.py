@@ -78,7 +78,9 @@ _PER_ROW = ("gen_length", "row_length", "steps", "gen_length_max", "auto_eos_thr
 _AFTER_FORWARD = ("temperature", "top_p", "top_k", "eos_penalty", "logits_eos_inf",
                   "confidence_eos_eot_inf", "remasking", "schedule", "eps", "alg_temp",
                   "threshold", "sub_block_length", "factor", "cache_refresh", "ddpm_cache",
-                  "steps", "row_length", "gen_length_max", "auto_eos_threshold")  # fmt: skip
+                  "steps", "row_length", "gen_length_max", "auto_eos_threshold",
+                  "edit_threshold", "max_post_edit_steps", "penalty_lambda",
+                  "joint_preset")  # fmt: skip
 
 
 @dataclass

@@ -1,0 +1,137 @@
+"""`joint_threshold`: LLaDA2.1's token-editing decoder (M2T + T2T, arXiv 2602.08676).
+
+Written from SGLang's `JointThreshold` dLLM algorithm (sgl-project/sglang,
+python/sglang/srt/dllm/algorithm/joint_threshold.py at commit
+cabd4543152087d411785114ef0b2d8db7bfd80e; `--dllm-algorithm JointThreshold`, which SGLang
+says matches the model's official generate), with the quota of LLaDA2.1's own `generate` (its modeling_llada2_moe.py, as
+released with the model: `num_to_transfer`). Each step of a
+block, for every row still decoding, one forward and:
+
+1. penalty (`penalty_lambda` > 0): the logit of the token now at position j - 1 of the
+   block is lowered by penalty_lambda at position j, j >= 1 (position 0 of the block is not
+   penalized, as in SGLang);
+2. proposals x0 = the argmax of the (penalized) logits, p = its softmax probability;
+3. M2T: every mask of the block with p > threshold is filled with x0, and at least the
+   row's quota of the most probable masks (the `llada` quota of this step: one a step by
+   default, steps = gen_length, as SGLang's top-1 floor; fewer steps give the official
+   generate's num_to_transfer);
+4. T2T: every position of the block that is neither a mask now nor was filled before the
+   block started (SGLang's "prompt" positions: in unmask a block starts all masks, unless a
+   tokens hook filled some) gets x0 where x0 differs from its token and p > edit_threshold
+   (0: wherever the argmax differs);
+5. a row with no mask left counts a post-edit step; once it has counted more than
+   `max_post_edit_steps` it is done (that step's forward is taken, as SGLang takes it), and
+   a row whose step changes nothing is done. The block ends when every row is done.
+
+Edits touch only the current block: finished blocks and the prompt are never edited, as
+in SGLang and the official generate (the report's multi-block editing is not done). So a
+block takes M + E + 1 forwards: M steps with masks, E steps of edits alone (at most
+max_post_edit_steps), and the step that finds nothing to change or the budget spent. The
+official generate checks the budget before its forward, so a block that spends the whole
+budget costs it one forward less; tokens are the same.
+
+Differences from SGLang, all inert for a trained model: the mask token is never proposed
+(SGLang's argmax could pick it; every unmask decoder forbids it), so p is over the other
+tokens; probabilities are float64 (SGLang: the logits' dtype); a block that starts with no
+mask takes no forward (SGLang runs one to fill its K/V cache). Options it shares with the
+other decoders: temperature / top_p / top_k (x0 drawn as `masked` draws it and p its
+probability under the tempered, filtered distribution, the official generate's
+`_sample_with_temperature_topk_topp`), eos_penalty and logits_eos_inf, guidance, caches,
+hooks. A row's tokens never depend on the other rows of the batch: its quota, post-edit
+count and end are its own (the server batches rows of different requests).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from unmask.sampling.config import joint_threshold_settings
+from unmask.sampling.decoders import BlockDecoder, register_decoder
+from unmask.sampling.generate import GenerationOutput, eos_adjusted
+from unmask.sampling.hooks import call_logits_hook, call_tokens_hook
+from unmask.sampling.schedules import num_transfer_tokens
+from unmask.sampling.transfer import propose_tokens, select_top_k
+
+
+class JointThreshold(BlockDecoder):
+    """`joint_threshold`: LLaDA2.1's joint threshold decoding, M2T fills and T2T edits of
+    the current block (the module doc); options threshold, edit_threshold,
+    max_post_edit_steps, penalty_lambda and joint_preset (`joint_threshold_settings`)."""
+
+    def __init__(self, config, model, canvas, start, stop, steps_per_block, mask_id, special):
+        super().__init__(config, model, canvas, start, stop, steps_per_block, mask_id, special)
+        settings = joint_threshold_settings(config)
+        self.threshold = float(settings["threshold"])
+        self.edit_threshold = float(settings["edit_threshold"])
+        self.max_post_edit_steps = int(settings["max_post_edit_steps"])
+        self.penalty_lambda = float(settings["penalty_lambda"])
+        block = canvas.x[:, start:stop]
+        #: positions filled before the block started: never edited (SGLang's prompt mask)
+        self.fixed = block != mask_id
+        self.quota = num_transfer_tokens((~self.fixed).sum(1), steps_per_block)  # (B, S)
+        rows = block.shape[0]
+        self.post_edit_steps = torch.zeros(rows, dtype=torch.long, device=block.device)
+        self.done = torch.zeros(rows, dtype=torch.bool, device=block.device)
+        # at most one fill a step, then the post-edit budget, then the step that ends it
+        self.max_steps = (stop - start) + self.max_post_edit_steps + 1
+
+    def step(self, step: int, generator, out: GenerationOutput) -> bool:
+        """One forward, then each unfinished row's fills and edits; False when no row
+        changed (every row is done)."""
+        x_block = self.canvas.x[:, self.start : self.stop]
+        is_mask = x_block == self.mask_id  # (B, Lb), before this step
+        if self.done.all() or (step == 0 and not is_mask.any()):
+            return False
+        cfg = self.config
+        logits = self.forward(step)
+        out.nfe += 1
+        out.row_forwards += x_block.shape[0]
+        if cfg.logits_hook is not None:
+            logits = call_logits_hook(cfg.logits_hook, out.steps, self.canvas.x, logits)
+        logits = eos_adjusted(logits, self.special, cfg.eos_penalty)
+        if self.penalty_lambda > 0:  # the token before each position, within the block
+            penalty = logits.new_full((*x_block[:, :-1].shape, 1), -self.penalty_lambda)
+            logits = logits.clone()
+            logits[:, 1:].scatter_add_(-1, x_block[:, :-1, None], penalty)
+        x0, filtered = propose_tokens(logits, self.mask_id, cfg.temperature, cfg.top_k,
+                                      cfg.top_p, generator)  # fmt: skip
+        p = self._probability(filtered, x0)  # (B, Lb) float64
+        if self.trace:
+            self.proposed, self.proposal_p = x0.clone(), p.masked_fill(~is_mask, float("nan"))
+
+        active = ~self.done
+        has_mask = is_mask.any(1)
+        post = active & ~has_mask  # rows editing alone count the step
+        self.post_edit_steps += post.long()
+        spent = post & (self.post_edit_steps > self.max_post_edit_steps)
+        working = (active & ~spent)[:, None]
+        # M2T: above threshold, and at least the quota of the most probable masks
+        confidence = p.masked_fill(~is_mask, float("-inf"))
+        index = min(step, self.quota.shape[1] - 1)
+        floor = select_top_k(confidence, torch.minimum(self.quota[:, index], is_mask.sum(1)))
+        fill = working & is_mask & ((p > self.threshold) | floor)
+        # T2T: filled in this block, a different argmax, probable enough
+        edit = working & ~is_mask & ~self.fixed & (x0 != x_block) & (p > self.edit_threshold)
+        change = fill | edit
+        changed = change.any(1)
+        self.done |= spent | (working[:, 0] & ~changed)
+        if not changed.any():
+            return False
+        self.canvas.x[:, self.start : self.stop] = torch.where(change, x0, x_block)
+        out.decoded += int(fill.sum())
+        out.edits += int(edit.sum())
+        if cfg.tokens_hook is not None:
+            self.canvas.x = call_tokens_hook(cfg.tokens_hook, out.steps, self.canvas.x, logits)
+        out.steps += 1
+        return True
+
+    def _probability(self, filtered: torch.Tensor, x0: torch.Tensor) -> torch.Tensor:
+        """p(x0) (B, Lb) float64: softmax of the (filtered) logits, tempered at T > 0."""
+        scale = self.config.temperature if self.config.temperature > 0 else 1.0
+        logp = torch.log_softmax(filtered.to(torch.float64) / scale, dim=-1)
+        return logp.gather(-1, x0[..., None]).squeeze(-1).exp()
+
+
+register_decoder("joint_threshold", JointThreshold)
+
+__all__ = ["JointThreshold"]
