@@ -11,7 +11,7 @@ expert parallelism, and all-to-all bytes against the formula (docs/parallelism.m
    masks (transformers' eager path: a mask, a gather and an index_add per expert).
    Target: grouped / sorted >= 2x the per-expert loop.
 3. Parameters + optimizer state per rank (AdamW, replicated data parallel over 2 gloo
-   processes) with train.expert_parallel 1 and 2, for an expert-dominated model (64 experts).
+   processes) with parallel.expert_parallel 1 and 2, for an expert-dominated model (64 experts).
    Target: ep=2 <= 0.55x ep=1.
 4. All-to-all payload bytes per step and rank under ep=2, measured (every all-to-all's input,
    forward and backward) against 4 x T x k x H x 4 bytes x MoE layers + the per-expert count

@@ -1,5 +1,5 @@
 """Sequence parallelism under tp=2 at 8k tokens (gloo, CPU processes): per-rank activation
-memory of tp=1, tp=2 and tp=2 with train.sequence_parallel.
+memory of tp=1, tp=2 and tp=2 with parallel.sequence_parallel.
 
 One training forward + backward of a tiny qwen3_dllm (hidden 128, intermediate 384, 4 heads /
 4 K/V heads of 32, 2 layers, vocabulary 256) on one row of L tokens (default 8,192), half of

@@ -80,14 +80,17 @@ def write_run_config(root: Path, name: str, base: dict, extra: dict) -> Path:
 
 def train_in_process(config: Path, out: Path, **train) -> Path:
     """The run of `config` in this process (world size 1) into `out`, with train.KEY = value
-    for each keyword: the reference a multi-process run is compared with. Once: an `out`
+    (parallel.KEY for the layout's keys) for each keyword: the reference a multi-process run is compared with. Once: an `out`
     that exists is returned as it is."""
-    from unmask.config import load_config
+    from unmask.config import ParallelConfig, load_config
     from unmask.train.trainer import Trainer
 
     if not out.exists():
         cfg = load_config(config)
+        layout = {k: v for k, v in train.items() if k in ParallelConfig.model_fields}
+        train = {k: v for k, v in train.items() if k not in layout}
         cfg.train = cfg.train.model_copy(update={"output_dir": str(out), **train})
+        cfg.parallel = cfg.parallel.model_copy(update=layout)
         Trainer(cfg).train()
     return out
 

@@ -1,4 +1,4 @@
-"""`unmask train` with train.context_parallel on gloo processes against one process.
+"""`unmask train` with parallel.context_parallel on gloo processes against one process.
 
 cp=2 (2 processes) and dp_shard=2 x cp=2 (4 processes), AdamW and MuonAdamW, and tp=2 x cp=2
 with MuonAdamW, 20 steps each:
@@ -126,7 +126,8 @@ def test_cp2_checkpoint_resumes_on_one_process_with_the_same_losses(root, cp2):
     out.mkdir()
     shutil.copytree(root / "dcp-cp2" / "checkpoint-4", out / "checkpoint-4")
     cfg = load_config(write_config(root, "dcp-resumed-1", DCP))
-    cfg.train = cfg.train.model_copy(update={"context_parallel": 1, "resume_from_checkpoint": True})
+    cfg.train = cfg.train.model_copy(update={"resume_from_checkpoint": True})
+    cfg.parallel = cfg.parallel.model_copy(update={"context_parallel": 1})
     trainer = Trainer(cfg)
     assert trainer.step == 4
     trainer.train()
@@ -140,7 +141,7 @@ def test_bad_heads_refused_in_one_line_before_the_process_group(root, cp2):
     bad = cp2["bad_heads"]
     assert bad["rc"] == 2
     assert bad["stderr"].strip().splitlines() == [
-        "unmask: error: train.context_parallel=2 does not divide model.num_attention_heads=3 "
+        "unmask: error: parallel.context_parallel=2 does not divide model.num_attention_heads=3 "
         "(each rank attends with 1/2 of the heads); pick a divisor of 3"
     ]
     assert not (root / "bad_heads").exists()

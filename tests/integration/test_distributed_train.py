@@ -160,7 +160,7 @@ def test_bad_split_batches_and_mesh_fail_at_start_with_one_line(runs):
     mesh = runs["results"]["bad_mesh"]
     assert mesh["rc"] == 2
     assert mesh["stderr"].strip().splitlines() == [
-        "unmask: error: mesh train.dp_replicate=2 x train.dp_shard=2 = 4 processes does not "
+        "unmask: error: mesh parallel.dp_replicate=2 x parallel.dp_shard=2 = 4 processes does not "
         "match the world size 2; make their product the number of processes (dp_shard: -1 "
         "fills it in)"
     ]

@@ -112,7 +112,7 @@ def test_bad_expert_parallel_fails_at_start_with_one_line(runs):
     bad = runs["ranks"][0]["bad_ep4"]
     assert bad["rc"] == 2
     assert bad["stderr"].strip().splitlines() == [
-        "unmask: error: train.expert_parallel=4 does not divide the data-parallel x context "
+        "unmask: error: parallel.expert_parallel=4 does not divide the data-parallel x context "
         "ranks (2); launch a multiple of 4 of them"
     ]
     assert not (runs["root"] / "bad_ep4").exists()

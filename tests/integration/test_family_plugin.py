@@ -190,7 +190,7 @@ def test_it_is_planned_generated_and_served(plugin, tmp_path):
     config = write_run_config(tmp_path, "run", BASE,
                               {"train": {"save_steps": STEPS, "max_steps": STEPS}})  # fmt: skip
     done = subprocess.run([sys.executable, "-m", "unmask", "plan", str(config),
-                           "train.tensor_parallel=2", "--world", "2", "--device", "cpu",
+                           "parallel.tensor_parallel=2", "--world", "2", "--device", "cpu",
                            "--json"], env=env, capture_output=True, text=True,
                           timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stderr

@@ -229,7 +229,7 @@ def test_lora_on_the_expert_stacks_trains_merges_and_resumes(tmp_path):
         ({"model": {"num_experts": 0}}, "holds 'experts' but this model has no routed expert"),
         ({"train": {"expert_parallel": 2}},
          "LoRA on the expert stacks (lora_target_modules holds 'experts') does not run under "
-         "train.expert_parallel=2"),
+         "parallel.expert_parallel=2"),
     ],
 )  # fmt: skip
 def test_lora_on_experts_refusals_are_one_line_exit_2(tmp_path, capsys, extra, message):

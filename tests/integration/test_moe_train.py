@@ -133,9 +133,9 @@ def test_expert_bias_moves_once_per_step_from_the_summed_load(tiny_config):
     "extra, message",
     [
         ({"train": {"expert_parallel": 2}},
-         r"train.expert_parallel=2 does not divide the data-parallel x context ranks \(1\)"),
+         r"parallel.expert_parallel=2 does not divide the data-parallel x context ranks \(1\)"),
         ({"train": {"expert_parallel": 3}},
-         r"model.num_experts=4 is not divisible by train.expert_parallel=3"),
+         r"model.num_experts=4 is not divisible by parallel.expert_parallel=3"),
         ({"model": {"num_experts_per_tok": 5}},
          r"num_experts_per_tok \(5\) is above num_experts \(4\)"),
         ({"model": {"n_group": 3}}, r"n_group \(3\) must divide num_experts \(4\)"),

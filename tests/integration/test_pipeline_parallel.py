@@ -143,7 +143,8 @@ def test_dcp_checkpoint_of_dp2_pp2_resumes_under_pp4_tp2dp2_and_one_process(runs
     resumed = {name: losses(root / name) for name in RESUMES}
     out = root / "resume-1"
     cfg = load_config(runs["cfg"]["resume-pp4"])
-    cfg.train = cfg.train.model_copy(update={"output_dir": str(out), "pipeline_parallel": 1})
+    cfg.train = cfg.train.model_copy(update={"output_dir": str(out)})
+    cfg.parallel = cfg.parallel.model_copy(update={"pipeline_parallel": 1})
     trainer = Trainer(cfg)
     assert trainer.step == 4
     trainer.train()

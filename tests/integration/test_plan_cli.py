@@ -22,7 +22,7 @@ def plan_json(capsys, *args: str) -> dict:
 
 
 def test_llada_8b_on_64_gpus_shards_follow_the_formulas(capsys):
-    plan = plan_json(capsys, str(MODELS / "llada_8b.yaml"), "train.tensor_parallel=8",
+    plan = plan_json(capsys, str(MODELS / "llada_8b.yaml"), "parallel.tensor_parallel=8",
                      "--world", "64", "--nodes", "8")  # fmt: skip
     assert plan["layout"] == {"pp": 1, "dp_replicate": 1, "dp_shard": 8, "cp": 1, "tp": 8}
     assert [r["rank"] for r in plan["ranks"]] == [0, 63]
@@ -139,8 +139,8 @@ def test_llada2_flash_on_512_gpus_in_4_pipeline_stages_with_ep(capsys):
     # cost: 9, 8, 8, 7, the dense layer 0 on stage 0 and the head, about 1.7 MoE layers, on
     # stage 3), FSDP2 over the 128, each stage's experts split ep 64 x 2 replicas; 8 rows per
     # rank, one per micro-batch (1F1B), so a step trains the same 4.2M tokens as the pp=1 plan
-    plan = plan_json(capsys, str(MODELS / "llada2_flash.yaml"), "train.pipeline_parallel=4",
-                     "train.per_device_train_batch_size=8", "train.pipeline_microbatches=8",
+    plan = plan_json(capsys, str(MODELS / "llada2_flash.yaml"), "parallel.pipeline_parallel=4",
+                     "train.per_device_train_batch_size=8", "parallel.pipeline_microbatches=8",
                      "--world", "512", "--nodes", "64")  # fmt: skip
     assert plan["layout"] == {"pp": 4, "dp_replicate": 1, "dp_shard": 128, "cp": 1, "tp": 1}
     h, inter, moe, experts, ep, dp, vocab = 4096, 9216, 1024, 256, 64, 128, 157184

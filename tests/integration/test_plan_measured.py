@@ -166,7 +166,9 @@ def measure(world: int, out: Path, layouts: dict | None = None) -> dict[str, lis
 def planned(name: str, world: int, out: Path, masked: int, rank: int):
     cfg = load_config(out / f"{name}.yaml")
     t = cfg.train
-    tokens = t.per_device_train_batch_size * cfg.data.packing_length // t.context_parallel
+    tokens = (
+        t.per_device_train_batch_size * cfg.data.packing_length // cfg.parallel.context_parallel
+    )
     micro_tokens = tokens * t.gradient_accumulation_steps
     return make_run_plan(
         cfg, world, resolve_device("cpu"), masked_fraction=masked / micro_tokens, ranks=[rank]

@@ -1,6 +1,6 @@
 """A pipeline schedule added from outside the package, as docs/architecture.md says (Where
 to add, a pipeline schedule): a `ScheduleSpec` registered by an installed package's
-`unmask.plugins` module is a train.pipeline_schedule value of `unmask train` under torchrun
+`unmask.plugins` module is a parallel.pipeline_schedule value of `unmask train` under torchrun
 (pp=2, two stages per rank, against the one-process run) and of `unmask plan`, with no edit
 of unmask/. The toy is torch's ScheduleLoopedBFS: every forward of a stage's micro-batches
 first, so the head's loss is the chunked one and every micro-batch's activations are live
@@ -52,7 +52,9 @@ def plugin(tmp_path_factory):
 
 def test_an_unregistered_schedule_is_refused_naming_the_registered_ones(tmp_path):
     path = write_run_config(tmp_path, "bad", BASE, {"train": {"pipeline_schedule": "bfs"}})
-    with pytest.raises(Exception, match="train.pipeline_schedule.*Input should be 'gpipe', '1f1b'"):
+    with pytest.raises(
+        Exception, match="parallel.pipeline_schedule.*Input should be 'gpipe', '1f1b'"
+    ):
         load_config(path)
 
 
@@ -78,7 +80,7 @@ def test_the_registered_schedule_trains_under_torchrun_as_one_process(plugin, tm
         assert done.returncode == 0, done.stderr
         return json.loads(done.stdout)
 
-    bfs, interleaved = plan(), plan("train.pipeline_schedule=interleaved_1f1b")
+    bfs, interleaved = plan(), plan("parallel.pipeline_schedule=interleaved_1f1b")
     assert bfs["bubble"] == pytest.approx(1 / (2 * 4 + 1))  # (p - 1) / (v m + p - 1)
     # every forward first: rank 0 holds all 4 micro-batches' activations, interleaved 1F1B's
     # warm-up 5 stage-micro-batches of half its layers (the spec's in_flight)

@@ -88,7 +88,8 @@ def test_dcp_checkpoint_saved_under_dp2_tp2_resumes_under_tp4_dp4_and_one_proces
     resumed = {"tp4": losses(root / "resume-tp4"), "dp4": losses(root / "resume-dp4")}
     out = root / "resume-1"
     cfg = load_config(runs["cfg"]["resume-dp4"])
-    cfg.train = cfg.train.model_copy(update={"output_dir": str(out), "dp_shard": -1})
+    cfg.train = cfg.train.model_copy(update={"output_dir": str(out)})
+    cfg.parallel = cfg.parallel.model_copy(update={"dp_shard": -1})
     trainer = Trainer(cfg)
     assert trainer.step == 4
     trainer.train()

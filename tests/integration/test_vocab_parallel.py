@@ -5,7 +5,7 @@ The head and the embedding split by vocabulary rows give the replicated head's l
 and gradients within float32 rounding (2 gloo processes, dist_workers/vocab_worker.py), for
 untied and tied embeddings and a vocabulary tp does not divide; sequence parallelism gives
 plain TP's, with rows tp divides and rows padded inside the model. Then, in one 2-process
-launch, a tp=2 run with tied embeddings and a tp=2 run with train.sequence_parallel (rows
+launch, a tp=2 run with tied embeddings and a tp=2 run with parallel.sequence_parallel (rows
 cut to random lengths, so some are padded) train with the one-process run's losses for 20
 steps, and the tied run's DCP checkpoint resumes on one process with the uninterrupted
 run's losses. (Untied vocab-parallel heads train under tp=4 and dp_shard=2 x tp=2 in
@@ -86,8 +86,9 @@ def test_tied_vocab_parallel_checkpoint_resumes_on_one_process(runs):
                                             tensor_parallel=1, dp_shard=-1))  # fmt: skip
     cfg = load_config(runs["cfg"]["tied-tp2"])
     cfg.train = cfg.train.model_copy(update={
-        "output_dir": str(root / "tied-resumed-1"), "tensor_parallel": 1, "dp_shard": -1,
+        "output_dir": str(root / "tied-resumed-1"),
         "resume_from_checkpoint": str(root / "tied-tp2" / "checkpoint-10")})  # fmt: skip
+    cfg.parallel = cfg.parallel.model_copy(update={"tensor_parallel": 1, "dp_shard": -1})
     trainer = Trainer(cfg)
     assert trainer.step == 10
     trainer.train()

@@ -102,7 +102,7 @@ def test_lmms_engine_split_batches_and_fsdp2_reach_train():
         "trainer_args": {"fsdp2": False, "accelerator_config": {"split_batches": True}},
     }
     cfg = load(tree)
-    assert cfg.train.fsdp2 is False and cfg.train.split_batches is True
+    assert cfg.parallel.fsdp2 is False and cfg.train.split_batches is True
 
 
 @pytest.mark.parametrize(

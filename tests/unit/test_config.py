@@ -129,3 +129,39 @@ def test_a_config_file_without_output_dir_runs_in_runs_slash_its_name(tmp_path):
     assert load_config(path).train.output_dir == "runs/my-ablation"
     assert load_config(path, ["train.output_dir=elsewhere"]).train.output_dir == "elsewhere"
     assert load_config().train.output_dir == "runs/quickstart"
+
+
+def test_layout_keys_written_under_train_are_read_into_parallel_with_a_notice(tmp_path):
+    """The layout keys moved from `train:` to `parallel:`; a config that still writes them
+    under train (a file, or a command-line override) runs the same, with one notice."""
+    from unmask.config import dump_config, load_config
+
+    old = load_config(None, ["train.tensor_parallel=2", "train.pipeline_schedule=gpipe",
+                             "train.max_steps=3"])  # fmt: skip
+    new = load_config(None, ["parallel.tensor_parallel=2", "parallel.pipeline_schedule=gpipe",
+                             "train.max_steps=3"])  # fmt: skip
+    assert old.model_dump() == new.model_dump()
+    assert old.parallel.tensor_parallel == 2 and old.train.max_steps == 3
+    assert old.notices == [
+        "unmask: config keys that moved, read under their new name (write them there): "
+        "train.tensor_parallel -> parallel.tensor_parallel, train.pipeline_schedule -> "
+        "parallel.pipeline_schedule"
+    ]
+    assert new.notices == []
+    assert "tensor_parallel" not in dump_config(old).split("parallel:")[0]  # written anew
+    path = tmp_path / "old.yaml"
+    path.write_text("train:\n  expert_parallel: 1\n  max_steps: 2\n")
+    assert (
+        load_config(path).notices[-1].endswith("train.expert_parallel -> parallel.expert_parallel")
+    )
+    # a file giving both spellings says two things: refused
+    path.write_text("train:\n  dp_shard: 2\nparallel:\n  dp_shard: 2\n")
+    with pytest.raises(InputError, match=r"^train.dp_shard and parallel.dp_shard are both given; "
+                                         r"the key moved to parallel.dp_shard: keep that one$"):  # fmt: skip
+        load_config(path)
+    # a command-line override in either spelling wins over the file's value in the other
+    path.write_text("train:\n  pipeline_schedule: gpipe\n")
+    over = load_config(path, ["parallel.pipeline_schedule=1f1b"])
+    assert over.parallel.pipeline_schedule == "1f1b"
+    path.write_text("parallel:\n  pipeline_schedule: gpipe\n")
+    assert load_config(path, ["train.pipeline_schedule=1f1b"]).parallel.pipeline_schedule == "1f1b"

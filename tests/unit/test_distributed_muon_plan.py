@@ -83,7 +83,7 @@ def test_mesh_shape_and_its_errors():
     assert resolve_mesh_shape(4, 1, -1) == (1, 4)
     assert resolve_mesh_shape(4, 2, -1) == (2, 2)
     assert resolve_mesh_shape(4, 2, 2) == (2, 2)
-    with pytest.raises(InputError, match=r"dp_replicate=2 x train.dp_shard=4 = 8 processes "):
+    with pytest.raises(InputError, match=r"dp_replicate=2 x parallel.dp_shard=4 = 8 processes "):
         resolve_mesh_shape(4, 2, 4)
     with pytest.raises(InputError, match="does not divide the world size 4"):
         resolve_mesh_shape(4, 3, -1)
@@ -114,7 +114,7 @@ def test_seed_spellings_fsdp2_and_accelerator_config_split_batches():
     from unmask.config import validate_tree
 
     cfg = validate_tree({"train": {"fsdp2": True, "accelerator_config": {"split_batches": True}}})
-    assert cfg.train.fsdp2 and cfg.train.split_batches
+    assert cfg.parallel.fsdp2 and cfg.train.split_batches
     with pytest.raises(InputError, match="unknown config key 'train.accelerator_config.dispatch"):
         validate_tree({"train": {"accelerator_config": {"dispatch_batches": True}}})
 
@@ -148,13 +148,13 @@ def test_layout_with_tensor_and_context_parallel_and_its_errors():
     with pytest.raises(InputError) as err:
         resolve_layout(6, 1, -1, tp=4)
     assert str(err.value) == (
-        "train.tensor_parallel=4 does not divide the world size 6; launch a multiple of 4 "
+        "parallel.tensor_parallel=4 does not divide the world size 6; launch a multiple of 4 "
         "processes or lower it"
     )
     with pytest.raises(InputError) as err:
         resolve_layout(4, 1, 4, tp=2)
     assert str(err.value) == (
-        "mesh train.dp_replicate=1 x train.dp_shard=4 x train.tensor_parallel=2 = 8 processes "
+        "mesh parallel.dp_replicate=1 x parallel.dp_shard=4 x parallel.tensor_parallel=2 = 8 processes "
         "does not match the world size 4; make their product the number of processes "
         "(dp_shard: -1 fills it in)"
     )

@@ -126,7 +126,7 @@ def test_split_by_hand_and_the_start_up_line():
     assert plan.layers == ((0, 1, 2), (3,))
     assert plan.describe() == (
         "pipeline: 2 stages over 2 ranks, gpipe, 2 micro-batches per step, split by "
-        "train.pipeline_split (share of the forward + backward FLOPs per token); stage 0 (pp "
+        "parallel.pipeline_split (share of the forward + backward FLOPs per token); stage 0 (pp "
         "rank 0): layers 0-2 + embeddings (60.0%); stage 1 (pp rank 1): layer 3 + norm + head "
         "(40.0%)"
     )
@@ -250,7 +250,7 @@ def test_moe_balancing_line_when_micro_batches_differ_from_accumulation():
     assert balancing_notice(plan, moe, accumulation=2) == (
         "the MoE balancing losses span each of the 8 pipeline micro-batches, not the 2 "
         "gradient-accumulation micro-batches of the run without a pipeline: set "
-        "train.pipeline_microbatches=2 (when the schedule allows) for the same balancing"
+        "parallel.pipeline_microbatches=2 (when the schedule allows) for the same balancing"
     )
     same = plan_pipeline(2, "1f1b", 1, 2, None, equal(2), rows=8)
     assert balancing_notice(same, moe, accumulation=2) is None
@@ -264,22 +264,22 @@ def test_moe_balancing_line_when_micro_batches_differ_from_accumulation():
     ("args", "message"),
     [
         ((2, "1f1b", 1, None, None, 1, 8), "model.num_hidden_layers=1 is fewer than the "
-                                           "train.pipeline_parallel=2 stages: each stage holds "
-                                           "at least one layer; lower train.pipeline_parallel"),
+                                           "parallel.pipeline_parallel=2 stages: each stage holds "
+                                           "at least one layer; lower parallel.pipeline_parallel"),
         ((2, "zero_bubble", 2, None, None, 3, 8),
-         "model.num_hidden_layers=3 is fewer than the train.pipeline_parallel=2 x "
-         "train.pipeline_stages_per_rank=2 = 4 stages: each stage holds at least one layer; "
-         "lower train.pipeline_parallel or train.pipeline_stages_per_rank"),
-        ((2, "1f1b", 1, None, [2, 1], 4, 8), "train.pipeline_split=[2, 1] must give 2 stages"),
+         "model.num_hidden_layers=3 is fewer than the parallel.pipeline_parallel=2 x "
+         "parallel.pipeline_stages_per_rank=2 = 4 stages: each stage holds at least one layer; "
+         "lower parallel.pipeline_parallel or parallel.pipeline_stages_per_rank"),
+        ((2, "1f1b", 1, None, [2, 1], 4, 8), "parallel.pipeline_split=[2, 1] must give 2 stages"),
         ((2, "1f1b", 1, None, [4, 0], 4, 8), "at least one layer each"),
-        ((4, "1f1b", 1, 2, None, 4, 8), "train.pipeline_microbatches=2 is fewer than the 4 "
+        ((4, "1f1b", 1, 2, None, 4, 8), "parallel.pipeline_microbatches=2 is fewer than the 4 "
                                         "pipeline ranks"),
-        ((2, "1f1b", 1, 3, None, 4, 8), "train.pipeline_microbatches=3 does not divide the 8 "
+        ((2, "1f1b", 1, 3, None, 4, 8), "parallel.pipeline_microbatches=3 does not divide the 8 "
                                         "rows"),
-        ((2, "interleaved_1f1b", 1, None, None, 4, 8), "set train.pipeline_stages_per_rank >= 2"),
-        ((2, "zero_bubble", 1, None, None, 4, 8), "set train.pipeline_stages_per_rank >= 2"),
+        ((2, "interleaved_1f1b", 1, None, None, 4, 8), "set parallel.pipeline_stages_per_rank >= 2"),
+        ((2, "zero_bubble", 1, None, None, 4, 8), "set parallel.pipeline_stages_per_rank >= 2"),
         ((2, "gpipe", 2, None, None, 4, 8), "runs one stage per rank"),
-        ((2, "interleaved_1f1b", 2, 3, None, 8, 12), "a multiple of train.pipeline_parallel=2"),
+        ((2, "interleaved_1f1b", 2, 3, None, 8, 12), "a multiple of parallel.pipeline_parallel=2"),
     ],
 )  # fmt: skip
 def test_plan_refusals_are_one_line(args, message):
@@ -307,10 +307,10 @@ PP2 = {"model": {"num_hidden_layers": 4}, "train": {"pipeline_parallel": 2}}
     ("extra", "message"),
     [
         ({"model": {"num_hidden_layers": 1}}, "model.num_hidden_layers=1 is fewer than the "
-                                              "train.pipeline_parallel=2 stages"),
-        ({"train": {"pipeline_microbatches": 1}}, "train.pipeline_microbatches=1 is fewer than"),
+                                              "parallel.pipeline_parallel=2 stages"),
+        ({"train": {"pipeline_microbatches": 1}}, "parallel.pipeline_microbatches=1 is fewer than"),
         ({"train": {"pipeline_schedule": "interleaved_1f1b"}},
-         "interleaves several stages per rank; set train.pipeline_stages_per_rank >= 2"),
+         "interleaves several stages per rank; set parallel.pipeline_stages_per_rank >= 2"),
         ({"train": {"pipeline_schedule": "1f1b", "pipeline_stages_per_rank": 2}},
          "runs one stage per rank"),
         ({"diffusion": {"objective": "dream", "perbatch_cutoff": True}},
@@ -322,7 +322,7 @@ PP2 = {"model": {"num_hidden_layers": 4}, "train": {"pipeline_parallel": 2}}
                                             "transformers model"),
         ({"model": {"tie_word_embeddings": True}}, "model.tie_word_embeddings makes them one "
                                                    "matrix"),
-        ({"train": {"context_parallel": 2}}, "does not combine with train.context_parallel"),
+        ({"train": {"context_parallel": 2}}, "does not combine with parallel.context_parallel"),
         ({"diffusion": {"random_length_prob": 0.1}}, "diffusion.random_length_prob=0.1 cuts rows"),
         ({"eval": {"generate_accuracy": True}}, "no sampler runs through the pipeline"),
         ({"diffusion": {"objective": "bd3lm", "block_size": 4,
@@ -330,14 +330,14 @@ PP2 = {"model": {"num_hidden_layers": 4}, "train": {"pipeline_parallel": 2}}
          "diffusion.adaptation / diffusion.block_schedule change it during the run"),
         ({"model": {"model_type": "qwen3_moe_dllm", "num_experts": 4, "num_experts_per_tok": 2},
           "train": {"expert_parallel": 2}},
-         "train.expert_parallel=2 does not divide the data-parallel x context ranks (1)"),
+         "parallel.expert_parallel=2 does not divide the data-parallel x context ranks (1)"),
         # an MoE model's layers (its dense first_k_dense_replace ones too) count as any
         ({"model": {"model_type": "llada2_moe", "num_experts": 4, "num_experts_per_tok": 2,
                     "first_k_dense_replace": 1, "num_hidden_layers": 3},
           "train": {"pipeline_parallel": 2, "pipeline_schedule": "interleaved_1f1b",
                     "pipeline_stages_per_rank": 2}},
-         "model.num_hidden_layers=3 is fewer than the train.pipeline_parallel=2 x "
-         "train.pipeline_stages_per_rank=2 = 4 stages"),
+         "model.num_hidden_layers=3 is fewer than the parallel.pipeline_parallel=2 x "
+         "parallel.pipeline_stages_per_rank=2 = 4 stages"),
     ],
 )  # fmt: skip
 def test_bad_pipeline_requests_exit_2_with_one_line(two_processes, tiny_config, tmp_path,

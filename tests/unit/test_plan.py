@@ -61,7 +61,7 @@ def test_fsdp_tp_shard_shapes_follow_the_formulas():
     # dp_shard 2 x tp 2 at world 4: column-parallel rows / tp then / dp_shard, row-parallel
     # columns / tp and rows / dp_shard, the vocab-parallel embedding rows / tp then
     # / dp_shard, the rest rows / dp_shard (torch.chunk: ceil first)
-    model = shard_model(tiny("train.tensor_parallel=2"), 4, rank=0)
+    model = shard_model(tiny("parallel.tensor_parallel=2"), 4, rank=0)
     got = shapes(model)
     h, inter, q, kv, vocab = 64, 128, 64, 32, 96
     assert got["model.layers.0.self_attn.q_proj.weight"] == (q // 2 // 2, h)
@@ -97,7 +97,7 @@ def test_state_bytes_follow_the_optimizer_rules():
 
 
 def test_a_changed_tensor_parallel_rule_changes_the_plan(monkeypatch):
-    cfg = tiny("train.tensor_parallel=2")
+    cfg = tiny("parallel.tensor_parallel=2")
     before = shapes(shard_model(cfg, 2))
     assert before["model.layers.0.mlp.up_proj.weight"] == (64, 64)  # column-parallel
     # the rule the trainer applies (the family's declaration), changed: up_proj not split
@@ -125,7 +125,7 @@ def test_a_changed_fsdp_unit_list_changes_the_collectives(monkeypatch):
 
 
 def test_traffic_against_hand_counts():
-    cfg = tiny("train.tensor_parallel=2", "train.bf16=true")
+    cfg = tiny("parallel.tensor_parallel=2", "train.bf16=true")
     model = shard_model(cfg, 4)
     shape = StepShape(rows=2, length=32, micro_batches=1, bf16=True, checkpointing=False)
     by_kind = {(c.dim, c.kind): c for c in step_collectives(model, shape, nodes=1)}
@@ -158,41 +158,43 @@ def test_refusals_are_one_line():
     with pytest.raises(InputError, match=r"--device 'h1000' is not a device .*did you mean 'h100'"):
         resolve_device("h1000")
     with pytest.raises(InputError, match="does not divide the world size 6"):
-        make_run_plan(tiny("train.tensor_parallel=4", "model.num_attention_heads=4",
+        make_run_plan(tiny("parallel.tensor_parallel=4", "model.num_attention_heads=4",
                            "model.num_key_value_heads=4"), 6, DEVICES["h100"])  # fmt: skip
     with pytest.raises(InputError, match="--nodes 3 does not divide --world 4"):
         make_run_plan(tiny(), 4, DEVICES["h100"], nodes=3)
     # the trainer's own pipeline checks (train/setup.py, parallel/pipeline.py)
     with pytest.raises(InputError, match="tie_word_embeddings makes them one matrix"):
-        make_run_plan(tiny("train.pipeline_parallel=2", "model.tie_word_embeddings=true"), 4,
+        make_run_plan(tiny("parallel.pipeline_parallel=2", "model.tie_word_embeddings=true"), 4,
                       DEVICES["h100"])  # fmt: skip
     with pytest.raises(
-        InputError, match="num_hidden_layers=2 is fewer than the train.pipeline_parallel=4 stages"
+        InputError,
+        match="num_hidden_layers=2 is fewer than the parallel.pipeline_parallel=4 stages",
     ):
-        make_run_plan(tiny_moe(*PP, "train.pipeline_parallel=4"), 4, DEVICES["h100"])
+        make_run_plan(tiny_moe(*PP, "parallel.pipeline_parallel=4"), 4, DEVICES["h100"])
     with pytest.raises(InputError, match=r"expert_parallel=4 does not divide the data-parallel "
                                          r"x context ranks \(2\)"):  # fmt: skip
-        make_run_plan(tiny_moe(*PP, "train.pipeline_parallel=2", "train.expert_parallel=4"), 4,
+        make_run_plan(tiny_moe(*PP, "parallel.pipeline_parallel=2", "parallel.expert_parallel=4"), 4,
                       DEVICES["h100"])  # fmt: skip
     with pytest.raises(
-        InputError, match="num_hidden_layers=2 is fewer than the train.pipeline_parallel=4 stages"
+        InputError,
+        match="num_hidden_layers=2 is fewer than the parallel.pipeline_parallel=4 stages",
     ):
-        make_run_plan(tiny_pp("train.pipeline_parallel=4"), 4, DEVICES["h100"])
+        make_run_plan(tiny_pp("parallel.pipeline_parallel=4"), 4, DEVICES["h100"])
     # the trainer's own tensor-parallel checks (parallel/tensor.py)
     with pytest.raises(
         InputError,
-        match="train.tensor_parallel=2 splits the LM head by "
+        match="parallel.tensor_parallel=2 splits the LM head by "
         "vocabulary, which model.loss_implementation=full",
     ):
-        make_run_plan(tiny("train.tensor_parallel=2", "model.loss_implementation=full"), 2,
+        make_run_plan(tiny("parallel.tensor_parallel=2", "model.loss_implementation=full"), 2,
                       DEVICES["h100"])  # fmt: skip
     # the trainer's own expert-parallel checks (parallel/expert.py)
     with pytest.raises(InputError, match="expert_parallel=2 needs a mixture-of-experts model"):
-        make_run_plan(tiny("train.expert_parallel=2"), 4, DEVICES["h100"])
+        make_run_plan(tiny("parallel.expert_parallel=2"), 4, DEVICES["h100"])
     with pytest.raises(
-        InputError, match="num_experts=4 is not divisible by train.expert_parallel=3"
+        InputError, match="num_experts=4 is not divisible by parallel.expert_parallel=3"
     ):
-        make_run_plan(tiny_moe("train.expert_parallel=3"), 6, DEVICES["h100"])
+        make_run_plan(tiny_moe("parallel.expert_parallel=3"), 6, DEVICES["h100"])
 
 
 def test_a_layout_that_does_not_fit_names_its_largest_term_and_the_fix():
@@ -212,7 +214,7 @@ def test_expert_parallel_shard_shapes_follow_the_formulas():
     # ep 2 over dp_shard 4 at world 4 (parallel/expert.py): each expert stack [E / ep, ...]
     # on every rank, replicated over the 2 replicas and left out of FSDP2; the rest rows /
     # dp_shard (the router's 4 rows: one per rank)
-    model = shard_model(tiny_moe("train.expert_parallel=2"), 4, rank=3)
+    model = shard_model(tiny_moe("parallel.expert_parallel=2"), 4, rank=3)
     got = {s.name: s for s in model.shards}
     experts, inner, h = 4, 16, 64
     for name, shape in (
@@ -234,7 +236,7 @@ def test_expert_parallel_shard_shapes_follow_the_formulas():
 
 
 def test_a_changed_expert_parallel_rule_changes_the_plan(monkeypatch):
-    cfg = tiny_moe("train.expert_parallel=2")
+    cfg = tiny_moe("parallel.expert_parallel=2")
     assert shapes(shard_model(cfg, 4))["model.layers.0.mlp.experts.down_proj"] == (2, 64, 16)
     # the trainer's rule changed: down_proj no longer split over ep, so FSDP2 shards it
     monkeypatch.setattr(expert, "EXPERT_PARAMS", ("gate_proj", "up_proj"))
@@ -248,7 +250,7 @@ def test_expert_parallel_traffic_against_hand_counts():
     # and come back in bfloat16 (autocast), forward and backward, plus the counts; the
     # replicas' float32 expert
     # gradients all-reduced once; FSDP2 gathers everything but the stacks
-    model = shard_model(tiny_moe("train.expert_parallel=2", "train.bf16=true"), 4)
+    model = shard_model(tiny_moe("parallel.expert_parallel=2", "train.bf16=true"), 4)
     shape = StepShape(rows=2, length=32, micro_batches=1, bf16=True, checkpointing=False)
     by_kind = {(c.dim, c.kind): c for c in step_collectives(model, shape, nodes=1)}
     rows = 2 * 32 * 2  # tokens x top-k
@@ -271,7 +273,7 @@ def test_expert_parallel_traffic_against_hand_counts():
 
 
 def pp4(*overrides: str):
-    return tiny_pp("model.num_hidden_layers=4", "train.pipeline_parallel=2",
+    return tiny_pp("model.num_hidden_layers=4", "parallel.pipeline_parallel=2",
                    "train.per_device_train_batch_size=4", *overrides)  # fmt: skip
 
 
@@ -293,8 +295,8 @@ def test_pipeline_ranks_hold_their_stages_shards():
 
 
 def test_a_changed_pipeline_rule_changes_the_plan(monkeypatch):
-    cfg = pp4("train.pipeline_schedule=interleaved_1f1b", "train.pipeline_stages_per_rank=2",
-              "train.pipeline_microbatches=4")  # fmt: skip
+    cfg = pp4("parallel.pipeline_schedule=interleaved_1f1b", "parallel.pipeline_stages_per_rank=2",
+              "parallel.pipeline_microbatches=4")  # fmt: skip
     assert shard_model(cfg, 2, rank=0).layer_indices == (0, 2)  # looped: stages 0 and 2
     # the trainer's stage placement changed: rank r holds stages 2r, 2r + 1
     monkeypatch.setattr(PipelinePlan, "stages_of",
@@ -309,7 +311,7 @@ def test_pipeline_in_flight_p2p_and_bubble_against_hand_counts():
     # 1F1B, p 2, m 4 micro-batches of 1 row: rank 0 holds 2 micro-batches' saves at its
     # peak (and the step's ids), the last rank 1 (and the loss scale, a 0-d float32); each micro-batch's hidden states (1 x 32 x 64 float32) go
     # forward from stage 0 and their gradients back from stage 1; bubble (p-1)/(m+p-1)
-    cfg = pp4("train.pipeline_microbatches=4")
+    cfg = pp4("parallel.pipeline_microbatches=4")
     shape = step_shape(cfg, 4)
     assert (shape.rows, shape.micro_batches) == (1, 4)
     first, last = shard_model(cfg, 4, rank=0), shard_model(cfg, 4, rank=3)
@@ -325,16 +327,16 @@ def test_pipeline_in_flight_p2p_and_bubble_against_hand_counts():
         plan.compute_s / (1 - 1 / 5) + plan.optimizer_s + plan.exposed_comm_s
     )
     # GPipe: every micro-batch's forward first; interleaved 1F1B (v 2): warm-up chunks
-    gpipe = shard_model(pp4("train.pipeline_schedule=gpipe"), 4, rank=0)
+    gpipe = shard_model(pp4("parallel.pipeline_schedule=gpipe"), 4, rank=0)
     assert in_flight(gpipe) == 4
-    inter = shard_model(pp4("train.pipeline_schedule=interleaved_1f1b",
-                            "train.pipeline_stages_per_rank=2"), 2, rank=0)  # fmt: skip
+    inter = shard_model(pp4("parallel.pipeline_schedule=interleaved_1f1b",
+                            "parallel.pipeline_stages_per_rank=2"), 2, rank=0)  # fmt: skip
     assert in_flight(inter) == min(4 * 2, (2 - 1) * 2 + 2 * (2 - 1) + 1) / 2
     assert bubble_fraction(inter, shape.length) == pytest.approx(1 / (4 * 2 + 1))
     # zero bubble (v 2): the passes' FLOPs per token and layer, the attention scores'
     # backward (8 x width x length) in the input pass, every weight 2 in each pass
-    zb = shard_model(pp4("train.pipeline_schedule=zero_bubble",
-                         "train.pipeline_stages_per_rank=2"), 2, rank=0)  # fmt: skip
+    zb = shard_model(pp4("parallel.pipeline_schedule=zero_bubble",
+                         "parallel.pipeline_stages_per_rank=2"), 2, rank=0)  # fmt: skip
     m = zb.model_config
     width = m.num_attention_heads * m.resolved_head_dim
     weights = (2 * m.hidden_size * width + 2 * m.hidden_size * m.num_key_value_heads
@@ -345,7 +347,7 @@ def test_pipeline_in_flight_p2p_and_bubble_against_hand_counts():
     assert bubble_fraction(zb, shape.length) == pytest.approx(drain / (4 * 2 * (f + i + w) + drain))
     assert bubble_fraction(zb, shape.length) > 1 / (3 * 4 * 2 + 1)  # the equal-pass formula
     # what its memory estimate leaves out is said, under zero bubble only
-    zb_cfg = pp4("train.pipeline_schedule=zero_bubble", "train.pipeline_stages_per_rank=2")
+    zb_cfg = pp4("parallel.pipeline_schedule=zero_bubble", "parallel.pipeline_stages_per_rank=2")
     said = [n for n in make_run_plan(zb_cfg, 2, DEVICES["h100"]).notes if "zero bubble" in n]
     assert said == ["zero bubble: each linear layer and norm holds its input and output "
                     "gradient from a micro-batch's input pass to its weight pass; the memory "
@@ -363,9 +365,9 @@ def test_the_last_stage_holds_one_micro_batchs_head_gradients(schedule, monkeypa
     # head gradients are in the peak, here made larger than everything else
     import unmask.plan.memory as memory
 
-    per_rank = ("train.pipeline_stages_per_rank=2",) if schedule in (
+    per_rank = ("parallel.pipeline_stages_per_rank=2",) if schedule in (
         "interleaved_1f1b", "zero_bubble") else ()  # fmt: skip
-    cfg = pp4(f"train.pipeline_schedule={schedule}", *per_rank)
+    cfg = pp4(f"parallel.pipeline_schedule={schedule}", *per_rank)
     last = shard_model(cfg, 2, rank=1)
     assert last.holds_head
     shape = step_shape(cfg, 2)
@@ -381,7 +383,7 @@ def test_expert_stacks_that_do_not_fit_are_told_the_expert_parallel_that_fixes_i
     # 64 experts of 64 x 256 over ep 2 at world 4: each rank holds 32 whole experts per
     # layer (their state is not sharded by FSDP2, so more ranks alone do not help)
     cfg = tiny_moe("model.num_experts=64", "model.moe_intermediate_size=256",
-                   "train.expert_parallel=2")  # fmt: skip
+                   "parallel.expert_parallel=2")  # fmt: skip
     plan = make_run_plan(cfg, 4, DEVICES["h100"])
     memory = plan.ranks[0].memory
     stacks = 2 * 3 * 32 * 256 * 64 * 4  # two layers, float32
@@ -391,7 +393,7 @@ def test_expert_stacks_that_do_not_fit_are_told_the_expert_parallel_that_fixes_i
     plan = make_run_plan(cfg, 4, small)
     assert not plan.fits
     line = refusal(plan, cfg)
-    assert line.endswith("set train.expert_parallel=4 (each rank holds 1/2 of the expert "
+    assert line.endswith("set parallel.expert_parallel=4 (each rank holds 1/2 of the expert "
                          "stacks' parameters, gradients and optimizer state)"), line  # fmt: skip
 
 

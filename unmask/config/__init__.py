@@ -3,6 +3,7 @@ loaded with `section.key=value` overrides; seed schemas (LMMs-Engine, Transforme
 are translated first. `python -m unmask.config` prints docs/configuration.md."""
 
 from unmask.config.eval import EvalConfig
+from unmask.config.parallel import ParallelConfig
 from unmask.config.run import (
     RunConfig,
     apply_override,
@@ -18,6 +19,7 @@ from unmask.config.train import TrainConfig
 
 __all__ = [
     "EvalConfig",
+    "ParallelConfig",
     "RunConfig",
     "TrainConfig",
     "apply_override",

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError,
 from unmask.config.compat import sections_to_tree, translate
 from unmask.config.eval import EvalConfig, moved_key_notices
 from unmask.config.foreign import FOREIGN_KEYS
+from unmask.config.parallel import ParallelConfig
 from unmask.config.train import TrainConfig
 from unmask.data.config import DataConfig
 from unmask.diffusion.config import DiffusionConfig
@@ -49,6 +50,10 @@ class RunConfig(BaseModel):
     """Optimizer (AdamW or Muon + AdamW) and learning-rate schedule."""
     train: TrainConfig = Field(default_factory=TrainConfig)
     """The training loop, logging and checkpoints."""
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    """The layout over the processes: FSDP2, data, tensor, sequence, context, expert and
+    pipeline parallelism (these keys were train.* keys; written there they are still read,
+    with a notice)."""
     eval: EvalConfig = Field(default_factory=EvalConfig)
     """Generation-based evaluation after training."""
     grpo: GRPOConfig = Field(default_factory=GRPOConfig)
@@ -168,14 +173,17 @@ def quickstart_yaml() -> str:
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
     """Read YAML (the packaged quickstart when `path` is None), apply overrides, validate."""
     tree = read_yaml(path) if path is not None else yaml.safe_load(quickstart_yaml())
+    moved = move_parallel_keys(tree)  # the file's train.* layout keys
     for text in overrides or []:
         apply_override(tree, *parse_override(text))
+        # an override of a moved key wins over the file's value, in either spelling
+        moved += [key for key in move_parallel_keys(tree, overwrite=True) if key not in moved]
     translated = translate(tree)  # seed schemas (LMMs-Engine, Transformer Lab)
     train = translated.tree.get("train")
     if path is not None and (train is None or isinstance(train, dict)):
         # each config file gets its own run directory unless it names one
         translated.tree.setdefault("train", {}).setdefault("output_dir", default_output_dir(path))
-    return validate_tree(translated.tree, translated.notices)
+    return validate_tree(translated.tree, [*translated.notices, *moved_notice(moved)])
 
 
 def default_output_dir(path: str | Path) -> str:
@@ -185,13 +193,46 @@ def default_output_dir(path: str | Path) -> str:
 
 def validate_tree(tree: dict, notices: list[str] | tuple = ()) -> RunConfig:
     """The RunConfig of unmask's own tree; `notices` become its start-up lines (with those
-    of keys that moved, config/eval.py)."""
+    of keys that moved: config/eval.py's, and the train.* keys now in `parallel:`)."""
+    moved = moved_notice(move_parallel_keys(tree))
     try:
         cfg = RunConfig.model_validate(tree)
     except ValidationError as err:
         raise InputError(describe_validation_error(err, "config key", _suggest)) from None
-    cfg._notices = [*notices, *moved_key_notices(tree)]
+    cfg._notices = [*notices, *moved_key_notices(tree), *moved]
     return cfg
+
+
+def move_parallel_keys(tree: dict, overwrite: bool = False) -> list[str]:
+    """Keys of the `parallel:` section written under `train:` (where they were before the
+    section existed) moved there, in place; returns their names. A key given in both
+    places: InputError (one file saying two things), or with `overwrite` (a command-line
+    override of the old spelling, which is newer than the file) the train one wins."""
+    train, parallel = tree.get("train"), tree.get("parallel")
+    if not isinstance(train, dict):
+        return []
+    moved = [key for key in ParallelConfig.model_fields if key in train]
+    if not moved:
+        return []
+    if parallel is None:
+        parallel = tree["parallel"] = {}
+    if not isinstance(parallel, dict):
+        return []  # validation names the bad section
+    for key in moved:
+        if key in parallel and not overwrite:
+            raise InputError(f"train.{key} and parallel.{key} are both given; the key moved to "
+                             f"parallel.{key}: keep that one")  # fmt: skip
+        parallel[key] = train.pop(key)
+    return moved
+
+
+def moved_notice(keys: list[str]) -> list[str]:
+    """The start-up line naming the layout keys read from `train:` (none for none)."""
+    if not keys:
+        return []
+    listed = ", ".join(f"train.{key} -> parallel.{key}" for key in keys)
+    return [f"unmask: config keys that moved, read under their new name (write them there): "
+            f"{listed}"]  # fmt: skip
 
 
 def dump_config(cfg: RunConfig) -> str:

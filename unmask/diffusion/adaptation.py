@@ -226,9 +226,9 @@ def check_adaptation_run(run) -> None:
                 f"diffusion.adaptation.anneal_steps ({adaptation.anneal_steps}) is longer than "
                 f"the run (train.max_steps {max_steps}); lower anneal_steps or raise max_steps"
             )
-        if run.train.context_parallel > 1 and adaptation.attention == "anneal":
+        if run.parallel.context_parallel > 1 and adaptation.attention == "anneal":
             raise ValueError("an annealed mask is an explicit one, which context parallelism "
-                             "does not take: set train.context_parallel=1")  # fmt: skip
+                             "does not take: set parallel.context_parallel=1")  # fmt: skip
     if schedule is not None and 0 < max_steps <= schedule.length():
         raise ValueError(
             f"diffusion.block_schedule reaches its last block size at step {schedule.length()}, "

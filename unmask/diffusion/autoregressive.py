@@ -104,10 +104,10 @@ def _check_run(run) -> None:
             f"diffusion.objective ar needs a native decoder (model_type qwen3_dllm, "
             f"qwen2_dllm, llama_dllm, ...), not the encoder {run.model.model_type!r}"
         )
-    if run.train.context_parallel > 1:
+    if run.parallel.context_parallel > 1:
         raise ValueError(
             "diffusion.objective ar runs with an explicit causal mask, which context "
-            "parallelism does not take: set train.context_parallel=1"
+            "parallelism does not take: set parallel.context_parallel=1"
         )
 
 

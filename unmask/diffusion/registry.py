@@ -75,10 +75,10 @@ class ObjectiveSpec:
     accepts_cart_weights: bool = False
     """Takes Dream's CART loss weight (`diffusion.loss_weight: cart[...]`)."""
     accepts_context_parallel: bool = False
-    """Trains under train.context_parallel > 1: each row's noise drawn on its own
+    """Trains under parallel.context_parallel > 1: each row's noise drawn on its own
     (`global_noise`) and one global token count (rows cut in slices lose per-row sums)."""
     accepts_pipeline_parallel: Callable[[Any], bool] | None = None
-    """Trains under train.pipeline_parallel > 1 with this DiffusionConfig (-> True): its
+    """Trains under parallel.pipeline_parallel > 1 with this DiffusionConfig (-> True): its
     `count(batch)` says the normalizer before the forward, and its loss is one call of the
     model with targets, which the pipeline runs over its stages. None: never (a loss of
     several calls, or of a reference model: grpo, preference). `always` for any settings."""

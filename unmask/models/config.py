@@ -150,7 +150,7 @@ class ModelConfig(BaseModel):
     and torchtitan's losses allocate, for comparing memory with them). Equal losses and
     gradients in float32; under bf16 `full`'s logits are rounded to bf16. Native decoders
     (wrapped transformers encoders always compute full logits); not with
-    train.tensor_parallel (its head is split by vocabulary)."""
+    parallel.tensor_parallel (its head is split by vocabulary)."""
 
     pretrained: str | None = None
     """Local folder to load: a Hugging Face Qwen3 folder or one saved by unmask. When

@@ -40,12 +40,12 @@ def check_context_parallel(
     (per tensor-parallel rank, `tp`), the row length and the world size, and divide or be
     divided by the K/V heads. Pure: called before any process group exists (the model's
     limits first, so one process reports them too)."""
-    key = f"train.context_parallel={cp}"
+    key = f"parallel.context_parallel={cp}"
     if cp < 1:
-        raise InputError(f"train.context_parallel must be >= 1, got {cp}")
+        raise InputError(f"parallel.context_parallel must be >= 1, got {cp}")
     if cp == 1:
         return
-    per_tp = f" / train.tensor_parallel={tp}" if tp > 1 else ""
+    per_tp = f" / parallel.tensor_parallel={tp}" if tp > 1 else ""
     if (heads // tp) % cp:
         raise InputError(
             f"{key} does not divide model.num_attention_heads={heads}{per_tp} (each rank "

@@ -1,5 +1,5 @@
 """Mixture-of-experts training: balancing statistics per optimizer step, and expert
-parallelism (`train.expert_parallel: N`).
+parallelism (`parallel.expert_parallel: N`).
 
 Balancing (`MoETraining`): every MoE layer (models/moe.py) sums its experts' load over the
 step's micro-batches (under pipeline parallelism the pipeline's, on the ranks of the layer's
@@ -59,9 +59,9 @@ def check_moe_request(model: ModelConfig, expert_parallel: int, dp_cp: int, tp: 
     if wrapped:
         if expert_parallel > 1:
             raise InputError(
-                f"train.expert_parallel={expert_parallel} needs a native MoE model "
+                f"parallel.expert_parallel={expert_parallel} needs a native MoE model "
                 "(qwen3_moe_dllm, llada_moe, llada2_moe); this model is wrapped from "
-                "transformers: set train.expert_parallel: 1"
+                "transformers: set parallel.expert_parallel: 1"
             )
         return
     if expert_parallel == 1 and tp == 1:
@@ -70,19 +70,19 @@ def check_moe_request(model: ModelConfig, expert_parallel: int, dp_cp: int, tp: 
     experts = arch.num_experts
     if experts and tp > 1:
         raise InputError(
-            "train.tensor_parallel does not split mixture-of-experts layers; use "
-            "train.expert_parallel for the experts and set tensor_parallel: 1"
+            "parallel.tensor_parallel does not split mixture-of-experts layers; use "
+            "parallel.expert_parallel for the experts and set tensor_parallel: 1"
         )
     if expert_parallel == 1:
         return
     if experts == 0:
         raise InputError(
-            f"train.expert_parallel={expert_parallel} needs a mixture-of-experts model; "
+            f"parallel.expert_parallel={expert_parallel} needs a mixture-of-experts model; "
             f"model.model_type {arch.model_type!r} has num_experts 0: set expert_parallel: 1"
         )
     if experts % expert_parallel:
         raise InputError(
-            f"model.num_experts={experts} is not divisible by train.expert_parallel="
+            f"model.num_experts={experts} is not divisible by parallel.expert_parallel="
             f"{expert_parallel}; pick an expert_parallel that divides the experts"
         )
     if (
@@ -92,11 +92,11 @@ def check_moe_request(model: ModelConfig, expert_parallel: int, dp_cp: int, tp: 
     ):
         raise InputError(
             f"LoRA on the expert stacks (lora_target_modules holds 'experts') does not run under "
-            f"train.expert_parallel={expert_parallel}: set expert_parallel: 1 or drop 'experts'"
+            f"parallel.expert_parallel={expert_parallel}: set expert_parallel: 1 or drop 'experts'"
         )
     if dp_cp % expert_parallel:
         raise InputError(
-            f"train.expert_parallel={expert_parallel} does not divide the data-parallel x "
+            f"parallel.expert_parallel={expert_parallel} does not divide the data-parallel x "
             f"context ranks ({dp_cp}); launch a multiple of {expert_parallel} of them"
         )
 

@@ -80,20 +80,20 @@ def resolve_layout(
     for key, value in (("tensor_parallel", tp), ("context_parallel", cp),
                        ("pipeline_parallel", pp)):  # fmt: skip
         if value < 1:
-            raise InputError(f"train.{key} must be >= 1, got {value}")
+            raise InputError(f"parallel.{key} must be >= 1, got {value}")
     if dp_replicate < 1:
-        raise InputError(f"train.dp_replicate must be >= 1, got {dp_replicate}")
+        raise InputError(f"parallel.dp_replicate must be >= 1, got {dp_replicate}")
     fixed = pp * dp_replicate * cp * tp
     if dp_shard == -1:
         if world_size % fixed:
             if fixed == dp_replicate:
                 raise InputError(
-                    f"train.dp_replicate={dp_replicate} does not divide the world size "
+                    f"parallel.dp_replicate={dp_replicate} does not divide the world size "
                     f"{world_size}; set dp_replicate to a divisor of the number of processes"
                 )
             named = (("pipeline_parallel", pp), ("dp_replicate", dp_replicate),
                      ("context_parallel", cp), ("tensor_parallel", tp))  # fmt: skip
-            what = " x ".join(f"train.{k}={v}" for k, v in named if v > 1)
+            what = " x ".join(f"parallel.{k}={v}" for k, v in named if v > 1)
             raise InputError(
                 f"{what} does not divide the world size {world_size}; launch a multiple of "
                 f"{fixed} processes or lower {'them' if ' x ' in what else 'it'}"
@@ -101,13 +101,13 @@ def resolve_layout(
         dp_shard = world_size // fixed
     if dp_shard < 1 or fixed * dp_shard != world_size:
         extra = "".join(
-            f" x train.{k}={v}"
+            f" x parallel.{k}={v}"
             for k, v in (("context_parallel", cp), ("tensor_parallel", tp))
             if v > 1
         )
-        first = f"train.pipeline_parallel={pp} x " if pp > 1 else ""
+        first = f"parallel.pipeline_parallel={pp} x " if pp > 1 else ""
         raise InputError(
-            f"mesh {first}train.dp_replicate={dp_replicate} x train.dp_shard={dp_shard}{extra} = "
+            f"mesh {first}parallel.dp_replicate={dp_replicate} x parallel.dp_shard={dp_shard}{extra} = "
             f"{fixed * dp_shard} processes does not match the world size {world_size}; "
             "make their product the number of processes (dp_shard: -1 fills it in)"
         )

@@ -40,7 +40,7 @@ Parameter names are the whole model's (`model.layers.5.mlp.up_proj.weight` stays
 the stage that holds layer 5), so DCP checkpoints reshard across pipeline degrees,
 schedules and every other layout.
 
-Without train.pipeline_split the layers are cut by estimated cost (`layer_costs`,
+Without parallel.pipeline_split the layers are cut by estimated cost (`layer_costs`,
 `balanced_split`): the forward + backward FLOPs per token of each decoder layer (an MoE
 layer's active ones), the embedding with the first stage and the norm, LM head and loss
 with the last, so that the stages are as equal as whole layers allow. The trainer and
@@ -75,7 +75,7 @@ class ScheduleSpec:
 
     torch_class: the torch.distributed.pipelining schedule (a class, or its name there).
     multi_stage: several stages per rank (looped: stage s on pp rank s mod pp), so
-    train.pipeline_stages_per_rank >= 2; else exactly 1.
+    parallel.pipeline_stages_per_rank >= 2; else exactly 1.
     head_loss: how the last stage's loss makes the LM head's gradients: "fused" in the
     forward (diffusion/loss.py weighted_cross_entropy: 3 passes over the head, the gradients
     held until the micro-batch's backward, which on the last stage of 1F1B, interleaved 1F1B
@@ -118,12 +118,12 @@ class ScheduleSpec:
         return min(m * v, (v - 1) * p + 2 * (p - 1 - r) + 1) / v
 
 
-#: train.pipeline_schedule values, by name
+#: parallel.pipeline_schedule values, by name
 PIPELINE_SCHEDULES: dict[str, ScheduleSpec] = {}
 
 
 def register_schedule(spec: ScheduleSpec) -> None:
-    """Add `spec` as a train.pipeline_schedule value (ValueError when its name is taken or
+    """Add `spec` as a parallel.pipeline_schedule value (ValueError when its name is taken or
     its head_loss is neither "fused" nor "chunked")."""
     if spec.name in PIPELINE_SCHEDULES:
         raise ValueError(f"pipeline schedule {spec.name!r} is already registered")
@@ -137,7 +137,7 @@ def schedule_spec(name: str) -> ScheduleSpec:
     """The registered schedule `name`; InputError naming the registered ones."""
     spec = PIPELINE_SCHEDULES.get(name)
     if spec is None:
-        raise InputError(f"unknown train.pipeline_schedule {name!r}; expected one of "
+        raise InputError(f"unknown parallel.pipeline_schedule {name!r}; expected one of "
                          f"{list(PIPELINE_SCHEDULES)}")  # fmt: skip
     return spec
 
@@ -325,7 +325,7 @@ class PipelinePlan:
     """How the layers are cut and scheduled: `degree` pp ranks, `stages_per_rank` stages
     each, `layers[s]` the decoder layer indices of stage s, `microbatches` per step;
     `costs[s]` stage s's estimated cost (LayerCosts.stage), `by_hand` when the split came
-    from train.pipeline_split."""
+    from parallel.pipeline_split."""
 
     degree: int
     schedule: str
@@ -369,7 +369,7 @@ class PipelinePlan:
             share = f" ({100 * shares[stage]:.1f}%)" if shares else ""
             parts.append(f"stage {stage} (pp rank {self.owner(stage)}): "
                          + " + ".join([span, *extra]) + share)  # fmt: skip
-        how = ("split by train.pipeline_split" if self.by_hand else
+        how = ("split by parallel.pipeline_split" if self.by_hand else
                "split by estimated cost")  # fmt: skip
         if shares:
             how += " (share of the forward + backward FLOPs per token)"
@@ -382,32 +382,32 @@ def plan_pipeline(degree: int, schedule: str, stages_per_rank: int, microbatches
                   split: list[int] | None, costs: LayerCosts, rows: int) -> PipelinePlan:  # fmt: skip
     """The stages' layers and the micro-batch count, or a one-line InputError (pure: no
     process group). costs: the model's LayerCosts (`layer_costs`), which cut the layers when
-    `split` (train.pipeline_split) is None; rows: the rows one pipeline trains on per step
+    `split` (parallel.pipeline_split) is None; rows: the rows one pipeline trains on per step
     (a data-parallel rank's rows x gradient_accumulation_steps), which the micro-batches
     cut."""
     num_layers = len(costs.layers)
     multi = schedule_spec(schedule).multi_stage
-    key = f"train.pipeline_schedule={schedule}"
+    key = f"parallel.pipeline_schedule={schedule}"
     single = [n for n, spec in PIPELINE_SCHEDULES.items() if not spec.multi_stage]
     looped = [n for n, spec in PIPELINE_SCHEDULES.items() if spec.multi_stage]
     if multi and stages_per_rank < 2:
         raise InputError(
-            f"{key} interleaves several stages per rank; set train.pipeline_stages_per_rank "
+            f"{key} interleaves several stages per rank; set parallel.pipeline_stages_per_rank "
             f">= 2 (got {stages_per_rank}), or use pipeline_schedule {' or '.join(single)}"
         )
     if not multi and stages_per_rank > 1:
         raise InputError(
-            f"{key} runs one stage per rank, not train.pipeline_stages_per_rank="
+            f"{key} runs one stage per rank, not parallel.pipeline_stages_per_rank="
             f"{stages_per_rank}; use {' or '.join(looped)}, or set it to 1"
         )
     stages = degree * stages_per_rank
-    what = (f"train.pipeline_parallel={degree} x train.pipeline_stages_per_rank="
+    what = (f"parallel.pipeline_parallel={degree} x parallel.pipeline_stages_per_rank="
             f"{stages_per_rank} = {stages} stages" if stages_per_rank > 1
-            else f"train.pipeline_parallel={degree} stages")  # fmt: skip
+            else f"parallel.pipeline_parallel={degree} stages")  # fmt: skip
     if split is None:
         if num_layers < stages:
-            lower = "train.pipeline_parallel" + (
-                " or train.pipeline_stages_per_rank" if stages_per_rank > 1 else "")  # fmt: skip
+            lower = "parallel.pipeline_parallel" + (
+                " or parallel.pipeline_stages_per_rank" if stages_per_rank > 1 else "")  # fmt: skip
             raise InputError(
                 f"model.num_hidden_layers={num_layers} is fewer than the {what}: each stage "
                 f"holds at least one layer; lower {lower}"
@@ -417,26 +417,26 @@ def plan_pipeline(degree: int, schedule: str, stages_per_rank: int, microbatches
         sizes = list(split)
         if len(sizes) != stages or min(sizes) < 1 or sum(sizes) != num_layers:
             raise InputError(
-                f"train.pipeline_split={sizes} must give {stages} stages ({what}) at least one "
+                f"parallel.pipeline_split={sizes} must give {stages} stages ({what}) at least one "
                 f"layer each, {num_layers} layers in all (model.num_hidden_layers)"
             )
     m = rows if microbatches is None else microbatches
     if m < degree:
         raise InputError(
-            f"train.pipeline_microbatches={m} is fewer than the {degree} pipeline ranks: the "
+            f"parallel.pipeline_microbatches={m} is fewer than the {degree} pipeline ranks: the "
             f"schedule needs at least one micro-batch per rank; raise it (or the batch) to "
             f">= {degree}"
         )
     if rows % m:
         raise InputError(
-            f"train.pipeline_microbatches={m} does not divide the {rows} rows a pipeline "
+            f"parallel.pipeline_microbatches={m} does not divide the {rows} rows a pipeline "
             "trains on per step (rows per data-parallel rank x gradient_accumulation_steps); "
             "use a divisor of them"
         )
     if multi and m % degree:
         raise InputError(
-            f"{key} needs train.pipeline_microbatches to be a multiple of "
-            f"train.pipeline_parallel={degree}, got {m}"
+            f"{key} needs parallel.pipeline_microbatches to be a multiple of "
+            f"parallel.pipeline_parallel={degree}, got {m}"
         )
     starts = [sum(sizes[:s]) for s in range(stages)]
     layers = tuple(tuple(range(a, a + n)) for a, n in zip(starts, sizes))
@@ -456,7 +456,7 @@ def balancing_notice(plan: PipelinePlan, config, accumulation: int) -> str | Non
     return (
         f"the MoE balancing losses span each of the {plan.microbatches} pipeline "
         f"micro-batches, not the {accumulation} gradient-accumulation micro-batches of "
-        f"the run without a pipeline: set train.pipeline_microbatches={accumulation} "
+        f"the run without a pipeline: set parallel.pipeline_microbatches={accumulation} "
         "(when the schedule allows) for the same balancing"
     )
 

@@ -31,7 +31,7 @@ from unmask.models.build import is_encoder_folder, shape_of
 from unmask.models.config import ModelConfig
 from unmask.models.families import FAMILIES
 from unmask.models.hf import architecture
-from unmask.models.shape import TensorPlan, decoder_layers
+from unmask.models.shape import WRAPPED, TensorPlan, decoder_layers
 
 
 def check_tensor_parallel(model: ModelConfig, tp: int, *, lora: bool = False) -> None:
@@ -40,23 +40,25 @@ def check_tensor_parallel(model: ModelConfig, tp: int, *, lora: bool = False) ->
     or a degree that does not divide the heads, the key/value heads or the MLP width."""
     if tp == 1:
         return
-    key = f"train.tensor_parallel={tp}"
+    key = f"parallel.tensor_parallel={tp}"
     if model.pretrained is not None and is_encoder_folder(model.pretrained):
         raise InputError(
             f"{key} needs a native decoder; model.pretrained {model.pretrained!r} is a "
-            "transformers encoder (wrapped HF model): set train.tensor_parallel=1"
+            "transformers encoder (wrapped HF model): set parallel.tensor_parallel=1"
         )
-    if shape_of(model).tensor is None:
+    shape = shape_of(model)
+    if shape.tensor is None:
         splittable = [name for name, fam in FAMILIES.items() if fam.shape.tensor is not None]
+        what = "is a wrapped HF model" if shape is WRAPPED else "declares no tensor-parallel plan"
         raise InputError(
-            f"{key} needs a family that declares how its layers split "
-            f"({', '.join(splittable)}); model.model_type {model.model_type!r} declares none: "
-            "set train.tensor_parallel=1"
+            f"{key} needs a native decoder, or a family that declares how its layers split "
+            f"({', '.join(splittable)}); model.model_type {model.model_type!r} {what}: "
+            "set parallel.tensor_parallel=1"
         )
     if lora or model.load_in_4bit:
         raise InputError(
             f"{key} does not combine with model.lora / model.load_in_4bit (adapters and "
-            "4-bit layers are not split); set train.tensor_parallel=1"
+            "4-bit layers are not split); set parallel.tensor_parallel=1"
         )
     if model.loss_implementation == "full":
         raise InputError(

@@ -124,10 +124,10 @@ class MemoryTerms:
     peak: int
     experts: int = 0
     """Of parameters, gradients and optimizer state: the expert-parallel stacks' bytes
-    (split over train.expert_parallel only; FSDP2 leaves them alone)."""
+    (split over parallel.expert_parallel only; FSDP2 leaves them alone)."""
     expert_working: int = 0
     """Of the working buffers, when Muon's step is the peak: its buffers for the
-    expert-parallel stacks (split over train.expert_parallel too)."""
+    expert-parallel stacks (split over parallel.expert_parallel too)."""
 
     def largest(self) -> tuple[str, int]:
         terms = {"parameters": self.parameters, "gradients": self.gradients,

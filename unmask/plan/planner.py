@@ -104,7 +104,7 @@ def step_shape(cfg: RunConfig, world_size: int) -> StepShape:
     return StepShape(rows=rows, length=cfg.data.packing_length,
                      micro_batches=micro, bf16=t.bf16,
                      checkpointing=checkpointing_choice(t),
-                     reshard_after_forward=t.reshard_after_forward)  # fmt: skip
+                     reshard_after_forward=cfg.parallel.reshard_after_forward)  # fmt: skip
 
 
 def run_shape(cfg: RunConfig, world_size: int, device: Device,
@@ -275,7 +275,7 @@ def make_run_plan(cfg: RunConfig, world_size: int, device: Device, *, nodes: int
                    step_s=step, total_steps=total_steps,
                    wall_s=None if total_steps is None else total_steps * step,
                    memory_limit=limit, fits=worst <= limit, notes=notes,
-                   expert_parallel=cfg.train.expert_parallel,
+                   expert_parallel=cfg.parallel.expert_parallel,
                    num_experts=first.model_config.num_experts)  # fmt: skip
 
 

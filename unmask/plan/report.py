@@ -51,16 +51,16 @@ def fix_for(plan: RunPlan, cfg) -> str:
             keep = max(1, math.floor(rows * (m.activations - over) / m.activations))
             return (f"set train.per_device_train_batch_size={keep} (and raise "
                     "train.gradient_accumulation_steps to keep the batch)")  # fmt: skip
-        return f"set train.context_parallel={2 * t.context_parallel} (each rank holds half the row)"
+        return f"set parallel.context_parallel={2 * cfg.parallel.context_parallel} (each rank holds half the row)"
     if name == "working buffers":
         if plan.micro_batches > 1:
             return ("set train.gradient_accumulation_steps=1 and grow the batch with ranks (FSDP2 "
                     "keeps every unit's gradients unsharded while it accumulates)")  # fmt: skip
-        if not t.reshard_after_forward:
-            return "set train.reshard_after_forward=true"
+        if not cfg.parallel.reshard_after_forward:
+            return "set parallel.reshard_after_forward=true"
         return "lower train.per_device_train_batch_size or data.packing_length"
     if plan.layout["dp_replicate"] > 1:
-        return "set train.dp_replicate=1 (shard the state over every rank)"
+        return "set parallel.dp_replicate=1 (shard the state over every rank)"
     state = m.parameters + m.gradients + m.optimizer
     rest = m.peak - state
     factor = 2
@@ -80,9 +80,9 @@ def expert_fix(plan: RunPlan, m, over: float) -> str:
     ranks = plan.world_size // plan.layout["tp"] // plan.layout["pp"]
     target = ep * factor
     if plan.num_experts % target == 0 and ranks % target == 0:
-        return (f"set train.expert_parallel={target} (each rank holds 1/{factor} of the "
+        return (f"set parallel.expert_parallel={target} (each rank holds 1/{factor} of the "
                 "expert stacks' parameters, gradients and optimizer state)")  # fmt: skip
-    return (f"plan --world {plan.world_size * factor} train.expert_parallel={target} (each rank "
+    return (f"plan --world {plan.world_size * factor} parallel.expert_parallel={target} (each rank "
             f"holds 1/{factor} of the expert stacks' state)")  # fmt: skip
 
 

@@ -177,10 +177,10 @@ def fake_world(rank: int, world_size: int):
 def parallel_of(cfg: RunConfig, world_size: int) -> ParallelPlan:
     """The layout the trainer would plan at `world_size` (train/setup.py `plan_parallel`:
     the same checks, so a layout the trainer refuses is refused here in the same line)."""
-    if cfg.train.sequence_parallel:  # its activations and collectives are not the planner's
+    if cfg.parallel.sequence_parallel:  # its activations and collectives are not the planner's
         raise InputError(
-            "unmask plan does not model train.sequence_parallel yet "
-            "(docs/scaling.md); plan the layout with train.sequence_parallel=false"
+            "unmask plan does not model parallel.sequence_parallel yet "
+            "(docs/scaling.md); plan the layout with parallel.sequence_parallel=false"
         )
     return plan_parallel(cfg, world_size)
 

@@ -66,24 +66,24 @@ def plan_parallel(cfg: RunConfig, world_size: int) -> ParallelPlan:
     """Every check of a run's layout before any process group exists (LoRA, the rows
     against the model's positions, tensor, context, sequence and pipeline parallelism, the
     mesh's factoring, experts), then the plan; a one-line InputError for the first problem."""
-    t = cfg.train
+    t, p = cfg.train, cfg.parallel
     check_lora_request(cfg.model)
     check_model_fits(cfg)
-    check_tensor_parallel(cfg.model, t.tensor_parallel, lora=cfg.model.lora)
+    check_tensor_parallel(cfg.model, p.tensor_parallel, lora=cfg.model.lora)
     check_context_request(cfg, world_size)
     check_sequence_request(cfg)
     check_pipeline_request(cfg)
-    layout = plan_layout(world_size, t.fsdp2, t.dp_replicate, t.dp_shard, t.tensor_parallel,
-                         t.context_parallel, t.pipeline_parallel)  # fmt: skip
+    layout = plan_layout(world_size, p.fsdp2, p.dp_replicate, p.dp_shard, p.tensor_parallel,
+                         p.context_parallel, p.pipeline_parallel)  # fmt: skip
     dp = layout.dp if world_size > 1 else 1
-    check_moe_request(cfg.model, t.expert_parallel, dp * layout.cp, t.tensor_parallel)
+    check_moe_request(cfg.model, p.expert_parallel, dp * layout.cp, p.tensor_parallel)
     what = "the world size" if dp == world_size else "the data-parallel size"
     # rows per micro-batch on this rank; the global batch grows with the world size unless
     # split_batches (then per_device_train_batch_size is the global batch)
     rows = per_rank_batch_size(t.per_device_train_batch_size, dp, t.split_batches, what)
     # the stages' layers and micro-batches (pp peers read the same rows)
     pipeline = pipeline_plan(cfg, rows * t.gradient_accumulation_steps)
-    return ParallelPlan(world_size, layout, t.expert_parallel, dp, rows, pipeline)
+    return ParallelPlan(world_size, layout, p.expert_parallel, dp, rows, pipeline)
 
 
 def check_model_fits(cfg: RunConfig) -> None:
@@ -101,25 +101,25 @@ def check_model_fits(cfg: RunConfig) -> None:
 
 
 def check_context_request(cfg: RunConfig, world_size: int) -> None:
-    """train.context_parallel > 1: one-line InputError before any process group work for
+    """parallel.context_parallel > 1: one-line InputError before any process group work for
     what context parallelism cannot serve. It splits the rows of native decoders trained
     with an objective that draws each row's noise on its own and normalizes by one global
     token count (a per-row normalization would need whole rows); no sampler runs
     context-parallel; the degree must fit the world size, heads and row length."""
-    cp = cfg.train.context_parallel
+    cp = cfg.parallel.context_parallel
     if cp == 1:
         return
-    key = f"train.context_parallel={cp}"
+    key = f"parallel.context_parallel={cp}"
     model = cfg.model
     if is_wrapped(model):
         raise InputError(f"{key} needs a native decoder; model {model.pretrained or model.model_type!r} "
-                         "is a wrapped transformers model: set train.context_parallel=1")  # fmt: skip
+                         "is a wrapped transformers model: set parallel.context_parallel=1")  # fmt: skip
     objective = cfg.diffusion.objective
     if not objective_spec(objective).accepts_context_parallel:  # its registry entry says
         raise InputError(
             f"{key} needs an objective that draws each row's noise on its own "
             f"({names_that('accepts_context_parallel')}); diffusion.objective {objective!r} "
-            "draws for its batch: set train.context_parallel=1"
+            "draws for its batch: set parallel.context_parallel=1"
         )
     normalization = cfg.diffusion.loss_normalization
     if normalization not in ("auto", "token"):
@@ -135,26 +135,26 @@ def check_context_request(cfg: RunConfig, world_size: int) -> None:
     arch = architecture(model)
     check_context_parallel(cp, world_size=world_size, heads=arch.num_attention_heads,
                            kv_heads=arch.num_key_value_heads, length=cfg.data.packing_length,
-                           tp=cfg.train.tensor_parallel)  # fmt: skip
+                           tp=cfg.parallel.tensor_parallel)  # fmt: skip
 
 
 def check_sequence_request(cfg: RunConfig) -> None:
-    """train.sequence_parallel: one-line InputError before any process group work for what
+    """parallel.sequence_parallel: one-line InputError before any process group work for what
     it cannot serve. It shards the tensor-parallel ranks' residual stream over the sequence,
     so it needs tensor_parallel > 1 and whole rows on each tp group (no context or pipeline
     parallelism); rows are padded to a multiple of the tp degree inside the model, which a
     sampler's KV cache cannot follow (no generation during training)."""
-    t = cfg.train
-    if not t.sequence_parallel:
+    if not cfg.parallel.sequence_parallel:
         return
-    key = "train.sequence_parallel: true"
-    if t.tensor_parallel == 1:
+    key = "parallel.sequence_parallel: true"
+    if cfg.parallel.tensor_parallel == 1:
         raise InputError(f"{key} shards the residual stream over the tensor-parallel ranks and "
-                         "needs train.tensor_parallel >= 2; set tensor_parallel or "
+                         "needs parallel.tensor_parallel >= 2; set tensor_parallel or "
                          "sequence_parallel: false")  # fmt: skip
     for name in ("context_parallel", "pipeline_parallel"):
-        if getattr(t, name) > 1:
-            raise InputError(f"{key} does not combine with train.{name}={getattr(t, name)}; set "
+        if getattr(cfg.parallel, name) > 1:
+            raise InputError(f"{key} does not combine with parallel.{name}="
+                             f"{getattr(cfg.parallel, name)}; set "
                              f"one of them off")  # fmt: skip
     if cfg.eval.generate_accuracy or cfg.diffusion.objective == "grpo":
         what = ("eval.generate_accuracy: true" if cfg.eval.generate_accuracy
@@ -164,28 +164,28 @@ def check_sequence_request(cfg: RunConfig) -> None:
 
 
 def check_pipeline_request(cfg: RunConfig) -> None:
-    """train.pipeline_parallel > 1: one-line InputError before any process group work for
+    """parallel.pipeline_parallel > 1: one-line InputError before any process group work for
     what the pipeline cannot serve. It splits the layers of a native decoder with an
     untied head, trained with an objective whose count is known before the forward and
     whose loss is one call of the model (its registry entry says: accepts_pipeline_parallel);
     the stages' shapes are fixed, so rows keep their length."""
-    pp = cfg.train.pipeline_parallel
+    pp = cfg.parallel.pipeline_parallel
     if pp == 1:
         return
-    key = f"train.pipeline_parallel={pp}"
+    key = f"parallel.pipeline_parallel={pp}"
     model = cfg.model
     if is_wrapped(model):
         name = model.pretrained or model.model_type
         raise InputError(f"{key} needs a native decoder; model {name!r} is a wrapped "
-                         "transformers model: set train.pipeline_parallel=1")  # fmt: skip
+                         "transformers model: set parallel.pipeline_parallel=1")  # fmt: skip
     if model.lora or model.load_in_4bit:
         raise InputError(f"{key} does not combine with model.lora / model.load_in_4bit; set "
-                         "train.pipeline_parallel=1")  # fmt: skip
+                         "parallel.pipeline_parallel=1")  # fmt: skip
     if architecture(model).tie_word_embeddings:
         raise InputError(
             f"{key} puts the embedding on the first stage and the LM head on the last; "
             "model.tie_word_embeddings makes them one matrix: set it to false or "
-            "train.pipeline_parallel=1"
+            "parallel.pipeline_parallel=1"
         )
     objective = cfg.diffusion.objective
     accepts = objective_spec(objective).accepts_pipeline_parallel
@@ -194,14 +194,14 @@ def check_pipeline_request(cfg: RunConfig) -> None:
         raise InputError(
             f"{key} needs an objective that says its loss's count before the forward "
             f"({names_that('accepts_pipeline_parallel')}); diffusion.objective {objective!r}"
-            f"{settings} cannot: set train.pipeline_parallel=1"
+            f"{settings} cannot: set parallel.pipeline_parallel=1"
         )
     if cfg.diffusion.adaptation is not None or cfg.diffusion.block_schedule is not None:
         raise InputError(f"{key} runs one fixed attention mask through the stages; "
                          "diffusion.adaptation / diffusion.block_schedule change it during the "
-                         "run: set train.pipeline_parallel=1")  # fmt: skip
-    if cfg.train.context_parallel > 1:
-        raise InputError(f"{key} does not combine with train.context_parallel yet; set one of "
+                         "run: set parallel.pipeline_parallel=1")  # fmt: skip
+    if cfg.parallel.context_parallel > 1:
+        raise InputError(f"{key} does not combine with parallel.context_parallel yet; set one of "
                          "them to 1")  # fmt: skip
     if cfg.diffusion.random_length_prob > 0:
         raise InputError(
@@ -215,18 +215,18 @@ def check_pipeline_request(cfg: RunConfig) -> None:
 
 def pipeline_plan(cfg: RunConfig, rows: int) -> PipelinePlan | None:
     """The run's stages and micro-batches (parallel/pipeline.py `plan_pipeline`), None
-    without pipeline parallelism: the layers as train.pipeline_split gives them, else cut by
+    without pipeline parallelism: the layers as parallel.pipeline_split gives them, else cut by
     the architecture's estimated costs on rows of data.packing_length tokens with the LM
     head on the objective's share of them. rows: the rows one pipeline trains on per step.
     The trainer and `unmask plan` both call this, so the planned split is the run's."""
-    t = cfg.train
-    if t.pipeline_parallel == 1:
+    p = cfg.parallel
+    if p.pipeline_parallel == 1:
         return None
     costs = layer_costs(architecture(cfg.model), cfg.data.packing_length,
                         head_share(cfg.diffusion.objective),
-                        head_loss=schedule_spec(t.pipeline_schedule).head_loss)  # fmt: skip
-    return plan_pipeline(t.pipeline_parallel, t.pipeline_schedule, t.pipeline_stages_per_rank,
-                         t.pipeline_microbatches, t.pipeline_split, costs, rows)  # fmt: skip
+                        head_loss=schedule_spec(p.pipeline_schedule).head_loss)  # fmt: skip
+    return plan_pipeline(p.pipeline_parallel, p.pipeline_schedule, p.pipeline_stages_per_rank,
+                         p.pipeline_microbatches, p.pipeline_split, costs, rows)  # fmt: skip
 
 
 def prepare_tokenizer(cfg: RunConfig):
@@ -310,7 +310,7 @@ def build_train_model(cfg: RunConfig, tokenizer, added_tokens: int, device: torc
     if mesh is not None and mesh["tp"].size() > 1:
         model.to(device)
         apply_tensor_parallel(model, mesh["tp"], decoder_layers(model),
-                              sequence_parallel=t.sequence_parallel)  # fmt: skip
+                              sequence_parallel=cfg.parallel.sequence_parallel)  # fmt: skip
     model.gradient_checkpointing = checkpointing_choice(t)
     if t.float8 and device.type != "meta":  # torchao's float8 linears, before compile and
         convert_to_float8(model)  # FSDP2 (torchtitan's order); the planner plans bf16 ones
@@ -323,14 +323,16 @@ def build_train_model(cfg: RunConfig, tokenizer, added_tokens: int, device: torc
     model.to(device)
     if mesh is not None:
         experts = []  # expert parallelism: expert stacks on their own (replica, ep) grid
-        if t.expert_parallel > 1:
-            grid = expert_mesh(device, sub_mesh(mesh, "dp_cp").size(), t.expert_parallel,
+        ep = cfg.parallel.expert_parallel
+        if ep > 1:
+            grid = expert_mesh(device, sub_mesh(mesh, "dp_cp").size(), ep,
                                mesh["pp"].size())  # fmt: skip
             experts = shard_experts(model, grid)
         units = model.stages if pipeline is not None else [model]
         # a split backward's weight pass (zero bubble's) finds the weights the forward used
         # among the module's parameters: they must stay gathered from the forward to it
-        reshard = t.reshard_after_forward and not (pipeline and pipeline.spec.split_backward)
+        split = pipeline is not None and pipeline.spec.split_backward
+        reshard = cfg.parallel.reshard_after_forward and not split
         for unit in units:  # under PP: each stage is an FSDP2 root of its own
             layers = decoder_layers(model) if pipeline is None else list(unit.layers)
             apply_fsdp(unit, fsdp_mesh(mesh), layers, bf16=t.bf16, reshard_after_forward=reshard,

@@ -58,7 +58,7 @@ _TRAINER_ARGS = {
     "disable_tqdm": ("train", "disable_tqdm"),
     "dataloader_num_workers": ("train", "dataloader_num_workers"),
     "ddp_timeout": ("train", "ddp_timeout"),
-    "fsdp2": ("train", "fsdp2"),
+    "fsdp2": ("parallel", "fsdp2"),
 }
 # Training arguments that change nothing in unmask -> what unmask does instead. Each is
 # listed in the start-up line; the values _REFUSED names are refused instead.
@@ -73,7 +73,7 @@ _NO_EFFECT = {
     "sp_ulysses_degree": "each rank holds whole rows",
     "tp_degree": "each rank holds whole layers (FSDP2 shards only along the data axis)",
     "ep_degree": "unmask's models have no experts",
-    "deepspeed": "several processes shard with FSDP2: train.fsdp2",
+    "deepspeed": "several processes shard with FSDP2: parallel.fsdp2",
     "eval_strategy": "the eval loss is computed every train.eval_steps and at the end",
     "evaluation_strategy": "the eval loss is computed every train.eval_steps and at the end",
     "logging_strategy": "metrics are logged every train.logging_steps",
