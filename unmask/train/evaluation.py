@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -19,10 +20,33 @@ from unmask.train.metrics import MetricsLogger
 from unmask.train.setup import objective_heldout
 from unmask.train.step import autocast, to_device
 
+if TYPE_CHECKING:  # pragma: no cover
+    from pathlib import Path
+
+    from transformers import PreTrainedTokenizerBase
+
+    from unmask.config import RunConfig
+    from unmask.data import RowStore
+    from unmask.parallel.context import ContextShard
+    from unmask.parallel.distributed import DistState
+    from unmask.parallel.pipeline import PipelineRunner
+
 
 class Evaluation:
-    """The Trainer's evaluation (a mixin: it reads the trainer's cfg, device, dist, context,
-    model, objective, eval_rows, tokenizer, output_dir and step)."""
+    """The Trainer's evaluation, a part of the Trainer that reads the attributes declared
+    below (tests/unit/test_trainer_parts.py)."""
+
+    cfg: RunConfig
+    dist: DistState
+    device: torch.device
+    context: ContextShard | None
+    model: torch.nn.Module
+    objective: Objective
+    pipeline: PipelineRunner | None
+    eval_rows: RowStore | None
+    tokenizer: PreTrainedTokenizerBase
+    output_dir: Path
+    step: int
 
     @torch.no_grad()
     def evaluate(self) -> float:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -31,6 +32,13 @@ from unmask.models.lora import (
     lora_settings,
 )
 from unmask.train.run_dir import room_for_checkpoint
+
+if TYPE_CHECKING:  # pragma: no cover
+    from unmask.checkpoint import Checkpointer
+    from unmask.config import RunConfig
+    from unmask.parallel.distributed import DistState
+    from unmask.train.guard import NonFiniteGuard
+    from unmask.train.metrics import MetricsLogger
 
 
 class Progress:
@@ -161,8 +169,29 @@ class ObjectiveRankState:
 
 
 class CheckpointedState:
-    """The Trainer's saving and restoring (a mixin: it reads the trainer's loader, progress,
-    guard, lora, noise, objective, dist, model, optimizer, scheduler, checkpointer)."""
+    """The Trainer's saving and restoring, a part of the Trainer that reads the attributes
+    declared below (and sets `step` when it resumes; tests/unit/test_trainer_parts.py)."""
+
+    cfg: RunConfig
+    dist: DistState
+    device: torch.device
+    local_batch_size: int
+    model: torch.nn.Module
+    objective: Objective
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    _unscaled_base_lrs: list[float]
+    """The schedule's peak learning rates from the config (before a non-finite backoff)."""
+    loader: object
+    """The training batches (data.make_loader): Stateful, so checkpoints hold its place."""
+    noise: torch.Generator
+    progress: Progress
+    guard: NonFiniteGuard
+    lora: LoraRecord
+    checkpointer: Checkpointer
+    logger: MetricsLogger | None
+    notices: list[str]
+    step: int
 
     def _run_state(self, source: Path | None = None) -> RunState:
         """The parts with state, as they are now (a test may swap the loader or objective)."""

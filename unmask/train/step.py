@@ -10,6 +10,7 @@ losses do not depend on the world size.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -19,6 +20,15 @@ from unmask.parallel.context import pad_rows
 from unmask.parallel.distributed import all_reduce_sum, clip_grad_norm
 from unmask.parallel.fsdp import sync_gradients
 from unmask.parallel.pipeline import capture_call
+
+if TYPE_CHECKING:  # pragma: no cover
+    from unmask.config import RunConfig
+    from unmask.diffusion import Objective
+    from unmask.parallel.context import ContextShard
+    from unmask.parallel.distributed import DistState
+    from unmask.parallel.pipeline import PipelineRunner
+    from unmask.train.mfu import CallFlops, DeviceTimer
+    from unmask.train.signals import StopSignals
 
 
 def to_device(batch: dict, device: torch.device) -> dict:
@@ -31,9 +41,28 @@ def autocast(device: torch.device, bf16: bool):
 
 
 class TrainStep:
-    """The Trainer's step (a mixin: it reads the trainer's cfg, dist, device, context,
-    local_batch_size, noise, objective, model, optimizer, scheduler, flops, step and
-    _stop_signals)."""
+    """The Trainer's step, a part of the Trainer that reads the attributes declared below
+    (the Trainer sets each in its constructor; tests/unit/test_trainer_parts.py checks
+    that nothing else is read and that a built Trainer has them all)."""
+
+    cfg: RunConfig
+    dist: DistState
+    device: torch.device
+    context: ContextShard | None
+    """Context parallelism: this rank's slice of each row (None: whole rows)."""
+    sharded: bool
+    """Several processes (FSDP2 / a mesh)."""
+    local_batch_size: int
+    noise: torch.Generator
+    objective: Objective
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    pipeline: PipelineRunner | None
+    flops: CallFlops | None
+    timer: DeviceTimer
+    step: int
+    _stop_signals: StopSignals | None
 
     def _rank_noise(self, batch: dict, where: tuple[int, int]) -> tuple[dict, torch.Generator]:
         """This rank's micro-batch with the noise its objective uses, and the generator.

@@ -98,6 +98,17 @@ class Trainer(TrainStep, Evaluation, CheckpointedState):
 
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg
+        self._connect(cfg)  # every check of the layout, then the process group and mesh
+        added_tokens = self._read_data(cfg)  # tokenizer, rows, step plan, run folder
+        torch.manual_seed(cfg.train.seed)
+        self._build_model(cfg, added_tokens)  # model, pipeline, objective, FLOP count
+        self._build_optimization(cfg)  # optimizer, MoE training, checkpointing, schedule
+        self._loop_state(cfg)  # loader, noise, step, guards
+        self._checkpoints(cfg)  # the checkpointer; a resume; config.yaml
+
+    def _connect(self, cfg: RunConfig) -> None:
+        """The checks that need nothing built (LoRA, async checkpoints, trackers, the layout:
+        the planner makes the same), then the process group, mesh and device."""
         t = cfg.train
         check_lora_request(cfg.model)  # first: a missing peft is named before what needs it
         check_async_request(t.async_checkpoint, cfg.model.lora)
@@ -107,7 +118,6 @@ class Trainer(TrainStep, Evaluation, CheckpointedState):
         # pipeline's stages, before any process group work (the planner builds the same)
         self.parallel = plan_parallel(cfg, env.world_size)
         self.local_batch_size = self.parallel.rows
-        batch_ranks = 1 if t.split_batches else self.parallel.dp
         self.pipeline_plan = self.parallel.pipeline
         self.dist = setup(resolve_device(t.device), timeout_s=t.ddp_timeout, env=env,
                           layout=self.parallel.layout)  # fmt: skip
@@ -116,6 +126,11 @@ class Trainer(TrainStep, Evaluation, CheckpointedState):
         self.context = ContextShard.from_mesh(self.dist.mesh)  # None: whole rows per rank
         check_4bit(cfg.model, self.device, self.dist.world_size)
         check_float8(t.float8, t.bf16, self.device)
+
+    def _read_data(self, cfg: RunConfig) -> int:
+        """The tokenizer, the rows and their checks, the step plan and the run folder; returns
+        the tokens added to the vocabulary."""
+        t = cfg.train
         self.tokenizer, saved_tokenizer, added_tokens = prepare_tokenizer(cfg)
         data = objective_datasets(cfg, self.tokenizer, saved_tokenizer)
         self.train_rows, self.eval_rows = data.train, data.eval
@@ -123,6 +138,7 @@ class Trainer(TrainStep, Evaluation, CheckpointedState):
         objective_spec(cfg.diffusion.objective).check_rows(cfg, self.tokenizer, data.train)
         self.notices = [*cfg.notices, *data.notices]  # the config file's, then the data's
         self.num_rows = None if isinstance(data.train, StreamSpec) else len(data.train)
+        batch_ranks = 1 if t.split_batches else self.parallel.dp
         self.plan = make_plan(cfg, self.num_rows, batch_ranks)
         if self.device.type == "cpu" and (notice := cpu_share_notice(self.dist.world_size)):
             self.notices.append(notice)
@@ -142,7 +158,12 @@ class Trainer(TrainStep, Evaluation, CheckpointedState):
         # printed when a signal stops the run; the CLI sets the command the user typed
         self.resume_command = resume_command(self.output_dir, str(self.output_dir / CONFIG_FILE))
 
-        torch.manual_seed(t.seed)
+        return added_tokens
+
+    def _build_model(self, cfg: RunConfig, added_tokens: int) -> None:
+        """The model (this rank's share of it), the pipeline runner, threads, the objective and
+        the FLOP count."""
+        t = cfg.train
         self.model = build_train_model(cfg, self.tokenizer, added_tokens, self.device,
                                        self.dist.mesh, self.pipeline_plan)  # fmt: skip
         self.pipeline = None  # PipelineRunner: this rank's stages and the schedule
@@ -170,6 +191,11 @@ class Trainer(TrainStep, Evaluation, CheckpointedState):
         if t.log_mfu and self.pipeline is None:
             context = self.context.size if self.context is not None else 1
             self.flops = CallFlops(self.model, flop_model(self.model), context)
+
+    def _build_optimization(self, cfg: RunConfig) -> None:
+        """The optimizer, the MoE training hooks, automatic activation checkpointing and the
+        learning-rate schedule."""
+        t = cfg.train
         self.optimizer = build_optimizer(cfg.optim, self.model)
         # MoE: the step's expert load over micro-batches and ranks, the expert-bias update
         # (under PP: the forwards of a step are the pipeline's micro-batches, and the
@@ -191,6 +217,10 @@ class Trainer(TrainStep, Evaluation, CheckpointedState):
             cfg.optim.min_lr_ratio,
         )
         self._unscaled_base_lrs = list(self.scheduler.base_lrs)  # the config's peak lrs
+
+    def _loop_state(self, cfg: RunConfig) -> None:
+        """The loader, the noise generator, the step and the loop's guards and records."""
+        t = cfg.train
         # each rank reads only its rows of every global micro-batch, in worker processes
         # ahead of the step when asked
         self.loader = make_loader(
@@ -209,6 +239,11 @@ class Trainer(TrainStep, Evaluation, CheckpointedState):
         self.exit_code = 0
         self.logger: MetricsLogger | SilentLogger | None = None  # while train() runs
         self.lora = LoraRecord(cfg.model, self.model, t.seed, self.sharded)
+
+    def _checkpoints(self, cfg: RunConfig) -> None:
+        """The checkpointer, a resume (before config.yaml: a mismatch changes nothing) and the
+        run's config.yaml."""
+        t = cfg.train
         # generation_config.json: how this model must be sampled (Dream's shift, BD3LM's
         # block-causal attention; only what the objective fixes), so `unmask generate`,
         # export and lm-eval need no flags
