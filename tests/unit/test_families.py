@@ -26,6 +26,7 @@ from unmask.models import (
     hf_config_dict,
     samples_with_logit_shift,
 )
+from unmask.models.build import OWN_BLOCKS
 from unmask.models.families import LLADA_KEY_MAP, family_for_hf_type
 from unmask.models.hf_wrapped import build_encoder
 
@@ -216,7 +217,8 @@ def test_registry_and_model_config_choices_agree():
         ModelConfig(model_type="gpt2")
     for name, family in FAMILIES.items():
         assert family.name == name
-        assert MODEL_BUILDERS[name] is (DiffusionTransformer if family.native else build_encoder)
+        default = DiffusionTransformer if family.native else build_encoder
+        assert MODEL_BUILDERS[name] is OWN_BLOCKS.get(name, default)  # its own blocks
         for key, value in family.config_defaults.items():  # switches the family implies
             assert getattr(ModelConfig(model_type=name), key) == value
 

@@ -4,9 +4,11 @@
 `cfg.model_type` (seed torch before calling), or the weights in `cfg.pretrained`.
 
 Modules, bottom to top (each imports only those above it in this list):
-shape (the declaration of a family's blocks), families (the registry), config (ModelConfig), attention, hf (config.json, safetensors,
-saving), transformer (DiffusionTransformer), hf_wrapped (transformers encoders), build
-(build_model, build_empty, from_pretrained), lora, quant.
+shape (the declaration of a family's blocks), diffusion_gemma_layout (DiffusionGemma's folder
+layout), families (the registry), config (ModelConfig), attention, hf (config.json,
+safetensors, saving), transformer (DiffusionTransformer), diffusion_gemma (DiffusionGemma),
+hf_wrapped (transformers encoders), build (build_model, build_empty, from_pretrained), lora,
+quant.
 """
 
 from unmask.models.attention import KVCache

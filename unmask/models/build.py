@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from unmask.models.config import ModelConfig
+from unmask.models.diffusion_gemma import DiffusionGemma
 from unmask.models.families import FAMILIES, Family, add_family, remove_family
 from unmask.models.hf import (
     check_weight_files,
@@ -21,17 +22,22 @@ from unmask.models.hf import (
     load_weights,
     read_config,
     read_state_dict,
+    split_carried,
 )
 from unmask.models.hf_wrapped import build_encoder, is_encoder_folder, is_wrapped, load_encoder
 from unmask.models.moe import moe_blocks
 from unmask.models.shape import WRAPPED, ModelShape
 from unmask.models.transformer import DiffusionTransformer
 
+OWN_BLOCKS: dict[str, Callable[[ModelConfig], nn.Module]] = {"diffusion_gemma": DiffusionGemma}
+"""The families of models/families.py with blocks of their own, and their builders."""
+
 MODEL_BUILDERS: dict[str, Callable[[ModelConfig], nn.Module]] = {
-    name: DiffusionTransformer if family.native else build_encoder
+    name: OWN_BLOCKS.get(name, DiffusionTransformer if family.native else build_encoder)
     for name, family in FAMILIES.items()
 }
-"""family name -> random-init builder (native families: DiffusionTransformer)."""
+"""family name -> random-init builder (native families: DiffusionTransformer, or their own
+in `OWN_BLOCKS`)."""
 
 
 def register_family(family: Family, builder: Callable[[ModelConfig], nn.Module]) -> None:
@@ -134,8 +140,10 @@ def from_pretrained(
     attn_implementation: str = "auto",
     loss_implementation: str = "chunked",
 ) -> DiffusionTransformer:
-    """Load a local HF folder of a native family (Qwen3, Qwen2, Llama, Dream, LLaDA) or an
-    unmask-saved one; its config.json is kept as `model.hf_source_config` for saving.
+    """Load a local HF folder of a native family (Qwen3, Qwen2, Llama, Dream, LLaDA, ...,
+    DiffusionGemma) or an unmask-saved one; its config.json is kept as
+    `model.hf_source_config` for saving, and the tensors of the folder the model does not run
+    (the family's `carried` keys: DiffusionGemma's vision tower) as `model.hf_carried_weights`.
 
     dtype: parameter dtype; None keeps float32 (training master weights).
     """
@@ -148,8 +156,9 @@ def from_pretrained(
             "loss_implementation": loss_implementation,
         }
     )
-    state = read_state_dict(folder, cfg.model_type, cfg)
+    state, carried = split_carried(read_state_dict(folder, cfg.model_type, cfg), cfg.model_type)
     model = build_empty(cfg, dtype=dtype or torch.float32)
     load_weights(model, state, folder)
     model.hf_source_config = source
+    model.hf_carried_weights = carried
     return model

@@ -1,7 +1,11 @@
 """The model section of a run config: one bidirectional decoder, Qwen3 layout.
 
 Field names are the Hugging Face `config.json` names, so a Qwen3 folder's config maps
-onto this class key for key (see `unmask.models.hf.config_from_hf`).
+onto this class key for key (see `unmask.models.hf.config_from_hf`). A family whose blocks
+need fields no other family reads keeps them in a sub-section of its own
+(`Family.section`: `model.diffusion_gemma`, `DiffusionGemmaSection`), filled with its
+defaults for that family and refused for the others, so the flat fields stay the ones
+every decoder shares.
 """
 
 from typing import Annotated, Literal
@@ -9,7 +13,120 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from unmask.errors import OneOf
+from unmask.models.diffusion_gemma_layout import (
+    FULL,
+    SLIDING,
+    VISION_KEYS,
+    default_layer_types,
+)
 from unmask.models.families import DEFAULT_FAMILY, FAMILIES, family_names
+
+
+class DiffusionGemmaSection(BaseModel):
+    """`model.diffusion_gemma`: the fields of Google's DiffusionGemma (models/diffusion_gemma.py)
+    beyond the shared ones. There, num_key_value_heads / head_dim / rope_theta are the
+    sliding-window layers'; the full-attention layers have their own below. Text only: keys
+    asking for images are refused."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    layer_types: list[Literal["sliding_attention", "full_attention"]] | None = None
+    """Each layer's attention: sliding_attention (a window of sliding_window tokens) or
+    full_attention; the last layer must be full_attention. None = five sliding layers, then
+    one full layer, repeated (the last one full)."""
+
+    sliding_window: int = Field(512, ge=2)
+    """Window of the sliding layers, in tokens (config.json's value: a prompt token sees
+    itself and the sliding_window - 1 before it; a canvas sees the last sliding_window - 1
+    prompt tokens and the whole canvas)."""
+
+    global_head_dim: int | None = Field(None, ge=2)
+    """Features per head of the full-attention layers (26B-A4B: 512); None = head_dim."""
+
+    num_global_key_value_heads: int | None = Field(None, ge=1)
+    """Key/value heads of the full-attention layers (26B-A4B: 2), whose values are their
+    normed keys (no v_proj); None = num_key_value_heads."""
+
+    global_rope_theta: float = Field(1e6, gt=0)
+    """RoPE base of the full-attention layers (rope_theta is the sliding layers')."""
+
+    global_partial_rotary_factor: float = Field(0.25, gt=0, le=1)
+    """Share of each full-attention head's frequency pairs that rotate (transformers'
+    `proportional` RoPE: the first pairs keep the frequencies of the whole head, the rest
+    are left unrotated)."""
+
+    final_logit_softcapping: float = Field(30.0, gt=0)
+    """Logits are c * tanh(logits / c) with this c."""
+
+    canvas_length: int = Field(256, ge=1)
+    """Tokens of one canvas (the block of block diffusion) the decoder denoises."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_only(cls, data):
+        asked = [key for key in VISION_KEYS if isinstance(data, dict) and key in data]
+        if asked:
+            raise ValueError(
+                f"{asked[0]}: unmask's diffusion_gemma is text only (no vision tower, no image "
+                "embedding): images are not supported; remove it"
+            )
+        return data
+
+    def resolved_layer_types(self, layers: int) -> list[str]:
+        """layer_types, or the default pattern for `layers` layers."""
+        return list(self.layer_types) if self.layer_types else default_layer_types(layers)
+
+    def resolved_global_head_dim(self, cfg: "ModelConfig") -> int:
+        """global_head_dim, or cfg's head_dim when it is None."""
+        return self.global_head_dim or cfg.resolved_head_dim
+
+    def resolved_global_key_value_heads(self, cfg: "ModelConfig") -> int:
+        """num_global_key_value_heads, or cfg's num_key_value_heads when it is None."""
+        return self.num_global_key_value_heads or cfg.num_key_value_heads
+
+    def layer_shape(self, cfg: "ModelConfig", index: int) -> tuple[bool, int, int]:
+        """(sliding, head_dim, key/value heads) of layer `index`."""
+        if self.resolved_layer_types(cfg.num_hidden_layers)[index] == SLIDING:
+            return True, cfg.resolved_head_dim, cfg.num_key_value_heads
+        return False, self.resolved_global_head_dim(cfg), self.resolved_global_key_value_heads(cfg)
+
+    def check(self, cfg: "ModelConfig") -> None:
+        """ValueError for a section that does not fit cfg's sizes, or shared fields set to
+        what this family's blocks do not have."""
+        fixed = {"tie_word_embeddings": True, "qkv_bias": False, "qk_norm": True,
+                 "qk_norm_scope": "head", "clip_qkv": None, "partial_rotary_factor": 1.0,
+                 "num_shared_experts": 0, "first_k_dense_replace": 0, "mlp_only_layers": [],
+                 "router_score": "softmax", "norm_topk_prob": True,
+                 "routed_scaling_factor": 1.0, "n_group": 1, "router_aux_loss_coef": 0.0,
+                 "router_z_loss_coef": 0.0, "expert_bias_update_rate": 0.0}  # fmt: skip
+        for key, value in fixed.items():
+            if getattr(cfg, key) != value:
+                raise ValueError(
+                    f"model_type diffusion_gemma has {key}={value!r} (not "
+                    f"{getattr(cfg, key)!r}): its blocks have no other form yet"
+                )
+        if not cfg.num_experts:
+            raise ValueError("model_type diffusion_gemma needs num_experts > 0 (every layer "
+                             "has a mixture of experts beside its dense MLP)")  # fmt: skip
+        types = self.resolved_layer_types(cfg.num_hidden_layers)
+        if len(types) != cfg.num_hidden_layers:
+            raise ValueError(
+                f"diffusion_gemma.layer_types names {len(types)} layers; num_hidden_layers is "
+                f"{cfg.num_hidden_layers}"
+            )
+        if types[-1] != FULL:
+            raise ValueError("diffusion_gemma.layer_types: the last layer must be full_attention")
+        heads = self.resolved_global_key_value_heads(cfg)
+        if cfg.num_attention_heads % heads:
+            raise ValueError(
+                f"num_attention_heads ({cfg.num_attention_heads}) must be a multiple of "
+                f"diffusion_gemma.num_global_key_value_heads ({heads})"
+            )
+        if self.resolved_global_head_dim(cfg) % 2:
+            raise ValueError("diffusion_gemma.global_head_dim must be even for RoPE")
+        # resolved, so that folders round-trip them (as moe_intermediate_size)
+        self.layer_types = types
+        self.global_head_dim = self.resolved_global_head_dim(cfg)
 
 
 class ModelConfig(BaseModel):
@@ -22,8 +139,10 @@ class ModelConfig(BaseModel):
     `llama_dllm`, `dream`, `llada`: the native bidirectional decoder with that family's
     switches and HF layout; `qwen3_moe_dllm`, `llada_moe`, `llada2_moe`: the same decoder with
     mixture-of-experts MLPs (Qwen3-MoE, OLMoE / LLaDA-MoE and LLaDA2.0 layouts, the MoE fields
-    below); `bert`, `modernbert`: transformers' masked-LM encoders built from the size fields
-    here; or a family added with `unmask.models.register_family`."""
+    below); `diffusion_gemma`: Google's DiffusionGemma (a prompt encoder and a canvas decoder
+    sharing one Gemma 4 MoE stack; text only; its own fields in `diffusion_gemma`); `bert`,
+    `modernbert`: transformers' masked-LM encoders built from the size fields here; or a
+    family added with `unmask.models.register_family`."""
 
     vocab_size: int = Field(256, ge=1)
     """Number of token ids (rows of the embedding and of the LM head)."""
@@ -136,6 +255,12 @@ class ModelConfig(BaseModel):
     initializer_range: float = Field(0.02, ge=0)
     """Standard deviation of the normal init of linear and embedding weights."""
 
+    diffusion_gemma: DiffusionGemmaSection | None = None
+    """model_type diffusion_gemma's own fields (layer_types, sliding_window, global_head_dim,
+    num_global_key_value_heads, global_rope_theta, global_partial_rotary_factor,
+    final_logit_softcapping, canvas_length; their defaults when not given); null for every
+    other family."""
+
     attn_implementation: Literal["auto", "sdpa", "flex", "varlen"] = "auto"
     """Attention kernel: `sdpa` (scaled_dot_product_attention with a dense document
     mask), `flex` (flex_attention with a block document mask), `varlen` (one sdpa call per
@@ -196,9 +321,12 @@ class ModelConfig(BaseModel):
     def _family_defaults(cls, data):
         name = data.get("model_type") if isinstance(data, dict) else None
         if isinstance(name, str) and name in FAMILIES:
-            for key, value in FAMILIES[name].config_defaults.items():
+            family = FAMILIES[name]
+            for key, value in family.config_defaults.items():
                 data = {**data} if key not in data else data
                 data.setdefault(key, value)
+            if family.section and data.get(family.section) is None:  # its defaults
+                data = {**data, family.section: {}}
         return data
 
     @model_validator(mode="after")
@@ -220,11 +348,21 @@ class ModelConfig(BaseModel):
                 f"partial_rotary_factor ({self.partial_rotary_factor}) x head_dim "
                 f"({self.resolved_head_dim}) must be a positive even number of features"
             )
+        for family in FAMILIES.values():  # a family's own section: that family only
+            section = getattr(self, family.section, None) if family.section else None
+            if section is not None and family.name != self.model_type:
+                raise ValueError(
+                    f"{family.section} holds model_type {family.name}'s fields; model_type is "
+                    f"{self.model_type}: remove it"
+                )
+            if section is not None:
+                section.check(self)
         layout = FAMILIES[self.model_type].moe_layout
         if self.num_experts and FAMILIES[self.model_type].native and not layout:
             raise ValueError(
                 f"model_type {self.model_type} is dense; num_experts ({self.num_experts}) needs "
-                "an MoE family (qwen3_moe_dllm, llada_moe, llada2_moe) or num_experts: 0"
+                "an MoE family (qwen3_moe_dllm, llada_moe, llada2_moe, diffusion_gemma) or "
+                "num_experts: 0"
             )
         if self.num_shared_experts and layout == "hf":
             raise ValueError(

@@ -15,10 +15,17 @@ names things; encoder families run transformers' own masked-LM classes (models/h
 | qwen3_moe_dllm | qwen3_moe | yes | no | HF, experts per expert | - |
 | llada_moe | olmoe, llada_moe | over the projection | no | HF (OLMoE), experts per expert | - |
 | llada2_moe | llada2_moe (LLaDA2MoeModelLM, remote code) | yes | use_qkv_bias | LLaDA2.0 | 156895 |
+| diffusion_gemma | diffusion_gemma (DiffusionGemmaForBlockDiffusion) | yes | attention_bias | decoder's, `DIFFUSION_GEMMA_KEY_MAP` | - |
 | bert, modernbert | bert, modernbert (transformers encoders) | | | HF | - |
 
 MoE families (`moe_layout` set) run the same decoder with mixture-of-experts MLPs
 (models/moe.py); their folder layouts are in models/moe_layout.py.
+
+`diffusion_gemma` (Google's DiffusionGemma, models/diffusion_gemma.py) has blocks of its own:
+a prompt encoder and a canvas decoder sharing one Gemma 4 stack (sliding and full attention
+layers, a dense MLP beside a mixture of experts in every layer), its own `ModelShape`, builder
+(models/build.py) and fields (`section`: ModelConfig's `diffusion_gemma`); its folder layout
+is in models/diffusion_gemma_layout.py.
 
 AR checkpoints converted to diffusion (A2D) keep their weights and simply run with full
 (bidirectional) attention. Dream was trained to predict position i from the output at i - 1,
@@ -43,7 +50,9 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Literal
 
-from unmask.models.shape import DECODER, WRAPPED, ModelShape
+from unmask.models.diffusion_gemma_layout import CARRIED as DIFFUSION_GEMMA_CARRIED
+from unmask.models.diffusion_gemma_layout import KEY_MAP as DIFFUSION_GEMMA_KEY_MAP
+from unmask.models.shape import DECODER, DIFFUSION_GEMMA, WRAPPED, ModelShape
 
 # Native (HF Llama-style) key -> LLaDA key; N is the layer index.
 LLADA_KEY_MAP = {
@@ -82,12 +91,15 @@ class Family:
     key_map: Mapping[str, str] = field(default_factory=dict)
     """Native state-dict key -> the key in this family's folders (N = layer index);
     empty = HF Llama names, which are the native names."""
-    config_style: Literal["hf", "llada", "llada2"] = "hf"
-    """How config.json fields convert: "hf" (Llama/Qwen names), "llada" (OLMo-style) or
-    "llada2" (LLaDA2.0's own names, models/moe_layout.py)."""
-    moe_layout: Literal["", "hf", "llada2"] = ""
+    config_style: Literal["hf", "llada", "llada2", "diffusion_gemma"] = "hf"
+    """How config.json fields convert: "hf" (Llama/Qwen names), "llada" (OLMo-style),
+    "llada2" (LLaDA2.0's own names, models/moe_layout.py) or "diffusion_gemma" (transformers'
+    nested text_config, models/diffusion_gemma_layout.py)."""
+    moe_layout: Literal["", "hf", "llada2", "diffusion_gemma"] = ""
     """MoE families: how folders store experts and MoE config keys ("hf": transformers'
-    Qwen3-MoE / OLMoE keys, one matrix per expert; "llada2": LLaDA2.0's); "" = dense."""
+    Qwen3-MoE / OLMoE keys, one matrix per expert; "llada2": LLaDA2.0's;
+    "diffusion_gemma": transformers' stacks `experts.gate_up_proj` / `experts.down_proj`,
+    as the model holds them); "" = dense."""
     hf_absent_keys: tuple[str, ...] = ()
     """HF-style keys this family's transformers config lacks (not written)."""
     hf_extra: Mapping[str, Any] = field(default_factory=dict)
@@ -109,6 +121,12 @@ class Family:
     shape: ModelShape | None = None
     """The declaration of its blocks that parallelism, the planner and the FLOP count read
     (models/shape.py); None = the native decoder's (`DECODER`), or for encoders `WRAPPED`."""
+    section: str = ""
+    """The ModelConfig field holding this family's own fields (a sub-section: filled with
+    its defaults for this family, refused for the others); "" = none."""
+    carried: tuple[str, ...] = ()
+    """Folder key prefixes of tensors unmask does not run (DiffusionGemma's vision tower):
+    kept from the folder read (`model.hf_carried_weights`) and written back on save."""
 
     def __post_init__(self) -> None:
         for name in ("config_defaults", "key_map", "hf_extra"):  # read-only views
@@ -208,6 +226,25 @@ _ENTRIES = (
         moe_layout="llada2",
         keeps_source_config=True,
         mask_token_id=156895,
+    ),
+    Family(
+        "diffusion_gemma",
+        "native",
+        ("diffusion_gemma",),
+        "DiffusionGemmaForBlockDiffusion",
+        config_defaults={
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "norm_topk_prob": True,
+            "rope_theta": 10000.0,
+            "tie_word_embeddings": True,
+        },  # fmt: skip
+        key_map=DIFFUSION_GEMMA_KEY_MAP,
+        config_style="diffusion_gemma",
+        moe_layout="diffusion_gemma",
+        shape=DIFFUSION_GEMMA,
+        section="diffusion_gemma",
+        carried=DIFFUSION_GEMMA_CARRIED,
     ),
     Family("bert", "encoder", ("bert",), "BertForMaskedLM"),
     Family(

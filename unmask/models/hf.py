@@ -24,6 +24,7 @@ from torch import nn
 
 from unmask.errors import InputError, describe_validation_error
 from unmask.models.config import ModelConfig
+from unmask.models.diffusion_gemma_layout import diffusion_gemma_config, diffusion_gemma_fields
 from unmask.models.families import (
     DEFAULT_FAMILY,
     FAMILIES,
@@ -156,7 +157,9 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
             return ModelConfig(model_type=family.name, **_llada_fields(hf, family))
         except (KeyError, ValueError) as err:
             raise InputError(f"config.json: LLaDA config is missing or has bad {err}") from err
-    if family.config_style == "llada2":
+    if family.config_style == "diffusion_gemma":
+        fields = diffusion_gemma_fields(hf)
+    elif family.config_style == "llada2":
         try:
             fields = {**llada2_fields(hf), **tagged_moe_fields(hf)}
         except KeyError as err:
@@ -183,6 +186,8 @@ def hf_config_dict(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict
     family = FAMILIES[cfg.model_type]
     if not family.native:
         family = FAMILIES[DEFAULT_FAMILY]
+    if family.config_style == "diffusion_gemma":
+        return diffusion_gemma_config(cfg, family.architecture, dtype_name)
     if family.config_style == "llada":
         out = _llada_config_dict(cfg, family, dtype_name)
     elif family.config_style == "llada2":
@@ -351,12 +356,24 @@ def read_state_dict(
         state = from_folder_keys(state, family)
     if FAMILIES[family].moe_layout == "llada2":
         state = llada2_to_native(state, cfg)
-    if FAMILIES[family].moe_layout:
+    if FAMILIES[family].moe_layout in ("hf", "llada2"):  # one matrix per expert in folders
         state = stack_experts(state)
         _check_expert_counts(state, cfg, folder)
     if not any(key.startswith("model.") for key in state):  # a bare Qwen3Model checkpoint
         state = {(k if k == "lm_head.weight" else f"model.{k}"): v for k, v in state.items()}
     return {k: v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}
+
+
+def split_carried(
+    state: dict[str, torch.Tensor], family: str
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """A folder's state -> (what the model loads, the tensors it carries unrun: the keys
+    under the family's `carried` prefixes, e.g. DiffusionGemma's vision tower)."""
+    prefixes = FAMILIES[family].carried
+    if not prefixes:
+        return state, {}
+    carried = {k: v for k, v in state.items() if k.startswith(prefixes)}
+    return {k: v for k, v in state.items() if k not in carried}, carried
 
 
 def _check_expert_counts(state: dict, cfg: ModelConfig | None, folder: Path) -> None:
@@ -426,7 +443,9 @@ def folder_mask_token_id(folder: str | Path) -> int | None:
 
 def save_pretrained(model: nn.Module, folder: str | Path) -> None:
     """Write config.json and model.safetensors (tied: embed_tokens only, like HF) for a native
-    model: uses only `model.state_dict()`, `model.config` and `model.hf_source_config`."""
+    model: uses only `model.state_dict()`, `model.config`, `model.hf_source_config` and
+    `model.hf_carried_weights` (a folder's tensors unmask does not run, written back as read:
+    `split_carried`)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     family = FAMILIES[model.config.model_type]
@@ -435,10 +454,11 @@ def save_pretrained(model: nn.Module, folder: str | Path) -> None:
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     state = to_folder_keys(state, family.name)
-    if family.moe_layout:
+    if family.moe_layout in ("hf", "llada2"):
         state = split_experts(state)
     if family.moe_layout == "llada2":
         state = native_to_llada2(state)
+    state.update(getattr(model, "hf_carried_weights", None) or {})
     config = hf_config_dict(model.config, dtype)
     source = getattr(model, "hf_source_config", None)
     if source is not None and config_from_hf(source) == _plain(model.config):

@@ -60,12 +60,15 @@ class ModelShape:
     cannot be split by tensor parallelism (a transformers encoder); `staged` False: it has
     no `StagedModel` forward, so no pipeline; `activation_formula`: plan/memory.py's
     formulas describe its layers (the decoder block of models/transformer.py), else the
-    planner measures them on the meta device."""
+    planner measures them on the meta device; `trains` False: no objective drives its
+    forward yet (it loads, saves and computes logits), so `unmask train` and `unmask plan`
+    refuse it in one line."""
 
     name: str
     tensor: TensorPlan | None = None
     staged: bool = True
     activation_formula: bool = False
+    trains: bool = True
 
     def attention_width(self, arch) -> int:
         """Query heads x head dim: the width of the attention scores' matmuls."""
@@ -118,6 +121,48 @@ and a gated MLP or a mixture of experts."""
 WRAPPED = ModelShape("transformers", tensor=None, staged=False)
 """A transformers masked-LM class run as it is (models/hf_wrapped.py): no tensor or
 pipeline parallelism."""
+
+
+class DiffusionGemmaShape(ModelShape):
+    """DiffusionGemma's layers (models/diffusion_gemma.py): sliding-window and full-attention
+    layers of different head sizes (full ones without v_proj), each with a dense gated MLP
+    and a mixture of experts side by side. Per-layer weights count each layer's own
+    attention; the attention width is the mean over the layers (the MFU and the pipeline
+    multiply it by the layer count). Counted as the decoder's pass over a canvas (the
+    encoder runs the same weights over the prompt)."""
+
+    def _attention(self, arch, index: int) -> tuple[int, int]:
+        """(query width, weights of q, k, v and o) of layer `index`."""
+        sliding, head_dim, kv_heads = arch.diffusion_gemma.layer_shape(arch, index)
+        width = arch.num_attention_heads * head_dim
+        kv = kv_heads * head_dim * (2 if sliding else 1)  # full layers: V is the normed K
+        return width, 2 * arch.hidden_size * width + arch.hidden_size * kv
+
+    def attention_width(self, arch) -> int:
+        widths = [self._attention(arch, i)[0] for i in range(arch.num_hidden_layers)]
+        return round(sum(widths) / len(widths))
+
+    def attention_params(self, arch) -> int:
+        weights = [self._attention(arch, i)[1] for i in range(arch.num_hidden_layers)]
+        return round(sum(weights) / len(weights))
+
+    def mlp_params(self, arch, index: int) -> int:
+        """The dense MLP (3 h I), the router (E h) and the top-k experts (3 h I_moe each)."""
+        hidden, inner = arch.hidden_size, arch.resolved_moe_intermediate_size
+        return (3 * hidden * arch.intermediate_size + arch.num_experts * hidden
+                + arch.num_experts_per_tok * 3 * inner * hidden)  # fmt: skip
+
+    def layer_matmul_params(self, arch, index: int) -> int:
+        return self._attention(arch, index)[1] + self.mlp_params(arch, index)
+
+
+DIFFUSION_GEMMA = DiffusionGemmaShape("diffusion_gemma", tensor=None, staged=False, trains=False)
+"""No tensor parallelism yet (every layer has experts, which tensor parallelism does not
+split, and a tp plan would also have to divide the 26B-A4B's 2 key/value heads of its full
+layers), no pipeline stages (its forward is an encoder pass and a decoder pass, not
+`StagedModel`'s `hidden_states`), and the planner's formulas do not describe its layers
+(`activation_formula` False: they are to be traced once it has a training forward), and
+no objective trains it yet (`trains` False)."""
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:

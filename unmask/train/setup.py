@@ -20,7 +20,14 @@ from unmask.data import (
 from unmask.diffusion import Objective, build_objective, objective_spec
 from unmask.diffusion.registry import head_share, names_that
 from unmask.errors import InputError
-from unmask.models import build_model, decoder_layers, folder_mask_token_id, max_positions
+from unmask.models import (
+    ModelConfig,
+    build_model,
+    decoder_layers,
+    folder_mask_token_id,
+    max_positions,
+    shape_of,
+)
 from unmask.models.float8 import convert_to_float8
 from unmask.models.hf import architecture
 from unmask.models.hf_wrapped import is_wrapped
@@ -67,6 +74,7 @@ def plan_parallel(cfg: RunConfig, world_size: int) -> ParallelPlan:
     against the model's positions, tensor, context, sequence and pipeline parallelism, the
     mesh's factoring, experts), then the plan; a one-line InputError for the first problem."""
     t, p = cfg.train, cfg.parallel
+    check_family_trains(cfg.model)
     check_lora_request(cfg.model)
     check_model_fits(cfg)
     check_tensor_parallel(cfg.model, p.tensor_parallel, lora=cfg.model.lora)
@@ -84,6 +92,17 @@ def plan_parallel(cfg: RunConfig, world_size: int) -> ParallelPlan:
     # the stages' layers and micro-batches (pp peers read the same rows)
     pipeline = pipeline_plan(cfg, rows * t.gradient_accumulation_steps)
     return ParallelPlan(world_size, layout, p.expert_parallel, dp, rows, pipeline)
+
+
+def check_family_trains(model: ModelConfig) -> None:
+    """One line when the family's shape says no objective drives its forward yet
+    (models/shape.py `trains`)."""
+    if not shape_of(model).trains:
+        raise InputError(
+            f"model.model_type {model.model_type!r}: unmask reads and writes its folders and "
+            "computes its logits (unmask.models.from_pretrained), but no objective trains it "
+            "and the planner cannot trace it yet"
+        )
 
 
 def check_model_fits(cfg: RunConfig) -> None:
