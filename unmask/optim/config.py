@@ -62,6 +62,10 @@ class OptimConfig(BaseModel):
     """Regexes of parameter names forced to Muon (checked before muon_exclude; first match wins)."""
     muon_exclude: list[str] = []
     """Regexes of parameter names forced to AdamW."""
+    muon_per_head: bool = False
+    """Per-head Muon: attention's q_proj, k_proj and v_proj weights orthogonalized one head
+    at a time (each head's (head_dim, hidden) rows as a matrix of its own, its update scaled
+    by that shape), the head dim read from the model; docs/muon.md."""
 
     use_muon: bool | None = None
     """Seed spelling (LMMs-Engine): true sets name: muon, false sets name: adamw (wins over name)."""
@@ -123,6 +127,7 @@ def build_optimizer(cfg: OptimConfig, model: torch.nn.Module) -> torch.optim.Opt
             muon_include=tuple(cfg.muon_include),
             muon_exclude=tuple(cfg.muon_exclude),
             fused=fused,
+            per_head=cfg.muon_per_head,
         )
     routing = route_parameters(model)
     decay = routing.muon + routing.adamw_decay

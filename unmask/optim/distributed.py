@@ -13,7 +13,9 @@ fewer rows or none). Newton-Schulz needs the whole matrix, so one step of a Muon
    dtype (NS casts to it first, so nothing is lost; float16 NS normalizes in float32 first, so
    its input travels as float32);
 4. each owner runs NS once per owned matrix, batched by shape, with the call the
-   one-process step makes (:func:`~unmask.optim.updates.orthogonalize_inputs`);
+   one-process step makes (:func:`~unmask.optim.updates.orthogonalize_inputs`); under
+   per-head Muon an owned q/k/v matrix goes in as its heads (the owner holds it whole,
+   wherever FSDP2's rows or TP's heads cut it), and the scale of step 6 is one head's;
 5. a second ``all_to_all_single`` returns each rank its block of every update;
 6. weight decay and the update, scaled by the *global* shape, on the local block.
 
@@ -48,7 +50,7 @@ import logging
 import math
 import warnings
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -60,10 +62,12 @@ from torch.distributed.tensor._utils import _compute_local_shape_and_global_offs
 from unmask.optim.newton_schulz import ns_flops
 from unmask.optim.updates import (
     apply_muon_update_,
+    heads_view,
     lr_scale,
     momentum_buffer,
     muon_ns_input,
     ns_settings,
+    ns_shape,
     orthogonalize_inputs,
 )
 
@@ -129,6 +133,8 @@ class OwnerPlan:
     row blocks of DTensor's Shard(0) over ``group_sizes`` (FSDP2), or the blocks a
     tensor-parallel layout gives (:func:`split_blocks`: column blocks for row-parallel
     weights, row blocks for column-parallel ones, row x column blocks under FSDP2 x TP).
+    ``heads[i]``: the rows of one head of matrix i under per-head Muon (its owner
+    orthogonalizes it head by head; its cost is that of its heads), None for a whole matrix.
     """
 
     def __init__(
@@ -139,10 +145,15 @@ class OwnerPlan:
         gram: bool,
         group_sizes: Sequence[int] | None = None,
         blocks: Sequence[Sequence[Block] | None] | None = None,
+        heads: Sequence[int | None] | None = None,
     ):
         self.shapes = [tuple(s) for s in shapes]
         self.world_size = world_size
-        self.costs = [float(ns_flops(s[-2], s[-1], ns_steps, gram=gram)) for s in self.shapes]
+        self.heads = list(heads) if heads is not None else [None] * len(self.shapes)
+        self.costs = [
+            float(s[-2] // ns_shape(s, h)[0] * ns_flops(*ns_shape(s, h), ns_steps, gram=gram))
+            for s, h in zip(self.shapes, self.heads)
+        ]
         self.owners = assign_owners(self.costs, world_size)
         sizes = group_sizes or (world_size,)
         given = list(blocks) if blocks is not None else [None] * len(self.shapes)
@@ -204,7 +215,9 @@ def owner_all_to_all(
             n = plan.numel(i, src)
             full[i][r0:r1, c0:c1] = recv[offset : offset + n].view(r1 - r0, c1 - c0)
             offset += n
-    updates = orthogonalize_inputs([full[i] for i in mine], group) if mine else []
+    # (per-head Muon: a matrix goes in as its heads, and its update comes back whole)
+    updates = orthogonalize_inputs([heads_view(full[i], plan.heads[i]) for i in mine], group)
+    updates = [u.reshape(plan.shapes[i]) for i, u in zip(mine, updates)]
     # 3. send every rank its block of my updates; receive my blocks from every owner
     back_parts = []
     for dst in range(world):
@@ -284,9 +297,11 @@ def split_blocks(p: DTensor, dims: tuple[int, ...], sizes: tuple[int, ...]) -> l
 
 
 def _plan_for(layout_params: list[DTensor], group: dict[str, Any], dims: tuple[int, ...],
-              sizes: tuple[int, ...], rank: int) -> tuple[OwnerPlan, list[bool]]:  # fmt: skip
-    """The owner plan of one layout's matrices, and which of them are redistributed into
-    rows first (only a layout whose blocks do not tile, or the test switch)."""
+              sizes: tuple[int, ...], rank: int,
+              heads: Sequence[int | None]) -> tuple[OwnerPlan, list[bool]]:  # fmt: skip
+    """The owner plan of one layout's matrices (``heads``: per-head Muon's rows of one head
+    of each, or None), and which of them are redistributed into rows first (only a layout
+    whose blocks do not tile, or the test switch)."""
     blocks, moved = [], []
     for p in layout_params:
         rows = rows_layout(p) == tuple(p.placements)
@@ -294,7 +309,8 @@ def _plan_for(layout_params: list[DTensor], group: dict[str, Any], dims: tuple[i
         blocks.append(split)
         moved.append(not rows and split is None)
     plan = OwnerPlan([p.shape for p in layout_params], math.prod(sizes), group["ns_steps"],
-                     ns_settings(group).gram, group_sizes=sizes, blocks=blocks)  # fmt: skip
+                     ns_settings(group).gram, group_sizes=sizes, blocks=blocks,
+                     heads=heads)  # fmt: skip
     for index, p in enumerate(layout_params):
         r0, r1, c0, c1 = plan.blocks[index][rank]
         if not moved[index] and tuple(p.to_local().shape) != (r1 - r0, c1 - c0):
@@ -326,7 +342,10 @@ _FLAT_GROUPS: dict[tuple, Any] = {}
 
 
 def dtensor_muon_step(
-    group: dict[str, Any], state: defaultdict[Tensor, dict[str, Any]], owner_plans: OwnerPlans
+    group: dict[str, Any],
+    state: defaultdict[Tensor, dict[str, Any]],
+    owner_plans: OwnerPlans,
+    head_dims: Mapping[Tensor, int] | None = None,
 ) -> None:
     """One Muon step for a param group of DTensor parameters (called by MuonAdamW.step).
 
@@ -345,7 +364,11 @@ def dtensor_muon_step(
         owner_plans: cache of :class:`OwnerPlan` (with which matrices are redistributed
             first); a plan is built on the first step of a group and reused (it depends
             only on global shapes, placements and the mesh).
+        head_dims: per-head Muon, {parameter: rows of one head}: the owner (which holds the
+            matrix whole, however FSDP2 and TP cut it) orthogonalizes such a matrix head by
+            head, and the update scale is one head's.
     """
+    head_dims = head_dims or {}
     params = [p for p in group["params"] if p.grad is not None]
     if not params:
         return
@@ -369,14 +392,19 @@ def dtensor_muon_step(
         if not dims:
             # replicated (every rank holds whole matrices) or expert stacks sharded on the
             # expert dim: NS on what is here, one input at a time, no communication.
-            updates = [orthogonalize_inputs([u], group)[0] if u.numel() else u for u in inputs]
+            updates = [
+                orthogonalize_inputs([heads_view(u, head_dims.get(p))], group)[0].reshape(u.shape)
+                if u.numel() else u
+                for u, p in zip(inputs, layout_params)
+            ]  # fmt: skip
         else:
             mesh = layout_params[0].device_mesh
             pg, rank, sizes = _owner_group(mesh, dims)
             key = (mesh, dims, tuple(id(p) for p in layout_params),
                    _REDISTRIBUTE_SPLIT_MATRICES)  # fmt: skip
             if key not in owner_plans:
-                owner_plans[key] = _plan_for(layout_params, group, dims, sizes, rank)
+                heads = [head_dims.get(p) for p in layout_params]
+                owner_plans[key] = _plan_for(layout_params, group, dims, sizes, rank, heads)
             plan, moved = owner_plans[key]
             inputs = [
                 _redistributed(u, p, rows_layout(p)) if move else u
@@ -387,12 +415,12 @@ def dtensor_muon_step(
                 _redistributed(u, p, rows_layout(p), back=True) if move else u
                 for u, p, move in zip(updates, layout_params, moved)
             ]
-        by_shape: dict[tuple, list[int]] = defaultdict(list)
+        by_shape: dict[tuple, list[int]] = defaultdict(list)  # the shape NS saw (global)
         for index, p in enumerate(layout_params):
-            by_shape[tuple(p.shape)].append(index)
+            by_shape[ns_shape(p.shape, head_dims.get(p))].append(index)
         for shape, indices in by_shape.items():
             local = [layout_params[i].to_local() for i in indices]
-            ups = [updates[i].to(local[0].dtype) for i in indices]
+            ups = [updates[i].to(t.dtype) for i, t in zip(indices, local)]
             scale = lr_scale(shape, group["adjust_lr"])
             apply_muon_update_(local, ups, group["lr"], group["weight_decay"], scale)
 

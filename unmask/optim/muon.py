@@ -14,6 +14,12 @@ the Muon matrices plus ``torch.optim.AdamW`` on the rest bit for bit on CPU (wit
 ``torch.optim.AdamW(fused=True)``): tests/unit/test_muon.py asserts ``torch.equal`` on every
 parameter after five steps, for ``adjust_lr="original"`` and ``"match_rms_adamw"``, fused
 and not.
+
+Per-head Muon (``per_head=True``): the attention query/key/value matrices go into
+Newton-Schulz as their heads (heads, head_dim, hidden), batched with the other matrices of
+one head's shape, and take one head's update scale; configured like torch, the parameters
+equal ``torch.optim.Muon`` applied to each head's rows on their own, bit for bit
+(tests/unit/test_muon_per_head.py).
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ from torch.distributed.tensor import DTensor
 from unmask.errors import InputError
 from unmask.optim.distributed import OwnerPlans, dtensor_muon_step
 from unmask.optim.newton_schulz import NS_DTYPES, NS_METHODS, Coefficients
-from unmask.optim.routing import NamedParams, route_parameters
+from unmask.optim.routing import NamedParams, route_parameters, split_heads
 from unmask.optim.updates import (
     ADJUST_LR,
     MOMENTUM_STYLES,
@@ -39,9 +45,11 @@ from unmask.optim.updates import (
     cpu_has_native_bf16,
     fused_adamw_ok,
     fused_adamw_update_,
+    heads_view,
     lr_scale,
     momentum_buffer,
     muon_ns_input,
+    ns_shape,
     orthogonalize_inputs,
     state_dtype,
 )
@@ -107,6 +115,14 @@ class MuonAdamW(torch.optim.Optimizer):
         momentum_style: ``sum`` (M <- mu M + G, Moonlight) or ``ema``
             (M <- lerp(M, G, 1 - mu), ``torch.optim.Muon``/Keller Jordan).
         muon_include, muon_exclude: name regexes overriding the routing (include first).
+        per_head: per-head Muon: the attention query/key/value matrices (names ending in
+            ``self_attn.q_proj.weight``, ``k_proj.weight``, ``v_proj.weight``) are
+            orthogonalized one head at a time, (heads x head_dim, hidden) viewed as
+            (heads, head_dim, hidden), and their update scale is one head's (head_dim,
+            hidden): ``torch.optim.Muon`` applied to each head's rows on their own. The head
+            dim comes from the model (:func:`~unmask.optim.routing.split_heads`).
+        head_dim: the head dim for per-head Muon where the model does not say it (named
+            parameters without ``model``); refused where it says another.
         fused: AdamW through torch's fused kernel where it applies (float32/float64
             parameters on CPU or CUDA): one pass over memory, bit-equal to
             ``torch.optim.AdamW(fused=True)``, about 1 ulp per step from the default
@@ -124,6 +140,9 @@ class MuonAdamW(torch.optim.Optimizer):
       parameter.
     * ``ns_dtype_choice``: (the NS dtype used, why), e.g. ``("float32", "the CPU has no
       native bfloat16 matmuls ...")`` for ``auto``, ``("bfloat16", "as given")`` otherwise.
+    * ``head_dims``: per-head Muon's split, {parameter: rows of one head} (empty when
+      ``per_head`` is off); kept by pickling and deep copies, not saved in ``state_dict()``
+      (the construction's ``per_head`` decides it on a resume).
     * ``owner_plans``: the DTensor path's cache of owner plans (which rank orthogonalizes
       which matrix, and the block of it each rank holds), filled on the first step of each
       sharded Muon group and reused. A plan depends only on global shapes, placements and
@@ -151,6 +170,8 @@ class MuonAdamW(torch.optim.Optimizer):
         fused: bool = False,
         verbose: bool = True,
         model: nn.Module | None = None,
+        per_head: bool = False,
+        head_dim: int | None = None,
     ) -> None:
         _validate(
             lr=lr,
@@ -171,6 +192,12 @@ class MuonAdamW(torch.optim.Optimizer):
             ns_coefficients = tuple(float(v) for v in ns_coefficients)
         self.routing = route_parameters(model_or_named_params, muon_include, muon_exclude,
                                         model=model)  # fmt: skip
+        self.head_dims: dict[Tensor, int] = {}
+        if per_head:
+            given = model_or_named_params
+            heads = split_heads(self.routing, given if isinstance(given, nn.Module) else model,
+                                head_dim)  # fmt: skip
+            self.head_dims = {p: heads[name] for name, p in self.routing.muon if name in heads}
         self.ns_dtype_choice = (ns_dtype, "as given")
         if ns_dtype == "auto":
             device = _local(self.routing.muon[0][1]).device if self.routing.muon else None
@@ -232,26 +259,30 @@ class MuonAdamW(torch.optim.Optimizer):
     def _muon_group_step(self, group: dict[str, Any]) -> None:
         if any(isinstance(p, DTensor) for p in group["params"]):
             # FSDP2/HSDP: the owner all-to-all
-            dtensor_muon_step(group, self.state, self.owner_plans)
+            dtensor_muon_step(group, self.state, self.owner_plans, self.head_dims)
             return
+        # by the shape NS sees: a matrix's, or one head's (per-head Muon)
         buckets: dict[tuple, list[Tensor]] = defaultdict(list)
         for p in _with_grad(group["params"]):
-            buckets[(p.shape[-2], p.shape[-1], p.device)].append(p)
-        for params in buckets.values():
+            buckets[(*ns_shape(p.shape, self.head_dims.get(p)), p.device)].append(p)
+        for (rows, cols, _), params in buckets.items():
             for chunk in _chunks(params, NS_BATCH_NUMEL):
                 inputs = [
-                    muon_ns_input(
-                        momentum_buffer(self.state[p], p),
-                        p.grad,
-                        group["momentum"],
-                        group["nesterov"],
-                        group["momentum_style"],
+                    heads_view(
+                        muon_ns_input(
+                            momentum_buffer(self.state[p], p),
+                            p.grad,
+                            group["momentum"],
+                            group["nesterov"],
+                            group["momentum_style"],
+                        ),
+                        self.head_dims.get(p),
                     )
                     for p in chunk
                 ]
                 updates = orthogonalize_inputs(inputs, group)
-                updates = [u.to(p.dtype) for u, p in zip(updates, chunk)]
-                scale = lr_scale(chunk[0].shape, group["adjust_lr"])
+                updates = [u.reshape(p.shape).to(p.dtype) for u, p in zip(updates, chunk)]
+                scale = lr_scale((rows, cols), group["adjust_lr"])
                 apply_muon_update_(chunk, updates, group["lr"], group["weight_decay"], scale)
 
     def _adamw_state(self, p: Tensor, step_device: torch.device) -> dict[str, Any]:
@@ -307,12 +338,22 @@ class MuonAdamW(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ checkpoints
 
+    def __getstate__(self) -> dict[str, Any]:
+        """The base class's attributes plus the per-head split (keyed by the parameters, so
+        a deep copy maps it onto the copied ones)."""
+        return {**super().__getstate__(), "head_dims": self.head_dims}
+
     def __setstate__(self, state: dict[str, Any]) -> None:
-        """Unpickling and ``copy.deepcopy`` restore only the base class's attributes
-        (defaults, state, param_groups); start with an empty owner plan cache."""
+        """Unpickling and ``copy.deepcopy`` restore the base class's attributes (defaults,
+        state, param_groups) and the per-head split; start with an empty owner plan
+        cache. (``load_state_dict`` calls this too, without a split: the optimizer keeps
+        its own.)"""
+        state = dict(state)
+        head_dims = state.pop("head_dims", getattr(self, "head_dims", {}))
         super().__setstate__(state)
         for group in self.param_groups:  # a state_dict saved before the fused option
             group.setdefault("fused", False)
+        self.head_dims = head_dims
         self.owner_plans = {}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

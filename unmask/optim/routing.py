@@ -17,16 +17,21 @@ shape:
   order (a classifier or an ``nn.Sequential``), unless the model is a stack of blocks
   (parameter names with ``.layers.``, or that linear inside an element of a list of
   blocks, ``blocks.7.proj``: there the last linear is a hidden layer).
-* AdamW with weight decay also: MoE routers (``is_moe_router`` modules, models/moe.py). A
-  router's rows are one logit per expert, not a hidden transform; orthogonalizing them would
-  force every expert's score direction to equal norm and tie the experts' loads to the
-  update rather than to the data (torchtitan and Moonlight keep routers on AdamW). The
-  sigmoid routers' expert bias is a buffer, updated by the load rule, never by an optimizer.
+* AdamW with weight decay also: MoE routers (the parameters of an ``is_moe_router`` module
+  and of its submodules: models/moe.py's ``gate.weight``, DiffusionGemma's
+  ``router.proj.weight``). A router's rows are one logit per expert, not a hidden transform;
+  orthogonalizing them would force every expert's score direction to equal norm and tie the
+  experts' loads to the update rather than to the data (torchtitan and Moonlight keep
+  routers on AdamW). The sigmoid routers' expert bias is a buffer, updated by the load rule,
+  never by an optimizer.
 * Muon: the remaining 2-D matrices (and 3-D expert stacks, orthogonalized per expert).
 * Frozen parameters (``requires_grad=False``) are left out of the optimizer.
 
 ``muon_include`` and then ``muon_exclude`` regexes (``re.search`` on the parameter name or
 any tied alias) override the rules; the first matching pattern wins.
+
+:func:`split_heads` (per-head Muon, ``optim.muon_per_head``) says which Muon matrices are
+orthogonalized per attention head, and the rows of one head.
 """
 
 from __future__ import annotations
@@ -44,6 +49,9 @@ from unmask.errors import InputError
 ADAMW_NAME_PARTS = ("embed", "lm_head", "wte", "wpe", "lora")
 #: Whole parts of a name (split on "." and "_") that mark an output layer.
 OUTPUT_NAME_PARTS = ("head", "classifier", "score")
+#: Name endings of the matrices per-head Muon splits into heads: attention's query, key and
+#: value projections, (heads x head_dim, hidden) each (key/value: the key/value heads).
+PER_HEAD_SUFFIXES = tuple(f"self_attn.{proj}.weight" for proj in ("q_proj", "k_proj", "v_proj"))
 
 NamedParams = Iterable[tuple[str, nn.Parameter]]
 
@@ -157,7 +165,12 @@ def _roles(model: nn.Module) -> tuple[dict[int, set[str]], dict[int, list[str]]]
     aliases: dict[int, list[str]] = defaultdict(list)
     head = _output_layer(model)
     embed = _module_of(model, "get_input_embeddings")
+    routers = {name for name, m in model.named_modules(remove_duplicate=False)
+               if getattr(m, "is_moe_router", False)}  # fmt: skip
     for mod_name, module in model.named_modules(remove_duplicate=False):
+        # a router's own parameters, and those of its submodules (DiffusionGemma's
+        # router.proj, an nn.Linear inside the router)
+        in_router = bool(routers) and _inside(mod_name, routers)
         for leaf, p in module.named_parameters(recurse=False):
             full = f"{mod_name}.{leaf}" if mod_name else leaf
             if full not in aliases[id(p)]:
@@ -168,9 +181,16 @@ def _roles(model: nn.Module) -> tuple[dict[int, set[str]], dict[int, list[str]]]
                 roles[id(p)].add("output head")
             if _is_norm(module):
                 roles[id(p)].add("norm")
-            if getattr(module, "is_moe_router", False):
+            if in_router:
                 roles[id(p)].add("router")
     return roles, aliases
+
+
+def _inside(module_name: str, prefixes: set[str]) -> bool:
+    """Whether the module is one of ``prefixes`` (module names) or inside one of them."""
+    parts = module_name.split(".") if module_name else []
+    return "" in prefixes or any(".".join(parts[:i]) in prefixes
+                                 for i in range(1, len(parts) + 1))  # fmt: skip
 
 
 def _first_match(patterns: Sequence[re.Pattern[str]], names: Sequence[str]) -> str | None:
@@ -313,3 +333,71 @@ def route_parameters(
         routing.reasons[name] = reason
         routing.order.append(name)
     return routing
+
+
+def _config_head_dim(model: nn.Module | None) -> int | None:
+    """The model config's head dim: ``resolved_head_dim`` (unmask's ModelConfig),
+    ``head_dim`` (transformers), or hidden_size // num_attention_heads; None without one."""
+    cfg = getattr(model, "config", None)
+    for key in ("resolved_head_dim", "head_dim"):
+        value = getattr(cfg, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    hidden, heads = getattr(cfg, "hidden_size", None), getattr(cfg, "num_attention_heads", None)
+    if isinstance(hidden, int) and isinstance(heads, int) and heads > 0 and hidden % heads == 0:
+        return hidden // heads
+    return None
+
+
+def split_heads(
+    routing: Routing, model: nn.Module | None = None, head_dim: int | None = None
+) -> dict[str, int]:
+    """Per-head Muon: the rows of one head of each Muon matrix orthogonalized per head.
+
+    A Muon matrix whose name ends in ``self_attn.q_proj.weight``, ``k_proj.weight`` or
+    ``v_proj.weight`` (:data:`PER_HEAD_SUFFIXES`; shape (heads x head_dim, hidden), key and
+    value with the key/value heads under GQA) is split into its heads. The head dim comes
+    from the model: the attention module's own ``head_dim`` (unmask's attention, transformers'
+    attention classes; DiffusionGemma's full-attention layers have their own), else the
+    model config's (``resolved_head_dim``, ``head_dim``, or hidden_size /
+    num_attention_heads), else ``head_dim``. A ``head_dim`` given where the model says
+    another, or a head dim that does not divide a matrix's rows, is refused. The routing's
+    reasons say each split matrix's heads.
+
+    Returns:
+        {parameter name: rows of one head}, for the split matrices only.
+    """
+    if head_dim is not None and (not isinstance(head_dim, int) or head_dim < 1):
+        raise InputError(f"head_dim must be a positive int, got {head_dim!r}")
+    from_config = _config_head_dim(model)
+    out: dict[str, int] = {}
+    for name, p in routing.muon:
+        if not name.endswith(PER_HEAD_SUFFIXES) or p.ndim != 2:
+            continue
+        said, where = None, ""
+        if model is not None:
+            attention_name = name.rsplit(".", 2)[0]
+            try:
+                attention = model.get_submodule(attention_name)
+            except AttributeError:
+                attention = None
+            said = getattr(attention, "head_dim", None)
+            where = f"{attention_name}.head_dim"
+            if not isinstance(said, int) or said < 1:
+                said, where = from_config, "the model config's head dim"
+        if said is not None and head_dim is not None and said != head_dim:
+            raise InputError(f"per-head Muon: head_dim={head_dim} was given, but {where} is "
+                             f"{said} (for {name}); leave head_dim out")  # fmt: skip
+        dim = said if said is not None else head_dim
+        if dim is None:
+            raise InputError(
+                f"per-head Muon needs the head dim of {name}: pass the model (its attention "
+                "modules or config say it) or head_dim="
+            )
+        rows, cols = p.shape
+        if rows % dim:
+            raise InputError(f"per-head Muon: head dim {dim} does not divide the {rows} rows "
+                             f"of {name} {tuple(p.shape)}")  # fmt: skip
+        out[name] = dim
+        routing.reasons[name] += f", per head ({rows // dim} x {dim} x {cols})"
+    return out

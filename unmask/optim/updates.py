@@ -10,6 +10,11 @@ One Muon step per matrix W (A x B):
 3. :func:`apply_muon_update_`: ``W <- W (1 - lr wd) - lr s O`` with ``s`` from
    :func:`lr_scale`; like ``torch.optim.Muon``, weight decay uses the unscaled lr.
 
+Per-head Muon (``optim.muon_per_head``): a query/key/value matrix (heads x head_dim, B)
+goes into step 2 as its heads, (heads, head_dim, B) (:func:`heads_view`), so each head is
+orthogonalized on its own, and ``s`` comes from one head's shape (:func:`ns_shape`): what
+``torch.optim.Muon`` does applied to each head's rows as a matrix of its own.
+
 :func:`adamw_update_` is the AdamW step for the parameters Muon does not take (the
 operations of ``torch.optim.AdamW``'s plain path); :func:`fused_adamw_update_` is the same
 step through torch's fused kernel (``torch.optim.AdamW(fused=True)``), used where
@@ -157,6 +162,19 @@ def _batched_newton_schulz(inputs: list[Tensor], settings: NSSettings) -> list[T
         return [out]
     sizes = [u.numel() // (a * b) for u in inputs]
     return [o.reshape(u.shape) for o, u in zip(out.split(sizes), inputs)]
+
+
+def ns_shape(shape: Sequence[int], head_dim: int | None = None) -> tuple[int, int]:
+    """The (A, B) Newton-Schulz orthogonalizes for a matrix of global shape (..., A, B):
+    (head_dim, B) for a matrix split into heads (per-head Muon), else (A, B). The update
+    scale (:func:`lr_scale`) reads this shape too."""
+    return (head_dim, shape[-1]) if head_dim else (shape[-2], shape[-1])
+
+
+def heads_view(u: Tensor, head_dim: int | None = None) -> Tensor:
+    """An NS input (A, B) viewed as its heads (A / head_dim, head_dim, B): the batch of
+    matrices NS orthogonalizes one by one (per-head Muon); u itself without a split."""
+    return u.view(-1, head_dim, u.shape[-1]) if head_dim else u
 
 
 def lr_scale(shape: Sequence[int], adjust_lr: str) -> float:
