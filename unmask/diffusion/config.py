@@ -114,6 +114,14 @@ class DiffusionConfig(BaseModel):
     `{warmup: [sizes], warmup_steps: N, stable_steps: N, decay: [sizes], decay_steps: N}`;
     the last decay size is the one the model samples with (docs/adaptation.md)."""
 
+    edit_fraction: float = Field(0.0, ge=0.0, lt=1.0)
+    """LLaDA2.1's editing stream (docs/diffusion.md, Token editing): the share of each row's
+    kept tokens (maskable, not masked) replaced by a different token drawn uniformly from
+    the tokenizer's non-special tokens; the loss then also covers every kept token, each
+    with weight 1 (restore the replaced ones, keep the others), beside the masked ones with
+    their `loss_weight`. 0: off (nothing more is drawn). mdlm, llada, bert, sft and bd3lm
+    only; decode such a model with `decoder: joint_threshold` (docs/sampling.md)."""
+
     vocab_chunk_size: int = Field(8192, gt=0)
     """Vocabulary columns per chunk in the masked-only cross-entropy (memory vs. speed)."""
 
@@ -145,6 +153,11 @@ class DiffusionConfig(BaseModel):
             )
         if self.adaptation is not None and self.adaptation.shift and self.logit_shift is not None:
             raise ValueError("diffusion.adaptation.shift sets the shift; leave logit_shift unset")
+        if self.edit_fraction > 0 and not spec.accepts_edit_fraction:
+            raise ValueError(
+                f"diffusion.edit_fraction needs objective {names_that('accepts_edit_fraction')}, "
+                f"not {self.objective!r}"
+            )
         if self.loss_normalization != "auto" and not spec.accepts_loss_normalization:
             raise ValueError(
                 f"loss_normalization {self.loss_normalization!r} needs objective "

@@ -121,6 +121,40 @@ def mask_tokens(
     return noisy_ids, masked
 
 
+def replace_tokens(
+    input_ids: torch.Tensor,
+    noisy_ids: torch.Tensor,
+    candidates: torch.Tensor,
+    fraction: float,
+    choices: torch.Tensor,
+    generator: torch.Generator | None = None,
+    rows: RowSlice | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """LLaDA2.1's editing-stream corruption (docs/diffusion.md, Token editing): each
+    candidate position (B, L) bool (the kept tokens: maskable, not masked) is replaced with
+    probability `fraction` by a token drawn uniformly from `choices` (K,) long, ascending
+    (the tokenizer's non-special ids), other than input_ids there: a replaced token is
+    always wrong.
+
+    Two U[0, 1) draws of the batch's shape, in this order: u (replaced where u < fraction),
+    then v (the token: index floor(v * n) of the n choices that differ from the original);
+    rows: see `RowSlice`. Returns (noisy_ids with the replacements, replaced (B, L) bool).
+    """
+    device = input_ids.device
+    u = rand_rows(tuple(input_ids.shape), rows, generator, device)
+    v = rand_rows(tuple(input_ids.shape), rows, generator, device)
+    replaced = candidates & (u < fraction)
+    choices = choices.to(device)
+    count = choices.numel()
+    rank = torch.searchsorted(choices, input_ids).clamp(max=count - 1)
+    inside = choices[rank] == input_ids  # the original is one of the choices: skip it
+    n = count - inside.long()
+    pick = torch.minimum((v * n).long(), n - 1)
+    pick = pick + (inside & (pick >= rank)).long()
+    new_ids = torch.where(replaced, choices[pick], noisy_ids)
+    return new_ids, replaced
+
+
 def force_one_masked(
     masked: torch.Tensor,
     maskable: torch.Tensor,

@@ -16,7 +16,7 @@ from torch import nn
 
 from unmask.diffusion.config import DiffusionConfig
 from unmask.diffusion.loss import IGNORE_INDEX
-from unmask.diffusion.noise import RowSlice, loss_weight, mask_tokens, sample_t
+from unmask.diffusion.noise import RowSlice, loss_weight, mask_tokens, replace_tokens, sample_t
 from unmask.diffusion.registry import (
     ObjectiveContext,
     ObjectiveSpec,
@@ -180,7 +180,11 @@ class MaskedDiffusionObjective(Objective):
     `model(noisy_ids, doc_ids=, position_ids=, targets=, vocab_chunk=)` and returns the
     per-token cross-entropy (B, L) float32 (0 where targets == -100).
     After each call `last_stats` holds detached 0-d tensors (no device sync):
-    mean_t, num_masked, num_maskable.
+    mean_t, num_masked, num_maskable (and num_edited with the editing stream on).
+
+    `diffusion.edit_fraction` > 0 (LLaDA2.1's editing stream, docs/diffusion.md): after
+    masking, that share of the kept tokens is replaced by random tokens from `edit_ids`
+    (`edit`), and every kept token joins the loss with weight 1.
     """
 
     #: Each row's noise is drawn on its own, so a multi-process run can draw the noise of
@@ -197,6 +201,9 @@ class MaskedDiffusionObjective(Objective):
         self.mask_id = mask_id
         self.eos_id = eos_id  # `answer` normalization finds each answer's end by its EOS
         self.last_stats: dict[str, torch.Tensor] = {}
+        #: (K,) long ascending: the tokens an edited position may take (`edit_fraction`);
+        #: the registry's builder sets them from the tokenizer (`replacement_ids`)
+        self.edit_ids: torch.Tensor | None = None
 
     @property
     def normalization(self) -> str:
@@ -236,7 +243,35 @@ class MaskedDiffusionObjective(Objective):
             min_masked=cfg.min_masked,
             rows=rows,
         )
+        noisy = self.edit(input_ids, noisy, masked, maskable_of(batch), generator, rows)
         return t, noisy, masked
+
+    def edit(
+        self,
+        input_ids: torch.Tensor,
+        noisy: torch.Tensor,
+        masked: torch.Tensor,
+        maskable: torch.Tensor,
+        generator: torch.Generator | None = None,
+        rows: RowSlice | None = None,
+    ) -> torch.Tensor:
+        """noisy with `edit_fraction` of the kept tokens (maskable, not masked) replaced
+        by other tokens of `edit_ids` (`replace_tokens`: two more draws of the batch's
+        shape from `generator`); unchanged, drawing nothing, when edit_fraction is 0."""
+        fraction = self.cfg.edit_fraction
+        if fraction <= 0:
+            return noisy
+        if self.edit_ids is None or self.edit_ids.numel() < 2:
+            raise ValueError(
+                "diffusion.edit_fraction needs the tokens a kept one may be replaced by: "
+                "build_objective(cfg, mask_id, tokenizer=...) or set objective.edit_ids"
+            )
+        if self.edit_ids.device != input_ids.device:  # moved once, not at every call
+            self.edit_ids = self.edit_ids.to(input_ids.device)
+        kept = maskable & ~masked
+        noisy, _ = replace_tokens(input_ids, noisy, kept, fraction, self.edit_ids, generator,
+                                  rows)  # fmt: skip
+        return noisy
 
     def count(self, batch: dict) -> torch.Tensor | None:
         """The normalizer `__call__` returns for this batch (its maskable tokens), from the
@@ -264,14 +299,46 @@ class MaskedDiffusionObjective(Objective):
         input_ids = batch["input_ids"]
         maskable = maskable_of(batch)
         t, noisy, masked = self.noise(batch, generator)
-        targets = torch.where(masked, input_ids, torch.full_like(input_ids, IGNORE_INDEX))
         weight = loss_weight(t, self.cfg.loss_weight, self.cfg.schedule).float()
-        coef, count = self._scaled(torch.where(masked, weight[:, None], 0.0), maskable, input_ids)
+        scored, coef = scored_positions(masked, maskable, weight, self.cfg.edit_fraction)
+        targets = torch.where(scored, input_ids, torch.full_like(input_ids, IGNORE_INDEX))
+        coef, count = self._scaled(coef, maskable, input_ids)
         loss_sum = weighted_token_loss(
             model, noisy, batch, targets, coef, self.cfg.vocab_chunk_size
         )
-        self.last_stats = objective_stats(t, masked, maskable)
+        self.last_stats = self.stats(t, masked, maskable, input_ids, noisy)
         return ObjectiveOutput(loss_sum, count)
+
+    def stats(self, t, masked, maskable, input_ids, noisy) -> dict:
+        """`last_stats` of a call (`objective_stats`), num_edited with the editing stream."""
+        if self.cfg.edit_fraction > 0:
+            return objective_stats(t, masked, maskable, input_ids, noisy)
+        return objective_stats(t, masked, maskable)
+
+
+def scored_positions(
+    masked: torch.Tensor, maskable: torch.Tensor, weight: torch.Tensor, edit_fraction: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scored (B, L) bool, coef (B, L) float32): the positions a masked objective's loss
+    covers and their weights: the masked ones with `weight` ((B,) per row or (B, L) per
+    position); with the editing stream on (edit_fraction > 0) also every kept one
+    (maskable, not masked: replaced or not) with weight 1 (docs/diffusion.md, Token
+    editing)."""
+    if weight.dim() == 1:
+        weight = weight[:, None]
+    coef = torch.where(masked, weight, 0.0)
+    if edit_fraction <= 0:
+        return masked, coef
+    kept = maskable & ~masked
+    return masked | kept, torch.where(kept, 1.0, coef)
+
+
+def replacement_ids(tokenizer, mask_id: int) -> torch.Tensor:
+    """(K,) long ascending: the ids an edited position may take: every id of the tokenizer
+    (`len(tokenizer)`: its added tokens too) but its special tokens (padding, EOS, ...) and
+    the mask."""
+    special = set(tokenizer.all_special_ids) | {mask_id}
+    return torch.tensor([i for i in range(len(tokenizer)) if i not in special], dtype=torch.long)
 
 
 def maskable_of(batch: dict) -> torch.Tensor:
@@ -320,13 +387,24 @@ def weighted_token_loss(
     return torch.where(targets != IGNORE_INDEX, ce.float() * coef, 0.0).sum()
 
 
-def objective_stats(t: torch.Tensor, masked: torch.Tensor, maskable: torch.Tensor) -> dict:
-    """An objective's `last_stats`: mean t, masked and maskable token counts (detached)."""
-    return {
+def objective_stats(
+    t: torch.Tensor,
+    masked: torch.Tensor,
+    maskable: torch.Tensor,
+    input_ids: torch.Tensor | None = None,
+    noisy: torch.Tensor | None = None,
+) -> dict:
+    """An objective's `last_stats`: mean t, masked and maskable token counts (detached);
+    given the clean and the noisy ids (the editing stream), the replaced kept tokens too."""
+    stats = {
         "mean_t": t.detach().float().mean(),
         "num_masked": masked.sum().detach().float(),
         "num_maskable": maskable.sum().detach().float(),
     }
+    if input_ids is not None and noisy is not None:
+        replaced = (noisy != input_ids) & maskable & ~masked
+        stats["num_edited"] = replaced.sum().detach().float()
+    return stats
 
 
 def masked_builder(cls: type[MaskedDiffusionObjective]):
@@ -336,6 +414,8 @@ def masked_builder(cls: type[MaskedDiffusionObjective]):
     def build(context: ObjectiveContext) -> MaskedDiffusionObjective:
         objective = cls(context.diffusion, context.mask_id)
         objective.eos_id = context.eos_id
+        if context.diffusion.edit_fraction > 0 and context.tokenizer is not None:
+            objective.edit_ids = replacement_ids(context.tokenizer, context.mask_id)
         return objective
 
     return build
@@ -345,5 +425,5 @@ for _name in ("mdlm", "llada", "bert"):  # bert: the mdlm loss on a transformers
     register_objective(ObjectiveSpec(
         _name, masked_builder(MaskedDiffusionObjective), accepts_loss_normalization=True,
         accepts_context_parallel=True, accepts_pipeline_parallel=always,
-        accepts_adaptation=_name != "bert",
+        accepts_adaptation=_name != "bert", accepts_edit_fraction=True,
     ))  # fmt: skip

@@ -24,6 +24,7 @@ from unmask.diffusion.objectives import (
     maskable_of,
     masked_builder,
     objective_stats,
+    scored_positions,
     weighted_token_loss,
 )
 from unmask.diffusion.registry import ObjectiveSpec, always, register_objective
@@ -123,6 +124,8 @@ class SFTObjective(MaskedDiffusionObjective):
     are ever masked; the prompt stays clean. Returns loss_sum = sum over rows of the row term
     and count = rows with an answer, so the trainer's global division gives the batch mean.
     `prompt_drop_prob` masks a row's whole prompt (no loss on it) for classifier-free guidance.
+    `edit_fraction`: the editing stream on the answer's kept tokens (MaskedDiffusionObjective);
+    its draws come after the masking's, before the prompt drop's.
     """
 
     global_noise = False
@@ -152,11 +155,12 @@ class SFTObjective(MaskedDiffusionObjective):
             prompt = prompt_positions(maskable, batch.get("doc_ids"))
             drop = torch.rand(t.shape, generator=generator, device=t.device) < cfg.prompt_drop_prob
             noisy = noisy.masked_fill(prompt & drop[:, None], self.mask_id)
-        targets = torch.where(masked, input_ids, torch.full_like(input_ids, IGNORE_INDEX))
         weight = loss_weight(t, cfg.loss_weight, cfg.schedule).float()
-        coef, count = self._scaled(torch.where(masked, weight[:, None], 0.0), maskable, input_ids)
+        scored, coef = scored_positions(masked, maskable, weight, cfg.edit_fraction)
+        targets = torch.where(scored, input_ids, torch.full_like(input_ids, IGNORE_INDEX))
+        coef, count = self._scaled(coef, maskable, input_ids)
         loss_sum = _weighted_loss(model, noisy, batch, targets, coef, cfg, bool(cfg.logit_shift))
-        self.last_stats = objective_stats(t, masked, maskable)
+        self.last_stats = self.stats(t, masked, maskable, input_ids, noisy)
         return ObjectiveOutput(loss_sum, count)
 
 
@@ -223,6 +227,8 @@ class BlockDiffusionObjective(MaskedDiffusionObjective):
     document's answer start (a plain document: its first token), the prompt cut into
     blocks from its end, as the block-causal sampler decodes; t is drawn per block; loss
     on the first L outputs, sum of CE_i w(t_block(i)) over masked i, count = maskable.
+    `edit_fraction`: kept tokens of the x_t half replaced (MaskedDiffusionObjective.edit, after
+    the masking's draws) and scored with weight 1; the x0 half stays clean.
     """
 
     global_noise = False
@@ -248,13 +254,14 @@ class BlockDiffusionObjective(MaskedDiffusionObjective):
         if cfg.min_masked > 0:
             masked = force_one_masked(masked, maskable, generator)
         noisy = torch.where(masked, torch.full_like(x0, self.mask_id), x0)
+        noisy = self.edit(x0, noisy, masked, maskable, generator)  # x_t only; x0 stays clean
         attn = bd3lm_block_mask(block)[:, None]  # (B, 1, 2L, 2L)
         if doc_ids is not None:
             doc2 = torch.cat([doc_ids, doc_ids], dim=1)
             attn = attn & (doc2[:, :, None] == doc2[:, None, :])[:, None]
-        targets = torch.where(masked, x0, torch.full_like(x0, IGNORE_INDEX))
         weight = loss_weight(t, cfg.loss_weight, cfg.schedule).float()
-        coef = torch.where(masked, weight, 0.0)
+        scored, coef = scored_positions(masked, maskable, weight, cfg.edit_fraction)
+        targets = torch.where(scored, x0, torch.full_like(x0, IGNORE_INDEX))
         call = {
             "position_ids": torch.cat([position_ids, position_ids], dim=1),
             "targets": torch.cat([targets, torch.full_like(targets, IGNORE_INDEX)], dim=1),
@@ -266,8 +273,8 @@ class BlockDiffusionObjective(MaskedDiffusionObjective):
             loss_sum = model(torch.cat([noisy, x0], dim=1), **call, target_weights=twice)
         else:
             ce = model(torch.cat([noisy, x0], dim=1), **call)[:, :length]
-            loss_sum = torch.where(masked, ce.float() * coef, 0.0).sum()
-        self.last_stats = objective_stats(t, masked, maskable)
+            loss_sum = torch.where(scored, ce.float() * coef, 0.0).sum()
+        self.last_stats = self.stats(t, masked, maskable, x0, noisy)
         return ObjectiveOutput(loss_sum, maskable.sum().float())
 
 
@@ -304,7 +311,8 @@ register_objective(ObjectiveSpec("sft", masked_builder(SFTObjective),
                                  accepts_loss_normalization=True,
                                  accepts_logit_shift=True,
                                  accepts_pipeline_parallel=always,
-                                 accepts_adaptation=True))  # fmt: skip
+                                 accepts_adaptation=True,
+                                 accepts_edit_fraction=True))  # fmt: skip
 register_objective(ObjectiveSpec("dream", masked_builder(DreamObjective),
                                  accepts_logit_shift=True, logit_shift_default=True,
                                  accepts_cart_weights=True,
@@ -312,4 +320,5 @@ register_objective(ObjectiveSpec("dream", masked_builder(DreamObjective),
 register_objective(ObjectiveSpec("bd3lm", masked_builder(BlockDiffusionObjective),
                                  fixed_sampling=_block_causal,
                                  accepts_pipeline_parallel=always,
-                                 accepts_block_schedule=True))  # fmt: skip
+                                 accepts_block_schedule=True,
+                                 accepts_edit_fraction=True))  # fmt: skip

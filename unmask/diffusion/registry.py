@@ -105,6 +105,10 @@ class ObjectiveSpec:
     `weighted_token_loss` with no mask of its own)."""
     accepts_block_schedule: bool = False
     """Takes `diffusion.block_schedule`: reads `cfg.block_size` at each call (bd3lm)."""
+    accepts_edit_fraction: bool = False
+    """Takes `diffusion.edit_fraction` > 0 (LLaDA2.1's editing stream: kept tokens replaced
+    by random ones, every kept token in the loss; a masked objective whose noise goes through
+    `MaskedDiffusionObjective.edit`)."""
     head_share: float | None = None
     """Share of a row's tokens its loss runs the LM head on, for `unmask plan`'s FLOPs and
     head gradients (None: a masked objective's expectation, 1/2 under t ~ U(0, 1); ar: 1,
