@@ -198,6 +198,63 @@ def save_tiny_model(folder, seed: int = 0, **fields):
     return folder
 
 
+#: a tiny DiffusionGemma's text config (transformers' names): both layer types, full layers
+#: with their own head size, every layer's dense MLP beside its experts, soft-capping
+DIFFUSION_GEMMA_TEXT = {
+    "vocab_size": 128, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 4,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "global_head_dim": 16,
+    "num_global_key_value_heads": 1, "sliding_window": 4,
+    "layer_types": ["sliding_attention", "full_attention"] * 2, "num_experts": 4,
+    "top_k_experts": 2, "moe_intermediate_size": 24, "max_position_embeddings": 256,
+    "final_logit_softcapping": 30.0, "initializer_range": 0.02,
+}  # fmt: skip
+DIFFUSION_GEMMA_VISION = {
+    "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
+    "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 8, "patch_size": 4,
+    "position_embedding_size": 64,
+}  # fmt: skip
+
+
+def decisive_diffusion_gemma(seed: int = 0, canvas_length: int = 8, eos_id: int = 1):
+    """transformers' tiny random DiffusionGemmaForBlockDiffusion (eval mode), made to decide
+    as a trained one does, so its sampler stops, ends rows and follows transformers:
+    weights N(0, 0.02) (a random model's self-conditioning loop at 0.1 doubles a rounding
+    difference every step, so no other kernels can follow it for 48 steps), the tied
+    embedding x 20 (peaked distributions: entropies fall below the thresholds), EOS's row
+    x 1.3 more (EOS is often drawn, ending rows), and the layers' output norms x 0.6 (a
+    step's argmax depends less on the renoised canvas, so canvases get stable)."""
+    import transformers
+
+    torch.manual_seed(seed)
+    config = transformers.DiffusionGemmaConfig(
+        text_config=DIFFUSION_GEMMA_TEXT, vision_config=DIFFUSION_GEMMA_VISION,
+        canvas_length=canvas_length, initializer_range=0.02,
+    )  # fmt: skip
+    model = transformers.DiffusionGemmaForBlockDiffusion(config).eval()
+    with torch.no_grad():
+        embedding = model.get_input_embeddings().weight
+        embedding.mul_(20.0)
+        embedding[eos_id].mul_(1.3)
+        for name, param in model.named_parameters():
+            if ".layers." in name and name.endswith(("post_attention_layernorm.weight",
+                                                     "post_feedforward_layernorm.weight")):  # fmt: skip
+                param.mul_(0.6)
+    return model
+
+
+def save_tiny_diffusion_gemma(folder, seed: int = 0, canvas_length: int = 8):
+    """`decisive_diffusion_gemma` saved by transformers' save_pretrained with the char
+    tokenizer (EOS 1, pad 0, no chat template); returns (transformers' model, folder)."""
+    from unmask.data.tokenizer import build_char_tokenizer, ensure_special_tokens
+
+    tokenizer = build_char_tokenizer()
+    ensure_special_tokens(tokenizer)
+    model = decisive_diffusion_gemma(seed, canvas_length, tokenizer.eos_token_id)
+    model.save_pretrained(str(folder))
+    tokenizer.save_pretrained(str(folder))
+    return model, folder
+
+
 @contextlib.contextmanager
 def newton_schulz_calls():
     """Yields a list that gets the input shape of every Newton-Schulz call MuonAdamW makes

@@ -22,6 +22,10 @@ from unmask.cli import main
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 BINARY = bytes(range(256)) * 8  # not UTF-8, not JSON
+#: the tiny model as a DiffusionGemma (a sliding and a full layer, 4 experts)
+GEMMA = {"model_type": "diffusion_gemma", "head_dim": 16, "num_experts": 4,
+         "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+         "diffusion_gemma": {"sliding_window": 8, "canvas_length": 4}}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -421,6 +425,16 @@ CASES = [
     case("time-eps-0", over("diffusion.time_eps=0"), "'diffusion.time_eps'", "must be > 0"),
     case("async-checkpoint-with-lora", over("model.lora=true", "train.async_checkpoint=true"),
          "train.async_checkpoint does not support model.lora", "train.async_checkpoint=false"),
+    # DiffusionGemma: a canvas decoder without [MASK] (docs/diffusion.md, Uniform corruption)
+    case("uniform-objective-without-a-canvas-decoder", over("diffusion.objective=uniform"),
+         "trains a prompt encoder and canvas decoder", "use a masked objective"),
+    case("masked-objective-on-diffusion-gemma", with_config({"model": GEMMA}),
+         "has no [MASK] token: diffusion.objective 'mdlm' needs one",
+         "diffusion.objective uniform"),
+    case("canvas-longer-than-a-row", with_config({
+        "model": {**GEMMA, "diffusion_gemma": {"canvas_length": 32}},
+        "diffusion": {"objective": "uniform"}}),
+        "canvas_length (32) is above data.packing_length (20)", "raise data.packing_length"),
     # -- data files ---------------------------------------------------------------------------
     case("data-unknown-pad-policy", over("data.pad_policy=eoss"), "'data.pad_policy'",
          "'eos', 'single_eos' or 'packed'", "'eoss'"),

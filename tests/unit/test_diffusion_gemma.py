@@ -296,20 +296,24 @@ def test_called_as_the_native_decoder_it_refuses_in_one_line():
         lambda: model(ids, targets=ids),
         lambda: model(ids, doc_ids=ids),
     ):
-        with pytest.raises(InputError, match="objectives and samplers do not drive it yet"):
+        with pytest.raises(InputError, match="not one row of tokens; train it with "
+                           "diffusion.objective uniform"):  # fmt: skip
             call()
 
 
-def test_training_and_planning_it_are_refused_in_one_line_until_an_objective_drives_it():
+def test_it_trains_with_uniform_only_and_the_planner_refuses_it_in_one_line():
     from unmask.config import load_config
-    from unmask.plan.shards import shard_model
+    from unmask.plan.shards import planned_model_config
     from unmask.train.setup import plan_parallel
 
-    cfg = load_config(None, ["model.model_type=diffusion_gemma"])
-    message = (r"^model.model_type 'diffusion_gemma': unmask reads and writes its folders and "
-               r"computes its logits \(unmask.models.from_pretrained\), but no objective "
-               r"trains it and the planner cannot trace it yet$")  # fmt: skip
-    with pytest.raises(InputError, match=message):  # the trainer's checks
+    cfg = load_config(None, ["model.model_type=diffusion_gemma"])  # the quickstart's mdlm
+    with pytest.raises(InputError, match=r"^model 'diffusion_gemma' \(a canvas decoder\) has "
+                       r"no \[MASK\] token: diffusion.objective 'mdlm' needs one"):  # fmt: skip
         plan_parallel(cfg, 1)
-    with pytest.raises(InputError, match=message):  # unmask plan's
-        shard_model(cfg, 8)
+    cfg = load_config(None, ["model.model_type=diffusion_gemma", "diffusion.objective=uniform",
+                             "eval.generate_accuracy=false",
+                             "model.diffusion_gemma.canvas_length=8"])  # fmt: skip
+    assert plan_parallel(cfg, 1).world_size == 1  # the trainer's checks pass
+    with pytest.raises(InputError, match=r"^unmask plan does not model model_type "
+                       r"'diffusion_gemma' yet"):  # fmt: skip
+        planned_model_config(cfg)

@@ -369,17 +369,19 @@ def test_every_objective_name_has_one_class():
         FastDLLMv2Objective,
         MaskedDiffusionObjective,
         SFTObjective,
+        UniformObjective,
         objective_names,
     )
 
     classes = {"mdlm": MaskedDiffusionObjective, "llada": MaskedDiffusionObjective,
                "bert": MaskedDiffusionObjective, "sft": SFTObjective, "dream": DreamObjective,
                "bd3lm": BlockDiffusionObjective, "ar": AutoregressiveObjective,
-               "fastdllm_v2": FastDLLMv2Objective}  # fmt: skip
+               "fastdllm_v2": FastDLLMv2Objective, "uniform": UniformObjective}  # fmt: skip
     names = objective_names()  # the config's choices
     # the post-training objectives are built from a whole run (unmask.posttrain: rewards,
     # pairs and the frozen reference, the teacher)
     assert set(names) - set(classes) == {"grpo", "preference", "distill"}
     assert set(classes) < set(names)
     for name in classes:
-        assert type(build_objective(DiffusionConfig(objective=name), MASK)) is classes[name]
+        objective = build_objective(DiffusionConfig(objective=name), MASK, eos_id=1)
+        assert type(objective) is classes[name]

@@ -93,7 +93,7 @@ def test_a_registered_objective_gets_the_default_capabilities(toy, tmp_path):
 def test_the_config_the_registry_and_the_docs_name_the_same_objectives():
     registered = set(objective_names())
     assert registered == {"mdlm", "llada", "bert", "ar", "sft", "dream", "bd3lm", "fastdllm_v2",
-                          "grpo", "preference", "distill"}  # fmt: skip
+                          "uniform", "grpo", "preference", "distill"}  # fmt: skip
     # the choices docs/configuration.md lists (generated from the config's field)
     table = (REPO / "docs" / "configuration.md").read_text()
     row = next(line for line in table.splitlines() if line.startswith("| `objective` |"))

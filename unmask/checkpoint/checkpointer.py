@@ -53,7 +53,8 @@ from unmask.checkpoint.layout import (
 from unmask.checkpoint.state import RunState
 from unmask.errors import InputError, RunStopped
 from unmask.models import ModelConfig, build_empty, hf_config_dict
-from unmask.models.hf import read_safetensors, shape_mismatch
+from unmask.models.families import FAMILIES
+from unmask.models.hf import native_state, read_safetensors, shape_mismatch, split_carried
 from unmask.models.lora import ADAPTER_FILE, apply_lora, load_adapter, save_adapter, save_lora
 from unmask.parallel.fsdp import full_model_state
 
@@ -391,6 +392,12 @@ def _load_model(path: Path, model: nn.Module) -> None:
             + "; resume with the config it was written with"
         )
     weights = read_safetensors(path / "model.safetensors", older_one(path))
+    config = getattr(model, "config", None)
+    if isinstance(config, ModelConfig) and FAMILIES[config.model_type].kind == "native":
+        # save_pretrained wrote the family's folder names (key map, expert layout, carried
+        # tensors): back to the model's own
+        family = config.model_type
+        weights, _ = split_carried(native_state(weights, family, config, path), family)
     wrong = shape_mismatch(model, weights)
     if wrong:
         raise InputError(

@@ -27,8 +27,9 @@ def load_for_sampling(
     """The model at model_path in eval mode on `device`, with its tokenizer (or the one at
     tokenizer_path). The mask id: `mask_id`, else the folder's (`folder_mask_token_id`:
     config.json's, or its family's released id; an adapter's base folder's), else the
-    tokenizer's. `base`: the base model folder of an unmerged LoRA adapter, in place of the
-    one it records."""
+    tokenizer's; a uniform-canvas model (DiffusionGemma) needs none, and where the tokenizer
+    has none its pad id stands for the positions not generated yet. `base`: the base model
+    folder of an unmerged LoRA adapter, in place of the one it records."""
     folder = resolve_model_folder(model_path)
     saved = inspect_saved(folder, base)  # a broken config.json or a missing base, named first
     if tokenizer_path:
@@ -40,10 +41,13 @@ def load_for_sampling(
         mask_id = folder_mask_token_id(saved.config_folder)
     if mask_id is None:
         mask_id = tokenizer.mask_token_id
-    if mask_id is None:
-        raise InputError("the tokenizer has no mask token; pass --mask-id")
     eos_id = tokenizer.eos_token_id
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos_id or 0)
+    sampling = saved_sampling(folder)
+    if mask_id is None and sampling.get("uniform_canvas"):  # no [MASK]: a placeholder
+        mask_id = pad_id
+    if mask_id is None:
+        raise InputError("the tokenizer has no mask token; pass --mask-id")
     device = resolve_device(device)  # auto: cuda when visible
     model = load_saved_model(saved, dtype).to(device).eval()
     vocab = model.config.vocab_size
@@ -57,5 +61,4 @@ def load_for_sampling(
             f"mask token id {mask_id} is outside the vocabulary of the model in "
             f"{str(folder)!r} ({vocab} tokens); pass --mask-id"
         )
-    return SamplingModel(model, tokenizer, mask_id, eos_id, pad_id, device,
-                         saved_sampling(folder))  # fmt: skip
+    return SamplingModel(model, tokenizer, mask_id, eos_id, pad_id, device, sampling)

@@ -22,6 +22,7 @@ from unmask.diffusion.registry import (
     objective_spec,
     register_objective,
 )
+from unmask.diffusion.uniform import UniformObjective  # registers uniform
 
 __all__ = [
     "OBJECTIVES",
@@ -36,6 +37,7 @@ __all__ = [
     "ObjectiveOutput",
     "ObjectiveSpec",
     "SFTObjective",
+    "UniformObjective",
     "build_objective",
     "objective_names",
     "objective_spec",

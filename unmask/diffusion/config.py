@@ -44,7 +44,9 @@ class DiffusionConfig(BaseModel):
     v2's block diffusion (shift, blocks from position 0, complementary masks). `grpo`:
     reinforcement learning from rewards (the `grpo:` section and `rewards:`; docs/diffusion.md,
     Post-training). `preference`: DPO on MC ELBOs of chosen/rejected pairs against the
-    frozen starting model (VRPO; section `preference:`)."""
+    frozen starting model (VRPO; section `preference:`). `uniform`: DiffusionGemma's canvas
+    objective (model_type diffusion_gemma only: uniform-random token corruption of one
+    canvas of each answer, no [MASK]; docs/diffusion.md, Uniform corruption)."""
 
     t_sampling: Literal["uniform", "antithetic", "fixed"] = "uniform"
     """How the noise level t is drawn per sequence: `uniform` i.i.d. per row, `antithetic`
@@ -122,6 +124,18 @@ class DiffusionConfig(BaseModel):
     their `loss_weight`. 0: off (nothing more is drawn). mdlm, llada, bert, sft and bd3lm
     only; decode such a model with `decoder: joint_threshold` (docs/sampling.md)."""
 
+    self_conditioning_prob: float = Field(0.5, ge=0.0, le=1.0)
+    """uniform: the probability that a row's second decoder pass is conditioned on the first
+    pass's prediction (two-pass self-conditioning, NeMo AutoModel's `self_conditioning_p`;
+    docs/diffusion.md, Uniform corruption). 0: one decoder pass, no signal."""
+
+    freeze_router: bool | None = None
+    """Keep the MoE routers' parameters fixed (requires_grad False: no gradient, no
+    optimizer state), as NeMo AutoModel fine-tunes DiffusionGemma. None: the objective's
+    choice, which for `uniform` is frozen when fine-tuning a folder (model.pretrained) and
+    trained from scratch, and for every other objective trained; true / false: any MoE
+    model."""
+
     vocab_chunk_size: int = Field(8192, gt=0)
     """Vocabulary columns per chunk in the masked-only cross-entropy (memory vs. speed)."""
 
@@ -157,6 +171,11 @@ class DiffusionConfig(BaseModel):
             raise ValueError(
                 f"diffusion.edit_fraction needs objective {names_that('accepts_edit_fraction')}, "
                 f"not {self.objective!r}"
+            )
+        if self.self_conditioning_prob != 0.5 and not spec.canvas_decoder:  # not the default
+            raise ValueError(
+                f"diffusion.self_conditioning_prob needs objective {names_that('canvas_decoder')}"
+                f" (a canvas decoder's self-conditioning), not {self.objective!r}"
             )
         if self.loss_normalization != "auto" and not spec.accepts_loss_normalization:
             raise ValueError(

@@ -109,6 +109,11 @@ class ObjectiveSpec:
     """Takes `diffusion.edit_fraction` > 0 (LLaDA2.1's editing stream: kept tokens replaced
     by random ones, every kept token in the loss; a masked objective whose noise goes through
     `MaskedDiffusionObjective.edit`)."""
+    canvas_decoder: bool = False
+    """Trains a prompt encoder + canvas decoder without a [MASK] token (a family whose
+    models/shape.py `ModelShape.canvas_decoder` is True: DiffusionGemma) and no other family;
+    False: the one-row forward of the other families, with the tokenizer's mask token. The
+    trainer and `unmask plan` refuse a pairing of the two kinds in one line."""
     head_share: float | None = None
     """Share of a row's tokens its loss runs the LM head on, for `unmask plan`'s FLOPs and
     head gradients (None: a masked objective's expectation, 1/2 under t ~ U(0, 1); ar: 1,

@@ -67,10 +67,18 @@ def evaluate_tasks(request: TaskRequest) -> TaskResults:
     task data is read."""
     preset = PRESETS[request.preset or "base"]
     clock = lm_tasks.Clock()
-    defaults = preset_sampling(preset, saved_sampling(resolve_model_folder(request.model)))
+    saved = saved_sampling(resolve_model_folder(request.model))
+    defaults = preset_sampling(preset, saved)
     names = request.tasks
     loaded = lm_tasks.load_tasks(lm_tasks.task_manager(names, request.include_path), names)
     kinds = lm_tasks.check_modes(loaded, preset)
+    scored = [name for name, kind in kinds.items() if kind in lm_tasks.LIKELIHOOD_TYPES]
+    if saved.get("uniform_canvas") and scored:
+        raise InputError(
+            f"task {scored[0]!r} is {kinds[scored[0]]} (scored by likelihood), which a "
+            "uniform-canvas (diffusion_gemma) model does not give here (the MC estimator masks "
+            "tokens; it has no [MASK]): use --preset instruct and generate_until tasks"
+        )
     try:
         lm = UnmaskLM(pretrained=request.model, tokenizer=request.tokenizer, base=request.base,
                       device=request.device, mask_id=request.mask_id,

@@ -21,7 +21,8 @@ is enough: `lm_eval.simple_evaluate(model="unmask", model_args=...)`.
   (generation_config.json), then `defaults` (a preset's, `unmask eval --preset`), then the
   task's (max_gen_toks, temperature), then model_args: every SamplingConfig field is a
   model_arg; gen_length rounded up to whole blocks, steps to whole steps per block; the text
-  is cut at the first stop string. Draws come from one generator seeded `seed` on the
+  is cut at the first stop string. A diffusion_gemma model (decoder entropy_bound) takes
+  only max_gen_toks from the task, and has no likelihoods. Draws come from one generator seeded `seed` on the
   model's device.
 - apply_chat_template (lm-eval's `--apply_chat_template`): the tokenizer's chat template
   with the generation prompt; a tokenizer without one gets the "role: content" lines that
@@ -47,6 +48,7 @@ from unmask.data.sft import has_chat_template, split_chat
 from unmask.errors import InputError
 from unmask.plugins import load_plugins
 from unmask.sampling.config import SamplingConfig, resolve_sampling
+from unmask.sampling.decoders import implied
 from unmask.sampling.generate import sample
 from unmask.sampling.likelihood import (
     answer_log_likelihood,
@@ -153,6 +155,12 @@ class UnmaskLM(LM):
         return out.answers[0].tolist() == cont
 
     def _check_likelihood(self) -> None:
+        if self.options.uniform_canvas:
+            raise ValueError(
+                "likelihoods of uniform-canvas (diffusion_gemma) models are not implemented "
+                "(the MC estimator masks tokens; the model has no [MASK]); use generate_until "
+                "tasks"
+            )
         if self.options.block_causal:
             raise ValueError(
                 "likelihoods of block-causal (bd3lm) models are not implemented (the MC "
@@ -243,8 +251,13 @@ class UnmaskLM(LM):
 
     def _generation_config(self, max_gen_toks, temperature) -> SamplingConfig:
         """model_args over the task's gen_kwargs over the defaults over the folder's
-        options; gen_length rounded up to whole blocks, steps to whole steps per block."""
+        options; gen_length rounded up to whole blocks, steps to whole steps per block.
+        Decoder entropy_bound (DiffusionGemma) takes the task's max_gen_toks alone: its
+        temperature is its schedule's, its canvases the model's."""
         task = {"gen_length": max_gen_toks, "temperature": temperature}
+        if implied(self.options) == "entropy_bound":  # DiffusionGemma: no blocks, its schedule
+            return resolve_sampling(self.sm.saved, self.defaults, {"gen_length": max_gen_toks},
+                                    self.sampling)  # fmt: skip
         chosen = resolve_sampling(self.sm.saved, self.defaults, task, self.sampling)
         gen, block = chosen.gen_length, chosen.resolved_block_length
         if not chosen.block_causal:  # block-causal models keep the block size they trained on

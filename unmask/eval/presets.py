@@ -55,7 +55,10 @@ PRESETS = {
 
 def preset_sampling(preset: Preset, saved: dict[str, Any]) -> dict[str, Any]:
     """The preset's sampling defaults less what the model folder fixes by training: a
-    block-causal (bd3lm) model keeps the block size it was trained with."""
+    block-causal (bd3lm) model keeps the block size it was trained with, and a
+    uniform-canvas one (DiffusionGemma) takes none of the masked decoders' options."""
+    if saved.get("uniform_canvas"):
+        return {}
     options = dict(preset.sampling)
     if saved.get("block_causal"):
         options.pop("block_length", None)

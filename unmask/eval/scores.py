@@ -282,6 +282,11 @@ def score_file(request: ScoreRequest) -> tuple[list[dict[str, Any]], dict[str, A
                            base=request.base)  # fmt: skip
     set_sampling_threads(sm.model, sm.device)
     config = resolve_sampling(sm.saved)
+    if config.uniform_canvas:
+        raise InputError(
+            f"{request.flag}: likelihoods of uniform-canvas (diffusion_gemma) models are not "
+            "implemented (the MC estimator masks tokens; the model has no [MASK])"
+        )
     if config.block_causal:
         raise InputError(
             f"{request.flag}: likelihoods of block-causal (bd3lm) models are not implemented "

@@ -49,9 +49,17 @@ sizes the planner, the MFU and the loaders read for every family.
 Sampling API: `encode(prompt)` once per prompt (a `PromptCache` of every layer's K/V;
 `encode(canvas, cache)` appends an accepted canvas, as transformers' block loop does), then
 `decode(canvas, cache, self_conditioning_logits)` per denoising step; `forward` is both.
-Not yet: training through unmask's objectives (the forward contract differs from
-`DiffusionTransformer`'s), tensor and pipeline parallelism, expert parallelism of these
-experts, images.
+
+Training (the `uniform` objective, unmask/diffusion/uniform.py): `forward(prompt, canvas,
+prompt_mask=, position_ids=, canvas_position_ids=, self_condition=, targets=,
+target_weights=)` runs the encoder once, the decoder twice when `self_condition` (B,) bool
+is given (a first pass without gradients and without a signal, whose logits are the signal
+of the rows marked True in the second: NeMo AutoModel's two-pass self-conditioning), and
+returns the cross-entropy of `targets` over the canvas from the soft-capped float32 logits
+(per position, or its `target_weights`-weighted sum): one call of the module, so FSDP2's
+hooks see every use of the shared stack.
+Not yet: tensor and pipeline parallelism, expert parallelism of these experts, activation
+checkpointing, images.
 """
 
 from __future__ import annotations
@@ -147,7 +155,7 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(shape)
         v = self.v_proj(x).view(shape) if self.v_proj is not None else k
         k = apply_rotary(self.k_norm(k).transpose(1, 2), cos, sin)
-        return k, rms(v, self.eps).transpose(1, 2)
+        return k, rms(v.transpose(1, 2), self.eps)  # a new tensor, not a view (FSDP2)
 
     def forward(self, x, cos, sin, mask: torch.Tensor | None,
                 past: tuple[torch.Tensor, torch.Tensor] | None = None):  # fmt: skip
@@ -276,8 +284,13 @@ class DiffusionGemmaLayer(nn.Module):
         self.register_buffer("layer_scalar", torch.ones(1))
         self.register_buffer("encoder_layer_scalar", torch.ones(1))
 
-    def forward(self, x, cos, sin, mask, past=None, *, encoder: bool = False):
-        """x (B, L, H) -> (x, this layer's k, v for the cache)."""
+    def forward(self, x, cos, sin, mask, past=None, *, encoder: bool = False,
+                keys_only: bool = False):  # fmt: skip
+        """x (B, L, H) -> (x, this layer's k, v for the cache); keys_only: (None, its k, v)
+        and nothing else computed (the encoder's last layer: through the module's call, so
+        FSDP2's hooks gather its weights)."""
+        if keys_only:
+            return None, self.self_attn.keys_values(self.input_layernorm(x), cos, sin)
         attended, kv = self.self_attn(self.input_layernorm(x), cos, sin, mask, past)
         x = x + self.post_attention_layernorm(attended)
         dense = self.post_feedforward_layernorm_1(self.mlp(self.pre_feedforward_layernorm(x)))
@@ -407,7 +420,7 @@ class DiffusionGemma(nn.Module):
             past = None if cache is None else (cache.keys[index], cache.values[index])
             cos, sin = tables[sliding]
             if index == len(layers) - 1:  # only its K/V are read: no MLP, no final norm
-                k, v = layer.self_attn.keys_values(layer.input_layernorm(x), cos, sin)
+                _, (k, v) = layer(x, cos, sin, None, keys_only=True)
             else:
                 kept = 0 if past is None else past[0].shape[2]
                 allowed = _encoder_mask(start, count, kept, window if sliding else None,
@@ -458,20 +471,50 @@ class DiffusionGemma(nn.Module):
     def forward(self, input_ids: torch.Tensor, canvas_ids: torch.Tensor | None = None,
                 self_conditioning_logits: torch.Tensor | None = None,
                 self_conditioning_mask: torch.Tensor | None = None,
-                prompt_mask: torch.Tensor | None = None, **decoder_call) -> torch.Tensor:  # fmt: skip
+                prompt_mask: torch.Tensor | None = None, *,
+                position_ids: torch.Tensor | None = None,
+                canvas_position_ids: torch.Tensor | None = None,
+                self_condition: torch.Tensor | None = None,
+                targets: torch.Tensor | None = None,
+                target_weights: torch.Tensor | None = None, **decoder_call) -> torch.Tensor:  # fmt: skip
         """Canvas logits (B, C, V) float32 for prompts input_ids (B, L) and canvases
-        canvas_ids (B, C): `decode(canvas_ids, encode(input_ids))` (see both). Called as
-        `DiffusionTransformer` is (one row of tokens: doc_ids, targets, a KV cache), by
-        unmask's objectives and samplers, it refuses in one line: they do not drive this
-        family yet."""
+        canvas_ids (B, C): `decode(canvas_ids, encode(input_ids))` (see both; position_ids
+        (B, L) and canvas_position_ids (B, C) are their RoPE positions, None: from 0 and
+        after the prompt).
+
+        Training: `self_condition` (B,) bool runs the two-pass self-conditioning (a first
+        decoder pass under no_grad without a signal; its logits are the signal of the rows
+        marked True in the second, the others get none; instead of self_conditioning_logits).
+        `targets` (B, C) long (-100: not scored) returns the cross-entropy per canvas
+        position (B, C) float32 (0 where not scored) instead of the logits; with
+        `target_weights` (B, C) too, their weighted sum (0-d).
+
+        Called as `DiffusionTransformer` is (one row of tokens: doc_ids, a KV cache, no
+        canvas), it refuses in one line."""
         if canvas_ids is None or decoder_call:
             raise InputError(
                 "model_type diffusion_gemma is called as model(prompt_ids, canvas_ids, "
-                "self_conditioning_logits); unmask's training objectives and samplers do not "
-                "drive it yet (its objective and sampler are still to come)"
+                "self_conditioning_logits): a prompt encoder and a canvas decoder, not one row "
+                "of tokens; train it with diffusion.objective uniform"
             )
-        cache = self.encode(input_ids, prompt_mask=prompt_mask)
-        return self.decode(canvas_ids, cache, self_conditioning_logits, self_conditioning_mask)
+        if self_condition is not None and self_conditioning_logits is not None:
+            raise ValueError("give self_condition (two passes) or self_conditioning_logits")
+        cache = self.encode(input_ids, position_ids=position_ids, prompt_mask=prompt_mask)
+        if self_condition is not None:
+            with torch.no_grad():  # pass 1 on every row, so every rank runs the same passes
+                self_conditioning_logits = self.decode(canvas_ids, cache,
+                                                       position_ids=canvas_position_ids)  # fmt: skip
+            self_conditioning_mask = self_condition
+        logits = self.decode(canvas_ids, cache, self_conditioning_logits, self_conditioning_mask,
+                             canvas_position_ids)  # fmt: skip
+        if targets is None:
+            return logits
+        return canvas_cross_entropy(logits, targets, target_weights)
+
+    @property
+    def canvas_length(self) -> int:
+        """Tokens of one canvas (`model.diffusion_gemma.canvas_length`)."""
+        return self.section.canvas_length
 
     # -- counts and folders --------------------------------------------------------------------
 
@@ -491,6 +534,18 @@ class DiffusionGemma(nn.Module):
     def save_pretrained(self, folder: str) -> None:
         """Write a transformers `diffusion_gemma` folder (config.json + model.safetensors)."""
         save_pretrained(self, folder)
+
+
+def canvas_cross_entropy(logits: torch.Tensor, targets: torch.Tensor,
+                         weights: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """Cross-entropy of targets (B, C) (-100: not scored) under soft-capped logits (B, C, V)
+    float32, in float32 over the whole vocabulary (a canvas is short): per position (B, C),
+    0 where not scored; given weights (B, C), the weighted sum (0-d) of the scored ones."""
+    ce = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100,
+                         reduction="none").view(targets.shape)  # fmt: skip
+    if weights is None:
+        return ce
+    return torch.where(targets != -100, ce * weights.float(), 0.0).sum()
 
 
 def _joined_mask(cache: PromptCache | None, prompt_mask: torch.Tensor | None, batch: int,

@@ -352,6 +352,13 @@ def read_state_dict(
     state: dict[str, torch.Tensor] = {}
     for path in _weight_files(folder):
         state.update(read_safetensors(path))
+    return native_state(state, family, cfg, folder)
+
+
+def native_state(state: dict[str, torch.Tensor], family: str, cfg: ModelConfig | None,
+                 folder: Path) -> dict[str, torch.Tensor]:  # fmt: skip
+    """A folder's tensors (as `save_pretrained` writes them) under native key names:
+    `read_state_dict`'s conversion of what it read (folder: named in errors)."""
     if FAMILIES[family].key_map:
         state = from_folder_keys(state, family)
     if FAMILIES[family].moe_layout == "llada2":

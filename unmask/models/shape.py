@@ -62,13 +62,19 @@ class ModelShape:
     formulas describe its layers (the decoder block of models/transformer.py), else the
     planner measures them on the meta device; `trains` False: no objective drives its
     forward yet (it loads, saves and computes logits), so `unmask train` and `unmask plan`
-    refuse it in one line."""
+    refuse it in one line; `plans` False: `unmask plan` (and `activation_checkpointing:
+    auto`, which asks the planner) cannot model its step yet and refuses it in one line;
+    `canvas_decoder` True: a prompt encoder and a canvas decoder without a [MASK] token
+    (DiffusionGemma), trained only by objectives that say so (diffusion/registry.py
+    `ObjectiveSpec.canvas_decoder`: `uniform`), and those train no other family."""
 
     name: str
     tensor: TensorPlan | None = None
     staged: bool = True
     activation_formula: bool = False
     trains: bool = True
+    plans: bool = True
+    canvas_decoder: bool = False
 
     def attention_width(self, arch) -> int:
         """Query heads x head dim: the width of the attention scores' matmuls."""
@@ -156,13 +162,17 @@ class DiffusionGemmaShape(ModelShape):
         return self._attention(arch, index)[1] + self.mlp_params(arch, index)
 
 
-DIFFUSION_GEMMA = DiffusionGemmaShape("diffusion_gemma", tensor=None, staged=False, trains=False)
+DIFFUSION_GEMMA = DiffusionGemmaShape("diffusion_gemma", tensor=None, staged=False, plans=False,
+                                     canvas_decoder=True)  # fmt: skip
 """No tensor parallelism yet (every layer has experts, which tensor parallelism does not
 split, and a tp plan would also have to divide the 26B-A4B's 2 key/value heads of its full
 layers), no pipeline stages (its forward is an encoder pass and a decoder pass, not
-`StagedModel`'s `hidden_states`), and the planner's formulas do not describe its layers
-(`activation_formula` False: they are to be traced once it has a training forward), and
-no objective trains it yet (`trains` False)."""
+`StagedModel`'s `hidden_states`); trained by the `uniform` objective (`canvas_decoder`);
+not planned yet (`plans` False): the planner traces a layer's saves through
+`StagedModel.hidden_states` over one row and prices the LM head on a share of the row's
+tokens, where a training step runs the stack three times (the encoder over the prompt and
+the accepted canvases, two decoder passes over a canvas, one without gradients) and the
+head on the canvas twice over the whole vocabulary."""
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:

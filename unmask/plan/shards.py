@@ -127,7 +127,8 @@ class ShardedModel:
 
 def planned_model_config(cfg: RunConfig) -> RunConfig:
     """The run config with a pretrained folder's architecture in place of its weights: the
-    planner reads config.json only (the weights are neither needed nor read)."""
+    planner reads config.json only (the weights are neither needed nor read). One line for
+    a family the planner does not model (its ModelShape's `plans`)."""
     model = cfg.model
     if model.load_in_4bit:
         raise InputError("model.load_in_4bit: the planner does not model 4-bit bases; plan "
@@ -135,9 +136,15 @@ def planned_model_config(cfg: RunConfig) -> RunConfig:
     if not FAMILIES[model.model_type].native and model.pretrained is None:
         raise InputError(f"model.model_type {model.model_type!r} is a wrapped transformers "
                          "encoder; the planner plans native decoders")  # fmt: skip
+    arch = model if model.pretrained is None else config_from_hf(read_config(model.pretrained))
+    if not FAMILIES[arch.model_type].shape.plans:  # models/shape.py: the family says so
+        raise InputError(
+            f"unmask plan does not model model_type {arch.model_type!r} yet (its training "
+            "step is not the one-row forward the planner traces and prices: models/shape.py); "
+            "train it without a plan"
+        )
     if model.pretrained is None:
         return cfg
-    arch = config_from_hf(read_config(model.pretrained))
     keep = {"attn_implementation": model.attn_implementation,
             "loss_implementation": model.loss_implementation, "lora": model.lora,
             "lora_r": model.lora_r, "lora_alpha": model.lora_alpha,

@@ -4,12 +4,14 @@
 from unmask.sampling.config import SamplingConfig, resolve_sampling
 from unmask.sampling.decoders import BlockDecoder, WholeDecoder, register_decoder
 from unmask.sampling.editing import JointThreshold  # registers decoder joint_threshold
+from unmask.sampling.entropy_bound import EntropyBound  # registers decoder entropy_bound
 from unmask.sampling.generate import GenerationOutput, cfg_combine, generate, left_pad, sample
 from unmask.sampling.schedules import dream_schedule, num_transfer_tokens
 from unmask.sampling.transfer import add_gumbel_noise, register_confidence, select_top_k
 
 __all__ = [
     "BlockDecoder",
+    "EntropyBound",
     "GenerationOutput",
     "JointThreshold",
     "SamplingConfig",

@@ -7,6 +7,7 @@ from typing import Protocol
 import torch
 
 from unmask.sampling.config import SamplingConfig
+from unmask.sampling.decoders import uniform_canvas_model
 from unmask.sampling.generate import generate
 from unmask.sampling.texts import before_eos
 
@@ -46,12 +47,21 @@ def heldout_accuracy(
     cfg.sampling: Dream's `shift_logits`; BD3LM's `block_causal` with its `block_length`,
     where the answer is rounded up to whole blocks (later blocks cannot change earlier ones).
 
+    A uniform-canvas model (DiffusionGemma) is decoded by entropy_bound: gen_length fitted
+    to the row, its own steps (steps_per_token does not apply), EOS ending a row, seed 0.
+
     Prompts are grouped by token length so each group is one rectangular batch;
     on_progress(done, total) is called after each batch.
     Returns (accuracy, [(prompt, expected, predicted), ...]).
     """
     examples = examples[: cfg.max_examples]
     rows_config = cfg.sampling.updated(**(sampling or {}), row_length=row_length)
+    # a uniform-canvas model (DiffusionGemma): decoder entropy_bound with its own steps, its
+    # draws from a generator of its own (seed 0), never from torch's global one
+    uniform = rows_config.uniform_canvas or uniform_canvas_model(model)
+    if uniform:
+        rows_config = rows_config.updated(uniform_canvas=True)
+    generator = torch.Generator(device=device).manual_seed(0) if uniform else None
     groups: dict[int, list[int]] = defaultdict(list)
     encoded = [tokenizer(p, add_special_tokens=False)["input_ids"] for p, _ in examples]
     for index, ids in enumerate(encoded):
@@ -63,14 +73,17 @@ def heldout_accuracy(
         gen_length = row_length - prompt_len
         if gen_length <= 0:
             raise ValueError(f"prompt of {prompt_len} tokens leaves no room in {row_length}")
-        fitted = rows_config.fitted(prompt_len)
-        blocks = fitted.gen_length // fitted.block_length
-        steps = max(blocks, round(fitted.gen_length * cfg.steps_per_token / blocks) * blocks)
-        config = fitted.updated(steps=steps)
+        config = fitted = rows_config.fitted(prompt_len)
+        if not uniform:
+            blocks = fitted.gen_length // fitted.block_length
+            steps = max(blocks, round(fitted.gen_length * cfg.steps_per_token / blocks) * blocks)
+            config = fitted.updated(steps=steps)
         for start in range(0, len(indices), cfg.batch_size):
             chunk = indices[start : start + cfg.batch_size]
             prompt = torch.tensor([encoded[i] for i in chunk], device=device)
-            out = generate(model, prompt, config, mask_id=tokenizer.mask_token_id)
+            out = generate(model, prompt, config, mask_id=tokenizer.mask_token_id,
+                           eos_id=tokenizer.eos_token_id if uniform else None,
+                           generator=generator)  # fmt: skip
             for row, index in zip(out[:, prompt_len:].tolist(), chunk):
                 predictions[index] = decode_answer(tokenizer, row)
             if on_progress is not None:

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from unmask.diffusion.config import DiffusionConfig
 from unmask.diffusion.registry import objective_spec
 from unmask.errors import InputError, describe_validation_error, did_you_mean
-from unmask.models.families import samples_with_logit_shift
+from unmask.models.families import family_of_config, samples_with_logit_shift
 from unmask.sampling.decoders import decoder_names, implied
 from unmask.sampling.hooks import import_hook
 from unmask.sampling.schedules import SCHEDULES
@@ -48,6 +48,23 @@ JOINT_PRESETS = {
 JOINT_DEFAULT_PRESET = "speedy"
 # the options only decoder joint_threshold reads
 JOINT_OPTIONS = ("edit_threshold", "max_post_edit_steps", "penalty_lambda", "joint_preset")
+# Decoder entropy_bound (sampling/entropy_bound.py): DiffusionGemma's sampler. Its options and
+# their defaults, those of transformers 5.24's DiffusionGemmaGenerationConfig
+# (`_get_default_generation_params`: sampler_config.entropy_bound, max_denoising_steps,
+# t_max, t_min, stability_threshold, confidence_threshold)
+ENTROPY_BOUND_DEFAULTS = {"entropy_bound": 0.1, "max_denoising_steps": 48,
+                          "temperature_start": 0.8, "temperature_end": 0.4,
+                          "stability_threshold": 1, "confidence_threshold": 0.005}  # fmt: skip
+ENTROPY_BOUND_OPTIONS = tuple(ENTROPY_BOUND_DEFAULTS)
+# model families whose canvas starts as random tokens (no [MASK]): uniform_canvas is on
+UNIFORM_CANVAS_FAMILIES = ("diffusion_gemma",)
+# a transformers diffusion_gemma folder's generation_config.json keys -> unmask's options
+# (its `sampler_config` holds entropy_bound)
+TRANSFORMERS_GENERATION_KEYS = {"max_new_tokens": "gen_length",
+                                "max_denoising_steps": "max_denoising_steps",
+                                "t_max": "temperature_start", "t_min": "temperature_end",
+                                "stability_threshold": "stability_threshold",
+                                "confidence_threshold": "confidence_threshold"}  # fmt: skip
 # Options of one call, never of a model folder: generation_config.json neither holds nor
 # gives them (a downloaded folder must not name code to run), model_dump leaves them out.
 RUNTIME_OPTIONS = ("logits_hook", "tokens_hook", "history")
@@ -132,6 +149,11 @@ class SamplingConfig(BaseModel):
     autoregressive model (`diffusion.objective: ar`) samples (default: from the model
     folder). temperature, top_k, top_p, gen_length (row_length) apply; steps, blocks and
     remasking do not."""
+    uniform_canvas: bool = False
+    """The model denoises canvases that start as uniformly random tokens, its prompt read
+    once by an encoder (Google's DiffusionGemma, model_type diffusion_gemma): decoder
+    entropy_bound decodes it, and the masked decoders do not apply (it has no [MASK]).
+    Default: from the model folder (on for diffusion_gemma folders)."""
     blocks_from_start: bool = False
     """Fast-dLLM v2's form (with block_causal and shift_logits): blocks counted from the
     sequence's first position, so the first answer block holds the prompt's tail; sub-block
@@ -139,10 +161,10 @@ class SamplingConfig(BaseModel):
     position (blocks_from_start.py). Default: from the model folder."""
     decoder: str | None = None
     """The decoding strategy by name: masked, left_to_right, blocks_from_start,
-    joint_threshold (LLaDA2.1's token editing), or one added with
-    `unmask.sampling.register_decoder` (docs/sampling.md). Default: the one the options
-    imply (left_to_right with autoregressive, blocks_from_start with blocks_from_start,
-    else masked)."""
+    joint_threshold (LLaDA2.1's token editing), entropy_bound (DiffusionGemma's sampler),
+    or one added with `unmask.sampling.register_decoder` (docs/sampling.md). Default: the
+    one the options imply (left_to_right with autoregressive, entropy_bound with
+    uniform_canvas, blocks_from_start with blocks_from_start, else masked)."""
     edit_threshold: float | None = Field(None, ge=0.0, le=1.0)
     """Decoder joint_threshold (LLaDA2.1's T2T edits): a filled answer token of the current
     block is replaced by the model's argmax where that differs and its probability is above
@@ -158,6 +180,27 @@ class SamplingConfig(BaseModel):
     """Decoder joint_threshold: LLaDA2.1's mode, speedy (threshold 0.5, edit_threshold 0)
     or quality (threshold 0.7, edit_threshold 0.5), both max_post_edit_steps 16; options
     given win over it. None = speedy (SGLang's defaults)."""
+    entropy_bound: float | None = Field(None, gt=0.0)
+    """Decoder entropy_bound: each step accepts the sampled tokens of lowest entropy while
+    the sum of their entropies less the largest stays within this bound (more accepted:
+    faster, less independent); the rest of the canvas is renoised. None = transformers'
+    0.1."""
+    max_denoising_steps: int | None = Field(None, gt=0)
+    """Decoder entropy_bound: the most denoising steps (decoder forwards) of one canvas; it
+    stops sooner once stable and confident. None = transformers' 48."""
+    temperature_start: float | None = Field(None, ge=0.0)
+    """Decoder entropy_bound: the temperature of the linear schedule at its start
+    (transformers' t_max); at step n of N remaining it is end + (start - end) n / N. None =
+    0.8."""
+    temperature_end: float | None = Field(None, ge=0.0)
+    """Decoder entropy_bound: the schedule's end temperature (transformers' t_min), below
+    temperature_start; the last step's is end + (start - end) / N. None = 0.4."""
+    stability_threshold: int | None = Field(None, ge=0)
+    """Decoder entropy_bound, adaptive stopping: a canvas is stable when its argmax equals
+    that of each of this many steps before (0: always stable). None = transformers' 1."""
+    confidence_threshold: float | None = Field(None, gt=0.0)
+    """Decoder entropy_bound, adaptive stopping: a canvas is confident when its tokens'
+    mean entropy (tempered) is below this; stable and confident stops it. None = 0.005."""
     ddpm_cache: bool = False
     """With `origin` remasking: reuse the last logits while no token changed (MDLM)."""
     gen_length_max: int | None = Field(None, gt=0)
@@ -228,6 +271,17 @@ class SamplingConfig(BaseModel):
         if self.ddpm_cache and (self.remasking != "origin" or self.cache != "none"):
             raise ValueError("ddpm_cache needs remasking='origin' and cache='none'")
         decoder = implied(self)  # what the options are checked for: the decoder that runs
+        if self.uniform_canvas and decoder != "entropy_bound":
+            raise ValueError(f"decoder {decoder!r} fills [MASK] tokens, and this model has none "
+                             f"(uniform_canvas: its canvas starts as random tokens, as "
+                             f"DiffusionGemma's); use decoder entropy_bound")  # fmt: skip
+        if decoder == "entropy_bound":
+            check_entropy_bound(self)
+        else:
+            given = [name for name in ENTROPY_BOUND_OPTIONS if getattr(self, name) is not None]
+            if given:
+                raise ValueError(f"{given[0]} is an option of decoder entropy_bound (the "
+                                 f"decoder here is {decoder!r}); give decoder entropy_bound")  # fmt: skip
         if decoder == "left_to_right":
             check_autoregressive(self)
         elif self.autoregressive:
@@ -292,6 +346,8 @@ class SamplingConfig(BaseModel):
                 f"a prompt of {prompt_len} tokens leaves no room for an answer in the "
                 f"{self.row_length}-token rows the model was trained on; give --gen-length N"
             )
+        if implied(self) == "entropy_bound":  # whole canvases, no blocks or step budget
+            return self.updated(gen_length=gen, row_length=None)
         block = self.block_length
         if self.block_causal:  # the block size it trained with; whole blocks only
             gen = -(-gen // block) * block
@@ -380,6 +436,63 @@ def check_joint_threshold(config: SamplingConfig) -> None:
                 f"probability clears threshold, at least the llada quota, and edits filled "
                 f"tokens); leave {name} at its default"
             )
+
+
+#: options decoder entropy_bound refuses when given: what it reads instead (the rest of the
+#: sentence "decoder entropy_bound takes no NAME: ...")
+_NOT_ENTROPY_BOUND = {
+    "temperature": "its temperature follows temperature_start to temperature_end",
+    "top_p": "it samples the whole tempered distribution, as transformers does",
+    "top_k": "it samples the whole tempered distribution, as transformers does",
+    "steps": "a canvas takes at most max_denoising_steps",
+    "block_length": "its canvases are the model's canvas_length",
+    "remasking": "it accepts tokens by entropy_bound",
+    "schedule": "it accepts tokens by entropy_bound",
+    "alg_temp": "it accepts tokens by entropy_bound",
+    "threshold": "it accepts tokens by entropy_bound",
+    "factor": "it accepts tokens by entropy_bound",
+    "sub_block_length": "its canvases are the model's canvas_length",
+    "eos_penalty": "transformers' sampler changes no logit",
+    "logits_eos_inf": "transformers' sampler changes no logit",
+    "confidence_eos_eot_inf": "it accepts tokens by entropy_bound",
+    "cfg_scale": "the model has no [MASK] to guide with",
+    "cache": "the prompt's K/V are computed once, by the encoder",
+    "cache_refresh": "the prompt's K/V are computed once, by the encoder",
+    "shift_logits": "the decoder predicts each canvas position in place",
+    "block_causal": "the canvas attends to the encoder's K/V and to itself",
+    "blocks_from_start": "its canvases start after the prompt",
+    "ddpm_cache": "every step renoises the canvas",
+    "growing_canvas": "its canvases are the model's canvas_length",
+    "logits_hook": "hooks are read by the masked decoders",
+    "tokens_hook": "hooks are read by the masked decoders",
+}
+
+
+def check_entropy_bound(config: SamplingConfig) -> None:
+    """DiffusionGemma's sampler (sampling/entropy_bound.py) takes its own options: the
+    masked decoders' are refused when given, gen_length is a number of tokens, and the
+    temperature schedule falls (transformers' t_max > t_min)."""
+    if config.gen_length == "auto":
+        raise ValueError("decoder entropy_bound stops a row at the canvas holding EOS; give "
+                         "gen_length N (the most tokens)")  # fmt: skip
+    defaults = SamplingConfig.model_fields
+    for name, why in _NOT_ENTROPY_BOUND.items():
+        value = getattr(config, name)
+        if value is not None and value != defaults[name].get_default():
+            raise ValueError(f"decoder entropy_bound takes no {name} ({why}); leave {name} at "
+                             f"its default")  # fmt: skip
+    settings = entropy_bound_settings(config)
+    start, end = settings["temperature_start"], settings["temperature_end"]
+    if start <= end:
+        raise ValueError(f"decoder entropy_bound: temperature_start ({start}) must be above "
+                         f"temperature_end ({end}): the schedule falls from start to end")  # fmt: skip
+
+
+def entropy_bound_settings(config: SamplingConfig) -> dict[str, Any]:
+    """The options of decoder entropy_bound: each one given, else transformers' default
+    (`ENTROPY_BOUND_DEFAULTS`)."""
+    return {name: default if getattr(config, name) is None else getattr(config, name)
+            for name, default in ENTROPY_BOUND_DEFAULTS.items()}  # fmt: skip
 
 
 def joint_threshold_settings(config: SamplingConfig) -> dict[str, Any]:
@@ -482,15 +595,34 @@ def saved_sampling(folder: str | Path) -> dict[str, Any]:
         if key not in SamplingConfig.model_fields:
             hint = did_you_mean(key, SamplingConfig.model_fields)
             raise InputError(f"{str(path)!r}: unknown sampling option '{key}'{hint}")
-    if "shift_logits" not in saved and _family_shifts(Path(folder)):
+    config = _folder_config(Path(folder))
+    if "shift_logits" not in saved and samples_with_logit_shift(config):
         saved = {**saved, "shift_logits": True}
+    family = family_of_config(config)
+    if family is not None and family.name in UNIFORM_CANVAS_FAMILIES:
+        # the family fixes it (no [MASK]); transformers' own generation settings under
+        # the folder's "unmask" entry
+        own = _transformers_generation(path) if path.is_file() else {}
+        saved = {**own, **saved, "uniform_canvas": True}
     return dict(saved)
 
 
-def _family_shifts(folder: Path) -> bool:
-    """The folder's model family samples with the logit shift (an unreadable config.json:
-    no; the model loader reports it)."""
+def _folder_config(folder: Path) -> dict[str, Any]:
+    """The folder's config.json ({} when unreadable: the model loader reports it)."""
     try:
-        return samples_with_logit_shift(json.loads((folder / "config.json").read_text()))
-    except (OSError, json.JSONDecodeError, AttributeError):
-        return False
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+    return config if isinstance(config, dict) else {}
+
+
+def _transformers_generation(path: Path) -> dict[str, Any]:
+    """The sampling options a transformers diffusion_gemma generation_config.json sets
+    (DiffusionGemmaGenerationConfig's keys, `TRANSFORMERS_GENERATION_KEYS`; unset = null)."""
+    data = json.loads(path.read_text())
+    options = {ours: data[theirs] for theirs, ours in TRANSFORMERS_GENERATION_KEYS.items()
+               if data.get(theirs) is not None}  # fmt: skip
+    sampler = data.get("sampler_config")
+    if isinstance(sampler, dict) and sampler.get("entropy_bound") is not None:
+        options["entropy_bound"] = sampler["entropy_bound"]
+    return options

@@ -18,7 +18,9 @@ Built in (sampling/generate.py): `masked` (the masked-diffusion block decoder: L
 Dream's, Fast-dLLM's threshold / factor and v2's sub-blocks, MDLM's `origin`, chosen by
 remasking, schedule, threshold, factor, sub_block_length), `left_to_right` (an
 autoregressive model: one token per forward with a KV cache) and `blocks_from_start`
-(Fast-dLLM v2's form).
+(Fast-dLLM v2's form); `joint_threshold` (LLaDA2.1's token editing, sampling/editing.py)
+and `entropy_bound` (DiffusionGemma's sampler, sampling/entropy_bound.py) register
+themselves.
 """
 
 from __future__ import annotations
@@ -122,12 +124,26 @@ def decoder_names() -> tuple[str, ...]:
 
 def implied(config: SamplingConfig) -> str:
     """The decoder a config names, or the one its options imply: left_to_right for an
-    autoregressive model, blocks_from_start for Fast-dLLM v2's form, else masked."""
+    autoregressive model, entropy_bound for a uniform-canvas one (DiffusionGemma),
+    blocks_from_start for Fast-dLLM v2's form, else masked."""
     if config.decoder is not None:
         return config.decoder
     if config.autoregressive:
         return "left_to_right"
+    if config.uniform_canvas:
+        return "entropy_bound"
     return "blocks_from_start" if config.blocks_from_start else "masked"
+
+
+#: config.json model types whose canvas starts as random tokens, denoised with a prompt
+#: encoder (`encode` / `decode`): decoded by entropy_bound, never by a masked decoder
+UNIFORM_CANVAS_MODEL_TYPES = ("diffusion_gemma",)
+
+
+def uniform_canvas_model(model: torch.nn.Module) -> bool:
+    """Whether `model` (or the wrapper that forwards its attributes) is such a model."""
+    config = getattr(model, "config", None)
+    return getattr(config, "model_type", None) in UNIFORM_CANVAS_MODEL_TYPES
 
 
 def decoder_class(config: SamplingConfig) -> type[BlockDecoder] | type[WholeDecoder]:
@@ -148,4 +164,5 @@ __all__ = [
     "decodes_by_block",
     "implied",
     "register_decoder",
+    "uniform_canvas_model",
 ]

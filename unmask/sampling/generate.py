@@ -27,15 +27,22 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from pydantic import ValidationError
 from torch import nn
 
-from unmask.errors import InputError
+from unmask.errors import InputError, describe_validation_error
 from unmask.models.attention import KVCache
 from unmask.sampling.autolength import prompt_mask, sample_auto
 from unmask.sampling.autoregressive import decode_left_to_right
 from unmask.sampling.blocks_from_start import decode_blocks_from_start
 from unmask.sampling.config import SamplingConfig
-from unmask.sampling.decoders import BlockDecoder, WholeDecoder, decoder_class, register_decoder
+from unmask.sampling.decoders import (
+    BlockDecoder,
+    WholeDecoder,
+    decoder_class,
+    register_decoder,
+    uniform_canvas_model,
+)
 from unmask.sampling.hooks import call_logits_hook, call_tokens_hook
 from unmask.sampling.schedules import dream_transfer_count, num_transfer_tokens, unmask_fraction
 from unmask.sampling.transfer import (
@@ -195,13 +202,16 @@ def sample(
     padding). Blocks of config.block_length are decoded left to right, steps / num_blocks
     steps each (`threshold` / `factor`: as many steps as the block needs).
     `model(ids, position_ids=, attention_mask=, kv_cache=)` returns (B, L, V) logits; the
-    keywords are passed only when padding or a cache needs them. With eos_id a row leaves
-    the batch once a finished block holds EOS. on_step receives the full (B, P + G) canvas
-    after every step. pad_id (with eos_id, for `eos_penalty`) and eot_id (the end-of-turn
+    keywords are passed only when padding or a cache needs them (a uniform-canvas model,
+    DiffusionGemma, is decoded by entropy_bound: sampling/entropy_bound.py). With eos_id a
+    row leaves the batch once a finished block holds EOS. on_step receives the full
+    (B, P + G) canvas after every step. pad_id (with eos_id, for `eos_penalty`) and eot_id (the end-of-turn
     token, for `confidence_eos_eot_inf`) are the tokenizer's. ValueError when the lengths
     do not split into blocks; InputError when an option needs an id that is not given or a
     hook raises.
     """
+    if not config.uniform_canvas and uniform_canvas_model(model):  # DiffusionGemma: no [MASK]
+        config = with_uniform_canvas(config)
     if config.gen_length == "auto":  # grow the canvas while the model is not ready to end
         return sample_auto(sample, model, prompt_ids, config, mask_id=mask_id, eos_id=eos_id,
                            attention_mask=attention_mask, generator=generator,
@@ -259,6 +269,16 @@ def sample(
     _finish(out, x_all, mask_id, eos_id)
     out.seconds = time.perf_counter() - started
     return out
+
+
+def with_uniform_canvas(config: SamplingConfig) -> SamplingConfig:
+    """config for a uniform-canvas model (DiffusionGemma) that its folder did not mark:
+    uniform_canvas on, so the implied decoder is entropy_bound; one-line InputError when
+    its options are a masked decoder's."""
+    try:
+        return config.updated(uniform_canvas=True)
+    except ValidationError as err:
+        raise InputError(describe_validation_error(err, "sampling option")) from None
 
 
 class LeftToRight(WholeDecoder):

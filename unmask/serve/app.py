@@ -26,7 +26,8 @@ from starlette.routing import Route
 
 from unmask.data.sft import split_chat
 from unmask.errors import InputError
-from unmask.sampling.generate import special_ids
+from unmask.sampling.decoders import uniform_canvas_model
+from unmask.sampling.generate import special_ids, with_uniform_canvas
 from unmask.sampling.show import EOS_GLYPH
 from unmask.sampling.texts import SamplingModel
 from unmask.serve import runs_view, training
@@ -107,6 +108,8 @@ class Server:
         sm = self.sm
         config = sampling_config(request, sm.saved, max_tokens)
         try:
+            if not config.uniform_canvas and uniform_canvas_model(sm.model):  # DiffusionGemma
+                config = with_uniform_canvas(config)  # as `sample` decodes it
             special_ids(config, sm.eos_id, sm.pad_id, self.engine.eot_id)
         except InputError as err:
             raise RequestError(400, str(err), param="unmask") from None

@@ -18,7 +18,7 @@ Greedy rows give the tokens `unmask generate` gives for the prompt alone (batch
 invariance: tests/integration/test_serve.py). A request with a `seed` owns its generator
 and is decoded alone, so it draws exactly what `unmask generate --seed` draws. gen_length
 `auto` (a growing canvas) and a decoder that is not a block decoder (a `WholeDecoder`:
-left_to_right, blocks_from_start) are decoded by `sample` in one piece, alone.
+left_to_right, blocks_from_start, entropy_bound) are decoded by `sample` in one piece, alone.
 
 Prefix cache (`PrefixCache`, `--prefix-cache-mb`): the first forward of a prompt's first
 block sees [prompt | masks], a canvas the prompt and a few options decide, so its result

@@ -48,7 +48,8 @@ class Limits:
     max_tokens: int = 4096
     """Answer tokens of one prompt: the canvas (max_tokens, gen_length, gen_length_max)."""
     max_steps: int = 4096
-    """Denoising steps of one prompt (`unmask.steps`)."""
+    """Denoising steps of one prompt (`unmask.steps`; decoder entropy_bound: of one canvas,
+    `unmask.max_denoising_steps`)."""
     max_prompts: int = 32
     """Prompts in one completions request (a list prompt)."""
     max_stop_chars: int = 256
@@ -295,6 +296,11 @@ def check_lengths(config: SamplingConfig, limits: Limits) -> SamplingConfig:
     if steps > limits.max_steps:
         raise RequestError(400, f"unmask.steps ({steps}) is over this server's "
                            f"{limits.max_steps} (--max-steps)", param="unmask.steps")  # fmt: skip
+    canvas_steps = config.max_denoising_steps or 0  # entropy_bound: the steps of one canvas
+    if canvas_steps > limits.max_steps:
+        raise RequestError(400, f"unmask.max_denoising_steps ({canvas_steps}) is over this "
+                           f"server's {limits.max_steps} (--max-steps)",
+                           param="unmask.max_denoising_steps")  # fmt: skip
     try:
         config.check_lengths()
     except ValueError as err:

@@ -70,11 +70,13 @@ class ParallelPlan:
 
 
 def plan_parallel(cfg: RunConfig, world_size: int) -> ParallelPlan:
-    """Every check of a run's layout before any process group exists (LoRA, the rows
-    against the model's positions, tensor, context, sequence and pipeline parallelism, the
-    mesh's factoring, experts), then the plan; a one-line InputError for the first problem."""
+    """Every check of a run's layout before any process group exists (the family against
+    the objective, LoRA, the rows against the model's positions, tensor, context, sequence
+    and pipeline parallelism, the mesh's factoring, experts), then the plan; a one-line
+    InputError for the first problem."""
     t, p = cfg.train, cfg.parallel
     check_family_trains(cfg.model)
+    check_family_objective(cfg)
     check_lora_request(cfg.model)
     check_model_fits(cfg)
     check_tensor_parallel(cfg.model, p.tensor_parallel, lora=cfg.model.lora)
@@ -103,6 +105,65 @@ def check_family_trains(model: ModelConfig) -> None:
             "computes its logits (unmask.models.from_pretrained), but no objective trains it "
             "and the planner cannot trace it yet"
         )
+
+
+def family_shape(model: ModelConfig):
+    """The ModelShape of the model a run builds (a pretrained folder's family)."""
+    return shape_of(model if model.pretrained is None or is_wrapped(model) else architecture(model))
+
+
+def check_family_objective(cfg: RunConfig) -> None:
+    """One line for an objective that does not train this kind of model: a canvas decoder
+    (DiffusionGemma: no [MASK] token) only with an objective that says it trains one
+    (`uniform`), and such an objective with no other family; for a canvas decoder also a
+    canvas its rows and positions cannot hold, activation checkpointing (its layers do not
+    recompute yet), and diffusion.freeze_router on a model without routers."""
+    objective = cfg.diffusion.objective
+    canvas_objective = objective_spec(objective).canvas_decoder
+    shape = family_shape(cfg.model)
+    name = cfg.model.pretrained or cfg.model.model_type
+    if cfg.diffusion.freeze_router and (is_wrapped(cfg.model)
+                                        or not architecture(cfg.model).num_experts):  # fmt: skip
+        raise InputError(f"diffusion.freeze_router: true needs a mixture-of-experts model; "
+                         f"model {name!r} has no router: drop the key")  # fmt: skip
+    if canvas_objective and not shape.canvas_decoder:
+        raise InputError(
+            f"diffusion.objective {objective!r} trains a prompt encoder and canvas decoder "
+            f"(model_type diffusion_gemma); model {name!r} has none: use a masked objective "
+            "(mdlm, llada, sft, ...) or model.model_type diffusion_gemma"
+        )
+    if shape.canvas_decoder and not canvas_objective:
+        raise InputError(
+            f"model {name!r} (a canvas decoder) has no [MASK] token: diffusion.objective "
+            f"{objective!r} needs one; train it with diffusion.objective "
+            f"{names_that('canvas_decoder')}"
+        )
+    if shape.canvas_decoder:
+        check_canvas_fits(cfg)
+
+
+def check_canvas_fits(cfg: RunConfig) -> None:
+    """A canvas decoder's canvas within a row (the answer is cut into canvases) and the
+    model's positions (the last canvas of a row may run past its end: positions up to
+    L + C - 2); no activation checkpointing (its layers do not recompute yet)."""
+    arch = architecture(cfg.model)
+    canvas, length = arch.diffusion_gemma.canvas_length, cfg.data.packing_length
+    positions = arch.max_position_embeddings
+    key = "model.diffusion_gemma.canvas_length" + (" (model.pretrained's config.json)"
+                                                   if cfg.model.pretrained else "")  # fmt: skip
+    if canvas > length:
+        raise InputError(f"{key} ({canvas}) is above data.packing_length ({length}): a row "
+                         "cannot hold one canvas of its answer; raise data.packing_length or "
+                         "lower the canvas length")  # fmt: skip
+    if length + canvas - 1 > positions:
+        raise InputError(f"{key} ({canvas}) with data.packing_length ({length}) needs "
+                         f"{length + canvas - 1} positions (a row's last canvas runs past its "
+                         f"end), above max_position_embeddings ({positions}); lower one of "
+                         "them")  # fmt: skip
+    if checkpointing_choice(cfg.train) is not False:
+        raise InputError("train.activation_checkpointing: model_type diffusion_gemma's layers "
+                         "do not recompute yet; set train.activation_checkpointing none "
+                         "(or auto)")  # fmt: skip
 
 
 def check_model_fits(cfg: RunConfig) -> None:
@@ -324,6 +385,8 @@ def build_train_model(cfg: RunConfig, tokenizer, added_tokens: int, device: torc
     if cfg.model.load_in_4bit:  # QLoRA: frozen NF4 base, quantized onto the device
         compute = torch.bfloat16 if t.bf16 else torch.float32
         quantize_4bit(model, lora_targets(cfg.model, model), device, compute)
+    if router_frozen(cfg):  # no gradient, no optimizer state
+        freeze_routers(model)
     if pipeline is not None:  # every rank drew the whole model: the same weights as 1 process
         model = PipelineModel(model, pipeline, mesh["pp"].get_local_rank())
     if mesh is not None and mesh["tp"].size() > 1:
@@ -357,6 +420,25 @@ def build_train_model(cfg: RunConfig, tokenizer, added_tokens: int, device: torc
             apply_fsdp(unit, fsdp_mesh(mesh), layers, bf16=t.bf16, reshard_after_forward=reshard,
                        ignored_params=set(experts))  # fmt: skip
     return model
+
+
+def router_frozen(cfg: RunConfig) -> bool:
+    """diffusion.freeze_router, or when null the objective's choice: a canvas decoder's
+    (`uniform`) router is frozen when fine-tuning a folder (NeMo AutoModel's DiffusionGemma
+    recipe) and trained from scratch; every other objective trains it."""
+    if cfg.diffusion.freeze_router is not None:
+        return cfg.diffusion.freeze_router
+    return objective_spec(cfg.diffusion.objective).canvas_decoder and bool(cfg.model.pretrained)
+
+
+def freeze_routers(model: torch.nn.Module) -> int:
+    """requires_grad False on every MoE router's parameters (modules marked `is_moe_router`:
+    models/moe.py, models/diffusion_gemma.py); returns how many tensors."""
+    frozen = [p for m in model.modules() if getattr(m, "is_moe_router", False)
+              for p in m.parameters()]  # fmt: skip
+    for param in frozen:
+        param.requires_grad_(False)
+    return len(frozen)
 
 
 def objective_datasets(cfg: RunConfig, tokenizer, as_loaded) -> Datasets:

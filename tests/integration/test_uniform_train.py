@@ -1,0 +1,75 @@
+"""A tiny DiffusionGemma trained by `unmask train` with the `uniform` objective on the
+synthetic quickstart tasks: its loss falls over 30 steps; 2 processes (FSDP2, the router
+trained and frozen) give the losses of 1 within 1e-5; a run resumed from a checkpoint gives
+the uninterrupted run's losses and weights bit for bit."""
+
+import shutil
+
+import pytest
+from conftest import deep_update, losses, read_metrics, train_in_process, write_run_config
+from launch import train_in_ranks
+
+from unmask.cli import main
+
+pytestmark = pytest.mark.slow
+
+SLIDING, FULL = "sliding_attention", "full_attention"
+GEMMA = {
+    "model": {"model_type": "diffusion_gemma", "head_dim": 16, "num_experts": 4,
+              "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+              "diffusion_gemma": {"sliding_window": 8, "canvas_length": 4,
+                                  "layer_types": [SLIDING, FULL]}},
+    "diffusion": {"objective": "uniform"},
+    "train": {"eval_steps": 0, "save_steps": 0, "logging_steps": 1},
+}  # fmt: skip
+"""conftest's TINY (2 layers of hidden size 32, the synthetic tasks in rows of 20 tokens)
+as a diffusion_gemma: a sliding and a full layer, 4 experts, canvases of 4 tokens (an
+answer of the quickstart's tasks is 1 or 2 canvases)."""
+
+
+def test_30_steps_on_the_quickstart_tasks_lower_the_loss(tmp_path):
+    path = write_run_config(tmp_path, "run", GEMMA, {"train": {"max_steps": 30}})
+    assert main(["train", str(path)]) == 0
+    run = tmp_path / "run"
+    curve = losses(run)
+    assert sorted(curve) == list(range(1, 31))
+    first = sum(curve[s] for s in range(1, 6)) / 5
+    last = sum(curve[s] for s in range(26, 31)) / 5
+    assert last < 0.85 * first, (first, last)
+    final = [r for r in read_metrics(run) if "eval_loss" in r][-1]["eval_loss"]
+    assert final < 0.85 * first
+    assert (run / "final" / "model.safetensors").is_file()
+
+
+def test_two_processes_give_the_one_process_losses(tmp_path):
+    base = deep_update(GEMMA, {"train": {"split_batches": True, "max_steps": 5}})
+    frozen = {"diffusion": {"freeze_router": True}}
+    configs = {
+        "trained": write_run_config(tmp_path, "trained", base, {}),
+        "frozen": write_run_config(tmp_path, "frozen", base, frozen),
+    }
+    results = train_in_ranks(2, tmp_path / "results.json", *configs.values())
+    for name, path in configs.items():
+        assert results[name]["rc"] == 0, results[name]["stderr"][-2000:]
+        single = losses(train_in_process(path, tmp_path / f"{name}-1"))
+        double = losses(tmp_path / name)
+        assert sorted(single) == sorted(double) == [1, 2, 3, 4, 5]
+        for step in single:
+            assert double[step] == pytest.approx(single[step], abs=1e-5), (name, step)
+
+
+def test_a_resumed_run_gives_the_same_losses_bit_for_bit(tmp_path):
+    full = write_run_config(tmp_path, "full", GEMMA, {"train": {"max_steps": 8, "save_steps": 4}})
+    assert main(["train", str(full)]) == 0
+    stopped = tmp_path / "stopped"  # a run killed after step 4: only checkpoint-4 on disk
+    stopped.mkdir()
+    shutil.copytree(tmp_path / "full" / "checkpoint-4", stopped / "checkpoint-4")
+    resume = {"train": {"max_steps": 8, "save_steps": 4, "resume_from_checkpoint": True}}
+    assert main(["train", str(write_run_config(tmp_path, "stopped", GEMMA, resume))]) == 0
+    before, after = losses(tmp_path / "full"), losses(stopped)
+    assert sorted(after) == [5, 6, 7, 8]
+    for step in after:
+        assert after[step] == before[step], step  # exactly, on CPU
+    weights = [(run / "final" / "model.safetensors").read_bytes()
+               for run in (tmp_path / "full", stopped)]  # fmt: skip
+    assert weights[0] == weights[1]
