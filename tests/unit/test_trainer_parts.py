@@ -69,8 +69,10 @@ def _type_namespace() -> dict:
     from unmask.train.guard import NonFiniteGuard
     from unmask.train.metrics import MetricsLogger
     from unmask.train.mfu import CallFlops, DeviceTimer
+    from unmask.train.qk_clip import QKClip
     from unmask.train.signals import StopSignals
 
     return {"torch": torch, "Path": Path, **{c.__name__: c for c in (
         PreTrainedTokenizerBase, Checkpointer, RunConfig, RowStore, ContextShard, DistState,
-        PipelineRunner, Objective, NonFiniteGuard, MetricsLogger, CallFlops, DeviceTimer, StopSignals)}}  # fmt: skip
+        PipelineRunner, Objective, NonFiniteGuard, MetricsLogger, CallFlops, DeviceTimer, StopSignals,
+        QKClip)}}  # fmt: skip

@@ -9,8 +9,10 @@ sparse block mask; fused only when compiled on CUDA, no backward on CPU) and `va
 The mask is built once per forward and shared by every layer.
 """
 
+import math
 import sys
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -36,6 +38,8 @@ class AttentionMask:
     context: context parallelism (unmask.parallel.context.ContextShard) or None: q, k, v
     hold this rank's slice of each row and attention runs over whole rows by heads (the
     masks above are then the whole rows').
+    doc_ids: (B, L) document ids behind `block` / `documents` (None: full attention, or
+    `dense` says it): what `head_max_logits` masks with.
     """
 
     backend: str
@@ -43,6 +47,7 @@ class AttentionMask:
     block: Any = None
     documents: tuple | None = None
     context: Any = None
+    doc_ids: torch.Tensor | None = None
 
 
 #: the compiled (Triton) flex kernel refuses smaller heads: "NYI: embedding dimension of the
@@ -103,13 +108,14 @@ def build_attention_mask(doc_ids: torch.Tensor | None, backend: str) -> Attentio
     if backend == "sdpa":
         return AttentionMask(backend, dense=(doc_ids[:, :, None] == doc_ids[:, None, :])[:, None])
     if backend == "varlen":
-        return AttentionMask(backend, documents=document_runs(doc_ids))
+        return AttentionMask(backend, documents=document_runs(doc_ids), doc_ids=doc_ids)
     batch, length = doc_ids.shape
 
     def same_document(b, h, q_idx, kv_idx):
         return doc_ids[b, q_idx] == doc_ids[b, kv_idx]
 
-    return AttentionMask(backend, block=_block_mask(same_document, batch, length, doc_ids.device))
+    block = _block_mask(same_document, batch, length, doc_ids.device)
+    return AttentionMask(backend, block=block, doc_ids=doc_ids)
 
 
 def _block_mask(mask_mod, batch: int, length: int, device: torch.device):
@@ -141,13 +147,33 @@ def _flex_function(device: torch.device, head_dim: int):
     return _compiled_flex
 
 
+#: called with each attention's per-head max logit (Hq,) and the index of its first head
+LogitRecord = Callable[[torch.Tensor, int], None]
+
+
 def attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: AttentionMask,
+    scale: float,
+    record: LogitRecord | None = None,
 ) -> torch.Tensor:
-    """Non-causal attention. q: (B, Hq, L, D), k/v: (B, Hkv, L, D) -> (B, Hq, L, D)."""
+    """Non-causal attention. q: (B, Hq, L, D), k/v: (B, Hkv, L, D) -> (B, Hq, L, D).
+
+    record (QK-clip's capture): called with `head_max_logits` of q and k over whole rows
+    and the index of the first of those heads among this rank's (under context
+    parallelism a rank attends with heads [rank * Hq / cp, (rank + 1) * Hq / cp))."""
     if mask.context is not None:  # context parallelism: L is this rank's slice
         whole = replace(mask, context=None)
-        return mask.context.attend(q, k, v, lambda q, k, v: attend(q, k, v, whole, scale))
+        shard = mask.context
+        inner = None
+        if record is not None:
+            first = shard.rank * (q.shape[1] // shard.size)
+            inner = lambda values, start: record(values, first + start)  # noqa: E731
+        return shard.attend(q, k, v, lambda q, k, v: attend(q, k, v, whole, scale, inner))
+    if record is not None:
+        record(head_max_logits(q, k, mask, scale), 0)
     if mask.backend == "flex":
         if torch.compiler.is_compiling():  # inside a compiled block: flex is traced with it
             return flex_attention(q, k, v, block_mask=mask.block, scale=scale,
@@ -162,6 +188,53 @@ def attend(
     if mask.documents is not None:
         return attend_documents(q, k, v, mask.documents, scale)
     return _sdpa(q, k, v, mask.dense, scale)
+
+
+#: most score elements one chunk of `head_max_logits` holds (float32: 64 MiB)
+LOGIT_CHUNK_NUMEL = 1 << 24
+
+
+def head_max_logits(
+    q: torch.Tensor, k: torch.Tensor, mask: AttentionMask, scale: float
+) -> torch.Tensor:
+    """The largest pre-softmax logit q . k * scale of each query head, over every batch row
+    and every (query, key) pair the mask lets attend (what the softmax sees; masked pairs
+    left out): (Hq,) float32, without gradient. q: (B, Hq, L, D), k: (B, Hkv, L, D) (query
+    head h reads key head h // (Hq / Hkv), as `attend`). Computed from q and k, so the
+    same for every backend, in float32 (autocast off), by query chunks of at most
+    LOGIT_CHUNK_NUMEL scores: no (B, H, L, L) tensor beyond one chunk."""
+    batch, heads, length, dim = q.shape
+    kv_heads, keys = k.shape[1], k.shape[2]
+    dense, doc_ids = mask.dense, mask.doc_ids
+    with torch.no_grad(), torch.autocast(q.device.type, enabled=False):
+        qg = q.detach().float().reshape(batch, kv_heads, heads // kv_heads, length, dim)
+        kt = k.detach().float().transpose(-1, -2)[:, :, None]  # (B, Hkv, 1, D, Lk)
+        step = max(1, LOGIT_CHUNK_NUMEL // max(1, batch * heads * keys))
+        best = torch.full((kv_heads, heads // kv_heads), -math.inf, device=q.device)
+        for start in range(0, length, step):
+            rows = slice(start, min(start + step, length))
+            scores = torch.matmul(qg[:, :, :, rows], kt) * scale  # (B, Hkv, G, c, Lk)
+            allowed = None
+            if dense is not None:  # sdpa's mask: (L, Lk) or (B or 1, 1 or Hq, L, Lk)
+                allowed = _grouped(dense, rows, kv_heads)
+            elif doc_ids is not None:
+                allowed = (doc_ids[:, rows, None] == doc_ids[:, None, :])[:, None, None]
+            if allowed is not None and allowed.dtype == torch.bool:
+                scores = scores.masked_fill(~allowed, -math.inf)
+            elif allowed is not None:  # an additive float mask, as sdpa adds it
+                scores = scores + allowed.float()
+            best = torch.maximum(best, scores.amax(dim=(0, 3, 4)))
+    return best.reshape(heads)
+
+
+def _grouped(dense: torch.Tensor, rows: slice, kv_heads: int) -> torch.Tensor:
+    """Query rows `rows` of an sdpa mask, shaped to broadcast with (B, Hkv, G, c, Lk)."""
+    if dense.dim() == 2:
+        dense = dense[None, None]
+    part = dense[:, :, rows]
+    if part.shape[1] == 1:
+        return part[:, :, None]
+    return part.reshape(part.shape[0], kv_heads, -1, *part.shape[2:])
 
 
 def _sdpa(q, k, v, dense: torch.Tensor | None, scale: float) -> torch.Tensor:

@@ -129,7 +129,11 @@ class Attention(nn.Module):
         super().__init__()
         hidden, head_dim, bias = cfg.hidden_size, cfg.resolved_head_dim, cfg.attention_bias
         self.head_dim = head_dim
+        self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         self.clip = cfg.clip_qkv
+        # QK-clip's capture (train/qk_clip.py sets it): (heads of this tp rank,) float32, the
+        # step's largest pre-softmax logit per query head so far; None: nothing captured
+        self.qk_logits: torch.Tensor | None = None
         self.norm_projection = cfg.qk_norm_scope == "projection"
         q_width, kv_width = cfg.num_attention_heads * head_dim, cfg.num_key_value_heads * head_dim
         qkv_bias = bias or cfg.qkv_bias  # Qwen2/Dream: bias on q, k, v but not o
@@ -164,8 +168,18 @@ class Attention(nn.Module):
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if cache is not None:  # sampling: record, or attend over cached K/V of the canvas
             k, v = cache[0].update(cache[1], k, v)
-        out = attend(q, k, v.to(q.dtype), mask, scale=self.head_dim**-0.5)
+        record = None
+        if self.qk_logits is not None and cache is None and self.training:
+            record = self._record_logits if torch.is_grad_enabled() else None
+        out = attend(q, k, v.to(q.dtype), mask, scale=self.head_dim**-0.5, record=record)
         return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
+
+    def _record_logits(self, values: torch.Tensor, first: int) -> None:
+        """QK-clip's capture: the running max of the per-head max logits `values` of heads
+        [first, first + len(values)) (a training forward's; a recomputed forward records
+        the same values again, which leaves the max unchanged)."""
+        part = self.qk_logits[first : first + values.shape[0]]
+        part.copy_(torch.maximum(part, values.to(part.device)))
 
 
 class MLP(nn.Module):

@@ -66,6 +66,14 @@ class OptimConfig(BaseModel):
     """Per-head Muon: attention's q_proj, k_proj and v_proj weights orthogonalized one head
     at a time (each head's (head_dim, hidden) rows as a matrix of its own, its update scaled
     by that shape), the head dim read from the model; docs/muon.md."""
+    qk_clip_threshold: float | None = Field(None, gt=0)
+    """QK-clip (MuonClip, megatron-core's --qk-clip-threshold): after each optimizer step,
+    the query/key projection rows of every key/value group whose largest pre-softmax
+    attention logit in the step exceeded this value are scaled down so that it would not
+    (None = off; Kimi K2 and Megatron use 100). Native decoders only; docs/muon.md."""
+    qk_clip_alpha: float = Field(0.5, ge=0, le=1)
+    """QK-clip's split of the scale eta = threshold / max logit: query rows times
+    eta ** alpha, key rows times eta ** (1 - alpha) (megatron-core's --qk-clip-alpha)."""
 
     use_muon: bool | None = None
     """Seed spelling (LMMs-Engine): true sets name: muon, false sets name: adamw (wins over name)."""

@@ -222,6 +222,9 @@ class LogWindow:
                   "tokens_per_second": self.tokens / elapsed}  # fmt: skip
         if "grad_norm" in stats:
             values["grad_norm"] = float(stats["grad_norm"])
+        for key in ("qk_max_logit", "qk_clipped_heads"):  # QK-clip: the last step's
+            if key in stats:
+                values[key] = float(stats[key])
         for key, total in self.objective.items():  # e.g. preference's reward_accuracy
             values[key] = float(total) / max(self.steps, 1)
         if self.peak_flops and "flops" in stats:

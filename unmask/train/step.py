@@ -28,6 +28,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from unmask.parallel.distributed import DistState
     from unmask.parallel.pipeline import PipelineRunner
     from unmask.train.mfu import CallFlops, DeviceTimer
+    from unmask.train.qk_clip import QKClip
     from unmask.train.signals import StopSignals
 
 
@@ -59,6 +60,8 @@ class TrainStep:
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     pipeline: PipelineRunner | None
+    qk_clip: QKClip | None
+    """optim.qk_clip_threshold: the capture and the clip after the optimizer step."""
     flops: CallFlops | None
     timer: DeviceTimer
     step: int
@@ -122,7 +125,8 @@ class TrainStep:
         over the gradients); otherwise the gradients are scaled after the last backward.
 
         Returns `loss` and (when clipping) `grad_norm` as 0-d tensors left on the device,
-        `learning_rate`, `flops` (train.log_mfu: this device's model FLOPs, mfu.py; a 0-d
+        `learning_rate`, `qk_max_logit` and `qk_clipped_heads` (optim.qk_clip_threshold),
+        `flops` (train.log_mfu: this device's model FLOPs, mfu.py; a 0-d
         tensor) and `finite` (bool): the step's one host-device sync, the flag the non-finite
         guard needs to skip the update. In a multi-process run the same read carries `stop`
         (a stop signal reached some rank), summed in the loss's all-reduce. With
@@ -200,6 +204,8 @@ class TrainStep:
             self.optimizer.step()
             self.scheduler.step()
             stats["optimizer_marks"] = (started, self.timer.mark())  # model-only MFU
+        if self.qk_clip is not None:  # QK-clip: after the update (the capture reset if none)
+            stats.update(self.qk_clip.after_step(update=stats["finite"] is not False))
         self.optimizer.zero_grad(set_to_none=True)
         return stats
 

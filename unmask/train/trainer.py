@@ -59,6 +59,7 @@ from unmask.train.mfu import (
     raise_cached_peak,
 )
 from unmask.train.plan import make_plan
+from unmask.train.qk_clip import build_qk_clip
 from unmask.train.run_dir import (
     CONFIG_FILE,
     prepare_output_dir,
@@ -197,6 +198,15 @@ class Trainer(TrainStep, Evaluation, CheckpointedState):
         learning-rate schedule."""
         t = cfg.train
         self.optimizer = build_optimizer(cfg.optim, self.model)
+        # QK-clip: the per-head max logit captured in the forwards, the clip after the step
+        self.qk_clip = build_qk_clip(cfg.optim, self.model, self.device, self.dist,
+                                     lora=cfg.model.lora)  # fmt: skip
+        if self.qk_clip is not None and self.qk_clip.normed:
+            self.notices.append(
+                "optim.qk_clip_threshold with model.qk_norm: the q/k norms come after the "
+                "projections QK-clip scales and undo most of the scale (megatron-core's "
+                "behaviour too); its qk_max_logit is logged, its clip barely lowers it"
+            )
         # MoE: the step's expert load over micro-batches and ranks, the expert-bias update
         # (under PP: the forwards of a step are the pipeline's micro-batches, and the
         # metrics gather every stage's layers)
