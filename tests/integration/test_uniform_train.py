@@ -73,3 +73,28 @@ def test_a_resumed_run_gives_the_same_losses_bit_for_bit(tmp_path):
     weights = [(run / "final" / "model.safetensors").read_bytes()
                for run in (tmp_path / "full", stopped)]  # fmt: skip
     assert weights[0] == weights[1]
+
+
+@pytest.mark.parametrize("self_conditioning", [0.0, 0.5])
+def test_the_mfu_flop_count_of_a_uniform_step_equals_flop_counter_mode(tmp_path, self_conditioning):
+    """The family's own count (models/shape.py DiffusionGemmaShape.call_flops: the encoder
+    over the prompt, the decoder over the canvas, the whole-vocabulary head, the
+    self-conditioning pass) against torch's FlopCounterMode over one step (AdamW: no
+    matmuls in the optimizer; sdpa's math kernel, whose matmuls the counter sees; the
+    experts one matmul each: the counter has no formula for grouped GEMMs)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from unmask.config import load_config
+    from unmask.train.trainer import Trainer
+
+    extra = {"optim": {"name": "adamw"},
+             "model": {"attn_implementation": "sdpa", "moe_implementation": "loop"},
+             "diffusion": {"self_conditioning_prob": self_conditioning}}  # fmt: skip
+    trainer = Trainer(load_config(write_run_config(tmp_path, "run", GEMMA, extra)))
+    trainer.train_step([next(trainer.loader)])
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        stats = trainer.train_step([next(trainer.loader)])
+    counted = counter.get_total_flops()
+    assert counted > 0
+    assert float(stats["flops"]) == pytest.approx(counted, rel=0.02)

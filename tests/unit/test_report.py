@@ -375,3 +375,20 @@ def test_resume_with_other_settings_keeps_the_old_config_and_lists_changes(tmp_p
     assert (tmp_path / "config.yaml").read_text() == new
     assert write_config(tmp_path, new, 60) == []  # same settings: nothing kept
     assert len(list((tmp_path / CONFIG_HISTORY).iterdir())) == 1
+
+
+def test_the_qk_clip_max_logit_is_plotted_for_runs_that_log_it(tmp_path):
+    """qk_max_logit.png (optim.qk_clip_threshold): the logged max logit per step, on a log
+    axis when it spans orders of magnitude (an exploding run); no note for runs without it."""
+    clipped = make_run(tmp_path / "clipped", [
+        {**record(s, 2.0), "qk_max_logit": value, "qk_clipped_heads": 1}
+        for s, value in zip(range(1, 5), (3.0, 40.0, 900.0, 10.0))])  # fmt: skip
+    plain = make_run(tmp_path / "plain", six_steps())
+    figures, notes = build_figures(load_runs([clipped, plain]))
+    ax = figures["qk_max_logit"].axes[0]
+    assert ax.get_title().startswith("Largest pre-softmax attention logit")
+    assert [list(line.get_ydata()) for line in ax.get_lines()] == [[3.0, 40.0, 900.0, 10.0]]
+    assert ax.get_yscale() == "log"
+    assert "qk_max_logit.png leaves out plain (never logged qk_max_logit)" in notes
+    figures, notes = build_figures(load_runs([plain]))
+    assert "qk_max_logit" not in figures and not any("qk_max_logit" in n for n in notes)

@@ -95,6 +95,19 @@ class ModelShape:
                     + 3 * hidden * inner * arch.num_shared_experts)  # fmt: skip
         return 3 * hidden * arch.intermediate_size
 
+    def call_flops(self, flops, arch, args: tuple, kwargs: dict, context: int = 1):
+        """Model FLOPs (forward + backward) of one training call of the model with `args` /
+        `kwargs`, counted with `flops` (train/mfu.py FlopModel) and `arch` (the model's
+        ModelConfig): the decoder's call,
+        `model(input_ids (B, L), ..., targets=)`, its LM head on the target rows (every
+        token without targets). `context`: the context-parallel degree (a call's rows are
+        its slice of each row, which attends over the whole row)."""
+        ids = args[0] if args else kwargs["input_ids"]
+        rows, length = ids.shape[0], ids.shape[1]
+        targets = kwargs.get("targets")
+        head = rows * length if targets is None else (targets != -100).sum().double()
+        return flops.step_flops(rows * length, length * context, head)
+
     def layer_matmul_params(self, arch, index: int) -> int:
         """Matmul weights one token uses in layer `index` (its active ones)."""
         return self.attention_params(arch) + self.mlp_params(arch, index)
@@ -160,6 +173,42 @@ class DiffusionGemmaShape(ModelShape):
 
     def layer_matmul_params(self, arch, index: int) -> int:
         return self._attention(arch, index)[1] + self.mlp_params(arch, index)
+
+    def call_flops(self, flops, arch, args: tuple, kwargs: dict, context: int = 1):
+        """A training call `model(prompt (B, P), canvas (B, C), ..., self_condition=)` (the
+        `uniform` objective's), forward and backward: the encoder over the prompt (every
+        layer but the last, of which it needs only the keys and values the decoder reads);
+        the decoder over the canvas (every matmul weight a token uses, N, but the
+        self-conditioning MLP's when no signal is given), its queries over the prompt's
+        keys and the canvas's; the LM head (the tied embedding, the whole vocabulary) on
+        every canvas position. Attention is counted over every key (the encoder's causal
+        half and sliding windows not taken off, as the decoder's count takes no document
+        mask off). With `self_condition`: a first decoder pass without the signal, forward
+        only, on every row, and the second pass's signal (softmax @ embedding, forward and
+        the embedding's gradient, and the self-conditioning MLP) on every row, zero on the
+        rows it does not condition. tests/integration/test_uniform_train.py holds it to
+        torch's FlopCounterMode."""
+        prompt = args[0] if args else kwargs["input_ids"]
+        canvas = args[1] if len(args) > 1 else kwargs.get("canvas_ids")
+        if canvas is None:  # a plain call: the decoder's count
+            return super().call_flops(flops, arch, args, kwargs, context)
+        rows, p, c = prompt.shape[0], prompt.shape[1], canvas.shape[1]
+        n, width = flops.matmul_params, flops.layers * flops.attention_width
+        last = arch.num_hidden_layers - 1
+        sliding, head_dim, kv_heads = arch.diffusion_gemma.layer_shape(arch, last)
+        kv = arch.hidden_size * kv_heads * head_dim * (2 if sliding else 1)
+        n_encoder = sum(self.layer_matmul_params(arch, i) for i in range(last)) + kv
+        # the encoder's attention: every layer's queries but the last's
+        encoder = 6 * n_encoder * rows * p + 12 * width * last / flops.layers * rows * p * p
+        head = flops.head_params * rows * c
+        attention = 12 * width * rows * c * (p + c)
+        signal = 3 * arch.hidden_size * arch.intermediate_size  # self-conditioning's MLP
+        if kwargs.get("self_condition") is None:  # no signal: no self-conditioning MLP
+            return encoder + 6 * (n - signal) * rows * c + attention + 6 * head
+        first = 2 * (n - signal) * rows * c + attention / 3 + 2 * head  # forward only
+        # the second pass with the signal (softmax @ embedding: forward, and the embedding's
+        # gradient) on every row, zero where a row is not conditioned
+        return encoder + first + 6 * n * rows * c + attention + 6 * head + 4 * head
 
 
 DIFFUSION_GEMMA = DiffusionGemmaShape("diffusion_gemma", tensor=None, staged=False, plans=False,

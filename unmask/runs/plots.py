@@ -48,13 +48,17 @@ QUANTITIES = (
     Quantity("moe_load", ("moe_load_max_over_mean",),
              "Expert load: largest expert over the mean (1 = balanced), worst layer",
              "max / mean tokens per expert"),
+    # runs with QK-clip only (optim.qk_clip_threshold; the others get no note about it)
+    Quantity("qk_max_logit", ("qk_max_logit",),
+             "Largest pre-softmax attention logit of the step, over heads and layers (QK-clip)",
+             "max logit", log_if_wide=True),
     # runs with eval.generate_accuracy only (the others get no note about it)
     Quantity("heldout_exact_match", (HELDOUT_KEY,),
              "Held-out exact match (greedy answers; legend: the last one)",
              "exact match"),
 )  # fmt: skip
 #: drawn only when a run logged them: no note when none did
-OPTIONAL = ("moe_load", "heldout_exact_match")
+OPTIONAL = ("moe_load", "qk_max_logit", "heldout_exact_match")
 
 
 @dataclass

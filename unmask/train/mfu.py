@@ -124,17 +124,16 @@ class CallFlops:
     def __init__(self, model: nn.Module, flops: FlopModel, context: int = 1):
         self.flops, self.context = flops, context
         self.pending: float | torch.Tensor = 0.0
+        # how a call's FLOPs count: the family's declaration (models/shape.py call_flops)
+        self.arch = model.config
+        self.shape = shape_of(model.config)
         model.register_forward_pre_hook(self._record, with_kwargs=True)
 
     def _record(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if not (module.training and torch.is_grad_enabled()):
             return
-        ids = args[0] if args else kwargs["input_ids"]
-        rows, length = ids.shape[0], ids.shape[1]
-        targets = kwargs.get("targets")
-        head = rows * length if targets is None else (targets != -100).sum().double()
-        self.pending = self.pending + self.flops.step_flops(rows * length, length * self.context,
-                                                            head)  # fmt: skip
+        self.pending = self.pending + self.shape.call_flops(self.flops, self.arch, args, kwargs,
+                                                            self.context)  # fmt: skip
 
     def take(self) -> float | torch.Tensor:
         """The FLOPs recorded since the last take (a 0-d tensor still on the device, or 0)."""
