@@ -1,7 +1,8 @@
 """`unmask train` with QK-clip (optim.qk_clip_threshold, low enough that it clips at every
 step) on 2 gloo processes against one process: FSDP2 (dp_shard=2), tensor parallelism
-(tp=2: each rank captures and clips its own heads) and context parallelism (cp=2: each rank
-captures its heads over whole rows), MuonAdamW, 20 steps each (the issue's length). The
+(tp=2: each rank captures and clips its own heads), context parallelism (cp=2: each rank
+captures its heads over whole rows) and pipeline parallelism (pp=2: each stage its layers),
+MuonAdamW, 20 steps each (the issue's length). The
 loss curve, the logged max logit, the count of clipped heads and the final weights equal the
 one-process run's within 1e-5; the same run without the clip ends with other query/key
 weights."""
@@ -23,14 +24,15 @@ BASE = {
     "train": {"split_batches": True, "max_steps": STEPS, "per_device_train_batch_size": 4,
               "logging_steps": 1, "eval_steps": 0, "save_steps": 0},
 }  # fmt: skip
-LAYOUTS = {"dp2": {"dp_shard": 2}, "tp2": {"tensor_parallel": 2}, "cp2": {"context_parallel": 2}}
+LAYOUTS = {"dp2": {"dp_shard": 2}, "tp2": {"tensor_parallel": 2}, "cp2": {"context_parallel": 2},
+           "pp2": {"pipeline_parallel": 2, "pipeline_microbatches": 2}}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("qk_clip")
-    configs = [write_run_config(root, name, BASE, {"train": train})
-               for name, train in LAYOUTS.items()]  # fmt: skip
+    configs = [write_run_config(root, name, BASE, {"parallel": layout})
+               for name, layout in LAYOUTS.items()]  # fmt: skip
     results = train_in_ranks(2, root / "results.json", *configs)
     reference = train_in_process(write_run_config(root, "one", BASE, {}), root / "one-1")
     return root, results, reference
