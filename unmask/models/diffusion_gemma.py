@@ -75,7 +75,7 @@ from unmask.models.attention import AttentionMask, attend
 from unmask.models.config import ModelConfig
 from unmask.models.hf import save_pretrained
 from unmask.models.moe import expert_counts, grouped_mm_fits
-from unmask.models.transformer import RMSNorm, apply_rotary
+from unmask.models.transformer import RMSNorm, apply_rotary, init_common
 
 
 def rms(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -358,13 +358,9 @@ class DiffusionGemma(nn.Module):
             return
         std = self.config.initializer_range
         for module in self.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                module.weight.normal_(0.0, std)
-                if getattr(module, "bias", None) is not None:
-                    module.bias.zero_()
-            elif isinstance(module, RMSNorm):
-                module.weight.fill_(1.0)
-            elif isinstance(module, Router):
+            if init_common(module, std):
+                continue
+            if isinstance(module, Router):
                 module.scale.fill_(1.0)
                 module.per_expert_scale.fill_(1.0)
             elif isinstance(module, Experts):

@@ -48,6 +48,22 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps, self.backward_pass)
 
 
+@torch.no_grad()
+def init_common(module: nn.Module, std: float) -> bool:
+    """normal(0, std) for a linear or embedding weight (its bias zeroed), 1 for an RMSNorm's
+    weight: True; False for any other module (a model's own kinds, which it initializes
+    itself, in the same walk over its modules, so the draws keep their order)."""
+    if isinstance(module, (nn.Linear, nn.Embedding)):
+        module.weight.normal_(0.0, std)
+        if getattr(module, "bias", None) is not None:
+            module.bias.zero_()
+        return True
+    if isinstance(module, RMSNorm):
+        module.weight.fill_(1.0)
+        return True
+    return False
+
+
 def embed(embedding: nn.Embedding, input_ids: torch.Tensor) -> torch.Tensor:
     """The embedding's rows in the compute dtype: autocast's where it is on (bf16 under
     train.bf16, as FSDP2's bf16 parameters give them on several GPUs), so the residual
@@ -271,12 +287,7 @@ class DiffusionTransformer(nn.Module):
             return
         std = self.config.initializer_range
         for module in self.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                module.weight.normal_(0.0, std)
-                if getattr(module, "bias", None) is not None:
-                    module.bias.zero_()
-            elif isinstance(module, RMSNorm):
-                module.weight.fill_(1.0)
+            init_common(module, std)
         init_moe_weights(self, std)
 
     def hidden_states(
