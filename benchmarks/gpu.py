@@ -218,7 +218,9 @@ def suite(warmup: int, steps: int, device_name: str | None, only: list[str]) -> 
 #: --profile's phases in order of value (gpu_profile.py)
 PROFILE_PHASES = ["env", "train-llada-8b-muon", "train-llada-moe-7b-a1b-muon",
                   "train-dream-7b-adamw", "sample", "train-llada-8b-muon-64k", "serve",
-                  "train-llada-8b-muon-float8", "cuda-tests"]  # fmt: skip
+                  "train-llada-8b-muon-float8", "cuda-tests", "train-llada-8b-adamw",
+                  "train-llada-8b-muon-gram", "train-llada-8b-muon-256k",
+                  "train-llada-8b-adamw-256k"]  # fmt: skip
 #: a phase is not started with less than this left of the budget
 MIN_PHASE_S = 25
 

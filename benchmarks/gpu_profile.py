@@ -59,6 +59,15 @@ TRAIN_CASES = {
                           _COMMON + ["train.gradient_accumulation_steps=8"]),
     # the first case with its decoder linears in float8 (torchao)
     "llada-8b-muon-float8": (MODELS / "llada_8b.yaml", _COMMON + ["train.float8=true"]),
+    # Muon's cost on the GPU (issue 47): its optimizer step against AdamW's, at 8,192 tokens
+    # per optimizer step (the first case's) and at 262,144 (32 micro-batches), and with Gram
+    # Newton-Schulz; each phase times its optimizer steps apart from the rest of the step
+    "llada-8b-adamw": (MODELS / "llada_8b.yaml", _COMMON + ["optim.name=adamw"]),
+    "llada-8b-muon-gram": (MODELS / "llada_8b.yaml", _COMMON + ["optim.ns_coefficients=gram"]),
+    "llada-8b-muon-256k": (MODELS / "llada_8b.yaml",
+                           _COMMON + ["train.gradient_accumulation_steps=32"]),
+    "llada-8b-adamw-256k": (MODELS / "llada_8b.yaml",
+                            _COMMON + ["optim.name=adamw", "train.gradient_accumulation_steps=32"]),
 }  # fmt: skip
 #: what --dry makes of every case: a model a CPU trains in seconds, the case's own layout
 DRY = ["train.float8=false", "model.hidden_size=64", "model.intermediate_size=128", "model.num_attention_heads=4",
@@ -207,6 +216,10 @@ def _case_config(case: str, dry: bool, out: Path):
     config, overrides = TRAIN_CASES[case]
     overrides = list(overrides)
     if dry:
+        # a smoke check: the same path with at most 2 micro-batches per optimizer step
+        accumulation = "train.gradient_accumulation_steps="
+        overrides = [f"{accumulation}{min(int(o.split('=')[1]), 2)}" if o.startswith(accumulation)
+                     else o for o in overrides]  # fmt: skip
         overrides = [o for o in overrides if not o.startswith("model.vocab_size")] + DRY
         if "moe" in case:
             replaced = {d.split("=")[0] for d in DRY_MOE}
