@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 import transformers
 import yaml
+from test_diffusion_gemma import FULL, SLIDING, TEXT, VISION
 
 from unmask.cli import main
 from unmask.config import validate_tree
@@ -23,17 +24,8 @@ from unmask.models import build_model, from_pretrained
 from unmask.optim import build_optimizer
 from unmask.train.setup import build_train_model, plan_parallel
 
-SLIDING, FULL = "sliding_attention", "full_attention"
 VOCAB, CANVAS, EOS = 97, 3, 1
-TEXT = {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 4,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "global_head_dim": 16,
-        "num_global_key_value_heads": 1, "sliding_window": 4,
-        "layer_types": [SLIDING, FULL, SLIDING, FULL], "num_experts": 4, "top_k_experts": 2,
-        "moe_intermediate_size": 24, "max_position_embeddings": 128,
-        "final_logit_softcapping": 2.0, "initializer_range": 0.1}  # fmt: skip
-VISION = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
-          "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 8, "patch_size": 4,
-          "position_embedding_size": 64}  # fmt: skip
+assert TEXT["vocab_size"] == VOCAB  # test_diffusion_gemma's tiny transformers config
 
 
 @pytest.fixture(scope="module")
