@@ -345,3 +345,12 @@ def reverse_run(tmp_path_factory):
     (root / "run.yaml").write_text(yaml.safe_dump(tree))
     assert main(["train", str(root / "run.yaml")]) == 0
     return root / "run"
+
+
+@pytest.fixture
+def offline(tmp_path, monkeypatch):
+    """No hub, no datasets download; the datasets cache in the test's folder."""
+    for name in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.setenv(name, "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf" / "datasets"))

@@ -141,14 +141,6 @@ metric_list:
     return folder
 
 
-@pytest.fixture
-def offline(tmp_path, monkeypatch):
-    for name in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
-        monkeypatch.setenv(name, "1")
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
-    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf" / "datasets"))
-
-
 def test_unmask_eval_generates_and_refuses_likelihoods(saved, tmp_path, offline, capsys):
     pytest.importorskip("lm_eval")
     folder, tasks = str(saved[1]), toy_tasks(tmp_path / "tasks")

@@ -48,15 +48,6 @@ def model_dir(tmp_path_factory):
     return folder
 
 
-@pytest.fixture
-def offline(tmp_path, monkeypatch):
-    """No hub, no datasets download; the datasets cache in the test's folder."""
-    for name in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
-        monkeypatch.setenv(name, "1")
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
-    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf" / "datasets"))
-
-
 def write_tasks(folder: Path) -> Path:
     """toy_mc (multiple choice) and toy_gen (generate_until) over one local jsonl file."""
     folder.mkdir(parents=True, exist_ok=True)
