@@ -164,7 +164,7 @@ def test_playground_offers_every_option_a_legend_and_each_tokens_probability(pag
     wait_for(lambda: driver.find_element(By.ID, "model").text == "tiny")
     # every option a request takes (unmask generate's flags less the hooks) has a field
     names = [option["name"] for option in sampling_options({})]
-    assert len(names) == 40 and "decoder" in names and "entropy_bound" in names
+    assert len(names) == 41 and "decoder" in names and "entropy_bound" in names
     for name in names:
         driver.find_element(By.ID, "opt-" + name)
     legend = driver.find_element(By.ID, "play-legend").get_attribute("textContent")

@@ -512,3 +512,264 @@ def test_a_served_request_gives_generates_tokens(folder, sm, tmp_path):
         assert refused.status_code == 400 and "unknown joint_preset 'fast'" in refused.text
     finally:
         engine.close()
+
+
+# ------------------------------------ edit_scope all: the report's multi-block editing (MBE)
+
+
+@torch.no_grad()
+def multi_block_editing(model, prompts, gen_length, block_size, threshold, edit_threshold,
+                        max_post_edit_steps, penalty_lambda, quotas, block_causal):  # fmt: skip
+    """The joint threshold decoder with edits over every answer block so far, written from
+    the definition (docs/sampling.md): a plain loop, one forward of the whole canvas a step,
+    no cache, row by row. Each step of block k, for each row not done: proposals x0 and
+    their probabilities p at the answer positions of blocks 0..k (the penalty lowers, at
+    each position but a block's first, the logit of the token before it); the masks of
+    block k above threshold are filled, at least the step's quota of the most probable
+    (quotas[step], the last after); with no mask left in block k the step counts a post-edit
+    step, and the row is done once it has more than max_post_edit_steps; every answer token
+    of blocks 0..k (not a mask) whose x0 differs and p > edit_threshold is replaced; a step
+    that changes nothing ends the row. Returns (answers (B, G), forwards, fills, edits)."""
+    batch, width = len(prompts), max(len(p) for p in prompts)
+    total = width + gen_length
+    x = torch.full((batch, total), MASK, dtype=torch.long)
+    valid = torch.ones((batch, total), dtype=torch.bool)
+    for row, prompt in enumerate(prompts):
+        x[row, : width - len(prompt)] = PAD
+        valid[row, : width - len(prompt)] = False
+        x[row, width - len(prompt) : width] = torch.tensor(prompt)
+    kwargs, allowed = {}, None
+    if not bool(valid.all()):
+        kwargs["position_ids"] = (valid.long().cumsum(1) - 1).clamp_min(0)
+        allowed = valid[:, :, None] == valid[:, None, :]
+    if block_causal:
+        block_of = torch.div(torch.arange(total) - width, block_size, rounding_mode="floor")
+        causal = (block_of[None, :] <= block_of[:, None])[None]
+        allowed = causal if allowed is None else allowed & causal
+    if allowed is not None:
+        kwargs["attention_mask"] = allowed[:, None]
+    forwards = fills = edits = 0
+    for end in range(width + block_size, total + 1, block_size):
+        begin = end - block_size  # the current block: [begin, end); edits reach [width, end)
+        post = [0] * batch
+        done = [False] * batch
+        for step in range(block_size + max_post_edit_steps + 1):
+            if all(done):
+                break
+            logits = model(x, **kwargs).double()
+            forwards += 1
+            for row in range(batch):
+                if done[row]:
+                    continue
+                scores = logits[row, width:end].clone()  # (end - width, V)
+                for j in range(width + 1, end):
+                    if (j - width) % block_size:
+                        scores[j - width, x[row, j - 1]] -= penalty_lambda
+                probs = torch.softmax(scores, dim=-1)
+                p, x0 = probs.max(dim=-1)
+                masked = [j for j in range(begin, end) if x[row, j] == MASK]
+                chosen = []
+                if masked:
+                    chosen = [j for j in masked if p[j - width] > threshold]
+                    quota = min(quotas[min(step, len(quotas) - 1)], len(masked))
+                    if len(chosen) < quota:
+                        ranked = sorted(masked, key=lambda j: -float(p[j - width]))
+                        chosen = sorted(set(chosen) | set(ranked[:quota]))
+                else:
+                    post[row] += 1
+                    if post[row] > max_post_edit_steps:
+                        done[row] = True
+                        continue
+                replaced = [j for j in range(width, end)
+                            if x[row, j] != MASK and x0[j - width] != x[row, j]
+                            and p[j - width] > edit_threshold]  # fmt: skip
+                if not chosen and not replaced:
+                    done[row] = True
+                    continue
+                for j in chosen + replaced:
+                    x[row, j] = x0[j - width]
+                fills += len(chosen)
+                edits += len(replaced)
+    return x[:, width:], forwards, fills, edits
+
+
+# (prompt lengths, gen_length, block_length, steps, threshold, edit_threshold,
+#  max_post_edit_steps, penalty_lambda, block_causal)
+MBE_CASES = [
+    (ONE, 16, 8, None, 0.5, 0.0, 16, 0.0, False),
+    (ONE, 16, 4, None, 0.7, 0.5, 16, 0.0, False),
+    (ONE, 12, 4, None, 0.5, 0.0, 3, 3.0, False),
+    (ONE, 16, 4, 8, 0.9, 0.2, 2, 0.0, True),
+    (ONE, 16, 8, None, 0.3, 0.3, 1, 1.0, True),
+    (THREE, 16, 8, None, 0.5, 0.0, 16, 0.0, False),
+    (THREE, 16, 4, None, 0.7, 0.5, 4, 2.0, False),
+    (THREE, 12, 4, None, 0.5, 0.0, 16, 0.0, True),
+    (THREE, 16, 8, 4, 0.8, 0.0, 3, 0.0, True),
+    (THREE, 20, 10, 8, 0.9, 0.2, 3, 1.0, True),
+]  # fmt: skip
+
+
+def _quotas(gen, block, steps) -> list[int]:
+    per_block = block if steps is None else steps // (gen // block)
+    return [block // per_block + (i < block % per_block) for i in range(per_block)]
+
+
+@pytest.mark.parametrize("case", MBE_CASES, ids=[f"mbe{i}" for i in range(len(MBE_CASES))])
+def test_edit_scope_all_equals_the_definition_written_out(model, case):
+    lengths, gen, block, steps, threshold, edit, post, penalty, causal = case
+    prompts = prompts_of(len(lengths) * 100 + gen + block, lengths)
+    answers, forwards, fills, edits = multi_block_editing(
+        model, prompts, gen, block, threshold, edit, post, penalty, _quotas(gen, block, steps),
+        causal)  # fmt: skip
+    options = _options(gen, block, steps, threshold, edit, post, penalty, causal)
+    out = unmask_run(model, prompts, edit_scope="all", **options)
+    assert out.answers.tolist() == answers.tolist()
+    assert (out.nfe, out.decoded, out.edits) == (forwards, fills, edits)
+    assert out.decoded == len(lengths) * gen
+    if causal:  # block-causal: the prompt's K/V do not depend on the answer, caches are exact
+        for cache in ("prefix", "dual"):
+            cached = unmask_run(model, prompts, edit_scope="all", cache=cache, **options)
+            assert cached.answers.tolist() == answers.tolist(), cache
+            assert (cached.nfe, cached.edits) == (forwards, edits), cache
+
+
+def test_edit_scope_all_edits_earlier_blocks_in_the_cases(model):
+    """The cases are not vacuous: scope all edits more than scope block in most of them
+    (the edits of earlier blocks), and changes the answer in some."""
+    more, differ = 0, 0
+    for lengths, gen, block, steps, threshold, edit, post, penalty, causal in MBE_CASES:
+        prompts = prompts_of(len(lengths) * 100 + gen + block, lengths)
+        options = _options(gen, block, steps, threshold, edit, post, penalty, causal)
+        within = unmask_run(model, prompts, **options)
+        explicit = unmask_run(model, prompts, edit_scope="block", **options)
+        assert explicit.answers.tolist() == within.answers.tolist()  # block is the default
+        assert (explicit.nfe, explicit.edits) == (within.nfe, within.edits)
+        across = unmask_run(model, prompts, edit_scope="all", **options)
+        more += across.edits > within.edits
+        differ += across.answers.tolist() != within.answers.tolist()
+    assert more >= 6 and differ >= 3, (more, differ)
+
+
+@pytest.mark.parametrize("case", CASES[:4] + CASES[16:20], ids=lambda c: f"{len(c[0])}x{c[1]}")
+def test_edit_scope_all_on_one_block_is_sglangs(model, case):
+    """With one block there is no earlier block: scope all decodes as SGLang does."""
+    lengths, gen, block, steps, threshold, edit, post, penalty, causal = case
+    prompts = prompts_of(len(lengths) * 100 + gen + block, lengths)
+    answers, forwards, fills, edits = sglang_joint_threshold(
+        model, prompts, gen, gen, threshold, edit, post, penalty, 1, causal)  # fmt: skip
+    out = unmask_run(model, prompts, edit_scope="all", gen_length=gen, block_length=gen,
+                     threshold=threshold, edit_threshold=edit, max_post_edit_steps=post,
+                     penalty_lambda=penalty, block_causal=causal)  # fmt: skip
+    assert out.answers.tolist() == answers.tolist()
+    assert (out.nfe, out.decoded, out.edits) == (forwards, fills, edits)
+
+
+class ForceOnceBlockOneStarts(nn.Module):
+    """The model, but once the second answer block holds a token, the proposal at canvas
+    column `column` (in the first block) is `token` with probability about 1: an edit only
+    scope all can make."""
+
+    def __init__(self, model: nn.Module, column: int, second_block: int, token: int):
+        super().__init__()
+        self.model, self.column, self.second, self.token = model, column, second_block, token
+
+    def forward(self, input_ids, **kwargs):
+        logits = self.model(input_ids, **kwargs)
+        started = (input_ids[:, self.second : self.second + 4] != MASK).any(1)
+        if started.any():
+            logits = logits.clone()
+            logits[started, self.column, self.token] = 100.0
+        return logits
+
+
+class Glyphs:
+    """A tokenizer for TerminalAnimation: one letter a token id."""
+
+    def decode(self, ids):
+        return "".join(chr(65 + i % 26) for i in ids)
+
+
+def test_an_earlier_blocks_token_is_edited_and_shown(model):
+    prompts = prompts_of(21, [6])
+    options = dict(gen_length=8, block_length=4, edit_threshold=0.5, max_post_edit_steps=2,
+                   history=True)  # fmt: skip
+    plain = unmask_run(model, prompts, edit_scope="all", **options)
+    column = 6 + 1  # the second answer position, in the first block
+    token = (plain.answers[0, 1].item() + 1) % PAD
+    forced = ForceOnceBlockOneStarts(model, column, 6 + 4, token)
+    within = unmask_run(forced, prompts, **options)
+    assert within.answers[0, 1].item() == plain.answers[0, 1].item() != token  # never edited
+    show = TerminalAnimation(Glyphs(), MASK, PAD, None, stream=io.StringIO())
+    ids, _ = left_pad(prompts, PAD)
+    config = SamplingConfig(decoder="joint_threshold", edit_scope="all", **options)
+    across = sample(forced, ids, config, mask_id=MASK, on_step=show)
+    assert across.answers[0, 1].item() == token  # edited while the second block decoded
+    history = [canvas[0, column].item() for canvas in across.history]
+    changed = [i for i in range(1, len(history)) if history[i] != history[i - 1]]
+    assert history[changed[-1]] == token and history[changed[-1] - 1] != MASK
+    first_block_done = next(i for i, c in enumerate(across.history) if (c[0, 6:10] != MASK).all())
+    assert changed[-1] > first_block_done  # edited in a step of the second block
+    assert show.edits == across.edits >= 1  # --show's count holds it
+    lines = [line for line in show.stream.getvalue().splitlines() if line.startswith("step ")]
+    assert lines[-1].endswith(f", {across.edits} so far)")
+    assert f"step {changed[-1] + 1} (" in show.stream.getvalue()  # that step shows an edit
+
+
+def test_edit_scope_options_and_flags():
+    assert resolve_sampling({"decoder": "joint_threshold"}).edit_scope is None  # = block
+    given = resolve_sampling({"decoder": "joint_threshold", "edit_scope": "all"})
+    assert given.edit_scope == "all"
+    for options, message in [
+        (dict(edit_scope="window"), "unknown edit_scope 'window'; expected one of "
+                                    "['block', 'all']"),
+        (dict(decoder="masked", edit_scope="all"), "edit_scope is an option of decoder "
+                                                   "joint_threshold"),
+        (dict(edit_scope="all", tokens_hook=lambda step, x, logits: x),
+         "edit_scope all takes no tokens_hook"),
+    ]:  # fmt: skip
+        with pytest.raises(InputError) as err:
+            resolve_sampling({"decoder": "joint_threshold", **options})
+        assert message in str(err.value) and "\n" not in str(err.value)
+    ns = build_parser().parse_args(["generate", "--model", "m", "--prompt", "a", "--decoder",
+                                    "joint_threshold", "--edit-scope", "all"])  # fmt: skip
+    assert ns.edit_scope == "all"
+
+
+def test_a_served_edit_scope_all_request_gives_generates_tokens(folder, sm, tmp_path):
+    """edit_scope all over the server (decoded alone by `sample`, as its steps edit
+    finished blocks) answers what `unmask generate --edit-scope all` answers."""
+    from unmask.serve.app import Server, build_app
+    from unmask.serve.engine import Engine, Job
+
+    options = {**OPTIONS, "edit_scope": "all"}
+    texts = {p: alone(sm, p, **options) for p in PROMPTS}
+    within = {p: alone(sm, p, **OPTIONS)[0] for p in PROMPTS}
+    assert any(texts[p][0] != within[p] for p in PROMPTS)  # the scope changes an answer here
+    prompt = next(p for p in PROMPTS if texts[p][0] != within[p])
+    dst = tmp_path / "out.jsonl"
+    assert main(["generate", "--model", str(folder), "--prompt", prompt, "--out", str(dst),
+                 *FLAGS, "--edit-scope", "all"]) == 0  # fmt: skip
+    expected = json.loads(dst.read_text())["completion"]
+    assert expected == texts[prompt][0]
+    job = Job([1, 2], SamplingConfig(**options), emit=lambda event: None)
+    assert job.auto and job.group[0] == "alone"
+    engine = Engine(sm)
+    app = build_app(Server(sm, engine, "tiny"))
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 8,
+            "unmask": {"block_length": 4, "decoder": "joint_threshold", "edit_threshold": 0,
+                       "max_post_edit_steps": 3, "penalty_lambda": 1, "edit_scope": "all"}}  # fmt: skip
+
+    async def ask(payload):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as client:
+            return await client.post("/v1/completions", json=payload, timeout=120)
+
+    try:
+        reply = asyncio.run(ask(body))
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["choices"][0]["text"] == expected
+        body["unmask"]["edit_scope"] = "window"
+        refused = asyncio.run(ask(body))
+        assert refused.status_code == 400 and "unknown edit_scope 'window'" in refused.text
+    finally:
+        engine.close()

@@ -287,3 +287,42 @@ def test_experts_a_family_cannot_save_are_refused(model_type, fields, message):
     # write a folder that transformers reads without them
     with pytest.raises(ValueError, match=message):
         _tiny(model_type, **fields)
+
+
+# What a LLaDA2.1 folder's config.json carries beyond the fields unmask reads. The 2.1 model
+# cards give 2.0's architecture; one public note sourced from LLaDA2.1-mini's config.json
+# lists the same fields plus `sliding_window: 4096`, which its remote code leaves inert (no
+# `use_sliding_window`). Keys of the remote-code layout unmask does not run ride along too.
+LLADA2_1_EXTRA = {"sliding_window": 4096, "moe_router_enable_expert_bias": True,
+                  "router_dtype": "fp32", "score_function": "sigmoid",
+                  "auto_map": {"AutoConfig": "configuration_llada2_moe.LLaDA2MoeConfig",
+                               "AutoModelForCausalLM": "modeling_llada2_moe.LLaDA2MoeModelLM"},
+                  "output_router_logits": False, "use_rmsnorm": True}  # fmt: skip
+
+
+def test_a_llada2_1_folder_loads_and_saves_unchanged(tmp_path):
+    """A LLaDA2.0 folder given LLaDA2.1's extra config keys: loads with the same logits as
+    without them, and saving it writes its config.json byte for byte and its weights bit for
+    bit."""
+    torch.manual_seed(0)
+    first = build_model(_tiny("llada2_moe", **LLADA2))
+    first.save_pretrained(tmp_path / "v20")
+    config = json.loads((tmp_path / "v20" / "config.json").read_text())
+    config.pop("unmask", None)  # a folder from the hub has no unmask tag
+    source = tmp_path / "v21"
+    source.mkdir()
+    (source / "config.json").write_text(json.dumps({**config, **LLADA2_1_EXTRA}, indent=2))
+    (source / "model.safetensors").write_bytes(
+        (tmp_path / "v20" / "model.safetensors").read_bytes()
+    )
+    loaded = from_pretrained(source)
+    ids = torch.randint(0, 97, (2, 12))
+    with torch.no_grad():
+        assert torch.equal(loaded(ids), first(ids))
+    loaded.save_pretrained(tmp_path / "out")
+    assert (tmp_path / "out" / "config.json").read_bytes() == (source / "config.json").read_bytes()
+    a, b = (
+        load_file(source / "model.safetensors"),
+        load_file(tmp_path / "out" / "model.safetensors"),
+    )
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)

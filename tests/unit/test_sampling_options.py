@@ -35,7 +35,7 @@ SETTINGS = [
     dict(block_causal=True, shift_logits=True, blocks_from_start=True, block_length=4,
          threshold=0.9),
     dict(decoder="joint_threshold", edit_threshold=0.3, max_post_edit_steps=4,
-         penalty_lambda=3.0, joint_preset="quality"),
+         penalty_lambda=3.0, joint_preset="quality", edit_scope="all"),
     dict(uniform_canvas=True, entropy_bound=0.3, max_denoising_steps=12, temperature_start=0.6,
          temperature_end=0.2, stability_threshold=2, confidence_threshold=0.01),
 ]  # fmt: skip

@@ -33,9 +33,10 @@ _CHOICES = {
     "cache": lambda: CACHES,
     "decoder": decoder_names,
     "joint_preset": lambda: tuple(JOINT_PRESETS),
+    "edit_scope": lambda: EDIT_SCOPES,
 }
 # options that may be None (not given) though they take one of a set of names
-_UNSET_CHOICES = ("decoder", "joint_preset")
+_UNSET_CHOICES = ("decoder", "joint_preset", "edit_scope")
 # Decoder joint_threshold (sampling/editing.py): LLaDA2.1's decoding modes, the report's S and
 # Q modes (arXiv 2602.08676; the model cards of inclusionAI/LLaDA2.1-mini and -flash), and
 # SGLang's JointThreshold defaults (= speedy) for what neither a preset nor an option sets.
@@ -47,7 +48,11 @@ JOINT_PRESETS = {
 }  # fmt: skip
 JOINT_DEFAULT_PRESET = "speedy"
 # the options only decoder joint_threshold reads
-JOINT_OPTIONS = ("edit_threshold", "max_post_edit_steps", "penalty_lambda", "joint_preset")
+JOINT_OPTIONS = ("edit_threshold", "max_post_edit_steps", "penalty_lambda", "joint_preset",
+                 "edit_scope")  # fmt: skip
+# where its T2T edits reach: the current block (SGLang, the official generate), or every
+# block so far (the report's multi-block editing)
+EDIT_SCOPES = ("block", "all")
 # Decoder entropy_bound (sampling/entropy_bound.py): DiffusionGemma's sampler. Its options and
 # their defaults, those of transformers 5.24's DiffusionGemmaGenerationConfig
 # (`_get_default_generation_params`: sampler_config.entropy_bound, max_denoising_steps,
@@ -180,6 +185,12 @@ class SamplingConfig(BaseModel):
     """Decoder joint_threshold: LLaDA2.1's mode, speedy (threshold 0.5, edit_threshold 0)
     or quality (threshold 0.7, edit_threshold 0.5), both max_post_edit_steps 16; options
     given win over it. None = speedy (SGLang's defaults)."""
+    edit_scope: Literal[EDIT_SCOPES] | None = None
+    """Decoder joint_threshold: where T2T edits reach, block (the current block's filled
+    tokens, as SGLang and LLaDA2.1's own generate) or all (also every answer token of the
+    earlier blocks, under the same edit_threshold rule, while the current block decodes:
+    the report's multi-block editing; each step's forward then reads the whole answer so
+    far, and a K/V cache keeps only the prompt's). None = block."""
     entropy_bound: float | None = Field(None, gt=0.0)
     """Decoder entropy_bound: each step accepts the sampled tokens of lowest entropy while
     the sum of their entropies less the largest stays within this bound (more accepted:
@@ -436,6 +447,10 @@ def check_joint_threshold(config: SamplingConfig) -> None:
                 f"probability clears threshold, at least the llada quota, and edits filled "
                 f"tokens); leave {name} at its default"
             )
+    if config.edit_scope == "all" and config.tokens_hook is not None:
+        raise ValueError("decoder joint_threshold: edit_scope all takes no tokens_hook (the "
+                         "tokens a hook set in an earlier block could not be told from "
+                         "generated ones, which edits may replace)")  # fmt: skip
 
 
 #: options decoder entropy_bound refuses when given: what it reads instead (the rest of the

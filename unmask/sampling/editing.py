@@ -23,12 +23,27 @@ block, for every row still decoding, one forward and:
    `max_post_edit_steps` it is done (that step's forward is taken, as SGLang takes it), and
    a row whose step changes nothing is done. The block ends when every row is done.
 
-Edits touch only the current block: finished blocks and the prompt are never edited, as
-in SGLang and the official generate (the report's multi-block editing is not done). So a
-block takes M + E + 1 forwards: M steps with masks, E steps of edits alone (at most
+By default (`edit_scope` block) edits touch only the current block: finished blocks and
+the prompt are never edited, as in SGLang and the official generate. So a block takes
+M + E + 1 forwards: M steps with masks, E steps of edits alone (at most
 max_post_edit_steps), and the step that finds nothing to change or the budget spent. The
 official generate checks the budget before its forward, so a block that spends the whole
 budget costs it one forward less; tokens are the same.
+
+`edit_scope` all is the report's multi-block editing (MBE: after a new block brings more
+context, earlier blocks may be revised; the report gives no window, so every earlier
+block): step 4 also runs over the answer positions of the finished blocks (not the prompt,
+not a mask), with the same rule, x0 differs and p > edit_threshold, the penalty of step 1
+applied within each block as within the current one. Every step's logits then cover the
+answer so far, [first answer column, block end): the one forward of a step reads them
+(forwards are counted as before: one a step, M + E + 1 a block); a step that changes nothing
+anywhere ends the row. With a K/V cache the cached K/V of an edited earlier block would be
+stale, so a step's forward feeds everything from the first answer column (prefix: to the
+canvas end, dual: to the block end) and only the prompt's K/V (and dual's later masks)
+come from the cache; each block's first forward refreshes the whole cache, as before. A
+logits hook then sees those (B, stop - first answer column, V) logits. A tokens hook is
+refused with it (the tokens it set in an earlier block could not be told from generated
+ones). The first block is decoded as with block.
 
 Differences from SGLang, all inert for a trained model: the mask token is never proposed
 (SGLang's argmax could pick it; every unmask decoder forbids it), so p is over the other
@@ -55,8 +70,9 @@ from unmask.sampling.transfer import propose_tokens, select_top_k
 
 class JointThreshold(BlockDecoder):
     """`joint_threshold`: LLaDA2.1's joint threshold decoding, M2T fills and T2T edits of
-    the current block (the module doc); options threshold, edit_threshold,
-    max_post_edit_steps, penalty_lambda and joint_preset (`joint_threshold_settings`)."""
+    the current block, or with edit_scope all of the whole answer so far (the module doc);
+    options threshold, edit_threshold, max_post_edit_steps, penalty_lambda, joint_preset
+    (`joint_threshold_settings`) and edit_scope."""
 
     def __init__(self, config, model, canvas, start, stop, steps_per_block, mask_id, special):
         super().__init__(config, model, canvas, start, stop, steps_per_block, mask_id, special)
@@ -74,28 +90,44 @@ class JointThreshold(BlockDecoder):
         self.done = torch.zeros(rows, dtype=torch.bool, device=block.device)
         # at most one fill a step, then the post-edit budget, then the step that ends it
         self.max_steps = (stop - start) + self.max_post_edit_steps + 1
+        #: the first column a step reads and may edit: the block's start, or with edit_scope
+        #: all the first answer column of any row (answer: real, not prompt)
+        self.lo = start
+        if config.edit_scope == "all":
+            answer = canvas.valid[:, :start] & ~canvas.prompt_valid[:, :start]
+            columns = answer.any(0).nonzero()
+            if columns.numel():
+                self.lo = int(columns[0])
+        #: (B, start - lo) the earlier blocks' positions edits may reach
+        self.earlier = (canvas.valid[:, self.lo : start]
+                        & ~canvas.prompt_valid[:, self.lo : start])  # fmt: skip
 
     def step(self, step: int, generator, out: GenerationOutput) -> bool:
         """One forward, then each unfinished row's fills and edits; False when no row
         changed (every row is done)."""
-        x_block = self.canvas.x[:, self.start : self.stop]
+        lo, start, stop = self.lo, self.start, self.stop
+        x_seen = self.canvas.x[:, lo:stop]  # (B, Ls): earlier blocks (edit_scope all), block
+        x_block = x_seen[:, start - lo :]
         is_mask = x_block == self.mask_id  # (B, Lb), before this step
         if self.done.all() or (step == 0 and not is_mask.any()):
             return False
         cfg = self.config
-        logits = self.forward(step)
+        logits = self.forward(step) if lo == start else self._forward_from(lo, step)
         out.nfe += 1
         out.row_forwards += x_block.shape[0]
         if cfg.logits_hook is not None:
             logits = call_logits_hook(cfg.logits_hook, out.steps, self.canvas.x, logits)
         logits = eos_adjusted(logits, self.special, cfg.eos_penalty)
-        if self.penalty_lambda > 0:  # the token before each position, within the block
-            penalty = logits.new_full((*x_block[:, :-1].shape, 1), -self.penalty_lambda)
+        if self.penalty_lambda > 0:  # the token before each position, within its block
+            penalty = logits.new_full((*x_seen[:, :-1].shape, 1), -self.penalty_lambda)
+            first = torch.arange(lo + 1, stop, device=penalty.device) - start
+            penalty[:, first % (stop - start) == 0] = 0.0  # a block's first position
             logits = logits.clone()
-            logits[:, 1:].scatter_add_(-1, x_block[:, :-1, None], penalty)
-        x0, filtered = propose_tokens(logits, self.mask_id, cfg.temperature, cfg.top_k,
-                                      cfg.top_p, generator)  # fmt: skip
-        p = self._probability(filtered, x0)  # (B, Lb) float64
+            logits[:, 1:].scatter_add_(-1, x_seen[:, :-1, None], penalty)
+        x0_seen, filtered = propose_tokens(logits, self.mask_id, cfg.temperature, cfg.top_k,
+                                           cfg.top_p, generator)  # fmt: skip
+        p_seen = self._probability(filtered, x0_seen)  # (B, Ls) float64
+        x0, p = x0_seen[:, start - lo :], p_seen[:, start - lo :]
         if self.trace:
             self.proposed, self.proposal_p = x0.clone(), p.masked_fill(~is_mask, float("nan"))
 
@@ -110,20 +142,41 @@ class JointThreshold(BlockDecoder):
         index = min(step, self.quota.shape[1] - 1)
         floor = select_top_k(confidence, torch.minimum(self.quota[:, index], is_mask.sum(1)))
         fill = working & is_mask & ((p > self.threshold) | floor)
-        # T2T: filled in this block, a different argmax, probable enough
-        edit = working & ~is_mask & ~self.fixed & (x0 != x_block) & (p > self.edit_threshold)
-        change = fill | edit
+        # T2T: filled in this block (with edit_scope all: or an earlier block's answer token),
+        # a different argmax, probable enough
+        editable = torch.cat([self.earlier & (x_seen[:, : start - lo] != self.mask_id),
+                              ~is_mask & ~self.fixed], dim=1)  # fmt: skip
+        edit = working & editable & (x0_seen != x_seen) & (p_seen > self.edit_threshold)
+        fill_seen = torch.cat([torch.zeros_like(edit[:, : start - lo]), fill], dim=1)
+        change = fill_seen | edit
         changed = change.any(1)
         self.done |= spent | (working[:, 0] & ~changed)
         if not changed.any():
             return False
-        self.canvas.x[:, self.start : self.stop] = torch.where(change, x0, x_block)
+        self.canvas.x[:, lo:stop] = torch.where(change, x0_seen, x_seen)
         out.decoded += int(fill.sum())
         out.edits += int(edit.sum())
         if cfg.tokens_hook is not None:
             self.canvas.x = call_tokens_hook(cfg.tokens_hook, out.steps, self.canvas.x, logits)
         out.steps += 1
         return True
+
+    def _forward_from(self, lo: int, step: int) -> torch.Tensor:
+        """Logits (B, stop - lo, V) of positions [lo, stop): `BlockDecoder.forward` with the
+        fed span starting at lo instead of the block's start, so the K/V of [lo, start) (the
+        earlier blocks, which steps may edit) are recomputed at every step, never read
+        stale from the cache."""
+        cfg, stop = self.config, self.stop
+        shift = 1 if cfg.shift_logits else 0
+        refresh = step == 0 or (cfg.cache_refresh > 0 and step % cfg.cache_refresh == 0)
+        if cfg.cache == "none" or refresh:
+            a, b, store = 0, self.visible, cfg.cache != "none"
+            if step == 0 and self.first_forward is not None:
+                return self.first_forward(store, slice(lo - shift, stop - shift))
+        else:
+            a, b, store = lo - shift, (self.visible if cfg.cache == "prefix" else stop), False
+        full = self.canvas.forward(self.model, a, b, store, self.visible)
+        return full[:, lo - shift - a : stop - shift - a]
 
     def _probability(self, filtered: torch.Tensor, x0: torch.Tensor) -> torch.Tensor:
         """p(x0) (B, Lb) float64: softmax of the (filtered) logits, tempered at T > 0."""

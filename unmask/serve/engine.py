@@ -17,8 +17,9 @@ remasking, threshold, temperature, ...) are decoded in separate calls, taken in 
 Greedy rows give the tokens `unmask generate` gives for the prompt alone (batch
 invariance: tests/integration/test_serve.py). A request with a `seed` owns its generator
 and is decoded alone, so it draws exactly what `unmask generate --seed` draws. gen_length
-`auto` (a growing canvas) and a decoder that is not a block decoder (a `WholeDecoder`:
-left_to_right, blocks_from_start, entropy_bound) are decoded by `sample` in one piece, alone.
+`auto` (a growing canvas), a decoder that is not a block decoder (a `WholeDecoder`:
+left_to_right, blocks_from_start, entropy_bound) and joint_threshold with edit_scope all
+(it edits finished blocks) are decoded by `sample` in one piece, alone.
 
 Prefix cache (`PrefixCache`, `--prefix-cache-mb`): the first forward of a prompt's first
 block sees [prompt | masks], a canvas the prompt and a few options decide, so its result
@@ -80,7 +81,7 @@ _AFTER_FORWARD = ("temperature", "top_p", "top_k", "eos_penalty", "logits_eos_in
                   "threshold", "sub_block_length", "factor", "cache_refresh", "ddpm_cache",
                   "steps", "row_length", "gen_length_max", "auto_eos_threshold",
                   "edit_threshold", "max_post_edit_steps", "penalty_lambda",
-                  "joint_preset")  # fmt: skip
+                  "joint_preset", "edit_scope")  # fmt: skip
 
 
 @dataclass
@@ -217,9 +218,11 @@ class Job:
 
     @property
     def auto(self) -> bool:
-        """Decoded by `sample` in one piece: gen_length auto, or a decoder that is not a
-        block decoder."""
-        return self.config.gen_length == "auto" or not decodes_by_block(self.config)
+        """Decoded by `sample` in one piece: gen_length auto, a decoder that is not a
+        block decoder, or joint_threshold's edit_scope all (its steps edit finished blocks,
+        which the block calls keep as they were)."""
+        return (self.config.gen_length == "auto" or not decodes_by_block(self.config)
+                or self.config.edit_scope == "all")  # fmt: skip
 
     @cached_property
     def group(self) -> tuple:
