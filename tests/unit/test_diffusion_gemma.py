@@ -301,7 +301,7 @@ def test_called_as_the_native_decoder_it_refuses_in_one_line():
             call()
 
 
-def test_it_trains_with_uniform_only_and_the_planner_refuses_it_in_one_line():
+def test_it_trains_with_uniform_only_and_plans_without_tensor_or_pipeline_parallelism():
     from unmask.config import load_config
     from unmask.plan.shards import planned_model_config
     from unmask.train.setup import plan_parallel
@@ -314,6 +314,9 @@ def test_it_trains_with_uniform_only_and_the_planner_refuses_it_in_one_line():
                              "eval.generate_accuracy=false",
                              "model.diffusion_gemma.canvas_length=8"])  # fmt: skip
     assert plan_parallel(cfg, 1).world_size == 1  # the trainer's checks pass
-    with pytest.raises(InputError, match=r"^unmask plan does not model model_type "
-                       r"'diffusion_gemma' yet"):  # fmt: skip
-        planned_model_config(cfg)
+    assert planned_model_config(cfg) is cfg  # planned (tests/unit/test_plan_diffusion_gemma.py)
+    for key in ("tensor_parallel", "pipeline_parallel"):
+        with pytest.raises(InputError, match=rf"^parallel.{key}=2: model_type 'diffusion_gemma' "
+                           r"(declares no tensor-parallel plan|has no pipeline stages)"):  # fmt: skip
+            planned_model_config(cfg.model_copy(update={
+                "parallel": cfg.parallel.model_copy(update={key: 2})}))  # fmt: skip

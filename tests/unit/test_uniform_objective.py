@@ -226,14 +226,16 @@ def test_refused_in_one_line_by_the_trainer_and_the_cli(tmp_path, capsys, sectio
     assert not (tmp_path / "run").exists()  # refused before anything is written
 
 
-def test_unmask_plan_refuses_it_in_one_line(tmp_path, capsys):
+def test_unmask_plan_plans_it_and_refuses_tensor_parallelism_in_one_line(tmp_path, capsys):
     config = tree()
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(config))
-    assert main(["plan", str(path), "--world", "8"]) == 2
+    assert main(["plan", str(path), "--world", "8"]) == 0
+    assert "canvas decoder:" in capsys.readouterr().out
+    assert main(["plan", str(path), "parallel.tensor_parallel=2", "--world", "8"]) == 2
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "unmask plan does not model model_type " \
-        "'diffusion_gemma' yet" in err, err  # fmt: skip
+    assert len(err.splitlines()) == 1 and "parallel.tensor_parallel=2: model_type " \
+        "'diffusion_gemma' declares no tensor-parallel plan" in err, err  # fmt: skip
 
 
 # -- the router ----------------------------------------------------------------------------

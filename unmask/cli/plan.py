@@ -9,6 +9,18 @@ from unmask.cli.flags import REFERENCE
 from unmask.cli.train import split_train_args
 
 
+class _PlanParser(argparse.ArgumentParser):
+    """`unmask plan`'s parser: section.key=value overrides after the flags too (`unmask plan
+    CONFIG --world 8 parallel.expert_parallel=8`), which argparse would leave unrecognized
+    (its positionals are one run of words)."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        ns, extra = super().parse_known_args(args, namespace)
+        overrides = [word for word in extra if not word.startswith("-") and "=" in word]
+        ns.args = [*ns.args, *overrides]
+        return ns, [word for word in extra if word not in overrides]
+
+
 def add_plan(sub: argparse._SubParsersAction) -> None:
     plan = sub.add_parser(
         "plan",
@@ -17,6 +29,7 @@ def add_plan(sub: argparse._SubParsersAction) -> None:
         "[--device h100|a100|h200|b200|cpu]",
         epilog=REFERENCE,
     )
+    plan.__class__ = _PlanParser  # overrides after the flags too
     plan.add_argument("args", nargs="*", help="a config file and/or section.key=value overrides")
     plan.add_argument("--config", help="config file (same as the positional form)")
     plan.add_argument("--world", type=int, required=True, help="number of ranks (GPUs)")

@@ -148,7 +148,8 @@ class DiffusionGemmaShape(ModelShape):
     and a mixture of experts side by side. Per-layer weights count each layer's own
     attention; the attention width is the mean over the layers (the MFU and the pipeline
     multiply it by the layer count). Counted as the decoder's pass over a canvas (the
-    encoder runs the same weights over the prompt)."""
+    encoder runs the same weights over the prompt). A training step's call and passes
+    (`training_call`, `passes`) are what the planner traces and prices."""
 
     def _attention(self, arch, index: int) -> tuple[int, int]:
         """(query width, weights of q, k, v and o) of layer `index`."""
@@ -173,6 +174,37 @@ class DiffusionGemmaShape(ModelShape):
 
     def layer_matmul_params(self, arch, index: int) -> int:
         return self._attention(arch, index)[1] + self.mlp_params(arch, index)
+
+    def training_call(self, arch, rows: int, length: int,
+                      self_condition: bool) -> tuple[tuple, dict]:  # fmt: skip
+        """(args, kwargs) of one training call of the model as the `uniform` objective makes
+        it (diffusion/uniform.py): `rows` prompts of `length` tokens (the row, left-padded:
+        `prompt_mask`), canvases of `canvas_length` tokens after them, `self_condition` (B,)
+        bool when diffusion.self_conditioning_prob > 0 (the first decoder pass then runs on
+        every row), the targets and their weights; made in the current device and tensor
+        mode (the planner's meta device and FakeTensorMode: only the shapes are read)."""
+        canvas = arch.diffusion_gemma.canvas_length
+        long = torch.long
+        kwargs = {"prompt_mask": torch.ones(rows, length, dtype=torch.bool),
+                  "position_ids": torch.zeros(rows, length, dtype=long),
+                  "canvas_position_ids": torch.zeros(rows, canvas, dtype=long),
+                  "self_condition": torch.ones(rows, dtype=torch.bool) if self_condition else None,
+                  "targets": torch.zeros(rows, canvas, dtype=long),
+                  "target_weights": torch.ones(rows, canvas)}  # fmt: skip
+        args = (torch.zeros(rows, length, dtype=long), torch.zeros(rows, canvas, dtype=long))
+        return args, kwargs
+
+    def passes(self, arch, length: int, self_condition: bool) -> list[tuple[int, int, bool]]:
+        """The shared stack's passes of one training call, in order, as (tokens per row,
+        layers with a mixture of experts run, with gradients): the encoder over the row
+        (every layer's MLP but the last's: of the last layer only its keys and values are
+        read), the first decoder pass over the canvas without gradients (with
+        self-conditioning), the decoder over the canvas with them."""
+        canvas, layers = arch.diffusion_gemma.canvas_length, arch.num_hidden_layers
+        out = [(length, layers - 1, True)]
+        if self_condition:
+            out.append((canvas, layers, False))
+        return out + [(canvas, layers, True)]
 
     def call_flops(self, flops, arch, args: tuple, kwargs: dict, context: int = 1):
         """A training call `model(prompt (B, P), canvas (B, C), ..., self_condition=)` (the
@@ -211,17 +243,36 @@ class DiffusionGemmaShape(ModelShape):
         return encoder + first + 6 * n * rows * c + attention + 6 * head + 4 * head
 
 
-DIFFUSION_GEMMA = DiffusionGemmaShape("diffusion_gemma", tensor=None, staged=False, plans=False,
+DIFFUSION_GEMMA = DiffusionGemmaShape("diffusion_gemma", tensor=None, staged=False,
                                      canvas_decoder=True)  # fmt: skip
 """No tensor parallelism yet (every layer has experts, which tensor parallelism does not
 split, and a tp plan would also have to divide the 26B-A4B's 2 key/value heads of its full
 layers), no pipeline stages (its forward is an encoder pass and a decoder pass, not
-`StagedModel`'s `hidden_states`); trained by the `uniform` objective (`canvas_decoder`);
-not planned yet (`plans` False): the planner traces a layer's saves through
-`StagedModel.hidden_states` over one row and prices the LM head on a share of the row's
-tokens, where a training step runs the stack three times (the encoder over the prompt and
-the accepted canvases, two decoder passes over a canvas, one without gradients) and the
-head on the canvas twice over the whole vocabulary."""
+`StagedModel`'s `hidden_states`); trained by the `uniform` objective (`canvas_decoder`).
+
+Planned (`plans`; plan/memory.py `canvas_memory_terms`) as that objective's step runs it:
+the encoder over the whole row (data.packing_length, left-padded), a decoder pass without
+gradients over the canvas when diffusion.self_conditioning_prob > 0 (on every row), the
+decoder with gradients over the canvas, the tied LM head on the canvas over the whole
+vocabulary in float32. What is measured and what is modelled:
+
+- measured: the parameter, gradient and optimizer-state shards (the run's own build and
+  parallelize code under the fake process group, experts on the ep grid as the other MoE
+  families'); the bytes the step saves for backward, layer by layer and pass by pass, by
+  running the model's own forward on the objective's call (`training_call`) under
+  FakeTensorMode (plan/memory.py `traced_canvas_bytes`); the FLOPs (`call_flops`, held to
+  FlopCounterMode);
+- modelled: under expert parallelism the saves a one-process trace cannot see (the
+  received rows' regrouping, autocast's bfloat16 copies of the local expert stacks), with
+  routing taken as balanced; the working memory (the float32 logits as the head caps them,
+  the first pass's logits held as the signal, the logits' and layers' activation
+  gradients, the prompt K/V gradients, FSDP2's gathered units and unsharded gradients);
+  FSDP2's traffic (each layer gathered before each use, reduce-scattered after each
+  backward use) and EP's all-to-alls per pass.
+
+tests/unit/test_plan_diffusion_gemma.py holds a tiny model's plan to a real CPU step (state
+and saved bytes exactly, the peak within 15%); the 26B-A4B's numbers on GPUs are not
+measured here."""
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:

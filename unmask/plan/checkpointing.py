@@ -30,6 +30,7 @@ from unmask.config import RunConfig
 from unmask.diffusion.registry import head_share
 from unmask.errors import InputError
 from unmask.models import ModelConfig, build_model
+from unmask.models.build import shape_of
 from unmask.plan.devices import DEVICES, Device, resolve_device
 from unmask.plan.memory import memory_terms
 from unmask.plan.planner import USABLE_MEMORY, planned_ranks, run_shape
@@ -39,6 +40,8 @@ from unmask.train.setup import checkpointing_is_auto, register_checkpointing_res
 
 #: the choices in order of recomputation: the first that fits wins
 CHOICES = ("none", "selective", "full")
+#: why a canvas decoder (DiffusionGemma) gets none: its layers do not recompute yet
+NO_RECOMPUTE = "a canvas decoder's layers (model_type diffusion_gemma) do not recompute yet"
 
 
 def flags(cfg: RunConfig) -> dict[str, bool | int]:
@@ -88,6 +91,8 @@ def choose_for_trainer(trainer) -> tuple[bool | int, str]:
 
 def _choose_for_trainer(trainer) -> tuple[bool | int, str]:
     cfg, model = trainer.cfg, trainer.model
+    if shape_of(planned_model_config(cfg).model).canvas_decoder:
+        return False, f"activation checkpointing: none (auto: {NO_RECOMPUTE})"
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     built = getattr(base, "config", None)  # a pretrained folder's architecture, as loaded
     if isinstance(built, ModelConfig):
@@ -141,7 +146,10 @@ def resolve_checkpointing(cfg: RunConfig, world_size: int, device: Device
     notice and then the error)."""
     if not checkpointing_is_auto(cfg.train):
         return cfg, ""
-    choice, why = choose(planned_peaks(cfg, world_size, device), device)
+    if shape_of(planned_model_config(cfg).model).canvas_decoder:
+        choice, why = "none", NO_RECOMPUTE
+    else:
+        choice, why = choose(planned_peaks(cfg, world_size, device), device)
     train = cfg.train.model_copy(update={"activation_checkpointing": choice})
     return cfg.model_copy(update={"train": train}), (
         f"activation checkpointing: {choice} (auto: {why})")  # fmt: skip

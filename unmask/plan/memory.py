@@ -62,6 +62,11 @@ gets no formula: `traced_layer_bytes` runs its forward under torch's FakeTensorM
 and dtypes, no storage, no compute) at the micro-batch's rows and length and counts the
 bytes each layer's modules save for backward, as autograd's saved-tensor hooks see them,
 at tp = 1 (an upper bound under tensor parallelism, which splits some of them).
+
+A canvas decoder (DiffusionGemma under `uniform`: the shape's `canvas_decoder`) runs its
+stack once per pass, so its step is traced whole (`traced_canvas_bytes`: the objective's
+call under FakeTensorMode, each layer's saves per pass and those around the layers) and
+walked by `canvas_memory_terms`.
 """
 
 from __future__ import annotations
@@ -69,7 +74,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from unittest import mock
 
 import torch
 
@@ -107,6 +113,11 @@ class StepShape:
     """Bytes of Muon's Newton-Schulz dtype (optim.ns_dtype as the run resolves it)."""
     ns_comm_bytes: int = 2
     """Bytes of the dtype Muon's owner all-to-all sends (float16 NS travels as float32)."""
+    canvas: int = 0
+    """A canvas decoder's step (models/shape.py `canvas_decoder`: DiffusionGemma under the
+    `uniform` objective): its canvas length; 0 for every other family (`canvas_memory_terms`)."""
+    self_condition: bool = False
+    """The canvas decoder's first decoder pass (diffusion.self_conditioning_prob > 0)."""
 
 
 @dataclass(frozen=True)
@@ -269,7 +280,7 @@ def expert_stack_numel(model: ShardedModel) -> int:
 def local_experts(model: ShardedModel) -> int:
     """Experts of an MoE layer this rank computes (E / ep under expert parallelism)."""
     for s in model.shards:
-        if s.name.endswith("experts.gate_proj"):
+        if s.name.endswith(("experts.gate_proj", "experts.gate_up_proj")):
             return s.local_shape[0] if s.expert_parallel else s.global_shape[0]
     return 0
 
@@ -621,6 +632,8 @@ def memory_terms(model: ShardedModel, shape: StepShape) -> MemoryTerms:
     schedule's, `in_flight` of them hold their saved activations at the peak, and only the
     rank that holds the last stage computes the head.
     """
+    if shape.canvas:
+        return canvas_memory_terms(model, shape)
     params, grads, optim = state_bytes(model)
     kept, held, around = layer_saves(model, shape)
     one = sum(kept) + around
@@ -695,3 +708,219 @@ def _grad_bytes_by_unit(model: ShardedModel, experts_only: bool = False) -> dict
         if s.optimizer != "frozen":
             out[s.unit] = out.get(s.unit, 0) + s.local_bytes
     return out
+
+
+# --- a canvas decoder's step (DiffusionGemma under `uniform`) -----------------------------
+
+
+@functools.lru_cache(maxsize=32)
+def traced_canvas_bytes(arch_json: str, rows: int, length: int, self_condition: bool,
+                        bf16: bool, autocast: bool) -> tuple[tuple[int, ...], tuple[int, ...], int]:  # fmt: skip
+    """What one training call of a canvas decoder (the `uniform` objective's, the shape's
+    `training_call`) saves for backward over `rows` rows of `length` prompt tokens and a
+    canvas: (each layer's saves in the encoder pass, each layer's in the decoder pass with
+    gradients, the saves outside the layers: embeddings, self-conditioning, final norm,
+    the LM head on the canvas and the loss). The model's own forward under FakeTensorMode
+    with saved-tensor hooks, as `traced_layer_bytes` (each storage once, parameters left
+    out); the first decoder pass runs under no_grad and saves nothing."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from unmask.models.config import ModelConfig
+
+    arch = ModelConfig.model_validate_json(arch_json)
+    with FakeTensorMode(), _no_init():
+        model = build_model(arch)
+        if bf16 and not autocast:  # FSDP2's mixed precision: the parameters in bfloat16
+            for param in model.parameters():  # (the tied head is the embedding: once)
+                param.data = param.data.to(torch.bfloat16)
+        params = {p.untyped_storage()._cdata for p in model.parameters()}
+        layers = list(model.model.layers)
+        totals = {True: [0] * len(layers), False: [0] * len(layers)}  # encoder pass: True
+        around = [0]
+        where: dict = {"layer": None, "encoder": True}
+        seen: set[int] = set()
+
+        def enter(index: int):
+            return lambda module, args: where.__setitem__("layer", index)
+
+        handles = [layer.register_forward_pre_hook(enter(i)) for i, layer in enumerate(layers)]
+        handles += [layer.register_forward_hook(lambda *a: where.__setitem__("layer", None))
+                    for layer in layers]  # fmt: skip
+        # the decoder's passes start at the self-conditioning (both decoder passes run it)
+        handles.append(model.model.self_conditioning.register_forward_pre_hook(
+            lambda module, args: where.__setitem__("encoder", False)))  # fmt: skip
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            key = t.untyped_storage()._cdata
+            if key not in params and key not in seen:
+                seen.add(key)
+                size = t.untyped_storage().nbytes()
+                if where["layer"] is None:
+                    around[0] += size
+                else:
+                    totals[where["encoder"]][where["layer"]] += size
+            return t
+
+        cast = (torch.autocast("cpu", dtype=torch.bfloat16) if bf16 and autocast
+                else contextlib.nullcontext())  # fmt: skip
+        args, kwargs = shape_of(arch).training_call(arch, rows, length, self_condition)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), cast, \
+                mock.patch.object(torch, "_grouped_mm", _GroupedMatmulShapes.apply):  # fmt: skip
+            model(*args, **kwargs)
+        for handle in handles:
+            handle.remove()
+    return tuple(totals[True]), tuple(totals[False]), around[0]
+
+
+class _GroupedMatmulShapes(torch.autograd.Function):
+    """torch._grouped_mm(a (M, K), b (E, K, N), offs) as the trace sees it: an (M, N) output
+    of a's dtype, a, b and the offsets saved for backward (what the op's autograd saves).
+    torch's meta kernel takes bfloat16 only (its CUDA check), where the CPU runs float32
+    too."""
+
+    @staticmethod
+    def forward(ctx, a, b, offs=None):
+        ctx.save_for_backward(a, b, offs)
+        return a.new_empty((a.shape[0], b.shape[-1]))
+
+    @staticmethod
+    def backward(ctx, grad):  # pragma: no cover - the trace runs no backward
+        raise NotImplementedError
+
+
+def canvas_saves(model: ShardedModel, shape: StepShape) -> tuple[list[int], list[int], int]:
+    """(each layer's saves in the encoder pass, in the decoder pass with gradients, the saves
+    around the layers) of one micro-batch on this rank: `traced_canvas_bytes` (measured),
+    plus what the trace on one process cannot see (modelled): under expert parallelism the
+    received rows' regrouping order and its inverse (16 k bytes a token and MoE pass, as
+    `moe_mlp_bytes`), and under bf16 across ranks autocast's bfloat16 copies of this rank's
+    expert stacks, which FSDP2 leaves at float32 (once per MoE pass with gradients)."""
+    arch = model.model_config
+    sharded = model.layout.world_size > 1
+    casts = shape.bf16 and not sharded  # one process: autocast over float32 masters
+    encoder, decoder, around = traced_canvas_bytes(arch.model_dump_json(), shape.rows,
+                                                   shape.length, shape.self_condition,
+                                                   shape.bf16, casts)  # fmt: skip
+    encoder, decoder = list(encoder), list(decoder)
+    if any(s.expert_parallel for s in model.shards):
+        per_pass = 16 * arch.num_experts_per_tok
+        copies = 2 * expert_stack_numel(model) if shape.bf16 and sharded else 0
+        for index in range(len(decoder)):
+            if index < len(encoder) - 1:  # the encoder's last layer runs no MLP
+                encoder[index] += per_pass * shape.rows * shape.length + copies
+            decoder[index] += per_pass * shape.rows * shape.canvas + copies
+    return encoder, decoder, around
+
+
+def canvas_gradient_bytes(model: ShardedModel, shape: StepShape, tokens: int) -> int:
+    """Activation gradients alive at once in one layer's backward over `tokens` tokens (a
+    pass's), in the matmul dtype: the residual's (h) beside the widest MLP step: the
+    experts' (`activation_gradient_bytes`'s k x max(3 h, h + 4 I_moe)) or the dense MLP's
+    gate, up, product and GELU (4 I)."""
+    arch = model.model_config
+    b = 2 if shape.bf16 else 4
+    h, k, inner = arch.hidden_size, arch.num_experts_per_tok, arch.resolved_moe_intermediate_size
+    width = max(k * max(3 * h, h + 4 * inner), 4 * arch.intermediate_size)
+    return tokens * (width + h) * b
+
+
+def prompt_kv_gradient_bytes(model: ShardedModel, shape: StepShape) -> list[int]:
+    """Per layer: the gradients of the prompt keys and values the decoder's backward makes
+    for the encoder's (the kept ones: the whole row on full layers, the last
+    sliding_window - 1 tokens on sliding ones), held until the encoder's backward reads
+    them; in the matmul dtype."""
+    arch = model.model_config
+    b = 2 if shape.bf16 else 4
+    out = []
+    for index in range(arch.num_hidden_layers):
+        sliding, head_dim, kv_heads = arch.diffusion_gemma.layer_shape(arch, index)
+        kept = (
+            min(shape.length, arch.diffusion_gemma.sliding_window - 1) if sliding else shape.length
+        )
+        out.append(2 * shape.rows * kept * kv_heads * head_dim * b)
+    return out
+
+
+def canvas_memory_terms(model: ShardedModel, shape: StepShape) -> MemoryTerms:
+    """`memory_terms` of a canvas decoder's step (models/shape.py DiffusionGemmaShape: the
+    encoder over the row, a decoder pass without gradients over the canvas when
+    self-conditioning, the decoder with gradients, the LM head on the canvas over the whole
+    vocabulary in float32). The saves are `canvas_saves`'s; the walk, on top of the
+    parameters and the optimizer state, takes the most of:
+
+    - the first decoder pass: the encoder's saves, its float32 logits (B, C, V; `F` below)
+      becoming the capped logits (three at once);
+    - the forward's end: every save, the first pass's logits (the signal, held by the
+      forward until it returns), two more F as the second pass's logits are capped and the
+      loss is made, the root gathered (and under accumulation every unit's unsharded
+      float32 gradient);
+    - the head's backward: every save, two F of logit gradients, the root gathered with
+      its unsharded float32 gradient (the tied embedding's);
+    - the decoder's backward of layer i (last to first), then the encoder's: the saves
+      below it (the encoder's whole while the decoder's backward runs), the layer's
+      activation gradients (`canvas_gradient_bytes`), the prompt keys' and values'
+      gradients made so far (`prompt_kv_gradient_bytes`), and FSDP2's units as in
+      `memory_terms` (this layer gathered with its unsharded float32 gradient and its
+      expert stacks' gradients, the next one prefetched, the sharded gradients made);
+    - the optimizer step: every gradient and Muon's buffers.
+
+    Without self-conditioning the self-conditioning MLP gets no gradient (no signal runs
+    through it), so it has neither gradients nor optimizer state (both made lazily). No
+    checkpointing (the family's layers do not recompute), no pipeline."""
+    arch = model.model_config
+    if not shape.self_condition:
+        unused = "model.self_conditioning."
+        model = replace(model, shards=[replace(s, optimizer="frozen") if s.name.startswith(unused)
+                                       else s for s in model.shards])  # fmt: skip
+    params, grads, optim = state_bytes(model)
+    encoder, decoder, around = canvas_saves(model, shape)
+    saved = sum(encoder) + sum(decoder) + around
+    b = 2 if shape.bf16 else 4
+    logits = shape.rows * shape.canvas * arch.vocab_size * 4  # one float32 (B, C, V)
+    signal = logits if shape.self_condition else 0
+    gathered = gathered_units(model, shape)
+    root = gathered.pop("root", 0)
+    fsdp = bool(gathered)
+    names = [f"layer {index}" for index in model.layer_indices]
+    layer_grad = _grad_bytes_by_unit(model)
+    expert_grad = _grad_bytes_by_unit(model, experts_only=True)
+    accumulated = 0
+    if shape.micro_batches > 1 and fsdp:
+        accumulated = (sum(gathered.values()) + root) // b * 4
+    root_grad = (root // b * 4 if not accumulated else 0) if fsdp else layer_grad.get("root", 0)
+    first_pass = sum(encoder) + root + accumulated + (3 * logits if signal else 0)
+    forward_end = saved + signal + 2 * logits + root + accumulated
+    head_backward = saved + 2 * logits + root + root_grad + accumulated
+    kv_grads = prompt_kv_gradient_bytes(model, shape)
+    rows_canvas, rows_prompt = shape.rows * shape.canvas, shape.rows * shape.length
+    worst_backward = 0
+    layer_grads = [layer_grad.get(name, 0) for name in names]
+    for encoder_pass in (False, True):
+        for i in range(len(names) - 1, -1, -1):
+            if encoder_pass:
+                below = sum(encoder[: i + 1]) + sum(kv_grads[: i + 1])
+                done = sum(layer_grads)  # every layer's gradient made in the decoder's pass
+                act = canvas_gradient_bytes(model, shape, rows_prompt)
+            else:
+                below = sum(encoder) + sum(decoder[: i + 1]) + sum(kv_grads[i:])
+                done = sum(layer_grads[i + 1 :])
+                act = canvas_gradient_bytes(model, shape, rows_canvas)
+            live = below + act + root + root_grad + accumulated
+            if fsdp:
+                this = gathered.get(names[i], 0)
+                prefetched = gathered.get(names[i - 1], 0) if i > 0 else 0
+                fresh = 0 if accumulated else this // b * 4
+                live += this + prefetched + fresh + expert_grad.get(names[i], 0) + done
+            else:  # .grad of the layers done so far, and this one's
+                live += done + (layer_grads[i] if not encoder_pass else 0)
+            worst_backward = max(worst_backward, live)
+    muon = muon_step_bytes(model, shape)
+    optimizer_step = grads + muon
+    live_peak = max(first_pass, forward_end, head_backward, worst_backward, optimizer_step)
+    working = live_peak - saved if live_peak > saved else 0
+    experts = sum(state_bytes(model, experts_only=True))
+    expert_working = 0
+    if optimizer_step == live_peak:
+        expert_working = muon - muon_step_bytes(model, shape, experts=False)
+    return MemoryTerms(params, grads, optim, round(saved), round(working),
+                       round(params + optim + live_peak), experts, expert_working)  # fmt: skip

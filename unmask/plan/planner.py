@@ -17,11 +17,14 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
+import torch
+
 from unmask.config import RunConfig
 from unmask.diffusion import objective_spec
 from unmask.diffusion.registry import head_share
 from unmask.errors import InputError
 from unmask.models.attention import FLEX_MIN_HEAD_DIM
+from unmask.models.build import shape_of
 from unmask.optim.newton_schulz import ns_flops
 from unmask.optim.updates import auto_ns_dtype, cpu_has_native_bf16
 from unmask.parallel.pipeline import bubble_formula, split_passes
@@ -83,6 +86,10 @@ class RunPlan:
     expert_parallel: int = 1
     num_experts: int = 0
     notes: list[str] = field(default_factory=list)
+    canvas: int = 0
+    """A canvas decoder's canvas length (0: another family)."""
+    self_condition: bool = False
+    rows_per_step: int = 0
 
     def peak_rank(self) -> RankPlan:
         return max(self.ranks, key=lambda r: r.memory.peak)
@@ -101,10 +108,14 @@ def step_shape(cfg: RunConfig, world_size: int) -> StepShape:
     rows, micro, pipeline = parallel.rows, t.gradient_accumulation_steps, parallel.pipeline
     if pipeline is not None:  # the step's rows cut into the schedule's micro-batches
         rows, micro = rows * micro // pipeline.microbatches, pipeline.microbatches
+    arch = cfg.model
+    canvas = arch.diffusion_gemma.canvas_length if shape_of(arch).canvas_decoder else 0
     return StepShape(rows=rows, length=cfg.data.packing_length,
                      micro_batches=micro, bf16=t.bf16,
                      checkpointing=checkpointing_choice(t),
-                     reshard_after_forward=cfg.parallel.reshard_after_forward)  # fmt: skip
+                     reshard_after_forward=cfg.parallel.reshard_after_forward,
+                     canvas=canvas,
+                     self_condition=bool(canvas) and cfg.diffusion.self_conditioning_prob > 0)  # fmt: skip
 
 
 def run_shape(cfg: RunConfig, world_size: int, device: Device,
@@ -195,6 +206,22 @@ def bubble_fraction(model: ShardedModel, length: int) -> float:
                           passes)  # fmt: skip
 
 
+def step_flops(model: ShardedModel, shape: StepShape, dp: int, masked_fraction: float) -> float:
+    """Model FLOPs of one micro-batch over the dp ranks (train/mfu.py's count, the one the
+    `mfu` metric logs): the decoder's over rows of `shape.length` tokens with the LM head
+    on `masked_fraction` of them; a canvas decoder's (`shape.canvas`) its shape's
+    `call_flops` of the objective's call (models/shape.py)."""
+    rows = shape.rows * dp
+    if shape.canvas:
+        arch = model.model_config
+        with torch.device("meta"):
+            args, kwargs = shape_of(arch).training_call(arch, rows, shape.length,
+                                                        shape.self_condition)  # fmt: skip
+        return float(shape_of(arch).call_flops(model.flops, arch, args, kwargs))
+    tokens = rows * shape.length
+    return float(model.flops.step_flops(tokens, shape.length, masked_fraction * tokens))
+
+
 def link_seconds(collective: Collective, device: Device) -> float:
     bandwidth = device.nvlink if collective.intra_node else device.network
     return collective.wire_bytes / bandwidth
@@ -233,9 +260,7 @@ def make_run_plan(cfg: RunConfig, world_size: int, device: Device, *, nodes: int
     rows_per_step = (cfg.train.per_device_train_batch_size * cfg.train.gradient_accumulation_steps
                      * batch_ranks)  # fmt: skip
     tokens_per_step = rows_per_step * cfg.data.packing_length
-    micro_tokens = shape.rows * dp * shape.length
-    flops = shape.micro_batches * float(first.flops.step_flops(
-        micro_tokens, shape.length, masked_fraction * micro_tokens))  # fmt: skip
+    flops = shape.micro_batches * step_flops(first, shape, dp, masked_fraction)
     peak = device.peak(cfg.train.bf16)
     compute = flops / world_size / (peak * mfu)
     overlapped = sum(link_seconds(c, device) for c in collectives
@@ -276,7 +301,9 @@ def make_run_plan(cfg: RunConfig, world_size: int, device: Device, *, nodes: int
                    wall_s=None if total_steps is None else total_steps * step,
                    memory_limit=limit, fits=worst <= limit, notes=notes,
                    expert_parallel=cfg.parallel.expert_parallel,
-                   num_experts=first.model_config.num_experts)  # fmt: skip
+                   num_experts=first.model_config.num_experts, canvas=shape.canvas,
+                   self_condition=shape.self_condition,
+                   rows_per_step=rows_per_step)  # fmt: skip
 
 
 def shard_rows(model: ShardedModel) -> list[dict]:

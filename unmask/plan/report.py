@@ -7,7 +7,7 @@ import math
 import re
 
 from unmask.plan.planner import RunPlan
-from unmask.train.setup import checkpointing_choice
+from unmask.train.setup import checkpointing_choice, family_shape
 
 GIB = 1024**3
 
@@ -43,6 +43,9 @@ def fix_for(plan: RunPlan, cfg) -> str:
     if m.experts and name in ("parameters", "gradients", "optimizer state", "working buffers") \
             and m.experts + m.expert_working > over:  # fmt: skip
         return expert_fix(plan, m, over)
+    if name == "activations" and family_shape(cfg.model).canvas_decoder:  # no recomputation
+        return ("lower train.per_device_train_batch_size or data.packing_length (the encoder "
+                "runs over the whole row; its layers do not recompute yet)")  # fmt: skip
     if name == "activations":
         if checkpointing_choice(t) is False:
             return "set train.activation_checkpointing=full"
@@ -109,6 +112,16 @@ def placement_words(placement: str) -> str:
     return placement
 
 
+def canvas_line(plan: RunPlan) -> list[str]:
+    """What a canvas decoder's step runs ([] for every other family)."""
+    if not plan.canvas:
+        return []
+    row = plan.tokens_per_step // max(1, plan.rows_per_step)
+    twice = " twice (self-conditioning's first pass without gradients)"
+    return [f"canvas decoder: the encoder over rows of {row} tokens, the decoder over "
+            f"canvases of {plan.canvas} tokens{twice if plan.self_condition else ''}"]  # fmt: skip
+
+
 def render(plan: RunPlan, label: str) -> str:
     """The plan as text (what `unmask plan` prints)."""
     layout = plan.layout
@@ -120,6 +133,7 @@ def render(plan: RunPlan, label: str) -> str:
         f"{'s' if plan.nodes > 1 else ''}), mesh {dims}",
         f"model: {plan.parameters / 1e9:.3f} B parameters; {plan.rows_per_rank} rows per rank "
         f"per micro-batch, {plan.micro_batches} micro-batch(es) per step",
+        *canvas_line(plan),
         "",
         "memory per rank" + "".join(f"{'rank ' + str(r.rank):>14}" for r in plan.ranks),
     ]

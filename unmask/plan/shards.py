@@ -143,6 +143,15 @@ def planned_model_config(cfg: RunConfig) -> RunConfig:
             "step is not the one-row forward the planner traces and prices: models/shape.py); "
             "train it without a plan"
         )
+    shape = FAMILIES[arch.model_type].shape
+    if not shape.staged and cfg.parallel.pipeline_parallel > 1:
+        raise InputError(f"parallel.pipeline_parallel={cfg.parallel.pipeline_parallel}: model_type "
+                         f"{arch.model_type!r} has no pipeline stages (models/shape.py); set "
+                         "parallel.pipeline_parallel=1")  # fmt: skip
+    if shape.tensor is None and cfg.parallel.tensor_parallel > 1:
+        raise InputError(f"parallel.tensor_parallel={cfg.parallel.tensor_parallel}: model_type "
+                         f"{arch.model_type!r} declares no tensor-parallel plan (models/shape.py); "
+                         "set parallel.tensor_parallel=1")  # fmt: skip
     if model.pretrained is None:
         return cfg
     keep = {"attn_implementation": model.attn_implementation,

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from unmask.models.build import shape_of
 from unmask.parallel.context import alltoall_bytes
 from unmask.parallel.mesh import MESH_DIMS, MeshLayout
 from unmask.plan.memory import StepShape
@@ -113,11 +114,14 @@ def step_collectives(model: ShardedModel, shape: StepShape, nodes: int,
         gathers_per_unit = 2 if shape.reshard_after_forward else 1
         gathers = gathers_per_unit * sum(units.values())
         calls = micro * gathers_per_unit * len(units)
+        scatters, scattered = len(units), sum(units.values())
+        if shape.canvas:  # a canvas decoder's layers run once per pass (`canvas_passes`)
+            gathers, calls, scatters, scattered = _canvas_fsdp(model, shape, units)
         intra = is_intra_node(layout, fsdp_dims, nodes)
         out.append(Collective("dp_shard_cp", "all-gather", "FSDP2 parameters", calls,
                               micro * gathers * b, fsdp_group, intra))  # fmt: skip
         out.append(Collective("dp_shard_cp", "reduce-scatter", "FSDP2 gradients (float32)",
-                              len(units), sum(units.values()) * 4, fsdp_group, intra))  # fmt: skip
+                              scatters, scattered * 4, fsdp_group, intra))  # fmt: skip
     if layout.dp_replicate > 1:
         grads = sum(s.local_numel for s in model.shards if s.optimizer != "frozen") * 4
         out.append(Collective("dp_replicate", "all-reduce", "HSDP gradients (float32)", 1,
@@ -214,15 +218,27 @@ def expert_collectives(model: ShardedModel, shape: StepShape,
     arch = model.model_config
     ep = _grid_size(experts[0])
     replicas = layout.dp * layout.cp // ep
-    layers = moe_layers(model)
-    tokens = shape.rows * shape.length // layout.cp
     b = 2 if shape.bf16 else 4
-    recomputed_moe = _checkpointed_moe_layers(model, shape.checkpointing)
-    row = tokens * arch.num_experts_per_tok * arch.hidden_size
-    forward = row * 2 * b + arch.num_experts * 8
-    per_step = shape.micro_batches * ((layers + recomputed_moe) * forward
-                                      + layers * row * 2 * b)  # fmt: skip
-    calls = shape.micro_batches * (3 * (layers + recomputed_moe) + 2 * layers)
+    width = arch.num_experts_per_tok * arch.hidden_size
+    counts = arch.num_experts * 8
+    if shape.canvas:  # each pass of the shared stack routes its own tokens
+        passes = canvas_passes(model, shape)
+    else:
+        layers = moe_layers(model)
+        recomputed_moe = _checkpointed_moe_layers(model, shape.checkpointing)
+        tokens = shape.rows * shape.length // layout.cp
+        passes = [(tokens, layers + recomputed_moe, False), (tokens, layers, None)]
+    # (tokens, MoE layers, backward): a forward (False) or a backward (None) of each
+    per_step = calls = 0
+    for tokens, layers, _ in passes:
+        per_step += layers * tokens * width * 2 * b
+        calls += layers * 2
+    for _, layers, kind in passes:
+        if kind is False:  # a forward also sends the counts first
+            per_step += layers * counts
+            calls += layers
+    per_step *= shape.micro_batches
+    calls *= shape.micro_batches
     out = [Collective("ep", "all-to-all", "EP token dispatch and combine (+ counts)", calls,
                       per_step, ep, _ep_intra(layout, ep, 1, nodes))]  # fmt: skip
     if replicas > 1:
@@ -230,6 +246,42 @@ def expert_collectives(model: ShardedModel, shape: StepShape,
         out.append(Collective("ep_replica", "all-reduce", "EP expert gradients (float32)", 1,
                               grads, replicas, _ep_intra(layout, replicas, ep, nodes)))  # fmt: skip
     return out
+
+
+def canvas_passes(model: ShardedModel, shape: StepShape) -> list[tuple[int, int, bool | None]]:
+    """A canvas decoder's MoE passes over one micro-batch on this rank as (tokens, MoE
+    layers, False for a forward / None for a backward): its shape's `passes` (the encoder
+    over the row, the first decoder pass without gradients, the decoder with them), each
+    with gradients run backward too."""
+    arch = model.model_config
+    out: list[tuple[int, int, bool | None]] = []
+    for length, layers, grad in shape_of(arch).passes(arch, shape.length, shape.self_condition):
+        out.append((shape.rows * length, layers, False))
+        if grad:
+            out.append((shape.rows * length, layers, None))
+    return out
+
+
+def _canvas_fsdp(model: ShardedModel, shape: StepShape,
+                 units: dict[str, int]) -> tuple[int, int, int, int]:  # fmt: skip
+    """(elements gathered, all-gather calls, reduce-scatter calls, elements reduce-scattered)
+    of a canvas decoder's step: each layer gathered before each pass's use of it (the
+    encoder's, the first decoder pass's, the second's) and again before each backward use
+    when resharded after forward (else once), and reduce-scattered after each backward use
+    (the encoder's and the decoder's: FSDP2's post-backward runs once per use); the root
+    as any unit's."""
+    arch = model.model_config
+    passes = shape_of(arch).passes(arch, shape.length, shape.self_condition)
+    uses = len(passes)
+    backward = sum(1 for *_, grad in passes if grad)
+    per_layer = uses + backward if shape.reshard_after_forward else 1
+    per_root = 2 if shape.reshard_after_forward else 1
+    root = units.get("root", 0)
+    layers = sum(units.values()) - root
+    count = len(units) - (1 if "root" in units else 0)
+    gathers = per_layer * layers + per_root * root
+    calls = shape.micro_batches * (per_layer * count + per_root * ("root" in units))
+    return gathers, calls, backward * count + ("root" in units), backward * layers + root
 
 
 def _grid_size(shard) -> int:
