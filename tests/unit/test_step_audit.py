@@ -2,7 +2,8 @@
 for dense and MoE models and every training objective:
 - under bf16 autocast its matmuls run in bf16: float32 matmul FLOPs <= 1% of all (the LM
   head and the residual stream were float32 at world size 1: the head's three GEMMs ran on
-  CUDA cores at a fifteenth of the tensor-core rate);
+  CUDA cores at a fifteenth of the tensor-core rate); DiffusionGemma too (its soft-capped
+  head in bf16, the soft-capping and the log-sum-exp in float32);
 - a steady-state step makes no device sync but the non-finite guard's one read of its flag,
   and none when that flag is read at logging steps (train.nonfinite_check) (the masked rows are gathered by a count copied to the host early, expert counts come
   from a sort, the expert load stays on the device);
@@ -14,8 +15,7 @@ for dense and MoE models and every training objective:
 import pytest
 import torch
 import yaml
-from conftest import AUDIT_CASES as CASES
-from conftest import TINY, deep_update
+from conftest import AUDIT_CASES, TINY, deep_update
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -25,6 +25,20 @@ from unmask.train.audit import MatmulAudit, SyncAudit
 from unmask.train.trainer import Trainer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+
+SLIDING, FULL = "sliding_attention", "full_attention"
+CASES = {
+    **AUDIT_CASES,
+    # DiffusionGemma (encoder, two decoder passes with self-conditioning, the soft-capped
+    # tied head over the whole vocabulary, experts as grouped GEMMs) under `uniform`
+    "diffusion_gemma_uniform": {
+        "model": {"model_type": "diffusion_gemma", "head_dim": 16, "num_experts": 4,
+                  "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                  "diffusion_gemma": {"sliding_window": 8, "canvas_length": 4,
+                                      "layer_types": [SLIDING, FULL]}},
+        "diffusion": {"objective": "uniform", "self_conditioning_prob": 0.5},
+    },
+}  # fmt: skip
 
 
 def trainer_for(tmp_path, extra: dict) -> Trainer:
@@ -80,7 +94,7 @@ def test_the_mfu_flop_count_equals_flop_counter_mode(tmp_path, name):
     (its matmuls are what FlopCounterMode counts on a CPU) and MoE experts one matmul each
     (`loop`: torch's counter has no formula for grouped GEMMs)."""
     extra = {"optim": {"name": "adamw"}, "model": {"attn_implementation": "sdpa"}}
-    if "moe" in name:
+    if "moe" in name or "diffusion_gemma" in name:
         extra["model"]["moe_implementation"] = "loop"
     trainer = trainer_for(tmp_path, deep_update(CASES[name], extra))
     step(trainer)

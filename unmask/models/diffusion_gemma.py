@@ -58,8 +58,10 @@ of the rows marked True in the second: NeMo AutoModel's two-pass self-conditioni
 returns the cross-entropy of `targets` over the canvas from the soft-capped float32 logits
 (per position, or its `target_weights`-weighted sum): one call of the module, so FSDP2's
 hooks see every use of the shared stack.
-Not yet: tensor and pipeline parallelism, expert parallelism of these experts, activation
-checkpointing, images.
+Expert parallelism (`parallel.expert_parallel`, parallel/expert.py): `Experts` is an expert
+block (`expert_stacks`, `expert_parallel`); its sorted rows go to the ranks that own their
+experts and back, the router and the dense MLP stay where they are.
+Not yet: tensor and pipeline parallelism, activation checkpointing, images.
 """
 
 from __future__ import annotations
@@ -74,7 +76,7 @@ from unmask.errors import InputError
 from unmask.models.attention import AttentionMask, attend
 from unmask.models.config import ModelConfig
 from unmask.models.hf import save_pretrained
-from unmask.models.moe import expert_counts, grouped_mm_fits
+from unmask.models.moe import expert_counts, grouped_mm_fits, local_experts
 from unmask.models.transformer import RMSNorm, apply_rotary, init_common
 
 
@@ -125,6 +127,11 @@ class PromptCache:
     values: list[torch.Tensor]
     length: int
     mask: torch.Tensor | None = None
+
+    def detached(self) -> PromptCache:
+        """The cache without its autograd history (views of the same K/V)."""
+        return PromptCache([k.detach() for k in self.keys], [v.detach() for v in self.values],
+                           self.length, self.mask)  # fmt: skip
 
     def select_rows(self, rows: torch.Tensor) -> PromptCache:
         """The cache of batch rows `rows` only."""
@@ -210,7 +217,11 @@ class Router(nn.Module):
 
 class Experts(nn.Module):
     """E gated-GELU experts as stacks; tokens sorted by expert, one grouped GEMM
-    (`torch._grouped_mm`) or one matmul per expert (`moe_implementation`)."""
+    (`torch._grouped_mm`) or one matmul per expert (`moe_implementation`). An expert block
+    of parallel/expert.py: under expert parallelism the stacks are DTensors split on the
+    expert dim and `expert_parallel` sends the sorted rows to their experts' ranks."""
+
+    expert_stacks = ("gate_up_proj", "down_proj")  # what expert parallelism splits
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -219,6 +230,8 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(experts, 2 * inner, hidden))
         self.down_proj = nn.Parameter(torch.empty(experts, hidden, inner))
         self.top_k, self.implementation = cfg.num_experts_per_tok, cfg.moe_implementation
+        self.num_experts = experts
+        self.expert_parallel = None  # an ExpertShard (parallel/expert.py shard_experts)
 
     def active_matmul_params(self) -> int:
         """Matmul weights one token uses: its top-k experts (train/mfu.py counts these; the
@@ -233,18 +246,27 @@ class Experts(nn.Module):
         top_k = experts.shape[1]
         chosen = experts.reshape(-1)
         order = chosen.argsort(stable=True)
-        counts = expert_counts(chosen[order], self.gate_up_proj.shape[0])
-        gate_up, down = self.gate_up_proj, self.down_proj
+        counts = expert_counts(chosen[order], self.num_experts)
         rows = x.index_select(0, order // top_k)
-        if torch.is_autocast_enabled(x.device.type):
-            dtype = torch.get_autocast_dtype(x.device.type)
-            rows, gate_up, down = rows.to(dtype), gate_up.to(dtype), down.to(dtype)
+        if self.expert_parallel is not None:  # there, through this rank's experts, and back
+            out = self.expert_parallel.run(self._local, rows, counts)
         else:
-            rows = rows.to(gate_up.dtype)
-        out = self._run(rows, counts, gate_up, down)
+            out = self._local(rows, counts)
         unsorted = out.index_select(0, order.argsort()).float()
         y = (unsorted * weights.reshape(-1, 1)).view(-1, top_k, out.shape[-1]).sum(1)
         return y.to(x.dtype)
+
+    def _local(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """rows (N, H) sorted by this rank's experts, counts (local experts,) -> their
+        outputs (N, H): on one process every expert, under expert parallelism the local
+        part of the stacks (whose gradients stay partial sums over the replicas)."""
+        gate_up, down = local_experts(self.gate_up_proj), local_experts(self.down_proj)
+        if torch.is_autocast_enabled(rows.device.type):
+            dtype = torch.get_autocast_dtype(rows.device.type)
+            rows, gate_up, down = rows.to(dtype), gate_up.to(dtype), down.to(dtype)
+        else:
+            rows = rows.to(gate_up.dtype)
+        return self._run(rows, counts, gate_up, down)
 
     def _run(self, rows, counts, gate_up, down) -> torch.Tensor:
         inner, hidden = down.shape[2], down.shape[1]
@@ -409,6 +431,7 @@ class DiffusionGemma(nn.Module):
         tables = self._tables(position_ids)
         window = self.section.sliding_window
         x = self._embed(input_ids)
+        stream = x.dtype  # the residual stream's dtype, kept between layers (_stream)
         keys, values = [], []
         layers = self.model.layers
         for index, layer in enumerate(layers):
@@ -422,6 +445,7 @@ class DiffusionGemma(nn.Module):
                 allowed = _encoder_mask(start, count, kept, window if sliding else None,
                                         mask, device)  # fmt: skip
                 x, (k, v) = layer(x, cos, sin, allowed, past, encoder=True)
+                x = x.to(stream)
             if past is not None:
                 k, v = torch.cat((past[0], k), dim=2), torch.cat((past[1], v), dim=2)
             if sliding:  # what transformers' sliding cache keeps
@@ -451,6 +475,7 @@ class DiffusionGemma(nn.Module):
             if self_conditioning_mask is not None:
                 soft = soft * self_conditioning_mask.to(soft.dtype)[:, None, None]
         x = self.model.self_conditioning(x, soft)
+        stream = x.dtype  # the residual stream's dtype, kept between layers (_stream)
         tables = self._tables(position_ids)
         for index, layer in enumerate(self.model.layers):
             past = (cache.keys[index], cache.values[index])
@@ -460,6 +485,7 @@ class DiffusionGemma(nn.Module):
                 keys = torch.cat((kept, kept.new_ones(batch, length)), dim=1)
                 allowed = keys[:, None, None, :].expand(batch, 1, length, keys.shape[1])
             x, _ = layer(x, *tables[layer.self_attn.sliding], allowed, past)
+            x = x.to(stream)
         logits = self.lm_head(self.model.norm(x)).float()
         cap = self.section.final_logit_softcapping
         return torch.tanh(logits / cap) * cap
@@ -498,7 +524,9 @@ class DiffusionGemma(nn.Module):
         cache = self.encode(input_ids, position_ids=position_ids, prompt_mask=prompt_mask)
         if self_condition is not None:
             with torch.no_grad():  # pass 1 on every row, so every rank runs the same passes
-                self_conditioning_logits = self.decode(canvas_ids, cache,
+                # on a detached cache: the sampler's and evaluation's decoder call (a compiled
+                # layer guards on its inputs' requires_grad: one graph fewer)
+                self_conditioning_logits = self.decode(canvas_ids, cache.detached(),
                                                        position_ids=canvas_position_ids)  # fmt: skip
             self_conditioning_mask = self_condition
         logits = self.decode(canvas_ids, cache, self_conditioning_logits, self_conditioning_mask,
@@ -506,6 +534,18 @@ class DiffusionGemma(nn.Module):
         if targets is None:
             return logits
         return canvas_cross_entropy(logits, targets, target_weights)
+
+    def compiled_layer_graphs(self) -> int:
+        """At most how many graphs `torch.compile` of the layers (train.torch_compile: each
+        layer compiled whole, fullgraph) makes of the forward every layer shares, over
+        training and evaluation: per kind of layer (sliding, full) the encoder's call and
+        the decoder's, each with and without gradients (the self-conditioning pass and
+        evaluation run under no_grad, on a detached cache), and the encoder's last layer
+        (keys only) both ways; twice that once sizes change (the static graph, then a
+        dynamic one). Above torch's default recompile limit (8) for most stacks: the
+        trainer raises the limit to this."""
+        kinds = len({layer.self_attn.sliding for layer in self.model.layers})
+        return 2 * (2 * kinds + 2 * kinds + 2)
 
     @property
     def canvas_length(self) -> int:

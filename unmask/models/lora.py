@@ -20,6 +20,7 @@ from torch import nn
 
 from unmask.errors import InputError
 from unmask.models.config import ModelConfig
+from unmask.models.diffusion_gemma import DiffusionGemma
 from unmask.models.transformer import DiffusionTransformer
 
 ADAPTER_FILE = "adapter_model.safetensors"  # peft's file name: what a LoRA run saves
@@ -28,11 +29,17 @@ LORA_BASE_FILE = "lora_base.json"  # what rebuilds the base an adapter was train
 # Every linear layer of the decoder blocks (the LM head stays frozen: the masked-only loss
 # reads its weight directly).
 NATIVE_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-# `experts` in a lora_target_modules list: the routed expert stacks of a native MoE model
+# DiffusionGemma's "all-linear": the same names, inside the shared stack's layers only (its
+# attention and dense MLP; full-attention layers have no v_proj). Not its router (`router.proj`:
+# frozen when fine-tuning, diffusion.freeze_router), not the self-conditioning MLP outside the
+# layers (`model.self_conditioning.*_proj`, which the names alone would match), not the LM head
+# (the tied embedding). A regex over full module names, as peft and quant._targeted read it.
+DIFFUSION_GEMMA_LINEAR = (r"model\.layers\.\d+\.(self_attn\.(q|k|v|o)_proj"
+                          r"|mlp\.(gate|up|down)_proj)")  # fmt: skip
+# `experts` in a lora_target_modules list: the routed expert stacks of an MoE model
 # ((experts, out, in) parameters, not modules), adapted through peft's `target_parameters`
 # (one rank-r pair per expert). "all-linear" leaves them frozen (attention and shared experts).
 EXPERTS = "experts"
-EXPERT_STACKS = tuple(f"mlp.experts.{name}" for name in ("gate_proj", "up_proj", "down_proj"))
 
 
 def targets_experts(cfg: ModelConfig) -> bool:
@@ -60,9 +67,12 @@ def check_request(cfg: ModelConfig) -> None:
 
 def lora_targets(cfg: ModelConfig, model: nn.Module) -> str | list[str]:
     """Module names that get adapters: every decoder-block linear layer of the native model
-    for "all-linear", transformers' own "all-linear" choice for encoders."""
+    for "all-linear" (DiffusionGemma: DIFFUSION_GEMMA_LINEAR), transformers' own
+    "all-linear" choice for encoders."""
     targets = cfg.lora_target_modules
     if targets in (None, "all-linear"):
+        if isinstance(model, DiffusionGemma):
+            return DIFFUSION_GEMMA_LINEAR
         return list(NATIVE_LINEAR) if _is_native(model) else "all-linear"
     if isinstance(targets, str):  # peft's regex
         return targets
@@ -74,12 +84,31 @@ def expert_targets(cfg: ModelConfig, model: nn.Module) -> list[str] | None:
     `experts` (None otherwise); refused on a model without them."""
     if not targets_experts(cfg):
         return None
-    if not any(name.endswith(EXPERT_STACKS) for name, _ in model.named_parameters()):
+    stacks = expert_stack_targets(model)
+    if not stacks:
         raise InputError(
             "model.lora_target_modules holds 'experts' but this model has no routed expert "
-            "stacks (a native MoE model: qwen3_moe_dllm, llada_moe, llada2_moe); drop it"
+            "stacks (an MoE model: qwen3_moe_dllm, llada_moe, llada2_moe, diffusion_gemma); "
+            "drop it"
         )
-    return list(EXPERT_STACKS)
+    return stacks
+
+
+def expert_stack_targets(model: nn.Module) -> list[str]:
+    """The routed expert stacks of model as peft `target_parameters` (`experts.<name>`,
+    which peft matches as the end of a parameter's full name), found rather than listed per
+    family: the 3-D parameters a module named `experts` holds itself (the native MoE
+    families' `mlp.experts.{gate,up,down}_proj`, DiffusionGemma's `experts.gate_up_proj`
+    and `experts.down_proj`). Shared experts are linear modules (their weights end in
+    `.weight`), so they never match."""
+    found = set()
+    for name, module in model.named_modules():
+        if name.rpartition(".")[2] != EXPERTS:
+            continue
+        for param_name, param in module.named_parameters(recurse=False):
+            if param.dim() == 3:
+                found.add(f"{EXPERTS}.{param_name}")
+    return sorted(found)
 
 
 # what a LoRA checkpoint must be resumed with (lora_alpha is not in the adapter's shapes)

@@ -29,6 +29,15 @@ a rank sends and receives sum over the rows it routes away of H x bytes (its loc
 top-k x (N - 1) / N on average, under balanced routing), twice (there and back), and the
 backward the same again: all-to-all bytes per step and rank =
 4 x tokens x top_k x (N - 1) / N x H x bytes x MoE layers (docs/parallelism.md).
+
+The modules expert parallelism splits ("expert blocks", `expert_blocks`) share a small
+protocol: `num_experts`, an `expert_parallel` slot (None: every expert on this rank; else
+the ExpertShard the module's forward hands its expert-sorted rows to, with a callable that
+runs the local experts) and stacked (E, ., .) parameters split on dim 0. SparseMoE
+(models/moe.py) holds its stacks on its `experts` child (`EXPERT_PARAMS`); any other module
+names its own stacks in a class attribute `expert_stacks` (DiffusionGemma's `Experts`:
+gate_up_proj, down_proj; it has no balancing statistics, so `MoETraining` only reduces its
+gradients).
 """
 
 from __future__ import annotations
@@ -60,8 +69,8 @@ def check_moe_request(model: ModelConfig, expert_parallel: int, dp_cp: int, tp: 
         if expert_parallel > 1:
             raise InputError(
                 f"parallel.expert_parallel={expert_parallel} needs a native MoE model "
-                "(qwen3_moe_dllm, llada_moe, llada2_moe); this model is wrapped from "
-                "transformers: set parallel.expert_parallel: 1"
+                "(qwen3_moe_dllm, llada_moe, llada2_moe, diffusion_gemma); this model is "
+                "wrapped from transformers: set parallel.expert_parallel: 1"
             )
         return
     if expert_parallel == 1 and tp == 1:
@@ -118,7 +127,8 @@ class MoETraining:
         self.layer_ids = [_layer_index(name, index) for index, name in
                           enumerate(n for n, m in model.named_modules()
                                     if isinstance(m, SparseMoE))]  # fmt: skip
-        self.expert_params: list[nn.Parameter] = []  # EP: partial grads, reduced per step
+        # EP: partial grads, reduced per step (every expert block's: SparseMoE and others)
+        self.expert_params: list[nn.Parameter] = []
         for block in self.blocks:
             block.balance_group = group
             block.aux_loss_scale = 1.0 / micro_batches
@@ -132,11 +142,11 @@ class MoETraining:
         """Sum the step's load over the ranks, move the expert biases, reset the counters;
         all-reduce the replicas' partial expert gradients (expert parallelism)."""
         self.steps += 1
-        if not self.blocks:  # a pipeline stage of dense layers only
-            return
         for param in self.expert_params:
             if param.grad is not None:
                 param.grad = param.grad.redistribute(placements=[Replicate(), Shard(0)])
+        if not self.blocks:  # a pipeline stage of dense layers only, or no balanced block
+            return
         loads = torch.stack([block.load for block in self.blocks])
         stats = torch.cat([loads.reshape(-1), sum(b.aux_sum for b in self.blocks).reshape(1)])
         if self.group is not None:
@@ -168,8 +178,8 @@ class MoETraining:
         """Since the last call: the mean aux loss per step and each layer's max / mean expert
         load (1.0 = perfectly balanced), plus the largest over layers and the largest
         coefficient of variation (std / mean) of tokens per expert."""
-        if not self.steps:
-            return {}
+        if not self.steps or (not self.blocks and self.stages is None):
+            return {}  # nothing balanced (expert blocks without statistics: DiffusionGemma)
         loads, aux = self._every_stage()
         mean = loads.mean(dim=1).clamp(min=1e-9)
         ratio = loads.max(dim=1).values / mean
@@ -202,16 +212,14 @@ def attach_moe_training(model, optimizer, dist_state, micro_batches: int,
     step (gradient accumulation steps, or the pipeline's micro-batches); stages: the pp
     process group under pipeline parallelism (this rank may hold no MoE layer)."""
     num_experts = getattr(getattr(model, "config", None), "num_experts", 0) or 0
-    if not moe_blocks(model) and not (stages is not None and num_experts):
-        return None
+    sharded = [b for b in expert_blocks(model) if b.expert_parallel is not None]
+    if not moe_blocks(model) and not (stages is not None and num_experts) and not sharded:
+        return None  # dense, or expert blocks without statistics on their own ranks
     group = None
     if dist_state.mesh is not None:
         group = sub_mesh(dist_state.mesh, "dp_cp").get_group()
     training = MoETraining(model, optimizer, group, micro_batches, stages, num_experts)
-    training.expert_params = [
-        p for block in training.blocks if block.expert_parallel is not None
-        for p in block.experts.parameters()
-    ]  # fmt: skip
+    training.expert_params = [p for block in sharded for p in expert_stacks(block).values()]
     return training
 
 
@@ -272,20 +280,49 @@ def _regroup(matrix: torch.Tensor) -> torch.Tensor:
 
 
 def shard_experts(model: nn.Module, mesh: DeviceMesh) -> list[nn.Parameter]:
-    """Turn every MoE layer's expert stacks into DTensors on `mesh` (Replicate, Shard(0))
-    and give the layer its ExpertShard; returns the new expert parameters (for FSDP2's
+    """Turn every expert block's stacks into DTensors on `mesh` (Replicate, Shard(0)) and
+    give the block its ExpertShard; returns the new expert parameters (for FSDP2's
     ignored_params)."""
     params: list[nn.Parameter] = []
-    for block in moe_blocks(model):
+    for block in expert_blocks(model):
         block.expert_parallel = ExpertShard(mesh, block.num_experts)
-        for name in EXPERT_PARAMS:
-            whole = getattr(block.experts, name).detach()
+        owner, names = _stack_owner(block)
+        for name in names:
+            whole = getattr(owner, name).detach()
             shard = distribute_tensor(whole, mesh, [Replicate(), Shard(0)])
             param = nn.Parameter(shard)
-            setattr(block.experts, name, param)
+            setattr(owner, name, param)
             params.append(param)
     return params
 
 
+# --- the expert blocks (the protocol of the module docstring) ------------------------------
+
+
+def _is_expert_block(module: nn.Module) -> bool:
+    # the class's attribute, not the instance's: a wrapper that forwards attribute look-ups
+    # to the module it wraps (peft's) is not a second block
+    return isinstance(module, SparseMoE) or bool(getattr(type(module), "expert_stacks", None))
+
+
+def expert_blocks(model: nn.Module) -> list[nn.Module]:
+    """The modules whose experts expert parallelism splits, in module order ([] for a dense
+    model): SparseMoE layers and modules that name their `expert_stacks`."""
+    return [m for m in model.modules() if _is_expert_block(m)]
+
+
+def _stack_owner(block: nn.Module) -> tuple[nn.Module, tuple[str, ...]]:
+    """The module holding an expert block's stacks, and their attribute names."""
+    if isinstance(block, SparseMoE):
+        return block.experts, EXPERT_PARAMS
+    return block, tuple(type(block).expert_stacks)
+
+
+def expert_stacks(block: nn.Module) -> dict[str, nn.Parameter]:
+    """An expert block's stacked expert parameters by name."""
+    owner, names = _stack_owner(block)
+    return {name: getattr(owner, name) for name in names}
+
+
 def is_moe_model(model: nn.Module) -> bool:
-    return any(isinstance(m, SparseMoE) for m in model.modules())
+    return bool(expert_blocks(model))

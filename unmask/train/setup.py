@@ -399,6 +399,11 @@ def build_train_model(cfg: RunConfig, tokenizer, added_tokens: int, device: torc
     if t.torch_compile:  # whole graphs, but where varlen attention may run (not CUDA)
         attention = cfg.model.attn_implementation
         traceable = attention in ("sdpa", "flex") or (attention == "auto" and device.type == "cuda")
+        graphs = getattr(model, "compiled_layer_graphs", None)
+        if graphs is not None:  # DiffusionGemma: dense sdpa masks only, its encoder and
+            traceable = True  # decoder calls one graph each (models/diffusion_gemma.py)
+            limit = torch._dynamo.config.recompile_limit
+            torch._dynamo.config.recompile_limit = max(limit, graphs())
         compile_blocks(decoder_layers(model), fullgraph=traceable)
     if cfg.model.lora:  # peft wrapper: base frozen, LoRA factors train (AdamW)
         model = apply_lora(model, cfg.model)
