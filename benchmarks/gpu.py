@@ -22,7 +22,8 @@ launched.
 (default 460: it fits one 10-minute device call with room to spare), that runs the phases
 in order of value (environment and GEMM rates, the LLaDA slice with Muon, the MoE slice,
 the Dream slice with AdamW, sampling, the LLaDA slice with Muon at 64k tokens per
-optimizer step, `unmask serve`, `pytest -m cuda`), each in a process of its own with what is
+optimizer step, `unmask serve`, `pytest -m cuda`, DiffusionGemma 26B-A4B's slice with bf16
+and compile, then Muon's cost against AdamW's), each in a process of its own with what is
 left of the budget, and writes after each one the phase's files, a summary and (with
 `--bundle`) one archive of them all; a phase that fails or runs out of time is named in the
 summary and the others go on. `--profile --dry` runs every phase on the CPU with tiny shapes.
@@ -218,7 +219,8 @@ def suite(warmup: int, steps: int, device_name: str | None, only: list[str]) -> 
 #: --profile's phases in order of value (gpu_profile.py)
 PROFILE_PHASES = ["env", "train-llada-8b-muon", "train-llada-moe-7b-a1b-muon",
                   "train-dream-7b-adamw", "sample", "train-llada-8b-muon-64k", "serve",
-                  "train-llada-8b-muon-float8", "cuda-tests", "train-llada-8b-adamw",
+                  "train-llada-8b-muon-float8", "cuda-tests",
+                  "train-diffusion-gemma-26b-a4b", "train-llada-8b-adamw",
                   "train-llada-8b-muon-gram", "train-llada-8b-muon-256k",
                   "train-llada-8b-adamw-256k"]  # fmt: skip
 #: a phase is not started with less than this left of the budget

@@ -68,7 +68,28 @@ TRAIN_CASES = {
                            _COMMON + ["train.gradient_accumulation_steps=32"]),
     "llada-8b-adamw-256k": (MODELS / "llada_8b.yaml",
                             _COMMON + ["optim.name=adamw", "train.gradient_accumulation_steps=32"]),
+    # DiffusionGemma 26B-A4B's shapes (issue 45: bf16 and compile on the GPU): 6 of its 30
+    # layers (five sliding, one full), 32 of its 128 experts (each expert's shape, top 8, so
+    # a token's FLOPs are the real model's per layer), the uniform objective with
+    # self-conditioning and the router frozen, four rows of 512 tokens and a 256-token canvas
+    "diffusion-gemma-26b-a4b": (MODELS / "diffusion_gemma_26b_a4b.yaml",
+                                ["model.num_hidden_layers=6", "model.num_experts=32",
+                                 "parallel.expert_parallel=1", "train.per_device_train_batch_size=4",
+                                 "train.torch_compile=true", "train.save_steps=0",
+                                 "train.eval_steps=0", "train.logging_steps=1000",
+                                 "train.nonfinite_check=logging"]),
 }  # fmt: skip
+#: what --dry makes of DiffusionGemma's case: its own small sizes (two sliding layers of
+#: 16 features and a full one of 32)
+DRY_GEMMA = ["train.torch_compile=false", "train.bf16=false", "model.hidden_size=64",
+             "model.intermediate_size=128", "model.num_attention_heads=4",
+             "model.num_key_value_heads=2", "model.head_dim=16", "model.num_hidden_layers=3",
+             "model.vocab_size=512", "model.diffusion_gemma.global_head_dim=32",
+             "model.diffusion_gemma.num_global_key_value_heads=1",
+             "model.diffusion_gemma.sliding_window=16",
+             "model.diffusion_gemma.layer_types=[sliding_attention,sliding_attention,full_attention]",
+             "model.diffusion_gemma.canvas_length=16", "data.packing_length=48",
+             "data.synthetic_train_size=512"]  # fmt: skip
 #: what --dry makes of every case: a model a CPU trains in seconds, the case's own layout
 DRY = ["train.float8=false", "model.hidden_size=64", "model.intermediate_size=128", "model.num_attention_heads=4",
        "model.num_key_value_heads=4", "model.num_hidden_layers=2", "model.vocab_size=512",
@@ -220,7 +241,12 @@ def _case_config(case: str, dry: bool, out: Path):
         accumulation = "train.gradient_accumulation_steps="
         overrides = [f"{accumulation}{min(int(o.split('=')[1]), 2)}" if o.startswith(accumulation)
                      else o for o in overrides]  # fmt: skip
-        overrides = [o for o in overrides if not o.startswith("model.vocab_size")] + DRY
+        if "gemma" in case:
+            replaced = {d.split("=")[0] for d in DRY_GEMMA + DRY_MOE}
+            overrides = [o for o in overrides if o.split("=")[0] not in replaced] + DRY_GEMMA
+            overrides += DRY_MOE
+        else:
+            overrides = [o for o in overrides if not o.startswith("model.vocab_size")] + DRY
         if "moe" in case:
             replaced = {d.split("=")[0] for d in DRY_MOE}
             overrides = [o for o in overrides if o.split("=")[0] not in replaced] + DRY_MOE
