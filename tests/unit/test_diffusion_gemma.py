@@ -317,6 +317,6 @@ def test_it_trains_with_uniform_only_and_plans_without_tensor_or_pipeline_parall
     assert planned_model_config(cfg) is cfg  # planned (tests/unit/test_plan_diffusion_gemma.py)
     for key in ("tensor_parallel", "pipeline_parallel"):
         with pytest.raises(InputError, match=rf"^parallel.{key}=2: model_type 'diffusion_gemma' "
-                           r"(declares no tensor-parallel plan|has no pipeline stages)"):  # fmt: skip
+                           r"(trains under tensor parallelism, but unmask plan does not model|has no pipeline stages)"):  # fmt: skip
             planned_model_config(cfg.model_copy(update={
                 "parallel": cfg.parallel.model_copy(update={key: 2})}))  # fmt: skip

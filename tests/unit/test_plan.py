@@ -6,11 +6,11 @@ from dataclasses import replace
 
 import pytest
 
-import unmask.parallel.expert as expert
 import unmask.train.setup as train_setup
 from unmask.config import load_config
 from unmask.errors import InputError
 from unmask.models.families import FAMILIES
+from unmask.models.moe import SparseMoE
 from unmask.parallel.mesh import MeshLayout
 from unmask.parallel.pipeline import PipelinePlan
 from unmask.plan.devices import DEVICES, resolve_device
@@ -239,7 +239,7 @@ def test_a_changed_expert_parallel_rule_changes_the_plan(monkeypatch):
     cfg = tiny_moe("parallel.expert_parallel=2")
     assert shapes(shard_model(cfg, 4))["model.layers.0.mlp.experts.down_proj"] == (2, 64, 16)
     # the trainer's rule changed: down_proj no longer split over ep, so FSDP2 shards it
-    monkeypatch.setattr(expert, "EXPERT_PARAMS", ("gate_proj", "up_proj"))
+    monkeypatch.setattr(SparseMoE, "expert_stacks", ("experts.gate_proj", "experts.up_proj"))
     after = shard_model(cfg, 4)
     assert shapes(after)["model.layers.0.mlp.experts.down_proj"] == (1, 64, 16)
     assert shapes(after)["model.layers.0.mlp.experts.up_proj"] == (2, 16, 64)

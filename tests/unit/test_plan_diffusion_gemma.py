@@ -158,7 +158,7 @@ def trainable_tensors(cfg) -> int:
 def test_what_cannot_run_is_refused_in_one_line():
     path = MODELS / "diffusion_gemma_26b_a4b.yaml"
     for override, message in (
-        ("parallel.tensor_parallel=2", "declares no tensor-parallel plan"),
+        ("parallel.tensor_parallel=2", "unmask plan does not model its split yet"),
         ("parallel.pipeline_parallel=2", "has no pipeline stages"),
         ("train.activation_checkpointing=full", "do not recompute yet"),
     ):

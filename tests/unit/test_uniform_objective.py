@@ -235,7 +235,8 @@ def test_unmask_plan_plans_it_and_refuses_tensor_parallelism_in_one_line(tmp_pat
     assert main(["plan", str(path), "parallel.tensor_parallel=2", "--world", "8"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "parallel.tensor_parallel=2: model_type " \
-        "'diffusion_gemma' declares no tensor-parallel plan" in err, err  # fmt: skip
+        "'diffusion_gemma' trains under tensor parallelism, but unmask plan does not model its " \
+        "split yet" in err, err  # fmt: skip
 
 
 # -- the router ----------------------------------------------------------------------------

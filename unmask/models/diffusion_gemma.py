@@ -61,7 +61,11 @@ hooks see every use of the shared stack.
 Expert parallelism (`parallel.expert_parallel`, parallel/expert.py): `Experts` is an expert
 block (`expert_stacks`, `expert_parallel`); its sorted rows go to the ranks that own their
 experts and back, the router and the dense MLP stay where they are.
-Not yet: tensor and pipeline parallelism, activation checkpointing, images.
+Tensor parallelism (`parallel.tensor_parallel`, parallel/tensor.py with models/shape.py
+`DIFFUSION_GEMMA_TENSOR_PLAN`): attention's projections and the dense MLP split over the tp
+ranks (each rank's attention runs on its own heads, and caches their K/V only); the
+routers, experts, embedding / LM head and self-conditioning MLP stay whole on every rank.
+Not yet: pipeline parallelism, activation checkpointing, images.
 """
 
 from __future__ import annotations
@@ -140,7 +144,10 @@ class PromptCache:
 
 
 class Attention(nn.Module):
-    """One layer's attention (module docstring): sliding or full, over cached K/V too."""
+    """One layer's attention (module docstring): sliding or full, over cached K/V too.
+    Under tensor parallelism q/k/v hold a rank's heads only: every reshape takes the head
+    count from the projection (`view(..., -1, head_dim)`), so the forward and the K/V it
+    returns (the `PromptCache`) are of the local heads."""
 
     def __init__(self, cfg: ModelConfig, index: int) -> None:
         super().__init__()
@@ -221,7 +228,9 @@ class Experts(nn.Module):
     of parallel/expert.py: under expert parallelism the stacks are DTensors split on the
     expert dim and `expert_parallel` sends the sorted rows to their experts' ranks."""
 
-    expert_stacks = ("gate_up_proj", "down_proj")  # what expert parallelism splits
+    # its expert stacks: what expert parallelism splits and LoRA's `experts` adapts (as
+    # models/moe.py SparseMoE.expert_stacks)
+    expert_stacks = ("gate_up_proj", "down_proj")
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()

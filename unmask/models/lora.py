@@ -95,19 +95,15 @@ def expert_targets(cfg: ModelConfig, model: nn.Module) -> list[str] | None:
 
 
 def expert_stack_targets(model: nn.Module) -> list[str]:
-    """The routed expert stacks of model as peft `target_parameters` (`experts.<name>`,
-    which peft matches as the end of a parameter's full name), found rather than listed per
-    family: the 3-D parameters a module named `experts` holds itself (the native MoE
-    families' `mlp.experts.{gate,up,down}_proj`, DiffusionGemma's `experts.gate_up_proj`
-    and `experts.down_proj`). Shared experts are linear modules (their weights end in
-    `.weight`), so they never match."""
+    """The routed expert stacks of model as peft `target_parameters` (which peft matches as
+    the end of a parameter's full name): each expert module's own declaration,
+    `expert_stacks` (paths from the module; the one expert parallelism reads), after the
+    module's name: the native MoE families' `mlp.experts.{gate,up,down}_proj`,
+    DiffusionGemma's `experts.gate_up_proj` and `experts.down_proj`."""
     found = set()
     for name, module in model.named_modules():
-        if name.rpartition(".")[2] != EXPERTS:
-            continue
-        for param_name, param in module.named_parameters(recurse=False):
-            if param.dim() == 3:
-                found.add(f"{EXPERTS}.{param_name}")
+        for path in getattr(type(module), "expert_stacks", None) or ():
+            found.add(f"{name.rpartition('.')[2]}.{path}")
     return sorted(found)
 
 

@@ -253,6 +253,11 @@ class SharedExperts(nn.Module):
 class SparseMoE(nn.Module):
     """Router + routed experts (+ shared experts): the MLP of an MoE decoder layer."""
 
+    # its routed expert stacks, (E, ., .) parameters, as paths from this module: what expert
+    # parallelism splits on the expert dim (parallel/expert.py) and LoRA's `experts` adapts
+    # (models/lora.py); every expert module declares its own (DiffusionGemma's `Experts`)
+    expert_stacks = ("experts.gate_proj", "experts.up_proj", "experts.down_proj")
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.num_experts = cfg.num_experts

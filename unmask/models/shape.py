@@ -48,7 +48,17 @@ class TensorPlan:
     """The norms sequence parallelism runs on each rank's share of the tokens."""
     divides: tuple[str, ...] = ("num_attention_heads", "num_key_value_heads",
                                 "intermediate_size")  # fmt: skip
-    """Architecture (ModelConfig) fields the tp degree must divide."""
+    """Architecture (ModelConfig) fields the tp degree must divide; a dotted name is a field
+    of a sub-section (``diffusion_gemma.num_global_key_value_heads``), and a None value (a
+    field that defaults to another, listed too) is not checked."""
+    vocab_parallel: bool = True
+    """The embedding and LM head split by vocabulary rows (parallel/tensor.py
+    `shard_vocabulary`); False keeps them replicated on the tp ranks."""
+    replicated_experts: bool = False
+    """The layers' routers and expert stacks stay whole on every tp rank (each rank routes
+    the same replicated hidden states and runs every expert on them; FSDP2 shards them over
+    the data-parallel ranks), so an MoE family with this plan runs under tensor parallelism
+    without expert parallelism (parallel/expert.py `check_moe_request`)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "inputs", MappingProxyType(dict(self.inputs)))
@@ -243,11 +253,36 @@ class DiffusionGemmaShape(ModelShape):
         return encoder + first + 6 * n * rows * c + attention + 6 * head + 4 * head
 
 
-DIFFUSION_GEMMA = DiffusionGemmaShape("diffusion_gemma", tensor=None, staged=False,
-                                     canvas_decoder=True)  # fmt: skip
-"""No tensor parallelism yet (every layer has experts, which tensor parallelism does not
-split, and a tp plan would also have to divide the 26B-A4B's 2 key/value heads of its full
-layers), no pipeline stages (its forward is an encoder pass and a decoder pass, not
+DIFFUSION_GEMMA_TENSOR_PLAN = TensorPlan(
+    colwise=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj",
+             "mlp.up_proj"),
+    rowwise=("self_attn.o_proj", "mlp.down_proj"),
+    inputs={"self_attn": 5, "mlp": 1},  # attention: (x, cos, sin, mask, past K/V)
+    per_head_norms=("self_attn.q_norm", "self_attn.k_norm"),
+    divides=("num_attention_heads", "num_key_value_heads",
+             "diffusion_gemma.num_global_key_value_heads", "intermediate_size"),
+    vocab_parallel=False,
+    replicated_experts=True,
+)  # fmt: skip
+
+DIFFUSION_GEMMA = DiffusionGemmaShape("diffusion_gemma", tensor=DIFFUSION_GEMMA_TENSOR_PLAN,
+                                     staged=False, canvas_decoder=True)  # fmt: skip
+"""Tensor parallelism (`DIFFUSION_GEMMA_TENSOR_PLAN`, Megatron's split of what this family
+allows): attention's q/k/v column-parallel (full layers have no v_proj: V is the k
+projection, so it is split with k), o row-parallel, q_norm/k_norm per head over a rank's
+heads, and every K/V a rank caches (the encoder's `PromptCache`, read by the decoder) is of
+its own heads; the dense MLP's gate/up column-parallel, down row-parallel. The degree must
+divide the query heads, the sliding layers' and the full layers' key/value heads (the
+26B-A4B: 16, 8, 2, so tp 1 or 2) and the MLP width. The routers and the expert stacks are
+not split (`replicated_experts`): every tp rank routes the same replicated hidden states
+and runs every expert (FSDP2 shards them over the data-parallel ranks); splitting experts is
+expert parallelism's job, and tensor parallelism with expert parallelism stays refused, as
+for every MoE family. The tied embedding / LM head (float32 soft-capped logits, its own
+`canvas_cross_entropy`) and the self-conditioning MLP stay replicated (`vocab_parallel`
+False); no sequence parallelism (no `sequence_norms`). `unmask plan` does not model the tp
+split of this family and refuses it in one line.
+
+No pipeline stages (its forward is an encoder pass and a decoder pass, not
 `StagedModel`'s `hidden_states`); trained by the `uniform` objective (`canvas_decoder`).
 
 Planned (`plans`; plan/memory.py `canvas_memory_terms`) as that objective's step runs it:

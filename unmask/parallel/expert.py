@@ -33,11 +33,11 @@ backward the same again: all-to-all bytes per step and rank =
 The modules expert parallelism splits ("expert blocks", `expert_blocks`) share a small
 protocol: `num_experts`, an `expert_parallel` slot (None: every expert on this rank; else
 the ExpertShard the module's forward hands its expert-sorted rows to, with a callable that
-runs the local experts) and stacked (E, ., .) parameters split on dim 0. SparseMoE
-(models/moe.py) holds its stacks on its `experts` child (`EXPERT_PARAMS`); any other module
-names its own stacks in a class attribute `expert_stacks` (DiffusionGemma's `Experts`:
-gate_up_proj, down_proj; it has no balancing statistics, so `MoETraining` only reduces its
-gradients).
+runs the local experts) and stacked (E, ., .) parameters split on dim 0, named by a class
+attribute `expert_stacks` (paths from the module: SparseMoE's `experts.gate_proj`, ...;
+DiffusionGemma's `Experts`: gate_up_proj, down_proj; the latter has no balancing
+statistics, so `MoETraining` only reduces its gradients). LoRA's `experts` target
+(models/lora.py) reads the same declaration.
 """
 
 from __future__ import annotations
@@ -56,14 +56,13 @@ from unmask.models.hf import architecture
 from unmask.models.moe import SparseMoE, moe_blocks
 from unmask.parallel.mesh import sub_mesh
 
-EXPERT_PARAMS = ("gate_proj", "up_proj", "down_proj")
-
 
 def check_moe_request(model: ModelConfig, expert_parallel: int, dp_cp: int, tp: int) -> None:
     """One-line InputErrors for an MoE / expert-parallel layout that cannot work (before any
     process group): EP on a wrapped HF model or a dense one, experts not divisible by
     expert_parallel, expert_parallel not dividing the dp x cp ranks, MoE with tensor
-    parallelism."""
+    parallelism (but for a family whose tensor-parallel plan keeps its experts whole on every
+    tp rank, models/shape.py `TensorPlan.replicated_experts`, without expert parallelism)."""
     wrapped = is_wrapped(model)
     if wrapped:
         if expert_parallel > 1:
@@ -78,10 +77,20 @@ def check_moe_request(model: ModelConfig, expert_parallel: int, dp_cp: int, tp: 
     arch = architecture(model)  # a pretrained folder's own config.json
     experts = arch.num_experts
     if experts and tp > 1:
-        raise InputError(
-            "parallel.tensor_parallel does not split mixture-of-experts layers; use "
-            "parallel.expert_parallel for the experts and set tensor_parallel: 1"
-        )
+        from unmask.models.build import shape_of
+
+        plan = shape_of(arch).tensor
+        if plan is None or not plan.replicated_experts:
+            raise InputError(
+                "parallel.tensor_parallel does not split mixture-of-experts layers; use "
+                "parallel.expert_parallel for the experts and set tensor_parallel: 1"
+            )
+        if expert_parallel > 1:
+            raise InputError(
+                f"parallel.tensor_parallel={tp} keeps the experts of model_type "
+                f"{arch.model_type!r} whole on every tp rank and does not combine with "
+                f"parallel.expert_parallel={expert_parallel}; set one of them to 1"
+            )
     if expert_parallel == 1:
         return
     if experts == 0:
@@ -286,8 +295,7 @@ def shard_experts(model: nn.Module, mesh: DeviceMesh) -> list[nn.Parameter]:
     params: list[nn.Parameter] = []
     for block in expert_blocks(model):
         block.expert_parallel = ExpertShard(mesh, block.num_experts)
-        owner, names = _stack_owner(block)
-        for name in names:
+        for owner, name in _stack_owners(block):
             whole = getattr(owner, name).detach()
             shard = distribute_tensor(whole, mesh, [Replicate(), Shard(0)])
             param = nn.Parameter(shard)
@@ -302,26 +310,27 @@ def shard_experts(model: nn.Module, mesh: DeviceMesh) -> list[nn.Parameter]:
 def _is_expert_block(module: nn.Module) -> bool:
     # the class's attribute, not the instance's: a wrapper that forwards attribute look-ups
     # to the module it wraps (peft's) is not a second block
-    return isinstance(module, SparseMoE) or bool(getattr(type(module), "expert_stacks", None))
+    return bool(getattr(type(module), "expert_stacks", None))
 
 
 def expert_blocks(model: nn.Module) -> list[nn.Module]:
     """The modules whose experts expert parallelism splits, in module order ([] for a dense
-    model): SparseMoE layers and modules that name their `expert_stacks`."""
+    model): those whose class names its `expert_stacks`."""
     return [m for m in model.modules() if _is_expert_block(m)]
 
 
-def _stack_owner(block: nn.Module) -> tuple[nn.Module, tuple[str, ...]]:
-    """The module holding an expert block's stacks, and their attribute names."""
-    if isinstance(block, SparseMoE):
-        return block.experts, EXPERT_PARAMS
-    return block, tuple(type(block).expert_stacks)
+def _stack_owners(block: nn.Module) -> list[tuple[nn.Module, str]]:
+    """(the module holding it, its attribute name) of each of an expert block's stacks."""
+    pairs = []
+    for path in type(block).expert_stacks:
+        owner, _, name = path.rpartition(".")
+        pairs.append((block.get_submodule(owner) if owner else block, name))
+    return pairs
 
 
 def expert_stacks(block: nn.Module) -> dict[str, nn.Parameter]:
-    """An expert block's stacked expert parameters by name."""
-    owner, names = _stack_owner(block)
-    return {name: getattr(owner, name) for name in names}
+    """An expert block's stacked expert parameters by attribute name."""
+    return {name: getattr(owner, name) for owner, name in _stack_owners(block)}
 
 
 def is_moe_model(model: nn.Module) -> bool:

@@ -19,6 +19,11 @@ Qwen3's q/k RMSNorm runs per head on a rank's own heads: it gets DTensor's
 SequenceParallel over the head dim, so its weight is a replicated DTensor whose gradient
 DTensor knows to be a partial sum over the tp ranks (FSDP2 reduces it to the weight's
 placement).
+
+A family's plan may keep the embedding and head replicated (`TensorPlan.vocab_parallel`
+False) and its routers and expert stacks whole on every tp rank (`replicated_experts`):
+DiffusionGemma (models/shape.py `DIFFUSION_GEMMA_TENSOR_PLAN`), whose full-attention layers
+have no v_proj (a layer's plan takes the modules it has).
 """
 
 from __future__ import annotations
@@ -34,10 +39,13 @@ from unmask.models.hf import architecture
 from unmask.models.shape import WRAPPED, TensorPlan, decoder_layers
 
 
-def check_tensor_parallel(model: ModelConfig, tp: int, *, lora: bool = False) -> None:
+def check_tensor_parallel(model: ModelConfig, tp: int, *, lora: bool = False,
+                          sequence_parallel: bool = False) -> None:  # fmt: skip
     """One-line InputError when the model cannot be split tp ways (before any process
-    group work): wrapped transformers encoders, LoRA or 4-bit models, the full-logits loss,
-    or a degree that does not divide the heads, the key/value heads or the MLP width."""
+    group work): wrapped transformers encoders, LoRA or 4-bit models, the full-logits loss
+    (with a vocab-parallel head), sequence parallelism of a family that declares no
+    sequence-parallel norms, or a degree that does not divide the heads, the key/value heads
+    or the MLP width (the plan's `divides`)."""
     if tp == 1:
         return
     key = f"parallel.tensor_parallel={tp}"
@@ -60,19 +68,40 @@ def check_tensor_parallel(model: ModelConfig, tp: int, *, lora: bool = False) ->
             f"{key} does not combine with model.lora / model.load_in_4bit (adapters and "
             "4-bit layers are not split); set parallel.tensor_parallel=1"
         )
-    if model.loss_implementation == "full":
+    arch = architecture(model)
+    plan = shape_of(arch).tensor
+    if plan.vocab_parallel and model.loss_implementation == "full":
         raise InputError(
             f"{key} splits the LM head by vocabulary, which model.loss_implementation=full "
             "(the whole logits on every rank) does not take; use loss_implementation chunked"
         )
-    arch = architecture(model)
-    for name in shape_of(arch).tensor.divides:
-        value = getattr(arch, name)
-        if value % tp:
+    if sequence_parallel:
+        check_sequence_plan(plan, arch.model_type)
+    for name in plan.divides:
+        value = divided_field(arch, name)
+        if value is not None and value % tp:
             raise InputError(
                 f"{key} does not divide model.{name}={value}; use a tensor_parallel degree "
                 f"that divides it"
             )
+
+
+def divided_field(arch: ModelConfig, name: str) -> int | None:
+    """The value of a `TensorPlan.divides` name: a ModelConfig field, or a sub-section's
+    (dotted: ``diffusion_gemma.num_global_key_value_heads``); None where it is unset."""
+    value = arch
+    for part in name.split("."):
+        value = getattr(value, part, None)
+    return value
+
+
+def check_sequence_plan(plan: TensorPlan, model_type: str) -> None:
+    """One line when a family's plan declares no norms for sequence parallelism to shard."""
+    if not plan.sequence_norms or not plan.vocab_parallel:
+        raise InputError(
+            f"parallel.sequence_parallel: true: model_type {model_type!r} declares no "
+            "sequence-parallel split (models/shape.py TensorPlan); set sequence_parallel: false"
+        )
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh,
@@ -81,10 +110,10 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh,
                           sequence_parallel: bool = False) -> nn.Module:  # fmt: skip
     """Split every decoder layer of a native model over ``tp_mesh`` (1-D), in place
     (``layers``: those of them; a pipeline stage's), and its embedding and LM head by
-    vocabulary rows (``vocab_parallel``; False keeps them replicated, the reference the
-    tests compare with). ``sequence_parallel``: the norms and the residual stream between
-    the layers sharded over the sequence too (`sequence_plan`; needs the vocab-parallel
-    embedding, whose output it scatters)."""
+    vocabulary rows (``vocab_parallel``, where the family's plan allows it; False keeps
+    them replicated, the reference the tests compare with). ``sequence_parallel``: the
+    norms and the residual stream between the layers sharded over the sequence too
+    (`sequence_plan`; needs the vocab-parallel embedding, whose output it scatters)."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -95,9 +124,12 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh,
         parallelize_module,
     )
 
+    tensor = shape_of(model.config).tensor  # the family's declaration (models/shape.py)
+    if sequence_parallel:
+        check_sequence_plan(tensor, model.config.model_type)
     if sequence_parallel and not vocab_parallel:
         raise ValueError("sequence parallelism scatters the vocab-parallel embedding's output")
-    tensor = shape_of(model.config).tensor  # the family's declaration (models/shape.py)
+    vocab_parallel = vocab_parallel and tensor.vocab_parallel
     # each module's hidden-state input enters as one replicated DTensor, so the gradients of
     # the linears that read it (q/k/v, gate/up) are summed locally and all-reduced once per
     # module, not once per projection (4 activation all-reduces per decoder layer, not 7)
@@ -115,7 +147,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh,
     if sequence_parallel:
         plan.update(sequence_plan(tensor))
     for layer in decoder_layers(model) if layers is None else layers:
-        layer_plan = dict(plan)
+        # the modules this layer has (DiffusionGemma's full-attention layers: no v_proj)
+        layer_plan = {name: style for name, style in plan.items() if has_module(layer, name)}
         for name in tensor.per_head_norms:  # (B, L, heads, head_dim): the heads are split
             if any(True for _ in layer.get_submodule(name).parameters()):
                 layer_plan[name] = SequenceParallel(sequence_dim=2, use_local_output=True)
@@ -129,6 +162,15 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh,
             output_layouts=Shard(1), desired_output_layouts=Replicate()))  # fmt: skip
         model.sequence_parallel = tp_mesh.size()
     return model
+
+
+def has_module(layer: nn.Module, name: str) -> bool:
+    """Whether `layer` has a submodule at the dotted path `name`."""
+    try:
+        layer.get_submodule(name)
+    except AttributeError:
+        return False
+    return True
 
 
 def sequence_plan(tensor: TensorPlan) -> dict:

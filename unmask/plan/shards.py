@@ -152,6 +152,11 @@ def planned_model_config(cfg: RunConfig) -> RunConfig:
         raise InputError(f"parallel.tensor_parallel={cfg.parallel.tensor_parallel}: model_type "
                          f"{arch.model_type!r} declares no tensor-parallel plan (models/shape.py); "
                          "set parallel.tensor_parallel=1")  # fmt: skip
+    if shape.canvas_decoder and cfg.parallel.tensor_parallel > 1:
+        raise InputError(f"parallel.tensor_parallel={cfg.parallel.tensor_parallel}: model_type "
+                         f"{arch.model_type!r} trains under tensor parallelism, but unmask plan "
+                         "does not model its split yet; plan with "
+                         "parallel.tensor_parallel=1")  # fmt: skip
     if model.pretrained is None:
         return cfg
     keep = {"attn_implementation": model.attn_implementation,

@@ -79,7 +79,9 @@ def plan_parallel(cfg: RunConfig, world_size: int) -> ParallelPlan:
     check_family_objective(cfg)
     check_lora_request(cfg.model)
     check_model_fits(cfg)
-    check_tensor_parallel(cfg.model, p.tensor_parallel, lora=cfg.model.lora)
+    check_tensor_parallel(
+        cfg.model, p.tensor_parallel, lora=cfg.model.lora, sequence_parallel=p.sequence_parallel
+    )
     check_context_request(cfg, world_size)
     check_sequence_request(cfg)
     check_pipeline_request(cfg)
