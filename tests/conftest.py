@@ -170,6 +170,19 @@ PARITY_SIZES = {"vocab_size": 97, "hidden_size": 64, "intermediate_size": 96,
                 "max_position_embeddings": 128}  # fmt: skip
 
 
+#: conftest's TINY (2 layers of hidden size 32, the synthetic tasks in rows of 20 tokens) as
+#: a diffusion_gemma: a sliding and a full layer, 4 experts (top 2), canvases of 4 tokens (an
+#: answer of the quickstart's tasks is 1 or 2 canvases), trained by the `uniform` objective
+TINY_GEMMA = {
+    "model": {"model_type": "diffusion_gemma", "head_dim": 16, "num_experts": 4,
+              "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+              "diffusion_gemma": {"sliding_window": 8, "canvas_length": 4,
+                                  "layer_types": ["sliding_attention", "full_attention"]}},
+    "diffusion": {"objective": "uniform"},
+    "train": {"eval_steps": 0, "save_steps": 0, "logging_steps": 1},
+}  # fmt: skip
+
+
 def installed_plugin(root: Path, module: str, entry: str | None, source: str = "") -> Path:
     """A plug-in package "installed" in folder `root` (put it on sys.path or PYTHONPATH):
     module `module` with `source` (none when empty) and a dist-info folder whose

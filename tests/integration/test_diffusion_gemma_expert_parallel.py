@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import deep_update, losses, train_in_process, write_run_config
+from conftest import TINY_GEMMA, deep_update, losses, train_in_process, write_run_config
 from launch import WORKERS, torchrun
 from safetensors.torch import load_file
 
@@ -26,16 +26,7 @@ from unmask.parallel.expert import expert_blocks, expert_stacks, is_moe_model
 from unmask.train.setup import plan_parallel
 from unmask.train.trainer import Trainer
 
-SLIDING, FULL = "sliding_attention", "full_attention"
-GEMMA = {
-    "model": {"model_type": "diffusion_gemma", "head_dim": 16, "num_experts": 4,
-              "num_experts_per_tok": 2, "moe_intermediate_size": 32,
-              "diffusion_gemma": {"sliding_window": 8, "canvas_length": 4,
-                                  "layer_types": [SLIDING, FULL]}},
-    "diffusion": {"objective": "uniform"},
-    "train": {"eval_steps": 0, "save_steps": 0, "logging_steps": 1},
-}  # fmt: skip
-"""test_uniform_train.py's tiny DiffusionGemma: 2 layers, 4 experts (2 per rank under ep=2)."""
+GEMMA = TINY_GEMMA  # 4 experts: 2 per rank under ep=2
 EP2 = deep_update(GEMMA, {
     "parallel": {"expert_parallel": 2},
     "diffusion": {"self_conditioning_prob": 0.5},

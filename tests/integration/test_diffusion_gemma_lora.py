@@ -10,7 +10,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import deep_update, losses, write_run_config
+from conftest import TINY_GEMMA, deep_update, losses, write_run_config
 
 from unmask.cli import main
 from unmask.config import load_config
@@ -18,16 +18,8 @@ from unmask.train.trainer import Trainer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-SLIDING, FULL = "sliding_attention", "full_attention"
-GEMMA = {
-    "model": {"model_type": "diffusion_gemma", "head_dim": 16, "num_experts": 4,
-              "num_experts_per_tok": 2, "moe_intermediate_size": 32,
-              "diffusion_gemma": {"sliding_window": 8, "canvas_length": 4,
-                                  "layer_types": [SLIDING, FULL]}},
-    "diffusion": {"objective": "uniform"},
-    "train": {"eval_steps": 0, "logging_steps": 1},
-    "optim": {"name": "adamw", "learning_rate": 1e-2},
-}  # fmt: skip
+GEMMA = deep_update(TINY_GEMMA, {"train": {"save_steps": 500},
+                                 "optim": {"name": "adamw", "learning_rate": 1e-2}})  # fmt: skip
 """test_uniform_train's tiny DiffusionGemma (2 layers of hidden size 32: a sliding and a full
 layer, 4 experts, canvases of 4 tokens) on conftest's synthetic rows."""
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import losses, train_in_process, write_run_config
+from conftest import TINY_GEMMA, deep_update, losses, train_in_process, write_run_config
 from launch import WORKERS, torchrun
 from safetensors.torch import load_file
 
@@ -24,19 +24,13 @@ from unmask.errors import InputError
 from unmask.parallel.tensor import check_tensor_parallel
 from unmask.train.setup import plan_parallel
 
-SLIDING, FULL = "sliding_attention", "full_attention"
-TP2 = {
-    "model": {"model_type": "diffusion_gemma", "head_dim": 16, "num_attention_heads": 4,
-              "num_key_value_heads": 2, "num_experts": 4, "num_experts_per_tok": 2,
-              "moe_intermediate_size": 32,
-              "diffusion_gemma": {"sliding_window": 8, "canvas_length": 4,
-                                  "global_head_dim": 32, "num_global_key_value_heads": 2,
-                                  "layer_types": [SLIDING, FULL]}},
-    "diffusion": {"objective": "uniform", "self_conditioning_prob": 0.5},
+TP2 = deep_update(TINY_GEMMA, {
+    "model": {"num_attention_heads": 4, "num_key_value_heads": 2,
+              "diffusion_gemma": {"global_head_dim": 32, "num_global_key_value_heads": 2}},
+    "diffusion": {"self_conditioning_prob": 0.5},
     "parallel": {"tensor_parallel": 2},
-    "train": {"eval_steps": 0, "save_steps": 10, "logging_steps": 1, "split_batches": True,
-              "max_steps": 20},
-}  # fmt: skip
+    "train": {"save_steps": 10, "split_batches": True, "max_steps": 20},
+})  # fmt: skip
 """A tiny DiffusionGemma: a sliding layer (4 query, 2 key/value heads of 16) and a full one
 (4 query heads of 32, 2 key/value heads, no v_proj), 4 experts (top 2) beside each dense MLP."""
 MUON = {"optim": {"name": "muon", "ns_dtype": "float32"}, "train": {"save_steps": 0}}

@@ -6,25 +6,21 @@ the uninterrupted run's losses and weights bit for bit."""
 import shutil
 
 import pytest
-from conftest import deep_update, losses, read_metrics, train_in_process, write_run_config
+from conftest import (
+    TINY_GEMMA,
+    deep_update,
+    losses,
+    read_metrics,
+    train_in_process,
+    write_run_config,
+)
 from launch import train_in_ranks
 
 from unmask.cli import main
 
 pytestmark = pytest.mark.slow
 
-SLIDING, FULL = "sliding_attention", "full_attention"
-GEMMA = {
-    "model": {"model_type": "diffusion_gemma", "head_dim": 16, "num_experts": 4,
-              "num_experts_per_tok": 2, "moe_intermediate_size": 32,
-              "diffusion_gemma": {"sliding_window": 8, "canvas_length": 4,
-                                  "layer_types": [SLIDING, FULL]}},
-    "diffusion": {"objective": "uniform"},
-    "train": {"eval_steps": 0, "save_steps": 0, "logging_steps": 1},
-}  # fmt: skip
-"""conftest's TINY (2 layers of hidden size 32, the synthetic tasks in rows of 20 tokens)
-as a diffusion_gemma: a sliding and a full layer, 4 experts, canvases of 4 tokens (an
-answer of the quickstart's tasks is 1 or 2 canvases)."""
+GEMMA = TINY_GEMMA
 
 
 def test_30_steps_on_the_quickstart_tasks_lower_the_loss(tmp_path):

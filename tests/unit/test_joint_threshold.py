@@ -482,21 +482,16 @@ def test_the_engine_batches_it_as_each_prompt_alone(sm):
         assert events[i][-1]["type"] == "done" and events[i][-1]["text"] == expected, i
 
 
-def test_a_served_request_gives_generates_tokens(folder, sm, tmp_path):
-    """A completions request to the server's app (in this process) with the options under
-    "unmask" answers what `unmask generate` answers."""
+def served_equals(sm, prompt: str, unmask: dict, expected: str, bad: tuple[str, str]) -> None:
+    """A completions request to the server's app (in this process) with `unmask` options
+    answers `expected`; the same request with option bad[0] set to bad[1] gets a 400 naming
+    it."""
     from unmask.serve.app import Server, build_app
     from unmask.serve.engine import Engine
 
-    dst = tmp_path / "out.jsonl"
-    assert main(["generate", "--model", str(folder), "--prompt", PROMPTS[0], "--out", str(dst),
-                 *FLAGS]) == 0  # fmt: skip
-    expected = json.loads(dst.read_text())["completion"]
     engine = Engine(sm)
     app = build_app(Server(sm, engine, "tiny"))
-    body = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 8,
-            "unmask": {"block_length": 4, "decoder": "joint_threshold", "edit_threshold": 0,
-                       "max_post_edit_steps": 3, "penalty_lambda": 1}}  # fmt: skip
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 8, "unmask": dict(unmask)}
 
     async def ask(payload):
         transport = httpx.ASGITransport(app=app)
@@ -507,11 +502,23 @@ def test_a_served_request_gives_generates_tokens(folder, sm, tmp_path):
         reply = asyncio.run(ask(body))
         assert reply.status_code == 200, reply.text
         assert reply.json()["choices"][0]["text"] == expected
-        body["unmask"]["joint_preset"] = "fast"
+        body["unmask"][bad[0]] = bad[1]
         refused = asyncio.run(ask(body))
-        assert refused.status_code == 400 and "unknown joint_preset 'fast'" in refused.text
+        assert refused.status_code == 400 and f"unknown {bad[0]} '{bad[1]}'" in refused.text
     finally:
         engine.close()
+
+
+def test_a_served_request_gives_generates_tokens(folder, sm, tmp_path):
+    """A completions request to the server's app (in this process) with the options under
+    "unmask" answers what `unmask generate` answers."""
+    dst = tmp_path / "out.jsonl"
+    assert main(["generate", "--model", str(folder), "--prompt", PROMPTS[0], "--out", str(dst),
+                 *FLAGS]) == 0  # fmt: skip
+    expected = json.loads(dst.read_text())["completion"]
+    unmask = {"block_length": 4, "decoder": "joint_threshold", "edit_threshold": 0,
+              "max_post_edit_steps": 3, "penalty_lambda": 1}  # fmt: skip
+    served_equals(sm, PROMPTS[0], unmask, expected, ("joint_preset", "fast"))
 
 
 # ------------------------------------ edit_scope all: the report's multi-block editing (MBE)
@@ -738,8 +745,7 @@ def test_edit_scope_options_and_flags():
 def test_a_served_edit_scope_all_request_gives_generates_tokens(folder, sm, tmp_path):
     """edit_scope all over the server (decoded alone by `sample`, as its steps edit
     finished blocks) answers what `unmask generate --edit-scope all` answers."""
-    from unmask.serve.app import Server, build_app
-    from unmask.serve.engine import Engine, Job
+    from unmask.serve.engine import Job
 
     options = {**OPTIONS, "edit_scope": "all"}
     texts = {p: alone(sm, p, **options) for p in PROMPTS}
@@ -753,23 +759,6 @@ def test_a_served_edit_scope_all_request_gives_generates_tokens(folder, sm, tmp_
     assert expected == texts[prompt][0]
     job = Job([1, 2], SamplingConfig(**options), emit=lambda event: None)
     assert job.auto and job.group[0] == "alone"
-    engine = Engine(sm)
-    app = build_app(Server(sm, engine, "tiny"))
-    body = {"model": "tiny", "prompt": prompt, "max_tokens": 8,
-            "unmask": {"block_length": 4, "decoder": "joint_threshold", "edit_threshold": 0,
-                       "max_post_edit_steps": 3, "penalty_lambda": 1, "edit_scope": "all"}}  # fmt: skip
-
-    async def ask(payload):
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as client:
-            return await client.post("/v1/completions", json=payload, timeout=120)
-
-    try:
-        reply = asyncio.run(ask(body))
-        assert reply.status_code == 200, reply.text
-        assert reply.json()["choices"][0]["text"] == expected
-        body["unmask"]["edit_scope"] = "window"
-        refused = asyncio.run(ask(body))
-        assert refused.status_code == 400 and "unknown edit_scope 'window'" in refused.text
-    finally:
-        engine.close()
+    unmask = {"block_length": 4, "decoder": "joint_threshold", "edit_threshold": 0,
+              "max_post_edit_steps": 3, "penalty_lambda": 1, "edit_scope": "all"}  # fmt: skip
+    served_equals(sm, prompt, unmask, expected, ("edit_scope", "window"))
