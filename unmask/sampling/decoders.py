@@ -76,11 +76,15 @@ class BlockDecoder:
         """Bool (B, Lb): the block's positions still masked."""
         return self.canvas.x[:, self.start : self.stop] == self.mask_id
 
-    def forward(self, step: int) -> torch.Tensor:
+    def forward(self, step: int, first: int | None = None) -> torch.Tensor:
         """Logits (B, Lb, V) of the block's positions at this step: a full forward (which
         refreshes the cache) at the block start, every cache_refresh steps and without a
-        cache; else only what the cache does not hold. Dream's logit shift applied."""
-        cfg, start, stop = self.config, self.start, self.stop
+        cache; else only what the cache does not hold. Dream's logit shift applied.
+        `first`: the logits of positions [first, block end) instead (first <= the block's
+        start), whose K/V are then recomputed at every step, never read from the cache
+        (joint_threshold's edit_scope all edits them)."""
+        cfg, stop = self.config, self.stop
+        start = self.start if first is None else first
         shift = 1 if cfg.shift_logits else 0
         refresh = step == 0 or (cfg.cache_refresh > 0 and step % cfg.cache_refresh == 0)
         if cfg.cache == "none" or refresh:

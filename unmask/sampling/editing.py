@@ -112,7 +112,7 @@ class JointThreshold(BlockDecoder):
         if self.done.all() or (step == 0 and not is_mask.any()):
             return False
         cfg = self.config
-        logits = self.forward(step) if lo == start else self._forward_from(lo, step)
+        logits = self.forward(step, lo)
         out.nfe += 1
         out.row_forwards += x_block.shape[0]
         if cfg.logits_hook is not None:
@@ -160,23 +160,6 @@ class JointThreshold(BlockDecoder):
             self.canvas.x = call_tokens_hook(cfg.tokens_hook, out.steps, self.canvas.x, logits)
         out.steps += 1
         return True
-
-    def _forward_from(self, lo: int, step: int) -> torch.Tensor:
-        """Logits (B, stop - lo, V) of positions [lo, stop): `BlockDecoder.forward` with the
-        fed span starting at lo instead of the block's start, so the K/V of [lo, start) (the
-        earlier blocks, which steps may edit) are recomputed at every step, never read
-        stale from the cache."""
-        cfg, stop = self.config, self.stop
-        shift = 1 if cfg.shift_logits else 0
-        refresh = step == 0 or (cfg.cache_refresh > 0 and step % cfg.cache_refresh == 0)
-        if cfg.cache == "none" or refresh:
-            a, b, store = 0, self.visible, cfg.cache != "none"
-            if step == 0 and self.first_forward is not None:
-                return self.first_forward(store, slice(lo - shift, stop - shift))
-        else:
-            a, b, store = lo - shift, (self.visible if cfg.cache == "prefix" else stop), False
-        full = self.canvas.forward(self.model, a, b, store, self.visible)
-        return full[:, lo - shift - a : stop - shift - a]
 
     def _probability(self, filtered: torch.Tensor, x0: torch.Tensor) -> torch.Tensor:
         """p(x0) (B, Lb) float64: softmax of the (filtered) logits, tempered at T > 0."""
