@@ -159,3 +159,25 @@ def test_experts_adapts_the_expert_stacks_which_train_merge_and_resume(tmp_path)
     assert all(resumed[s] == full[s] for s in (4, 5, 6))  # exactly, on CPU
     name = "adaptor/adapter_model.safetensors"
     assert (tmp_path / "run" / name).read_bytes() == (stopped / name).read_bytes()
+
+
+def test_compile_with_adapters_on_the_expert_stacks_is_refused_in_one_line(tmp_path):
+    """peft's expert-stack adapters swap the stacks in place on every call, which dynamo does
+    not trace (a fullgraph layer fails at its first step with pages of trace): refused
+    before anything is built, for this family and the native MoE ones."""
+    from unmask.errors import InputError
+    from unmask.train.setup import plan_parallel
+
+    lora = {"model": {"lora": True, "lora_dropout": 0.0,
+                      "lora_target_modules": ["q_proj", "experts"]},
+            "train": {"torch_compile": True}}  # fmt: skip
+    native = deep_update(lora, {"model": {"model_type": "qwen3_moe_dllm", "diffusion_gemma": None},
+                                "diffusion": {"objective": "mdlm"}})  # fmt: skip
+    for name, extra in (("gemma", lora), ("native", native)):
+        cfg = load_config(write_run_config(tmp_path, name, GEMMA, extra))
+        with pytest.raises(InputError, match=r"^train.torch_compile does not trace peft's "
+                           r"adapters on the expert stacks") as err:  # fmt: skip
+            plan_parallel(cfg, 1)
+        assert "\n" not in str(err.value)
+    compiled = deep_update(lora, {"model": {"lora_target_modules": ["q_proj"]}})
+    assert plan_parallel(load_config(write_run_config(tmp_path, "q", GEMMA, compiled)), 1)

@@ -191,3 +191,22 @@ def test_flash_at_8_gpus_does_not_fit_in_one_line(capsys):
     assert code == 2
     err = capsys.readouterr().err
     assert "does not fit" in err and err.count("\n") == 1
+
+
+def test_fsdp2_gathers_each_layer_for_each_use_and_again_after_each_backward_use():
+    """26B-A4B at 8 ranks: a layer is used three times (the encoder, the first decoder pass,
+    the second) and twice in the backward. Resharded after forward: gathered before each
+    of the 5 uses; kept after forward (parallel.reshard_after_forward false): gathered once
+    in the forward, and FSDP2's post-backward reshards after every backward use, so again
+    before the second (the encoder's). The root (embedding, norm, self-conditioning MLP):
+    twice, or once. Reduce-scatters: one per backward use either way."""
+    path = MODELS / "diffusion_gemma_26b_a4b.yaml"
+    calls = {}
+    for reshard in ("true", "false"):
+        cfg = load_config(path, ["parallel.expert_parallel=8",
+                                 f"parallel.reshard_after_forward={reshard}"])  # fmt: skip
+        kinds = {(c.dim, c.kind): c for c in make_run_plan(cfg, 8, resolve_device("h100"))
+                 .collectives}  # fmt: skip
+        calls[reshard] = (kinds[("dp_shard_cp", "all-gather")].calls,
+                          kinds[("dp_shard_cp", "reduce-scatter")].calls)  # fmt: skip
+    assert calls == {"true": (5 * 30 + 2, 2 * 30 + 1), "false": (2 * 30 + 1, 2 * 30 + 1)}

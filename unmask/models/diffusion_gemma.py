@@ -440,7 +440,9 @@ class DiffusionGemma(nn.Module):
         tables = self._tables(position_ids)
         window = self.section.sliding_window
         x = self._embed(input_ids)
-        stream = x.dtype  # the residual stream's dtype, kept between layers (_stream)
+        # the residual stream's dtype, kept between layers: under autocast a layer's output is
+        # float32 (its float32 layer scalar), and a compiled layer would see a new input dtype
+        stream = x.dtype
         keys, values = [], []
         layers = self.model.layers
         for index, layer in enumerate(layers):
@@ -484,7 +486,7 @@ class DiffusionGemma(nn.Module):
             if self_conditioning_mask is not None:
                 soft = soft * self_conditioning_mask.to(soft.dtype)[:, None, None]
         x = self.model.self_conditioning(x, soft)
-        stream = x.dtype  # the residual stream's dtype, kept between layers (_stream)
+        stream = x.dtype  # kept between layers, as in encode
         tables = self._tables(position_ids)
         for index, layer in enumerate(self.model.layers):
             past = (cache.keys[index], cache.values[index])

@@ -261,7 +261,8 @@ class ExpertShard:
 
     def run(self, experts: nn.Module, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """rows (N, H) sorted by global expert, counts (E,) -> the rows' expert outputs,
-        in the same order."""
+        in the same order. The split sizes are host integers read from the counts, so an
+        expert block that runs this is left out of torch.compile (`shard_experts`)."""
         size, local = self.size, self.num_local
         received = torch.empty_like(counts)
         dist.all_to_all_single(received, counts, group=self.group)  # (source, local expert)
@@ -295,6 +296,9 @@ def shard_experts(model: nn.Module, mesh: DeviceMesh) -> list[nn.Parameter]:
     params: list[nn.Parameter] = []
     for block in expert_blocks(model):
         block.expert_parallel = ExpertShard(mesh, block.num_experts)
+        # run eagerly inside a compiled layer (train.torch_compile): its dispatch reads the
+        # per-expert counts to the host and receives a data-dependent number of rows
+        block.forward = torch.compiler.disable(block.forward)
         for owner, name in _stack_owners(block):
             whole = getattr(owner, name).detach()
             shard = distribute_tensor(whole, mesh, [Replicate(), Shard(0)])
@@ -331,7 +335,3 @@ def _stack_owners(block: nn.Module) -> list[tuple[nn.Module, str]]:
 def expert_stacks(block: nn.Module) -> dict[str, nn.Parameter]:
     """An expert block's stacked expert parameters by attribute name."""
     return {name: getattr(owner, name) for owner, name in _stack_owners(block)}
-
-
-def is_moe_model(model: nn.Module) -> bool:
-    return bool(expert_blocks(model))

@@ -91,10 +91,11 @@ def choose_for_trainer(trainer) -> tuple[bool | int, str]:
 
 def _choose_for_trainer(trainer) -> tuple[bool | int, str]:
     cfg, model = trainer.cfg, trainer.model
-    if shape_of(planned_model_config(cfg).model).canvas_decoder:
-        return False, f"activation checkpointing: none (auto: {NO_RECOMPUTE})"
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     built = getattr(base, "config", None)  # a pretrained folder's architecture, as loaded
+    # a canvas decoder never recomputes: decided before the planner (which refuses its tp)
+    if shape_of(built if isinstance(built, ModelConfig) else cfg.model).canvas_decoder:
+        return False, f"activation checkpointing: none (auto: {NO_RECOMPUTE})"
     if isinstance(built, ModelConfig):
         m = cfg.model
         keep = {"pretrained": None, "load_in_4bit": m.load_in_4bit, "lora": m.lora,

@@ -267,14 +267,16 @@ def _canvas_fsdp(model: ShardedModel, shape: StepShape,
     """(elements gathered, all-gather calls, reduce-scatter calls, elements reduce-scattered)
     of a canvas decoder's step: each layer gathered before each pass's use of it (the
     encoder's, the first decoder pass's, the second's) and again before each backward use
-    when resharded after forward (else once), and reduce-scattered after each backward use
+    when resharded after forward (else gathered once in the forward and again before each
+    backward use but the first: FSDP2's post-backward reshards after every backward use),
+    and reduce-scattered after each backward use
     (the encoder's and the decoder's: FSDP2's post-backward runs once per use); the root
     as any unit's."""
     arch = model.model_config
     passes = shape_of(arch).passes(arch, shape.length, shape.self_condition)
     uses = len(passes)
     backward = sum(1 for *_, grad in passes if grad)
-    per_layer = uses + backward if shape.reshard_after_forward else 1
+    per_layer = uses + backward if shape.reshard_after_forward else max(backward, 1)
     per_root = 2 if shape.reshard_after_forward else 1
     root = units.get("root", 0)
     layers = sum(units.values()) - root

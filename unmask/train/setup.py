@@ -31,7 +31,7 @@ from unmask.models import (
 from unmask.models.float8 import convert_to_float8
 from unmask.models.hf import architecture
 from unmask.models.hf_wrapped import is_wrapped
-from unmask.models.lora import apply_lora, lora_targets
+from unmask.models.lora import apply_lora, lora_targets, targets_experts
 from unmask.models.lora import check_request as check_lora_request
 from unmask.models.quant import quantize_4bit
 from unmask.parallel.batch import per_rank_batch_size
@@ -78,6 +78,12 @@ def plan_parallel(cfg: RunConfig, world_size: int) -> ParallelPlan:
     check_family_trains(cfg.model)
     check_family_objective(cfg)
     check_lora_request(cfg.model)
+    if t.torch_compile and targets_experts(cfg.model):
+        raise InputError(
+            "train.torch_compile does not trace peft's adapters on the expert stacks "
+            "(model.lora_target_modules holds 'experts': they swap the stacks in place on every "
+            "call); set train.torch_compile: false or drop 'experts'"
+        )
     check_model_fits(cfg)
     check_tensor_parallel(
         cfg.model, p.tensor_parallel, lora=cfg.model.lora, sequence_parallel=p.sequence_parallel
@@ -404,8 +410,14 @@ def build_train_model(cfg: RunConfig, tokenizer, added_tokens: int, device: torc
         graphs = getattr(model, "compiled_layer_graphs", None)
         if graphs is not None:  # DiffusionGemma: dense sdpa masks only, its encoder and
             traceable = True  # decoder calls one graph each (models/diffusion_gemma.py)
+            # dynamo's limit is per code object and process-wide (the layers share one
+            # forward): raised, never lowered, for the rest of the process
             limit = torch._dynamo.config.recompile_limit
             torch._dynamo.config.recompile_limit = max(limit, graphs())
+        # expert parallelism's dispatch reads its per-expert counts to the host (the
+        # all-to-all splits): the expert blocks run eagerly between a layer's graphs
+        # (parallel/expert.py shard_experts)
+        traceable = traceable and cfg.parallel.expert_parallel == 1
         compile_blocks(decoder_layers(model), fullgraph=traceable)
     if cfg.model.lora:  # peft wrapper: base frozen, LoRA factors train (AdamW)
         model = apply_lora(model, cfg.model)
