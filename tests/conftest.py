@@ -183,6 +183,39 @@ TINY_GEMMA = {
 }  # fmt: skip
 
 
+def write_toy_tasks(folder: Path, rows: list[dict]) -> Path:
+    """lm-eval task files toy_mc (multiple choice) and toy_gen (generate_until) in `folder`
+    over one local jsonl file of `rows` ({"question", "choices", "label"})."""
+    folder.mkdir(parents=True, exist_ok=True)
+    data = folder / "toy.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    common = f"""dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+doc_to_text: "{{{{question}}}}"
+target_delimiter: ""
+"""
+    (folder / "mc.yaml").write_text(f"""task: toy_mc
+{common}output_type: multiple_choice
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: label
+metric_list:
+  - metric: acc
+""")
+    (folder / "gen.yaml").write_text(f"""task: toy_gen
+{common}output_type: generate_until
+doc_to_target: "{{{{choices[label]}}}}"
+generation_kwargs:
+  until: ["\\n"]
+  max_gen_toks: 6
+metric_list:
+  - metric: exact_match
+""")
+    return folder
+
+
 def installed_plugin(root: Path, module: str, entry: str | None, source: str = "") -> Path:
     """A plug-in package "installed" in folder `root` (put it on sys.path or PYTHONPATH):
     module `module` with `source` (none when empty) and a dist-info folder whose

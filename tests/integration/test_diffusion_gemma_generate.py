@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 import torch
-from conftest import save_tiny_diffusion_gemma, save_tiny_model
+from conftest import save_tiny_diffusion_gemma, save_tiny_model, write_toy_tasks
 
 from unmask.checkpoint import load_for_sampling
 from unmask.cli import main
@@ -107,43 +107,13 @@ def test_the_command_line_refuses_bad_combinations_in_one_line(saved, tmp_path, 
     assert "entropy_bound is an option of decoder entropy_bound" in err[4]
 
 
-def toy_tasks(folder):
-    """toy_gen (generate_until) and toy_mc (multiple choice) over one local jsonl file."""
-    folder.mkdir(parents=True, exist_ok=True)
-    data = folder / "toy.jsonl"
-    rows = [{"question": "add 1+2=", "choices": ["3", "4"], "label": 0},
+TOY_ROWS = [{"question": "add 1+2=", "choices": ["3", "4"], "label": 0},
             {"question": "rev 12=", "choices": ["21", "12"], "label": 0}]  # fmt: skip
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    common = f"""dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {data}
-test_split: test
-doc_to_text: "{{{{question}}}}"
-target_delimiter: ""
-"""
-    (folder / "gen.yaml").write_text(f"""task: toy_gen
-{common}output_type: generate_until
-doc_to_target: "{{{{choices[label]}}}}"
-generation_kwargs:
-  until: ["\\n"]
-  max_gen_toks: 6
-metric_list:
-  - metric: exact_match
-""")
-    (folder / "mc.yaml").write_text(f"""task: toy_mc
-{common}output_type: multiple_choice
-doc_to_choice: "{{{{choices}}}}"
-doc_to_target: label
-metric_list:
-  - metric: acc
-""")
-    return folder
 
 
 def test_unmask_eval_generates_and_refuses_likelihoods(saved, tmp_path, offline, capsys):
     pytest.importorskip("lm_eval")
-    folder, tasks = str(saved[1]), toy_tasks(tmp_path / "tasks")
+    folder, tasks = str(saved[1]), write_toy_tasks(tmp_path / "tasks", TOY_ROWS)
     out = tmp_path / "results.json"
     assert main(["eval", "--model", folder, "--tasks", "toy_gen", "--include-path", str(tasks),
                  "--preset", "instruct", "--max-denoising-steps", "8", "--seed", "2",

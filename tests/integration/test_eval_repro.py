@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import save_tiny_model
+from conftest import save_tiny_model, write_toy_tasks
 from torch import nn
 
 pytest.importorskip("lm_eval")
@@ -48,38 +48,6 @@ def model_dir(tmp_path_factory):
     return folder
 
 
-def write_tasks(folder: Path) -> Path:
-    """toy_mc (multiple choice) and toy_gen (generate_until) over one local jsonl file."""
-    folder.mkdir(parents=True, exist_ok=True)
-    data = folder / "toy.jsonl"
-    data.write_text("".join(json.dumps(q) + "\n" for q in QUESTIONS))
-    common = f"""dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {data}
-test_split: test
-doc_to_text: "{{{{question}}}}"
-target_delimiter: ""
-"""
-    (folder / "mc.yaml").write_text(f"""task: toy_mc
-{common}output_type: multiple_choice
-doc_to_choice: "{{{{choices}}}}"
-doc_to_target: label
-metric_list:
-  - metric: acc
-""")
-    (folder / "gen.yaml").write_text(f"""task: toy_gen
-{common}output_type: generate_until
-doc_to_target: "{{{{choices[label]}}}}"
-generation_kwargs:
-  until: ["\\n"]
-  max_gen_toks: 6
-metric_list:
-  - metric: exact_match
-""")
-    return folder
-
-
 def without_wall_clock(text: str) -> str:
     """The results file's text less its `wall_clock` entry (the only one allowed to vary)."""
     return re.sub(r'\n  "wall_clock": \{[^}]*\}', "", text)
@@ -87,7 +55,7 @@ def without_wall_clock(text: str) -> str:
 
 @pytest.mark.slow
 def test_base_preset_results_reproduce_across_processes(model_dir, tmp_path, offline):
-    tasks = write_tasks(tmp_path / "tasks")
+    tasks = write_toy_tasks(tmp_path / "tasks", QUESTIONS)
     out = tmp_path / "results.json"
     args = ["eval", "--model", str(model_dir), "--tasks", "toy_mc,toy_gen", "--include-path",
             str(tasks), "--preset", "base", "--mc-num", "4", "--batch-size", "2",
@@ -147,7 +115,7 @@ def test_base_preset_results_reproduce_across_processes(model_dir, tmp_path, off
 
 
 def test_instruct_preset_generates_from_the_chat_template(model_dir, tmp_path, offline, capsys):
-    tasks = write_tasks(tmp_path / "tasks")
+    tasks = write_toy_tasks(tmp_path / "tasks", QUESTIONS)
     out = tmp_path / "results.json"
     assert main(["eval", "--model", str(model_dir), "--tasks", str(tasks / "gen.yaml"),
                  "--preset", "instruct", "--log-samples", "--out", str(out)]) == 0  # fmt: skip
@@ -188,7 +156,7 @@ def test_base_preset_scores_choices_with_the_mc_elbo(model_dir, tmp_path, offlin
         item_generator,
     )
 
-    tasks = write_tasks(tmp_path / "tasks")
+    tasks = write_toy_tasks(tmp_path / "tasks", QUESTIONS)
     assert main(["eval", "--model", str(model_dir), "--tasks", "toy_mc", "--include-path",
                  str(tasks), "--mc-num", "4", "--batch-size", "2", "--seed", "7",
                  "--log-samples"]) == 0  # fmt: skip
@@ -240,7 +208,7 @@ def test_throughput_counts_generated_tokens_only(model_dir, tmp_path, offline, m
         return sm
 
     monkeypatch.setattr(harness, "load_for_sampling", stopping)
-    tasks = write_tasks(tmp_path / "tasks")
+    tasks = write_toy_tasks(tmp_path / "tasks", QUESTIONS)
     assert main(["eval", "--model", str(model_dir), "--tasks", str(tasks / "gen.yaml"),
                  "--preset", "instruct", "--log-samples"]) == 0  # fmt: skip
     captured = capsys.readouterr()

@@ -785,7 +785,7 @@ class _GroupedMatmulShapes(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):  # pragma: no cover - the trace runs no backward
-        raise NotImplementedError
+        raise RuntimeError("a shape-only stand-in for the planner's forward trace")
 
 
 def canvas_saves(model: ShardedModel, shape: StepShape) -> tuple[list[int], list[int], int]:
