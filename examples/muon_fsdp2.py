@@ -27,6 +27,7 @@ from torch.distributed.tensor.parallel import (
 
 from unmask.errors import InputError
 from unmask.optim import MuonAdamW
+from unmask.parallel.mesh import end_process
 
 
 class MLP(nn.Module):
@@ -74,7 +75,6 @@ def main() -> None:
     sys.stdout.flush()
     if dist.get_rank() == 0:
         assert losses[-1] < 0.7 * losses[0], losses
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
@@ -83,3 +83,6 @@ if __name__ == "__main__":
         main()
     except InputError as err:  # unmask's refusals: one line, exit 2
         raise SystemExit(f"error: {err}") from None
+    # destroy the process group and leave without interpreter finalization, where gloo's
+    # threads can abort a run that succeeded (pytorch/pytorch#179291)
+    end_process(0)
