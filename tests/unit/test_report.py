@@ -392,3 +392,60 @@ def test_the_qk_clip_max_logit_is_plotted_for_runs_that_log_it(tmp_path):
     assert "qk_max_logit.png leaves out plain (never logged qk_max_logit)" in notes
     figures, notes = build_figures(load_runs([plain]))
     assert "qk_max_logit" not in figures and not any("qk_max_logit" in n for n in notes)
+
+
+def test_the_heartbeat_decides_the_status(tmp_path):
+    """runs/heartbeat.py's rule: a running heartbeat of a live pid on this host is
+    `running` whatever the files say; of a dead pid, `crashed`; from another host, by the
+    file's age against STALE_SECONDS; `stopped` / `finished` / `failed` as written."""
+    import os
+    import subprocess
+    import sys
+
+    from unmask.runs import heartbeat as hb
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    now = 1_000_000.0
+
+    def status(**beat):
+        run = make_run(tmp_path / f"r{len(list(tmp_path.iterdir()))}", six_steps()[:5],
+                       checkpoints=(3,))  # fmt: skip
+        record = {"status": "running", "pid": os.getpid(), "host": hb.this_host(),
+                  "updated": now, "step": 5, **beat}  # fmt: skip
+        (run / hb.HEARTBEAT_FILE).write_text(json.dumps(record))
+        return hb.run_status(heartbeat=hb.read_heartbeat(run), finished_files=False, saved=3,
+                             last_logged=5, now=now)  # fmt: skip
+
+    assert status() == "running"
+    assert status(pid=dead.pid) == "crashed"
+    assert status(host="another-node", pid=dead.pid, updated=now - 30) == "running"
+    assert status(host="another-node", updated=now - hb.STALE_SECONDS - 1) == "crashed"
+    assert status(status="stopped") == "stopped at step 3"
+    assert status(status="finished") == "finished"
+    assert status(status="failed") == "crashed"
+    run = make_run(tmp_path / "live", six_steps()[:5], checkpoints=(3,))
+    (run / hb.HEARTBEAT_FILE).write_text(json.dumps(
+        {"status": "running", "pid": os.getpid(), "host": hb.this_host()}))  # fmt: skip
+    assert run_info(run).status == "running"  # the files alone would say crashed
+
+
+def test_the_heartbeat_thread_rewrites_the_file_and_ends_with_the_status(tmp_path):
+    import time
+
+    from unmask.runs.heartbeat import Heartbeat, read_heartbeat
+
+    beat = Heartbeat(tmp_path, every=0.05)
+    first = read_heartbeat(tmp_path)["updated"]
+    beat.beat(7)
+    time.sleep(0.3)
+    record = read_heartbeat(tmp_path)
+    assert record["status"] == "running" and record["step"] == 7 and record["updated"] > first
+    beat.end("stopped")
+    assert read_heartbeat(tmp_path)["status"] == "stopped"
+    assert not beat._thread.is_alive()
+    (tmp_path / "other").mkdir()
+    with pytest.raises(RuntimeError), Heartbeat(tmp_path / "other", every=10) as other:
+        other.beat(1)
+        raise RuntimeError("boom")
+    assert read_heartbeat(tmp_path / "other")["status"] == "failed"

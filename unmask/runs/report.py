@@ -7,15 +7,14 @@ logged `grad_norm`, `eval_loss`, `heldout_exact_match`, `skipped_steps`,
 `elapsed_seconds`; unknown keys are ignored), checkpoint-N/ folders (complete once they
 hold manifest.json) and, once the run is done, final/.
 
-Status of a run (`run_info`), decided from the files alone, in this order:
-  - `finished`: final/ holds a model and the last logged step is the planned total
-    (config.yaml's train.max_steps; when that is -1, the newest checkpoint's step, since
-    the trainer always saves at its last step);
-  - `stopped at step N`: checkpoint-N is the newest complete checkpoint and nothing was
-    logged after step N: resuming loses no logged work;
-  - `crashed`: steps were logged after the newest checkpoint, or there is no checkpoint
-    (and the run is not finished): resuming restarts from that checkpoint, or from scratch.
-A run still training looks `crashed` (or `stopped`) too: its `last written` time says so.
+Status of a run (`run_info`): `running`, `finished`, `stopped at step N` or `crashed`, by
+the one rule of heartbeat.py (`run_status`), which `unmask runs` and the server's runs view
+share. The trainer's heartbeat.json says whether a run is alive; a folder without one (a run
+from before it existed) is judged from its files: `finished` when final/ holds a model and
+the last logged step is the planned total (config.yaml's train.max_steps; when that is -1,
+the newest checkpoint's step, since the trainer always saves at its last step); `stopped at
+step N` when checkpoint-N is the newest complete checkpoint and nothing was logged after
+it (resuming loses no logged work); else `crashed`.
 """
 
 import json
@@ -30,6 +29,7 @@ import yaml
 
 from unmask.checkpoint import list_checkpoints
 from unmask.errors import InputError
+from unmask.runs.heartbeat import read_heartbeat, run_status
 
 #: the file a run logs its metrics to, one JSON record per line
 METRICS_FILE = "metrics.jsonl"
@@ -229,14 +229,13 @@ def run_info(run_dir: str | Path) -> RunInfo:
     saved = checkpoint_step(newest) if newest is not None else None
     last = max((r["step"] for r in records), default=None)
     planned = planned_steps(run_dir) or saved
+    heartbeat = read_heartbeat(run_dir)
     if problem is not None:
         status = "unreadable"
-    elif final_model(run_dir) is not None and last is not None and last == planned:
-        status = "finished"
-    elif saved is not None and (last is None or last <= saved):
-        status = f"stopped at step {saved}"
     else:
-        status = "crashed"
+        finished = final_model(run_dir) is not None and last is not None and last == planned
+        status = run_status(heartbeat=heartbeat, finished_files=finished, saved=saved,
+                            last_logged=last)  # fmt: skip
     written = [p for p in run_dir.iterdir() if p.name != PLOTS_DIR] or [run_dir]
     return RunInfo(
         path=run_dir, status=status, last_step=last, planned_steps=planned,

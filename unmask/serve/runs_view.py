@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 import re
-import time
 from pathlib import Path
 from typing import Any
 
@@ -26,8 +25,6 @@ from unmask.runs.report import (
     run_info,
 )
 
-#: a run whose files changed this recently and that is not finished is shown as running
-RUNNING_SECONDS = 120.0
 #: the metric keys served: letters, digits and _ . / - (moe_load_max_over_mean/layer_3)
 METRIC_KEY = re.compile(r"[A-Za-z0-9_./-]{1,64}")
 MAX_KEYS = 64  # a run's metrics served: the known ones first, then by name
@@ -58,11 +55,10 @@ def _eta(records: list[dict], planned: int | None) -> float | None:
 
 
 def list_runs(runs_dir: Path) -> list[dict[str, Any]]:
-    """One row per run: name, status (`running` when not finished and written within
-    RUNNING_SECONDS), step, planned steps, loss, eval loss, the last held-out exact match
-    (heldout_exact_match, 0-1), tokens/s, ETA seconds."""
+    """One row per run: name, status (`unmask runs`'s: running, finished, stopped at step N,
+    crashed; the rule is runs/heartbeat.py's `run_status`), step, planned steps, loss, eval
+    loss, the last held-out exact match (heldout_exact_match, 0-1), tokens/s, ETA seconds."""
     rows = []
-    now = time.time()
     for path in find_runs(runs_dir):
         info = run_info(path)
         try:
@@ -70,8 +66,6 @@ def list_runs(runs_dir: Path) -> list[dict[str, Any]]:
         except InputError:
             records = []
         status = info.status
-        if status != "finished" and now - info.last_written < RUNNING_SECONDS:
-            status = "running"
         rows.append({
             "name": _name(runs_dir, path), "status": status, "step": info.last_step,
             "planned_steps": info.planned_steps, "loss": info.loss,

@@ -32,6 +32,7 @@ from unmask.parallel.expert import attach_moe_training
 from unmask.parallel.mesh import launch_env, share_from_rank0
 from unmask.parallel.pipeline import PipelineRunner, balancing_notice
 from unmask.parallel.threads import set_threads
+from unmask.runs.heartbeat import Heartbeat
 from unmask.runs.report import run_summary
 from unmask.sampling.config import (
     GENERATION_FILE,
@@ -320,6 +321,9 @@ class Trainer(TrainStep, Evaluation, CheckpointedState):
         started = time.perf_counter()
         window.restart()
         last: dict = {}
+        # rank 0 says the run is alive (`unmask runs`, the page: runs/heartbeat.py)
+        heartbeat = Heartbeat(self.output_dir) if self.dist.is_main else None
+        ending = "failed"  # what the heartbeat says if train() leaves by an error
         try:
             with StopSignals() as stop, self._lost_peer_stops():
                 self._stop_signals = stop
@@ -331,6 +335,8 @@ class Trainer(TrainStep, Evaluation, CheckpointedState):
                     self.checkpointer.poll()  # a finished async write is published now
                     self.step += 1
                     self.progress.tokens_seen += plan.tokens_per_step
+                    if heartbeat is not None:
+                        heartbeat.beat(self.step)
                     if not self._guard_step(stats, logger):
                         continue
                     window.add(stats, plan.tokens_per_step)  # on the device: no sync
@@ -372,6 +378,7 @@ class Trainer(TrainStep, Evaluation, CheckpointedState):
                         last["save_stall_seconds"] = stall
                     if self._stop_requested(stop, stats):
                         self._stop(stop, logger, saved)
+                        ending = "stopped"
                         return last
             with self._lost_peer_stops():  # both gather the sharded model
                 self.model = self.checkpointer.save_final(self.model, cfg.model)
@@ -381,7 +388,10 @@ class Trainer(TrainStep, Evaluation, CheckpointedState):
             if self.dist.is_main:  # steps, tokens, time, losses, checkpoints, what next
                 logger.print(run_summary(self.output_dir, prompt=prompt,
                                          wall_seconds=time.perf_counter() - started))  # fmt: skip
+            ending = "finished"
         finally:
+            if heartbeat is not None:
+                heartbeat.end(ending)
             self._stop_signals = None
             self.objective.close()  # grpo: the rewards' worker processes
             self._finish_checkpoint()
