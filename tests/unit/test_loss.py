@@ -377,3 +377,40 @@ def test_row_blocks_of_the_fused_loss_are_multiples_of_128_where_they_fit():
     assert loss_block_rows(152_064, budget) == 128  # Dream: 220
     assert loss_block_rows(500_000, budget) == 67  # fewer than 128 fit: as many as fit
     assert loss_block_rows(128, budget) == budget // 128
+
+
+def test_cuda_takes_larger_loss_blocks_and_the_cpu_keeps_its_own():
+    """The fused loss's block on CUDA: up to 2^28 logits (2048 rows at LLaDA's vocabulary
+    where the CPU's 4096 x 8192 gives 256), at most an eighth of the free memory at 6 bytes
+    a logit, never fewer than the CPU's; the CPU's is row_chunk x vocab_chunk as before."""
+    from unmask.diffusion.loss import loss_block_elements, loss_block_rows
+
+    budget = 4096 * 8192
+    assert loss_block_elements("cpu", budget) == budget
+    assert loss_block_rows(126_464, loss_block_elements("cpu", budget)) == 256
+    roomy = loss_block_elements("cuda", budget, free_bytes=120 << 30)
+    assert roomy == 1 << 28 == loss_block_elements("cuda:1", budget, free_bytes=1 << 40)
+    assert loss_block_rows(126_464, roomy) == 2048  # LLaDA
+    assert loss_block_rows(152_064, roomy) == 1664  # Dream: 1765 fit
+    tight = loss_block_elements("cuda", budget, free_bytes=4 << 30)
+    assert tight == (4 << 30) // 48 and loss_block_rows(126_464, tight) == 640
+    assert loss_block_elements("cuda", budget, free_bytes=1 << 30) == budget  # never fewer
+
+
+@pytest.mark.parametrize("row_chunk", [1, 7, 128])
+def test_the_fused_loss_and_its_grads_do_not_depend_on_the_block_rows(row_chunk):
+    """Blocks of 1, 7 and 128 rows against one block of all 300 (vocab_chunk = V: rows per
+    block = row_chunk): the loss and both gradients equal within float32 rounding (the
+    sums over blocks are reordered, so not bit for bit)."""
+    g = torch.Generator().manual_seed(5)
+    n, vocab = 300, 50
+    hidden = torch.randn(n, H, generator=g).requires_grad_()
+    weight = torch.randn(vocab, H, generator=g).requires_grad_()
+    targets = torch.randint(0, vocab, (n,), generator=g)
+    coef = torch.rand(n, generator=g)
+    results = []
+    for rows in (row_chunk, n):
+        loss = weighted_cross_entropy(hidden, weight, targets, coef, vocab, rows)
+        results.append((loss, *torch.autograd.grad(loss, [hidden, weight])))
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)

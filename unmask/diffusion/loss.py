@@ -432,7 +432,8 @@ def weighted_cross_entropy(
     if hidden.shape[0] == 0 or not needs_grad or not fused:
         losses = chunked_cross_entropy(hidden, weight, targets, vocab_chunk, row_chunk)
         return (losses * coef.detach().to(losses.dtype)).sum()
-    block_rows = loss_block_rows(weight.shape[0], row_chunk * vocab_chunk)
+    elements = loss_block_elements(hidden.device, row_chunk * vocab_chunk)
+    block_rows = loss_block_rows(weight.shape[0], elements)
     shard = vocab_shard(weight)
     compute = compute_dtype(hidden)
     with torch.autocast(device_type=hidden.device.type, enabled=False):
@@ -447,6 +448,39 @@ def weighted_cross_entropy(
 
 #: rows of a block of the fused loss are a multiple of this (a GEMM's M tile on a GPU)
 BLOCK_ROWS_MULTIPLE = 128
+
+#: logits in a block of the fused loss on a CUDA device, at most: each block reads and
+#: writes the whole float32 head gradient (`addmm_`; 2 GiB at vocabulary 126,464 and hidden
+#: 4096): 2048 target rows in blocks of 256 rows read and write it 8 times, in one block once.
+#: 2^28 logits: a 1 GiB float32 block and its 0.5 GiB bf16 copy, 2048 rows at 126,464.
+CUDA_BLOCK_ELEMENTS = 1 << 28
+
+#: ... and at most this share of the device's free memory (6 bytes a logit: the float32
+#: block and its copy in the compute dtype)
+CUDA_BLOCK_FREE_SHARE = 8
+
+_CUDA_BLOCK: dict[int, int] = {}  # device index -> elements, chosen at the first loss
+
+
+def loss_block_elements(device: torch.device | str, elements: int,
+                        free_bytes: int | None = None) -> int:  # fmt: skip
+    """Logits per block of the fused loss on `device`: `elements` (row_chunk x vocab_chunk)
+    on a CPU and other devices; on CUDA larger, up to CUDA_BLOCK_ELEMENTS and
+    1 / CUDA_BLOCK_FREE_SHARE of the free memory (6 bytes a logit), never below `elements`.
+    `free_bytes` None: the device's free memory read at its first call and kept for the
+    process, so every step cuts its rows alike (the sums over blocks keep one order)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return elements
+    if free_bytes is None:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if index not in _CUDA_BLOCK:
+            _CUDA_BLOCK[index] = loss_block_elements(
+                device, 0, torch.cuda.mem_get_info(index)[0]
+            )  # fmt: skip
+        return max(elements, _CUDA_BLOCK[index])
+    share = free_bytes // (6 * CUDA_BLOCK_FREE_SHARE)
+    return max(elements, min(CUDA_BLOCK_ELEMENTS, share))
 
 
 def loss_block_rows(vocab: int, elements: int) -> int:
