@@ -3,6 +3,7 @@
 transformers with the same logits."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -187,3 +188,35 @@ def test_a_prompt_with_characters_the_tokenizer_lacks_is_warned_about(model_dir,
     err = capsys.readouterr().err
     assert "the tokenizer does not know 'é' in prompt 'rev é12='" in err
     assert f"wrote 1 record(s) to {out}" in err
+
+
+def test_show_counts_each_batchs_edits_as_the_python_api_does(tmp_path, capsys):
+    """joint_threshold edits: prompts of two lengths in a folder with row_length are two
+    batches; each batch's --show count starts at 0 and equals its `sample` output's edits,
+    the summary line and the records carry the totals, and each edit is listed with its
+    step and the token it replaced."""
+    from unmask.data.tokenizer import load_local_tokenizer
+
+    folder = save_tiny_model(tmp_path / "final", seed=0)
+    (folder / "generation_config.json").write_text(json.dumps({"unmask": {"row_length": 16}}))
+    prompts = ["rev 12=", "add 1+22="]  # 7 and 9 tokens: two groups of their own
+    flags = ["--decoder", "joint_threshold", "--threshold", "0.2", "--block-length", "8"]
+    tok, model = load_local_tokenizer(folder), from_pretrained(folder).eval()
+    expected = []
+    for prompt in prompts:
+        ids = torch.tensor([tok(prompt, add_special_tokens=False)["input_ids"]])
+        config = SamplingConfig(decoder="joint_threshold", threshold=0.2, block_length=8,
+                                row_length=16).fitted(ids.shape[1])  # fmt: skip
+        expected.append(sample(model, ids, config, mask_id=tok.mask_token_id,
+                               eos_id=tok.eos_token_id, pad_id=tok.pad_token_id).edits)  # fmt: skip
+    assert sum(expected) > 0  # the random tiny model edits
+    argv = ["generate", "--model", str(folder), *flags, "--show", "--show-delay", "0", "--jsonl"]
+    assert main([*argv, *(a for p in prompts for a in ("--prompt", p))]) == 0
+    out, err = capsys.readouterr()
+    records = [json.loads(line) for line in out.splitlines()]
+    assert [r["edits"] for r in records] == expected
+    totals = [int(m) for m in re.findall(r"edited, (\d+) so far\)\n", err)]
+    batch_ends = [a for a, b in zip(totals, totals[1:] + [0]) if b < a or b == 0]
+    assert batch_ends[-len(expected) :] == expected  # each batch counts its own edits
+    assert err.count("edited at step") == sum(expected)
+    assert f", {sum(expected)} token edits" in err.splitlines()[-1]

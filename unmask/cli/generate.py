@@ -70,7 +70,10 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     if ns.show:
         on_step = TerminalAnimation(sm.tokenizer, sm.mask_id, sm.pad_id, sm.eos_id,
                                     delay=ns.show_delay)  # fmt: skip
-    records = generate_texts(sm, prompts, config, ns.batch_size, generator, on_step)
+    on_batch = on_step.begin_batch if on_step is not None else None  # one animation each
+    records = generate_texts(sm, prompts, config, ns.batch_size, generator, on_step, on_batch)
+    if on_step is not None:
+        on_step.list_edits()  # the last batch's
     if ns.out:
         with open(ns.out, "w") as handle:
             handle.writelines(json.dumps(r) + "\n" for r in records)

@@ -66,6 +66,10 @@ class BlockDecoder:
         self.proposed: torch.Tensor | None = None
         self.proposal_p: torch.Tensor | None = None
 
+    #: whether the decoder replaces tokens it committed (counted in GenerationOutput.edits,
+    #: shown by `--show`, the summary line and the served usage's `edits`)
+    edits_tokens = False
+
     def step(self, step: int, generator: torch.Generator | None, out: GenerationOutput) -> bool:
         """Commit this step's tokens in canvas.x (counting forwards in out.nfe and
         out.row_forwards, commits in out.decoded, steps in out.steps); False when the block
@@ -100,6 +104,8 @@ class BlockDecoder:
 
 class WholeDecoder:
     """Decodes every answer of a batch in one call."""
+
+    edits_tokens = False  # as BlockDecoder's
 
     def decode(self, model: torch.nn.Module, prompt_ids: torch.Tensor,
                prompt_valid: torch.Tensor, config: SamplingConfig, *, mask_id: int,
@@ -154,6 +160,11 @@ def decoder_class(config: SamplingConfig) -> type[BlockDecoder] | type[WholeDeco
     return DECODERS[implied(config)]
 
 
+def edits_tokens(config: SamplingConfig) -> bool:
+    """Whether the config's decoder replaces tokens it committed (joint_threshold)."""
+    return decoder_class(config).edits_tokens
+
+
 def decodes_by_block(config: SamplingConfig) -> bool:
     """Whether the config's decoder works block by block (the server batches those)."""
     return issubclass(decoder_class(config), BlockDecoder)
@@ -166,6 +177,7 @@ __all__ = [
     "decoder_class",
     "decoder_names",
     "decodes_by_block",
+    "edits_tokens",
     "implied",
     "register_decoder",
     "uniform_canvas_model",

@@ -74,6 +74,8 @@ class JointThreshold(BlockDecoder):
     options threshold, edit_threshold, max_post_edit_steps, penalty_lambda, joint_preset
     (`joint_threshold_settings`) and edit_scope."""
 
+    edits_tokens = True
+
     def __init__(self, config, model, canvas, start, stop, steps_per_block, mask_id, special):
         super().__init__(config, model, canvas, start, stop, steps_per_block, mask_id, special)
         settings = joint_threshold_settings(config)

@@ -1,10 +1,12 @@
 """`unmask generate --show`: the canvas after every denoising step, masked positions drawn
 as a shaded block and EOS as a middle dot, so the answer visibly fills in and where it
 ends shows. A decoder that edits tokens it committed (joint_threshold) shows it: the step
-line counts the tokens the step replaced and those replaced so far, and on a terminal
-the replaced tokens are underlined. On a terminal each frame redraws the last in place;
-elsewhere (a file, a pipe, CI logs) frames are written one after another as plain lines,
-with no escape codes."""
+line counts the tokens the step replaced and those replaced so far in the batch, on a
+terminal the replaced tokens are underlined, and when a batch is done one line per edited
+token says `'7' at 3: edited at step 5 from '1'`. Each batch of prompts is its own
+animation (`begin_batch`): its steps count from 1 and its edits from 0. On a terminal each
+frame redraws the last in place; elsewhere (a file, a pipe, CI logs) frames are written
+one after another as plain lines, with no escape codes."""
 
 import sys
 import time
@@ -56,16 +58,54 @@ class TerminalAnimation:
         self.in_place = self.stream.isatty()
         self.delay = delay if self.in_place else 0.0
         self.lines = 0
+        self.total_edits = 0  # tokens replaced by others, every batch
+        self.history: dict = {}
+        self.begin_batch()
+
+    def begin_batch(self, prompts: list[int] | None = None) -> None:
+        """A new batch (prompts: their indices, for the edit lines): the previous batch's
+        edits are listed, and the animation starts again at step 1."""
+        self.list_edits()
+        self.prompts = prompts
+        self.lines = 0  # the next frame is drawn below the last one
         self.step = 0
         self.previous: torch.Tensor | None = None
-        self.edits = 0  # tokens replaced by others so far
+        self.edits = 0  # tokens replaced by others so far in this batch
+        #: (row, position from its first token) -> [(step, token before, after), ...]
+        self.history: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
+
+    def list_edits(self) -> None:
+        """One line per edited token of the batch so far (none when nothing was edited)."""
+        if not self.history:
+            return
+        lines = []
+        for (row, at), changes in sorted(self.history.items()):
+            prompt = self.prompts[row] if self.prompts is not None else row
+            for step, old, new in changes:
+                lines.append(f"  prompt {prompt + 1}: {self._text(new)!r} at token {at}: "
+                             f"edited at step {step} from {self._text(old)!r}")  # fmt: skip
+        self.stream.write("".join(line + "\n" for line in lines))
+        self.stream.flush()
+        self.lines = 0  # the next frame is drawn below them
+        self.history = {}
+
+    def _text(self, token: int) -> str:
+        return EOS_GLYPH if token == self.eos_id else self.tokenizer.decode([token])
 
     def __call__(self, canvas: torch.Tensor) -> None:
         self.step += 1
-        changed = edited(self.previous, canvas.cpu(), self.mask_id)
+        before = self.previous
+        changed = edited(before, canvas.cpu(), self.mask_id)
         self.previous = canvas.cpu().clone()
         count = int(changed.sum())
         self.edits += count
+        self.total_edits += count
+        if count:  # positions counted from the row's first token (its left padding skipped)
+            rows = self.previous.tolist()
+            for row, at in changed.nonzero().tolist():
+                where = (row, at - self._padding(rows[row]))
+                self.history.setdefault(where, []).append(
+                    (self.step, int(before[row, at]), rows[row][at]))  # fmt: skip
         title = f"step {self.step}"
         if self.edits:  # a decoder that edits (joint_threshold)
             title += f" ({count} edited, {self.edits} so far)"
@@ -84,10 +124,14 @@ class TerminalAnimation:
         if self.delay:
             time.sleep(self.delay)
 
-    def _row(self, row: list[int], changed: torch.Tensor) -> str:
+    def _padding(self, row: list[int]) -> int:
         start = 0
         while start < len(row) and row[start] in self.padding:
             start += 1
+        return start
+
+    def _row(self, row: list[int], changed: torch.Tensor) -> str:
+        start = self._padding(row)
         marked = set()
         if self.in_place:  # underlined on a terminal; plain text elsewhere
             marked = {at - start for at in changed.nonzero().flatten().tolist() if at >= start}
