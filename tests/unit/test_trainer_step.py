@@ -191,6 +191,43 @@ def test_flop_count_of_a_tiny_model_by_hand():
     assert fm.step_flops(80, 20, torch.tensor(37.0, dtype=torch.float64)).item() == expected
 
 
+def test_executed_flops_of_a_packed_row_are_flop_counter_modes_over_its_documents_alone():
+    """mfu_executed's count: a packed micro-batch (two rows, documents of 5, 4 and 3 tokens
+    and one of 12; ids reused across rows) executes what running each document as a row of
+    its own executes, which FlopCounterMode counts (sdpa's math kernel, forward and
+    backward, the head on the target rows as the trainer's weighted loss runs it); the
+    whole-row count is larger by the attention
+    pairs the document mask removes."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from unmask.train.mfu import document_pairs, flop_model
+
+    model = tiny_model(num_attention_heads=2, num_key_value_heads=1, attn_implementation="sdpa")
+    fm = flop_model(model)
+    doc_ids = torch.tensor([[0] * 5 + [1] * 4 + [2] * 3, [0] * 12])
+    ids = torch.randint(0, 100, doc_ids.shape, generator=torch.Generator().manual_seed(0))
+    targets = torch.full(doc_ids.shape, -100)
+    targets[0, [1, 2, 6, 10]] = ids[0, [1, 2, 6, 10]]
+    targets[1, [0, 5, 11]] = ids[1, [0, 5, 11]]
+    assert document_pairs(doc_ids) == 25 + 16 + 9 + 144
+    counted = 0
+    with sdpa_kernel(SDPBackend.MATH):
+        for row in range(2):
+            for doc in doc_ids[row].unique():
+                keep = doc_ids[row] == doc
+                with FlopCounterMode(display=False) as counter:
+                    model(
+                        ids[row, keep][None],
+                        targets=targets[row, keep][None],
+                        target_weights=torch.ones(1, int(keep.sum())),
+                    ).backward()
+                counted += counter.get_total_flops()
+    assert fm.executed_flops(doc_ids, 7) == counted
+    whole = fm.step_flops(24, 12, 7)
+    assert whole - counted == 12 * fm.layers * fm.attention_width * (2 * 144 - 194)
+
+
 class Recording:
     """The objective, recording how many tokens each call masked."""
 

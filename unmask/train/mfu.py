@@ -13,6 +13,8 @@ FLOPs of one optimizer step on one device (forward and backward, 3x the forward'
   (L the row length, d_attn = heads x head_dim); x3 with the backward. Full bidirectional
   attention, so no causal halving; document masks (packing) are ignored: a packed row counts
   as if every token saw the whole row, which overstates the attention term of packed batches.
+  `FlopModel.executed_flops` counts what a document-masked kernel executes instead:
+  sum over documents of len^2 per layer (the benchmark's `mfu_executed`).
 - LM head: 6 d V per row it runs on, R = the masked tokens of the step (unmask computes
   logits only for them); an encoder from transformers (BERT, ModernBERT) runs its head on
   every token (R = T).
@@ -88,6 +90,30 @@ class FlopModel:
         )
         rows = head_rows if self.head_on_masked else tokens
         return dense + 6 * self.head_params * rows
+
+    def executed_flops(self, doc_ids: torch.Tensor, head_rows):
+        """The FLOPs one micro-batch of packed rows executes when attention skips the pairs
+        its document mask removes (flex attention's block mask, varlen): `step_flops` with
+        the attention term counted over each document alone, 12 n_layers d_attn
+        sum_docs(len^2), instead of the whole row's L^2 per token. doc_ids: (B, L), a token
+        attending to the tokens of its row with the same id (models/transformer.py), padding
+        under an id of its own included. `mfu_executed` of benchmarks/gpu_profile.py."""
+        tokens = doc_ids.numel()
+        dense = 6 * self.matmul_params * tokens
+        attention = 12 * self.layers * self.attention_width * document_pairs(doc_ids)
+        rows = head_rows if self.head_on_masked else tokens
+        return dense + attention + 6 * self.head_params * rows
+
+
+def document_pairs(doc_ids: torch.Tensor) -> int:
+    """sum over rows and documents of len^2: the (query, key) pairs a document mask keeps
+    (doc_ids (B, L); equal ids in one row attend to each other, wherever they sit)."""
+    ids = doc_ids.detach().to("cpu", torch.long)
+    ids = ids - ids.min()
+    span = int(ids.max()) + 1 if ids.numel() else 1
+    keyed = ids + span * torch.arange(ids.shape[0])[:, None]  # one id space per row
+    counts = torch.unique(keyed, return_counts=True)[1]
+    return int((counts.long() ** 2).sum())
 
 
 class DeviceTimer:
