@@ -38,6 +38,11 @@ def test_every_numeric_key_is_served_and_hostile_keys_are_not(tmp_path):
         "moe_load_max_over_mean/layer_0": [[1, 1.5]],
         "zeta": [[1, 1.0]],
     }
+    # each key's name on the page, from one table (words for a key it does not name)
+    assert (
+        served["labels"]["moe_load_max_over_mean/layer_0"] == "expert load (max / mean) (layer_0)"
+    )
+    assert (served["labels"]["eval_loss"], served["labels"]["zeta"]) == ("eval loss", "zeta")
     assert served["keys_left_out"] == 0 and served["thinned"] == []
 
 
@@ -75,7 +80,7 @@ def test_huge_numbers_and_unreadable_runs(tmp_path):
     fresh = tmp_path / "fresh"  # a run that has not logged yet: nothing to draw, no error
     fresh.mkdir()
     (fresh / "config.yaml").write_text("train: {max_steps: 10}\n")
-    assert curves(fresh) == {"metrics": {}, "keys_left_out": 0, "thinned": []}
+    assert curves(fresh) == {"metrics": {}, "labels": {}, "keys_left_out": 0, "thinned": []}
 
 
 def test_the_runs_list_holds_the_held_out_exact_match(tmp_path):

@@ -29,6 +29,21 @@ from unmask.runs.report import (
 METRIC_KEY = re.compile(r"[A-Za-z0-9_./-]{1,64}")
 MAX_KEYS = 64  # a run's metrics served: the known ones first, then by name
 MAX_POINTS = 1000  # a longer series is thinned evenly, keeping its first and last points
+#: the page's name of each metric key the trainer logs (one table: the selector, the chart
+#: titles, the tooltips, the CSV export); other keys get `metric_label`'s reading
+METRIC_LABELS = {
+    "loss": "loss", "eval_loss": "eval loss", HELDOUT_KEY: "held-out exact match",
+    "learning_rate": "learning rate", "tokens_per_second": "tokens/s",
+    "tokens_seen": "tokens seen", "grad_norm": "gradient norm", "mfu": "MFU",
+    "mfu_model_only": "MFU (model only)", "elapsed_seconds": "wall time (s)",
+    "save_stall_seconds": "checkpoint save stall (s)", "skipped_steps": "skipped steps",
+    "skipped_in_a_row": "skipped steps in a row",
+    "moe_load_max_over_mean": "expert load (max / mean)",
+    "qk_max_logit": "QK max logit", "qk_clipped_heads": "QK-clipped heads",
+    "reward_mean": "reward (mean)", "reward_std": "reward (std)", "kl": "KL",
+}  # fmt: skip
+#: unit suffixes of keys the table does not name: the words they are read as
+_SUFFIXES = (("_per_second", "/s"), ("_seconds", " (s)"), ("_bytes", " (bytes)"))
 
 
 def _name(runs_dir: Path, path: Path) -> str:
@@ -107,12 +122,30 @@ def metric_keys(records: list[dict]) -> list[str]:
     return known + sorted(found - set(known))
 
 
+def metric_label(key: str) -> str:
+    """The page's name of a metric key: METRIC_LABELS', else the key in words
+    ("save_stall_seconds" -> "save stall (s)"; a "/part" kept: moe_load/layer_3)."""
+    if key in METRIC_LABELS:
+        return METRIC_LABELS[key]
+    head, slash, rest = key.partition("/")
+    if head in METRIC_LABELS:
+        words = METRIC_LABELS[head]
+    else:
+        words, unit = head, ""
+        for suffix, text in _SUFFIXES:
+            if words.endswith(suffix) and len(words) > len(suffix):
+                words, unit = words[: -len(suffix)], text
+                break
+        words = words.replace("_", " ") + unit
+    return words + (f" ({rest})" if slash else "")
+
+
 def curves(path: Path) -> dict[str, Any]:
     """The run's metrics by step: {"metrics": {key: [[step, value], ...]}} for every
     numeric key of metric_keys (at most MAX_KEYS; "keys_left_out" counts the others), each
     series thinned to MAX_POINTS ("thinned": the keys that were). NaN and inf stay floats:
     the route serves them as null."""
-    empty = {"metrics": {}, "keys_left_out": 0, "thinned": []}
+    empty = {"metrics": {}, "labels": {}, "keys_left_out": 0, "thinned": []}
     if not (path / METRICS_FILE).is_file():
         return empty  # a run that has not logged a step yet
     try:
@@ -126,4 +159,5 @@ def curves(path: Path) -> dict[str, Any]:
         if len(points) > MAX_POINTS:
             thinned.append(key)
         metrics[key] = thin(points)
-    return {"metrics": metrics, "keys_left_out": max(0, len(keys) - MAX_KEYS), "thinned": thinned}
+    return {"metrics": metrics, "labels": {key: metric_label(key) for key in metrics},
+            "keys_left_out": max(0, len(keys) - MAX_KEYS), "thinned": thinned}  # fmt: skip
