@@ -220,3 +220,24 @@ def test_show_counts_each_batchs_edits_as_the_python_api_does(tmp_path, capsys):
     assert batch_ends[-len(expected) :] == expected  # each batch counts its own edits
     assert err.count("edited at step") == sum(expected)
     assert f", {sum(expected)} token edits" in err.splitlines()[-1]
+
+
+@pytest.mark.parametrize("fraction, warned", [(0.0, True), (0.2, False)])
+def test_edits_on_a_model_trained_without_them_are_warned_of(tmp_path, capsys, fraction,
+                                                             warned):  # fmt: skip
+    """joint_threshold on a folder whose run config says diffusion.edit_fraction 0: one
+    warning line on stderr; a model trained with edits, or edits turned off, gets none."""
+    run = tmp_path / "run"
+    folder = save_tiny_model(run / "final", seed=0)
+    (run / "config.yaml").write_text(f"diffusion: {{objective: mdlm, edit_fraction: {fraction}}}\n")
+    argv = ["generate", "--model", str(folder), "--prompt", "rev 12=", "--gen-length", "4",
+            "--decoder", "joint_threshold"]  # fmt: skip
+    assert main(argv) == 0
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if "warning" in ln]
+    assert len(lines) == int(warned)
+    if warned:
+        assert "diffusion.edit_fraction 0" in lines[0] and "joint_threshold" in lines[0]
+    assert main([*argv, "--edit-threshold", "1.0"]) == 0  # edits off: nothing to warn of
+    assert "warning" not in capsys.readouterr().err
+    assert main(argv[:7]) == 0  # the masked decoder edits nothing
+    assert "warning" not in capsys.readouterr().err

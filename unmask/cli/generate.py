@@ -44,6 +44,7 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     from unmask.checkpoint import load_for_sampling
     from unmask.parallel.threads import set_sampling_threads
     from unmask.sampling.config import resolve_sampling
+    from unmask.sampling.run_origin import editing_notice, trained_edit_fraction
     from unmask.sampling.show import TerminalAnimation
     from unmask.sampling.texts import generate_texts, throughput, unknown_characters
 
@@ -57,6 +58,9 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     sm = load_for_sampling(ns.model, ns.tokenizer, ns.device, ns.mask_id, base=ns.base)
     set_sampling_threads(sm.model, sm.device)
     config = resolve_sampling(sm.saved, sampling_flags(ns))
+    notice = editing_notice(config, trained_edit_fraction(ns.model))
+    if notice:
+        print(f"unmask: warning: {notice}", file=sys.stderr)
     generator = (
         torch.Generator(device=sm.device).manual_seed(ns.seed) if ns.seed is not None else None
     )

@@ -2,6 +2,7 @@
 
 import argparse
 import os
+import re
 import signal
 import sys
 from pathlib import Path
@@ -47,8 +48,10 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
     srv.add_argument("--runs", metavar="DIR", help="folder of run directories shown on the page")
     srv.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every route but "
                      "/health and the page itself (default: $UNMASK_API_KEY, else none)")  # fmt: skip
-    srv.add_argument("--model-name", help="the name clients pass as `model` (default: the "
-                     "model folder's name)")  # fmt: skip
+    srv.add_argument("--served-name", "--model-name", dest="model_name", metavar="NAME",
+                     help="the model's id: clients pass it as `model`, /v1/models and the "
+                     "page show it (default: the run's name: runs/NAME/final and "
+                     "runs/NAME/checkpoint-N serve NAME, another folder its own name)")  # fmt: skip
     srv.add_argument("--tokenizer", help="tokenizer folder (default: the model folder)")
     srv.add_argument("--mask-id", type=int, help="mask token id (default: the tokenizer's)")
     srv.add_argument("--device", default="auto", help="auto (cuda when visible), cpu or cuda")
@@ -129,6 +132,14 @@ def megabytes(text: str) -> float:
     return value
 
 
+def served_name(model: str | Path) -> str:
+    """The id a model is served as: the run's name for a run's final/ or checkpoint-N/
+    (runs/NAME/final -> NAME), else the folder's own name."""
+    folder = Path(model).resolve()
+    is_run_part = folder.name == "final" or re.fullmatch(r"checkpoint-\d+", folder.name)
+    return folder.parent.name if is_run_part and folder.parent.name else folder.name
+
+
 def cmd_serve(ns: argparse.Namespace) -> int:
     # SIGTERM before the server runs (while the model loads): nothing to drain, a clean stop
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
@@ -158,10 +169,14 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(ns.threads)
-    name = ns.model_name or Path(ns.model).resolve().name
+    name = ns.model_name or served_name(ns.model)
+    from unmask.sampling.config import resolve_sampling
+    from unmask.sampling.run_origin import editing_notice, trained_edit_fraction
     from unmask.serve.chat import chat_notice
 
-    notices = tuple(filter(None, [chat_notice(ns.model, sm.tokenizer)]))
+    sm.trained_edit_fraction = trained_edit_fraction(ns.model)  # requests' edits are warned of
+    folder_edits = editing_notice(resolve_sampling(sm.saved), sm.trained_edit_fraction)
+    notices = tuple(filter(None, [chat_notice(ns.model, sm.tokenizer), folder_edits]))
     limits = Limits(max_tokens=ns.max_tokens, max_steps=ns.max_steps,
                     max_prompts=ns.max_prompts, max_stop_chars=ns.max_stop_chars,
                     max_body_bytes=int(ns.max_body_mb * 2**20))  # fmt: skip

@@ -26,6 +26,8 @@ class SamplingModel:
     pad_id: int
     device: torch.device
     saved: dict[str, Any]
+    #: diffusion.edit_fraction of the run that made the folder (run_origin.py; None: unknown)
+    trained_edit_fraction: float | None = None
 
 
 class RowEdits:

@@ -28,6 +28,7 @@ from unmask.data.sft import split_chat
 from unmask.errors import InputError
 from unmask.sampling.decoders import uniform_canvas_model
 from unmask.sampling.generate import special_ids, with_uniform_canvas
+from unmask.sampling.run_origin import editing_notice
 from unmask.sampling.show import EOS_GLYPH
 from unmask.sampling.texts import SamplingModel
 from unmask.serve import runs_view, training
@@ -106,7 +107,8 @@ class Server:
         """The Job of one prompt, its options checked (RequestError 400). Tokenizes: run it
         on `self.tokenizing` (`make_jobs`)."""
         sm = self.sm
-        config = sampling_config(request, sm.saved, max_tokens)
+        config, notices = sampling_config(request, sm.saved, max_tokens,
+                                          uniform_canvas_model(sm.model))  # fmt: skip
         try:
             if not config.uniform_canvas and uniform_canvas_model(sm.model):  # DiffusionGemma
                 config = with_uniform_canvas(config)  # as `sample` decodes it
@@ -133,7 +135,10 @@ class Server:
                 400, f"the prompt ({len(ids)} tokens) and the answer ({canvas}) exceed the "
                 f"model's {self.max_context} positions; shorten the prompt or max_tokens",
                 param="prompt", code="context_length_exceeded")  # fmt: skip
-        return Job(ids, config, emit=lambda event: None, seed=request.seed, **extra)
+        edit_notice = editing_notice(config, sm.trained_edit_fraction)
+        notices += [edit_notice] if edit_notice else []
+        return Job(ids, config, emit=lambda event: None, seed=request.seed,
+                   notices=tuple(notices), **extra)  # fmt: skip
 
     async def make_jobs(self, texts: list[str], request, max_tokens: int | None,
                         **extra) -> list[Job]:  # fmt: skip
@@ -217,10 +222,20 @@ def _sse(payload: Any) -> str:
 
 
 def _usage(done: list[dict]) -> dict[str, int]:
+    """OpenAI's usage fields, and `edits`: the answer tokens the decoder replaced by others
+    (joint_threshold's token edits; 0 for decoders that never edit)."""
     prompt = sum(d["prompt_tokens"] for d in done)
     completion = sum(d["tokens"] for d in done)
     return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion}  # fmt: skip
+            "total_tokens": prompt + completion,
+            "edits": sum(d.get("edits", 0) for d in done)}  # fmt: skip
+
+
+def _notices(jobs: list[Job]) -> dict[str, list[str]]:
+    """{"notices": [...]}: what the request's options were taken as and warnings about them
+    (each said once), beside OpenAI's fields; {} when there are none."""
+    notices = list(dict.fromkeys(n for job in jobs for n in job.notices))
+    return {"notices": notices} if notices else {}
 
 
 async def _read_json(request: Request, limits: Limits) -> Any:
@@ -330,7 +345,8 @@ def build_app(server: Server) -> Guard:
             else:
                 choices.append({"index": index, "text": d["text"], "logprobs": None,
                                 "finish_reason": d["finish_reason"]})  # fmt: skip
-        return JSONResponse({**head, "choices": choices, "usage": _usage(list(done.values()))})
+        return JSONResponse({**head, "choices": choices, "usage": _usage(list(done.values())),
+                             **_notices(jobs)})  # fmt: skip
 
     async def stream(request, jobs, queue, head, chat, usage):
         kind = "chat.completion.chunk" if chat else "text_completion"
@@ -344,7 +360,9 @@ def build_app(server: Server) -> Guard:
 
         if chat:  # the role first, as OpenAI sends it
             yield _sse({**head, "choices": [{"index": 0, "delta": {"role": "assistant",
-                        "content": ""}, "finish_reason": None}]})  # fmt: skip
+                        "content": ""}, "finish_reason": None}], **_notices(jobs)})  # fmt: skip
+        elif _notices(jobs):  # the notices before the text
+            yield _sse({**head, "choices": [], **_notices(jobs)})
         done = []
         try:
             async for index, event in server.events(request, jobs, queue):
@@ -389,7 +407,8 @@ def build_app(server: Server) -> Guard:
                     elif event["type"] == "done":
                         yield _sse({"done": True, "text": event["text"],
                                     "finish_reason": event["finish_reason"],
-                                    "forwards": event["forwards"]})  # fmt: skip
+                                    "forwards": event["forwards"], "edits": event["edits"],
+                                    **_notices([job])})  # fmt: skip
             except RequestError as err:
                 yield _sse(err.body())
 

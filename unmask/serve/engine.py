@@ -211,6 +211,8 @@ class Job:
     served: float = 0.0  # when its last block was decoded (turns between groups)
     generator: torch.Generator | None = None
     forwards: int = 0
+    edits: int = 0  # tokens of its answer the decoder replaced (joint_threshold's edits)
+    notices: tuple[str, ...] = ()  # what the request's options were taken as (protocol.py)
 
     def __post_init__(self):
         if self.seed is not None:
@@ -403,8 +405,14 @@ class Engine:
         traced = [row for row, job in enumerate(rows) if job.trace]
         decoder.trace = bool(traced)
         for step in range(decoder.max_steps):
+            before = canvas.x[:, start : start + block].clone() if decoder.edits_tokens else None
             if not decoder.step(step, rows[0].generator, out):
                 break
+            if before is not None:  # a token replaced by another: an edit, counted per row
+                now = canvas.x[:, start : start + block]
+                edited = ((before != sm.mask_id) & (now != before)).sum(1).tolist()
+                for job, count in zip(rows, edited):
+                    job.edits += count
             for row in traced:
                 current = canvas.x[row, start : start + block + later[row]].tolist()
                 proposals = {}  # a decoder that keeps none (a registered one may not)
@@ -553,6 +561,7 @@ class Engine:
         self.stats.row_forwards += out.row_forwards
         self.stats.decoded += out.decoded
         job.forwards += out.nfe
+        job.edits += out.edits
         job.answer = out.answers[0].tolist()
         self._advance(job, True)
 
@@ -584,5 +593,6 @@ class Engine:
         self.stats.recent.append((time.time(), tokens))
         self.stats.count("finished")
         job.emit({"type": "done", "text": text, "finish_reason": reason, "tokens": tokens,
-                  "prompt_tokens": len(job.prompt_ids), "forwards": job.forwards})  # fmt: skip
+                  "prompt_tokens": len(job.prompt_ids), "forwards": job.forwards,
+                  "edits": job.edits})  # fmt: skip
         job.block = -1  # leaves the batch

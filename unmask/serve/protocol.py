@@ -18,11 +18,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from unmask.errors import InputError, describe_validation_error, did_you_mean
 from unmask.sampling.config import (
+    ENTROPY_BOUND_DEFAULTS,
     RUNTIME_OPTIONS,
     SamplingConfig,
     option_choices,
     resolve_sampling,
 )
+from unmask.sampling.decoders import implied
 
 #: SamplingConfig fields a request sets with OpenAI's names (max_tokens -> gen_length)
 OPENAI_NAMED = ("gen_length", "temperature", "top_p", "top_k")
@@ -229,11 +231,15 @@ def parse_request(kind: type[_Strict], body: Any) -> _Strict:
         raise RequestError(400, message, param=param) from None
 
 
-def sampling_config(request, saved: dict[str, Any], max_tokens: int | None) -> SamplingConfig:
+def sampling_config(request, saved: dict[str, Any], max_tokens: int | None,
+                    uniform_canvas: bool = False) -> tuple[SamplingConfig, list[str]]:  # fmt: skip
     """The request's SamplingConfig: the model folder's options, then the request's (its
     "unmask" options, then the OpenAI-named ones), later ones winning, as `unmask generate`
-    merges a folder's options with its flags; the request's values strictly typed.
-    RequestError 400 on a bad option."""
+    merges a folder's options with its flags; the request's values strictly typed. OpenAI's
+    temperature / top_p / top_k reach a decoder with a notion of its own through
+    `OPENAI_MAPPINGS` (never a 400: generic clients send them on every request), with the
+    notices saying what was done. uniform_canvas: the model is one (DiffusionGemma), so the
+    implied decoder is entropy_bound. RequestError 400 on a bad option."""
     options = dict(request.unmask or {})
     for key in options:
         if key not in UNMASK_OPTIONS:
@@ -246,10 +252,58 @@ def sampling_config(request, saved: dict[str, Any], max_tokens: int | None) -> S
             raise RequestError(400, f"unmask.{key} {why}", param=f"unmask.{key}")
     named = {"gen_length": max_tokens, "temperature": request.temperature,
              "top_p": getattr(request, "top_p", None), "top_k": getattr(request, "top_k", None)}  # fmt: skip
+    notices: list[str] = []
     try:
-        return resolve_sampling(saved, options, named, strict=True)
+        decoder = implied(resolve_sampling(saved, options, {"uniform_canvas": uniform_canvas
+                                                            or None}, strict=True))  # fmt: skip
+    except InputError:
+        decoder = None  # the full resolve below names the problem
+    if decoder in OPENAI_MAPPINGS:
+        named, notices = OPENAI_MAPPINGS[decoder](named, options, saved)
+    try:
+        return resolve_sampling(saved, options, named, strict=True), notices
     except InputError as err:
         raise RequestError(400, str(err), param="unmask") from None
+
+
+def entropy_bound_named(named: dict[str, Any], options: dict[str, Any],
+                        saved: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:  # fmt: skip
+    """OpenAI's sampling fields for decoder entropy_bound (DiffusionGemma), which has no
+    single temperature and samples the whole distribution: a temperature T > 0 scales its
+    schedule (temperature_start and temperature_end, the request's or the folder's, else
+    transformers' 0.8 -> 0.4: T = 1 keeps it); T = 0 asks for greedy answers, which it
+    cannot give (every step draws), so the schedule stays; top_p and top_k are left out.
+    Each is said in a notice."""
+    named = dict(named)
+    notices = []
+    temperature = named.pop("temperature", None)
+    if temperature is not None:
+        given = [k for k in ("temperature_start", "temperature_end") if options.get(k) is not None]
+        start, end = (next(v for v in (options.get(k), saved.get(k), ENTROPY_BOUND_DEFAULTS[k])
+                           if v is not None) for k in ("temperature_start", "temperature_end"))  # fmt: skip
+        if given:
+            notices.append(f"temperature {temperature:g} ignored: unmask.{given[0]} sets "
+                           "decoder entropy_bound's temperature schedule")  # fmt: skip
+        elif temperature == 0:
+            notices.append(f"temperature 0 ignored: decoder entropy_bound samples at every "
+                           f"step (no greedy answer); its schedule {start:g} -> {end:g} is kept "
+                           "(give a seed for repeatable answers)")  # fmt: skip
+        else:
+            named["temperature_start"] = start * temperature
+            named["temperature_end"] = end * temperature
+            notices.append(f"temperature {temperature:g} mapped onto decoder entropy_bound's "
+                           f"schedule: temperature_start {start * temperature:g}, "
+                           f"temperature_end {end * temperature:g} (x{temperature:g})")  # fmt: skip
+    for key in ("top_p", "top_k"):
+        if named.pop(key, None) is not None:
+            notices.append(f"{key} ignored: decoder entropy_bound samples the whole tempered "
+                           "distribution, as transformers does")  # fmt: skip
+    return named, notices
+
+
+#: decoders whose own notion of temperature / top_p replaces OpenAI's: (named, options,
+#: saved) -> (the named options to apply, notices)
+OPENAI_MAPPINGS = {"entropy_bound": entropy_bound_named}
 
 
 def sampling_options(saved: dict[str, Any]) -> list[dict[str, Any]]:
