@@ -7,6 +7,7 @@ bad or unsafe configs are a 400 that writes nothing, a taken name a 409; without
 key is refused at start. The page's Train tab does the same in headless Chromium, and the
 server's own SIGTERM stops the running job with a checkpoint."""
 
+import json
 import re
 import shutil
 import signal
@@ -21,6 +22,7 @@ from test_serve import start_server
 from test_serve_security import serve_command
 
 from unmask.checkpoint import resolve_resume
+from unmask.serve.training import JOBS_FILE, TrainQueue
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -169,7 +171,12 @@ def test_allow_train_beyond_this_machine_needs_a_key(model_dir, tmp_path):
 
 def test_a_run_trains_streams_its_log_and_stops_with_a_checkpoint(server, runs):
     listing = get(server, "/api/train").json()
-    assert listing["configs"] == ["quickstart", "tiny.yaml"]  # the runs folder's YAML files
+    # the quickstart, the runs folder's YAML files, the repository's recipes
+    recipes = sorted(p.name for p in (Path(__file__).parents[2] / "recipes").glob("*.yaml"))
+    assert recipes and listing["configs"] == ["quickstart", "tiny.yaml",
+                                              *(f"recipes/{name}" for name in recipes)]  # fmt: skip
+    recipe = get(server, f"/api/train/configs/recipes/{recipes[0]}")
+    assert recipe.status_code == 200 and "model:" in recipe.json()["text"]
     text = get(server, "/api/train/configs/tiny.yaml").json()["text"]
     assert yaml.safe_load(text) == LONG
     first = post(server, "/api/train", {"name": "long", "config_name": "tiny.yaml"})
@@ -252,30 +259,61 @@ def browser():
 
 
 def test_the_train_tab_starts_a_run_shows_its_log_and_stops_it(server, runs, browser, tmp_path):
+    """A picked config (tiny.yaml) is listed by its name; one Stop button; the curve's axes
+    have ticks at 1, 2 or 5 times a power of ten; the page asks for the run's curve only
+    once it has logged a step (no 404 while the run starts)."""
     from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select
 
     driver = browser
     driver.get(server + "/")
     driver.execute_script("localStorage.setItem('unmask-key', arguments[0])", KEY)
     driver.get(server + "/#train")
     driver.refresh()  # the key is read as the page loads (a new hash alone loads nothing)
+    driver.get_log("browser")  # what came before is not this test's
     element = lambda id_: driver.find_element(By.ID, id_)  # noqa: E731
     wait_for(lambda: element("tab-train").is_displayed(), timeout=30)
     element("tab-train").click()
-    wait_for(lambda: len(element("train-pick").find_elements(By.TAG_NAME, "option")) == 3, 30)
-    # upload a YAML file (read by FileReader into the editor), name the run, start it
+    wait_for(lambda: "tiny.yaml" in [o.get_attribute("value") for o in
+                                     element("train-pick").find_elements(By.TAG_NAME, "option")], 30)  # fmt: skip
+    options = [
+        o.get_attribute("value") for o in element("train-pick").find_elements(By.TAG_NAME, "option")
+    ]
+    assert "recipes/moe_quickstart.yaml" in options  # recipes/ offered
+    # an uploaded file fills the editor and names the run
     upload = tmp_path / "page-run.yaml"
     upload.write_text(yaml.safe_dump(LONG))
     element("train-file").send_keys(str(upload))
     wait_for(lambda: "max_steps: 100000" in element("train-text").get_attribute("value"), 10)
     assert element("train-name").get_attribute("value") == "page-run"
+    # a picked config, unedited, starts under its own name
+    Select(element("train-pick")).select_by_value("tiny.yaml")
+    wait_for(lambda: element("train-text").get_attribute("value") ==
+             get(server, "/api/train/configs/tiny.yaml").json()["text"], 10)  # fmt: skip
     element("train-start").click()
     wait_for(lambda: element("train-view").get_attribute("data-state") == "running", 60)
+    row = wait_for(lambda: [r for r in driver.find_elements(By.CSS_SELECTOR, "#train-jobs tbody tr")
+                            if r.find_elements(By.TAG_NAME, "td")[1].text == "page-run"], 30)[0]  # fmt: skip
+    assert row.find_elements(By.TAG_NAME, "td")[2].text == "tiny.yaml"
+    assert [job["source"] for job in get(server, "/api/train").json()["jobs"]
+            if job["name"] == "page-run"] == ["tiny.yaml"]  # fmt: skip
+    # one Stop button: the selected job's
+    stops = [b for b in driver.find_elements(By.CSS_SELECTOR, "#train button")
+             if b.text.lower() in ("stop", "cancel")]  # fmt: skip
+    assert [b.get_attribute("id") for b in stops] == ["train-stop"]
     # the live log
     log = wait_for(lambda: re.search(r"^step \d+/100000", element("train-log").get_attribute("textContent"), re.M)
                    and element("train-log").get_attribute("textContent"), timeout=180)  # fmt: skip
     assert log.startswith("unmask serve: job ")
     wait_for(lambda: element("train-curve").find_elements(By.CSS_SELECTOR, "polyline.loss"), 30)
+    ticks = [t.text for t in element("train-curve").find_elements(By.CSS_SELECTOR, ".train-ytick")]
+    assert len(ticks) >= 3, ticks
+    for tick in ticks:  # 1, 2 or 5 times a power of ten, times a whole number
+        value = float(tick)
+        assert any(abs(value / unit - round(value / unit)) < 1e-6 for unit in
+                   (10.0**k * m for k in range(-4, 3) for m in (1, 2, 5))), tick  # fmt: skip
+    gaps = {round(float(b) - float(a), 9) for a, b in zip(ticks, ticks[1:])}
+    assert len(gaps) == 1, ticks  # evenly spaced
     driver.save_screenshot(str(tmp_path / "train-running.png"))
     element("train-stop").click()
     wait_for(lambda: element("train-view").get_attribute("data-state") == "stopped", 120)
@@ -283,14 +321,24 @@ def test_the_train_tab_starts_a_run_shows_its_log_and_stops_it(server, runs, bro
     wait_for(lambda: "stopped by SIGTERM" in element("train-log").get_attribute("textContent"), 30)
     assert [s for s in checkpoint_steps(runs / "page-run") if s > 0]
     driver.save_screenshot(str(tmp_path / "train-stopped.png"))
+    # no 404 while the run started (the curve asked for before the run had logged a step)
+    assert [e["message"] for e in driver.get_log("browser") if "404" in e["message"]] == []
 
 
 # ----------------------------------------------------------------- server shutdown
 
 
+def jobs_file(runs: Path) -> dict[str, dict]:
+    return {job["name"]: job for job in json.loads((runs / JOBS_FILE).read_text())["jobs"]}
+
+
 def test_the_servers_sigterm_stops_the_running_job_with_a_checkpoint(served, runs):
+    """The server's SIGTERM: the running job checkpoints and stops; a queued one stays
+    queued in the runs folder's job list for the next server."""
     proc, base = served
     job = post(base, "/api/train", {"name": "last", "config_name": "tiny.yaml"}).json()
+    queued = post(base, "/api/train", {"name": "after", "config_name": "tiny.yaml"})
+    assert queued.status_code == 201
     wait_for(lambda: re.search(r"^step \d+/", get(base, f"/api/train/{job['id']}/log")
                                .json()["text"], re.M), timeout=180)  # fmt: skip
     proc.send_signal(signal.SIGTERM)
@@ -300,3 +348,75 @@ def test_the_servers_sigterm_stops_the_running_job_with_a_checkpoint(served, run
     (step,) = checkpoint_steps(runs / "last")
     assert step > 0
     assert "stopped by SIGTERM" in (runs / "last" / "train.log").read_text()
+    kept = jobs_file(runs)
+    assert kept["last"]["state"] == "stopped" and kept["after"]["state"] == "queued"
+
+
+def test_a_restarted_server_lists_its_jobs_and_can_stop_them(model_dir, runs, browser):
+    """A new server of the runs folder lists every job of the one before (the page too),
+    runs the queued one and stops it; SIGKILLed, it takes its running job with it: the job
+    gets SIGTERM (it checkpoints) and exits, and the next queue marks it stopped."""
+    from selenium.webdriver.common.by import By
+
+    before = jobs_file(runs)
+    proc, base = start_server(model_dir, "--runs", str(runs), "--allow-train", "--api-key", KEY)
+    try:
+        listed = {job["name"]: job for job in get(base, "/api/train").json()["jobs"]}
+        assert set(listed) == set(before)
+        assert {name: job["id"] for name, job in listed.items()} == {
+            name: job["id"] for name, job in before.items()}  # fmt: skip
+        assert listed["last"]["state"] == "stopped" and listed["long"]["state"] == "stopped"
+        assert listed["page-run"]["source"] == "tiny.yaml"
+        after = listed["after"]["id"]
+        wait_for(lambda: job_state(base, after)["state"] == "running", 60)
+        # the page lists them, and its one Stop stops the queued job now running
+        driver = browser
+        driver.get(base + "/")
+        driver.execute_script("localStorage.setItem('unmask-key', arguments[0])", KEY)
+        driver.get(base + "/#train")
+        driver.refresh()
+
+        def rows() -> dict[str, list[str]]:
+            return {r.get_attribute("data-job"): [td.text for td in r.find_elements(By.TAG_NAME, "td")]
+                    for r in driver.find_elements(By.CSS_SELECTOR, "#train-jobs tbody tr")}  # fmt: skip
+
+        wait_for(lambda: len(rows()) == len(before), 30)
+        assert rows()[after][1:4] == ["after", "tiny.yaml", "running"]
+        driver.find_element(By.CSS_SELECTOR, f'#train-jobs tr[data-job="{after}"]').click()
+        wait_for(
+            lambda: driver.find_element(By.ID, "train-view").get_attribute("data-job") == after, 10
+        )
+        wait_for(
+            lambda: re.search(
+                r"^step \d+/", get(base, f"/api/train/{after}/log").json()["text"], re.M
+            ),
+            180,
+        )
+        driver.find_element(By.ID, "train-stop").click()
+        wait_for(lambda: job_state(base, after)["state"] == "stopped", 120)
+        # SIGKILL: the running job ends too (no server left to stop it)
+        orphan = post(base, "/api/train", {"name": "orphan", "config_name": "tiny.yaml"}).json()
+        wait_for(lambda: re.search(r"^step \d+/", get(base, f"/api/train/{orphan['id']}/log")
+                                   .json()["text"], re.M), timeout=180)  # fmt: skip
+        pid = jobs_file(runs)["orphan"]["pid"]
+        assert pid and Path(f"/proc/{pid}").exists()
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+    wait_for(lambda: not _alive(pid), timeout=120)
+    assert "stopped by SIGTERM" in (runs / "orphan" / "train.log").read_text()
+    queue = TrainQueue(runs)  # the next server's queue
+    try:
+        states = {job["name"]: job["state"] for job in queue.jobs()}
+        assert states["orphan"] == "stopped" and states["after"] == "stopped"
+    finally:
+        queue.close(10)
+
+
+def _alive(pid: int) -> bool:
+    """The process exists and has not exited (a zombie has)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rpartition(")")[2].split()[0] != "Z"

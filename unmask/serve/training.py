@@ -19,15 +19,25 @@ holder on another machine must not run code or read files as the server's user:
     symlinks resolved; relative paths are read from the server's working folder, where
     the trainer runs.
 
-Stop sends SIGTERM to the running job: the trainer saves a checkpoint after the step in
-progress and exits 0 (train/signals.py); a queued job is cancelled. The server's own
-shutdown stops the running job the same way and waits up to `STOP_SECONDS` for it (then
-kills it: the previous checkpoint stays intact, saves are renamed into place). Jobs are
-kept in memory: a restarted server lists none, their run folders stay in DIR.
+Stop sends SIGTERM to the running job's process group: the trainer saves a checkpoint
+after the step in progress and exits 0 (train/signals.py); a queued job is cancelled. The
+server's own shutdown stops the running job the same way and waits up to `STOP_SECONDS` for
+it (then kills it: the previous checkpoint stays intact, saves are renamed into place).
+
+A job ends with its server whatever ends the server: each runs in a process group of its
+own, asked (Linux's PR_SET_PDEATHSIG, set between fork and exec) for SIGTERM when the
+server is gone, so a SIGKILLed server's job checkpoints and exits too.
+
+The queue is kept in the runs folder (`JOBS_FILE`, rewritten on every change): a restarted
+server lists the jobs, runs the queued ones, and marks a job that was running as ended (a
+job still alive, its old server gone and its own end not reached, is followed until it
+exits and can be stopped).
 """
 
 from __future__ import annotations
 
+import ctypes
+import json
 import os
 import re
 import signal
@@ -62,6 +72,15 @@ from unmask.serve.protocol import RequestError, parse_request
 RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 #: the job's config and its log, in its run folder
 JOB_CONFIG, JOB_LOG = "job.yaml", "train.log"
+#: the queue, in the runs folder: the jobs of this and earlier servers of the folder
+JOBS_FILE = "train-jobs.json"
+#: the repository's recipes (recipes/*.yaml), offered as "recipes/NAME" when present
+RECIPES = Path(__file__).resolve().parents[2] / "recipes"
+RECIPE_PREFIX = "recipes/"
+#: what the page may name the text it sends (the config it was picked from, a file's name)
+SOURCE = re.compile(r"[^\x00-\x1f\x7f]{1,120}")
+#: Linux prctl option: the signal a process gets when its parent (thread) ends
+PR_SET_PDEATHSIG = 1
 #: what "pick a config" names the built-in quickstart (a folder's YAML files are the others)
 QUICKSTART = "quickstart"
 #: jobs waiting at once (more: 429), ended jobs listed (older ones are forgotten)
@@ -93,6 +112,9 @@ class TrainRequest(BaseModel):
     config_text: str | None = None
     config_name: str | None = None
     overrides: list[str] = Field(default_factory=list)
+    source: str | None = None
+    """With config_text: what the text is ("tiny.yaml (edited)", "run.yaml (uploaded)"),
+    listed as the job's config; default "uploaded"."""
 
 
 class TrainJob:
@@ -104,6 +126,7 @@ class TrainJob:
         self.exit_code: int | None = None
         self.stop_requested = False
         self.proc: subprocess.Popen | None = None
+        self.pid: int | None = None  # the process (and its group) while it runs
         self.created, self.started, self.ended = time.time(), None, None
 
     @property
@@ -111,10 +134,38 @@ class TrainJob:
         return self.folder / JOB_LOG
 
     def view(self) -> dict[str, Any]:
+        """What GET /api/train lists; has_metrics: the run has logged a step (the page asks
+        for its curve only then)."""
         return {"id": self.id, "name": self.name, "state": self.state,
                 "exit_code": self.exit_code, "source": self.source,
                 "stopping": self.stop_requested and self.state == "running",
+                "has_metrics": (self.folder / "metrics.jsonl").is_file(),
                 "created": self.created, "started": self.started, "ended": self.ended}  # fmt: skip
+
+    def record(self) -> dict[str, Any]:
+        """The job as JOBS_FILE keeps it."""
+        return {"id": self.id, "name": self.name, "source": self.source, "state": self.state,
+                "exit_code": self.exit_code, "stop_requested": self.stop_requested,
+                "pid": self.pid, "created": self.created, "started": self.started,
+                "ended": self.ended}  # fmt: skip
+
+    @classmethod
+    def restored(cls, record: dict[str, Any], runs_dir: Path) -> TrainJob | None:
+        """A job of JOBS_FILE, or None when the record is not one (a hand-edited file)."""
+        try:
+            name, number = str(record["name"]), int(record["id"])
+            if not RUN_NAME.fullmatch(name) or record["state"] not in STATES:
+                return None
+            job = cls(number, name, runs_dir / name, str(record.get("source", "uploaded")))
+            job.state, job.exit_code = record["state"], record.get("exit_code")
+            job.stop_requested = bool(record.get("stop_requested"))
+            pid = record.get("pid")
+            job.pid = pid if isinstance(pid, int) and pid > 1 else None
+            job.created = float(record.get("created") or 0.0)
+            job.started, job.ended = record.get("started"), record.get("ended")
+        except (KeyError, TypeError, ValueError):
+            return None
+        return job
 
 
 def parse_config_text(text: str, where: str) -> dict:
@@ -231,20 +282,23 @@ class TrainQueue:
         self._count = 0
         self._closing = False
         self._cond = threading.Condition()
+        self._restore()
         self._worker = threading.Thread(target=self._work, name="unmask-train", daemon=True)
         self._worker.start()
 
     # ------------------------------------------------------------------------- configs
 
     def configs(self) -> list[str]:
-        """What the page can pick: the quickstart, then the YAML files directly in the runs
-        folder (symlinks that lead out of it left out)."""
+        """What the page can pick: the quickstart, the YAML files directly in the runs
+        folder (symlinks that lead out of it left out), then the repository's recipes
+        ("recipes/NAME.yaml")."""
         names = []
         for path in sorted(self.runs_dir.iterdir()):
             if path.suffix in (".yaml", ".yml") and path.is_file():
                 if self.runs_dir in path.resolve().parents:
                     names.append(path.name)
-        return [QUICKSTART, *names]
+        recipes = sorted(RECIPES.glob("*.yaml")) if RECIPES.is_dir() else []
+        return [QUICKSTART, *names, *(RECIPE_PREFIX + path.name for path in recipes)]
 
     def config_text(self, name: str) -> str:
         """The text of a config `configs` lists (a name, never a path): 404 otherwise."""
@@ -253,7 +307,10 @@ class TrainQueue:
         if name not in self.configs():
             raise RequestError(404, f"no config {name!r} to pick; GET /api/train lists them",
                                param="config_name")  # fmt: skip
-        path = self.runs_dir / name
+        if name.startswith(RECIPE_PREFIX):
+            path = RECIPES / name[len(RECIPE_PREFIX) :]
+        else:
+            path = self.runs_dir / name
         if path.stat().st_size > MAX_CONFIG_BYTES:
             raise RequestError(400, f"config {name!r} is over {MAX_CONFIG_BYTES} bytes")
         try:
@@ -284,7 +341,7 @@ class TrainQueue:
     # ---------------------------------------------------------------------------- jobs
 
     def submit(self, name: str, config_text: str | None = None, config_name: str | None = None,
-               overrides: list[str] | tuple = ()) -> TrainJob:  # fmt: skip
+               overrides: list[str] | tuple = (), source: str | None = None) -> TrainJob:  # fmt: skip
         """Validate and queue a job (module doc); RequestError 400 (bad name or config),
         409 (the name is taken), 429 (queue full), 503 (shutting down)."""
         if not RUN_NAME.fullmatch(name):
@@ -301,12 +358,18 @@ class TrainQueue:
             if len(config_text.encode()) > MAX_CONFIG_BYTES:
                 raise RequestError(400, f"config_text is over {MAX_CONFIG_BYTES} bytes",
                                    param="config_text")  # fmt: skip
-            text, source = config_text, "uploaded"
+            if source is not None and not SOURCE.fullmatch(source):
+                raise RequestError(400, "source is 1-120 printable characters (the config the "
+                                   "text came from)", param="source")  # fmt: skip
+            text, source, where = config_text, source or "uploaded", "the config"
         else:
+            if source is not None:
+                raise RequestError(400, "source names config_text; config_name is its own "
+                                   "name", param="source")  # fmt: skip
             text, source = self.config_text(config_name), config_name
+            where = f"config {source!r}"
         folder = self.runs_dir / name
         self._check_name(name, folder)
-        where = "the config" if source == "uploaded" else f"config {source!r}"
         config = self.check_config(text, where, list(overrides), folder)
         with self._cond:
             if self._closing:
@@ -331,6 +394,7 @@ class TrainQueue:
             job = TrainJob(self._count, name, folder, source)
             self._jobs.append(job)
             self._forget()
+            self._save()
             self._cond.notify_all()
         return job
 
@@ -369,16 +433,80 @@ class TrainQueue:
             else:
                 raise RequestError(409, f"job {job_id} has ended ({job.state})",
                                    code="job_ended")  # fmt: skip
+            self._save()
             self._cond.notify_all()
         return job
 
     @staticmethod
     def _signal(job: TrainJob, sig: int = signal.SIGTERM) -> None:
-        if job.proc is not None and job.proc.poll() is None:
-            try:
-                job.proc.send_signal(sig)
-            except ProcessLookupError:
-                pass
+        """sig to the job's process group (the trainer and whatever it started)."""
+        if job.proc is not None and job.proc.poll() is not None:
+            return  # ended (its pid may be another process's by now)
+        if job.pid is None or (job.proc is None and not _alive(job.pid)):
+            return
+        try:
+            os.killpg(job.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    # ----------------------------------------------------------------------- the file
+
+    def _save(self) -> None:
+        """JOBS_FILE rewritten (under the lock): written aside, then renamed into place."""
+        path = self.runs_dir / JOBS_FILE
+        aside = path.with_name(f".{JOBS_FILE}.{os.getpid()}")
+        try:
+            aside.write_text(json.dumps({"jobs": [job.record() for job in self._jobs]}, indent=1))
+            os.replace(aside, path)
+        except OSError as err:  # the queue goes on in memory
+            print(f"unmask: cannot write {path} ({err.strerror})", file=sys.stderr, flush=True)
+
+    def _restore(self) -> None:
+        """The jobs JOBS_FILE holds (module doc): running ones whose process is gone ended
+        with their server; one still alive is followed (`_follow`)."""
+        path = self.runs_dir / JOBS_FILE
+        try:
+            records = json.loads(path.read_text()).get("jobs", [])
+        except FileNotFoundError:
+            return
+        except (OSError, ValueError, AttributeError) as err:
+            print(f"unmask: {path} is not a job list ({err}); starting an empty queue",
+                  file=sys.stderr, flush=True)  # fmt: skip
+            return
+        for record in records if isinstance(records, list) else []:
+            job = TrainJob.restored(record, self.runs_dir) if isinstance(record, dict) else None
+            if job is None:
+                continue
+            self._jobs.append(job)
+            self._count = max(self._count, int(job.id))
+            if job.state == "running":
+                if job.pid is not None and _runs_job(job.pid, job.folder / JOB_CONFIG):
+                    threading.Thread(target=self._follow, args=(job,), daemon=True,
+                                     name=f"unmask-train-{job.id}").start()  # fmt: skip
+                else:
+                    self._ended_with_server(job)
+        self._save()
+
+    def _ended_with_server(self, job: TrainJob) -> None:
+        """A running job whose process has gone without this server seeing it end."""
+        try:
+            with open(job.log, "rb") as log:
+                log.seek(max(0, os.fstat(log.fileno()).st_size - 4096))
+                tail = log.read().decode(errors="replace")
+        except OSError:
+            tail = ""
+        job.state = "stopped" if "stopped by SIGTERM" in tail else "failed"
+        job.ended, job.pid = job.ended or time.time(), None
+        self._note(job, f"{job.state} (ended with the server that ran it)")
+
+    def _follow(self, job: TrainJob) -> None:
+        """A job of an earlier server still running: polled until it exits."""
+        while _runs_job(job.pid, job.folder / JOB_CONFIG):
+            time.sleep(0.5)
+        with self._cond:
+            self._ended_with_server(job)
+            self._save()
+            self._cond.notify_all()
 
     def read_log(self, job_id: str, offset: int) -> dict[str, Any]:
         """The job's log from byte `offset`, at most LOG_CHUNK bytes (cut at a character's
@@ -411,12 +539,15 @@ class TrainQueue:
     def _work(self) -> None:
         while True:
             with self._cond:
-                while not self._closing and not any(j.state == "queued" for j in self._jobs):
-                    self._cond.wait()
+                while not self._closing and (
+                        not any(j.state == "queued" for j in self._jobs)
+                        or any(j.state == "running" for j in self._jobs)):  # fmt: skip
+                    self._cond.wait(1.0)
                 if self._closing:
                     return
                 job = next(j for j in self._jobs if j.state == "queued")
                 job.state, job.started = "running", time.time()
+                self._save()
             self._run(job)
 
     def _run(self, job: TrainJob) -> None:
@@ -433,14 +564,17 @@ class TrainQueue:
                 log.flush()
                 proc = subprocess.Popen(command, cwd=self.cwd, env=env, stdin=subprocess.DEVNULL,
                                         stdout=log, stderr=subprocess.STDOUT,
-                                        start_new_session=True)  # fmt: skip
-        except OSError as err:
+                                        start_new_session=True,
+                                        preexec_fn=_ends_with(os.getpid()))  # fmt: skip
+        except (OSError, subprocess.SubprocessError) as err:
             with self._cond:
                 job.state, job.ended = "failed", time.time()
                 self._note(job, f"could not start: {err}")
+                self._save()
             return
         with self._cond:
-            job.proc = proc
+            job.proc, job.pid = proc, proc.pid
+            self._save()
             if job.stop_requested:  # a stop (or the shutdown) came while it was starting
                 self._signal(job)
         code = proc.wait()
@@ -453,6 +587,8 @@ class TrainQueue:
             how = f"stopped on request, exit code {code}" if job.stop_requested else (
                 f"exit code {code}")  # fmt: skip
             self._note(job, f"{job.state} ({how})")
+            job.pid = None
+            self._save()
             self._cond.notify_all()
 
     @staticmethod
@@ -464,14 +600,12 @@ class TrainQueue:
             pass
 
     def close(self, timeout: float = STOP_SECONDS) -> None:
-        """The server's shutdown: queued jobs cancelled, the running one sent SIGTERM and
-        waited for up to `timeout` seconds (then killed)."""
+        """The server's shutdown: the running job sent SIGTERM and waited for up to
+        `timeout` seconds (then killed); queued jobs stay queued in JOBS_FILE for the next
+        server of the folder."""
         with self._cond:
             self._closing = True
             running = [job for job in self._jobs if job.state == "running"]
-            for job in self._jobs:
-                if job.state == "queued":
-                    job.state, job.ended = "cancelled", time.time()
             for job in running:
                 job.stop_requested = True
                 self._signal(job)
@@ -484,6 +618,50 @@ class TrainQueue:
             for job in running:
                 self._signal(job, signal.SIGKILL)
             self._worker.join(10)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's: not a job of this server's user
+        return False
+    return True
+
+
+def _runs_job(pid: int | None, config: Path) -> bool:
+    """Whether process `pid` is alive and runs `unmask train CONFIG` (a pid is reused)."""
+    if pid is None or not _alive(pid):
+        return False
+    proc = Path(f"/proc/{pid}")
+    if not proc.is_dir():  # no /proc (macOS): the pid alone
+        return True
+    try:
+        command = (proc / "cmdline").read_bytes().split(b"\0")
+        state = (proc / "stat").read_text().rpartition(")")[2].split()[0]
+    except (OSError, IndexError):
+        return False  # gone meanwhile
+    return state != "Z" and str(config).encode() in command  # Z: ended, not yet reaped
+
+
+def _ends_with(server_pid: int) -> Callable[[], None] | None:
+    """The job's pre-exec step (in the child, between fork and exec): SIGTERM when the
+    server's thread that started it ends, the server SIGKILLed included (Linux
+    PR_SET_PDEATHSIG; elsewhere None: jobs end with a clean shutdown only)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+    def ask_for_sigterm() -> None:
+        prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != server_pid:  # the server died before the request was made
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return ask_for_sigterm
 
 
 def routes(server, route: Callable, read_json: Callable) -> list[Route]:
@@ -509,7 +687,7 @@ def routes(server, route: Callable, read_json: Callable) -> list[Route]:
         q = queue()
         req = parse_request(TrainRequest, await read_json(request))
         job = await run_in_threadpool(q.submit, req.name, req.config_text, req.config_name,
-                                      req.overrides)  # fmt: skip
+                                      req.overrides, req.source)  # fmt: skip
         return JSONResponse(job.view(), status_code=201)
 
     async def stop(request: Request):
@@ -527,7 +705,7 @@ def routes(server, route: Callable, read_json: Callable) -> list[Route]:
     return [
         Route("/api/train", route(listing), methods=["GET"]),
         Route("/api/train", route(submit), methods=["POST"]),
-        Route("/api/train/configs/{name}", route(config), methods=["GET"]),
+        Route("/api/train/configs/{name:path}", route(config), methods=["GET"]),
         Route("/api/train/{id}/stop", route(stop), methods=["POST"]),
         Route("/api/train/{id}/log", route(log), methods=["GET"]),
     ]

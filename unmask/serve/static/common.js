@@ -72,3 +72,43 @@ function svgElement(name, attributes) {
   for (const [k, v] of Object.entries(attributes)) element.setAttribute(k, v);
   return element;
 }
+
+// -- axis ticks (the Runs charts, the Train tab's curve) ----------------------------------
+function niceStep(span, count) {
+  const raw = span / Math.max(1, count);
+  const power = Math.pow(10, Math.floor(Math.log10(raw)));
+  const m = raw / power;
+  return (m <= 1 ? 1 : m <= 2 ? 2 : m <= 5 ? 5 : 10) * power;
+}
+
+function linearTicks(lo, hi, count) {
+  // ticks at 1, 2 or 5 times a power of ten, about `count` of them, and the range they span
+  const step = niceStep(hi - lo, count);
+  const first = Math.floor(lo / step + 1e-9) * step, last = Math.ceil(hi / step - 1e-9) * step;
+  const ticks = [];
+  // (at most 20: a span past float precision must not loop on)
+  for (let i = 0; i < 20 && first + i * step <= last + step * 1e-9; i++) ticks.push(Number((first + i * step).toPrecision(12)));
+  return { ticks, lo: first, hi: last };
+}
+
+function stepTicks(lo, hi) {
+  // whole steps inside [lo, hi]
+  const step = Math.max(1, niceStep(hi - lo, 6));
+  const ticks = [];
+  for (let v = Math.ceil(lo / step) * step; v <= hi && ticks.length < 20; v += step) ticks.push(v);
+  return ticks;
+}
+
+function tickText(v) {
+  if (v === 0) return "0";
+  const a = Math.abs(v);
+  if (a >= 1e5 || a < 1e-3) return Number(v.toPrecision(3)).toExponential().replace("e+", "e");
+  return String(Number(v.toPrecision(6)));
+}
+
+function stepText(v) {
+  if (v >= 1e6) return Number((v / 1e6).toPrecision(4)) + "M";
+  if (v >= 1e4) return Number((v / 1e3).toPrecision(4)) + "k";
+  return String(v);
+}
+

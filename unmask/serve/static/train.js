@@ -3,11 +3,15 @@
 // upload a YAML file, edit it, name the run and queue it (POST /api/train); the queue
 // polled every second, the selected job's log read on from where it was
 // (/api/train/ID/log?offset=N) and its loss curve from the runs view's /api/runs/NAME;
-// Stop (POST /api/train/ID/stop): SIGTERM, the run saves a checkpoint. Everything from
-// the server goes in as text.
+// Stop (POST /api/train/ID/stop, one button, the selected job's): SIGTERM, the run saves a
+// checkpoint. A picked config is sent by its name (the job lists it so), an edited or
+// uploaded one as text with what it came from. Everything from the server goes in as text.
 "use strict";
 
-const train = { selected: null, offset: 0, jobs: [], curveAt: 0, busy: false };
+// picked: the config picked and its text as served (sent by name while unedited);
+// uploaded: the file name the editor's text came from
+const train = { selected: null, offset: 0, jobs: [], curveAt: 0, busy: false,
+                picked: null, uploaded: null };
 const TRAIN_LOG_CHARS = 200000;  // the log shown keeps its last this many characters
 
 function trainNote(text, error = false) {
@@ -31,6 +35,8 @@ async function pickConfig() {
   try {
     const data = await trainFetch("/api/train/configs/" + encodeURIComponent(name));
     $("train-text").value = data.text;
+    train.picked = { name, text: data.text };
+    train.uploaded = null;
     $("train-file").value = "";
     trainNote("");
   } catch (err) {
@@ -45,6 +51,8 @@ function uploadConfig() {
   reader.onload = () => {
     $("train-text").value = reader.result;
     $("train-pick").value = "";
+    train.picked = null;
+    train.uploaded = file.name;
     if (!$("train-name").value) $("train-name").value = file.name.replace(/\.ya?ml$/i, "");
     trainNote("");
   };
@@ -53,13 +61,20 @@ function uploadConfig() {
 }
 
 async function startRun() {
+  const text = $("train-text").value;
   const body = {
     name: $("train-name").value.trim(),
-    config_text: $("train-text").value,
     overrides: $("train-overrides").value.split(/\s+/).filter((s) => s),
   };
-  if (!body.config_text.trim()) return trainNote("pick a config or upload a YAML file first", true);
+  if (!text.trim()) return trainNote("pick a config or upload a YAML file first", true);
   if (!body.name) return trainNote("name the run (its folder in the runs folder)", true);
+  if (train.picked && train.picked.text === text) {
+    body.config_name = train.picked.name;  // listed by its own name
+  } else {
+    body.config_text = text;
+    if (train.picked) body.source = train.picked.name + " (edited)";
+    else if (train.uploaded) body.source = train.uploaded + " (uploaded)";
+  }
   try {
     const job = await trainFetch("/api/train", { method: "POST", body: JSON.stringify(body) });
     trainNote("queued " + job.name + " (job " + job.id + ")");
@@ -102,14 +117,6 @@ function jobRow(job) {
     if (cls) td.className = cls;
     tr.appendChild(td);
   }
-  const td = document.createElement("td");
-  if (job.state === "queued" || (job.state === "running" && !job.stopping)) {
-    const button = document.createElement("button");
-    button.textContent = job.state === "queued" ? "cancel" : "stop";
-    button.addEventListener("click", (event) => { event.stopPropagation(); stopJob(job.id); });
-    td.appendChild(button);
-  }
-  tr.appendChild(td);
   tr.addEventListener("click", () => { selectJob(job.id); drawJobs(); });
   return tr;
 }
@@ -154,7 +161,7 @@ function drawTrainCurve(name, data) {
   const finite = (s) => (s || []).filter((p) => Number.isFinite(p[0]) && Number.isFinite(p[1]));
   const series = [["loss", "#2563eb", finite(metrics.loss)], ["eval_loss", "#ea580c", finite(metrics.eval_loss)]];
   const all = series.flatMap((s) => s[2]);
-  const W = 420, H = 180, L = 46, B = 22, T = 8, R = 8;
+  const W = 420, H = 190, L = 46, B = 30, T = 8, R = 10;
   const box = $("train-curve");
   const title = document.createElement("h3");
   title.textContent = name + ": loss by step";
@@ -165,21 +172,31 @@ function drawTrainCurve(name, data) {
   }
   const xs = all.map((p) => p[0]), ys = all.map((p) => p[1]);
   const x0 = Math.min(...xs), x1 = Math.max(...xs, x0 + 1);
-  const y0 = Math.min(...ys), y1 = Math.max(...ys, y0 + 1e-9);
+  let lo = Math.min(...ys), hi = Math.max(...ys);
+  if (hi - lo < 1e-9) { const pad = Math.abs(lo) * 0.1 || 1; lo -= pad; hi += pad; }
+  const { ticks: yTicks, lo: y0, hi: y1 } = linearTicks(lo, hi, 4);
   const px = (x) => L + ((x - x0) / (x1 - x0)) * (W - L - R);
   const py = (y) => T + (1 - (y - y0) / (y1 - y0)) * (H - T - B);
+  // ticks at 1, 2 or 5 times a power of ten (common.js), the axes spanning them
+  for (const v of yTicks) {
+    const y = py(v).toFixed(1);
+    svg.appendChild(svgElement("line", { x1: L, y1: y, x2: W - R, y2: y, stroke: "#eef0f3" }));
+    const label = svgElement("text", { x: L - 4, y: Number(y) + 3, "text-anchor": "end", class: "train-ytick" });
+    label.textContent = tickText(v);
+    svg.appendChild(label);
+  }
+  for (const v of stepTicks(x0, x1)) {
+    const x = px(v).toFixed(1);
+    svg.appendChild(svgElement("line", { x1: x, y1: H - B, x2: x, y2: H - B + 4, stroke: "#9aa5b1" }));
+    const label = svgElement("text", { x, y: H - B + 14, "text-anchor": "middle", class: "train-xtick" });
+    label.textContent = stepText(v);
+    svg.appendChild(label);
+  }
   svg.appendChild(svgElement("line", { x1: L, y1: H - B, x2: W - R, y2: H - B, stroke: "#9aa5b1" }));
   svg.appendChild(svgElement("line", { x1: L, y1: T, x2: L, y2: H - B, stroke: "#9aa5b1" }));
-  for (const [value, y] of [[y1, T + 8], [y0, H - B]]) {
-    const label = svgElement("text", { x: 2, y });
-    label.textContent = value.toFixed(3);
-    svg.appendChild(label);
-  }
-  for (const [value, x, anchor] of [[x0, L, "start"], [x1, W - R, "end"]]) {
-    const label = svgElement("text", { x, y: H - 6, "text-anchor": anchor });
-    label.textContent = "step " + value;
-    svg.appendChild(label);
-  }
+  const caption = svgElement("text", { x: W - R, y: H - 2, "text-anchor": "end" });
+  caption.textContent = "step";
+  svg.appendChild(caption);
   for (const [key, color, points] of series) {
     if (points.length === 1) {
       svg.appendChild(svgElement("circle", { class: key, cx: px(points[0][0]), cy: py(points[0][1]), r: 3, fill: color }));
@@ -202,7 +219,8 @@ function drawTrainCurve(name, data) {
 }
 
 async function readCurve(job) {
-  if (Date.now() - train.curveAt < 3000 || job.state === "queued") return;
+  // asked for once the run has logged a step (before, the runs view has no such run)
+  if (Date.now() - train.curveAt < 3000 || job.state === "queued" || !job.has_metrics) return;
   if (job.ended && train.curveAt > job.ended * 1000) return;  // drawn after its last step
   train.curveAt = Date.now();
   const response = await fetch("/api/runs/" + encodeURIComponent(job.name), { headers: headers() });
