@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-unmask
 
-.PHONY: quickstart test test-fast lint format bench bench-long bench-quick clean-venv
+.PHONY: quickstart test test-fast lint format bench bench-long bench-quick gpu-wheels-check clean-venv
 
 $(STAMP): pyproject.toml
 	@echo "unmask: setting up $(VENV) (torch 2.13.0 CPU build, then unmask and its extras; a few minutes the first time)"
@@ -91,6 +91,12 @@ bench-quick: $(STAMP)
 	$(BIN)/python benchmarks/vocab_parallel.py --quick
 	$(BIN)/python benchmarks/sequence_parallel.py --quick
 	$(BIN)/python benchmarks/gpu.py --profile --dry
+
+# The GPU run's wheel set (benchmarks/gpu_wheels.py) proven on this CPU: a fresh
+# environment from the wheels and this machine's torch alone, offline, imports what the
+# phases import and runs the dry profile. Downloads about 150 MB, so not in CI.
+gpu-wheels-check: $(STAMP)
+	$(BIN)/python benchmarks/gpu.py --check-wheels $${TMPDIR:-/tmp}/unmask-gpu-wheels
 
 clean-venv:
 	rm -rf $(VENV)

@@ -18,30 +18,35 @@ train/mfu.py's FLOP count of the same model (built on the meta device), its toke
 step the trainer's step plan (train/plan.py), and the plan fits the device. Nothing is
 launched.
 
-`--profile` (the prepared GPU run, gpu_profile.py): one command, at most `--budget` seconds
-(default 460: it fits one 10-minute device call with room to spare), that runs the phases
-in order of value (environment and GEMM rates, the LLaDA slice with Muon, the MoE slice,
-the Dream slice with AdamW, sampling, the LLaDA slice with Muon at 64k tokens per
-optimizer step, `unmask serve`, `pytest -m cuda`, DiffusionGemma 26B-A4B's slice with bf16
-and compile, then Muon's cost against AdamW's), each in a process of its own with what is
-left of the budget, and writes after each one the phase's files, a summary and (with
-`--bundle`) one archive of them all; a phase that fails or runs out of time is named in the
-summary and the others go on. `--profile --dry` runs every phase on the CPU with tiny shapes.
+`--profile` (the prepared GPU run, gpu_profile.py and gpu_train.py): one command, at most
+`--budget` seconds (default 480: one 9-minute device call with the wheels' install and
+start-up beside it), that runs the phases in the order the targets need them
+(`PROFILE_PHASES`; `--cases` picks some, in the order given, and refuses unknown names),
+each in a process group of its own with what is left of the budget. A phase writes its
+JSON as it measures; after each phase the run writes `summary.md` and (with `--bundle`)
+one archive of the folder. A phase cut by the budget (or by SIGTERM to the run) keeps what
+it wrote, and its process group (`unmask serve`, pytest) is ended. `--profile --dry` runs
+every phase on the CPU with tiny shapes. `--plan-only` prints the run's time on an H200,
+estimated on the CPU from the planner's step times and the phases' fixed costs.
 
 `--wheels` downloads into .whl/ (ignored) the Python packages unmask needs that the lent
-GPU image lacks (docs/scaling.md, On a GPU, says how a run installs them).
+GPU image lacks; `--check-wheels DIR` proves that set on a CPU (gpu_wheels.py; docs/scaling.md,
+On a GPU, says how a run installs them).
 
 Run: python benchmarks/gpu.py                 (GPU machine; writes benchmarks/results/gpu.md)
      python benchmarks/gpu.py --dry           (any machine, a minute on a CPU)
      python benchmarks/gpu.py --profile       (GPU machine; benchmarks/results/gpu/)
      python benchmarks/gpu.py --profile --dry (a CPU; a temporary folder unless --out)
+     python benchmarks/gpu.py --profile --plan-only (a CPU; the estimate, nothing run)
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -216,43 +221,106 @@ def suite(warmup: int, steps: int, device_name: str | None, only: list[str]) -> 
     return 1 if failed else 0
 
 
-#: --profile's phases in order of value (gpu_profile.py)
-PROFILE_PHASES = ["env", "train-llada-8b-muon", "train-llada-moe-7b-a1b-muon",
-                  "train-dream-7b-adamw", "sample", "train-llada-8b-muon-64k", "serve",
-                  "train-llada-8b-muon-float8", "cuda-tests",
-                  "train-diffusion-gemma-26b-a4b", "train-llada-8b-adamw",
-                  "train-llada-8b-muon-gram", "train-llada-8b-muon-256k",
-                  "train-llada-8b-adamw-256k"]  # fmt: skip
+#: --profile's phases in the order the targets need them: the environment and GEMM rates;
+#: the LLaDA slice with Muon, with AdamW (Muon's overhead), at 64k tokens per optimizer
+#: step; Dream with AdamW; the MoE slice; DiffusionGemma; then sampling, serving, the CUDA
+#: tests, float8 and Gram Newton-Schulz (gpu_profile.py, gpu_train.py)
+PROFILE_PHASES = ["env", "train-llada-8b-muon", "train-llada-8b-adamw",
+                  "train-llada-8b-muon-64k", "train-dream-7b-adamw",
+                  "train-llada-moe-7b-a1b-muon", "train-diffusion-gemma-26b-a4b", "sample",
+                  "serve", "cuda-tests", "train-llada-8b-muon-float8",
+                  "train-llada-8b-muon-gram"]  # fmt: skip
+#: the phases the targets need: --plan-only checks they fit the budget
+TARGET_PHASES = PROFILE_PHASES[: PROFILE_PHASES.index("train-diffusion-gemma-26b-a4b") + 1]
 #: a phase is not started with less than this left of the budget
 MIN_PHASE_S = 25
+#: seconds a cut phase's process group gets between SIGTERM and SIGKILL
+GRACE_S = 5
 
 
-def profile(out: Path, dry: bool, budget: float, bundle: Path | None, only: list[str]) -> int:
-    """The prepared GPU run (module docstring): phases in subprocesses within the budget."""
+def phase_names(cases: list[str]) -> list[str]:
+    """--cases as given (in that order), or every phase; an unknown name is bad input."""
+    unknown = [c for c in cases if c not in PROFILE_PHASES]
+    if unknown:
+        raise InputError(f"gpu.py --profile: unknown --cases {', '.join(unknown)}; the phases "
+                         f"are {', '.join(PROFILE_PHASES)}")  # fmt: skip
+    return list(dict.fromkeys(cases)) or list(PROFILE_PHASES)
+
+
+class InputError(Exception):
+    """Bad input: one line, exit 2, nothing written."""
+
+
+def run_phase_process(command: list[str], log: Path, seconds: float, should_stop=None) -> str:
+    """Run a phase in a process group of its own, its output to `log`, for at most
+    `seconds` (or until `should_stop()`, polled twice a second, says so); then end the whole
+    group (the phase and what it started: `unmask serve`, pytest), SIGTERM then SIGKILL.
+    Returns the outcome: "ok, N s", "failed (...)" or "cut off ...". The group is ended
+    after a normal exit too, so nothing a phase started outlives it."""
+    started = time.monotonic()
+    with open(log, "w") as handle:
+        proc = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, cwd=REPO,
+                                start_new_session=True)  # fmt: skip
+        cut = None
+        while proc.poll() is None:
+            if time.monotonic() - started > seconds:
+                cut = f"cut off at the budget ({seconds:.0f} s)"
+            elif should_stop is not None and should_stop():
+                cut = "cut off: the run was stopped"
+            if cut:
+                _end_group(proc, GRACE_S)
+                break
+            time.sleep(0.5)
+        _end_group(proc, 0)
+    took = time.monotonic() - started
+    if cut:
+        return f"{cut}; kept what it wrote"
+    if proc.returncode == 0:
+        return f"ok, {took:.0f} s"
+    return f"failed (exit {proc.returncode}, {took:.0f} s): {_last_line(log)}"
+
+
+def _end_group(proc: subprocess.Popen, grace: float) -> None:
+    """SIGTERM to proc's process group, SIGKILL to what is left after `grace` seconds."""
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5)):
+        try:
+            os.killpg(proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            break
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(wait)
+        if not _group_alive(proc.pid):
+            break
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
+
+
+def profile(out: Path, dry: bool, budget: float, bundle: Path | None, names: list[str]) -> int:
+    """The prepared GPU run (module docstring): phases in subprocesses within the budget,
+    the summary and the bundle rewritten after each. SIGTERM (a time limit around the whole
+    command) cuts the running phase the same way and still writes both."""
     started = time.monotonic()
     out.mkdir(parents=True, exist_ok=True)
+    stopped: list[int] = []
+    signal.signal(signal.SIGTERM, lambda signum, frame: stopped.append(signum))
     status: dict[str, str] = {}
-    for name in PROFILE_PHASES:
-        if only and name not in only:
-            continue
+    for name in names:
         left = budget - (time.monotonic() - started)
-        if left < MIN_PHASE_S:
-            status[name] = f"not run ({left:.0f} s of the budget left)"
+        if stopped or left < MIN_PHASE_S:
+            status[name] = "not run (stopped)" if stopped else (
+                f"not run ({left:.0f} s of the budget left)")  # fmt: skip
             continue
-        phase_started = time.monotonic()
         command = [sys.executable, __file__, "--phase", name, "--out", str(out)]
         command += ["--dry"] if dry else []
-        log = out / f"log-{name}.txt"
         print(f"gpu.py --profile: {name} ({left:.0f} s left)", flush=True)
-        try:
-            with open(log, "w") as handle:
-                proc = subprocess.run(command, stdout=handle, stderr=subprocess.STDOUT,
-                                      timeout=left, cwd=REPO)  # fmt: skip
-            took = time.monotonic() - phase_started
-            status[name] = f"ok, {took:.0f} s" if proc.returncode == 0 else (
-                f"failed (exit {proc.returncode}, {took:.0f} s): {_last_line(log)}")  # fmt: skip
-        except subprocess.TimeoutExpired:
-            status[name] = f"cut off at the budget ({left:.0f} s)"
+        status[name] = run_phase_process(command, out / f"log-{name}.txt", left,
+                                         lambda: bool(stopped))  # fmt: skip
         print(f"gpu.py --profile: {name}: {status[name]}", flush=True)
         _summary(out, status, dry)
         if bundle is not None:
@@ -270,11 +338,16 @@ def _last_line(path: Path) -> str:
 
 
 def _bundle(out: Path, bundle: Path) -> None:
-    """One gzipped tar of the results folder (the device tool returns few files), replaced
-    whole after each phase."""
+    """One gzipped tar of the results folder (few files come back from a GPU machine),
+    replaced whole after each phase; the bundle itself is left out when it lies inside."""
     partial = bundle.with_name(bundle.name + ".partial")
+    skip = {bundle.resolve(), partial.resolve()}
+
+    def keep(info: tarfile.TarInfo) -> tarfile.TarInfo | None:
+        return None if (out.parent / info.name).resolve() in skip else info
+
     with tarfile.open(partial, "w:gz") as tar:
-        tar.add(out, arcname=out.name)
+        tar.add(out, arcname=out.name, filter=keep)
     partial.replace(bundle)
 
 
@@ -283,7 +356,10 @@ def _summary(out: Path, status: dict[str, str], dry: bool) -> None:
 
     def read(name: str) -> dict | None:
         path = out / f"{name}.json"
-        return json.loads(path.read_text()) if path.exists() else None
+        try:
+            return json.loads(path.read_text()) if path.exists() else None
+        except ValueError:
+            return None
 
     env = read("env") or {}
     lines = [f"# GPU profile: {env.get('device', 'device unknown')}"
@@ -295,23 +371,28 @@ def _summary(out: Path, status: dict[str, str], dry: bool) -> None:
     rates = env.get("tflops", {})
     if rates:
         lines += ["", "GEMM TFLOP/s: " + "; ".join(f"{k} {v}" for k, v in rates.items())]
-    train = [(n, read(n)) for n in PROFILE_PHASES if n.startswith("train-")]
-    rows = [(n, r) for n, r in train if r]
+    rows = [r for r in (read(n) for n in status if n.startswith("train-")) if r]
     if rows:
-        lines += ["", "| case | tokens/step | step s (spread) | optimizer s | MFU e2e | "
-                  "MFU model-only | GPU busy | syncs/step | float32 matmul share | peak GiB "
-                  "(plan) |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
-        for _, r in rows:
-            flops = r["matmul_flops_by_dtype"]
-            share = flops.get("torch.float32", 0) / max(1, sum(flops.values()))
-            syncs = r["cuda_syncs"]
-            opt = statistics.median(r["optimizer_s"]) if r["optimizer_s"] else 0.0
-            lines.append(
-                f"| {r['case']} | {r['tokens_per_step']} | {r['step_s_median']} "
-                f"({r['step_spread']:.1%}) | {opt:.4f} | {r['mfu_end_to_end']:.1%} | "
-                f"{r['mfu_model_only']:.1%} | {r['profile']['gpu_busy_share']} | "
-                f"{len(syncs) if isinstance(syncs, list) else '-'} | {share:.2%} | "
-                f"{r['peak_gib']} ({r['planned_peak_gib']}) |")  # fmt: skip
+        lines += ["", "| case | data | tokens/step | step s (spread) | optimizer s | MFU e2e | "
+                  "model-only | executed | e2e vs GEMM | expert load max/mean | peak GiB "
+                  "(plan) |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+        for r in rows:
+            for variant, d in r.get("data", {}).items():
+                opt = statistics.median(d["optimizer_s"]) if d["optimizer_s"] else 0.0
+                load = d.get("expert_load")
+                lines.append(
+                    f"| {r['case']} | {variant} | {r['tokens_per_step']} | {d['step_s_median']} "
+                    f"({d['step_spread']:.1%}) | {opt:.4f} | {d['mfu_end_to_end']:.1%} | "
+                    f"{d['mfu_model_only']:.1%} | {_percent(d.get('mfu_executed'))} | "
+                    f"{_percent(d.get('mfu_end_to_end_vs_gemm'))} | "
+                    f"{max(x['max_over_mean'] for x in load) if load else '-'} | "
+                    f"{d['peak_gib']} ({r.get('planned_peak_gib', '-')}) |")  # fmt: skip
+        for r in rows:
+            p = r.get("projection_256k")
+            if p:
+                lines.append(f"\n{r['case']} at {p['tokens']} tokens per optimizer step "
+                             f"(projected): {p['step_s']} s, optimizer {p['optimizer_share']:.1%} "
+                             f"of it, MFU {p['mfu_end_to_end']:.1%}")  # fmt: skip
     sample = read("sample")
     if sample:
         lines += ["", "Sampling (the dense slice, tokens/s): " + "; ".join(
@@ -323,31 +404,64 @@ def _summary(out: Path, status: dict[str, str], dry: bool) -> None:
     (out / "summary.md").write_text("\n".join(lines) + "\n")
 
 
-#: what unmask needs that the lent GPU image (Python 3.12, torch 2.11) lacks: name==version
-GPU_WHEELS = ["pydantic==2.14.4", "pydantic-core==2.50.5", "annotated-types==0.8.0",
-              "typing-inspection==0.4.5", "datasets==5.2.0", "dill==0.4.1",
-              "multiprocess==0.70.19", "torchdata==0.11.0", "zstandard==0.25.0",
-              "starlette==1.10.0", "uvicorn==0.54.0", "openai==3.57.0", "distro==1.9.0",
-              "jiter==0.19.0", "sniffio==1.3.1", "torchao==0.18.0"]  # fmt: skip
+def _percent(value) -> str:
+    return f"{value:.1%}" if isinstance(value, (int, float)) else "-"
 
 
-def wheels(folder: Path) -> int:
-    """Download GPU_WHEELS for CPython 3.12 on x86-64 Linux into folder (README of the
-    device tool: the lent machine reaches no registry)."""
-    folder.mkdir(exist_ok=True)
-    platforms = []
-    for tag in ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64",
-                "manylinux2014_x86_64", "manylinux1_x86_64"):  # fmt: skip
-        platforms += ["--platform", tag]
-    for spec in GPU_WHEELS:
-        proc = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps",
-                               "--only-binary=:all:", "--python-version", "3.12",
-                               "--implementation", "cp", *platforms, "-d", str(folder), spec])  # fmt: skip
-        if proc.returncode != 0:
-            print(f"gpu.py --wheels: {spec} could not be downloaded", file=sys.stderr)
-            return 1
-    print(f"gpu.py --wheels: {len(GPU_WHEELS)} wheels in {folder}")
-    return 0
+# ---------------------------------------------------------------------- --plan-only
+
+#: fixed costs of a phase on the H200, seconds: a process's start (Python, torch and
+#: unmask's imports, the synthetic data, the Trainer with its model built on the GPU), the
+#: compile of the first step (17-26 s per case on the H200 run, docs/scaling.md: the
+#: largest taken), the planner once; the non-training phases whole
+FIXED_S = {"start": 15.0, "compile": 26.0, "plan": 3.0, "profiler": 10.0}
+OTHER_PHASES_S = {"env": 30.0, "sample": 45.0, "serve": 45.0, "cuda-tests": 60.0}
+#: the training phases' steps: warm-up, timed per data variant, diagnostics' steps
+#: (a sync report, an eager audit counted as 5 steps, a profiled step), the projection's
+#: optimizer-only calls
+STEPS = {"warmup": 3, "timed": 16, "diagnostics": 7, "optimizer_only": 5}
+
+
+def plan_only(names: list[str], budget: float, device_name: str = "h200") -> int:
+    """The run's time on an H200, estimated on the CPU: each training phase's planned step
+    (unmask plan's step time at its assumed MFU, the optimizer included) times its steps,
+    plus the fixed costs above; the other phases at their fixed estimates. Prints one row
+    per phase, the running total, and whether the target phases fit the budget."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from gpu_train import DIAGNOSED, FULL_ROW, PROJECTED, TRAIN_CASES
+
+    total, lines, fits_at = 0.0, [], None
+    print(f"gpu.py --plan-only: the phases on one {device_name} (planned step times at the "
+          f"planner's assumed MFU, plus fixed costs), budget {budget:.0f} s")  # fmt: skip
+    print(f"{'phase':<34} {'step s':>8} {'phase s':>8} {'total s':>8}")
+    for name in names:
+        if name.startswith("train-"):
+            case = name.removeprefix("train-")
+            config, overrides = TRAIN_CASES[case]
+            _, plan = plan_for(config, overrides, 1, device_name)
+            step = plan.step_s
+            variants = 2 if case in FULL_ROW else 1
+            steps = STEPS["warmup"] + variants * STEPS["timed"] + (variants - 1)
+            seconds = FIXED_S["start"] + FIXED_S["compile"] + FIXED_S["plan"] + steps * step
+            if case in DIAGNOSED:
+                seconds += STEPS["diagnostics"] * step + FIXED_S["profiler"]
+            if case in PROJECTED:
+                seconds += STEPS["optimizer_only"] * plan.optimizer_s
+            shown = f"{step:8.3f}"
+        else:
+            seconds, shown = OTHER_PHASES_S[name], f"{'-':>8}"
+        total += seconds
+        lines.append((name, total))
+        print(f"{name:<34} {shown} {seconds:8.0f} {total:8.0f}")
+        if name == TARGET_PHASES[-1]:
+            fits_at = total
+    if fits_at is None:
+        print("gpu.py --plan-only: the target phases are not all in --cases")
+        return 0
+    verdict = "fit" if fits_at <= budget else "do NOT fit"
+    print(f"gpu.py --plan-only: the phases through {TARGET_PHASES[-1]} {verdict} in "
+          f"{budget:.0f} s ({fits_at:.0f} s estimated)")  # fmt: skip
+    return 0 if fits_at <= budget else 1
 
 
 def plan_peak(cfg, kind: str) -> float:
@@ -364,17 +478,23 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--cases", nargs="*", default=[], help="run only these cases "
-                        "(--profile: these phases)")  # fmt: skip
+                        "(--profile: these phases, in the order given)")  # fmt: skip
     parser.add_argument("--profile", action="store_true", help="the prepared GPU run "
                         "(gpu_profile.py); with --dry on the CPU, tiny")  # fmt: skip
-    parser.add_argument("--out", help="--profile: results folder (default "
+    parser.add_argument("--plan-only", action="store_true", help="--profile's time on an "
+                        "H200, estimated on the CPU; runs nothing")  # fmt: skip
+    parser.add_argument("--out", help="--profile: results folder, any (default "
                         "benchmarks/results/gpu; --dry: a temporary one)")  # fmt: skip
-    parser.add_argument("--budget", type=float, default=460.0,
-                        help="--profile: seconds for all phases (default 460)")  # fmt: skip
+    parser.add_argument("--budget", type=float, default=480.0,
+                        help="--profile: seconds for all phases (default 480)")  # fmt: skip
     parser.add_argument("--bundle", help="--profile: also keep one .tar.gz of the results "
-                        "here, updated after each phase")  # fmt: skip
+                        "at this path (a folder, or not a .tar.gz name: gpu-profile.tar.gz in it), updated after "
+                        "each phase")  # fmt: skip
     parser.add_argument("--wheels", nargs="?", const=str(REPO / ".whl"), metavar="DIR",
                         help="download the packages the GPU image lacks (default .whl/)")  # fmt: skip
+    parser.add_argument("--check-wheels", metavar="DIR", help="download the wheels into DIR "
+                        "and prove them on this CPU: a fresh environment from them alone, "
+                        "offline, runs the dry profile (gpu_wheels.py)")  # fmt: skip
     parser.add_argument("--phase", help=argparse.SUPPRESS)
     parser.add_argument("--worker", nargs=2, metavar=("OUT", "CONFIG"), help=argparse.SUPPRESS)
     parser.add_argument("overrides", nargs="*", help=argparse.SUPPRESS)
@@ -382,19 +502,36 @@ def main() -> int:
     if args.worker:
         worker(args.worker[0], args.worker[1], args.overrides, args.warmup, args.steps)
         return 0
-    if args.wheels:
-        return wheels(Path(args.wheels))
+    if args.wheels or args.check_wheels:
+        from gpu_wheels import check, download
+
+        return check(Path(args.check_wheels)) if args.check_wheels else download(Path(args.wheels))
     if args.phase:
         from gpu_profile import run_phase
 
         run_phase(args.phase, Path(args.out), args.dry)
         return 0
-    if args.profile:
+    if args.profile or args.plan_only:
+        try:
+            names = phase_names(args.cases)
+        except InputError as err:
+            print(err, file=sys.stderr)
+            return 2
+        if args.plan_only:
+            return plan_only(names, args.budget, args.device or "h200")
         out = Path(args.out) if args.out else None
         if out is None:
             out = Path(tempfile.mkdtemp(prefix="gpu-profile-")) if args.dry else RESULTS / "gpu"
         bundle = Path(args.bundle) if args.bundle else None
-        return profile(out, args.dry, args.budget, bundle, args.cases)
+        if bundle is not None and (
+            bundle.resolve() == out.resolve()
+            or bundle.is_dir()
+            or not bundle.name.endswith((".tar.gz", ".tgz"))
+        ):
+            bundle = bundle / "gpu-profile.tar.gz"  # a folder: the archive in it
+        if bundle is not None:
+            bundle.parent.mkdir(parents=True, exist_ok=True)
+        return profile(out, args.dry, args.budget, bundle, names)
     if args.dry:
         return dry(args.world, args.device or "h100")
     return suite(args.warmup, args.steps, args.device, args.cases)

@@ -326,3 +326,108 @@ def test_a_llada2_1_folder_loads_and_saves_unchanged(tmp_path):
         load_file(tmp_path / "out" / "model.safetensors"),
     )
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("score", ["softmax", "sigmoid"])
+def test_router_logits_are_float32_under_bf16_autocast(score):
+    """Under bf16 autocast the router's matmul runs in float32 (autocast would cast
+    `x.float()` and the float32 weight back to bf16): logits, scores and the chosen experts
+    equal the float32 computation bit for bit; the bf16 matmul autocast would have run
+    gives other logits (what the test tells apart)."""
+    extra = {"router_score": "sigmoid"} if score == "sigmoid" else {}
+    router = Router(_tiny("qwen3_moe_dllm", **extra))
+    torch.manual_seed(4)
+    with torch.no_grad():
+        router.weight.normal_()
+    x = torch.randn(32, 64).to(torch.bfloat16)  # the bf16 residual stream
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        experts, weights, logits = router(x)
+        bf16_logits = torch.nn.functional.linear(x.float(), router.weight.float())
+    want = x.float() @ router.weight.T
+    assert logits.dtype == torch.float32 and torch.equal(logits, want)
+    assert bf16_logits.dtype == torch.bfloat16 and not torch.equal(bf16_logits.float(), want)
+    scores = want.softmax(-1) if score == "softmax" else want.sigmoid()
+    chosen = scores.topk(2, dim=-1)
+    assert torch.equal(experts, chosen.indices)
+    picked = chosen.values / (chosen.values.sum(-1, keepdim=True) + 1e-20)
+    assert torch.equal(weights, picked if score == "sigmoid" else chosen.values)
+
+
+class StackCasts:
+    """Counts the casts (`aten._to_copy`) of the given tensors' storages to bfloat16 made
+    inside it (a TorchDispatchMode: what autograd and the module code dispatch)."""
+
+    def __init__(self, stacks):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        storages = {s.untyped_storage().data_ptr() for s in stacks}
+        counter = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                kwargs = kwargs or {}
+                out = func(*args, **kwargs)
+                if (func is torch.ops.aten._to_copy.default and out.dtype == torch.bfloat16
+                        and args[0].untyped_storage().data_ptr() in storages):  # fmt: skip
+                    counter.count += 1
+                return out
+
+        self.count, self.mode = 0, Mode()
+
+    def __enter__(self):
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.mode.__exit__(*exc)
+
+
+MOE_RUN = {"model": {"model_type": "llada_moe", "num_experts": 4, "num_experts_per_tok": 2,
+                     "moe_intermediate_size": 32}}  # fmt: skip
+
+
+@pytest.mark.parametrize("family", ["llada_moe", "diffusion_gemma"])
+def test_expert_stacks_are_cast_once_a_step_with_the_plain_paths_losses_and_grads(
+    tiny_config, tmp_path, monkeypatch, family
+):
+    """Two steps of two micro-batches under bf16 autocast over float32 masters: each expert
+    stack is cast to bf16 once a step (2 layers x 3 stacks for llada_moe; 2 x 2 for
+    diffusion_gemma, whose micro-batch runs the experts in 5 layer passes: the encoder's
+    first layer, the self-conditioning and the decoder pass over both), where a cast per
+    pass made 2 (micro-batches) x that many; the losses and every parameter after the steps
+    equal the plain path's bit for bit."""
+    import contextlib
+
+    import unmask.train.step as step_module
+    from conftest import TINY_GEMMA, deep_update
+
+    from unmask.config import load_config
+    from unmask.train.trainer import Trainer
+
+    tree = deep_update(TINY_GEMMA if family == "diffusion_gemma" else MOE_RUN,
+                       {"train": {"bf16": True, "gradient_accumulation_steps": 2}})  # fmt: skip
+    results = []
+    for cached in (True, False):
+        if not cached:  # the plain path: a cast at every use
+            monkeypatch.setattr(step_module, "step_casts", contextlib.nullcontext)
+        tree["train"]["output_dir"] = str(tmp_path / str(cached))
+        trainer = Trainer(load_config(tiny_config(tree, name=f"{cached}.yaml")))
+        stacks = [p for n, p in trainer.model.named_parameters() if "experts." in n
+                  and "shared" not in n and p.ndim == 3]  # fmt: skip
+        assert len(stacks) == (6 if family == "llada_moe" else 4)
+        losses, counts = [], []
+        for _ in range(2):
+            batches = [next(trainer.loader) for _ in range(2)]
+            with StackCasts(stacks) as casts:
+                stats = trainer.train_step(batches)
+            trainer.step += 1
+            losses.append(float(stats["loss"]))
+            counts.append(casts.count)
+        results.append((losses, counts, dict(trainer.model.named_parameters())))
+    (losses, counts, params), (plain_losses, plain_counts, plain_params) = results
+    passes = 1 if family == "llada_moe" else 5 / 2  # layer passes a micro-batch, per layer
+    assert counts == [len(stacks)] * 2
+    assert plain_counts == [int(2 * passes * len(stacks))] * 2
+    assert losses == plain_losses
+    for name, p in params.items():
+        assert torch.equal(p, plain_params[name]), name

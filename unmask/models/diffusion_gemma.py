@@ -80,7 +80,13 @@ from unmask.errors import InputError
 from unmask.models.attention import AttentionMask, attend
 from unmask.models.config import ModelConfig
 from unmask.models.hf import save_pretrained
-from unmask.models.moe import expert_counts, grouped_mm_fits, local_experts
+from unmask.models.moe import (
+    expert_counts,
+    expert_stack,
+    float32_region,
+    grouped_mm_fits,
+    local_experts,
+)
 from unmask.models.transformer import RMSNorm, apply_rotary, init_common
 
 
@@ -214,8 +220,15 @@ class Router(nn.Module):
         self.per_expert_scale = nn.Parameter(torch.ones(cfg.num_experts))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x (T, H) -> experts (T, k) long, weights (T, k) float32, logits (T, E)."""
-        logits = self.proj(rms(x, self.eps) * self.scale * self.root)
+        """x (T, H) -> experts (T, k) long, weights (T, k) float32, logits (T, E); under
+        autocast the logits in float32 (autocast would run the projection in bf16), else in
+        the weights' dtype (as transformers)."""
+        h = rms(x, self.eps) * self.scale * self.root
+        if x.device.type != "meta" and torch.is_autocast_enabled(x.device.type):
+            with float32_region(x.device):
+                logits = F.linear(h.float(), self.proj.weight.float())
+        else:
+            logits = self.proj(h)
         probs = logits.softmax(dim=-1, dtype=torch.float32)
         weights, experts = probs.topk(self.top_k, dim=-1)
         weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -269,11 +282,12 @@ class Experts(nn.Module):
         """rows (N, H) sorted by this rank's experts, counts (local experts,) -> their
         outputs (N, H): on one process every expert, under expert parallelism the local
         part of the stacks (whose gradients stay partial sums over the replicas)."""
-        gate_up, down = local_experts(self.gate_up_proj), local_experts(self.down_proj)
         if torch.is_autocast_enabled(rows.device.type):
             dtype = torch.get_autocast_dtype(rows.device.type)
-            rows, gate_up, down = rows.to(dtype), gate_up.to(dtype), down.to(dtype)
+            rows = rows.to(dtype)  # the stacks' copies made once a step (models/moe.py)
+            gate_up, down = (expert_stack(w, dtype) for w in (self.gate_up_proj, self.down_proj))
         else:
+            gate_up, down = local_experts(self.gate_up_proj), local_experts(self.down_proj)
             rows = rows.to(gate_up.dtype)
         return self._run(rows, counts, gate_up, down)
 

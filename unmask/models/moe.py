@@ -70,10 +70,27 @@ def recomputing():
         _Recompute.active = before
 
 
+@contextlib.contextmanager
+def _checkpointed_forward():
+    before = _StepCasts.checkpointed
+    _StepCasts.checkpointed = True
+    try:
+        yield
+    finally:
+        _StepCasts.checkpointed = before
+
+
+@contextlib.contextmanager
+def _checkpointed_recomputation():
+    with recomputing(), _checkpointed_forward():
+        yield
+
+
 def checkpoint_contexts():
-    """torch.utils.checkpoint's `context_fn`: nothing around the forward, `recomputing()`
-    around the recomputation."""
-    return contextlib.nullcontext(), recomputing()
+    """torch.utils.checkpoint's `context_fn`: around the forward and the recomputation a
+    flag that keeps the step's cast copies out of the checkpointed layer (`expert_stack`),
+    and `recomputing()` around the recomputation."""
+    return _checkpointed_forward(), _checkpointed_recomputation()
 
 
 def _in_backward() -> bool:
@@ -94,6 +111,15 @@ class AuxLossScaler(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         (aux,) = ctx.saved_tensors
         return grad, torch.full_like(aux, ctx.scale), None
+
+
+def float32_region(device: torch.device) -> contextlib.AbstractContextManager:
+    """Autocast off on `device` where it is on: a router's logits in float32 under bf16
+    autocast, which casts a linear's float32 inputs to bf16 (`.float()` alone is undone), so
+    the choice of experts would follow bf16-rounded logits. A no-op elsewhere."""
+    if device.type != "meta" and torch.is_autocast_enabled(device.type):
+        return torch.autocast(device.type, enabled=False)
+    return contextlib.nullcontext()
 
 
 class Router(nn.Module):
@@ -117,7 +143,8 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x (T, H) -> experts (T, k) long, weights (T, k) float32, logits (T, E) float32."""
-        logits = F.linear(x.float(), self.weight.float())
+        with float32_region(x.device):  # autocast would run the matmul in bf16
+            logits = F.linear(x.float(), self.weight.float())
         if self.score == "softmax":
             scores = logits.softmax(dim=-1)
         else:
@@ -178,6 +205,71 @@ def local_experts(weight: torch.Tensor) -> torch.Tensor:
     return weight.to_local(grad_placements=grad)
 
 
+class _StepCasts:
+    """The expert stacks' copies in autocast's dtype made in this optimizer step
+    (`step_casts`): id(parameter) -> ((version, dtype), copy, parameter);
+    None outside a step. `checkpointed`: inside a checkpointed layer's forward."""
+
+    copies: dict | None = None
+    checkpointed = False
+
+
+@contextlib.contextmanager
+def step_casts():
+    """Within it, each float32 expert stack is cast to autocast's dtype once, not once per
+    pass (`expert_stack`). train/step.py holds it around a step's forwards and backwards:
+    DiffusionGemma's uniform objective runs the experts three times a micro-batch (the
+    encoder, the self-conditioning pass, the decoder), and every micro-batch of gradient
+    accumulation again, each a copy of every stack under autocast over float32 masters.
+    The copies go at its exit, before the optimizer changes the masters."""
+    before = _StepCasts.copies
+    _StepCasts.copies = {}
+    try:
+        yield
+    finally:
+        _StepCasts.copies = before
+
+
+class _SharedCast(torch.autograd.Function):
+    """`source.to(copy.dtype)` whose value is `copy` (made once): one node per use, whose
+    backward is the cast's (the gradient in the source's dtype), so the source's gradient
+    is the float32 sum of each use's gradient, as with a cast per use."""
+
+    @staticmethod
+    def forward(ctx, source: torch.Tensor, copy: torch.Tensor) -> torch.Tensor:
+        ctx.dtype = source.dtype
+        return copy.view_as(copy)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad.to(ctx.dtype), None
+
+
+def expert_stack(param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """This rank's part of an expert stack (`local_experts`) in `dtype`. Inside
+    `step_casts` the copy of a parameter whose dtype differs is made once and reused while
+    the parameter is unchanged (its version counter and the dtype are the key: nothing
+    changes the masters within a step, the optimizer runs after it),
+    gradients flowing to it through `_SharedCast`; the losses and gradients equal a cast per
+    use bit for bit (tests/unit/test_moe.py). A plain cast outside a step, for a tensor that
+    is not a parameter (LoRA's adapted stack), inside a checkpointed layer (whose copies are
+    freed after its forward and made again in its recomputation: the step's copies would
+    hold every layer's at once) and under torch.compile (the graph makes its own)."""
+    local = local_experts(param)
+    copies = _StepCasts.copies
+    if (local.dtype == dtype or copies is None or torch.compiler.is_compiling()
+            or _StepCasts.checkpointed or not isinstance(param, nn.Parameter)):  # fmt: skip
+        return local.to(dtype)
+    key = (local._version, dtype)
+    entry = copies.get(id(param))
+    if entry is None or entry[0] != key:
+        entry = (key, local.detach().to(dtype), param)  # the parameter kept: id stays its
+        copies[id(param)] = entry
+    if torch.is_grad_enabled() and local.requires_grad:
+        return _SharedCast.apply(local, entry[1])
+    return entry[1]
+
+
 class Experts(nn.Module):
     """`num_local` SwiGLU experts as stacked weights, applied to rows sorted by expert."""
 
@@ -209,11 +301,13 @@ class Experts(nn.Module):
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x (N, H) rows sorted by local expert, counts (num_local,) rows per expert ->
         (N, H) each row through its expert."""
-        gate, up, down = (local_experts(w) for w in (self.gate_proj, self.up_proj, self.down_proj))
+        stacks = (self.gate_proj, self.up_proj, self.down_proj)
         if torch.is_autocast_enabled(x.device.type):
             dtype = torch.get_autocast_dtype(x.device.type)
-            x, gate, up, down = x.to(dtype), gate.to(dtype), up.to(dtype), down.to(dtype)
+            x = x.to(dtype)
+            gate, up, down = (expert_stack(w, dtype) for w in stacks)  # once a step
         else:
+            gate, up, down = (local_experts(w) for w in stacks)
             x = x.to(gate.dtype)
         if self.uses_grouped_mm(x.dtype):
             offsets = counts.cumsum(0).to(torch.int32)

@@ -80,6 +80,7 @@ from unittest import mock
 import torch
 
 from unmask.models.build import _no_init, build_model, shape_of
+from unmask.models.moe import step_casts
 from unmask.optim.muon import NS_BATCH_NUMEL
 from unmask.plan.shards import ShardedModel
 
@@ -172,23 +173,22 @@ def moe_mlp_bytes(arch, b: int, expert_parallel: bool = False) -> int:
     MLP's b 3 I: its k routed copies of the token (gathered, under EP sent to the experts'
     ranks), each one's gate, up and down inputs, and the experts' output back in slot
     order, which the routing weights scale (b k (2 h + 3 I_moe); the weighted slots are
-    summed, which saves nothing); the router's scores (r E, r the router's
-    bytes: 4, or 2 under bf16, whose autocast casts the router's float32 matmul back to
-    bfloat16 and then saves that copy of its input too, b h); the chosen experts' ids, the
-    rows' token ids and the order the output goes back in (24 k); the routing weights of
-    the slots (r k; what group-limited routing saves for the choice among groups is freed
-    in the forward with the choice, which no gradient reaches); the renormalized weights
-    and their sum (r k + r);
+    summed, which saves nothing); the router's scores (4 E: its logits are float32, autocast
+    kept off its matmul) and under bf16 the float32 copy of its input that matmul saves
+    (4 h); the chosen experts' ids, the rows' token ids and the order the output goes back
+    in (24 k); the routing weights of the slots (b k; what group-limited routing saves for
+    the choice among groups is freed in the forward with the choice, which no gradient
+    reaches); the renormalized weights and their sum (4 k + 4);
     the shared experts' SwiGLU (b 3 I_moe x shared); under expert parallelism (`expert_
     parallel`) the received rows' regrouping order and its inverse (16 k, on the experts'
     ranks)."""
     k, h, experts = arch.num_experts_per_tok, arch.hidden_size, arch.num_experts
     inner = arch.resolved_moe_intermediate_size
     shared = inner * arch.num_shared_experts
-    r = b  # the router's float32 matmul runs (and is saved) in bfloat16 under autocast
-    total = b * k * (2 * h + 3 * inner) + r * experts + 24 * k + r * k + b * 3 * shared
-    if b == 2:
-        total += b * h
+    r = 4  # the router's matmul and scores in float32 (models/moe.py float32_region)
+    total = b * k * (2 * h + 3 * inner) + r * experts + 24 * k + b * k + b * 3 * shared
+    if b == 2:  # x.float() of the bf16 stream, saved by the router's float32 matmul
+        total += 4 * h
     if (arch.norm_topk_prob or arch.router_score == "sigmoid") and k > 1:
         total += r * k + r
     if expert_parallel:
@@ -320,8 +320,8 @@ def layer_saves(model: ShardedModel, shape: StepShape) -> tuple[list[int], list[
         for moe in (False, True)
     }
     by_kind[True] += 4 * local_experts(model)  # the grouped GEMM's int32 offsets
-    if shape.bf16:  # autocast's bfloat16 copy of the router's weight
-        by_kind[True] += 2 * arch.num_experts * arch.hidden_size
+    if shape.bf16 and sharded:  # the float32 copy of the router's bf16 weight (FSDP2's)
+        by_kind[True] += 4 * arch.num_experts * arch.hidden_size
     if shape.bf16 and sharded:  # autocast's bfloat16 copies of the expert stacks (FSDP2
         by_kind[True] += 2 * expert_stack_numel(model)  # leaves them at float32)
     kept_input = tokens * arch.hidden_size * stream
@@ -764,8 +764,10 @@ def traced_canvas_bytes(arch_json: str, rows: int, length: int, self_condition: 
         cast = (torch.autocast("cpu", dtype=torch.bfloat16) if bf16 and autocast
                 else contextlib.nullcontext())  # fmt: skip
         args, kwargs = shape_of(arch).training_call(arch, rows, length, self_condition)
+        # step_casts: the expert stacks' copies made once for every pass (train/step.py)
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), cast, \
-                mock.patch.object(torch, "_grouped_mm", _GroupedMatmulShapes.apply):  # fmt: skip
+                mock.patch.object(torch, "_grouped_mm", _GroupedMatmulShapes.apply), \
+                step_casts():  # fmt: skip
             model(*args, **kwargs)
         for handle in handles:
             handle.remove()
@@ -794,7 +796,7 @@ def canvas_saves(model: ShardedModel, shape: StepShape) -> tuple[list[int], list
     plus what the trace on one process cannot see (modelled): under expert parallelism the
     received rows' regrouping order and its inverse (16 k bytes a token and MoE pass, as
     `moe_mlp_bytes`), and under bf16 across ranks autocast's bfloat16 copies of this rank's
-    expert stacks, which FSDP2 leaves at float32 (once per MoE pass with gradients)."""
+    expert stacks, which FSDP2 leaves at float32 (once a step: models/moe.py step_casts)."""
     arch = model.model_config
     sharded = model.layout.world_size > 1
     casts = shape.bf16 and not sharded  # one process: autocast over float32 masters
@@ -805,10 +807,12 @@ def canvas_saves(model: ShardedModel, shape: StepShape) -> tuple[list[int], list
     if any(s.expert_parallel for s in model.shards):
         per_pass = 16 * arch.num_experts_per_tok
         copies = 2 * expert_stack_numel(model) if shape.bf16 and sharded else 0
-        for index in range(len(decoder)):
-            if index < len(encoder) - 1:  # the encoder's last layer runs no MLP
+        for index in range(len(decoder)):  # copies made once a step (models/moe.py
+            if index < len(encoder) - 1:  # step_casts): at a layer's first pass; the
                 encoder[index] += per_pass * shape.rows * shape.length + copies
-            decoder[index] += per_pass * shape.rows * shape.canvas + copies
+                decoder[index] += per_pass * shape.rows * shape.canvas
+            else:  # encoder's last layer runs no MLP
+                decoder[index] += per_pass * shape.rows * shape.canvas + copies
     return encoder, decoder, around
 
 

@@ -3,6 +3,7 @@
 model (vocabulary, 4-bit base, activation checkpointing, compiled blocks, LoRA, FSDP2) and
 the objective with what it needs beside the model (its registry entry says what)."""
 
+import contextlib
 import copy
 from dataclasses import dataclass
 
@@ -387,7 +388,13 @@ def build_train_model(cfg: RunConfig, tokenizer, added_tokens: int, device: torc
     parallelism over the mesh's tp dim, activation checkpointing, per-block compile, LoRA,
     then FSDP2 over its dp_shard_cp dims (mesh None: one process; per stage under PP)."""
     t = cfg.train
-    model = build_model(cfg.model)
+    # one process on a GPU, drawn weights (no pretrained folder, no 4-bit base quantized on
+    # the host): built on the GPU, not drawn on the CPU and copied (98.8 s for a 1.91B-weight
+    # slice on a 2-core host, issue 53)
+    on_device = (device.type == "cuda" and mesh is None and pipeline is None
+                 and cfg.model.pretrained is None and not cfg.model.load_in_4bit)  # fmt: skip
+    with torch.device(device) if on_device else contextlib.nullcontext():
+        model = build_model(cfg.model)
     if added_tokens or model.config.vocab_size < len(tokenizer):
         model.resize_token_embeddings(max(len(tokenizer), model.config.vocab_size))
     if cfg.model.load_in_4bit:  # QLoRA: frozen NF4 base, quantized onto the device

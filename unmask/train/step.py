@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from unmask.diffusion.cutoffs import random_length_cut
+from unmask.models.moe import step_casts
 from unmask.parallel.batch import rank_generator
 from unmask.parallel.context import pad_rows
 from unmask.parallel.distributed import all_reduce_sum, clip_grad_norm
@@ -146,24 +147,25 @@ class TrainStep:
         flops = 0.0
         sums: dict[str, torch.Tensor] = {}  # the objective's `step_sums` (preference)
         loss_holder = 0  # the pipeline rank whose loss counts (under PP: the last stage's)
-        if self.pipeline is not None:  # the objective's calls, run through the stages
-            loss_sum_total = self._pipeline_micro_batches(batches, scale)
-            loss_holder = self.pipeline.plan.degree - 1
-            batches = []
-        for index, batch in enumerate(batches):
-            noise = self.noise
-            if self.sharded:
-                batch, noise = self._rank_noise(batch, (self.step, index))
-                sync_gradients(self.model, index == len(batches) - 1)
-            with autocast(self.device, self.cfg.train.bf16):
-                loss_sum, count = self.objective(self.model, batch, noise)
-            (loss_sum if scale is None else loss_sum * scale).backward()
-            for key, value in self.objective.step_sums.items():
-                sums[key] = sums.get(key, 0.0) + value
-            loss_sum_total += loss_sum.detach().float()
-            counted += count.detach().float()
-            if self.flops is not None:  # of the forwards the objective ran (mfu.CallFlops)
-                flops = flops + self.flops.take()
+        with step_casts():  # autocast's copies of the expert stacks: once for the step
+            if self.pipeline is not None:  # the objective's calls, run through the stages
+                loss_sum_total = self._pipeline_micro_batches(batches, scale)
+                loss_holder = self.pipeline.plan.degree - 1
+                batches = []
+            for index, batch in enumerate(batches):
+                noise = self.noise
+                if self.sharded:
+                    batch, noise = self._rank_noise(batch, (self.step, index))
+                    sync_gradients(self.model, index == len(batches) - 1)
+                with autocast(self.device, self.cfg.train.bf16):
+                    loss_sum, count = self.objective(self.model, batch, noise)
+                (loss_sum if scale is None else loss_sum * scale).backward()
+                for key, value in self.objective.step_sums.items():
+                    sums[key] = sums.get(key, 0.0) + value
+                loss_sum_total += loss_sum.detach().float()
+                counted += count.detach().float()
+                if self.flops is not None:  # of the forwards the objective ran (CallFlops)
+                    flops = flops + self.flops.take()
         if scale is None:  # the count came with the forward: scale the gradients now
             if self.sharded:  # sum over ranks: the normalization stays global
                 loss_sum_total, counted, stop = all_reduce_sum(
