@@ -398,9 +398,9 @@ def test_expert_stacks_are_cast_once_a_step_with_the_plain_paths_losses_and_grad
     equal the plain path's bit for bit."""
     import contextlib
 
-    import unmask.train.step as step_module
     from conftest import TINY_GEMMA, deep_update
 
+    import unmask.train.step as step_module
     from unmask.config import load_config
     from unmask.train.trainer import Trainer
 
