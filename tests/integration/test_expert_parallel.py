@@ -113,6 +113,7 @@ def test_bad_expert_parallel_fails_at_start_with_one_line(runs):
     assert bad["rc"] == 2
     assert bad["stderr"].strip().splitlines() == [
         "unmask: error: parallel.expert_parallel=4 does not divide the data-parallel x context "
-        "ranks (2); launch a multiple of 4 of them"
+        "ranks (2); launch a multiple of 4 of them, or override parallel.expert_parallel=2 "
+        "(it divides the 4 experts and the 2 ranks)"
     ]
     assert not (runs["root"] / "bad_ep4").exists()

@@ -214,3 +214,16 @@ def test_placement_words():
     assert placement_words("_S(1, 8)") == "split on dim 1 (strided, 8 blocks)"
     assert placement_words("R") == "whole"
     assert placement_words("P(sum)") == "partial sums"
+
+
+def test_a_refused_expert_split_names_the_override_that_plans(capsys):
+    """LLaDA2.1-flash's YAML sets expert_parallel 64: at 8 ranks the refusal names the
+    override that gives the 8-GPU plan (docs/scaling.md shows the same line)."""
+    flash = str(MODELS / "llada2_1_flash.yaml")
+    assert main(["plan", flash, "--world", "8"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip().endswith("launch a multiple of 64 of them, or override "
+                                "parallel.expert_parallel=8 (it divides the 256 experts and "
+                                "the 8 ranks)")  # fmt: skip
+    doc = (MODELS.parents[1] / "docs" / "scaling.md").read_text()
+    assert err.strip() in doc

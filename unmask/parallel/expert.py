@@ -42,6 +42,8 @@ statistics, so `MoETraining` only reduces its gradients). LoRA's `experts` targe
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -113,9 +115,12 @@ def check_moe_request(model: ModelConfig, expert_parallel: int, dp_cp: int, tp: 
             f"parallel.expert_parallel={expert_parallel}: set expert_parallel: 1 or drop 'experts'"
         )
     if dp_cp % expert_parallel:
+        fitting = math.gcd(experts, dp_cp)  # the largest ep both the experts and ranks take
         raise InputError(
             f"parallel.expert_parallel={expert_parallel} does not divide the data-parallel x "
-            f"context ranks ({dp_cp}); launch a multiple of {expert_parallel} of them"
+            f"context ranks ({dp_cp}); launch a multiple of {expert_parallel} of them, or "
+            f"override parallel.expert_parallel={fitting} (it divides the {experts} experts "
+            f"and the {dp_cp} ranks)"
         )
 
 
