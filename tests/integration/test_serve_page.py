@@ -7,6 +7,7 @@ filter. Screenshots go to the test's temporary folder (UNMASK_DOCS_SCREENSHOTS=1
 runs page's and the playground's also to docs/serving-runs.png, docs/serving-playground.png)."""
 
 import json
+import math
 import os
 import re
 import shutil
@@ -14,6 +15,7 @@ import signal
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 import yaml
 from conftest import train_in_process, write_run_config
@@ -50,6 +52,13 @@ def runs_dir(tmp_path_factory):
     tree = yaml.safe_load((root / "finished" / "config.yaml").read_text())
     tree["train"] = {**tree["train"], "max_steps": 100, "output_dir": str(running)}
     (running / "config.yaml").write_text(yaml.safe_dump(tree))
+    # its heartbeat names this test's process: alive, so the run is running
+    from unmask.runs.heartbeat import this_host
+
+    now = time.time()
+    (running / "heartbeat.json").write_text(json.dumps({
+        "status": "running", "pid": os.getpid(), "host": this_host(), "started": now,
+        "updated": now, "step": None, "step_time": None}))  # fmt: skip
     hostile = root / HOSTILE
     hostile.mkdir()
     records = [{"step": 1, "loss": 2.0}, {"step": 2, "eval_loss": 1.5, HOSTILE: 1},
@@ -164,16 +173,17 @@ def test_playground_offers_every_option_a_legend_and_each_tokens_probability(pag
     wait_for(lambda: driver.find_element(By.ID, "model").text == "tiny")
     # every option a request takes (unmask generate's flags less the hooks) has a field
     names = [option["name"] for option in sampling_options({})]
-    assert len(names) == 41 and "decoder" in names and "entropy_bound" in names
+    assert len(names) >= 41 and "decoder" in names and "entropy_bound" in names
     for name in names:
         driver.find_element(By.ID, "opt-" + name)
+    assert len(driver.find_elements(By.CSS_SELECTOR, "[data-option]")) == len(names)
     legend = driver.find_element(By.ID, "play-legend").get_attribute("textContent")
     for words in ("prompt", "mask", "new this step", "low confidence", "end of text", "hover"):
         assert words in legend
     # a preset (a published sampler) sets its options in the form; the request sends them
     decoders = Select(driver.find_element(By.ID, "preset"))
     assert [o.text.split(":")[0] for o in decoders.options] == [
-        "the model folder's", "LLaDA", "Dream", "Fast-dLLM", "MDLM", "random order"]  # fmt: skip
+        "the model folder's (masked)", "LLaDA", "Dream", "Fast-dLLM", "MDLM", "random order"]  # fmt: skip
     decoders.select_by_value("fastdllm")
     value = lambda name: driver.find_element(By.ID, "opt-" + name).get_attribute("value")  # noqa: E731
     assert (value("threshold"), value("cache"), value("remasking")) == ("0.9", "dual", "")
@@ -456,3 +466,262 @@ def choose_scale(driver, metric: str, value: str) -> None:
 
 def tick_metric(driver, key: str) -> None:
     driver.find_element(By.CSS_SELECTOR, f'#runs-metrics input[value="{key}"]').click()
+
+
+# ------------------------------------------------------------- the chart's tracker tools
+
+#: twelve runs for the chart's tools: r00 ... r08 logging loss, wall time and tokens every
+#: step (r00 noisy, and the keys a label table must name), and three whose heartbeat says
+#: how they are: live (this test's own pid: alive), killed (a pid that has exited),
+#: stopped (checkpoint-29 saved after the step-20 log, of 200 planned)
+TRACKED = [f"r{i:02d}" for i in range(9)] + ["live", "killed", "stopped"]
+STEPS = 40
+
+
+def tracked_loss(index: int, step: int) -> float:
+    noise = 0.3 * math.sin(7.0 * step) if index == 0 else 0.0
+    return round(3.0 / (1.0 + 0.05 * step * (index + 1)) + noise, 6)
+
+
+def tracked_records(index: int, steps: int = STEPS) -> list[dict]:
+    records = []
+    for step in range(1, steps + 1):
+        record = {"step": step, "loss": tracked_loss(index, step),
+                  "elapsed_seconds": round(1.5 * step, 3), "tokens_seen": 1000 * step}  # fmt: skip
+        if index == 0:
+            record |= {"mfu_model_only": 0.2, "save_stall_seconds": 0.0}
+        records.append(record)
+    return records
+
+
+@pytest.fixture(scope="module")
+def tracker(page, tmp_path_factory):
+    """A second server: its runs folder holds TRACKED, its model a tiny random one."""
+    import subprocess
+    import sys
+
+    from conftest import save_tiny_model
+
+    from unmask.runs.heartbeat import this_host
+
+    root = tmp_path_factory.mktemp("tracked")
+    model = save_tiny_model(tmp_path_factory.mktemp("tracked-model") / "model")
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # its pid: a process that has exited
+    now = time.time()
+    for index, name in enumerate(TRACKED):
+        run = root / name
+        run.mkdir()
+        steps = 20 if name == "stopped" else STEPS
+        (run / "metrics.jsonl").write_text(
+            "".join(json.dumps(r) + "\n" for r in tracked_records(index, steps))
+        )
+        (run / "config.yaml").write_text(yaml.safe_dump({"train": {"max_steps": 200}}))
+        status = {"live": ("running", os.getpid()), "killed": ("running", gone.pid),
+                  "stopped": ("stopped", gone.pid)}.get(name)  # fmt: skip
+        if status:
+            (run / "heartbeat.json").write_text(json.dumps({
+                "status": status[0], "pid": status[1], "host": this_host(), "started": now,
+                "updated": now, "step": steps, "step_time": now}))  # fmt: skip
+    (root / "stopped" / "checkpoint-29").mkdir()
+    (root / "stopped" / "checkpoint-29" / "manifest.json").write_text("{}")
+    proc, base = start_server(model, "--runs", str(root))
+    yield page[0], base
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(60) == 0
+
+
+def open_tracked(driver, base: str) -> dict:
+    driver.get("about:blank")
+    driver.get(base + "/#runs")
+    wait_for(lambda: len(table(driver)) == 12 and "loss" in charts(driver))
+    return charts(driver)
+
+
+def set_control(driver, element_id: str, value: str) -> None:
+    """A control's value set and its input and change events sent, as a user's would."""
+    driver.execute_script(
+        "const e = document.getElementById(arguments[0]); e.value = arguments[1];"
+        "e.dispatchEvent(new Event('input')); e.dispatchEvent(new Event('change'));",
+        element_id, value)  # fmt: skip
+
+
+def chart_box(driver, metric: str = "loss") -> dict:
+    """The chart's SVG element and its plot area in page pixels."""
+    return driver.execute_script(
+        "const svg = document.querySelector(`.runs-chart[data-metric=${arguments[0]}] svg.runs-svg`);"
+        "const r = svg.getBoundingClientRect();"
+        "return {svg, left: r.left, top: r.top, width: r.width, height: r.height};", metric)  # fmt: skip
+
+
+def step_offset(box: dict, step: float, x0: float, x1: float) -> int:
+    """The x offset from the SVG's centre (Selenium's origin) of a step on the chart."""
+    left, right = 56, 500 - 14  # CHART.L, CHART.W - CHART.R
+    return round(left + (step - x0) / (x1 - x0) * (right - left) - box["width"] / 2)
+
+
+def test_statuses_of_a_live_a_killed_and_a_stopped_run(tracker):
+    """The runs API's status (the one rule `unmask runs` uses): a live run is running, a
+    killed one crashed, a stopped one stopped, its step the checkpoint's (29/200), not the
+    last logged (20)."""
+    driver, base = tracker
+    open_tracked(driver, base)
+    rows = table(driver)
+    assert (rows["live"][1], rows["killed"][1], rows["stopped"][1]) == (
+        "running", "crashed", "stopped")  # fmt: skip
+    assert rows["stopped"][2] == "29/200" and rows["live"][2] == "40/200"
+    statuses = {run["name"]: run["status"] for run in
+                httpx.get(base + "/api/runs").json()["runs"]}  # fmt: skip
+    assert statuses["stopped"] == "stopped at step 29" and statuses["killed"] == "crashed"
+
+
+def test_twelve_runs_get_twelve_colours_told_apart(tracker):
+    driver, base = tracker
+    colours = {run: s["colour"] for run, s in open_tracked(driver, base)["loss"]["series"].items()}
+    assert len(colours) == 12 and len(set(colours.values())) == 12
+    # CIE76 distance in CIELAB (sRGB, D65), each pair at least 30 apart
+    labs = [cielab(c) for c in colours.values()]
+    closest = min(math.dist(a, b) for i, a in enumerate(labs) for b in labs[i + 1 :])
+    assert closest >= 30, closest
+
+
+def test_labels_come_from_one_table_and_the_favicon_loads(tracker):
+    driver, base = tracker
+    open_tracked(driver, base)
+    labels = driver.execute_script(
+        "return [...document.querySelectorAll('#runs-metrics label')].map((l) => l.textContent);"
+    )
+    assert {"loss", "wall time (s)", "tokens seen", "MFU (model only)",
+            "checkpoint save stall (s)"} <= set(labels)  # fmt: skip
+    assert not [label for label in labels if "_" in label], labels  # no raw key
+    icon = httpx.get(base + "/favicon.ico")
+    assert icon.status_code == 200 and icon.headers["content-type"] == "image/svg+xml"
+    assert httpx.get(base + "/static/favicon.svg").content == icon.content
+    errors = [e["message"] for e in driver.get_log("browser") if "404" in e["message"]]
+    assert errors == []
+
+
+def test_hovering_a_chart_shows_each_runs_step_and_value(tracker):
+    from selenium.webdriver.common.action_chains import ActionChains
+
+    driver, base = tracker
+    open_tracked(driver, base)
+    box = chart_box(driver)
+    ActionChains(driver).move_to_element_with_offset(
+        box["svg"], step_offset(box, 20, 1, STEPS), 0).perform()  # fmt: skip
+    tip = wait_for(lambda: driver.execute_script(
+        "const t = document.getElementById('runs-tip');"
+        "return !t.hidden && [...t.children].map((d) => d.textContent);"), timeout=10)  # fmt: skip
+    assert tip[0] == "loss"
+    shown = {}
+    for line in tip[1:]:
+        run, step, value = re.fullmatch(r"(\S+): step (\d+), (\S+)", line).groups()
+        shown[run] = (int(step), float(value))
+    assert set(shown) == set(TRACKED)
+    for index, run in enumerate(TRACKED):
+        step, value = shown[run]
+        assert abs(step - 20) <= 1 or run == "stopped", (run, step)  # stopped: its last, 20
+        assert value == pytest.approx(tracked_loss(index, step), rel=1e-5)
+
+
+def ema(values: list[float], weight: float) -> list[float]:
+    """TensorBoard's smoothing (its scalar dashboard's debiased exponential moving average,
+    tensorboard/webapp/widgets/line_chart_v2/data_transformer.ts, classicSmoothing at
+    v2.16.2), written here from its description: last = last * w + (1 - w) * v, shown as
+    last / (1 - w ** n) for the n-th value."""
+    last, out = 0.0, []
+    for n, value in enumerate(values, start=1):
+        last = last * weight + (1 - weight) * value
+        out.append(last / (1 - weight**n))
+    return out
+
+
+def test_smoothing_draws_the_moving_average_over_the_faint_raw_line(tracker):
+    driver, base = tracker
+    open_tracked(driver, base)
+    set_control(driver, "runs-smooth", "0.6")
+    read = ("const g = [...document.querySelectorAll('.runs-chart[data-metric=loss] g.runs-series')]"
+            "  .find((g) => g.dataset.run === 'r00');"
+            "const smooth = g.querySelector('polyline.runs-smooth');"
+            "return smooth && [JSON.parse(smooth.dataset.values),"
+            "  g.querySelector('polyline.runs-raw').getAttribute('stroke-opacity')];")  # fmt: skip
+    values, opacity = wait_for(lambda: driver.execute_script(read), timeout=10)
+    expected = ema([tracked_loss(0, s) for s in range(1, STEPS + 1)], 0.6)
+    assert values == pytest.approx(expected, rel=1e-6)
+    assert float(opacity) < 0.5  # the raw line stays, faint
+    set_control(driver, "runs-smooth", "0")
+    wait_for(lambda: not driver.find_elements(By.CSS_SELECTOR, "polyline.runs-smooth"), 10)
+
+
+def test_the_x_axis_is_step_wall_time_or_tokens(tracker):
+    driver, base = tracker
+    open_tracked(driver, base)
+    set_control(driver, "runs-x", "wall")
+    loss = wait_for(lambda: charts(driver)["loss"]["caption"].startswith("wall time") and
+                    charts(driver)["loss"])  # fmt: skip
+    assert loss["xticks"] and all(re.fullmatch(r"\d+s|\d+m\d\ds", t) for t in loss["xticks"])
+    assert loss["xticks"][-1] == "1m00s"  # 40 steps of 1.5 s
+    csv = driver.execute_script("return runsCsv('loss');").splitlines()
+    assert csv[0] == "run,step,elapsed_seconds,loss"
+    assert f"r01,10,15,{tracked_loss(1, 10)}" in csv
+    set_control(driver, "runs-x", "tokens")
+    loss = wait_for(lambda: charts(driver)["loss"]["caption"] == "tokens seen" and
+                    charts(driver)["loss"])  # fmt: skip
+    assert loss["xticks"][-1] == "40k"
+    set_control(driver, "runs-x", "step")
+    wait_for(lambda: charts(driver)["loss"]["caption"] == "step")
+
+
+def test_dragging_zooms_to_a_range_and_reset_shows_it_all(tracker):
+    from selenium.webdriver.common.action_chains import ActionChains
+
+    driver, base = tracker
+    open_tracked(driver, base)
+    box = chart_box(driver)
+    (ActionChains(driver)
+     .move_to_element_with_offset(box["svg"], step_offset(box, 10, 1, STEPS), 0)
+     .click_and_hold()
+     .move_to_element_with_offset(box["svg"], step_offset(box, 20, 1, STEPS), 0)
+     .release().perform())  # fmt: skip
+    zoom = wait_for(lambda: driver.execute_script("return document.body.dataset.runsZoom;"), 10)
+    lo, hi = map(float, zoom.split(","))
+    assert lo == pytest.approx(10, abs=0.2) and hi == pytest.approx(20, abs=0.2)
+    loss = charts(driver)["loss"]
+    assert all(s["points"] in (10, 11) for s in loss["series"].values()), loss["series"]
+    assert [int(t) for t in loss["xticks"]] == [v for v in range(10, 21, 2) if lo <= v <= hi]
+    assert driver.find_element(By.ID, "runs-zoom-reset").is_enabled()
+    driver.find_element(By.ID, "runs-zoom-reset").click()
+    wait_for(lambda: charts(driver)["loss"]["series"]["r00"]["points"] == STEPS, 10)
+
+
+def test_a_chart_exports_as_csv_and_png(tracker, tmp_path):
+    driver, base = tracker
+    open_tracked(driver, base)
+    driver.execute_cdp_cmd("Browser.setDownloadBehavior",
+                           {"behavior": "allow", "downloadPath": str(tmp_path)})  # fmt: skip
+    driver.find_element(By.CSS_SELECTOR, ".runs-chart[data-metric=loss] .runs-csv").click()
+    csv = wait_for(lambda: (tmp_path / "unmask-loss.csv").is_file() and
+                   (tmp_path / "unmask-loss.csv").read_text(), timeout=20)  # fmt: skip
+    rows = csv.splitlines()
+    assert rows[0] == "run,step,loss" and len(rows) == 1 + 11 * STEPS + 20
+    for index, run in enumerate(TRACKED):
+        assert f"{run},7,{tracked_loss(index, 7)}" in rows
+    driver.find_element(By.CSS_SELECTOR, ".runs-chart[data-metric=loss] .runs-png").click()
+    png = wait_for(lambda: (tmp_path / "unmask-loss.png").is_file() and
+                   (tmp_path / "unmask-loss.png").read_bytes(), timeout=20)  # fmt: skip
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    width, height = int.from_bytes(png[16:20], "big"), int.from_bytes(png[20:24], "big")
+    assert (width, height) == (1000, 568)  # the 500 x 260 chart and its title's band at 2x
+    assert len(png) > 20_000  # lines drawn, not a blank image
+    driver.save_screenshot(str(tmp_path / "tracked.png"))
+
+
+def cielab(colour: str) -> tuple[float, float, float]:
+    """CIELAB of an sRGB hex colour (D65), from the CIE formulas."""
+    rgb = [int(colour[i : i + 2], 16) / 255 for i in (1, 3, 5)]
+    r, g, b = [((c + 0.055) / 1.055) ** 2.4 if c > 0.04045 else c / 12.92 for c in rgb]
+    x = (0.4124 * r + 0.3576 * g + 0.1805 * b) / 0.95047
+    y = 0.2126 * r + 0.7152 * g + 0.0722 * b
+    z = (0.0193 * r + 0.1192 * g + 0.9505 * b) / 1.08883
+    f = [t ** (1 / 3) if t > 0.008856 else 7.787 * t + 16 / 116 for t in (x, y, z)]
+    return 116 * f[1] - 16, 500 * (f[0] - f[1]), 200 * (f[1] - f[2])

@@ -31,7 +31,7 @@ from unmask.sampling.generate import special_ids, with_uniform_canvas
 from unmask.sampling.run_origin import editing_notice
 from unmask.sampling.show import EOS_GLYPH
 from unmask.sampling.texts import SamplingModel
-from unmask.serve import runs_view, training
+from unmask.serve import presets, runs_view, training
 from unmask.serve.engine import Draining, Engine, Job, QueueFull
 from unmask.serve.guard import Guard, error_body
 from unmask.serve.protocol import (
@@ -51,13 +51,15 @@ from unmask.serve.protocol import (
 STATIC = Path(__file__).resolve().parent / "static"
 #: the page's files (GET /static/NAME), by name, with their media types: a request names
 #: one of these, never a path
+MEDIA_TYPES = {".js": "text/javascript; charset=utf-8", ".css": "text/css; charset=utf-8",
+               ".svg": "image/svg+xml"}  # fmt: skip
 STATIC_FILES = {
-    path.name: (
-        "text/javascript; charset=utf-8" if path.suffix == ".js" else "text/css; charset=utf-8"
-    )  # fmt: skip
+    path.name: MEDIA_TYPES[path.suffix]
     for path in sorted(STATIC.iterdir())
-    if path.suffix in (".js", ".css")
+    if path.suffix in MEDIA_TYPES
 }
+#: the page's icon (also answered at /favicon.ico, where browsers look without a link)
+FAVICON = "favicon.svg"
 #: seconds a client is told to wait after a 429
 RETRY_AFTER = 1
 
@@ -86,6 +88,10 @@ class Server:
         self.tokenizing = ThreadPoolExecutor(1, thread_name_prefix="unmask-tokenize")
         self.created = int(time.time())
         self.sampling_options = sampling_options(sm.saved)  # the playground's form
+        # the decoders, options and presets that apply to this model (presets.py)
+        self.playground = presets.playground(
+            sm.saved, getattr(config, "model_type", None), uniform_canvas_model(sm.model),
+            [option["name"] for option in self.sampling_options])  # fmt: skip
         self.notices: list[str] = []  # warnings about the model (chat.py), for the page
 
     # ------------------------------------------------------------------- request checks
@@ -383,9 +389,11 @@ def build_app(server: Server) -> Guard:
         (job,) = await server.make_jobs([req.prompt], req, req.max_tokens, trace=True)
         queue = server.start([job])
         sm = server.sm
+        # a uniform-canvas model (DiffusionGemma) has no masks: every canvas position is a token
+        mask_id = None if server.playground["uniform_canvas"] else sm.mask_id
 
         def token_text(token: int) -> str | None:
-            if token == sm.mask_id:
+            if token == mask_id:
                 return None
             if token == sm.eos_id:
                 return EOS_GLYPH
@@ -431,6 +439,9 @@ def build_app(server: Server) -> Guard:
     async def page(request: Request):
         return FileResponse(STATIC / "index.html", media_type="text/html; charset=utf-8")
 
+    async def favicon(request: Request):
+        return FileResponse(STATIC / FAVICON, media_type=STATIC_FILES[FAVICON])
+
     async def static_file(request: Request):
         name = request.path_params["name"]
         kind = STATIC_FILES.get(name)  # names only: the folder's own files, never a path
@@ -460,6 +471,7 @@ def build_app(server: Server) -> Guard:
                              "train": server.training is not None,
                              "defaults": server.sm.saved,
                              "sampling_options": server.sampling_options,
+                             "playground": server.playground,
                              "notices": server.notices})  # fmt: skip
 
     routes = [
@@ -472,6 +484,7 @@ def build_app(server: Server) -> Guard:
         # the page and its script hold no data: they load without the key, the page asks it
         Route("/", route(page, open_route=True), methods=["GET"]),
         Route("/static/{name}", route(static_file, open_route=True), methods=["GET"]),
+        Route("/favicon.ico", route(favicon, open_route=True), methods=["GET"]),
         Route("/api/info", route(info), methods=["GET"]),
         Route("/api/runs", route(runs), methods=["GET"]),
         Route("/api/runs/{name}", route(run_curves), methods=["GET"]),
