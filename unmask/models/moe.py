@@ -176,10 +176,16 @@ class Router(nn.Module):
         return scores / scores.sum(dim=-1, keepdim=True)
 
 
+GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+"""The dtypes torch._grouped_mm takes (float64 raises: "Expected mat_a to be Float32, ...")."""
+
+
 def grouped_mm_fits(*sizes: int, dtype: torch.dtype) -> bool:
-    """torch._grouped_mm needs row strides that are multiples of 16 bytes."""
+    """torch._grouped_mm takes `dtype` and rows of these sizes (row strides that are
+    multiples of 16 bytes)."""
     item = torch.empty((), dtype=dtype).element_size()
-    return hasattr(torch, "_grouped_mm") and all(s * item % 16 == 0 for s in sizes)
+    return (hasattr(torch, "_grouped_mm") and dtype in GROUPED_MM_DTYPES
+            and all(s * item % 16 == 0 for s in sizes))  # fmt: skip
 
 
 class _ContiguousGrad(torch.autograd.Function):
@@ -293,8 +299,9 @@ class Experts(nn.Module):
         fits = grouped_mm_fits(inner, hidden, dtype=dtype)
         if self.implementation == "grouped_mm" and not fits:
             raise ValueError(
-                "moe_implementation grouped_mm needs hidden_size and moe_intermediate_size "
-                "whose rows are multiples of 16 bytes (torch._grouped_mm); use loop or auto"
+                "moe_implementation grouped_mm needs float32, bfloat16 or float16 weights and "
+                "hidden_size and moe_intermediate_size whose rows are multiples of 16 bytes "
+                f"(torch._grouped_mm; here {dtype}); use loop or auto"
             )
         return fits
 
