@@ -189,6 +189,61 @@ def test_a_fresh_model_writes_a_folder_transformers_loads(tmp_path):
     assert diff.abs().max().item() <= TOLERANCE
 
 
+def test_a_folder_with_attention_biases_reads_the_encoders_own(tmp_path):
+    """transformers ties the encoder's weights to the decoder's, never its biases: with
+    attention_bias its folder stores the encoder's q/k/v/o biases too (drawn apart from the
+    decoder's here, so a shared bias shows). unmask reads them, equals transformers' logits,
+    writes them back bit for bit; a folder that lacks them (unmask's before it kept them)
+    reads the decoder's, and weights that fit no family name the real one."""
+    torch.manual_seed(0)
+    config = transformers.DiffusionGemmaConfig(text_config={**TEXT, "attention_bias": True},
+                                               vision_config=VISION, canvas_length=CANVAS,
+                                               initializer_range=0.1)  # fmt: skip
+    hf = transformers.DiffusionGemmaForBlockDiffusion(config).eval()
+    with torch.no_grad():
+        for name, param in hf.named_parameters():
+            if name.endswith("bias"):
+                param.normal_(0.0, 0.5)
+    hf.save_pretrained(tmp_path / "hf")
+    with safe_open(str(tmp_path / "hf" / "model.safetensors"), "pt") as theirs:
+        stored = {key: theirs.get_tensor(key) for key in theirs.keys()}
+    encoder_bias = "model.encoder.language_model.layers.0.self_attn.q_proj.bias"
+    assert not torch.equal(stored[encoder_bias], stored[encoder_bias.replace(
+        "encoder.language_model", "decoder")])  # fmt: skip
+    ours = from_pretrained(tmp_path / "hf").eval()
+    prompt, canvas, previous = inputs()
+    with torch.no_grad():
+        expected = reference(hf, prompt, canvas, previous)
+        assert (ours(prompt, canvas, previous) - expected).abs().max().item() <= TOLERANCE
+    ours.save_pretrained(tmp_path / "ours")
+    with safe_open(str(tmp_path / "ours" / "model.safetensors"), "pt") as written:
+        assert set(written.keys()) == set(stored)
+        for key in stored:
+            assert torch.equal(written.get_tensor(key), stored[key]), key
+    back = transformers.DiffusionGemmaForBlockDiffusion.from_pretrained(tmp_path / "ours").eval()
+    theirs = hf.state_dict()
+    assert all(torch.equal(tensor, theirs[key]) for key, tensor in back.state_dict().items())
+    assert (reference(back, prompt, canvas, previous) - expected).abs().max() <= TOLERANCE
+
+    old = tmp_path / "old"  # no encoder biases: the decoder's are the encoder's
+    old.mkdir()
+    (old / "config.json").write_text((tmp_path / "hf" / "config.json").read_text())
+    from safetensors.torch import save_file
+
+    save_file({k: v for k, v in stored.items()
+               if not (k.startswith("model.encoder.language_model") and k.endswith("bias"))},
+              str(old / "model.safetensors"))  # fmt: skip
+    shared = from_pretrained(old).state_dict()
+    assert torch.equal(shared["model.layers.1.self_attn.encoder_o_proj_bias"],
+                       stored["model.decoder.layers.1.self_attn.o_proj.bias"])  # fmt: skip
+    plain = json.loads((tmp_path / "hf" / "config.json").read_text())
+    plain["text_config"]["attention_bias"] = False
+    (old / "config.json").write_text(json.dumps(plain))
+    with pytest.raises(InputError, match=r"unexpected .*bias.* \(is it a "
+                       r"DiffusionGemmaForBlockDiffusion \(diffusion_gemma\) checkpoint"):  # fmt: skip
+        from_pretrained(old)
+
+
 def test_images_and_what_the_blocks_lack_are_refused_in_one_line(folders):
     for key in ("vision_config", "image_token_id"):
         with pytest.raises(InputError, match=rf"model.diffusion_gemma.*{key}: unmask's "

@@ -12,6 +12,8 @@ from conftest import PARITY_SIZES, perturb_norms, tiny_model
 from pydantic import ValidationError
 from safetensors.torch import save_file
 
+from unmask.config import validate_tree
+from unmask.errors import InputError
 from unmask.models import (
     FAMILIES,
     MODEL_BUILDERS,
@@ -291,3 +293,30 @@ def test_build_empty_is_the_meta_path_from_pretrained_uses(tmp_path):
     assert decoder_layers(torch.nn.Linear(2, 2)) == []
     with pytest.raises(ValueError, match="encoder"):
         build_empty(ModelConfig(model_type="bert", **PARITY_SIZES))
+
+
+def test_switches_a_layout_has_no_key_for_ride_in_the_unmask_tag(tmp_path):
+    """`qk_norm: false` on Qwen3 (docs/muon.md's demo), a bias on Qwen2's o_proj, a partial
+    rotary on Llama: config.json's layout has no key for them, so the "unmask" tag carries
+    them (and only them) and the folder reloads bit for bit; a config the layout holds whole
+    gets no such entry. LLaDA's folders have no tensors for q/k norms or an o_proj bias:
+    refused in one line."""
+    for family, switch in (("qwen3_dllm", {"qk_norm": False}),
+                           ("qwen2_dllm", {"attention_bias": True}),
+                           ("llama_dllm", {"partial_rotary_factor": 0.5, "qk_norm": True})):  # fmt: skip
+        torch.manual_seed(0)
+        model = DiffusionTransformer(ModelConfig(model_type=family, **PARITY_SIZES, **switch))
+        folder = tmp_path / family
+        model.save_pretrained(str(folder))
+        written = json.loads((folder / "config.json").read_text())
+        assert written["unmask"]["model"] == switch
+        again = from_pretrained(folder).eval()
+        assert {k: getattr(again.config, k) for k in switch} == switch
+        assert all(torch.equal(v, again.state_dict()[k]) for k, v in model.state_dict().items())
+        with torch.no_grad():
+            assert torch.equal(again(ids()), model.eval()(ids()))
+    plain = hf_config_dict(ModelConfig(model_type="qwen3_dllm", **PARITY_SIZES))
+    assert plain["unmask"] == {"model_type": "qwen3_dllm"}
+    for key in ("qk_norm", "attention_bias"):
+        with pytest.raises(InputError, match=f"LLaDA's layout.*set {key}: false"):
+            validate_tree({"model": {"model_type": "llada", key: True}})

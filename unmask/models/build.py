@@ -145,9 +145,13 @@ def from_pretrained(
     `model.hf_source_config` for saving, and the tensors of the folder the model does not run
     (the family's `carried` keys: DiffusionGemma's vision tower) as `model.hf_carried_weights`.
 
-    dtype: parameter dtype; None keeps float32 (training master weights).
+    dtype: parameter dtype; None keeps float32 (training master weights). A transformers
+    encoder folder (bert, modernbert: what a run of those families writes) is read by
+    transformers (`load_encoder`).
     """
     folder = Path(folder)
+    if is_encoder_folder(folder):
+        return load_encoder(folder).to(dtype or torch.float32)
     source = read_config(folder)
     cfg = config_from_hf(source)
     cfg = cfg.model_copy(

@@ -364,6 +364,13 @@ class ModelConfig(BaseModel):
                 "an MoE family (qwen3_moe_dllm, llada_moe, llada2_moe, diffusion_gemma) or "
                 "num_experts: 0"
             )
+        if FAMILIES[self.model_type].config_style == "llada":
+            extra = [key for key in ("qk_norm", "attention_bias") if getattr(self, key)]
+            if extra:  # LLaDA's folders (its key names) have no tensors for them
+                raise ValueError(
+                    f"model_type {self.model_type}'s folders (LLaDA's layout) have no q/k norms "
+                    f"and no o_proj bias: set {extra[0]}: false, or use model_type qwen3_dllm"
+                )
         if self.num_shared_experts and layout == "hf":
             raise ValueError(
                 f"model_type {self.model_type}'s folders (transformers' Qwen3-MoE / OLMoE) have "

@@ -21,7 +21,9 @@ models/diffusion_gemma) computes, and this module computes the same way:
   (its router reads the residual stream, its experts pre_feedforward_layernorm_2's output;
   post_feedforward_layernorm_2), summed, post_feedforward_layernorm, residual; the output
   times a per-layer scalar (a buffer: the encoder's and the decoder's are separate folder
-  tensors). Every layer has both MLPs; the activation is GELU (tanh approximation).
+  tensors; so are the attention biases, with attention_bias: the encoder's are
+  `self_attn.encoder_<proj>_bias`). Every layer has both MLPs; the activation is GELU
+  (tanh approximation).
 - Attention: q/k RMSNorm per head, values RMS-normalized without weight, scale 1.0.
   Sliding layers: head_dim, num_key_value_heads, RoPE theta `rope_theta` over the whole
   head. Full layers: `global_head_dim`, `num_global_key_value_heads`, no v_proj (V is the
@@ -79,6 +81,7 @@ from torch import nn
 from unmask.errors import InputError
 from unmask.models.attention import AttentionMask, attend
 from unmask.models.config import ModelConfig
+from unmask.models.diffusion_gemma_layout import ENCODER_BIASES
 from unmask.models.hf import save_pretrained
 from unmask.models.moe import (
     expert_counts,
@@ -167,30 +170,46 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(heads * head_dim, hidden, bias=bias)
         self.q_norm = RMSNorm(head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(head_dim, cfg.rms_norm_eps)
+        if bias:  # the encoder's own biases: transformers ties weights only (ENCODER_BIASES)
+            for name in ENCODER_BIASES:
+                linear = getattr(self, name)
+                if linear is not None:
+                    self.register_parameter(f"encoder_{name}_bias",
+                                            nn.Parameter(torch.zeros(linear.out_features)))  # fmt: skip
 
-    def keys_values(self, x: torch.Tensor, cos: torch.Tensor,
-                    sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    def _project(self, name: str, x: torch.Tensor, encoder: bool) -> torch.Tensor:
+        """Projection `name` of x: the shared weight, with the encoder's bias in the
+        encoder pass (where the layer has biases)."""
+        linear = getattr(self, name)
+        if encoder and linear.bias is not None:
+            return F.linear(x, linear.weight, getattr(self, f"encoder_{name}_bias"))
+        return linear(x)
+
+    def keys_values(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                    encoder: bool = False) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """(B, L, H) normed input -> k, v (B, Hkv, L, D), k after RoPE."""
         shape = (*x.shape[:2], -1, self.head_dim)
-        k = self.k_proj(x).view(shape)
-        v = self.v_proj(x).view(shape) if self.v_proj is not None else k
+        k = self._project("k_proj", x, encoder).view(shape)
+        v = self._project("v_proj", x, encoder).view(shape) if self.v_proj is not None else k
         k = apply_rotary(self.k_norm(k).transpose(1, 2), cos, sin)
         return k, rms(v.transpose(1, 2), self.eps)  # a new tensor, not a view (FSDP2)
 
     def forward(self, x, cos, sin, mask: torch.Tensor | None,
-                past: tuple[torch.Tensor, torch.Tensor] | None = None):  # fmt: skip
+                past: tuple[torch.Tensor, torch.Tensor] | None = None,
+                encoder: bool = False):  # fmt: skip
         """x (B, L, H) -> (output (B, L, H), this call's k, v); the queries attend over
         `past` K/V (B, Hkv, P, D) followed by their own, under `mask` (B or 1, 1, L, P + L)
-        bool (True = may attend) or none."""
+        bool (True = may attend) or none; `encoder`: the encoder pass (its own biases)."""
         batch, length, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(batch, length, -1, self.head_dim))
-        q = apply_rotary(q.transpose(1, 2), cos, sin)
-        k, v = self.keys_values(x, cos, sin)
+        q = self._project("q_proj", x, encoder).view(batch, length, -1, self.head_dim)
+        q = apply_rotary(self.q_norm(q).transpose(1, 2), cos, sin)
+        k, v = self.keys_values(x, cos, sin, encoder)
         keys, values = k, v
         if past is not None:
             keys, values = torch.cat((past[0], k), dim=2), torch.cat((past[1], v), dim=2)
         out = attend(q, keys, values.to(q.dtype), AttentionMask("sdpa", dense=mask), scale=1.0)
-        return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1)), (k, v)
+        return self._project("o_proj", out.transpose(1, 2).reshape(batch, length, -1),
+                             encoder), (k, v)  # fmt: skip
 
 
 class MLP(nn.Module):
@@ -296,8 +315,9 @@ class Experts(nn.Module):
         grouped = self.implementation != "loop" and grouped_mm_fits(inner, hidden,
                                                                     dtype=rows.dtype)  # fmt: skip
         if self.implementation == "grouped_mm" and not grouped:
-            raise ValueError("moe_implementation grouped_mm needs hidden_size and "
-                             "moe_intermediate_size rows of multiples of 16 bytes")  # fmt: skip
+            raise ValueError("moe_implementation grouped_mm needs float32, bfloat16 or float16 "
+                             "weights and hidden_size and moe_intermediate_size rows of "
+                             f"multiples of 16 bytes (here {rows.dtype})")  # fmt: skip
         if grouped:
             offsets = counts.cumsum(0).to(torch.int32)
             gate, up = torch._grouped_mm(_ContiguousGrad.apply(rows), gate_up.transpose(1, 2),
@@ -335,8 +355,8 @@ class DiffusionGemmaLayer(nn.Module):
         and nothing else computed (the encoder's last layer: through the module's call, so
         FSDP2's hooks gather its weights)."""
         if keys_only:
-            return None, self.self_attn.keys_values(self.input_layernorm(x), cos, sin)
-        attended, kv = self.self_attn(self.input_layernorm(x), cos, sin, mask, past)
+            return None, self.self_attn.keys_values(self.input_layernorm(x), cos, sin, encoder)
+        attended, kv = self.self_attn(self.input_layernorm(x), cos, sin, mask, past, encoder)
         x = x + self.post_attention_layernorm(attended)
         dense = self.post_feedforward_layernorm_1(self.mlp(self.pre_feedforward_layernorm(x)))
         flat = x.reshape(-1, x.shape[-1])
@@ -414,6 +434,11 @@ class DiffusionGemma(nn.Module):
             elif isinstance(module, DiffusionGemmaLayer):
                 module.layer_scalar.fill_(1.0)
                 module.encoder_layer_scalar.fill_(1.0)
+            elif isinstance(module, Attention):
+                for name in ENCODER_BIASES:
+                    bias = getattr(module, f"encoder_{name}_bias", None)
+                    if bias is not None:
+                        bias.zero_()
 
     # -- the two passes ------------------------------------------------------------------------
 
@@ -464,7 +489,7 @@ class DiffusionGemma(nn.Module):
             past = None if cache is None else (cache.keys[index], cache.values[index])
             cos, sin = tables[sliding]
             if index == len(layers) - 1:  # only its K/V are read: no MLP, no final norm
-                _, (k, v) = layer(x, cos, sin, None, keys_only=True)
+                _, (k, v) = layer(x, cos, sin, None, encoder=True, keys_only=True)
             else:
                 kept = 0 if past is None else past[0].shape[2]
                 allowed = _encoder_mask(start, count, kept, window if sliding else None,

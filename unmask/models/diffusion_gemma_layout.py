@@ -4,12 +4,14 @@ and weight names (models/diffusion_gemma.py is the model).
 Weights. transformers' `DiffusionGemmaForBlockDiffusion` ties the encoder to the decoder:
 every weight of the encoder's text model is the decoder's (its layers, final norm and
 embedding), and the LM head is the decoder's embedding, so a folder stores the decoder's
-copy only (`model.decoder.*`); the per-layer `layer_scalar` buffers are not tied and are
-stored for both (`model.encoder.language_model.layers.N.layer_scalar` too). unmask keeps
+copy only (`model.decoder.*`); the per-layer `layer_scalar` buffers and, with
+attention_bias, the attention biases are not tied and are stored for both
+(`model.encoder.language_model.layers.N.layer_scalar` and `.self_attn.q_proj.bias` ... too). unmask keeps
 HF's decoder layout at the top level (`model.layers`, `model.embed_tokens`, `model.norm`:
 what FSDP, the planner and models/shape.py read), so the folder names are unmask's names
 with `model.` read as `model.decoder.` (`KEY_MAP`); the encoder's scalars are
-`model.layers.N.encoder_layer_scalar`. The vision tower (`model.encoder.vision_tower.*`,
+`model.layers.N.encoder_layer_scalar`, its biases `model.layers.N.self_attn.encoder_q_proj_bias`
+(k, v, o likewise). The vision tower (`model.encoder.vision_tower.*`,
 `model.encoder.embed_vision.*`: transformers always builds one) is not run by unmask: its
 tensors are carried unchanged from the folder read to the folder written (`CARRIED`).
 
@@ -65,6 +67,11 @@ LAYER_KEYS = (
 """A layer's state-dict names, relative to the layer (full-attention layers have no
 v_proj; biases only with attention_bias), the same in unmask and in the folders."""
 
+ENCODER_BIASES = ("q_proj", "k_proj", "v_proj", "o_proj")
+"""Projections whose bias the encoder holds apart from the decoder's (with attention_bias):
+transformers ties the encoder's weights to the decoder's, never its biases, so a folder
+stores both; unmask names the encoder's `model.layers.N.self_attn.encoder_<proj>_bias`."""
+
 KEY_MAP = {
     "model.embed_tokens.weight": "model.decoder.embed_tokens.weight",
     "model.norm.weight": "model.decoder.norm.weight",
@@ -74,7 +81,9 @@ KEY_MAP = {
     "model.self_conditioning.down_proj.weight": "model.decoder.self_conditioning.down_proj.weight",
     "model.layers.N.encoder_layer_scalar": "model.encoder.language_model.layers.N.layer_scalar",
     **{f"model.layers.N.{key}": f"model.decoder.layers.N.{key}" for key in LAYER_KEYS},
-}
+    **{f"model.layers.N.self_attn.encoder_{proj}_bias":
+       f"model.encoder.language_model.layers.N.self_attn.{proj}.bias" for proj in ENCODER_BIASES},
+}  # fmt: skip
 """unmask state-dict key -> folder key (N = layer index); `lm_head.weight` is the tied
 embedding and not stored."""
 
@@ -92,6 +101,19 @@ def default_layer_types(layers: int) -> list[str]:
     types = [SLIDING if (i + 1) % 6 else FULL for i in range(layers)]
     types[-1] = FULL
     return types
+
+
+def shared_encoder_biases(state: dict) -> dict:
+    """A folder's (native-named) state with each attention bias the encoder lacks taken from
+    the decoder: what folders unmask wrote before it kept the encoder's own meant (one
+    stack, biases included); a transformers folder stores them all."""
+    out = dict(state)
+    for key, value in state.items():
+        head, _, leaf = key.rpartition(".")
+        layer, _, proj = head.rpartition(".")
+        if leaf == "bias" and layer.endswith(".self_attn") and proj in ENCODER_BIASES:
+            out.setdefault(f"{layer}.encoder_{proj}_bias", value)
+    return out
 
 
 # --- config.json -> ModelConfig fields -----------------------------------------------------

@@ -24,7 +24,11 @@ from torch import nn
 
 from unmask.errors import InputError, describe_validation_error
 from unmask.models.config import ModelConfig
-from unmask.models.diffusion_gemma_layout import diffusion_gemma_config, diffusion_gemma_fields
+from unmask.models.diffusion_gemma_layout import (
+    diffusion_gemma_config,
+    diffusion_gemma_fields,
+    shared_encoder_biases,
+)
 from unmask.models.families import (
     DEFAULT_FAMILY,
     FAMILIES,
@@ -154,7 +158,8 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
         )
     if family.config_style == "llada":
         try:
-            return ModelConfig(model_type=family.name, **_llada_fields(hf, family))
+            fields = {**_llada_fields(hf, family), **tagged_model_fields(hf)}
+            return ModelConfig(model_type=family.name, **fields)
         except (KeyError, ValueError) as err:
             raise InputError(f"config.json: LLaDA config is missing or has bad {err}") from err
     if family.config_style == "diffusion_gemma":
@@ -169,13 +174,49 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
         if family.moe_layout == "hf":
             fields.update(hf_moe_fields(hf, model_type))
         fields.update(tagged_moe_fields(hf))
+    fields.update(tagged_model_fields(hf))
     try:
         return ModelConfig(model_type=family.name, **fields)
     except ValidationError as err:
         raise InputError(f"config.json: {describe_validation_error(err, 'key')}") from None
 
 
+def tagged_model_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    """The architecture fields unmask wrote under "unmask": {"model": ...} because the
+    family's config.json layout has no key for them (`unwritten_fields`); {} when absent."""
+    tagged = (hf.get("unmask") or {}).get("model") or {}
+    if not isinstance(tagged, dict):
+        raise InputError('config.json: "unmask"."model" must map model fields to values')
+    return {k: v for k, v in tagged.items() if k in ARCHITECTURE_FIELDS}
+
+
 # --- ModelConfig -> config.json ------------------------------------------------------------
+
+RUN_FIELDS = ("model_type", "attn_implementation", "loss_implementation", "pretrained", "lora",
+              "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "adaptor_name",
+              "lora_merge", "load_in_4bit")  # fmt: skip
+"""ModelConfig fields that are not the architecture (how a run builds or trains it)."""
+ARCHITECTURE_FIELDS = tuple(k for k in ModelConfig.model_fields if k not in RUN_FIELDS)
+"""ModelConfig fields a folder must give back (config.json keys, else the "unmask" tag)."""
+
+
+def unwritten_fields(cfg: ModelConfig, written: dict[str, Any]) -> dict[str, Any]:
+    """The architecture fields of cfg that config.json dict `written` does not give back
+    when read (a switch its layout has no key for: `qk_norm: false` on Qwen3, a bias on
+    Qwen2's o_proj...), as JSON values; {} for a config its layout holds whole."""
+    try:
+        read = config_from_hf(written)
+    except InputError:
+        read = None
+    values = cfg.model_dump(mode="json")
+    return {key: values[key] for key in ARCHITECTURE_FIELDS
+            if read is None or _differs(read, cfg, key)}  # fmt: skip
+
+
+def _differs(read: ModelConfig, cfg: ModelConfig, key: str) -> bool:
+    if key == "head_dim":  # None = hidden_size // heads, which the layouts write out
+        return read.resolved_head_dim != cfg.resolved_head_dim
+    return getattr(read, key) != getattr(cfg, key)
 
 
 def hf_config_dict(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
@@ -187,8 +228,8 @@ def hf_config_dict(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict
     if not family.native:
         family = FAMILIES[DEFAULT_FAMILY]
     if family.config_style == "diffusion_gemma":
-        return diffusion_gemma_config(cfg, family.architecture, dtype_name)
-    if family.config_style == "llada":
+        out = diffusion_gemma_config(cfg, family.architecture, dtype_name)
+    elif family.config_style == "llada":
         out = _llada_config_dict(cfg, family, dtype_name)
     elif family.config_style == "llada2":
         out = llada2_config(cfg, family.architecture, dtype_name)
@@ -202,6 +243,10 @@ def hf_config_dict(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict
     for key in family.hf_absent_keys:
         out.pop(key, None)
     out.update(family.hf_extra)
+    tag = out.setdefault("unmask", {"model_type": cfg.model_type})
+    missing = unwritten_fields(cfg, out)
+    if missing:  # what the layout cannot say rides in unmask's own tag
+        tag["model"] = {**(tag.get("model") or {}), **missing}
     return out
 
 
@@ -361,6 +406,8 @@ def native_state(state: dict[str, torch.Tensor], family: str, cfg: ModelConfig |
     `read_state_dict`'s conversion of what it read (folder: named in errors)."""
     if FAMILIES[family].key_map:
         state = from_folder_keys(state, family)
+    if FAMILIES[family].config_style == "diffusion_gemma":
+        state = shared_encoder_biases(state)
     if FAMILIES[family].moe_layout == "llada2":
         state = llada2_to_native(state, cfg)
     if FAMILIES[family].moe_layout in ("hf", "llada2"):  # one matrix per expert in folders
@@ -407,12 +454,20 @@ def load_weights(model: nn.Module, state: dict[str, torch.Tensor], folder: Path)
     if missing or unexpected:
         raise InputError(
             f"weights in {str(folder)!r} do not match config.json: missing {missing[:4]}, "
-            f"unexpected {unexpected[:4]} (is it a Qwen3 checkpoint with this config?)"
+            f"unexpected {unexpected[:4]} (is it a {_family_label(model.config)} checkpoint "
+            "with this config?)"
         )
     wrong = shape_mismatch(model, state)
     if wrong:
         raise InputError(f"weights in {str(folder)!r} do not match config.json: {wrong}")
     model.load_state_dict(state, strict=True)
+
+
+def _family_label(cfg: ModelConfig) -> str:
+    """The family a folder's config.json names, as its architecture (DiffusionGemmaFor...)
+    and model_type: what the error about its weights asks the user to check."""
+    family = FAMILIES[cfg.model_type]
+    return f"{family.architecture} ({cfg.model_type})"
 
 
 def shape_mismatch(model: nn.Module, state: dict[str, torch.Tensor]) -> str:
