@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from unmask.checkpoint.generation import write_generation_files
 from unmask.checkpoint.layout import (
     CONFIG_FILE,
     DCP_DIR,
@@ -57,6 +58,7 @@ from unmask.models.families import FAMILIES
 from unmask.models.hf import native_state, read_safetensors, shape_mismatch, split_carried
 from unmask.models.lora import ADAPTER_FILE, apply_lora, load_adapter, save_adapter, save_lora
 from unmask.parallel.fsdp import full_model_state
+from unmask.sampling.config import GENERATION_FILE
 
 OPTIMIZER_FILE, SCHEDULER_FILE, RNG_FILE = "optimizer.pt", "scheduler.pt", "rng_state.pt"
 
@@ -239,7 +241,10 @@ class Checkpointer:
         if self.tokenizer is not None:
             self.tokenizer.save_pretrained(str(folder))
         for name, text in self.files.items():
-            (folder / name).write_text(text)
+            if name == GENERATION_FILE:  # transformers' part and unmask's own (generation.py)
+                write_generation_files(folder, text)
+            else:
+                (folder / name).write_text(text)
 
     @property
     def _rank_state_file(self) -> str:

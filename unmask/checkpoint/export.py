@@ -4,8 +4,9 @@ merged with its base, final/, a run output_dir).
 
 The folder holds config.json (the family's layout; Qwen3/Qwen2/Llama load in transformers
 as they are), model.safetensors, the tokenizer files and generation_config.json (special ids
-+ every sampling option, the checkpoint's own included), so `unmask generate`, `unmask eval`
-and the lm-eval adapter load it as it is.
++ every sampling option, the checkpoint's own included; for DiffusionGemma the options
+transformers' generation config takes, the rest in unmask's own file: generation.py), so
+`unmask generate`, `unmask eval` and the lm-eval adapter load it as it is.
 """
 
 import shutil
@@ -14,11 +15,12 @@ from typing import Any
 
 import torch
 
+from unmask.checkpoint.generation import write_generation_files
 from unmask.checkpoint.layout import resolve_model_folder
 from unmask.checkpoint.saved import gather_distributed_checkpoint, inspect_saved, load_saved_model
 from unmask.data.tokenizer import load_local_tokenizer
 from unmask.errors import InputError
-from unmask.sampling.config import GENERATION_FILE, generation_config_text, saved_sampling
+from unmask.sampling.config import generation_config_text, saved_sampling
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _TOKENIZER_FILES = ("tokenizer", "special_tokens", "vocab")
@@ -56,7 +58,7 @@ def export_model(
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(out))
     tokenizer.save_pretrained(str(out))
-    (out / GENERATION_FILE).write_text(text)
+    write_generation_files(out, text)  # after config.json: it names the model_type
     return out
 
 
