@@ -69,3 +69,24 @@ def test_two_processes_equal_one_with_clipping_active(runs, layout):
     assert sorted(have) == sorted(want)
     for name in want:
         assert (have[name] - want[name]).abs().max() <= 1e-5, name
+
+
+def test_the_console_line_shows_the_max_logit_and_the_start_up_the_per_head_split(tmp_path,
+                                                                                   capsys):  # fmt: skip
+    """With QK-clip on, each logged step's console line says `qk_max X (N heads clipped)`,
+    the values metrics.jsonl holds; with per-head Muon the start-up split lists it."""
+    from conftest import read_metrics
+
+    from unmask.cli import main
+
+    extra = {"optim": {"muon_per_head": True},
+             "train": {"max_steps": 3, "disable_tqdm": True}}  # fmt: skip
+    assert main(["train", str(write_run_config(tmp_path, "run", BASE, extra))]) == 0
+    out = capsys.readouterr().out
+    assert "  muon per head        6 tensors (k_proj, q_proj, v_proj; heads of 8 rows)" in out
+    records = [r for r in read_metrics(tmp_path / "run") if "qk_max_logit" in r]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    for r in records:
+        line = next(x for x in out.splitlines() if x.startswith(f"step {r['step']}/3 |"))
+        assert (f"qk_max {r['qk_max_logit']:.1f} ({int(r['qk_clipped_heads'])} heads clipped)"
+                in line), line  # fmt: skip

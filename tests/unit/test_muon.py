@@ -2,6 +2,7 @@
 
 import copy
 import io
+import logging
 
 import pytest
 import torch
@@ -261,15 +262,22 @@ def test_routing_overrides():
         route_parameters(_qwen(), muon_exclude=["(unclosed"])
 
 
-def test_split_is_printed_once(capsys):
+def test_split_is_logged_once_and_silent_in_a_plain_loop(capsys, caplog):
+    """The split goes through logging (logger unmask.optim.muon, INFO): nothing on stdout
+    or stderr in a loop that configured no logging, one record when INFO is on."""
     capsys.readouterr()
-    MuonAdamW(_qwen(layers=2), verbose=True)
-    MuonAdamW(_qwen(layers=2), verbose=False)
-    out = capsys.readouterr().out
-    assert out.count("MuonAdamW parameter split:") == 1
+    MuonAdamW(_qwen(layers=2))
+    assert capsys.readouterr() == ("", "")
+    with caplog.at_level(logging.INFO, logger="unmask.optim.muon"):
+        MuonAdamW(_qwen(layers=2), verbose=True)
+        MuonAdamW(_qwen(layers=2), verbose=False)
+    (record,) = [r for r in caplog.records if r.name == "unmask.optim.muon"]
+    out = record.getMessage()
+    assert out.startswith("MuonAdamW parameter split:")
     assert "muon                14 tensors" in out
     assert "adamw (decay)        2 tensors" in out
     assert "adamw (no decay)     9 tensors" in out
+    assert "per head" not in out
 
 
 # ------------------------------------------------------------------------ step details
@@ -589,3 +597,17 @@ def test_bad_constructor_arguments():
     frozen = _qwen(layers=1).requires_grad_(False)
     with pytest.raises(InputError, match="no trainable"):
         MuonAdamW(frozen, verbose=False)
+
+
+def test_the_docs_first_layer_sentence_is_what_routing_does():
+    """docs/muon.md: a first layer that is a plain nn.Linear goes to Muon (only embeddings
+    and the output layer are AdamW's by role), and its muon_exclude keeps it on AdamW."""
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "muon.md").read_text()
+    assert 'is a 2-D matrix\nand goes to Muon; `muon_exclude=[r"^0\\."]` keeps it on AdamW' in doc
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(),
+                          nn.Linear(64, 4))  # fmt: skip
+    assert _names(route_parameters(model).muon) == {"0.weight", "2.weight"}
+    kept = route_parameters(model, muon_exclude=[r"^0\."])
+    assert _names(kept.muon) == {"2.weight"} and "0.weight" in _names(kept.adamw_decay)

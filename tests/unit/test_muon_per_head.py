@@ -288,3 +288,13 @@ def test_lora_factors_go_to_adamw_with_decay():
     assert all(routes[n] == "frozen" for n in routes if ".lora_" not in n)
     opt = MuonAdamW(model, per_head=True, verbose=False)
     assert opt.head_dims == {} and not any(g["use_muon"] for g in opt.param_groups)
+
+
+def test_the_split_summary_lists_the_per_head_matrices():
+    """The start-up summary (the trainer prints it) says which matrices per-head Muon
+    splits and the rows of one head."""
+    opt = MuonAdamW(_model("gqa"), ns_dtype="float32", per_head=True, verbose=False)
+    line = opt.routing.summary().splitlines()[-1]
+    assert line == "  muon per head        6 tensors (k_proj, q_proj, v_proj; heads of 16 rows)"
+    whole = MuonAdamW(_model("gqa"), ns_dtype="float32", verbose=False)
+    assert "per head" not in whole.routing.summary()

@@ -24,6 +24,7 @@ equal ``torch.optim.Muon`` applied to each head's rows on their own, bit for bit
 
 from __future__ import annotations
 
+import logging
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -53,6 +54,10 @@ from unmask.optim.updates import (
     orthogonalize_inputs,
     state_dtype,
 )
+
+#: where the split is logged (INFO): silent in a user's loop unless logging is configured
+#: (`logging.basicConfig(level=logging.INFO)` shows it); the trainer prints it itself
+logger = logging.getLogger(__name__)
 
 #: Most matrix elements stacked into one batched NS call (bounds the transient memory: about
 #: 16 bytes an element in bf16 NS, the float32 inputs, their batch, the iterates and the
@@ -135,7 +140,10 @@ class MuonAdamW(torch.optim.Optimizer):
             result depends (by about 1 ulp) on where the shards cut a tensor; the default
             keeps a sharded step bit-equal to a one-process step. ``build_optimizer`` (the
             trainer) turns it on.
-        verbose: print the split once at construction (rank 0 only under torch.distributed).
+        verbose: log the split once at construction (rank 0 only under torch.distributed)
+            through ``logging`` (logger ``unmask.optim.muon``, INFO): silent in a user's
+            loop unless logging is configured (``logging.basicConfig(level=logging.INFO)``
+            shows it).
 
     Param groups carry ``use_muon`` and ``param_names``. Attributes besides the base
     class's:
@@ -202,6 +210,8 @@ class MuonAdamW(torch.optim.Optimizer):
             heads = split_heads(self.routing, given if isinstance(given, nn.Module) else model,
                                 head_dim)  # fmt: skip
             self.head_dims = {p: heads[name] for name, p in self.routing.muon if name in heads}
+            self.routing.head_rows = {name: heads[name] for name, _ in self.routing.muon
+                                      if name in heads}  # fmt: skip
         self.ns_dtype_choice = (ns_dtype, "as given")
         if ns_dtype == "auto":
             device = _local(self.routing.muon[0][1]).device if self.routing.muon else None
@@ -236,7 +246,7 @@ class MuonAdamW(torch.optim.Optimizer):
         super().__init__(groups, defaults)
         self.owner_plans: OwnerPlans = {}
         if verbose and _is_rank_zero():
-            print(self.routing.summary(), flush=True)
+            logger.info("%s", self.routing.summary())
 
     # ------------------------------------------------------------------------ step
 

@@ -66,6 +66,9 @@ class Routing:
     frozen: list[str] = field(default_factory=list)
     reasons: dict[str, str] = field(default_factory=dict)
     order: list[str] = field(default_factory=list)  # names in parameter order
+    #: per-head Muon (`split_heads`): the Muon matrices orthogonalized per head, {name: rows
+    #: of one head}; empty when it is off
+    head_rows: dict[str, int] = field(default_factory=dict)
 
     def table(self) -> str:
         """Every parameter: its name, shape, optimizer and why (the routing rules)."""
@@ -95,6 +98,11 @@ class Routing:
             lines.append(f"  {label:<17}{len(named):>5} tensors {_human(total):>9} params")
         if self.frozen:
             lines.append(f"  {'frozen (skipped)':<17}{len(self.frozen):>5} tensors")
+        if self.head_rows:  # per-head Muon: which matrices, heads of how many rows
+            kinds = sorted({name.rsplit(".", 2)[-2] for name in self.head_rows})
+            rows = sorted(set(self.head_rows.values()))
+            lines.append(f"  {'muon per head':<17}{len(self.head_rows):>5} tensors "
+                         f"({', '.join(kinds)}; heads of {', '.join(map(str, rows))} rows)")  # fmt: skip
         return "\n".join(lines)
 
 

@@ -24,7 +24,8 @@ def progress_postfix(values: dict) -> dict | None:
 
 
 def format_line(step: int, total: int, values: dict, eta_s: float | None) -> str:
-    """'step 40/400 | loss 1.234 | lr 1.00e-03 | 5.1k tok/s | mfu 41.2% | eta 2m10s'.
+    """'step 40/400 | loss 1.234 | lr 1.00e-03 | 5.1k tok/s | mfu 41.2% | eta 2m10s', with
+    'qk_max 87.3 (4 heads clipped)' when QK-clip is on (optim.qk_clip_threshold).
 
     A grpo run shows 'reward 0.625 (std 0.48)' (the mean and std of its rollouts' total
     reward since the last line) instead of the loss: the policy loss of group-centered
@@ -49,6 +50,9 @@ def format_line(step: int, total: int, values: dict, eta_s: float | None) -> str
     if "mfu" in values:
         model = values.get("mfu_model_only")
         parts.append(f"mfu {values['mfu']:.1%}" + (f" (model {model:.1%})" if model else ""))
+    if "qk_max_logit" in values:  # QK-clip on: the largest attention logit, heads scaled
+        clipped = int(values.get("qk_clipped_heads", 0))
+        parts.append(f"qk_max {values['qk_max_logit']:.1f} ({clipped} heads clipped)")
     if values.get("skipped_steps"):
         parts.append(f"skipped {values['skipped_steps']}")
     if eta_s is not None:
