@@ -251,7 +251,8 @@ class UnmaskLM(LM):
 
     def _generation_config(self, max_gen_toks, temperature) -> SamplingConfig:
         """model_args over the task's gen_kwargs over the defaults over the folder's
-        options; gen_length rounded up to whole blocks, steps to whole steps per block.
+        options; gen_length rounded up to whole blocks, steps to whole steps per block
+        (block_origin request or block_steps: as given, as LLaDA2's generate takes them).
         Decoder entropy_bound (DiffusionGemma) takes the task's max_gen_toks alone: its
         temperature is its schedule's, its canvases the model's."""
         task = {"gen_length": max_gen_toks, "temperature": temperature}
@@ -259,6 +260,8 @@ class UnmaskLM(LM):
             return resolve_sampling(self.sm.saved, self.defaults, {"gen_length": max_gen_toks},
                                     self.sampling)  # fmt: skip
         chosen = resolve_sampling(self.sm.saved, self.defaults, task, self.sampling)
+        if chosen.block_origin == "request" or chosen.block_steps is not None:
+            return chosen  # any gen_length; steps counted per block (LLaDA2's generate)
         gen, block = chosen.gen_length, chosen.resolved_block_length
         if not chosen.block_causal:  # block-causal models keep the block size they trained on
             block = min(block, gen)

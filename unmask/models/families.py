@@ -127,9 +127,15 @@ class Family:
     carried: tuple[str, ...] = ()
     """Folder key prefixes of tensors unmask does not run (DiffusionGemma's vision tower):
     kept from the folder read (`model.hf_carried_weights`) and written back on save."""
+    decoding: Mapping[str, Any] = field(default_factory=dict)
+    """How the family's authors decode its released checkpoints: sampling options
+    (SamplingConfig fields) that a folder in the family's released layout (config.json
+    without unmask's tag) samples with when neither its generation_config.json nor the
+    user sets them (sampling/config.py `saved_sampling`; docs/sampling.md, Decoding a
+    released model)."""
 
     def __post_init__(self) -> None:
-        for name in ("config_defaults", "key_map", "hf_extra"):  # read-only views
+        for name in ("config_defaults", "key_map", "hf_extra", "decoding"):  # read-only views
             object.__setattr__(self, name, MappingProxyType(dict(getattr(self, name))))
         if self.shape is None:
             object.__setattr__(self, "shape", DECODER if self.native else WRAPPED)
@@ -173,6 +179,9 @@ _ENTRIES = (
         keeps_source_config=True,
         mask_token_id=151666,
         logit_shift=True,
+        # Dream's `diffusion_generate` (DreamGenerationConfig's defaults: alg origin, eps
+        # 1e-3, temperature 0); its steps default (512) is not taken: steps = gen_length
+        decoding={"schedule": "dream", "remasking": "origin"},
     ),
     Family(
         "llada",
@@ -185,6 +194,8 @@ _ENTRIES = (
         hf_rope_theta_default=10000.0,  # LLaDA / OLMo default
         keeps_source_config=True,
         mask_token_id=126336,
+        # LLaDA's generate.py `generate` at its defaults (low_confidence, temperature 0)
+        decoding={"gen_length": 128, "block_length": 128, "steps": 128},
     ),
     Family(
         "qwen3_moe_dllm",
@@ -226,6 +237,17 @@ _ENTRIES = (
         moe_layout="llada2",
         keeps_source_config=True,
         mask_token_id=156895,
+        # LLaDA2.0's own `generate` (modeling_llada2_moe.py) at its defaults
+        decoding={
+            "block_length": 32,
+            "block_origin": "request",
+            "block_causal": True,
+            "gen_length": 2048,
+            "block_steps": 32,
+            "threshold": 0.95,
+            "fill_rule": "llada2",
+            "growing_canvas": True,
+        },
     ),
     Family(
         "diffusion_gemma",

@@ -8,7 +8,7 @@ generation at the end of training) holds one too: unmask/config/eval.py.
 """
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -18,16 +18,13 @@ from unmask.diffusion.config import DiffusionConfig
 from unmask.diffusion.registry import objective_spec
 from unmask.errors import InputError, describe_validation_error, did_you_mean
 from unmask.models.families import family_of_config, samples_with_logit_shift
-from unmask.sampling.decoders import decoder_names, implied
+from unmask.sampling.decoders import BlockDecoder, decoder_class, decoder_names, implied
 from unmask.sampling.hooks import import_hook
 from unmask.sampling.schedules import SCHEDULES
 from unmask.sampling.transfer import remasking_choices
 
 CACHES = ("none", "prefix", "dual")
 GENERATION_FILE = "generation_config.json"
-# the "unmask" entry of a folder whose generation_config.json cannot hold it (DiffusionGemma:
-# transformers' class refuses unknown keys; checkpoint/generation.py), read in its place
-UNMASK_GENERATION_FILE = "unmask_generation.json"
 # the options that take one of a set of names; remasking's set grows with
 # transfer.register_confidence, so each is read when a value is checked
 _CHOICES = {
@@ -37,9 +34,19 @@ _CHOICES = {
     "decoder": decoder_names,
     "joint_preset": lambda: tuple(JOINT_PRESETS),
     "edit_scope": lambda: EDIT_SCOPES,
+    "block_origin": lambda: BLOCK_ORIGINS,
+    "fill_rule": lambda: FILL_RULES,
 }
 # options that may be None (not given) though they take one of a set of names
-_UNSET_CHOICES = ("decoder", "joint_preset", "edit_scope")
+_UNSET_CHOICES = ("decoder", "joint_preset", "edit_scope", "fill_rule")
+# where blocks are counted from: the answer's first position (blocks of the answer alone),
+# or the request's first token (LLaDA2's generate, SGLang: the prompt's tail shares the
+# first decoded block with masks); sampling/layout.py
+BLOCK_ORIGINS = ("answer", "request")
+# the masked decoder's threshold rules: fast_dllm (the top one and every confidence >=
+# threshold), llada2 (every confidence > threshold when at least the step's quota do, else
+# the quota's most confident: LLaDA2's generate)
+FILL_RULES = ("fast_dllm", "llada2")
 # Decoder joint_threshold (sampling/editing.py): LLaDA2.1's decoding modes, the report's S and
 # Q modes (arXiv 2602.08676; the model cards of inclusionAI/LLaDA2.1-mini and -flash), and
 # SGLang's JointThreshold defaults (= speedy) for what neither a preset nor an option sets.
@@ -215,6 +222,30 @@ class SamplingConfig(BaseModel):
     confidence_threshold: float | None = Field(None, gt=0.0)
     """Decoder entropy_bound, adaptive stopping: a canvas is confident when its tokens'
     mean entropy (tempered) is below this; stable and confident stops it. None = 0.005."""
+    block_origin: str = "answer"
+    """Where blocks are counted from: `answer` (the answer's first position: blocks hold
+    only masks) or `request` (the request's first token, as LLaDA2's generate and SGLang
+    count them: the prompt's tail shares the first decoded block with masks, is context
+    there and never changes; the canvas ends on the first block boundary at or after
+    prompt + gen_length, so gen_length need not be whole blocks; block_causal attention is
+    cut on the same grid). Steps are then counted per block (block_steps). Default: from
+    the model folder (request for llada2_moe folders)."""
+    block_steps: int | None = Field(None, gt=0)
+    """Denoising steps of each block (LLaDA2's `steps`), at most gen_length //
+    minimal_topk; instead of `steps` over the whole answer. None = steps / the number of
+    blocks (block_origin request: one token a step, block_length)."""
+    minimal_topk: int = Field(1, ge=1)
+    """LLaDA2: block_steps is capped at gen_length // minimal_topk."""
+    fill_rule: str | None = None
+    """The masked decoder's threshold rule: `fast_dllm` (each step the most confident mask
+    and every mask with confidence >= threshold) or `llada2` (every mask whose proposal's
+    probability is > threshold when at least the step's quota of them are, else the
+    quota's most confident; quotas split block_length over block_steps, LLaDA2's
+    generate). None = fast_dllm."""
+    eos_early_stop: bool = False
+    """LLaDA2's eos_early_stop: a row stops within a block at the step that commits an EOS
+    with no mask left before its first EOS (every row stops after a block that holds
+    EOS already, when the tokenizer has one)."""
     ddpm_cache: bool = False
     """With `origin` remasking: reuse the last logits while no token changed (MDLM)."""
     gen_length_max: int | None = Field(None, gt=0)
@@ -308,6 +339,7 @@ class SamplingConfig(BaseModel):
             if given:
                 raise ValueError(f"{given[0]} is an option of decoder joint_threshold (the "
                                  f"decoder here is {decoder!r}); give decoder joint_threshold")  # fmt: skip
+        check_block_origin(self, decoder)
         if decoder == "blocks_from_start":
             check_blocks_from_start(self)
         elif self.block_causal and self.shift_logits:
@@ -327,11 +359,35 @@ class SamplingConfig(BaseModel):
         """block_length, or gen_length when None."""
         return self.block_length or self.gen_length
 
+    def steps_per_block(self) -> int:
+        """The denoising steps of each block: block_steps (at most gen_length //
+        minimal_topk, LLaDA2's cap), else with block_origin request one token a step
+        (block_length), else steps / the number of blocks (lengths checked)."""
+        if self.block_steps is not None:
+            gen = self.gen_length if self.gen_length != "auto" else self.gen_length_max
+            return max(1, min(self.block_steps, gen // self.minimal_topk))
+        if self.block_origin == "request":
+            return self.resolved_block_length
+        return self.resolved_steps // self.check_lengths()
+
     def check_lengths(self) -> int:
         """The number of blocks; ValueError when the lengths do not split into blocks
-        (gen_length auto: the cap's blocks, checked on validation)."""
+        (gen_length auto: the cap's blocks, checked on validation). With block_origin
+        request any gen_length fits: the answer's blocks, at most this many, depend on the
+        prompt's length."""
         if self.gen_length == "auto":
             return self.gen_length_max // self.block_length
+        if self.block_origin == "request" or self.block_steps is not None:
+            block = self.resolved_block_length
+            if self.block_origin == "answer" and self.gen_length % block:
+                raise ValueError(f"gen_length ({self.gen_length}) must be a multiple of "
+                                 f"block_length ({block})")  # fmt: skip
+            sub = self.sub_block_length
+            if sub is not None and block % sub != 0:
+                raise ValueError(f"block_length ({block}) must be a multiple of "
+                                 f"sub_block_length ({sub})")  # fmt: skip
+            tail = block - 1 if self.block_origin == "request" else 0  # a prompt's tail
+            return -(-(self.gen_length + tail) // block)
         steps, gen, block = self.resolved_steps, self.gen_length, self.resolved_block_length
         if gen % block != 0:
             raise ValueError(f"gen_length ({gen}) must be a multiple of block_length ({block})")
@@ -362,6 +418,8 @@ class SamplingConfig(BaseModel):
             )
         if implied(self) == "entropy_bound":  # whole canvases, no blocks or step budget
             return self.updated(gen_length=gen, row_length=None)
+        if self.block_origin == "request" or self.block_steps is not None:
+            return self.updated(gen_length=gen, row_length=None)  # any length; per-block steps
         block = self.block_length
         if self.block_causal:  # the block size it trained with; whole blocks only
             gen = -(-gen // block) * block
@@ -413,6 +471,43 @@ def check_autoregressive(config: SamplingConfig) -> None:
             raise ValueError(f"autoregressive sampling is causal already; {name} does not apply")
     if config.cfg_scale > 0:
         raise ValueError("autoregressive sampling has no mask to guide with; use cfg_scale 0")
+
+
+def check_block_origin(config: SamplingConfig, decoder: str) -> None:
+    """block_origin, block_steps, fill_rule and eos_early_stop: options of the block
+    decoders (`fill_rule` and `eos_early_stop`: of `masked`); the request origin counts
+    steps per block."""
+    by_block = issubclass(decoder_class(config), BlockDecoder)
+    given = {"block_origin": config.block_origin != "answer",
+             "block_steps": config.block_steps is not None}  # fmt: skip
+    for name, value in given.items():
+        if value and not by_block:
+            raise ValueError(f"{name} is an option of the block decoders (masked, "
+                             f"joint_threshold); decoder {decoder!r} does not decode by "
+                             f"blocks")  # fmt: skip
+    for name, value in {"fill_rule": config.fill_rule is not None,
+                        "eos_early_stop": config.eos_early_stop}.items():  # fmt: skip
+        if value and decoder != "masked":
+            raise ValueError(f"{name} is an option of decoder masked (the decoder here is "
+                             f"{decoder!r})")  # fmt: skip
+    if config.block_origin == "request":
+        if config.gen_length == "auto":
+            raise ValueError("block_origin request needs a gen_length N (its canvas ends on "
+                             "the block boundary after prompt + gen_length)")  # fmt: skip
+        if config.steps is not None:
+            raise ValueError("with block_origin request steps are counted per block: give "
+                             "block_steps instead of steps")  # fmt: skip
+    if config.block_steps is not None and config.steps is not None:
+        raise ValueError("give steps (over the whole answer) or block_steps (per block), not "
+                         "both")  # fmt: skip
+    if config.fill_rule == "llada2":
+        if config.threshold is None:
+            raise ValueError("fill_rule llada2 fills by threshold above the step's quota; "
+                             "give threshold (LLaDA2: 0.95)")  # fmt: skip
+        if config.sub_block_length is not None or config.remasking != "low_confidence":
+            raise ValueError("fill_rule llada2 scores a proposal by its probability over the "
+                             "whole block: leave remasking and sub_block_length at their "
+                             "defaults")  # fmt: skip
 
 
 def check_blocks_from_start(config: SamplingConfig) -> None:
@@ -531,6 +626,21 @@ def resolve_sampling(*layers: dict[str, Any], strict: bool = False) -> SamplingC
     the user's); later layers win, None means "not set". Bad values: one-line InputError.
     strict: values of the type each field has, no coercion (the server's requests: "8" is
     not a number)."""
+    folder = next((i for i, layer in enumerate(layers) if isinstance(layer, FolderSampling)),
+                  None)  # fmt: skip
+    if folder is not None:  # a family's default decoding: the largest part that fits
+        given = {k for layer in layers[folder + 1 :] for k, v in layer.items() if v is not None}
+        tiers = layers[folder].tiers(given)
+        for tier in tiers[:-1]:
+            try:
+                return _resolve((*layers[:folder], tier, *layers[folder + 1 :]), strict)
+            except InputError:
+                continue
+        layers = (*layers[:folder], tiers[-1], *layers[folder + 1 :])
+    return _resolve(layers, strict)
+
+
+def _resolve(layers, strict: bool) -> SamplingConfig:
     merged: dict[str, Any] = {}
     for layer in layers:
         layer = without_none(layer)
@@ -595,9 +705,7 @@ def saved_sampling(folder: str | Path) -> dict[str, Any]:
     """The sampling options a model folder carries: its generation_config.json "unmask"
     entry, and the logit shift where the file does not say but the folder's model family
     samples with it (Dream). An unknown option is an InputError naming the file."""
-    generation = Path(folder) / GENERATION_FILE
-    path = Path(folder) / UNMASK_GENERATION_FILE
-    path = path if path.is_file() else generation
+    path = Path(folder) / GENERATION_FILE
     saved: dict[str, Any] = {}
     if path.is_file():
         try:
@@ -622,9 +730,34 @@ def saved_sampling(folder: str | Path) -> dict[str, Any]:
     if family is not None and family.name in UNIFORM_CANVAS_FAMILIES:
         # the family fixes it (no [MASK]); transformers' own generation settings under
         # the folder's "unmask" entry
-        own = _transformers_generation(generation) if generation.is_file() else {}
+        own = _transformers_generation(path) if path.is_file() else {}
         saved = {**own, **saved, "uniform_canvas": True}
+    if family is not None and family.decoding and "unmask" not in config:
+        return FolderSampling(saved, family.decoding)
     return dict(saved)
+
+
+#: options of a family's default decoding that lay out the canvas; the others (thresholds,
+#: rules, steps) are the decoder's, and are dropped first when the options given conflict
+LAYOUT_OPTIONS = ("gen_length", "block_length", "block_origin", "block_causal")
+
+
+class FolderSampling(dict):
+    """A released folder's sampling options: its own (the dict), over its family's default
+    decoding (`Family.decoding`, `defaults`). `resolve_sampling` takes the defaults where
+    they fit the options given: all of them; else only the canvas layout
+    (`LAYOUT_OPTIONS`), when the options given name another rule (a decoder, steps over
+    the whole answer, factor, ...); else none."""
+
+    def __init__(self, own: dict[str, Any], defaults: Mapping[str, Any]):
+        super().__init__({**defaults, **own})
+        self.own, self.defaults = dict(own), dict(defaults)
+
+    def tiers(self, given: set[str]) -> list[dict[str, Any]]:
+        """The layers to try, in order, for options `given` by the later layers."""
+        rest = {k: v for k, v in self.defaults.items() if k not in given}
+        layout = {k: v for k, v in rest.items() if k in LAYOUT_OPTIONS}
+        return [{**rest, **self.own}, {**layout, **self.own}, dict(self.own)]
 
 
 def _folder_config(folder: Path) -> dict[str, Any]:

@@ -11,15 +11,19 @@ Swappable parts (docs/diffusion.md, Sampling):
     more than one layer (as in Fast-dLLM); `cache_refresh=1` is exact;
   - attention: bidirectional over the canvas, or `block_causal` (block diffusion, BD3LM:
     a position sees its own block and the blocks before it; the prompt is cut into blocks
-    of block_length from its end). Block-causal K/V of finished blocks never change, so
-    both caches are exact there;
+    of block_length from its end, or with block_origin request from its first token).
+    Block-causal K/V of finished blocks never change, so both caches are exact there;
+  - the block grid (`block_origin`, layout.py): blocks of the answer alone, or counted
+    from each request's first token (LLaDA2's generate, SGLang), rows of different prompt
+    lengths each on their own grid;
   - the model call: classifier-free guidance, Dream's logit shift;
   - the decoder (`decoders.py`): `masked` (the block decoder above), `left_to_right` (an
     autoregressive model), `blocks_from_start` (Fast-dLLM v2's form), or one registered
     with `register_decoder` and named by `decoder`.
 Batches of prompts of different lengths are left-padded (attention mask + position ids);
-with `eos_id` a row stops once a finished block holds EOS, and everything after its
-first EOS is EOS. `sample` returns the tokens with NFE and throughput.
+with `eos_id` a row stops once a finished block holds EOS (with eos_early_stop, at the
+step that commits an EOS with no mask before it), and everything after its first EOS is
+EOS. `sample` returns the tokens with NFE and throughput.
 """
 
 import time
@@ -44,6 +48,7 @@ from unmask.sampling.decoders import (
     uniform_canvas_model,
 )
 from unmask.sampling.hooks import call_logits_hook, call_tokens_hook
+from unmask.sampling.layout import canvas_blocks, filler_token, lay_out
 from unmask.sampling.schedules import dream_transfer_count, num_transfer_tokens, unmask_fraction
 from unmask.sampling.transfer import (
     CONFIDENCE_FNS,
@@ -115,13 +120,6 @@ def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch
             ids[row, width - len(p) :] = torch.tensor(p)
             mask[row, width - len(p) :] = True
     return ids, mask
-
-
-def canvas_blocks(prompt_len: int, gen_length: int, block_length: int, device=None):
-    """Block index of every canvas position (P + G,): answer blocks 0, 1, ... and the
-    prompt cut from its end into blocks -1, -2, ... of block_length."""
-    offset = torch.arange(prompt_len + gen_length, device=device) - prompt_len
-    return torch.div(offset, block_length, rounding_mode="floor")
 
 
 class Canvas:
@@ -224,49 +222,51 @@ def sample(
         return decoder_cls().decode(model, prompt_ids, prompt_valid, config, mask_id=mask_id,
                                     eos_id=eos_id, pad_id=pad_id, eot_id=eot_id,
                                     generator=generator, on_step=on_step)  # fmt: skip
-    num_blocks = config.check_lengths()
+    config.check_lengths()
     special = special_ids(config, eos_id, pad_id, eot_id)
     started = time.perf_counter()
     device = prompt_ids.device
-    gen_length, block_length = config.gen_length, config.resolved_block_length
-    masks = torch.full((batch, gen_length), mask_id, dtype=prompt_ids.dtype, device=device)
-    x_all = torch.cat([prompt_ids, masks], dim=1)  # (B, P + G)
-    valid = torch.cat([prompt_valid, torch.ones_like(masks, dtype=torch.bool)], dim=1)
-    in_prompt = torch.cat([prompt_valid, torch.zeros_like(masks, dtype=torch.bool)], dim=1)
-    blocks = None
-    if config.block_causal:
-        blocks = canvas_blocks(prompt_len, gen_length, block_length, device)
-    canvas = Canvas(x_all.clone(), valid, in_prompt, mask_id, config.cfg_scale, config.cache,
-                     blocks)  # fmt: skip
+    block_length = config.resolved_block_length
+    layout = lay_out(prompt_ids, prompt_valid, config.gen_length, block_length,
+                     config.block_origin, mask_id, filler_token(mask_id, eos_id))  # fmt: skip
+    x_all = layout.x  # (B, L): the canvas, every row (sampling/layout.py)
+    blocks = layout.blocks if config.block_causal else None
+    canvas = Canvas(x_all.clone(), layout.valid, layout.in_prompt, mask_id, config.cfg_scale,
+                    config.cache, blocks)  # fmt: skip
     rows = torch.arange(batch, device=device)  # rows of x_all still being decoded
+    answer = layout.answer_columns()  # (B, L) each row's answer positions
     out = GenerationOutput(x_all, prompt_len, history=[] if config.history else None)
-    steps_per_block = config.resolved_steps // num_blocks
+    steps_per_block = config.steps_per_block()
     if config.tokens_hook is not None:  # Dream: once before the first step, (None, x, None)
         canvas.x = call_tokens_hook(config.tokens_hook, None, canvas.x, None)
-
-    for block in range(num_blocks):
-        start, stop = prompt_len + block * block_length, prompt_len + (block + 1) * block_length
+    last = len(layout.starts) - 1
+    for block, start in enumerate(layout.starts):
+        stop = start + block_length
         decoder = decoder_cls(config, model, canvas, start, stop, steps_per_block, mask_id,
                               special)  # fmt: skip
+        if config.eos_early_stop and eos_id is not None:
+            decoder.stop_at_eos(eos_id, answer[rows])
         for step in range(decoder.max_steps):
             if not decoder.step(step, generator, out):
                 break
             if on_step is not None or out.history is not None:
                 x_all[rows] = canvas.x
                 if out.history is not None:
-                    out.history.append(x_all.clone())
+                    out.history.append(layout.output(x_all).clone())
                 if on_step is not None:
-                    on_step(x_all.clone())
+                    on_step(layout.output(x_all).clone())
         x_all[rows] = canvas.x
-        if eos_id is not None and block < num_blocks - 1:
-            done = (canvas.x[:, prompt_len:stop] == eos_id).any(1)
+        if block < last:  # rows that end here: EOS in a finished block, or no block left
+            done = layout.row_blocks[rows] <= block + 1
+            if eos_id is not None:
+                done |= ((canvas.x[:, :stop] == eos_id) & answer[rows, :stop]).any(1)
             if done.any():
                 keep = (~done).nonzero().squeeze(1)
                 canvas.select(keep)
                 rows = rows[keep]
                 if rows.numel() == 0:
                     break
-    _finish(out, x_all, mask_id, eos_id)
+    _finish(out, layout.output(x_all), mask_id, eos_id)
     out.seconds = time.perf_counter() - started
     return out
 
@@ -408,15 +408,28 @@ class MaskedBlockDecoder(BlockDecoder):
         if config.remasking == "confidence_threshold":  # the quota, then what was carried
             self.max_steps = steps_per_block + (stop - start)
         masked = (canvas.x[:, start:stop] == mask_id).sum(1)
+        if config.fill_rule == "llada2":  # LLaDA2: block_length split over the steps
+            self.max_steps = steps_per_block
+            masked = torch.full_like(masked, stop - start)
         self.quota = num_transfer_tokens(masked, steps_per_block)  # (B, steps_per_block)
+        #: rows stopped inside the block by eos_early_stop (`stop_at_eos`)
+        self.done = torch.zeros_like(masked, dtype=torch.bool)
+        self.eos_id: int | None = None
+        self.answer: torch.Tensor | None = None
         self.carried = torch.zeros_like(masked)  # confidence_threshold: quota left over
         self.logits: torch.Tensor | None = None
         self.last_x: torch.Tensor | None = None
 
+    def stop_at_eos(self, eos_id: int, answer: torch.Tensor) -> None:
+        """eos_early_stop (LLaDA2): a row stops at the step that commits an EOS when no
+        mask is left before its first answer EOS. answer (B, L) bool: its answer columns."""
+        self.eos_id, self.answer = eos_id, answer
+
     def step(self, step: int, generator, out: GenerationOutput) -> bool:
-        """Commit this step's tokens; False when the block has no mask left."""
+        """Commit this step's tokens; False when the block has no mask left (in the rows
+        still decoding)."""
         x_block = self.canvas.x[:, self.start : self.stop]
-        is_mask = x_block == self.mask_id  # (B, Lb)
+        is_mask = (x_block == self.mask_id) & ~self.done[:, None]  # (B, Lb)
         if not is_mask.any():
             return False
         reuse = (
@@ -443,11 +456,25 @@ class MaskedBlockDecoder(BlockDecoder):
         commit = self._commits(step, region, x0, filtered, generator)
         out.decoded += int(commit.sum())
         self.canvas.x[:, self.start : self.stop] = torch.where(commit, x0, x_block)
+        if self.eos_id is not None:
+            self._early_stop(commit & (x0 == self.eos_id))
         if cfg.tokens_hook is not None:
             self.canvas.x = call_tokens_hook(cfg.tokens_hook, out.steps, self.canvas.x,
                                              self.logits)  # fmt: skip
         out.steps += 1
         return True
+
+    def _early_stop(self, committed_eos: torch.Tensor) -> None:
+        """Rows that committed an EOS this step and have no mask before their first EOS
+        are done (LLaDA2's eos_early_stop)."""
+        rows = committed_eos.any(1)
+        if not rows.any():
+            return
+        x, answer = self.canvas.x[:, : self.stop], self.answer[:, : self.stop]
+        eos = (x == self.eos_id) & answer
+        first = eos.long().argmax(1)  # each row's first answer EOS (one exists: rows)
+        before = answer & (torch.arange(self.stop, device=x.device)[None, :] < first[:, None])
+        self.done |= rows & ~((x == self.mask_id) & before).any(1)
 
     def _adjusted(self, logits: torch.Tensor) -> torch.Tensor:
         return eos_adjusted(logits, self.special, self.config.eos_penalty)
@@ -465,6 +492,8 @@ class MaskedBlockDecoder(BlockDecoder):
         if cfg.remasking == "origin":
             fraction = unmask_fraction(step, self.steps_per_block, cfg.eps)
             return select_origin(is_mask, fraction, generator)
+        if cfg.fill_rule == "llada2":
+            return self._llada2_fill(step, is_mask, x0, filtered)
         logits, unconfident = self.logits, self.special["unconfident"]
         if unconfident:  # LLaDA: EOS and EoT proposals get confidence 0
             ids = torch.tensor(unconfident, device=logits.device)
@@ -498,6 +527,17 @@ class MaskedBlockDecoder(BlockDecoder):
         if cfg.alg_temp:
             return select_sampled(conf, k, cfg.alg_temp, generator)
         return select_top_k(conf, k, **row)
+
+    def _llada2_fill(self, step, is_mask, x0, filtered) -> torch.Tensor:
+        """fill_rule llada2: every mask whose proposal's probability (under the tempered,
+        filtered distribution) is > threshold when at least the step's quota are, else the
+        quota's most probable (ranked within the block, as LLaDA2's topk over it)."""
+        probs = sampling_probs(filtered, self.config.temperature)
+        conf = probs.gather(-1, x0[..., None]).squeeze(-1).masked_fill(~is_mask, float("-inf"))
+        quota = self.quota[:, step]
+        high = conf > self.config.threshold
+        top = select_top_k(conf, torch.minimum(quota, is_mask.sum(1)))
+        return torch.where((high.sum(1) >= quota)[:, None], high, top)
 
 
 def _finish(out: GenerationOutput, x_all: torch.Tensor, mask_id: int, eos_id: int | None):

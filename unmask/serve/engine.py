@@ -81,7 +81,8 @@ _AFTER_FORWARD = ("temperature", "top_p", "top_k", "eos_penalty", "logits_eos_in
                   "threshold", "sub_block_length", "factor", "cache_refresh", "ddpm_cache",
                   "steps", "row_length", "gen_length_max", "auto_eos_threshold",
                   "edit_threshold", "max_post_edit_steps", "penalty_lambda",
-                  "joint_preset", "edit_scope")  # fmt: skip
+                  "joint_preset", "edit_scope", "block_steps", "minimal_topk", "fill_rule",
+                  "eos_early_stop")  # fmt: skip
 
 
 @dataclass
@@ -187,6 +188,21 @@ class QueueFull(Exception):
     """The queue holds its bound of requests (HTTP 429)."""
 
 
+def _block_parts(job: Job, block: int) -> tuple[list[int], list[int], int]:
+    """A job's current block call: (the tokens before the block, the tokens the block
+    starts with, the masks after it). block_origin answer: the prompt and the finished
+    blocks, nothing, the rest of gen_length; request: blocks counted from the prompt's first
+    token, so the first holds the prompt's tail, and the canvas ends on the block boundary
+    at or after prompt + gen_length (sampling/layout.py)."""
+    cfg, tokens = job.config, job.prompt_ids + job.answer
+    if cfg.block_origin == "answer":
+        return tokens, [], cfg.gen_length - (job.block + 1) * block
+    length = len(job.prompt_ids)
+    begin = (length // block + job.block) * block
+    total = -(-(length + cfg.gen_length) // block) * block
+    return tokens[:begin], tokens[begin:], total - begin - block
+
+
 class Draining(Exception):
     """The server is shutting down and takes no new request (HTTP 503)."""
 
@@ -232,7 +248,7 @@ class Job:
         if self.seed is not None or self.auto:
             return ("alone", id(self))
         options = self.config.model_dump(exclude=set(_PER_ROW))
-        spb = self.config.resolved_steps // self.config.check_lengths()
+        spb = self.config.steps_per_block()
         return (self.config.resolved_block_length, spb, *sorted(options.items()))
 
 
@@ -371,20 +387,26 @@ class Engine:
         """Decode the current block of every row (one group) with the sampler's decoder."""
         sm, cfg = self.sm, rows[0].config
         block = cfg.resolved_block_length
-        steps_per_block = cfg.resolved_steps // cfg.check_lengths()
-        prefixes = [job.prompt_ids + job.answer for job in rows]
-        later = [job.config.gen_length - (job.block + 1) * block for job in rows]
-        start = max(len(p) for p in prefixes)  # the block's first column, every row
-        width = start + block + max(later)
+        steps_per_block = cfg.steps_per_block()
+        # each row: the tokens before its block, the block's head (block_origin request: the
+        # prompt's tail in the first block), the masks after the block
+        parts = [_block_parts(job, block) for job in rows]
+        start = max(len(prefix) for prefix, _, _ in parts)  # the block's first column
+        width = start + block + max(after for _, _, after in parts)
         x = torch.full((len(rows), width), sm.pad_id, dtype=torch.long)
         valid = torch.zeros((len(rows), width), dtype=torch.bool)
         in_prompt = torch.zeros_like(valid)
-        for row, (job, prefix, after) in enumerate(zip(rows, prefixes, later)):
+        answer = torch.zeros_like(valid)  # each row's answer columns (eos_early_stop)
+        for row, (job, (prefix, head, after)) in enumerate(zip(rows, parts)):
             left = start - len(prefix)
-            x[row, left:start] = torch.tensor(prefix)
-            x[row, start : start + block + after] = sm.mask_id
+            x[row, left:start] = torch.tensor(prefix, dtype=torch.long)
+            x[row, start : start + len(head)] = torch.tensor(head, dtype=torch.long)
+            x[row, start + len(head) : start + block + after] = sm.mask_id
             valid[row, left : start + block + after] = True
             in_prompt[row, left : left + len(job.prompt_ids)] = True
+            answer[row, left + len(job.prompt_ids) : start + block + after] = True
+        heads = [len(head) for _, head, _ in parts]
+        later = [after for _, _, after in parts]
         blocks = None
         if cfg.block_causal:  # a row's blocks are these shifted by its block index
             blocks = canvas_blocks(start, width - start, block, sm.device)
@@ -393,6 +415,8 @@ class Engine:
         special = special_ids(cfg, sm.eos_id, sm.pad_id, self.eot_id)
         decoder = decoder_class(cfg)(cfg, self.model, canvas, start, start + block,
                                      steps_per_block, sm.mask_id, special)  # fmt: skip
+        if cfg.eos_early_stop and sm.eos_id is not None:
+            decoder.stop_at_eos(sm.eos_id, answer.to(sm.device))
         keys = [self.prefix_key(job) for job in rows]
         saved = {"calls": 0, "rows": 0}  # forwards the prefix cache gave
         if any(key is not None for key in keys):
@@ -414,10 +438,10 @@ class Engine:
                 for job, count in zip(rows, edited):
                     job.edits += count
             for row in traced:
-                current = canvas.x[row, start : start + block + later[row]].tolist()
+                current = canvas.x[row, start + heads[row] : start + block + later[row]].tolist()
                 proposals = {}  # a decoder that keeps none (a registered one may not)
                 if decoder.proposed is not None:
-                    proposals = self._proposals(decoder, row, rows[row], later[row])
+                    proposals = self._proposals(decoder, row, rows[row], later[row], heads[row])
                 rows[row].emit({"type": "step", "canvas": rows[row].answer + current,
                                 **proposals})  # fmt: skip
         out.nfe -= saved["calls"]  # the decoder counted the step-0 forward it asked for
@@ -428,21 +452,24 @@ class Engine:
         self.stats.decoded += out.decoded
         self.stats.blocks += 1
         finished = canvas.x[:, start : start + block].tolist()
-        for job, tokens in zip(rows, finished):
+        for job, tokens, head in zip(rows, finished, heads):
             job.forwards += out.nfe
-            job.answer += tokens
+            job.answer += tokens[head:]
             job.block += 1
+            full = len(job.answer) >= job.config.gen_length
+            job.answer = job.answer[: job.config.gen_length]  # request origin: past the end
             ended = sm.eos_id is not None and sm.eos_id in job.answer
-            self._advance(job, ended or job.block * block >= job.config.gen_length)
+            self._advance(job, ended or full)
 
     @staticmethod
-    def _proposals(decoder, row: int, job: Job, after: int) -> dict[str, list]:
+    def _proposals(decoder, row: int, job: Job, after: int, head: int = 0) -> dict[str, list]:
         """A traced step's proposals, aligned with its canvas: the token proposed at each
         position of the block that was masked before the step and its probability (None
-        elsewhere: the finished blocks, the masks after the block)."""
+        elsewhere: the finished blocks, the masks after the block); head: the block's
+        first positions that are the prompt's (block_origin request), left out."""
         before = [None] * len(job.answer)
-        tokens = decoder.proposed[row].tolist()
-        probs = decoder.proposal_p[row].tolist()
+        tokens = decoder.proposed[row, head:].tolist()
+        probs = decoder.proposal_p[row, head:].tolist()
         proposed = [t if p == p else None for t, p in zip(tokens, probs)]  # NaN: was not a mask
         probability = [round(p, 4) if p == p else None for p in probs]
         return {

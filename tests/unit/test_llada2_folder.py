@@ -1,0 +1,219 @@
+"""A folder in LLaDA2.0's released layout decodes as LLaDA2.0's own `generate` with no
+sampling option given (the llada2_moe family's default decoding, models/families.py
+`Family.decoding`): `unmask generate`, the server's continuous batching (rows joining at
+different blocks) and its completions endpoint, against the written-out copy in
+test_llada2_generate.py; options given still win."""
+
+import asyncio
+import json
+
+import httpx
+import pytest
+import test_llada2_generate as reference
+import torch
+from conftest import tiny_model
+from test_llada2_generate import MOE
+from torch import nn
+
+from unmask.checkpoint import load_for_sampling
+from unmask.cli import main
+from unmask.sampling.config import FolderSampling, resolve_sampling, saved_sampling
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+#: prompts whose answers end (EOS) within a few blocks of LLaDA2's 2048-token default
+PROMPTS = ["sort 31=", "add 12+7=", "hello there, how are you?"]
+
+
+class NoMask(nn.Module):
+    """The model with the mask token never proposed (unmask never proposes it)."""
+
+    def __init__(self, model: nn.Module, mask_id: int):
+        super().__init__()
+        self.model, self.mask_id = model, mask_id
+
+    def forward(self, input_ids, **kwargs):
+        logits = self.model(input_ids, **kwargs)
+        return logits.index_fill(-1, torch.tensor([self.mask_id]), -torch.inf)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    """A tiny llada2_moe folder as LLaDA2.0 releases it (config.json in its names, no unmask
+    tag, mask_token_id given) with the char tokenizer; weights N(0, 0.2), a head scaled by 5
+    and its EOS row swapped with the row of a frequent proposal ('s'), so answers end after
+    a few dozen tokens."""
+    from unmask.data.tokenizer import build_char_tokenizer, ensure_special_tokens
+
+    tokenizer = build_char_tokenizer()
+    ensure_special_tokens(tokenizer)
+    built = tiny_model(1, vocab_size=len(tokenizer), **MOE).eval()
+    eos, frequent = tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("s")
+    with torch.no_grad():
+        for name, param in built.named_parameters():
+            if "norm" not in name:
+                param.normal_(0, 0.2)
+        built.lm_head.weight.mul_(5.0)
+        head = built.lm_head.weight
+        head[[eos, frequent]] = head[[frequent, eos]]
+    path = tmp_path_factory.mktemp("llada2") / "model"
+    built.save_pretrained(str(path))
+    tokenizer.save_pretrained(str(path))
+    config = json.loads((path / "config.json").read_text())
+    del config["unmask"]
+    config["mask_token_id"] = tokenizer.mask_token_id
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+@pytest.fixture(scope="module")
+def sm(folder):
+    return load_for_sampling(folder, device="cpu")
+
+
+def official(sm, prompt: str, **arguments) -> str:
+    """LLaDA2.0's generate (written out) on the prompt, its answer as text before EOS."""
+    reference.MASK = sm.mask_id  # the copy reads the module's mask id
+    ids = sm.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    answer, _ = reference.llada2_generate(NoMask(sm.model, sm.mask_id), ids,
+                                          eos_id=sm.eos_id, **arguments)  # fmt: skip
+    assert len(answer) < 200  # ends well before the canvas: the test stays fast
+    tokens = answer[:-1] if answer and answer[-1] == sm.eos_id else answer
+    return sm.tokenizer.decode(tokens, skip_special_tokens=True)
+
+
+@pytest.fixture(scope="module")
+def expected(sm):
+    """LLaDA2.0's generate at its defaults (gen_length 2048, block 32, steps 32, threshold
+    0.95) on each prompt."""
+    original = reference.MASK
+    try:
+        return [official(sm, p, gen_length=2048) for p in PROMPTS]
+    finally:
+        reference.MASK = original
+
+
+def generated(folder, tmp_path, *flags) -> list[str]:
+    src, dst = tmp_path / "prompts.jsonl", tmp_path / "out.jsonl"
+    src.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    assert main(["generate", "--model", str(folder), "--prompts", str(src), "--out", str(dst),
+                 *flags]) == 0  # fmt: skip
+    return [json.loads(line)["completion"] for line in dst.read_text().splitlines()]
+
+
+def test_generate_with_no_options_is_llada2s_generate(folder, tmp_path, expected):
+    assert generated(folder, tmp_path) == expected
+    assert any(expected) and len(set(expected)) == len(expected)
+
+
+def test_the_family_default_is_the_released_folders(folder, sm, tmp_path):
+    """The folder's options are LLaDA2's generate's; a folder unmask wrote (tagged) keeps
+    unmask's own defaults."""
+    saved = saved_sampling(folder)
+    assert isinstance(saved, FolderSampling)
+    config = resolve_sampling(saved)
+    assert (config.block_origin, config.block_causal, config.fill_rule) == ("request", True,
+                                                                           "llada2")  # fmt: skip
+    assert (config.gen_length, config.block_length, config.block_steps, config.threshold) == (
+        2048, 32, 32, 0.95)  # fmt: skip
+    tagged = tmp_path / "tagged"  # built by unmask: its config.json carries unmask's tag
+    tiny_model(0, vocab_size=len(sm.tokenizer), **MOE).save_pretrained(str(tagged))
+    assert resolve_sampling(saved_sampling(tagged)).block_origin == "answer"
+
+
+def test_options_given_win(folder, sm, tmp_path):
+    """Flags change LLaDA2's arguments; a decoder or steps over the whole answer replace its
+    rule (a decoder keeps its canvas layout: blocks from the request, block-causal)."""
+    original = reference.MASK
+    try:
+        want = [official(sm, p, gen_length=40, block_length=8, steps=4, threshold=0.7)
+                for p in PROMPTS]  # fmt: skip
+    finally:
+        reference.MASK = original
+    flags = ["--gen-length", "40", "--block-length", "8", "--block-steps", "4",
+             "--threshold", "0.7"]  # fmt: skip
+    assert generated(folder, tmp_path, *flags) == want
+    joint = resolve_sampling(saved_sampling(folder), {"decoder": "joint_threshold"})
+    assert (joint.block_origin, joint.block_causal, joint.fill_rule) == ("request", True, None)
+    plain = resolve_sampling(saved_sampling(folder), {"steps": 64})
+    assert (plain.block_origin, plain.steps, plain.fill_rule) == ("answer", 64, None)
+
+
+def test_the_engine_decodes_as_llada2_with_rows_joining_at_different_blocks(sm):
+    """The server's block calls, rows joining at different times (so one call holds rows at
+    different blocks of different answers, prompts of different lengths), decode each
+    prompt as LLaDA2's generate decodes it alone."""
+    from unmask.serve.engine import Engine, Job
+
+    engine = Engine(sm, start=False)
+    config = resolve_sampling(sm.saved, {"gen_length": 40, "block_length": 8,
+                                         "block_steps": 4, "threshold": 0.7})  # fmt: skip
+    events = {i: [] for i in range(len(PROMPTS))}
+    jobs = []
+    for i, prompt in enumerate(PROMPTS):
+        ids = sm.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        jobs.append(Job(ids, config, emit=events[i].append))
+    assert len({job.group for job in jobs}) == 1
+    active, call, mixed = [], 0, False
+    while call < len(jobs) or active:
+        active += [job for job, at in zip(jobs, [0, 1, 2]) if at == call]
+        mixed |= len({job.block for job in active}) > 1
+        engine.run_block(active)
+        active = [job for job in active if job.block >= 0]
+        call += 1
+    assert mixed
+    original = reference.MASK
+    try:
+        for i, prompt in enumerate(PROMPTS):
+            want = official(sm, prompt, gen_length=40, block_length=8, steps=4, threshold=0.7)
+            assert events[i][-1]["type"] == "done" and events[i][-1]["text"] == want, i
+    finally:
+        reference.MASK = original
+
+
+def test_a_served_request_with_no_options_is_llada2s_generate(sm, expected):
+    """A completions request with no sampling option (max_tokens LLaDA2's gen_length) is
+    answered as LLaDA2's generate answers, requests decoded together."""
+    from unmask.serve.app import Server, build_app
+    from unmask.serve.engine import Engine
+
+    engine = Engine(sm)
+    app = build_app(Server(sm, engine, "tiny"))
+
+    async def ask_all():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as client:
+            bodies = [{"model": "tiny", "prompt": p, "max_tokens": 2048} for p in PROMPTS]
+            return await asyncio.gather(*(client.post("/v1/completions", json=b, timeout=300)
+                                          for b in bodies))  # fmt: skip
+
+    try:
+        replies = asyncio.run(ask_all())
+    finally:
+        engine.close()
+    assert [r.status_code for r in replies] == [200] * len(PROMPTS), replies[0].text
+    assert [r.json()["choices"][0]["text"] for r in replies] == expected
+
+
+def test_lm_eval_generates_as_llada2s_generate(folder, sm):
+    """The lm-eval adapter (hence `unmask eval`) on the folder: its family's decoding, the
+    task's max_gen_toks as LLaDA2's gen_length, model_args changing LLaDA2's arguments."""
+    pytest.importorskip("lm_eval")
+    from lm_eval.api.instance import Instance
+
+    from unmask.eval.harness import UnmaskLM
+
+    lm = UnmaskLM.create_from_arg_string(f"pretrained={folder},block_steps=4,threshold=0.7,"
+                                         "block_length=8")  # fmt: skip
+    assert (lm.options.block_origin, lm.options.fill_rule) == ("request", "llada2")
+    requests = [Instance("generate_until", {}, (p, {"until": ["\n"], "max_gen_toks": 37,
+                                                     "temperature": 0.0}), i)
+                for i, p in enumerate(PROMPTS)]  # fmt: skip
+    texts = lm.generate_until(requests)
+    original = reference.MASK
+    try:
+        want = [official(sm, p, gen_length=37, block_length=8, steps=4, threshold=0.7)
+                for p in PROMPTS]  # fmt: skip
+    finally:
+        reference.MASK = original
+    assert texts == [w.split("\n")[0] for w in want]
