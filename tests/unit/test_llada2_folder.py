@@ -217,3 +217,19 @@ def test_lm_eval_generates_as_llada2s_generate(folder, sm):
     finally:
         reference.MASK = original
     assert texts == [w.split("\n")[0] for w in want]
+
+
+def test_a_familys_default_takes_the_largest_part_that_fits():
+    """LLaDA's generate.py defaults (gen_length = block_length = steps = 128): a length
+    that whole blocks of 128 do not cut drops them (unmask's own: one block), one they do
+    keeps them; a changed block keeps the rest."""
+    folder = FolderSampling({}, {"gen_length": 128, "block_length": 128, "steps": 128})
+    chosen = {}
+    for given in ({}, {"gen_length": 64}, {"gen_length": 256}, {"block_length": 32}):
+        config = resolve_sampling(folder, given)
+        chosen[str(given)] = (config.gen_length, config.block_length, config.steps)
+    assert chosen == {"{}": (128, 128, 128), "{'gen_length': 64}": (64, None, None),
+                      "{'gen_length': 256}": (256, 128, 128),
+                      "{'block_length': 32}": (128, 32, 128)}  # fmt: skip
+    own = FolderSampling({"threshold": 0.5}, {"threshold": 0.9, "block_length": 8})
+    assert resolve_sampling(own).threshold == 0.5  # the folder's own file wins

@@ -631,10 +631,12 @@ def resolve_sampling(*layers: dict[str, Any], strict: bool = False) -> SamplingC
     if folder is not None:  # a family's default decoding: the largest part that fits
         given = {k for layer in layers[folder + 1 :] for k, v in layer.items() if v is not None}
         tiers = layers[folder].tiers(given)
-        for tier in tiers[:-1]:
+        for tier in tiers[:-1]:  # a tier fits when its options and lengths do
             try:
-                return _resolve((*layers[:folder], tier, *layers[folder + 1 :]), strict)
-            except InputError:
+                config = _resolve((*layers[:folder], tier, *layers[folder + 1 :]), strict)
+                config.check_lengths()
+                return config
+            except (InputError, ValueError):
                 continue
         layers = (*layers[:folder], tiers[-1], *layers[folder + 1 :])
     return _resolve(layers, strict)
