@@ -17,7 +17,9 @@ from torch import nn
 
 from unmask.checkpoint import load_for_sampling
 from unmask.cli import main
+from unmask.sampling import sample
 from unmask.sampling.config import FolderSampling, resolve_sampling, saved_sampling
+from unmask.sampling.texts import before_eos
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -233,3 +235,51 @@ def test_a_familys_default_takes_the_largest_part_that_fits():
                       "{'block_length': 32}": (128, 32, 128)}  # fmt: skip
     own = FolderSampling({"threshold": 0.5}, {"threshold": 0.9, "block_length": 8})
     assert resolve_sampling(own).threshold == 0.5  # the folder's own file wins
+
+
+def staggered(engine, jobs, joins) -> bool:
+    """Run the engine's block calls with job i joining at call joins[i]; whether some call
+    held rows at different blocks."""
+    active, call, mixed = [], 0, False
+    while call <= max(joins) or active:
+        active += [job for job, at in zip(jobs, joins) if at == call]
+        mixed |= len({job.block for job in active}) > 1
+        if active:
+            engine.run_block(active)
+        active = [job for job in active if job.block >= 0]
+        call += 1
+    return mixed
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"decoder": "joint_threshold", "edit_threshold": 0.0, "max_post_edit_steps": 3},
+        {"eos_early_stop": True},
+        {"cache": "dual", "eos_early_stop": True},
+    ],
+)  # fmt: skip
+def test_the_engine_honours_the_request_grid(sm, options):
+    """Rows joining at different blocks, with joint_threshold (SGLang's layout), with LLaDA2's
+    early stop, and with a cache and the prefix cache (a prompt asked twice): each answer is
+    `sample`'s for the prompt alone."""
+    from unmask.serve.engine import Engine, Job
+
+    engine = Engine(sm, start=False, prefix_cache_bytes=1 << 24)
+    given = {"gen_length": 30, "block_length": 8, "threshold": 0.7, **options}
+    config = resolve_sampling(sm.saved, given)
+    assert (config.block_origin, config.block_causal) == ("request", True)
+    prompts = [*PROMPTS, PROMPTS[0]]
+    events = {i: [] for i in range(len(prompts))}
+    jobs = [Job(sm.tokenizer(p, add_special_tokens=False)["input_ids"], config,
+                emit=events[i].append) for i, p in enumerate(prompts)]  # fmt: skip
+    assert len({job.group for job in jobs}) == 1
+    assert staggered(engine, jobs, [0, 1, 1, 2])
+    if "cache" in options:
+        assert engine.prefix_cache.hits >= 1
+    for i, prompt in enumerate(prompts):
+        ids = torch.tensor([sm.tokenizer(prompt, add_special_tokens=False)["input_ids"]])
+        out = sample(sm.model, ids, config, mask_id=sm.mask_id, eos_id=sm.eos_id)
+        answer = before_eos(out.answers[0].tolist(), sm.eos_id)
+        want = sm.tokenizer.decode(answer, skip_special_tokens=True)
+        assert events[i][-1]["type"] == "done" and events[i][-1]["text"] == want, i
