@@ -26,6 +26,8 @@ from unmask.models import (
     shape_of,
 )
 from unmask.models.diffusion_gemma import DiffusionGemma, Experts
+from unmask.models.lora import apply_lora
+from unmask.parallel.tensor import check_tensor_parallel
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 TEXT = {"vocab_size": 97, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 4,
@@ -236,6 +238,19 @@ def test_a_folder_with_attention_biases_reads_the_encoders_own(tmp_path):
     shared = from_pretrained(old).state_dict()
     assert torch.equal(shared["model.layers.1.self_attn.encoder_o_proj_bias"],
                        stored["model.decoder.layers.1.self_attn.o_proj.bias"])  # fmt: skip
+    # under LoRA the encoder pass runs the adapters too (the wrapped projection is called)
+    lora = apply_lora(from_pretrained(tmp_path / "hf").eval(),
+                      ours.config.model_copy(update={"lora": True, "lora_dropout": 0.0}))  # fmt: skip
+    with torch.no_grad():
+        assert (lora(prompt, canvas, previous) - expected).abs().max().item() <= 1e-6
+        for name, param in lora.named_parameters():
+            if ".k_proj.lora_B" in name:
+                param.fill_(0.05)  # the adapters move the keys: the encoder's too
+        cache = lora.encode(prompt)
+        assert (cache.keys[0] - ours.encode(prompt).keys[0]).abs().max() > 1e-3
+    with pytest.raises(InputError, match="tensor_parallel=2 does not split DiffusionGemma's"):
+        check_tensor_parallel(ours.config, 2)
+
     plain = json.loads((tmp_path / "hf" / "config.json").read_text())
     plain["text_config"]["attention_bias"] = False
     (old / "config.json").write_text(json.dumps(plain))

@@ -179,11 +179,15 @@ class Attention(nn.Module):
 
     def _project(self, name: str, x: torch.Tensor, encoder: bool) -> torch.Tensor:
         """Projection `name` of x: the shared weight, with the encoder's bias in the
-        encoder pass (where the layer has biases)."""
+        encoder pass (where the layer has biases). A wrapped projection (a LoRA layer) is
+        called as it is, its own bias swapped for the encoder's, so its adapter runs too."""
         linear = getattr(self, name)
-        if encoder and linear.bias is not None:
-            return F.linear(x, linear.weight, getattr(self, f"encoder_{name}_bias"))
-        return linear(x)
+        if not encoder or linear.bias is None:
+            return linear(x)
+        bias = getattr(self, f"encoder_{name}_bias")
+        if type(linear) is nn.Linear:
+            return F.linear(x, linear.weight, bias)
+        return linear(x) - linear.bias + bias
 
     def keys_values(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                     encoder: bool = False) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip

@@ -70,6 +70,12 @@ def check_tensor_parallel(model: ModelConfig, tp: int, *, lora: bool = False,
         )
     arch = architecture(model)
     plan = shape_of(arch).tensor
+    if arch.diffusion_gemma is not None and arch.attention_bias:
+        raise InputError(
+            f"{key} does not split DiffusionGemma's attention biases (its encoder keeps biases "
+            "of its own beside the decoder's); set parallel.tensor_parallel=1 or "
+            "model.attention_bias: false"
+        )
     if plan.vocab_parallel and model.loss_implementation == "full":
         raise InputError(
             f"{key} splits the LM head by vocabulary, which model.loss_implementation=full "
