@@ -367,12 +367,13 @@ def _timed(
     try:
         for _ in range(steps):
             batches = [next(loader) for _ in range(accumulation)]
+            # from the host's batches, before the step moves them: no device read in the loop
+            removed = 0.0 if diffusion_gemma else _attention_flops(trainer, batches)
             start = timer.mark()
             stats = trainer.train_step(batches)
             stop = timer.mark()
             masked = head_rows.take()
             trainer.step += 1
-            removed = 0.0 if diffusion_gemma else _attention_flops(trainer, batches)
             records.append((start, stop, stats["flops"], removed, masked))
         _sync(device)
     finally:

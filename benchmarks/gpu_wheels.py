@@ -50,7 +50,8 @@ IMAGE = ["transformers==5.17.0", "tokenizers==0.23.2", "safetensors==0.8.0",
 IMPORTS = ["pydantic", "yaml", "transformers", "tokenizers", "safetensors", "datasets",
            "torchdata", "zstandard", "starlette", "uvicorn", "openai", "httpx", "torchao",
            "tensorboard", "pytest", "unmask.train.trainer", "unmask.serve", "unmask.sampling",
-           "unmask.plan.checkpointing", "unmask.quant", "unmask.train.audit"]  # fmt: skip
+           "unmask.plan.checkpointing", "unmask.models.quant", "unmask.models.float8",
+           "unmask.train.audit"]  # fmt: skip
 #: torch and what it needs, linked into the fresh environment as the image holds them
 TORCH = ["torch", "filelock", "fsspec", "jinja2", "markupsafe", "networkx", "sympy", "mpmath",
          "setuptools"]  # fmt: skip
