@@ -317,6 +317,11 @@ def test_switches_a_layout_has_no_key_for_ride_in_the_unmask_tag(tmp_path):
             assert torch.equal(again(ids()), model.eval()(ids()))
     plain = hf_config_dict(ModelConfig(model_type="qwen3_dllm", **PARITY_SIZES))
     assert plain["unmask"] == {"model_type": "qwen3_dllm"}
+    # a qk_norm: false folder unmask wrote before the tag carried it: its weights say it
+    old = tmp_path / "qwen3_dllm"
+    written = json.loads((old / "config.json").read_text())
+    (old / "config.json").write_text(json.dumps({**written, "unmask": plain["unmask"]}))
+    assert from_pretrained(old).config.qk_norm is False
     for key in ("qk_norm", "attention_bias"):
         with pytest.raises(InputError, match=f"LLaDA's layout.*set {key}: false"):
             validate_tree({"model": {"model_type": "llada", key: True}})

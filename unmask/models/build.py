@@ -161,6 +161,9 @@ def from_pretrained(
         }
     )
     state, carried = split_carried(read_state_dict(folder, cfg.model_type, cfg), cfg.model_type)
+    if cfg.qk_norm and "unmask" in source and not any(".q_norm." in key for key in state):
+        # a folder unmask wrote before config.json said qk_norm: false (its weights say it)
+        cfg = cfg.model_copy(update={"qk_norm": False})
     model = build_empty(cfg, dtype=dtype or torch.float32)
     load_weights(model, state, folder)
     model.hf_source_config = source
