@@ -9,11 +9,9 @@ import json
 
 import httpx
 import pytest
-import test_llada2_generate as reference
 import torch
 from conftest import tiny_model
-from test_llada2_generate import MOE
-from torch import nn
+from test_llada2_generate import MOE, official_text, released_folder
 
 from unmask.checkpoint import load_for_sampling
 from unmask.cli import main
@@ -27,45 +25,9 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 PROMPTS = ["sort 31=", "add 12+7=", "hello there, how are you?"]
 
 
-class NoMask(nn.Module):
-    """The model with the mask token never proposed (unmask never proposes it)."""
-
-    def __init__(self, model: nn.Module, mask_id: int):
-        super().__init__()
-        self.model, self.mask_id = model, mask_id
-
-    def forward(self, input_ids, **kwargs):
-        logits = self.model(input_ids, **kwargs)
-        return logits.index_fill(-1, torch.tensor([self.mask_id]), -torch.inf)
-
-
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
-    """A tiny llada2_moe folder as LLaDA2.0 releases it (config.json in its names, no unmask
-    tag, mask_token_id given) with the char tokenizer; weights N(0, 0.2), a head scaled by 5
-    and its EOS row swapped with the row of a frequent proposal ('s'), so answers end after
-    a few dozen tokens."""
-    from unmask.data.tokenizer import build_char_tokenizer, ensure_special_tokens
-
-    tokenizer = build_char_tokenizer()
-    ensure_special_tokens(tokenizer)
-    built = tiny_model(1, vocab_size=len(tokenizer), **MOE).eval()
-    eos, frequent = tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("s")
-    with torch.no_grad():
-        for name, param in built.named_parameters():
-            if "norm" not in name:
-                param.normal_(0, 0.2)
-        built.lm_head.weight.mul_(5.0)
-        head = built.lm_head.weight
-        head[[eos, frequent]] = head[[frequent, eos]]
-    path = tmp_path_factory.mktemp("llada2") / "model"
-    built.save_pretrained(str(path))
-    tokenizer.save_pretrained(str(path))
-    config = json.loads((path / "config.json").read_text())
-    del config["unmask"]
-    config["mask_token_id"] = tokenizer.mask_token_id
-    (path / "config.json").write_text(json.dumps(config))
-    return path
+    return released_folder(tmp_path_factory.mktemp("llada2") / "model")
 
 
 @pytest.fixture(scope="module")
@@ -73,26 +35,11 @@ def sm(folder):
     return load_for_sampling(folder, device="cpu")
 
 
-def official(sm, prompt: str, **arguments) -> str:
-    """LLaDA2.0's generate (written out) on the prompt, its answer as text before EOS."""
-    reference.MASK = sm.mask_id  # the copy reads the module's mask id
-    ids = sm.tokenizer(prompt, add_special_tokens=False)["input_ids"]
-    answer, _ = reference.llada2_generate(NoMask(sm.model, sm.mask_id), ids,
-                                          eos_id=sm.eos_id, **arguments)  # fmt: skip
-    assert len(answer) < 200  # ends well before the canvas: the test stays fast
-    tokens = answer[:-1] if answer and answer[-1] == sm.eos_id else answer
-    return sm.tokenizer.decode(tokens, skip_special_tokens=True)
-
-
 @pytest.fixture(scope="module")
 def expected(sm):
     """LLaDA2.0's generate at its defaults (gen_length 2048, block 32, steps 32, threshold
     0.95) on each prompt."""
-    original = reference.MASK
-    try:
-        return [official(sm, p, gen_length=2048) for p in PROMPTS]
-    finally:
-        reference.MASK = original
+    return [official_text(sm, p, gen_length=2048) for p in PROMPTS]
 
 
 def generated(folder, tmp_path, *flags) -> list[str]:
@@ -126,12 +73,8 @@ def test_the_family_default_is_the_released_folders(folder, sm, tmp_path):
 def test_options_given_win(folder, sm, tmp_path):
     """Flags change LLaDA2's arguments; a decoder or steps over the whole answer replace its
     rule (a decoder keeps its canvas layout: blocks from the request, block-causal)."""
-    original = reference.MASK
-    try:
-        want = [official(sm, p, gen_length=40, block_length=8, steps=4, threshold=0.7)
-                for p in PROMPTS]  # fmt: skip
-    finally:
-        reference.MASK = original
+    want = [official_text(sm, p, gen_length=40, block_length=8, steps=4, threshold=0.7)
+            for p in PROMPTS]  # fmt: skip
     flags = ["--gen-length", "40", "--block-length", "8", "--block-steps", "4",
              "--threshold", "0.7"]  # fmt: skip
     assert generated(folder, tmp_path, *flags) == want
@@ -164,13 +107,9 @@ def test_the_engine_decodes_as_llada2_with_rows_joining_at_different_blocks(sm):
         active = [job for job in active if job.block >= 0]
         call += 1
     assert mixed
-    original = reference.MASK
-    try:
-        for i, prompt in enumerate(PROMPTS):
-            want = official(sm, prompt, gen_length=40, block_length=8, steps=4, threshold=0.7)
-            assert events[i][-1]["type"] == "done" and events[i][-1]["text"] == want, i
-    finally:
-        reference.MASK = original
+    for i, prompt in enumerate(PROMPTS):
+        want = official_text(sm, prompt, gen_length=40, block_length=8, steps=4, threshold=0.7)
+        assert events[i][-1]["type"] == "done" and events[i][-1]["text"] == want, i
 
 
 def test_a_served_request_with_no_options_is_llada2s_generate(sm, expected):
@@ -212,12 +151,8 @@ def test_lm_eval_generates_as_llada2s_generate(folder, sm):
                                                      "temperature": 0.0}), i)
                 for i, p in enumerate(PROMPTS)]  # fmt: skip
     texts = lm.generate_until(requests)
-    original = reference.MASK
-    try:
-        want = [official(sm, p, gen_length=37, block_length=8, steps=4, threshold=0.7)
-                for p in PROMPTS]  # fmt: skip
-    finally:
-        reference.MASK = original
+    want = [official_text(sm, p, gen_length=37, block_length=8, steps=4, threshold=0.7)
+            for p in PROMPTS]  # fmt: skip
     assert texts == [w.split("\n")[0] for w in want]
 
 

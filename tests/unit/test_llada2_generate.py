@@ -21,12 +21,13 @@ class NoMaskProposals(nn.Module):
     """The model with the mask token never predicted (a trained model's head; unmask never
     proposes it), so the copy below reads the probabilities unmask reads."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, mask_id: int = MASK):
         super().__init__()
-        self.model = model
+        self.model, self.mask_id = model, mask_id
 
     def forward(self, input_ids, **kwargs):
-        return self.model(input_ids, **kwargs).index_fill(-1, torch.tensor([MASK]), -torch.inf)
+        logits = self.model(input_ids, **kwargs)
+        return logits.index_fill(-1, torch.tensor([self.mask_id]), -torch.inf)
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +51,8 @@ def model():
 @torch.no_grad()
 def llada2_generate(model, prompt: list[int], *, gen_length: int, block_length: int = 32,
                     steps: int = 32, threshold: float = 0.95, eos_early_stop: bool = False,
-                    minimal_topk: int = 1, eos_id: int | None = EOS):  # fmt: skip
+                    minimal_topk: int = 1, eos_id: int | None = EOS,
+                    mask_id: int = MASK):  # fmt: skip
     """LLaDA2.0's `LLaDA2MoeModelLM.generate` at temperature 0 (with its
     `_get_num_transfer_tokens`), transcribed from the hub file modeling_llada2_moe.py as
     vendored by dllm (lingjiechen2/dllm, dllm/pipelines/llada2/models/modeling_llada2_moe.py
@@ -65,7 +67,7 @@ def llada2_generate(model, prompt: list[int], *, gen_length: int, block_length: 
     block_of = torch.arange(total) // block_length
     attention = (block_of[None, :] <= block_of[:, None])[None, None]
     positions = torch.arange(total)[None]
-    x = torch.full((1, total), MASK, dtype=torch.long)
+    x = torch.full((1, total), mask_id, dtype=torch.long)
     x[0, :length] = torch.tensor(prompt)
     schedule = [block_length // steps + (i < block_length % steps) for i in range(steps)]
     forwards = []
@@ -74,7 +76,7 @@ def llada2_generate(model, prompt: list[int], *, gen_length: int, block_length: 
         cur = x[:, :end]  # a view: writes reach x
         forwards.append(0)
         for step in range(steps):
-            active = cur[:, -block_length:] == MASK
+            active = cur[:, -block_length:] == mask_id
             if active.sum() == 0:
                 break
             logits = model(cur, attention_mask=attention[:, :, :end, :end],
@@ -98,7 +100,7 @@ def llada2_generate(model, prompt: list[int], *, gen_length: int, block_length: 
                 found = (cur[0] == eos_id).nonzero(as_tuple=True)[0]
                 if len(found) > 0:
                     eos_pos = int(found[0])
-                    if bool((cur[0, length:eos_pos] != MASK).all()):
+                    if bool((cur[0, length:eos_pos] != mask_id).all()):
                         return x[0, length : eos_pos + 1].tolist(), forwards
         if eos_id is not None and bool((x[0, length:end] == eos_id).any()):
             break
@@ -108,6 +110,46 @@ def llada2_generate(model, prompt: list[int], *, gen_length: int, block_length: 
     found = (answer == eos_id).nonzero(as_tuple=True)[0]
     first = int(found[0]) if len(found) else gen_length
     return answer[: first + 1].tolist(), forwards
+
+
+def released_folder(path, seed: int = 1):
+    """A tiny llada2_moe folder as LLaDA2.0 releases it (config.json in its names, no
+    unmask tag, mask_token_id given) with the char tokenizer; weights N(0, 0.2), a head
+    scaled by 5 and its EOS row swapped with the row of a frequent proposal ('s'), so
+    answers end after a few dozen tokens. Returns path."""
+    import json
+
+    from unmask.data.tokenizer import build_char_tokenizer, ensure_special_tokens
+
+    tokenizer = build_char_tokenizer()
+    ensure_special_tokens(tokenizer)
+    built = tiny_model(seed, vocab_size=len(tokenizer), **MOE).eval()
+    eos, frequent = tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("s")
+    with torch.no_grad():
+        for name, param in built.named_parameters():
+            if "norm" not in name:
+                param.normal_(0, 0.2)
+        built.lm_head.weight.mul_(5.0)
+        head = built.lm_head.weight
+        head[[eos, frequent]] = head[[frequent, eos]]
+    built.save_pretrained(str(path))
+    tokenizer.save_pretrained(str(path))
+    config = json.loads((path / "config.json").read_text())
+    del config["unmask"]
+    config["mask_token_id"] = tokenizer.mask_token_id
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def official_text(sm, prompt: str, **arguments) -> str:
+    """LLaDA2.0's generate (written out) on a folder's prompt, its answer as text before
+    EOS (the mask token never proposed, as unmask never proposes it)."""
+    ids = sm.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    model = NoMaskProposals(sm.model, sm.mask_id)
+    answer, _ = llada2_generate(model, ids, eos_id=sm.eos_id, mask_id=sm.mask_id, **arguments)
+    assert len(answer) < 200  # ends well before the canvas: the tests stay fast
+    tokens = answer[:-1] if answer and answer[-1] == sm.eos_id else answer
+    return sm.tokenizer.decode(tokens, skip_special_tokens=True)
 
 
 # ----------------------------------------------------------------------------- unmask
