@@ -442,3 +442,22 @@ def test_the_optimizer_term_is_muons_newton_schulz_by_hand():
     shares = [newton_schulz_flops(shard_model(cfg, 2, rank=r), cfg) for r in (0, 1)]
     assert sum(shares) == pytest.approx(2 * per_layer)
     assert shares[0] == pytest.approx(per_layer)
+
+
+def test_the_fused_loss_block_is_the_devices_and_held_at_the_forwards_end():
+    """The fused loss's block (diffusion/loss.py loss_block_elements) taken by device: the
+    CPU's 4096 x 8192 logits, 2^28 on a GPU; at vocabulary 126,464 and 2 x 4096 tokens
+    (4096 masked) that is 256 rows on a CPU and 2048 on an H200, each row float32 logits
+    and under bf16 their bfloat16 copy; the forward's end holds it with the head's
+    gradients, so the plans' peaks differ by the blocks' difference."""
+    from unmask.plan.memory import loss_block_bytes
+    from unmask.plan.planner import run_shape
+
+    cfg = tiny("model.vocab_size=126464", "data.packing_length=4096", "train.bf16=true")
+    model = shard_model(cfg, 1, rank=0)
+    cpu, h200 = (run_shape(cfg, 1, resolve_device(d), 0.5) for d in ("cpu", "h200"))
+    assert (cpu.loss_block, h200.loss_block) == (4096 * 8192, 1 << 28)
+    assert loss_block_bytes(model, cpu) == 256 * 126_464 * 6
+    assert loss_block_bytes(model, h200) == 2048 * 126_464 * 6
+    peaks = [memory_terms(model, shape).peak for shape in (cpu, h200)]
+    assert peaks[1] - peaks[0] == (2048 - 256) * 126_464 * 6

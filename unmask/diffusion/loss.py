@@ -449,6 +449,9 @@ def weighted_cross_entropy(
 #: rows of a block of the fused loss are a multiple of this (a GEMM's M tile on a GPU)
 BLOCK_ROWS_MULTIPLE = 128
 
+#: logits in a block of the fused loss at the default row_chunk x vocab_chunk (the CPU's)
+LOSS_BLOCK = 4096 * 8192
+
 #: logits in a block of the fused loss on a CUDA device, at most: each block reads and
 #: writes the whole float32 head gradient (`addmm_`; 2 GiB at vocabulary 126,464 and hidden
 #: 4096): 2048 target rows in blocks of 256 rows read and write it 8 times, in one block once.

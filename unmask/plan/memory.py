@@ -79,6 +79,7 @@ from unittest import mock
 
 import torch
 
+from unmask.diffusion.loss import LOSS_BLOCK, loss_block_rows
 from unmask.models.build import _no_init, build_model, shape_of
 from unmask.models.moe import step_casts
 from unmask.optim.muon import NS_BATCH_NUMEL
@@ -99,6 +100,9 @@ class StepShape:
     """False, True (every layer) or n (every n-th layer)."""
     masked_fraction: float = 0.5
     """Share of tokens the LM head runs on (MDLM: E[1 - alpha(t)] = 1/2 for t ~ U(0, 1))."""
+    loss_block: int = LOSS_BLOCK
+    """Logits in a block of the fused loss (diffusion/loss.py `loss_block_elements`: the
+    CPU's row_chunk x vocab_chunk, up to 2^28 on a GPU)."""
     reshard_after_forward: bool = True
     dense_mask: bool = False
     """Attention through sdpa with a dense (B, 1, L, L) mask (`attn_implementation: sdpa`;
@@ -431,6 +435,19 @@ def pipeline_saves(model: ShardedModel, shape: StepShape) -> int:
     return out
 
 
+def loss_block_bytes(model: ShardedModel, shape: StepShape) -> int:
+    """The fused loss's block while it runs (diffusion/loss.py `_WeightedCrossEntropy`):
+    its rows (the R masked rows, at most `loss_block_rows`) x this rank's V / tp ids of
+    float32 logits, and under bf16 their bfloat16 copy the gradient GEMMs read; none under
+    `loss_implementation: full`."""
+    if shape.full_loss:
+        return 0
+    arch, layout = model.model_config, model.layout
+    masked = int(shape.rows * shape.length // layout.cp * shape.masked_fraction)
+    rows = min(masked, loss_block_rows(arch.vocab_size, shape.loss_block))
+    return rows * -(-arch.vocab_size // layout.tp) * (6 if shape.bf16 else 4)
+
+
 def head_gradient_bytes(model: ShardedModel, shape: StepShape) -> int:
     """The LM head's float32 gradients (diffusion/loss.py), made in the forward by the fused
     loss, in the backward by the chunked one (a GPipe last stage, parallel/pipeline.py
@@ -645,6 +662,7 @@ def memory_terms(model: ShardedModel, shape: StepShape) -> MemoryTerms:
     # micro-batch's backward runs next and takes them (tests/unit/test_pipeline_plan.py
     # checks torch's orders); GPipe's chunked loss makes them in the backward
     head = head_gradient_bytes(model, shape) if model.holds_head else 0
+    head += loss_block_bytes(model, shape) if model.holds_head else 0  # made with them
     arch = model.model_config
     names = [f"layer {index}" for index in model.layer_indices]
     act_grads = [activation_gradient_bytes(model, shape, moe=bool(arch.num_experts)

@@ -21,6 +21,7 @@ import torch
 
 from unmask.config import RunConfig
 from unmask.diffusion import objective_spec
+from unmask.diffusion.loss import LOSS_BLOCK, loss_block_elements
 from unmask.diffusion.registry import head_share
 from unmask.errors import InputError
 from unmask.models.attention import FLEX_MIN_HEAD_DIM
@@ -132,8 +133,10 @@ def run_shape(cfg: RunConfig, world_size: int, device: Device,
     flex = device.name != "cpu" and cfg.model.resolved_head_dim >= FLEX_MIN_HEAD_DIM
     varlen = (cfg.data.packing and not spec.explicit_mask
               and (attn == "varlen" or (attn == "auto" and not flex)))  # fmt: skip
+    block = loss_block_elements("cpu" if device.name == "cpu" else "cuda", LOSS_BLOCK,
+                                free_bytes=int(device.memory_bytes))  # fmt: skip
     return StepShape(**{**asdict(shape), "masked_fraction": masked_fraction,
-                        "dense_mask": dense_mask, "varlen": varlen,
+                        "loss_block": block, "dense_mask": dense_mask, "varlen": varlen,
                         "full_loss": cfg.model.loss_implementation == "full",
                         "ns_bytes": ns_dtype_bytes(cfg, device),
                         "ns_comm_bytes": ns_bytes(cfg, device)})  # fmt: skip
