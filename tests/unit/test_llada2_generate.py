@@ -52,14 +52,17 @@ def model():
 def llada2_generate(model, prompt: list[int], *, gen_length: int, block_length: int = 32,
                     steps: int = 32, threshold: float = 0.95, eos_early_stop: bool = False,
                     minimal_topk: int = 1, eos_id: int | None = EOS,
-                    mask_id: int = MASK):  # fmt: skip
-    """LLaDA2.0's `LLaDA2MoeModelLM.generate` at temperature 0 (with its
-    `_get_num_transfer_tokens`), transcribed from the hub file modeling_llada2_moe.py as
-    vendored by dllm (lingjiechen2/dllm, dllm/pipelines/llada2/models/modeling_llada2_moe.py
-    at commit 8e1d3d7bc4405e9549edbaad6b15a278ddf46d17): one prompt, blocks counted from its
-    first token, block-diagonal causal attention over the blocks so far. Returns (its return
-    value as a list: the answer up to and with the first EOS, else gen_length tokens;
-    forwards per decoded block)."""
+                    mask_id: int = MASK, temperature: float = 0.0,
+                    hub_first_release: bool = False):  # fmt: skip
+    """LLaDA2.0's `LLaDA2MoeModelLM.generate` (with its `_get_num_transfer_tokens` and
+    `_sample_with_temperature_topk_topp`, no top_k / top_p), transcribed from the hub file
+    modeling_llada2_moe.py as vendored by dllm (lingjiechen2/dllm,
+    dllm/pipelines/llada2/models/modeling_llada2_moe.py at commit
+    8e1d3d7bc4405e9549edbaad6b15a278ddf46d17): one prompt, blocks counted from its first
+    token, block-diagonal causal attention over the blocks so far. hub_first_release: draw
+    with torch.multinomial at temperature 0 too, as the first LLaDA2.0 hub file does
+    (inclusionAI/LLaDA2.X issue 6). Returns (its return value as a list: the answer up to
+    and with the first EOS, else gen_length tokens; forwards per decoded block)."""
     steps = min(steps, gen_length // minimal_topk)
     length = len(prompt)
     num_blocks = (length + gen_length + block_length - 1) // block_length
@@ -82,8 +85,16 @@ def llada2_generate(model, prompt: list[int], *, gen_length: int, block_length: 
             logits = model(cur, attention_mask=attention[:, :, :end, :end],
                            position_ids=positions[:, :end])  # fmt: skip
             forwards[-1] += 1
-            probs = torch.softmax(logits[:, -block_length:], dim=-1)
-            x0 = probs.argmax(-1)
+            active_logits = logits[:, -block_length:]
+            if temperature == 0.0 and not hub_first_release:  # the argmax (dllm's copy)
+                probs = torch.softmax(active_logits, dim=-1)
+                x0 = probs.argmax(-1)
+            else:  # torch.multinomial (the first hub file: at temperature 0 too, untempered)
+                if temperature not in (0.0, 1.0):
+                    active_logits = active_logits / temperature
+                probs = torch.softmax(active_logits.reshape(-1, active_logits.shape[-1]), -1)
+                x0 = torch.multinomial(probs, num_samples=1).view(1, -1)
+                probs = probs.view(1, block_length, -1)
             x0_p = probs.gather(-1, x0[..., None]).squeeze(-1)
             quota = schedule[step]
             transfer = torch.zeros_like(x0, dtype=torch.bool)
@@ -328,3 +339,27 @@ def test_bad_options_are_one_line_errors(options, message):
     with pytest.raises(InputError, match=message) as err:
         resolve_sampling(options)
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("temperature", "hub", "eos", "seed"),
+    [(0.0, True, True, 0), (0.0, True, False, 1), (1.0, False, True, 2), (0.7, False, True, 3),
+     (1.5, False, False, 4), (0.7, False, False, 5)],
+)  # fmt: skip
+def test_multinomial_draws_are_llada2s_draws(model, temperature, hub, eos, seed):
+    """multinomial_draws draws LLaDA2's tokens from the same seed: at temperature T > 0 as
+    both LLaDA2 files draw, and at temperature 0 as the first LLaDA2.0 hub file draws
+    (untempered multinomial, not the argmax)."""
+    prompt = prompts_of(seed, [7])[0]
+    arguments = dict(gen_length=20, block_length=8, steps=4, threshold=0.6)
+    torch.manual_seed(seed)
+    answer, forwards = llada2_generate(model, prompt, eos_id=eos_of(eos), temperature=temperature,
+                                       hub_first_release=hub, **arguments)  # fmt: skip
+    config = llada2_config(20, 8, 4, 0.6).updated(temperature=temperature,
+                                                   multinomial_draws=True)  # fmt: skip
+    torch.manual_seed(seed)
+    out = unmask_run(model, [prompt], config, eos_id=eos_of(eos))
+    assert out.answers[0].tolist() == padded(answer, 20)
+    assert out.nfe == sum(forwards)
+    greedy, _ = llada2_generate(model, prompt, eos_id=eos_of(eos), **arguments)
+    assert answer != greedy  # the draws are not the argmax

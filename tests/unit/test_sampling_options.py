@@ -39,7 +39,8 @@ SETTINGS = [
     dict(uniform_canvas=True, entropy_bound=0.3, max_denoising_steps=12, temperature_start=0.6,
          temperature_end=0.2, stability_threshold=2, confidence_threshold=0.01),
     dict(block_origin="request", block_steps=4, minimal_topk=2, threshold=0.95,
-         fill_rule="llada2", eos_early_stop=True, gen_length=10, block_length=4),
+         fill_rule="llada2", eos_early_stop=True, gen_length=10, block_length=4,
+         multinomial_draws=True),
 ]  # fmt: skip
 HOOKS = dict(logits_hook="json:dumps", tokens_hook="json:loads")  # any importable callable
 

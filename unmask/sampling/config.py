@@ -25,9 +25,6 @@ from unmask.sampling.transfer import remasking_choices
 
 CACHES = ("none", "prefix", "dual")
 GENERATION_FILE = "generation_config.json"
-# the "unmask" entry of a folder whose generation_config.json cannot hold it (DiffusionGemma:
-# transformers' class refuses unknown keys; checkpoint/generation.py), read in its place
-UNMASK_GENERATION_FILE = "unmask_generation.json"
 # the options that take one of a set of names; remasking's set grows with
 # transfer.register_confidence, so each is read when a value is checked
 _CHOICES = {
@@ -245,6 +242,11 @@ class SamplingConfig(BaseModel):
     probability is > threshold when at least the step's quota of them are, else the
     quota's most confident; quotas split block_length over block_steps, LLaDA2's
     generate). None = fast_dllm."""
+    multinomial_draws: bool = False
+    """fill_rule llada2: draw each proposal with torch.multinomial from the tempered,
+    filtered softmax of the block, as LLaDA2's generate draws (a row alone draws the same
+    tokens from the same seed); at temperature 0 this draws from the untempered softmax,
+    as the first LLaDA2.0 hub file does (inclusionAI/LLaDA2.X issue 6), not the argmax."""
     eos_early_stop: bool = False
     """LLaDA2's eos_early_stop: a row stops within a block at the step that commits an EOS
     with no mask left before its first EOS (every row stops after a block that holds
@@ -489,7 +491,8 @@ def check_block_origin(config: SamplingConfig, decoder: str) -> None:
                              f"joint_threshold); decoder {decoder!r} does not decode by "
                              f"blocks")  # fmt: skip
     for name, value in {"fill_rule": config.fill_rule is not None,
-                        "eos_early_stop": config.eos_early_stop}.items():  # fmt: skip
+                        "eos_early_stop": config.eos_early_stop,
+                        "multinomial_draws": config.multinomial_draws}.items():  # fmt: skip
         if value and decoder != "masked":
             raise ValueError(f"{name} is an option of decoder masked (the decoder here is "
                              f"{decoder!r})")  # fmt: skip
@@ -503,6 +506,9 @@ def check_block_origin(config: SamplingConfig, decoder: str) -> None:
     if config.block_steps is not None and config.steps is not None:
         raise ValueError("give steps (over the whole answer) or block_steps (per block), not "
                          "both")  # fmt: skip
+    if config.multinomial_draws and config.fill_rule != "llada2":
+        raise ValueError("multinomial_draws draws as LLaDA2's generate does: it needs "
+                         "fill_rule llada2")  # fmt: skip
     if config.fill_rule == "llada2":
         if config.threshold is None:
             raise ValueError("fill_rule llada2 fills by threshold above the step's quota; "
@@ -710,9 +716,7 @@ def saved_sampling(folder: str | Path) -> dict[str, Any]:
     """The sampling options a model folder carries: its generation_config.json "unmask"
     entry, and the logit shift where the file does not say but the folder's model family
     samples with it (Dream). An unknown option is an InputError naming the file."""
-    generation = Path(folder) / GENERATION_FILE
-    path = Path(folder) / UNMASK_GENERATION_FILE
-    path = path if path.is_file() else generation
+    path = Path(folder) / GENERATION_FILE
     saved: dict[str, Any] = {}
     if path.is_file():
         try:
@@ -737,7 +741,7 @@ def saved_sampling(folder: str | Path) -> dict[str, Any]:
     if family is not None and family.name in UNIFORM_CANVAS_FAMILIES:
         # the family fixes it (no [MASK]); transformers' own generation settings under
         # the folder's "unmask" entry
-        own = _transformers_generation(generation) if generation.is_file() else {}
+        own = _transformers_generation(path) if path.is_file() else {}
         saved = {**own, **saved, "uniform_canvas": True}
     if family is not None and family.decoding and "unmask" not in config:
         return FolderSampling(saved, family.decoding)

@@ -52,6 +52,7 @@ from unmask.sampling.layout import canvas_blocks, filler_token, lay_out
 from unmask.sampling.schedules import dream_transfer_count, num_transfer_tokens, unmask_fraction
 from unmask.sampling.transfer import (
     CONFIDENCE_FNS,
+    multinomial_tokens,
     propose_tokens,
     sampling_probs,
     select_carried_threshold,
@@ -446,8 +447,9 @@ class MaskedBlockDecoder(BlockDecoder):
             self.last_x = self.canvas.x.clone()
             out.nfe += 1
             out.row_forwards += self.canvas.x.shape[0]
-        x0, filtered = propose_tokens(self.logits, self.mask_id, cfg.temperature, cfg.top_k,
-                                      cfg.top_p, generator)  # fmt: skip
+        draw = multinomial_tokens if cfg.multinomial_draws else propose_tokens  # LLaDA2's
+        x0, filtered = draw(self.logits, self.mask_id, cfg.temperature, cfg.top_k, cfg.top_p,
+                            generator)  # fmt: skip
         if self.trace:  # LLaDA's confidence of each proposal (read only: nothing changes)
             p = CONFIDENCE_FNS["low_confidence"](self.logits, None, x0)
             self.proposed, self.proposal_p = x0.clone(), p.masked_fill(~is_mask, float("nan"))

@@ -160,6 +160,26 @@ def propose_tokens(
     return add_gumbel_noise(filtered, temperature, generator).argmax(dim=-1), filtered
 
 
+def multinomial_tokens(
+    logits: torch.Tensor,
+    mask_id: int,
+    temperature: float,
+    top_k: int | None,
+    top_p: float | None,
+    generator: torch.Generator | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """As `propose_tokens`, but x0 drawn row by row with torch.multinomial from
+    softmax(filtered / T) in the logits' dtype (T = 0: untempered, not the argmax), as
+    LLaDA2's generate draws its block's proposals (`fill_rule: llada2`,
+    `multinomial_draws`)."""
+    filtered = filtered_logits(forbid_token(logits, mask_id), temperature, top_k, top_p)
+    scaled = filtered / temperature if temperature not in (0.0, 1.0) else filtered
+    probs = torch.softmax(scaled, dim=-1)  # (B, Lb, V)
+    x0 = torch.stack([torch.multinomial(row, 1, generator=generator).squeeze(-1)
+                      for row in probs])  # fmt: skip
+    return x0, filtered
+
+
 def sampling_probs(filtered: torch.Tensor, temperature: float) -> torch.Tensor:
     """softmax(filtered / T) in float64 (T = 0: untempered): Dream's confidence basis."""
     scale = temperature if temperature > 0 else 1.0

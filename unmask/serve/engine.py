@@ -82,7 +82,7 @@ _AFTER_FORWARD = ("temperature", "top_p", "top_k", "eos_penalty", "logits_eos_in
                   "steps", "row_length", "gen_length_max", "auto_eos_threshold",
                   "edit_threshold", "max_post_edit_steps", "penalty_lambda",
                   "joint_preset", "edit_scope", "block_steps", "minimal_topk", "fill_rule",
-                  "eos_early_stop")  # fmt: skip
+                  "eos_early_stop", "multinomial_draws")  # fmt: skip
 
 
 @dataclass
