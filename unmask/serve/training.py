@@ -25,8 +25,8 @@ server's own shutdown stops the running job the same way and waits up to `STOP_S
 it (then kills it: the previous checkpoint stays intact, saves are renamed into place).
 
 A job ends with its server whatever ends the server: each runs in a process group of its
-own, asked (Linux's PR_SET_PDEATHSIG, set between fork and exec) for SIGTERM when the
-server is gone, so a SIGKILLed server's job checkpoints and exits too.
+own, asked for SIGTERM when the server is gone (Linux's PR_SET_PDEATHSIG, set by JOB_GUARD
+before it execs the trainer), so a SIGKILLed server's job checkpoints and exits too.
 
 The queue is kept in the runs folder (`JOBS_FILE`, rewritten on every change): a restarted
 server lists the jobs, runs the queued ones, and marks a job that was running as ended (a
@@ -36,7 +36,6 @@ exits and can be stopped).
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import re
@@ -79,8 +78,16 @@ RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 RECIPE_PREFIX = "recipes/"
 #: what the page may name the text it sends (the config it was picked from, a file's name)
 SOURCE = re.compile(r"[^\x00-\x1f\x7f]{1,120}")
-#: Linux prctl option: the signal a process gets when its parent (thread) ends
-PR_SET_PDEATHSIG = 1
+#: what starts a job on Linux (`_ending_with_server`): prctl(PR_SET_PDEATHSIG = 1, SIGTERM),
+#: nothing run when the server (argv[1]) is gone already, then exec of the job's command
+#: (argv[2:]; the death signal is kept across exec)
+JOB_GUARD = (
+    "import ctypes, os, signal, sys\n"
+    "ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)\n"
+    "if os.getppid() != int(sys.argv[1]):\n"
+    "    sys.exit('unmask serve: the server that queued this job is gone')\n"
+    "os.execv(sys.argv[2], sys.argv[2:])\n"
+)
 #: what "pick a config" names the built-in quickstart (a folder's YAML files are the others)
 QUICKSTART = "quickstart"
 #: jobs waiting at once (more: 429), ended jobs listed (older ones are forgotten)
@@ -562,10 +569,9 @@ class TrainQueue:
                 log.write(f"unmask serve: job {job.id} runs unmask train {job.folder / JOB_CONFIG}"
                           f" (from {job.source}) in {self.cwd}\n".encode())  # fmt: skip
                 log.flush()
-                proc = subprocess.Popen(command, cwd=self.cwd, env=env, stdin=subprocess.DEVNULL,
+                proc = subprocess.Popen(_ending_with_server(command, self.python), cwd=self.cwd, env=env, stdin=subprocess.DEVNULL,
                                         stdout=log, stderr=subprocess.STDOUT,
-                                        start_new_session=True,
-                                        preexec_fn=_ends_with(os.getpid()))  # fmt: skip
+                                        start_new_session=True)  # fmt: skip
         except (OSError, subprocess.SubprocessError) as err:
             with self._cond:
                 job.state, job.ended = "failed", time.time()
@@ -645,23 +651,14 @@ def _runs_job(pid: int | None, config: Path) -> bool:
     return state != "Z" and str(config).encode() in command  # Z: ended, not yet reaped
 
 
-def _ends_with(server_pid: int) -> Callable[[], None] | None:
-    """The job's pre-exec step (in the child, between fork and exec): SIGTERM when the
-    server's thread that started it ends, the server SIGKILLed included (Linux
-    PR_SET_PDEATHSIG; elsewhere None: jobs end with a clean shutdown only)."""
+def _ending_with_server(command: list[str], python: str) -> list[str]:
+    """command, started through JOB_GUARD on Linux (the job asks for SIGTERM when the
+    server's thread that started it ends, the server SIGKILLed included, then execs the
+    command); elsewhere as it is: jobs end with a clean shutdown only. A wrapper rather
+    than subprocess's preexec_fn, which may deadlock in a threaded server."""
     if not sys.platform.startswith("linux"):
-        return None
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-
-    def ask_for_sigterm() -> None:
-        prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-        if os.getppid() != server_pid:  # the server died before the request was made
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    return ask_for_sigterm
+        return command
+    return [python, "-c", JOB_GUARD, str(os.getpid()), *command]
 
 
 def routes(server, route: Callable, read_json: Callable) -> list[Route]:
