@@ -6,6 +6,10 @@ is which family, each family's config style and its key map come from models/fam
 Only local folders are read (no hub, no remote code); weights come from safetensors only. A
 loaded folder's config.json is kept on the model (`hf_source_config`) and written back on
 save, so a Dream or LLaDA folder round-trips with its own fields (mask_token_id, auto_map...).
+Every folder written carries its family under config.json's "unmask" tag, and under
+"unmask": {"model": ...} the architecture fields its layout has no key for (`unwritten_fields`:
+qk_norm false on Qwen3, a partial rotary on Llama, ...), so that it reloads as it was; a
+config the layout holds whole gets no such entry, and transformers' classes ignore the tag.
 
 This module never builds a model: `save_pretrained` needs only a model's `state_dict()`,
 `config` and `hf_source_config`, and loading into a new model (`from_pretrained`) lives in
