@@ -218,3 +218,20 @@ def test_the_engine_honours_the_request_grid(sm, options):
         answer = before_eos(out.answers[0].tolist(), sm.eos_id)
         want = sm.tokenizer.decode(answer, skip_special_tokens=True)
         assert events[i][-1]["type"] == "done" and events[i][-1]["text"] == want, i
+
+
+def test_lm_eval_scores_likelihoods_as_before(folder):
+    """The family's block-causal decoding is how LLaDA2 generates: likelihood tasks keep
+    unmask's bidirectional estimator on the folder (block_causal given still refuses)."""
+    pytest.importorskip("lm_eval")
+    from lm_eval.api.instance import Instance
+
+    from unmask.eval.harness import UnmaskLM
+
+    lm = UnmaskLM.create_from_arg_string(f"pretrained={folder},mc_num=2,seed=1")
+    assert lm.options.block_causal and not lm.scoring.block_causal
+    ((score, _),) = lm.loglikelihood([Instance("loglikelihood", {}, ("sort 31=", "13"), 0)])
+    assert score < 0
+    refused = UnmaskLM.create_from_arg_string(f"pretrained={folder},block_causal=True")
+    with pytest.raises(ValueError, match="likelihoods of block-causal"):
+        refused.loglikelihood([Instance("loglikelihood", {}, ("a", "b"), 0)])

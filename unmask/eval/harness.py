@@ -110,6 +110,10 @@ class UnmaskLM(LM):
         self.defaults = dict(defaults or {})
         # what likelihoods share with generation: guidance, Dream's shift, block-causal
         self.options = resolve_sampling(self.sm.saved, self.defaults, self.sampling)
+        # likelihoods read the folder's own options: a family's default decoding (LLaDA2's
+        # block-causal generate) is how its authors decode, not how unmask scores
+        own = getattr(self.sm.saved, "own", self.sm.saved)
+        self.scoring = resolve_sampling(own, self.defaults, self.sampling)
         self.stats = {"generation_requests": 0, "generated_tokens": 0, "canvas_tokens": 0,
                       "forward_passes": 0, "row_forwards": 0, "generation_seconds": 0.0,
                       "likelihood_requests": 0, "scored_tokens": 0}  # fmt: skip
@@ -161,7 +165,7 @@ class UnmaskLM(LM):
                 "(the MC estimator masks tokens; the model has no [MASK]); use generate_until "
                 "tasks"
             )
-        if self.options.block_causal:
+        if self.scoring.block_causal:
             raise ValueError(
                 "likelihoods of block-causal (bd3lm) models are not implemented (the MC "
                 "estimator is the bidirectional one); use generate_until tasks"
