@@ -11,6 +11,7 @@ from conftest import save_tiny_diffusion_gemma, save_tiny_model
 
 from unmask.checkpoint.generation import UNMASK_GENERATION_FILE, write_generation_files
 from unmask.data.tokenizer import load_local_tokenizer
+from unmask.sampling import config as sampling_config
 from unmask.sampling.config import GENERATION_FILE, generation_config_text, saved_sampling
 
 OPTIONS = {"decoder": "entropy_bound", "gen_length": 12, "entropy_bound": 0.5, "temperature_start": 0.9,
@@ -25,6 +26,7 @@ def gemma(tmp_path_factory):
 
 
 def test_a_diffusion_gemma_folder_loads_in_transformers_and_unmask_reads_every_option(gemma):
+    assert sampling_config.UNMASK_GENERATION_FILE == UNMASK_GENERATION_FILE  # reader = writer
     tokenizer = load_local_tokenizer(str(gemma), "model folder")
     text = generation_config_text(tokenizer, OPTIONS, complete=True)
     (gemma / GENERATION_FILE).write_text(text)  # as unmask wrote it before: refused there

@@ -19,11 +19,11 @@ import json
 from pathlib import Path
 from typing import Any
 
-from unmask.sampling.config import (
-    GENERATION_FILE,
-    TRANSFORMERS_GENERATION_KEYS,
-    UNMASK_GENERATION_FILE,
-)
+from unmask.sampling.config import GENERATION_FILE, TRANSFORMERS_GENERATION_KEYS
+
+UNMASK_GENERATION_FILE = "unmask_generation.json"
+"""unmask's own generation settings where generation_config.json cannot hold them
+(`STRICT_GENERATION_TYPES`); sampling/config.py `saved_sampling` reads it by this name."""
 
 STRICT_GENERATION_TYPES = ("diffusion_gemma",)
 """config.json model_types whose transformers generation config refuses unknown keys

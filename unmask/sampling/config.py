@@ -25,6 +25,10 @@ from unmask.sampling.transfer import remasking_choices
 
 CACHES = ("none", "prefix", "dual")
 GENERATION_FILE = "generation_config.json"
+# the "unmask" entry of a folder whose generation_config.json cannot hold it (DiffusionGemma:
+# transformers' class refuses unknown keys), read in its place; checkpoint/generation.py
+# writes it under the same name (a layer above: it cannot be imported from there)
+UNMASK_GENERATION_FILE = "unmask_generation.json"
 # the options that take one of a set of names; remasking's set grows with
 # transfer.register_confidence, so each is read when a value is checked
 _CHOICES = {
@@ -288,7 +292,8 @@ class SamplingConfig(BaseModel):
         choices = option_choices(info.field_name)
         if value not in choices:
             raise ValueError(
-                f"unknown {info.field_name} {value!r}; expected one of {list(choices)}"
+                f"unknown {info.field_name} {value!r}{did_you_mean(str(value), choices)}; "
+                f"expected one of {list(choices)}"
             )
         return value
 
@@ -716,7 +721,9 @@ def saved_sampling(folder: str | Path) -> dict[str, Any]:
     """The sampling options a model folder carries: its generation_config.json "unmask"
     entry, and the logit shift where the file does not say but the folder's model family
     samples with it (Dream). An unknown option is an InputError naming the file."""
-    path = Path(folder) / GENERATION_FILE
+    generation = Path(folder) / GENERATION_FILE
+    path = Path(folder) / UNMASK_GENERATION_FILE
+    path = path if path.is_file() else generation
     saved: dict[str, Any] = {}
     if path.is_file():
         try:
@@ -741,7 +748,7 @@ def saved_sampling(folder: str | Path) -> dict[str, Any]:
     if family is not None and family.name in UNIFORM_CANVAS_FAMILIES:
         # the family fixes it (no [MASK]); transformers' own generation settings under
         # the folder's "unmask" entry
-        own = _transformers_generation(path) if path.is_file() else {}
+        own = _transformers_generation(generation) if generation.is_file() else {}
         saved = {**own, **saved, "uniform_canvas": True}
     if family is not None and family.decoding and "unmask" not in config:
         return FolderSampling(saved, family.decoding)
