@@ -97,7 +97,9 @@ def test_a_toy_confidence_registered_from_outside_decodes(toy, tmp_path):
 
 def test_an_unregistered_score_is_refused_with_the_choices():
     with pytest.raises(
-        InputError, match=r"unknown remasking 'toy2'; expected one of \[.*'entropy'"
+        InputError,
+        match=r"unknown remasking 'toy2'( \(did you mean '\w+'\?\))?; expected one "
+        r"of \[.*'entropy'",
     ):
         resolve_sampling({"remasking": "toy2"})
     assert main(["generate", "--model", "m", "--remasking", "toy2"]) == 2

@@ -2,11 +2,12 @@
 types, the --base flag, the reference epilogs and the checks of files named by flags."""
 
 import argparse
+import re
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from unmask import __version__
-from unmask.errors import InputError
+from unmask.errors import InputError, did_you_mean
 
 REFERENCE = (
     "Every config key with its default and accepted values: docs/configuration.md "
@@ -37,7 +38,21 @@ class Parser(argparse.ArgumentParser):
     usage block followed by a SystemExit."""
 
     def error(self, message: str):
-        raise UsageError(f"{message}; see `{self.prog} --help`")
+        raise UsageError(f"{choice_hint(message)}; see `{self.prog} --help`")
+
+
+def choice_hint(message: str) -> str:
+    """argparse's "invalid choice: 'X' (choose from ...)" with "did you mean 'Y'?" after X
+    when a choice is close (a misspelled --decoder, --remasking, ...); else message."""
+    found = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)$", message)
+    if not found:
+        return message
+    choices = re.findall(r"'([^']*)'", found.group(2))
+    hint = did_you_mean(found.group(1), choices)
+    if not hint:
+        return message
+    at = found.start(1) + len(found.group(1)) + 1  # after the closing quote
+    return message[:at] + hint + message[at:]
 
 
 def _whole_number(text: str, least: int) -> int:
