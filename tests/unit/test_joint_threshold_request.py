@@ -231,3 +231,17 @@ def test_the_prompts_tail_is_never_edited(model, edit_scope):
         for row, prompt in zip(x.tolist(), prompts):  # each prompt where it was laid out
             left = 8 - len(prompt) // 8 * 8  # the longest whole-block prefix is 8 tokens
             assert row[left : left + len(prompt)] == prompt
+
+
+@pytest.mark.parametrize("cache", ["prefix", "dual"])
+@pytest.mark.parametrize("edit_scope", [None, "all"])
+def test_caches_are_exact_on_the_request_grid(model, cache, edit_scope):
+    """Block-causal on the request's grid: both caches give no cache's tokens, fills, edits
+    and forwards (edit_scope all too: its earlier blocks are fed, never read stale)."""
+    prompts = prompts_of(7, [5, 13, 2])
+    options = dict(gen_length=20, block_length=8, threshold=0.6, edit_threshold=0.2,
+                   max_post_edit_steps=3, penalty_lambda=1.0, edit_scope=edit_scope)  # fmt: skip
+    plain = unmask_run(model, prompts, EOS, **options)
+    cached = unmask_run(model, prompts, EOS, cache=cache, **options)
+    assert cached.answers.tolist() == plain.answers.tolist()
+    assert (cached.nfe, cached.decoded, cached.edits) == (plain.nfe, plain.decoded, plain.edits)

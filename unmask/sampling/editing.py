@@ -35,13 +35,14 @@ context, earlier blocks may be revised; the report gives no window, so every ear
 block): step 4 also runs over the answer positions of the finished blocks (not the prompt,
 not a mask), with the same rule, x0 differs and p > edit_threshold, the penalty of step 1
 applied within each block as within the current one. Every step's logits then cover the
-answer so far, [first answer column, block end): the one forward of a step reads them
-(forwards are counted as before: one a step, M + E + 1 a block); a step that changes nothing
-anywhere ends the row. With a K/V cache the cached K/V of an edited earlier block would be
-stale, so a step's forward feeds everything from the first answer column (prefix: to the
-canvas end, dual: to the block end) and only the prompt's K/V (and dual's later masks)
-come from the cache; each block's first forward refreshes the whole cache, as before. A
-logits hook then sees those (B, stop - first answer column, V) logits. A tokens hook is
+answer so far, from the start of the first block holding an answer column (with
+block_origin request that block starts with the prompt's tail) to the block end: the one
+forward of a step reads them (forwards are counted as before: one a step, M + E + 1 a
+block); a step that changes nothing anywhere ends the row. With a K/V cache the cached K/V
+of an edited earlier block would be stale, so a step's forward feeds everything from that
+block's start (prefix: to the canvas end, dual: to the block end) and only the K/V before
+it (and dual's later masks) come from the cache; each block's first forward refreshes the
+whole cache, as before. A logits hook then sees those (B, stop - that start, V) logits. A tokens hook is
 refused with it (the tokens it set in an earlier block could not be told from generated
 ones). The first block is decoded as with block.
 
@@ -92,14 +93,17 @@ class JointThreshold(BlockDecoder):
         self.done = torch.zeros(rows, dtype=torch.bool, device=block.device)
         # at most one fill a step, then the post-edit budget, then the step that ends it
         self.max_steps = (stop - start) + self.max_post_edit_steps + 1
-        #: the first column a step reads and may edit: the block's start, or with edit_scope
-        #: all the first answer column of any row (answer: real, not prompt)
+        #: the first column a step reads: the block's start, or with edit_scope all the
+        #: start of the first block that holds an answer column of any row (answer: real,
+        #: not prompt; with block_origin request that block starts with the prompt's tail,
+        #: whose K/V then follow the edits there too)
         self.lo = start
         if config.edit_scope == "all":
             answer = canvas.valid[:, :start] & ~canvas.prompt_valid[:, :start]
             columns = answer.any(0).nonzero()
             if columns.numel():
-                self.lo = int(columns[0])
+                size = stop - start
+                self.lo = start - -(-(start - int(columns[0])) // size) * size
         #: (B, start - lo) the earlier blocks' positions edits may reach
         self.earlier = (canvas.valid[:, self.lo : start]
                         & ~canvas.prompt_valid[:, self.lo : start])  # fmt: skip
