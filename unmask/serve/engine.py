@@ -9,7 +9,9 @@ block decoder (the config's `BlockDecoder` on a `Canvas`, sampling/decoders.py: 
 `sample`, hence `unmask generate`, runs, no copy; one registered from outside the package
 too). Rows of one block call may be at different blocks of different answers:
 each row is laid out [left padding | prompt + finished blocks | current block | later
-masks | right padding], aligned on the current block, and padding is masked out of
+masks | right padding], aligned on the current block (with block_origin request a row's
+blocks are counted from its prompt's first token, so its first block starts with the
+prompt's tail: `_block_parts`), and padding is masked out of
 attention with position ids counted over real tokens, as `sample` does for left-padded
 prompts. Requests whose options change a block's steps (block length, steps per block,
 remasking, threshold, temperature, ...) are decoded in separate calls, taken in turn.
