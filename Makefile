@@ -52,6 +52,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/distributed_muon.py
 	$(BIN)/python benchmarks/checkpoint_stall.py
 	$(BIN)/python benchmarks/train_step.py
+	$(BIN)/python benchmarks/startup.py
 
 # The long ones (about 2 hours on 2 cores): Muon vs AdamW convergence (7 runs of 1000
 # steps), data loading at scale, stopping per pad policy (3 trained models, and 3 more on
@@ -74,6 +75,7 @@ bench-long: $(STAMP)
 # The smoke mode of every benchmark (tiny sizes, one round, no results files): CI runs it.
 bench-quick: $(STAMP)
 	$(BIN)/python benchmarks/masked_loss_memory.py --quick
+	$(BIN)/python benchmarks/startup.py --quick
 	$(BIN)/python benchmarks/muon.py --quick
 	$(BIN)/python benchmarks/distributed_muon.py --quick
 	$(BIN)/python benchmarks/parallel.py --quick

@@ -32,8 +32,8 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor, Shard
 
+from unmask.dtensor import is_dtensor
 from unmask.host import HostCopy
 
 #: A target of -100 means "no loss here" (the masked-only loss reads only the other rows);
@@ -270,8 +270,10 @@ def vocab_shard(weight: torch.Tensor) -> VocabShard | None:
     """The local shard of a head split by vocabulary rows over a 1-D mesh (a DTensor with
     placements (Shard(0),)); None for a plain tensor. Shards follow DTensor's (torch.chunk's)
     split: ceil(V / tp) rows per rank, fewer on the last."""
-    if not isinstance(weight, DTensor):
+    if not is_dtensor(weight):
         return None
+    from torch.distributed.tensor import Shard  # imported already: a DTensor
+
     mesh = weight.device_mesh
     if mesh.ndim != 1 or tuple(weight.placements) != (Shard(0),):
         raise ValueError(f"an LM head DTensor must be split by vocabulary rows over one mesh "

@@ -11,33 +11,31 @@ hf_wrapped (transformers encoders), build (build_model, build_empty, from_pretra
 quant.
 """
 
-from unmask.models.attention import KVCache
-from unmask.models.build import (
-    MODEL_BUILDERS,
-    build_empty,
-    build_model,
-    from_pretrained,
-    max_positions,
-    register_family,
-    shape_of,
-    unregister_family,
-)
-from unmask.models.config import ModelConfig
-from unmask.models.families import (
-    FAMILIES,
-    Family,
-    family_of_config,
-    samples_with_logit_shift,
-)
-from unmask.models.hf import (
-    HF_DIRECT_KEYS,
-    config_from_hf,
-    folder_mask_token_id,
-    hf_config_dict,
-    save_pretrained,
-)
-from unmask.models.shape import ModelShape, TensorPlan, decoder_layers
-from unmask.models.transformer import DiffusionTransformer
+import importlib
+
+#: each public name and the module that defines it: imported when first asked for, so that
+#: importing one module of the package (families.py for the CLI's flags) does not load the
+#: model code (attention, the transformer, HF folders: a quarter second of `--help`)
+_WHERE = {
+    "KVCache": "attention",
+    **dict.fromkeys(("MODEL_BUILDERS", "build_empty", "build_model", "from_pretrained",
+                     "max_positions", "register_family", "shape_of", "unregister_family"),
+                    "build"),
+    "ModelConfig": "config",
+    **dict.fromkeys(("FAMILIES", "Family", "family_of_config", "samples_with_logit_shift"),
+                    "families"),
+    **dict.fromkeys(("HF_DIRECT_KEYS", "config_from_hf", "folder_mask_token_id",
+                     "hf_config_dict", "save_pretrained"), "hf"),
+    **dict.fromkeys(("ModelShape", "TensorPlan", "decoder_layers"), "shape"),
+    "DiffusionTransformer": "transformer",
+}  # fmt: skip
+
+
+def __getattr__(name: str):
+    if name not in _WHERE:
+        raise AttributeError(f"module 'unmask.models' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"unmask.models.{_WHERE[name]}"), name)
+
 
 __all__ = [
     "FAMILIES",

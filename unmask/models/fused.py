@@ -21,9 +21,9 @@ gradient only and hands the weight's to it; equal to the plain path's bit for bi
 
 import torch
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
 
 from unmask.diffusion.backward import BackwardPass, add_gradient
+from unmask.dtensor import is_dtensor
 
 
 def _normalize(x: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -155,7 +155,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     wanted, a DTensor (tensor parallelism: its layouts are autograd's business), or a
     torch.compile graph."""
     if (not torch.is_grad_enabled() or torch.compiler.is_compiling()
-            or isinstance(weight, DTensor) or isinstance(x, DTensor)):  # fmt: skip
+            or is_dtensor(weight) or is_dtensor(x)):  # fmt: skip
         return F.linear(x, weight, bias)
     device = x.device.type
     if torch.is_autocast_enabled(device):

@@ -43,8 +43,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor, Partial, Replicate
 
+from unmask.dtensor import is_dtensor
 from unmask.models.config import ModelConfig
 from unmask.models.fused import swiglu
 
@@ -205,8 +205,10 @@ def local_experts(weight: torch.Tensor) -> torch.Tensor:
     """This rank's experts of a stack: the tensor itself, or under expert parallelism
     (parallel/expert.py) the local part of a DTensor sharded on the expert dim, whose
     gradient stays a partial sum over the replicas (reduced once per optimizer step)."""
-    if not isinstance(weight, DTensor):
+    if not is_dtensor(weight):
         return weight
+    from torch.distributed.tensor import Partial, Replicate  # imported already: a DTensor
+
     grad = [Partial() if isinstance(pl, Replicate) else pl for pl in weight.placements]
     return weight.to_local(grad_placements=grad)
 

@@ -88,8 +88,16 @@ def tensorboard_tag(key: str) -> str:
     return f"train/{key}"
 
 
+#: with no progress bar (output to a file or a pipe), a progress line is printed when no
+#: line was printed for this many seconds, so a log shows the run moving between log lines
+PROGRESS_SECONDS = 30.0
+
+
 class MetricsLogger:
-    """Writes one JSON object per logged step; mirrors to TensorBoard/W&B when asked."""
+    """Writes one JSON object per logged step; mirrors to TensorBoard/W&B when asked. On a
+    terminal a tqdm bar shows progress; elsewhere (a file, a pipe, CI) a plain line
+    `step 120/1400 | loss 0.123 | eta 4m10s` is printed every PROGRESS_SECONDS without
+    another line."""
 
     def __init__(
         self,
@@ -124,6 +132,10 @@ class MetricsLogger:
         if show_progress and sys.stderr.isatty():
             self.bar = tqdm(total=total_steps, initial=start_step, dynamic_ncols=True, unit="step")
         self.started = time.perf_counter()
+        #: plain progress lines (no bar): when the last line was printed, None when off
+        self.quiet_since = self.started if show_progress and self.bar is None else None
+        self.progress_seconds = PROGRESS_SECONDS
+        self.postfix: dict | None = None  # the last values the bar (or line) shows
 
     def eta(self, step: int) -> float | None:
         done = step - self.start_step
@@ -137,6 +149,16 @@ class MetricsLogger:
             self.bar.update(step - self.bar.n)
             if postfix:
                 self.bar.set_postfix(postfix, refresh=False)
+        elif self.quiet_since is not None:
+            if postfix:
+                self.postfix = postfix
+            if time.perf_counter() - self.quiet_since >= self.progress_seconds:
+                parts = [f"step {step}/{self.total_steps}"]
+                parts += [f"{k} {v}" for k, v in (self.postfix or {}).items()]
+                eta = self.eta(step)
+                if eta is not None:
+                    parts.append(f"eta {format_duration(eta)}")
+                self.print(" | ".join(parts))
 
     def log(self, step: int, values: dict, show: bool = True) -> None:
         """One metrics.jsonl record (and the trackers'); show: print the progress line."""
@@ -169,6 +191,8 @@ class MetricsLogger:
             self.bar.write(text)
         else:
             print(text, flush=True)
+            if self.quiet_since is not None:
+                self.quiet_since = time.perf_counter()
 
     def close(self) -> None:
         if self.bar is not None:
