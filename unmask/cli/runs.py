@@ -55,7 +55,8 @@ def add_runs(sub: argparse._SubParsersAction) -> None:
         "runs",
         help="list run directories: status, last loss, eval loss and held-out exact match, "
         "newest checkpoint",
-        description="Status rules (finished, stopped at step N, crashed): docs/operations.md.",
+        description="Status rules (running, finished, stopped at step N, crashed: the "
+        "trainer's heartbeat.json): docs/operations.md.",
     )
     runs.add_argument("folder", nargs="?", default="runs", metavar="FOLDER",
                       help="folder holding run directories (default: runs)")  # fmt: skip
