@@ -363,3 +363,16 @@ def test_multinomial_draws_are_llada2s_draws(model, temperature, hub, eos, seed)
     assert out.nfe == sum(forwards)
     greedy, _ = llada2_generate(model, prompt, eos_id=eos_of(eos), **arguments)
     assert answer != greedy  # the draws are not the argmax
+
+
+@pytest.mark.parametrize(("gen", "steps", "minimal_topk"), [(12, 8, 3), (16, 32, 4), (9, 4, 9)])
+def test_minimal_topk_caps_the_steps(model, gen, steps, minimal_topk):
+    """LLaDA2's steps = min(steps, gen_length // minimal_topk), then quotas of the block."""
+    prompt = prompts_of(gen + steps, [6])[0]
+    answer, forwards = llada2_generate(model, prompt, gen_length=gen, block_length=8,
+                                       steps=steps, threshold=0.9, minimal_topk=minimal_topk)  # fmt: skip
+    config = llada2_config(gen, 8, steps, 0.9, minimal_topk=minimal_topk)
+    out = unmask_run(model, [prompt], config)
+    assert config.steps_per_block() == min(steps, gen // minimal_topk)
+    assert out.answers[0].tolist() == padded(answer, gen)
+    assert out.nfe == sum(forwards)
