@@ -81,3 +81,22 @@ def test_running_between_writes_then_crashed_after_sigkill_then_stopped(tiny_con
     assert status == f"stopped at step {beat['step']}"
     rows = {r["name"]: r for r in list_runs(tmp_path)}
     assert rows["two"]["status"] == status and rows["run"]["status"] == "crashed"
+
+
+def test_a_run_building_its_model_is_running(tiny_config, tmp_path):
+    """The heartbeat is written with the run folder's config.yaml, before train() starts
+    its thread: a run built but not yet stepping reads `running` (this process is alive),
+    not `crashed`."""
+    import os
+
+    from unmask.config import load_config
+    from unmask.runs.report import run_info
+    from unmask.train.trainer import Trainer
+
+    trainer = Trainer(load_config(tiny_config({"train": {"max_steps": 2}})))
+    beat = read_heartbeat(trainer.output_dir)
+    assert beat["status"] == "running" and beat["pid"] == os.getpid() and beat["step"] is None
+    assert run_info(trainer.output_dir).status == "running"
+    trainer.train()
+    assert read_heartbeat(trainer.output_dir)["status"] == "finished"
+    assert run_info(trainer.output_dir).status == "finished"

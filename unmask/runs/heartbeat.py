@@ -103,6 +103,27 @@ def run_status(*, heartbeat: dict | None, finished_files: bool, saved: int | Non
     return "crashed"
 
 
+def mark_running(run_dir: str | Path) -> None:
+    """One `running` record of this process, no thread: the trainer writes it with the run
+    folder's config.yaml, so a run between its set-up and its first step reads `running`,
+    and one that fails there reads `crashed` once its process is gone."""
+    now = time.time()
+    record = {"status": "running", "pid": os.getpid(), "host": this_host(), "started": now,
+              "updated": now, "step": None, "step_time": None}  # fmt: skip
+    _write_record(Path(run_dir) / HEARTBEAT_FILE, record)
+
+
+def _write_record(path: Path, record: dict) -> None:
+    """record as path's JSON, atomically (a reader never sees half a file); a full or
+    vanished disk is not the run's business here: nothing is written."""
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(json.dumps(record))
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
 class Heartbeat:
     """Keeps run_dir/heartbeat.json current while a run trains (the module doc). `beat(step)`
     after each step records it (no I/O: the thread writes); `end(status)` writes the last
@@ -145,9 +166,4 @@ class Heartbeat:
     def _write(self) -> None:
         with self._lock:
             self.record["updated"] = time.time()
-            tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
-            try:
-                tmp.write_text(json.dumps(self.record))
-                os.replace(tmp, self.path)
-            except OSError:  # a full or vanished disk must not stop the training
-                pass
+            _write_record(self.path, self.record)

@@ -32,7 +32,7 @@ from unmask.parallel.expert import attach_moe_training
 from unmask.parallel.mesh import launch_env, share_from_rank0
 from unmask.parallel.pipeline import PipelineRunner, balancing_notice
 from unmask.parallel.threads import set_threads
-from unmask.runs.heartbeat import Heartbeat
+from unmask.runs.heartbeat import Heartbeat, mark_running
 from unmask.runs.report import run_summary
 from unmask.sampling.config import (
     GENERATION_FILE,
@@ -107,6 +107,8 @@ class Trainer(TrainStep, Evaluation, CheckpointedState):
         self._build_optimization(cfg)  # optimizer, MoE training, checkpointing, schedule
         self._loop_state(cfg)  # loader, noise, step, guards
         self._checkpoints(cfg)  # the checkpointer; a resume; config.yaml
+        if self.dist.is_main:  # alive from here on, with the run folder (runs/heartbeat.py)
+            mark_running(self.output_dir)
 
     def _connect(self, cfg: RunConfig) -> None:
         """The checks that need nothing built (LoRA, async checkpoints, trackers, the layout:
