@@ -330,6 +330,7 @@ def test_guided_rows_decode_as_each_alone(model, decoder):
         (dict(eos_early_stop=True, decoder="joint_threshold"),
          "eos_early_stop is an option of decoder masked"),
         (dict(block_origin="start"), "unknown block_origin 'start'"),
+        (dict(block_origin="request", shift_logits=True), "block_origin request has no logit"),
     ],
 )  # fmt: skip
 def test_bad_options_are_one_line_errors(options, message):

@@ -508,6 +508,10 @@ def check_block_origin(config: SamplingConfig, decoder: str) -> None:
         if config.steps is not None:
             raise ValueError("with block_origin request steps are counted per block: give "
                              "block_steps instead of steps")  # fmt: skip
+        if config.shift_logits:
+            raise ValueError("block_origin request has no logit shift (a first block at the "
+                             "request's first token has no position before it); a Dream "
+                             "model decodes with block_origin answer")  # fmt: skip
     if config.block_steps is not None and config.steps is not None:
         raise ValueError("give steps (over the whole answer) or block_steps (per block), not "
                          "both")  # fmt: skip
@@ -721,9 +725,7 @@ def saved_sampling(folder: str | Path) -> dict[str, Any]:
     """The sampling options a model folder carries: its generation_config.json "unmask"
     entry, and the logit shift where the file does not say but the folder's model family
     samples with it (Dream). An unknown option is an InputError naming the file."""
-    generation = Path(folder) / GENERATION_FILE
-    path = Path(folder) / UNMASK_GENERATION_FILE
-    path = path if path.is_file() else generation
+    path = Path(folder) / GENERATION_FILE
     saved: dict[str, Any] = {}
     if path.is_file():
         try:
@@ -748,7 +750,7 @@ def saved_sampling(folder: str | Path) -> dict[str, Any]:
     if family is not None and family.name in UNIFORM_CANVAS_FAMILIES:
         # the family fixes it (no [MASK]); transformers' own generation settings under
         # the folder's "unmask" entry
-        own = _transformers_generation(generation) if generation.is_file() else {}
+        own = _transformers_generation(path) if path.is_file() else {}
         saved = {**own, **saved, "uniform_canvas": True}
     if family is not None and family.decoding and "unmask" not in config:
         return FolderSampling(saved, family.decoding)
