@@ -725,7 +725,9 @@ def saved_sampling(folder: str | Path) -> dict[str, Any]:
     """The sampling options a model folder carries: its generation_config.json "unmask"
     entry, and the logit shift where the file does not say but the folder's model family
     samples with it (Dream). An unknown option is an InputError naming the file."""
-    path = Path(folder) / GENERATION_FILE
+    generation = Path(folder) / GENERATION_FILE
+    path = Path(folder) / UNMASK_GENERATION_FILE
+    path = path if path.is_file() else generation
     saved: dict[str, Any] = {}
     if path.is_file():
         try:
@@ -750,7 +752,7 @@ def saved_sampling(folder: str | Path) -> dict[str, Any]:
     if family is not None and family.name in UNIFORM_CANVAS_FAMILIES:
         # the family fixes it (no [MASK]); transformers' own generation settings under
         # the folder's "unmask" entry
-        own = _transformers_generation(path) if path.is_file() else {}
+        own = _transformers_generation(generation) if generation.is_file() else {}
         saved = {**own, **saved, "uniform_canvas": True}
     if family is not None and family.decoding and "unmask" not in config:
         return FolderSampling(saved, family.decoding)
