@@ -241,3 +241,23 @@ def test_edits_on_a_model_trained_without_them_are_warned_of(tmp_path, capsys, f
     assert "warning" not in capsys.readouterr().err
     assert main(argv[:7]) == 0  # the masked decoder edits nothing
     assert "warning" not in capsys.readouterr().err
+
+
+def test_progress_lines_when_output_is_not_a_terminal(model_dir, capsys):
+    """Without a terminal a long generate says how far it is now and then (every 30 s; here
+    every batch), between no other lines; --show draws its own frames instead."""
+    import io
+
+    from unmask.cli.generate import PROGRESS_SECONDS, progress_lines
+
+    stream = io.StringIO()
+    on_batch = progress_lines(5, every=0.0, stream=stream)
+    for chunk in ([0, 1], [2, 3], [4]):
+        on_batch(chunk)
+    assert stream.getvalue().splitlines() == [
+        "unmask: generate: 0/5 prompts done", "unmask: generate: 2/5 prompts done",
+        "unmask: generate: 4/5 prompts done"]  # fmt: skip
+    assert PROGRESS_SECONDS == 30.0
+    quiet = io.StringIO()
+    progress_lines(5, stream=quiet)([0, 1])
+    assert quiet.getvalue() == ""  # within 30 s of the start

@@ -3,6 +3,7 @@
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 from unmask.cli.flags import (
@@ -75,6 +76,8 @@ def cmd_generate(ns: argparse.Namespace) -> int:
         on_step = TerminalAnimation(sm.tokenizer, sm.mask_id, sm.pad_id, sm.eos_id,
                                     delay=ns.show_delay)  # fmt: skip
     on_batch = on_step.begin_batch if on_step is not None else None  # one animation each
+    if on_batch is None and not sys.stderr.isatty():  # a log: say it moves, now and then
+        on_batch = progress_lines(len(prompts))
     records = generate_texts(sm, prompts, config, ns.batch_size, generator, on_step, on_batch)
     if on_step is not None:
         on_step.list_edits()  # the last batch's
@@ -88,6 +91,27 @@ def cmd_generate(ns: argparse.Namespace) -> int:
         sys.stdout.writelines(r["prompt"] + r["completion"] + "\n" for r in records)
     print(f"unmask: {throughput(records)}", file=sys.stderr)
     return 0
+
+
+#: without a terminal, a progress line when a batch starts this long after the last line
+PROGRESS_SECONDS = 30.0
+
+
+def progress_lines(total: int, every: float = PROGRESS_SECONDS, stream=None):
+    """An on_batch callback for output that is not a terminal (a file, a pipe, CI): when a
+    batch starts `every` seconds or more after the last line, one line on stderr says how
+    many of the `total` prompts are done."""
+    state = {"done": 0, "last": time.monotonic()}
+
+    def on_batch(chunk: list[int]) -> None:
+        now = time.monotonic()
+        if now - state["last"] >= every:
+            print(f"unmask: generate: {state['done']}/{total} prompts done",
+                  file=stream or sys.stderr, flush=True)  # fmt: skip
+            state["last"] = now
+        state["done"] += len(chunk)
+
+    return on_batch
 
 
 def read_prompts(path: Path) -> list[str]:
