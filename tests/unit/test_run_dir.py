@@ -60,3 +60,15 @@ def test_nothing_to_resume_names_the_folder_and_says_when_there_are_no_runs_near
         f"does not exist: starting a NEW run there. If you meant to continue a run, stop this "
         f"one and fix train.output_dir ({str(tmp_path / 'runz')!r} does not exist either)"
     )
+
+
+def test_a_heartbeat_is_a_file_runs_write_before_their_first_save(tmp_path):
+    """A run killed before its first checkpoint leaves heartbeat.json (and maybe a hidden
+    temporary of it): resuming starts it fresh, as for its other logs."""
+    from unmask.runs.heartbeat import HEARTBEAT_FILE
+    from unmask.train.run_dir import RUN_ARTIFACTS, check_fresh_start
+
+    for name in ("config.yaml", "metrics.jsonl", HEARTBEAT_FILE, f".{HEARTBEAT_FILE}.7.tmp"):
+        (tmp_path / name).write_text("{}")
+    check_fresh_start(tmp_path)  # no refusal
+    assert HEARTBEAT_FILE in RUN_ARTIFACTS  # an overwrite removes it with the run

@@ -110,13 +110,15 @@ def mark_running(run_dir: str | Path) -> None:
     now = time.time()
     record = {"status": "running", "pid": os.getpid(), "host": this_host(), "started": now,
               "updated": now, "step": None, "step_time": None}  # fmt: skip
+    for stale in Path(run_dir).glob(f".{HEARTBEAT_FILE}.*.tmp"):  # a killed writer's
+        stale.unlink(missing_ok=True)
     _write_record(Path(run_dir) / HEARTBEAT_FILE, record)
 
 
 def _write_record(path: Path, record: dict) -> None:
     """record as path's JSON, atomically (a reader never sees half a file); a full or
     vanished disk is not the run's business here: nothing is written."""
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # hidden, as other temporaries
     try:
         tmp.write_text(json.dumps(record))
         os.replace(tmp, path)

@@ -39,16 +39,17 @@ from unmask.config import RunConfig
 from unmask.errors import InputError, NothingToTrain, RunStopped
 from unmask.models.lora import LORA_SETTINGS
 from unmask.parallel.mesh import launch_env, share_from_rank0
+from unmask.runs.heartbeat import HEARTBEAT_FILE
 from unmask.runs.report import EVAL_RESULTS, METRICS_FILE, find_runs, run_info
 
 CONFIG_FILE = "config.yaml"
 CONFIG_HISTORY = "config_history"  # earlier config.yaml files of a resumed run
 RUN_ARTIFACTS = (CONFIG_FILE, CONFIG_HISTORY, METRICS_FILE, "tensorboard", "final",
-                 "eval_results.json")  # fmt: skip
+                 "eval_results.json", HEARTBEAT_FILE)  # fmt: skip
 # what a run killed before its first checkpoint can leave (besides hidden temporaries):
 # its logs, trackers' folders and `unmask plot`'s pictures
 _BEFORE_FIRST_SAVE = {CONFIG_FILE, CONFIG_HISTORY, METRICS_FILE, METRICS_FILE + ".tmp",
-                      "tensorboard", "wandb", "plots"}  # fmt: skip
+                      "tensorboard", "wandb", "plots", HEARTBEAT_FILE}  # fmt: skip
 # keys that say how to start, not what the run is: never reported as changes
 _START_KEYS = {"train.resume_from_checkpoint", "train.overwrite_output_dir"}
 
