@@ -30,8 +30,8 @@ every phase on the CPU with tiny shapes. `--plan-only` prints the run's time on 
 estimated on the CPU from the planner's step times and the phases' fixed costs.
 
 `--wheels` downloads into .whl/ (ignored) the Python packages unmask needs that the lent
-GPU image lacks; `--check-wheels DIR` proves that set on a CPU (gpu_wheels.py; docs/scaling.md,
-On a GPU, says how a run installs them).
+GPU image lacks; `--check-wheels DIR` proves that set on a CPU (gpu_wheels.py;
+docs/scaling.md, "The prepared GPU run", says how a run installs them).
 
 Run: python benchmarks/gpu.py                 (GPU machine; writes benchmarks/results/gpu.md)
      python benchmarks/gpu.py --dry           (any machine, a minute on a CPU)
