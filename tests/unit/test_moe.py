@@ -431,3 +431,28 @@ def test_expert_stacks_are_cast_once_a_step_with_the_plain_paths_losses_and_grad
     assert losses == plain_losses
     for name, p in params.items():
         assert torch.equal(p, plain_params[name]), name
+
+
+def test_router_gradients_are_float32_eager_and_compiled():
+    """The router's two gradient matmuls run in float32 too, eager and under torch.compile
+    (which traces the backward of an autocast-off region under the forward's autocast: a
+    plain `F.linear` there ran them in bf16), with equal gradients both ways."""
+    from unmask.models.moe import router_logits
+    from unmask.train.audit import MatmulAudit
+
+    torch.manual_seed(5)
+    weight = torch.randn(8, 64, requires_grad=True)
+    x = torch.randn(32, 64).to(torch.bfloat16)
+    compiled = torch.compile(router_logits, backend="aot_eager", fullgraph=True)
+    grads = []
+    for fn in (router_logits, compiled):
+        xs = x.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = fn(xs, weight)
+        assert logits.dtype == torch.float32
+        with MatmulAudit() as audit:
+            grad_x, grad_w = torch.autograd.grad(logits.square().sum(), [xs, weight])
+        assert [r.dtype for r in audit.records] == [torch.float32] * 2
+        assert grad_x.dtype == torch.bfloat16 and grad_w.dtype == torch.float32
+        grads.append((grad_x, grad_w))
+    assert all(torch.equal(a, b) for a, b in zip(*grads))

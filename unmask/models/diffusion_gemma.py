@@ -86,9 +86,9 @@ from unmask.models.hf import save_pretrained
 from unmask.models.moe import (
     expert_counts,
     expert_stack,
-    float32_region,
     grouped_mm_fits,
     local_experts,
+    router_logits,
 )
 from unmask.models.transformer import RMSNorm, apply_rotary, init_common
 
@@ -248,8 +248,7 @@ class Router(nn.Module):
         the weights' dtype (as transformers)."""
         h = rms(x, self.eps) * self.scale * self.root
         if x.device.type != "meta" and torch.is_autocast_enabled(x.device.type):
-            with float32_region(x.device):
-                logits = F.linear(h.float(), self.proj.weight.float())
+            logits = router_logits(h, self.proj.weight)
         else:
             logits = self.proj(h)
         probs = logits.softmax(dim=-1, dtype=torch.float32)

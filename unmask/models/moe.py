@@ -122,6 +122,38 @@ def float32_region(device: torch.device) -> contextlib.AbstractContextManager:
     return contextlib.nullcontext()
 
 
+class _Float32Linear(torch.autograd.Function):
+    """x @ weight.T in float32 with autocast off, its two gradient matmuls too: a router's
+    logits. A Function of its own because torch.compile traces the backward of an
+    autocast-off region under the forward's autocast, which ran those two in bf16."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        xf, wf = x.float(), weight.float()
+        ctx.save_for_backward(xf, wf)
+        ctx.dtypes = (x.dtype, weight.dtype)
+        with float32_region(x.device):
+            return F.linear(xf, wf)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        xf, wf = ctx.saved_tensors
+        grad_x = grad_w = None
+        with float32_region(grad.device):
+            grad = grad.float()
+            if ctx.needs_input_grad[0]:
+                grad_x = (grad @ wf).to(ctx.dtypes[0])
+            if ctx.needs_input_grad[1]:
+                grad_w = (grad.T @ xf).to(ctx.dtypes[1])
+        return grad_x, grad_w
+
+
+def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x (T, H) @ weight (E, H).T in float32, forward and backward, under autocast too
+    (`float32_region`): the choice of experts follows float32 logits."""
+    return _Float32Linear.apply(x, weight)
+
+
 class Router(nn.Module):
     """Linear router (E x H) with the routing rules of the module docstring."""
 
@@ -143,8 +175,7 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x (T, H) -> experts (T, k) long, weights (T, k) float32, logits (T, E) float32."""
-        with float32_region(x.device):  # autocast would run the matmul in bf16
-            logits = F.linear(x.float(), self.weight.float())
+        logits = router_logits(x, self.weight)  # autocast would run it in bf16
         if self.score == "softmax":
             scores = logits.softmax(dim=-1)
         else:
@@ -264,9 +295,11 @@ def expert_stack(param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     freed after its forward and made again in its recomputation: the step's copies would
     hold every layer's at once) and under torch.compile (the graph makes its own)."""
     local = local_experts(param)
+    if torch.compiler.is_compiling():  # first: a compiled graph reads no step state
+        return local.to(dtype)
     copies = _StepCasts.copies
-    if (local.dtype == dtype or copies is None or torch.compiler.is_compiling()
-            or _StepCasts.checkpointed or not isinstance(param, nn.Parameter)):  # fmt: skip
+    if (local.dtype == dtype or copies is None or _StepCasts.checkpointed
+            or not isinstance(param, nn.Parameter)):  # fmt: skip
         return local.to(dtype)
     key = (local._version, dtype)
     entry = copies.get(id(param))
