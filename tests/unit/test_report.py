@@ -401,24 +401,27 @@ def test_the_heartbeat_decides_the_status(tmp_path):
     import os
     import subprocess
     import sys
+    import time
 
     from unmask.runs import heartbeat as hb
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    now = 1_000_000.0
+    now = time.time()
 
     def status(**beat):
         run = make_run(tmp_path / f"r{len(list(tmp_path.iterdir()))}", six_steps()[:5],
                        checkpoints=(3,))  # fmt: skip
         record = {"status": "running", "pid": os.getpid(), "host": hb.this_host(),
-                  "updated": now, "step": 5, **beat}  # fmt: skip
+                  "started": now, "updated": now, "step": 5, **beat}  # fmt: skip
         (run / hb.HEARTBEAT_FILE).write_text(json.dumps(record))
         return hb.run_status(heartbeat=hb.read_heartbeat(run), finished_files=False, saved=3,
                              last_logged=5, now=now)  # fmt: skip
 
     assert status() == "running"
     assert status(pid=dead.pid) == "crashed"
+    # a live pid that started after the heartbeat: another process took the number
+    assert status(started=hb.process_started(os.getpid()) - 60) == "crashed"
     assert status(host="another-node", pid=dead.pid, updated=now - 30) == "running"
     assert status(host="another-node", updated=now - hb.STALE_SECONDS - 1) == "crashed"
     assert status(status="stopped") == "stopped at step 3"

@@ -16,7 +16,8 @@ The rule (`run_status`), in this order:
   - `finished`: the heartbeat says so, or (no heartbeat: an older run) final/ holds a model
     and the last logged step is the planned total;
   - `running`: the heartbeat says running, and its process is alive: on this host, the pid
-    exists; on another host (a shared folder), the file was rewritten within STALE_SECONDS;
+    exists and started before the heartbeat did (a later one reused the number); on
+    another host (a shared folder), the file was rewritten within STALE_SECONDS;
   - `crashed`: the heartbeat says running but its process is gone (the pid is not alive on
     this host, or the file is older than STALE_SECONDS on another one), or it says failed;
   - `stopped at step N`: the heartbeat says stopped, or (no heartbeat) checkpoint-N is the
@@ -77,11 +78,30 @@ def _not_zombie(pid: int) -> bool:
     return stat.rsplit(")", 1)[-1].split()[:1] != ["Z"]
 
 
+def process_started(pid: int) -> float | None:
+    """When process pid started (epoch seconds, from /proc), or None where /proc does not
+    say (macOS, a process gone)."""
+    try:
+        ticks = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[19])
+        boot = next(float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                    if line.startswith("btime "))  # fmt: skip
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+    return boot + ticks / os.sysconf("SC_CLK_TCK")
+
+
 def heartbeat_alive(record: dict, now: float | None = None) -> bool:
-    """Whether the process that wrote a `running` heartbeat still runs (the module doc)."""
+    """Whether the process that wrote a `running` heartbeat still runs (the module doc). On
+    its host a live pid that started after the heartbeat did is another process (the pid
+    was reused, after a reboot say): the run's is gone."""
     now = time.time() if now is None else now
     if record.get("host") == this_host():
-        return pid_alive(record.get("pid"))
+        pid, started = record.get("pid"), record.get("started")
+        if not pid_alive(pid):
+            return False
+        began = process_started(pid)
+        reused = isinstance(started, (int, float)) and began is not None and began > started + 2
+        return not reused  # 2 s of slack: /proc counts in clock ticks, clocks may be set
     updated = record.get("updated")
     return isinstance(updated, (int, float)) and now - updated <= STALE_SECONDS
 
