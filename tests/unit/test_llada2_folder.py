@@ -235,3 +235,18 @@ def test_lm_eval_scores_likelihoods_as_before(folder):
     refused = UnmaskLM.create_from_arg_string(f"pretrained={folder},block_causal=True")
     with pytest.raises(ValueError, match="likelihoods of block-causal"):
         refused.loglikelihood([Instance("loglikelihood", {}, ("a", "b"), 0)])
+
+
+def test_an_exported_released_folder_keeps_its_familys_decoding_as_defaults(folder, tmp_path):
+    """`unmask export` of a released folder decodes as the folder did (LLaDA2's generate
+    with no options) and still takes another decoder (its family's rule stays a default,
+    under "unmask_defaults", not an option the copy fixes)."""
+    out = tmp_path / "exported"
+    assert main(["export", str(folder), "--out", str(out)]) == 0
+    data = json.loads((out / "generation_config.json").read_text())
+    assert data["unmask_defaults"]["fill_rule"] == "llada2" and "fill_rule" not in data["unmask"]
+    before, after = resolve_sampling(saved_sampling(folder)), resolve_sampling(saved_sampling(out))
+    assert after == before
+    joint = resolve_sampling(saved_sampling(out), {"decoder": "joint_threshold"})
+    assert (joint.decoder, joint.block_origin, joint.fill_rule) == ("joint_threshold",
+                                                                   "request", None)  # fmt: skip

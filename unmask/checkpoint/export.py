@@ -20,7 +20,7 @@ from unmask.checkpoint.layout import resolve_model_folder
 from unmask.checkpoint.saved import gather_distributed_checkpoint, inspect_saved, load_saved_model
 from unmask.data.tokenizer import load_local_tokenizer
 from unmask.errors import InputError
-from unmask.sampling.config import generation_config_text, saved_sampling
+from unmask.sampling.config import FolderSampling, generation_config_text, saved_sampling
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _TOKENIZER_FILES = ("tokenizer", "special_tokens", "vocab")
@@ -51,7 +51,11 @@ def export_model(
     fix = "checkpoints written by unmask train hold one; copy its tokenizer files there"
     tokenizer = load_local_tokenizer(str(folder), "checkpoint", fix)
     own = saved_sampling(folder)  # the checkpoint's own options (from training)
-    text = generation_config_text(tokenizer, {**own, **(sampling or {})}, complete=True)
+    if isinstance(own, FolderSampling):  # a released folder: its family's decoding stays
+        merged = FolderSampling({**own.own, **(sampling or {})}, own.defaults)  # defaults
+    else:
+        merged = {**own, **(sampling or {})}
+    text = generation_config_text(tokenizer, merged, complete=True)
     model = load_saved_model(saved).to(DTYPES[dtype])
     if replace:  # only now: a source that cannot be read leaves --out as it was
         shutil.rmtree(out)

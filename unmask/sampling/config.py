@@ -705,7 +705,10 @@ def fitted_to_rows(data) -> dict[str, Any]:
 def generation_config_text(tokenizer, sampling: dict[str, Any], complete: bool) -> str:
     """generation_config.json: the HF special-token keys plus an "unmask" entry holding the
     sampling options (every option when `complete`, else only those given; either way
-    checked against SamplingConfig first)."""
+    checked against SamplingConfig first). A `FolderSampling` (a released folder's family
+    default decoding under its own options) keeps the two apart: the defaults go under
+    "unmask_defaults" and stay defaults when the folder is read back (options given later
+    can still name another decoder), and `complete` pins every option they do not set."""
     unknown = sorted(set(sampling) - set(SamplingConfig.model_fields))
     if unknown:
         raise InputError(f"unknown sampling options {unknown}")
@@ -718,7 +721,17 @@ def generation_config_text(tokenizer, sampling: dict[str, Any], complete: bool) 
         "mask_token_id": tokenizer.mask_token_id,
         "unmask": entry,
     }
+    if isinstance(sampling, FolderSampling):
+        own = without_none(sampling.own)
+        config["unmask"] = {k: v for k, v in entry.items()
+                            if k in own or k not in sampling.defaults}  # fmt: skip
+        config[DEFAULTS_ENTRY] = dict(sampling.defaults)
     return json.dumps(config, indent=2)
+
+
+DEFAULTS_ENTRY = "unmask_defaults"
+"""generation_config.json's entry for a family's default decoding that an exported
+released folder keeps as defaults (`generation_config_text`, `saved_sampling`)."""
 
 
 def saved_sampling(folder: str | Path) -> dict[str, Any]:
@@ -729,14 +742,20 @@ def saved_sampling(folder: str | Path) -> dict[str, Any]:
     path = Path(folder) / UNMASK_GENERATION_FILE
     path = path if path.is_file() else generation
     saved: dict[str, Any] = {}
+    defaults: dict[str, Any] = {}
     if path.is_file():
         try:
-            saved = json.loads(path.read_text()).get("unmask") or {}
+            data = json.loads(path.read_text())
+            saved = data.get("unmask") or {}
+            defaults = data.get(DEFAULTS_ENTRY) or {}
         except (json.JSONDecodeError, AttributeError):
             raise InputError(f"{str(path)!r} is not a JSON object; fix or delete it") from None
         if not isinstance(saved, dict):
             raise InputError(f'{str(path)!r}: "unmask" must map sampling options to values')
-    for key in saved:
+        if not isinstance(defaults, dict):
+            raise InputError(f'{str(path)!r}: "{DEFAULTS_ENTRY}" must map sampling options '
+                             f"to values")  # fmt: skip
+    for key in [*saved, *defaults]:
         if key in RUNTIME_OPTIONS:
             raise InputError(
                 f"{str(path)!r}: '{key}' is not read from a model folder (it would run code "
@@ -754,6 +773,8 @@ def saved_sampling(folder: str | Path) -> dict[str, Any]:
         # the folder's "unmask" entry
         own = _transformers_generation(generation) if generation.is_file() else {}
         saved = {**own, **saved, "uniform_canvas": True}
+    if defaults:  # an exported released folder: its family's decoding, still defaults
+        return FolderSampling(saved, defaults)
     if family is not None and family.decoding and "unmask" not in config:
         return FolderSampling(saved, family.decoding)
     return dict(saved)
