@@ -250,3 +250,14 @@ def test_an_exported_released_folder_keeps_its_familys_decoding_as_defaults(fold
     joint = resolve_sampling(saved_sampling(out), {"decoder": "joint_threshold"})
     assert (joint.decoder, joint.block_origin, joint.fill_rule) == ("joint_threshold",
                                                                    "request", None)  # fmt: skip
+
+
+def test_the_playground_offers_a_released_folder_llada21s_presets_and_the_masked_ones(folder):
+    """A released LLaDA2 folder decodes with its family's rule by default, which a preset
+    naming another decoder replaces (the rule is a default, not a fixed option)."""
+    from unmask.serve.presets import playground
+
+    offered = playground(saved_sampling(folder), "llada2_moe", False, [])
+    names = [p["name"] for p in offered["presets"]]
+    assert names == ["", "speedy", "quality", "llada", "dream", "fastdllm", "mdlm", "random"]
+    assert offered["decoder"] == "masked"
