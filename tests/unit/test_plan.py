@@ -461,3 +461,29 @@ def test_the_fused_loss_block_is_the_devices_and_held_at_the_forwards_end():
     assert loss_block_bytes(model, h200) == 2048 * 126_464 * 6
     peaks = [memory_terms(model, shape).peak for shape in (cpu, h200)]
     assert peaks[1] - peaks[0] == (2048 - 256) * 126_464 * 6
+
+
+def test_pipeline_selective_checkpointing_plans_the_layers_the_model_recomputes():
+    # selective checkpointing counts the whole model's layers (0, n, 2n, ...), also on a
+    # pipeline rank: pp 2 over 6 layers, every 2nd: rank 1 holds layers 3, 4, 5 and
+    # recomputes layer 4 only (not the rank's first and third, 3 and 5)
+    from unmask.models.build import build_model
+    from unmask.plan.memory import layer_saves
+    from unmask.plan.traffic import _checkpointed_layers
+
+    cfg = tiny_pp("model.num_hidden_layers=6", "parallel.pipeline_parallel=2",
+                  "train.per_device_train_batch_size=4",
+                  "train.activation_checkpointing=selective",
+                  "train.activation_checkpointing_every=2")  # fmt: skip
+    model = shard_model(cfg, 2, rank=1)
+    assert model.layer_indices == (3, 4, 5)
+    shape = step_shape(cfg, 2)
+    assert shape.checkpointing == 2
+    runtime = build_model(cfg.model)
+    runtime.gradient_checkpointing = shape.checkpointing
+    assert [runtime.checkpoints(i) for i in model.layer_indices] == [False, True, False]
+    kept, held, _ = layer_saves(model, shape)
+    input_only = min(kept)  # a checkpointed layer keeps only its input
+    assert [k == input_only for k in kept] == [False, True, False]
+    assert kept[0] == kept[2] > kept[1]
+    assert _checkpointed_layers(model, shape.checkpointing) == 1

@@ -123,6 +123,18 @@ class ModelShape:
         return self.attention_params(arch) + self.mlp_params(arch, index)
 
 
+def recomputes(checkpointing: bool | int, index: int) -> bool:
+    """Whether layer `index` (its index in the whole model) recomputes its activations in
+    backward under `gradient_checkpointing` = `checkpointing`: True every layer, an int n
+    every n-th (0, n, 2n, ...: selective), False none. The one rule the model's forward
+    (models/transformer.py) and the planner's memory and traffic (plan/memory.py,
+    plan/traffic.py) read. The index is global, not the position within a pipeline rank, so
+    the layers that recompute are the model's, whatever the layout cuts."""
+    if isinstance(checkpointing, bool):
+        return checkpointing
+    return checkpointing > 0 and index % checkpointing == 0
+
+
 @runtime_checkable
 class StagedModel(Protocol):
     """What a pipeline stage calls: the model's own forward over some of its layers."""

@@ -30,6 +30,7 @@ from unmask.models.config import ModelConfig
 from unmask.models.fused import rms_norm, swiglu
 from unmask.models.hf import save_pretrained
 from unmask.models.moe import SparseMoE, checkpoint_contexts, init_moe_weights
+from unmask.models.shape import recomputes
 
 
 class RMSNorm(nn.Module):
@@ -268,11 +269,9 @@ class DiffusionTransformer(nn.Module):
     def checkpoints(self, index: int) -> bool:
         """Whether layer ``index`` recomputes its activations in backward:
         ``gradient_checkpointing`` True = every layer, an int n = every n-th (0, n, 2n, ...:
-        selective), False = none."""
-        flag = self.gradient_checkpointing
-        if isinstance(flag, bool):
-            return flag
-        return flag > 0 and index % flag == 0
+        selective, counted over the whole model's layers), False = none (models/shape.py
+        `recomputes`, which the planner reads too)."""
+        return recomputes(self.gradient_checkpointing, index)
 
     def tie_weights(self) -> None:
         """Make lm_head share the embedding's Parameter when tie_word_embeddings is set."""

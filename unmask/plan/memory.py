@@ -82,6 +82,7 @@ import torch
 from unmask.diffusion.loss import LOSS_BLOCK, loss_block_rows
 from unmask.models.build import _no_init, build_model, shape_of
 from unmask.models.moe import step_casts
+from unmask.models.shape import recomputes
 from unmask.optim.muon import NS_BATCH_NUMEL
 from unmask.plan.shards import ShardedModel
 
@@ -337,13 +338,12 @@ def layer_saves(model: ShardedModel, shape: StepShape) -> tuple[list[int], list[
                                     autocast=casts)  # fmt: skip
         weight_copies = 0  # the trace saw autocast's copies
     kept, held, any_checkpointed = [], [], False
-    for position, index in enumerate(model.layer_indices):
+    for index in model.layer_indices:
         if traced is not None:
             full = traced[index]
         else:
             full = by_kind[bool(arch.num_experts) and arch.is_moe_layer(index)]
-        flag = shape.checkpointing
-        checkpointed = flag if isinstance(flag, bool) else (flag > 0 and position % flag == 0)
+        checkpointed = recomputes(shape.checkpointing, index)  # the model's own rule
         kept.append(kept_input if checkpointed else full + weight_copies)
         held.append(kept_input + full if checkpointed else full + weight_copies)
         any_checkpointed |= checkpointed

@@ -42,6 +42,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from unmask.models.build import shape_of
+from unmask.models.shape import recomputes
 from unmask.parallel.context import alltoall_bytes
 from unmask.parallel.mesh import MESH_DIMS, MeshLayout
 from unmask.plan.memory import StepShape
@@ -128,7 +129,7 @@ def step_collectives(model: ShardedModel, shape: StepShape, nodes: int,
                               grads, layout.dp_replicate,
                               is_intra_node(layout, ("dp_replicate",), nodes)))  # fmt: skip
     tokens = shape.rows * shape.length // layout.cp
-    recomputed = _checkpointed_layers(model.layers, shape.checkpointing)
+    recomputed = _checkpointed_layers(model, shape.checkpointing)
     if layout.tp > 1:
         calls = micro * (4 * model.layers + 2 * recomputed)
         size = calls * tokens * arch.hidden_size * b
@@ -303,12 +304,10 @@ def _ep_intra(layout: MeshLayout, size: int, stride: int, nodes: int) -> bool:
 def _checkpointed_moe_layers(model: ShardedModel, flag: bool | int) -> int:
     """MoE layers this rank recomputes in backward (activation checkpointing)."""
     arch = model.model_config
-    return sum(1 for position, index in enumerate(model.layer_indices)
-               if arch.is_moe_layer(index) and (flag if isinstance(flag, bool)
-                                                 else flag > 0 and position % flag == 0))  # fmt: skip
+    return sum(1 for index in model.layer_indices
+               if arch.is_moe_layer(index) and recomputes(flag, index))  # fmt: skip
 
 
-def _checkpointed_layers(layers: int, flag: bool | int) -> int:
-    if isinstance(flag, bool):
-        return layers if flag else 0
-    return sum(1 for i in range(layers) if flag > 0 and i % flag == 0)
+def _checkpointed_layers(model: ShardedModel, flag: bool | int) -> int:
+    """Decoder layers this rank recomputes in backward (the model's rule, by global index)."""
+    return sum(1 for index in model.layer_indices if recomputes(flag, index))
