@@ -39,7 +39,8 @@ models/diffusion_gemma) computes, and this module computes the same way:
 The names are the folder's with `model.decoder.` read as `model.` (the layout models/shape.py
 names; models/diffusion_gemma_layout.py maps them, and the encoder's layer scalars are
 `model.layers.N.encoder_layer_scalar`). The vision tower transformers always builds is not
-part of this model (text only): `from_pretrained` carries its tensors to the folder it saves.
+part of this model's parameters: `from_pretrained` carries its tensors to the folder it saves,
+and `encode(..., images=)` runs them (models/diffusion_gemma_vision.py, frozen).
 
 Config: the sizes every decoder shares stay ModelConfig's flat fields (for this family the
 sliding layers' heads, head_dim and rope_theta); the fields only this family reads are one
@@ -67,7 +68,7 @@ Tensor parallelism (`parallel.tensor_parallel`, parallel/tensor.py with models/s
 `DIFFUSION_GEMMA_TENSOR_PLAN`): attention's projections and the dense MLP split over the tp
 ranks (each rank's attention runs on its own heads, and caches their K/V only); the
 routers, experts, embedding / LM head and self-conditioning MLP stay whole on every rank.
-Not yet: pipeline parallelism, activation checkpointing, images.
+Not yet: pipeline parallelism, activation checkpointing, training the vision tower.
 """
 
 from __future__ import annotations
@@ -82,6 +83,7 @@ from unmask.errors import InputError
 from unmask.models.attention import AttentionMask, attend
 from unmask.models.config import ModelConfig
 from unmask.models.diffusion_gemma_layout import ENCODER_BIASES
+from unmask.models.diffusion_gemma_vision import Images, require_vision
 from unmask.models.hf import save_pretrained
 from unmask.models.moe import (
     expert_counts,
@@ -468,11 +470,13 @@ class DiffusionGemma(nn.Module):
 
     def encode(self, input_ids: torch.Tensor, cache: PromptCache | None = None,
                position_ids: torch.Tensor | None = None,
-               prompt_mask: torch.Tensor | None = None) -> PromptCache:  # fmt: skip
+               prompt_mask: torch.Tensor | None = None,
+               images: Images | None = None) -> PromptCache:  # fmt: skip
         """The encoder pass: input_ids (B, n) after the `cache`'s tokens (None: a new prompt),
         causal over them; returns the cache extended by them (a new object). position_ids
         (B, n): their RoPE positions (None: cache.length onward). prompt_mask (B, n) bool:
-        False marks padding, which no later token attends to (None: all real)."""
+        False marks padding, which no later token attends to (None: all real). images: the
+        prompts' pictures (models/diffusion_gemma_vision.py), a new prompt's only."""
         batch, count = input_ids.shape
         device = input_ids.device
         start = 0 if cache is None else cache.length
@@ -482,6 +486,12 @@ class DiffusionGemma(nn.Module):
         tables = self._tables(position_ids)
         window = self.section.sliding_window
         x = self._embed(input_ids)
+        groups = None
+        if images is not None:
+            if cache is not None:
+                raise InputError("images go with a new prompt, not with tokens appended to a cache")
+            vision = require_vision(self)
+            x, groups = vision.insert(x, input_ids, images), vision.groups(input_ids)
         # the residual stream's dtype, kept between layers: under autocast a layer's output is
         # float32 (its float32 layer scalar), and a compiled layer would see a new input dtype
         stream = x.dtype
@@ -497,6 +507,8 @@ class DiffusionGemma(nn.Module):
                 kept = 0 if past is None else past[0].shape[2]
                 allowed = _encoder_mask(start, count, kept, window if sliding else None,
                                         mask, device)  # fmt: skip
+                if groups is not None:  # each image's tokens see each other
+                    allowed = allowed | _same_image(groups)
                 x, (k, v) = layer(x, cos, sin, allowed, past, encoder=True)
                 x = x.to(stream)
             if past is not None:
@@ -551,7 +563,8 @@ class DiffusionGemma(nn.Module):
                 canvas_position_ids: torch.Tensor | None = None,
                 self_condition: torch.Tensor | None = None,
                 targets: torch.Tensor | None = None,
-                target_weights: torch.Tensor | None = None, **decoder_call) -> torch.Tensor:  # fmt: skip
+                target_weights: torch.Tensor | None = None, images: Images | None = None,
+                **decoder_call) -> torch.Tensor:  # fmt: skip
         """Canvas logits (B, C, V) float32 for prompts input_ids (B, L) and canvases
         canvas_ids (B, C): `decode(canvas_ids, encode(input_ids))` (see both; position_ids
         (B, L) and canvas_position_ids (B, C) are their RoPE positions, None: from 0 and
@@ -574,7 +587,8 @@ class DiffusionGemma(nn.Module):
             )
         if self_condition is not None and self_conditioning_logits is not None:
             raise ValueError("give self_condition (two passes) or self_conditioning_logits")
-        cache = self.encode(input_ids, position_ids=position_ids, prompt_mask=prompt_mask)
+        cache = self.encode(input_ids, position_ids=position_ids, prompt_mask=prompt_mask,
+                            images=images)  # fmt: skip
         if self_condition is not None:
             with torch.no_grad():  # pass 1 on every row, so every rank runs the same passes
                 # on a detached cache: the sampler's and evaluation's decoder call (a compiled
@@ -649,6 +663,13 @@ def _joined_mask(cache: PromptCache | None, prompt_mask: torch.Tensor | None, ba
     if prompt_mask is None:
         prompt_mask = torch.ones(batch, count, dtype=torch.bool, device=device)
     return torch.cat((before, prompt_mask.to(device=device, dtype=torch.bool)), dim=1)
+
+
+def _same_image(groups: torch.Tensor) -> torch.Tensor:
+    """(B, 1, L, L) bool: query and key in the same run of image tokens (groups (B, L): the
+    run's index, -1 for text)."""
+    same = (groups[:, :, None] == groups[:, None, :]) & (groups[:, :, None] >= 0)
+    return same[:, None]
 
 
 def _encoder_mask(start: int, count: int, kept: int, window: int | None,

@@ -1,0 +1,196 @@
+"""DiffusionGemma with images (models/diffusion_gemma_vision.py) against transformers'
+DiffusionGemmaForBlockDiffusion: tiny random models with a tiny Gemma 4 vision tower, saved
+by transformers and read by unmask; the same canvas logits (float32, 1e-5) for one image,
+several images of different sizes per row, a batch with a text-only row, left padding, and
+the bidirectional image blocks (use_bidirectional_attention: vision); folders with the tower
+round-trip bit for bit and transformers reads unmask's; bad image input is one line."""
+
+import pytest
+import torch
+import transformers
+from safetensors import safe_open
+
+from unmask.errors import InputError
+from unmask.models import from_pretrained
+from unmask.models.diffusion_gemma_vision import Images, folder_vision
+
+SLIDING, FULL = "sliding_attention", "full_attention"
+VOCAB, IMAGE, BOI, EOI = 97, 90, 91, 92
+TEXT = {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 4,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "global_head_dim": 16,
+        "num_global_key_value_heads": 1, "sliding_window": 4,
+        "layer_types": [SLIDING, FULL, SLIDING, FULL], "num_experts": 4, "top_k_experts": 2,
+        "moe_intermediate_size": 24, "max_position_embeddings": 128,
+        "final_logit_softcapping": 2.0, "initializer_range": 0.1}  # fmt: skip
+VISION = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2,
+          "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 8, "patch_size": 2,
+          "position_embedding_size": 16, "pooling_kernel_size": 2}  # fmt: skip
+CANVAS = 6
+TOLERANCE = 1e-5
+
+
+def transformers_model(bidirectional: bool = False, seed: int = 0):
+    """A tiny DiffusionGemmaForBlockDiffusion with a two-layer vision tower; norms, scales,
+    layer scalars and the position table drawn so a swapped one shows."""
+    torch.manual_seed(seed)
+    text = {**TEXT, "use_bidirectional_attention": "vision" if bidirectional else None}
+    config = transformers.DiffusionGemmaConfig(
+        text_config=text, vision_config=VISION, canvas_length=CANVAS, initializer_range=0.1,
+        image_token_id=IMAGE, boi_token_id=BOI, eoi_token_id=EOI)  # fmt: skip
+    model = transformers.DiffusionGemmaForBlockDiffusion(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name or name.endswith("scale"):
+                param.uniform_(0.5, 1.5)
+            elif "position_embedding_table" in name or "vision" in name:
+                param.normal_(0.0, 0.3)
+        for name, buffer in model.named_buffers():
+            if name.endswith("layer_scalar"):
+                buffer.uniform_(0.5, 1.5)
+    return model
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["causal", "bidirectional"])
+def folders(request, tmp_path_factory):
+    root = tmp_path_factory.mktemp("dg_vision")
+    hf = transformers_model(request.param)
+    hf.save_pretrained(root / "hf")
+    return hf, root / "hf"
+
+
+def patches(shapes: list[tuple[int, int]], seed: int = 3) -> Images:
+    """Images of (rows, columns) patches as the processor lays them out: row-major patches of
+    3 x 2 x 2 pixels in [0, 1], (x, y) positions, padded to the largest with (-1, -1)."""
+    g = torch.Generator().manual_seed(seed)
+    most = max(r * c for r, c in shapes)
+    pixels = torch.zeros(len(shapes), most, 3 * 2 * 2)
+    positions = torch.full((len(shapes), most, 2), -1, dtype=torch.long)
+    for i, (rows, cols) in enumerate(shapes):
+        ys, xs = torch.meshgrid(torch.arange(rows), torch.arange(cols), indexing="ij")
+        positions[i, : rows * cols] = torch.stack((xs.flatten(), ys.flatten()), dim=-1)
+        pixels[i, : rows * cols] = torch.rand(rows * cols, 12, generator=g)
+    return Images(pixels, positions)
+
+
+def soft_tokens(shape: tuple[int, int]) -> int:
+    return (shape[0] // 2) * (shape[1] // 2)
+
+
+def prompt_row(parts: list, length: int, seed: int) -> list[int]:
+    """Text tokens and images ((rows, cols): BOI, its soft tokens, EOI), left-padded with 0."""
+    g = torch.Generator().manual_seed(seed)
+    row: list[int] = []
+    for part in parts:
+        if isinstance(part, tuple):
+            row += [BOI] + [IMAGE] * soft_tokens(part) + [EOI]
+        else:
+            row += torch.randint(0, 89, (part,), generator=g).tolist()
+    assert len(row) <= length
+    return [0] * (length - len(row)) + row
+
+
+CASES = {
+    "one image": [[3, (4, 4), 2]],
+    "several images of different sizes per row": [[2, (4, 6), 1, (2, 2), 3],
+                                                   [(6, 4), 2, (4, 4), 1]],
+    "a batch with a text-only row, left padded": [[7], [1, (4, 4), 2]],
+}  # fmt: skip
+
+
+def batch(rows: list[list]):
+    length = max(len(prompt_row(r, 99, 0)) for r in rows)
+    ids = torch.tensor([prompt_row(r, length, seed) for seed, r in enumerate(rows)])
+    real = torch.tensor([[True] * length] * len(rows))
+    for i, r in enumerate(rows):
+        real[i, : length - len(prompt_row(r, 99, 0))] = False
+    shapes = [p for r in rows for p in r if isinstance(p, tuple)]
+    return ids, real, patches(shapes)
+
+
+def transformers_logits(hf, ids, real, images, canvas, previous):
+    """transformers' forward, its encoder masks built as its `generate` builds them (its
+    forward drops the bidirectional image blocks: encoder.create_masks_for_generate's
+    result is not used there)."""
+    kinds = (ids == IMAGE).long()
+    masks = hf.model.encoder.create_masks_for_generate(
+        config=hf.config, inputs_embeds=torch.empty(*ids.shape, 0), attention_mask=real,
+        cache=None, position_ids=torch.arange(ids.shape[1])[None], mm_token_type_ids=kinds)  # fmt: skip
+    with torch.no_grad():
+        return hf(input_ids=ids, attention_mask=masks, decoder_input_ids=canvas,
+                  self_conditioning_logits=previous, pixel_values=images.pixel_values,
+                  image_position_ids=images.position_ids,
+                  decoder_attention_mask=torch.nn.functional.pad(real, (0, CANVAS), value=True),
+                  ).logits  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_logits_with_images_equal_transformers(folders, case):
+    hf, folder = folders
+    ours = from_pretrained(folder).eval()
+    ids, real, images = batch(CASES[case])
+    g = torch.Generator().manual_seed(7)
+    canvas = torch.randint(0, VOCAB, (ids.shape[0], CANVAS), generator=g)
+    previous = 3 * torch.randn(ids.shape[0], CANVAS, VOCAB, generator=g)
+    expected = transformers_logits(hf, ids, real, images, canvas, previous)
+    with torch.no_grad():
+        got = ours(ids, canvas, previous, prompt_mask=real, images=images)
+        assert (got - expected).abs().max().item() <= TOLERANCE
+        # the pictures matter: other pixels, other logits (rows with an image)
+        other = Images(images.pixel_values.flip(1), images.position_ids)
+        moved = ours(ids, canvas, previous, prompt_mask=real, images=other)
+        has = (ids == IMAGE).any(dim=1)
+        assert ((moved - got).abs().amax(dim=(1, 2)) > 1e-4).tolist() == has.tolist()
+
+
+def test_the_bidirectional_rule_is_the_configs(folders):
+    """use_bidirectional_attention: vision turns the image blocks on, else they are off; the
+    other rule gives other logits than transformers' (so the parity above sees the rule)."""
+    hf, folder = folders
+    ours = from_pretrained(folder).eval()
+    vision = folder_vision(ours)
+    assert vision.bidirectional == (hf.config.text_config.use_bidirectional_attention == "vision")
+    ids, real, images = batch(CASES["several images of different sizes per row"])
+    canvas = torch.randint(0, VOCAB, (ids.shape[0], CANVAS), generator=torch.Generator())
+    expected = transformers_logits(hf, ids, real, images, canvas, None)
+    vision.bidirectional = not vision.bidirectional
+    with torch.no_grad():
+        other = ours(ids, canvas, prompt_mask=real, images=images)
+    assert (other - expected).abs().max().item() > 1e-4
+
+
+def test_folders_with_the_tower_round_trip_and_transformers_reads_ours(folders, tmp_path):
+    hf, folder = folders
+    ours = from_pretrained(folder).eval()
+    ids, real, images = batch(CASES["several images of different sizes per row"])
+    canvas = torch.randint(0, VOCAB, (ids.shape[0], CANVAS), generator=torch.Generator())
+    with torch.no_grad():
+        before = ours(ids, canvas, prompt_mask=real, images=images)
+    ours.save_pretrained(tmp_path / "ours")
+    with safe_open(str(folder / "model.safetensors"), "pt") as theirs, \
+            safe_open(str(tmp_path / "ours" / "model.safetensors"), "pt") as written:  # fmt: skip
+        assert set(written.keys()) == set(theirs.keys())
+        assert any(key.startswith("model.encoder.vision_tower.") for key in theirs.keys())
+        for key in theirs.keys():
+            assert torch.equal(written.get_tensor(key), theirs.get_tensor(key)), key
+    again = from_pretrained(tmp_path / "ours").eval()
+    for key, tensor in folder_vision(ours).state_dict().items():
+        assert torch.equal(tensor, folder_vision(again).state_dict()[key]), key
+    with torch.no_grad():
+        assert torch.equal(again(ids, canvas, prompt_mask=real, images=images), before)
+    back = transformers.DiffusionGemmaForBlockDiffusion.from_pretrained(tmp_path / "ours").eval()
+    expected = transformers_logits(back, ids, real, images, canvas, None)
+    assert (before - expected).abs().max().item() <= TOLERANCE
+
+
+def test_bad_image_input_is_one_line(folders, tmp_path):
+    hf, folder = folders
+    ours = from_pretrained(folder).eval()
+    ids, real, images = batch(CASES["one image"])
+    canvas = torch.zeros(1, CANVAS, dtype=torch.long)
+    two = patches([(4, 4), (4, 4)])
+    with pytest.raises(InputError, match="the prompts hold 4 image tokens but their 2 image"):
+        ours(ids, canvas, images=two)
+    text_only = from_pretrained(folder).eval()
+    text_only.hf_carried_weights = {}
+    with pytest.raises(InputError, match="this model has no vision tower"):
+        text_only(ids, canvas, images=images)

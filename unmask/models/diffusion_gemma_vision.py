@@ -1,0 +1,356 @@
+"""DiffusionGemma's images: the Gemma 4 vision tower and the `embed_vision` projector that
+put a picture's soft tokens into the prompt encoder (models/diffusion_gemma.py).
+
+What transformers 5.24 computes (models/gemma4 `Gemma4VisionModel`, models/diffusion_gemma
+`DiffusionGemmaMultimodalEmbedder` and `DiffusionGemmaEncoderModel`), computed here the same
+way:
+
+- Input: the processor's patches, `pixel_values` (N, P, 3 x patch^2) in [0, 1], and their
+  (x, y) grid positions `image_position_ids` (N, P, 2), (-1, -1) marking padding patches
+  (images of different sizes share one P). Images are in the order their image tokens occur
+  over the batch's rows (row 0's first, ...).
+- Patch embedding: a linear map of 2 x (pixels - 0.5), plus a learned x embedding and a
+  learned y embedding of the patch's position (zero on padding patches).
+- Layers: input norm -> attention -> post-attention norm -> residual; pre-feedforward norm ->
+  gated GELU (tanh) MLP -> post-feedforward norm -> residual. Attention is bidirectional
+  over an image's real patches, scale 1.0, q/k RMSNorm per head (weights), v RMSNorm without
+  weight, 2-D RoPE: the first half of each head rotates by the x position, the second half
+  by the y position, each half with frequencies theta^(-4i / head_dim). RMSNorm multiplies
+  by w (not 1 + w). With `use_clipped_linears` every projection clamps its input and
+  output to stored bounds.
+- Pooling: padding patches zeroed, then the average of each k x k block of patches
+  (k = `pooling_kernel_size`) by their positions, times sqrt(hidden) in float32; blocks no
+  patch falls in are dropped, so an image gives (its patch rows / k) x (patch columns / k)
+  soft tokens; with `standardize`, (x - std_bias) x std_scale.
+- Projector: weightless RMSNorm, then a linear map to the text model's hidden size.
+- The encoder's embedding of each image token (`image_token_id`) is replaced by the next
+  soft token (unscaled: only text embeddings are scaled by sqrt(hidden)); where
+  text_config.use_bidirectional_attention is "vision", each run of consecutive image tokens
+  also attends to itself bidirectionally in the encoder (every layer, window or not).
+
+Held apart from the text model: the folder's tower tensors stay the model's carried
+weights (`hf_carried_weights`, written back as read), and the tower built from them is not
+a registered submodule, so it is frozen, not in the state dict, the optimizer or FSDP's
+units. Training the tower is not supported yet.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from unmask.errors import InputError
+
+TOWER, PROJECTOR = "model.encoder.vision_tower.", "model.encoder.embed_vision."
+"""Folder prefixes of the tower's and the projector's tensors."""
+
+
+@dataclass
+class Images:
+    """A batch's images as the folder's processor gives them: pixel_values (N, P, 3 x p^2)
+    float, position_ids (N, P, 2) long ((-1, -1): a padding patch), in the order their image
+    tokens occur over the rows."""
+
+    pixel_values: torch.Tensor
+    position_ids: torch.Tensor
+
+    def to(self, device: torch.device) -> Images:
+        return Images(self.pixel_values.to(device), self.position_ids.to(device))
+
+
+def _norm(x: torch.Tensor, eps: float, weight: torch.Tensor | None = None) -> torch.Tensor:
+    """RMSNorm in float32 (x (..., D) times w when given), back in x's dtype."""
+    xf = x.float()
+    out = xf * torch.pow(xf.pow(2).mean(-1, keepdim=True) + eps, -0.5)
+    if weight is not None:
+        out = out * weight.float()
+    return out.type_as(x)
+
+
+class Norm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _norm(x, self.eps, self.weight)
+
+
+class ClippableLinear(nn.Module):
+    """A bias-free linear map (`.linear`), its input and output clamped to stored bounds
+    when the config asks (`use_clipped_linears`)."""
+
+    def __init__(self, clipped: bool, inputs: int, outputs: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(inputs, outputs, bias=False)
+        self.clipped = clipped
+        if clipped:
+            for name in ("input_min", "input_max", "output_min", "output_max"):
+                sign = -1.0 if name.endswith("min") else 1.0
+                self.register_buffer(name, torch.tensor(sign * math.inf))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.clipped:
+            x = torch.clamp(x, self.input_min, self.input_max)
+        x = self.linear(x)
+        if self.clipped:
+            x = torch.clamp(x, self.output_min, self.output_max)
+        return x
+
+
+def rotate_2d(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """x (N, P, H, D) rotated by (x, y) positions (N, P, 2): the first D/2 features by x, the
+    rest by y, each half rotate-half RoPE with frequencies theta^(-2i / (D/2))."""
+    half = x.shape[-1] // 2
+    inv_freq = 1.0 / (theta ** (torch.arange(0, half, 2, dtype=torch.float32,
+                                             device=x.device) / half))  # fmt: skip
+    parts = []
+    for axis in range(2):
+        freqs = positions[..., axis, None].float() * inv_freq  # (N, P, D/4)
+        angles = torch.cat((freqs, freqs), dim=-1)[:, :, None]  # (N, P, 1, D/2)
+        cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+        part = x[..., axis * half : (axis + 1) * half]
+        first, second = part[..., : half // 2], part[..., half // 2 :]
+        parts.append(part * cos + torch.cat((-second, first), dim=-1) * sin)
+    return torch.cat(parts, dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: dict[str, Any]) -> None:
+        super().__init__()
+        hidden, heads, clipped = cfg["hidden_size"], cfg["num_attention_heads"], cfg["clipped"]
+        self.head_dim, self.kv_heads = cfg["head_dim"], cfg["num_key_value_heads"]
+        self.eps, self.theta = cfg["rms_norm_eps"], cfg["rope_theta"]
+        self.q_proj = ClippableLinear(clipped, hidden, heads * self.head_dim)
+        self.k_proj = ClippableLinear(clipped, hidden, self.kv_heads * self.head_dim)
+        self.v_proj = ClippableLinear(clipped, hidden, self.kv_heads * self.head_dim)
+        self.o_proj = ClippableLinear(clipped, heads * self.head_dim, hidden)
+        self.q_norm = Norm(self.head_dim, self.eps)
+        self.k_norm = Norm(self.head_dim, self.eps)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, real: torch.Tensor):
+        """x (N, P, H); real (N, P) bool: the keys every patch attends to."""
+        n, p, _ = x.shape
+        shape = (n, p, -1, self.head_dim)
+        q = rotate_2d(self.q_norm(self.q_proj(x).view(shape)), positions, self.theta)
+        k = rotate_2d(self.k_norm(self.k_proj(x).view(shape)), positions, self.theta)
+        v = _norm(self.v_proj(x).view(shape), self.eps)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        groups = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=real[:, None, None, :], scale=1.0)
+        return self.o_proj(out.transpose(1, 2).reshape(n, p, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: dict[str, Any]) -> None:
+        super().__init__()
+        hidden, inner, clipped = cfg["hidden_size"], cfg["intermediate_size"], cfg["clipped"]
+        self.gate_proj = ClippableLinear(clipped, hidden, inner)
+        self.up_proj = ClippableLinear(clipped, hidden, inner)
+        self.down_proj = ClippableLinear(clipped, inner, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
+
+
+class Layer(nn.Module):
+    def __init__(self, cfg: dict[str, Any]) -> None:
+        super().__init__()
+        hidden, eps = cfg["hidden_size"], cfg["rms_norm_eps"]
+        self.self_attn = Attention(cfg)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = Norm(hidden, eps)
+        self.post_attention_layernorm = Norm(hidden, eps)
+        self.pre_feedforward_layernorm = Norm(hidden, eps)
+        self.post_feedforward_layernorm = Norm(hidden, eps)
+
+    def forward(self, x, positions, real):
+        x = x + self.post_attention_layernorm(
+            self.self_attn(self.input_layernorm(x), positions, real)
+        )
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+
+
+class PatchEmbedder(nn.Module):
+    def __init__(self, cfg: dict[str, Any]) -> None:
+        super().__init__()
+        hidden = cfg["hidden_size"]
+        self.input_proj = nn.Linear(3 * cfg["patch_size"] ** 2, hidden, bias=False)
+        self.position_embedding_table = nn.Parameter(
+            torch.ones(2, cfg["position_embedding_size"], hidden)
+        )
+
+    def forward(self, pixels: torch.Tensor, positions: torch.Tensor, padding: torch.Tensor):
+        weight = self.input_proj.weight
+        x = self.input_proj((2 * (pixels - 0.5)).to(weight.dtype))
+        at = positions.clamp(min=0)
+        table = self.position_embedding_table
+        where = F.embedding(at[..., 0], table[0]) + F.embedding(at[..., 1], table[1])
+        return x + torch.where(padding[..., None], 0.0, where)
+
+
+class Encoder(nn.Module):
+    def __init__(self, cfg: dict[str, Any]) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(Layer(cfg) for _ in range(cfg["num_hidden_layers"]))
+
+
+class VisionTower(nn.Module):
+    """Gemma 4's vision model (module docstring): patches -> pooled soft tokens."""
+
+    def __init__(self, cfg: dict[str, Any]) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.patch_embedder = PatchEmbedder(cfg)
+        self.encoder = Encoder(cfg)
+        if cfg["standardize"]:
+            self.register_buffer("std_bias", torch.zeros(cfg["hidden_size"]))
+            self.register_buffer("std_scale", torch.ones(cfg["hidden_size"]))
+
+    def forward(self, pixels: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """(N, P, 3p^2), (N, P, 2) -> the real soft tokens of every image, in order (T, hidden)."""
+        k = self.cfg["pooling_kernel_size"]
+        slots = pixels.shape[-2] // (k * k)
+        padding = (positions == -1).all(dim=-1)
+        x = self.patch_embedder(pixels, positions, padding)
+        for layer in self.encoder.layers:
+            x = layer(x, positions, ~padding)
+        x = x.masked_fill(padding[..., None], 0.0)
+        at = positions.clamp(min=0)
+        columns = at[..., 0].max(dim=-1, keepdim=True)[0] + 1
+        block = torch.div(at, k, rounding_mode="floor")
+        index = block[..., 0] + (columns // k) * block[..., 1]  # (N, P) the patch's block
+        weights = F.one_hot(index.long(), slots).float() / (k * k)  # (N, P, slots)
+        pooled = (weights.transpose(1, 2) @ x.float()).to(x.dtype)
+        used = (weights != 0).any(dim=1)  # (N, slots) blocks some patch falls in
+        tokens = pooled.float()[used] * self.cfg["hidden_size"] ** 0.5
+        if self.cfg["standardize"]:
+            tokens = (tokens - self.std_bias.float()) * self.std_scale.float()
+        return tokens.to(x.dtype)
+
+
+class Projector(nn.Module):
+    """`embed_vision`: weightless RMSNorm, then a linear map to the text hidden size."""
+
+    def __init__(self, vision_hidden: int, text_hidden: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.embedding_projection = nn.Linear(vision_hidden, text_hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.embedding_projection(_norm(x, self.eps))
+
+
+def _tower_config(vision: dict[str, Any]) -> dict[str, Any]:
+    """The sizes the tower reads from a folder's vision_config (transformers' defaults)."""
+    rope = vision.get("rope_parameters") or {}
+    if rope.get("rope_type", "axial") != "axial":
+        raise InputError(f"config.json: vision_config.rope_parameters.rope_type="
+                         f"{rope['rope_type']!r} is not supported; need axial")  # fmt: skip
+    if vision.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
+        raise InputError(f"config.json: vision_config.hidden_activation="
+                         f"{vision['hidden_activation']!r} is not supported; need "
+                         "gelu_pytorch_tanh")  # fmt: skip
+    defaults = {"hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 16,
+                "num_attention_heads": 12, "num_key_value_heads": 12, "head_dim": 64,
+                "rms_norm_eps": 1e-6, "pooling_kernel_size": 3, "patch_size": 16,
+                "position_embedding_size": 10 * 1024}  # fmt: skip
+    cfg = {key: vision.get(key) or value for key, value in defaults.items()}
+    cfg["rope_theta"] = float(rope.get("rope_theta", 100.0))
+    cfg["clipped"] = bool(vision.get("use_clipped_linears", False))
+    cfg["standardize"] = bool(vision.get("standardize", False))
+    return cfg
+
+
+class Vision(nn.Module):
+    """The tower and the projector of one DiffusionGemma folder, and where their soft
+    tokens go (`image_token_id`, the bidirectional rule)."""
+
+    def __init__(self, source: dict[str, Any], text_hidden: int) -> None:
+        super().__init__()
+        cfg = _tower_config(source["vision_config"])
+        self.image_token_id = int(source.get("image_token_id", 258_880))
+        text = source.get("text_config") or {}
+        self.bidirectional = text.get("use_bidirectional_attention") == "vision"
+        self.vision_tower = VisionTower(cfg)
+        self.embed_vision = Projector(cfg["hidden_size"], text_hidden, cfg["rms_norm_eps"])
+
+    def load_folder_tensors(self, carried: dict[str, torch.Tensor]) -> None:
+        """Load the folder's tower and projector tensors (strictly: one line naming what is
+        missing or left over)."""
+        state = {}
+        for key, value in carried.items():
+            for prefix, native in ((TOWER, "vision_tower."), (PROJECTOR, "embed_vision.")):
+                if key.startswith(prefix):
+                    state[native + key[len(prefix) :]] = value
+        expected = set(self.state_dict())
+        missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
+        if missing or unexpected:
+            raise InputError(f"the folder's vision tower does not match its vision_config: "
+                             f"missing {missing[:3]}, unexpected {unexpected[:3]}")  # fmt: skip
+        self.load_state_dict(state, strict=True)
+
+    def soft_tokens(self, images: Images) -> torch.Tensor:
+        """(T, text hidden): every image's soft tokens through the projector, in order."""
+        return self.embed_vision(self.vision_tower(images.pixel_values, images.position_ids))
+
+    def insert(self, x: torch.Tensor, input_ids: torch.Tensor, images: Images) -> torch.Tensor:
+        """x (B, L, H) text embeddings with the image tokens' rows replaced by the soft tokens
+        (one line when their counts differ)."""
+        slots = input_ids == self.image_token_id
+        tokens = self.soft_tokens(images.to(x.device))
+        if int(slots.sum()) != tokens.shape[0]:
+            raise InputError(f"the prompts hold {int(slots.sum())} image tokens but their "
+                             f"{images.pixel_values.shape[0]} image(s) give {tokens.shape[0]} "
+                             "soft tokens; give one image per image placeholder")  # fmt: skip
+        return x.masked_scatter(slots[..., None], tokens.to(x.dtype))
+
+    def groups(self, input_ids: torch.Tensor) -> torch.Tensor | None:
+        """(B, L) long: each run of consecutive image tokens' index in its row, -1 elsewhere
+        (the encoder's bidirectional blocks), or None when the config asks for none."""
+        if not self.bidirectional:
+            return None
+        image = input_ids == self.image_token_id
+        before = F.pad(image[:, :-1], (1, 0), value=False)
+        run = torch.cumsum((image & ~before).long(), dim=1) - 1
+        return torch.where(image, run, -1)
+
+
+def folder_vision(model: nn.Module) -> Vision | None:
+    """The model's tower and projector, built once from its folder's config.json
+    (`hf_source_config`) and carried tensors, on the embedding's device and dtype; None for a
+    model without them (a fresh one, or a folder with no vision_config)."""
+    weight = model.model.embed_tokens.weight
+    built = model.__dict__.get("_folder_vision")
+    if built is not None:
+        param = built.embed_vision.embedding_projection.weight
+        if param.device != weight.device or param.dtype != weight.dtype:
+            built.to(device=weight.device, dtype=weight.dtype)
+        return built
+    source = getattr(model, "hf_source_config", None) or {}
+    carried = getattr(model, "hf_carried_weights", None) or {}
+    if "vision_config" not in source or not any(k.startswith(TOWER) for k in carried):
+        return None
+    vision = Vision(source, model.config.hidden_size)
+    vision.load_folder_tensors(carried)
+    vision.requires_grad_(False)
+    vision.to(device=weight.device, dtype=weight.dtype).eval()
+    model.__dict__["_folder_vision"] = vision  # not a submodule: kept out of the state dict
+    return vision
+
+
+def require_vision(model: nn.Module) -> Vision:
+    """folder_vision(model), or one line saying the model has no tower."""
+    vision = folder_vision(model)
+    if vision is None:
+        raise InputError("this model has no vision tower (a text-only diffusion_gemma, or not "
+                         "a diffusion_gemma folder): images are not supported; drop the "
+                         "images")  # fmt: skip
+    return vision
