@@ -3,7 +3,7 @@
 Two models, one global batch (split_batches: 16 rows of 128 tokens), trained by the real
 trainer (unmask.train.Trainer) under pp=2 with each schedule, at m = 4p = 8 micro-batches of
 2 rows (interleaved 1F1B and zero bubble: 2 stages per rank, so 4 stages), the layers cut by
-the trainer's default split (estimated cost, parallel/pipeline.py `balanced_split`):
+the trainer's default split (estimated cost, parallel/pipeline_plan.py `balanced_split`):
 
 - *equal*: 32 layers of hidden 256, a vocabulary of 128. Its LM head costs about 2% of a
   layer, so the default split gives every stage the same layers (16 | 16; 8 | 8 | 8 | 8) and
@@ -23,9 +23,9 @@ the stage's compute calls (`forward_one_chunk`, `backward_one_chunk`,
 waits for a peer's activations or gradients); *wall* idle fraction = 1 - compute / wall, the
 max over ranks. *Replayed*: the order the schedule ran its actions in (the last timed step's)
 replayed with each action kind's median CPU time per stage and free communication
-(parallel/pipeline.py `schedule_idle`), the max over ranks. The formula it is compared with
+(parallel/pipeline_plan.py `schedule_idle`), the max over ranks. The formula it is compared with
 is the schedule's idle share with equal stages and free communication
-(parallel/pipeline.py `bubble_formula`): (p - 1) / (v m + p - 1) for gpipe, 1F1B and
+(parallel/pipeline_plan.py `bubble_formula`): (p - 1) / (v m + p - 1) for gpipe, 1F1B and
 interleaved 1F1B (v stages per rank), (p - 1) / (3 v m + p - 1) for zero bubble (forward,
 input pass and weight pass equal); *equal stages* replays the same recorded order with
 forward 1, input and weight passes 1 each (backward 2) on every stage, which must give the
@@ -94,7 +94,7 @@ def config_tree(out: Path, model: dict, train: dict, optim: dict) -> dict:
 def formula(schedule: str, passes: tuple[float, float, float] = (1.0, 1.0, 1.0)) -> float:
     """The schedule's idle fraction with equal stages and free communication; zero
     bubble's at the given (forward, input pass, weight pass) costs."""
-    from unmask.parallel.pipeline import bubble_formula
+    from unmask.parallel.pipeline_plan import bubble_formula
 
     return bubble_formula(schedule, PP, M, SCHEDULES[schedule], passes)
 
@@ -111,7 +111,7 @@ def mean_passes(costs: dict[str, float], num_stages: int) -> tuple[float, float,
 def replayed(order: dict, costs: dict[str, float]) -> float:
     """`schedule_idle` of the recorded order ({rank: [[stage, kind, mb], ...]}) with the
     measured costs ({"stage:kind": seconds})."""
-    from unmask.parallel.pipeline import schedule_idle
+    from unmask.parallel.pipeline_plan import schedule_idle
 
     actions = {rank: [tuple(a) for a in acts] for rank, acts in order.items()}
     by_kind = {(int(k.split(":")[0]), k.split(":")[1]): v for k, v in costs.items()}
@@ -337,7 +337,7 @@ def report(found, plans, memory, rounds, timed) -> str:
         "forward / backward proportions kept): what the forward / backward shape alone leaves.",
         "",
         "*Formula at the measured passes*: zero bubble's idle depends on what its passes "
-        "cost (parallel/pipeline.py `bubble_formula`: (p-1)(F+I-W) / (vm(F+I+W) + "
+        "cost (parallel/pipeline_plan.py `bubble_formula`: (p-1)(F+I-W) / (vm(F+I+W) + "
         "(p-1)(F+I-W)), ZB-H1's (p-1)(T_F+T_B-T_W)); *formula* takes them equal, as the "
         "zero-bubble paper's T_F = T_B = T_W; this one takes the run's forward, input and "
         "weight pass (each the mean over stages of its median CPU time): what the same "

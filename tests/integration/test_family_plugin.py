@@ -123,7 +123,7 @@ def test_its_shape_drives_the_flop_count_and_the_traced_saves(plugin, tmp_path):
 
     from unmask.config import load_config
     from unmask.models import build_model
-    from unmask.parallel.pipeline import layer_costs
+    from unmask.parallel.pipeline_plan import layer_costs
     from unmask.plan.memory import traced_layer_bytes
     from unmask.train.trainer import Trainer
 

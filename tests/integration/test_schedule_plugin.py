@@ -17,12 +17,12 @@ from conftest import installed_plugin, losses, train_in_process, write_run_confi
 from launch import rank_env, torchrun_command
 
 from unmask.config import load_config
-from unmask.parallel.pipeline import PIPELINE_SCHEDULES
+from unmask.parallel.schedules import PIPELINE_SCHEDULES
 
 pytestmark = pytest.mark.slow
 STEPS = 6
 PLUGIN = textwrap.dedent("""
-    from unmask.parallel.pipeline import ScheduleSpec, register_schedule
+    from unmask.parallel.schedules import ScheduleSpec, register_schedule
 
     register_schedule(ScheduleSpec("looped_bfs", "ScheduleLoopedBFS", multi_stage=True,
                                    head_loss="chunked", forwards_first=True))

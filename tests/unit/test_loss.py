@@ -13,7 +13,8 @@ from unmask.diffusion.loss import (
     full_cross_entropy,
     weighted_cross_entropy,
 )
-from unmask.parallel.pipeline import LayerCosts, PipelineModel, plan_pipeline
+from unmask.parallel.pipeline import PipelineModel
+from unmask.parallel.pipeline_plan import LayerCosts, plan_pipeline
 
 N, H, V = 13, 8, 50
 

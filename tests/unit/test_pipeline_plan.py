@@ -10,8 +10,7 @@ import pytest
 
 from unmask.cli import main
 from unmask.errors import InputError
-from unmask.parallel.pipeline import (
-    PIPELINE_SCHEDULES,
+from unmask.parallel.pipeline_plan import (
     LayerCosts,
     PipelinePlan,
     balanced_split,
@@ -21,6 +20,7 @@ from unmask.parallel.pipeline import (
     plan_pipeline,
     schedule_idle,
 )
+from unmask.parallel.schedules import PIPELINE_SCHEDULES
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

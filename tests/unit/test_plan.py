@@ -12,7 +12,7 @@ from unmask.errors import InputError
 from unmask.models.families import FAMILIES
 from unmask.models.moe import SparseMoE
 from unmask.parallel.mesh import MeshLayout
-from unmask.parallel.pipeline import PipelinePlan
+from unmask.parallel.pipeline_plan import PipelinePlan
 from unmask.plan.devices import DEVICES, resolve_device
 from unmask.plan.memory import StepShape, activation_bytes, in_flight, memory_terms, state_bytes
 from unmask.plan.planner import (
@@ -162,7 +162,7 @@ def test_refusals_are_one_line():
                            "model.num_key_value_heads=4"), 6, DEVICES["h100"])  # fmt: skip
     with pytest.raises(InputError, match="--nodes 3 does not divide --world 4"):
         make_run_plan(tiny(), 4, DEVICES["h100"], nodes=3)
-    # the trainer's own pipeline checks (train/setup.py, parallel/pipeline.py)
+    # the trainer's own pipeline checks (train/setup.py, parallel/pipeline_plan.py)
     with pytest.raises(InputError, match="tie_word_embeddings makes them one matrix"):
         make_run_plan(tiny("parallel.pipeline_parallel=2", "model.tie_word_embeddings=true"), 4,
                       DEVICES["h100"])  # fmt: skip

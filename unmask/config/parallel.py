@@ -13,12 +13,12 @@ from typing import Annotated
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from unmask.errors import OneOf
-from unmask.parallel.pipeline import PIPELINE_SCHEDULES
+from unmask.parallel.schedules import PIPELINE_SCHEDULES
 
 
 def _schedule_names() -> list[str]:
     """parallel.pipeline_schedule's values: the schedules registered when a config is
-    validated (parallel/pipeline.py; a plug-in's too)."""
+    validated (parallel/schedules.py; a plug-in's too)."""
     return list(PIPELINE_SCHEDULES)
 
 
@@ -44,7 +44,7 @@ class ParallelConfig(BaseModel):
     pipeline_parallel: int = Field(1, ge=1)
     """Pipeline stages' ranks: the decoder layers are split into consecutive stages, embeddings with the first, the final norm and LM head with the last (torch.distributed.pipelining; native decoders; docs/parallelism.md). The outermost mesh dim."""
     pipeline_schedule: Annotated[str, OneOf(_schedule_names)] = "1f1b"
-    """How micro-batches flow through the stages: gpipe, 1f1b, interleaved_1f1b, zero_bubble (torch's ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble), or a schedule added with `unmask.parallel.pipeline.register_schedule`; the interleaved ones take pipeline_stages_per_rank >= 2. The last stage's loss makes the LM head's gradients in the forward under 1f1b, interleaved_1f1b and zero_bubble, in the backward under gpipe (docs/parallelism.md). Every schedule runs under bf16."""
+    """How micro-batches flow through the stages: gpipe, 1f1b, interleaved_1f1b, zero_bubble (torch's ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble), or a schedule added with `unmask.parallel.schedules.register_schedule`; the interleaved ones take pipeline_stages_per_rank >= 2. The last stage's loss makes the LM head's gradients in the forward under 1f1b, interleaved_1f1b and zero_bubble, in the backward under gpipe (docs/parallelism.md). Every schedule runs under bf16."""
     pipeline_stages_per_rank: int = Field(1, ge=1)
     """Stages each pipeline rank holds (interleaved_1f1b, zero_bubble: >= 2, stage s on pipeline rank s mod pipeline_parallel)."""
     pipeline_microbatches: int | None = Field(None, ge=1)

@@ -7,7 +7,7 @@ Each `Family` (models/families.py) carries a `ModelShape`. What reads it:
   are column- and row-parallel, which modules' first input enters replicated, the per-head
   norms, the norms sequence parallelism shards, and the architecture fields the degree must
   divide;
-- the pipeline (parallel/pipeline.py) cuts the layers by `layer_matmul_params` and
+- the pipeline (parallel/pipeline_plan.py) cuts the layers by `layer_matmul_params` and
   `attention_width` (`layer_costs`) and runs each stage through the model's own
   `hidden_states` over the stage's layers (`StagedModel`, no copy of the forward);
 - the MFU (train/mfu.py) counts the attention term with `attention_width`;
@@ -123,6 +123,17 @@ class ModelShape:
         return self.attention_params(arch) + self.mlp_params(arch, index)
 
 
+def matmul_flops(matmul_params: int, tokens, attention_width: int, layers: int, pairs):
+    """Forward + backward FLOPs of a decoder's matmuls: 6 per matmul weight and token
+    (forward 2, backward 4) and 12 per layer, attention width (heads x head_dim) and (query,
+    key) pair that attention scores (Q K^T and A V, 2 each forward, x3 with the backward).
+    The one formula the MFU (train/mfu.py FlopModel), the pipeline's split
+    (parallel/pipeline_plan.py `layer_costs`) and the families' `call_flops` read: `pairs` is
+    tokens x row length for full attention, a document mask's pairs for what a masked kernel
+    executes; one layer's cost per token is `matmul_flops(its params, 1, width, 1, length)`."""
+    return 6 * matmul_params * tokens + 12 * layers * attention_width * pairs
+
+
 def recomputes(checkpointing: bool | int, index: int) -> bool:
     """Whether layer `index` (its index in the whole model) recomputes its activations in
     backward under `gradient_checkpointing` = `checkpointing`: True every layer, an int n
@@ -137,13 +148,18 @@ def recomputes(checkpointing: bool | int, index: int) -> bool:
 
 @runtime_checkable
 class StagedModel(Protocol):
-    """What a pipeline stage calls: the model's own forward over some of its layers."""
+    """What a pipeline stage calls: the model's own forward over some of its layers, and
+    on the last stage the model's own head loss."""
 
     def hidden_states(self, input_ids: torch.Tensor, doc_ids: torch.Tensor | None = None,
                       position_ids: torch.Tensor | None = None,
                       attention_mask: torch.Tensor | None = None, kv_cache=None, *,
                       layers=None, first: bool = True,
                       last: bool = True) -> torch.Tensor: ...  # fmt: skip
+
+    def weighted_head_loss(self, hidden: torch.Tensor, targets: torch.Tensor,
+                           target_weights: torch.Tensor, vocab_chunk: int = 8192, *,
+                           fused: bool = True, selected=None) -> torch.Tensor: ...  # fmt: skip
 
 
 DECODER_TENSOR_PLAN = TensorPlan(
@@ -247,15 +263,15 @@ class DiffusionGemmaShape(ModelShape):
         if canvas is None:  # a plain call: the decoder's count
             return super().call_flops(flops, arch, args, kwargs, context)
         rows, p, c = prompt.shape[0], prompt.shape[1], canvas.shape[1]
-        n, width = flops.matmul_params, flops.layers * flops.attention_width
+        n, width = flops.matmul_params, flops.attention_width
         last = arch.num_hidden_layers - 1
         sliding, head_dim, kv_heads = arch.diffusion_gemma.layer_shape(arch, last)
         kv = arch.hidden_size * kv_heads * head_dim * (2 if sliding else 1)
         n_encoder = sum(self.layer_matmul_params(arch, i) for i in range(last)) + kv
         # the encoder's attention: every layer's queries but the last's
-        encoder = 6 * n_encoder * rows * p + 12 * width * last / flops.layers * rows * p * p
+        encoder = matmul_flops(n_encoder, rows * p, width, last, rows * p * p)
         head = flops.head_params * rows * c
-        attention = 12 * width * rows * c * (p + c)
+        attention = matmul_flops(0, 0, width, flops.layers, rows * c * (p + c))
         signal = 3 * arch.hidden_size * arch.intermediate_size  # self-conditioning's MLP
         if kwargs.get("self_condition") is None:  # no signal: no self-conditioning MLP
             return encoder + 6 * (n - signal) * rows * c + attention + 6 * head

@@ -394,13 +394,27 @@ class DiffusionTransformer(nn.Module):
         if targets is None:
             return self.lm_head(hidden)
         if target_weights is not None:
-            return weighted_loss(hidden, self.lm_head.weight, targets, target_weights,
-                                 vocab_chunk, implementation, selected=selected)  # fmt: skip
+            return self.weighted_head_loss(hidden, targets, target_weights, vocab_chunk,
+                                           selected=selected)  # fmt: skip
         if implementation == "full":  # the whole logits, as HF / torchtitan
             return full_cross_entropy(hidden, self.lm_head.weight, targets)
         rows = chunked_cross_entropy(selected.take(hidden), self.lm_head.weight,
                                      selected.take(targets), vocab_chunk)  # fmt: skip
         return selected.scatter(rows.float())
+
+    def weighted_head_loss(self, hidden: torch.Tensor, targets: torch.Tensor,
+                           target_weights: torch.Tensor, vocab_chunk: int = 8192, *,
+                           fused: bool = True,
+                           selected: SelectedRows | None = None) -> torch.Tensor:  # fmt: skip
+        """The LM head's loss on the final norm's output `hidden` (B, L, H): sum_i w_i CE_i
+        (0-d float32) over the target positions, by `loss_implementation`; what `forward`
+        returns with target_weights, and what a pipeline's last stage calls
+        (parallel/pipeline.py). fused False makes the head's gradients in the backward (the
+        logits recomputed there) instead of in the forward. selected: the target rows,
+        when the caller took them before the layers ran."""
+        return weighted_loss(hidden, self.lm_head.weight, targets, target_weights, vocab_chunk,
+                             self.config.loss_implementation, fused=fused,
+                             selected=selected)  # fmt: skip
 
     def num_parameters(self, exclude_embeddings: bool = False) -> int:
         """Number of distinct parameters (a tied matrix counts once)."""

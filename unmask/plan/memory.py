@@ -359,7 +359,7 @@ def head_saves(model: ShardedModel, shape: StepShape) -> float:
     """Bytes saved after the layers on this rank, for one micro-batch, which the head's and
     the final norm's backward free before the layers' backward: the final norm's input and
     statistics and the loss's row mask (or `full_loss_saves`), and for the chunked loss
-    (parallel/pipeline.py ScheduleSpec.head_loss) what its backward recomputes from; 0 on a pipeline
+    (parallel/schedules.py ScheduleSpec.head_loss) what its backward recomputes from; 0 on a pipeline
     rank without the last stage."""
     if not model.holds_head:
         return 0

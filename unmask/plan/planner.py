@@ -28,7 +28,7 @@ from unmask.models.attention import FLEX_MIN_HEAD_DIM
 from unmask.models.build import shape_of
 from unmask.optim.newton_schulz import ns_flops
 from unmask.optim.updates import auto_ns_dtype, cpu_has_native_bf16
-from unmask.parallel.pipeline import bubble_formula, split_passes
+from unmask.parallel.pipeline_plan import bubble_formula, split_passes
 from unmask.plan.devices import Device
 from unmask.plan.memory import MemoryTerms, StepShape, memory_terms
 from unmask.plan.shards import (
@@ -192,7 +192,7 @@ def newton_schulz_flops(model: ShardedModel, cfg: RunConfig) -> float:
 
 
 def bubble_fraction(model: ShardedModel, length: int) -> float:
-    """Share of a step a pipeline rank idles (parallel/pipeline.py `bubble_formula`):
+    """Share of a step a pipeline rank idles (parallel/pipeline_plan.py `bubble_formula`):
     (p - 1) / (m v + p - 1) for GPipe, 1F1B and interleaved 1F1B (m micro-batches, p ranks,
     v stages per rank: the warm-up and drain of p - 1 stage steps against m v of work);
     for zero bubble (p - 1)(F + I - W) / (m v (F + I + W) + (p - 1)(F + I - W)), ZB-H1's,

@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 from unmask.models.build import shape_of
+from unmask.models.shape import matmul_flops
 
 # Dense peak FLOP/s (no structured sparsity: the datasheets' "with sparsity" figures halved),
 # from NVIDIA's datasheets: H100 (SXM5 / NVL / PCIe), H200 (SXM / NVL), A100 (SXM4 and
@@ -85,9 +86,8 @@ class FlopModel:
         """FLOPs of one micro-batch of `tokens` tokens in rows of `length`, forward and
         backward, with the LM head on `head_rows` rows (a number or a 0-d tensor, e.g. the
         masked-token count still on the device; the result is then a tensor)."""
-        dense = 6 * self.matmul_params * tokens + 12 * self.layers * self.attention_width * (
-            length * tokens
-        )
+        dense = matmul_flops(self.matmul_params, tokens, self.attention_width, self.layers,
+                             length * tokens)  # fmt: skip
         rows = head_rows if self.head_on_masked else tokens
         return dense + 6 * self.head_params * rows
 
@@ -99,10 +99,10 @@ class FlopModel:
         attending to the tokens of its row with the same id (models/transformer.py), padding
         under an id of its own included. `mfu_executed` of benchmarks/gpu_profile.py."""
         tokens = doc_ids.numel()
-        dense = 6 * self.matmul_params * tokens
-        attention = 12 * self.layers * self.attention_width * document_pairs(doc_ids)
+        dense = matmul_flops(self.matmul_params, tokens, self.attention_width, self.layers,
+                             document_pairs(doc_ids))  # fmt: skip
         rows = head_rows if self.head_on_masked else tokens
-        return dense + attention + 6 * self.head_params * rows
+        return dense + 6 * self.head_params * rows
 
 
 def document_pairs(doc_ids: torch.Tensor) -> int:
