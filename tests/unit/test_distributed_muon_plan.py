@@ -11,7 +11,7 @@ from unmask.optim.distributed import OwnerPlan, assign_owners, chunk_rows, owner
 from unmask.optim.newton_schulz import ns_flops
 from unmask.optim.routing import route_parameters
 from unmask.parallel.batch import per_rank_batch_size
-from unmask.parallel.mesh import launch_env, resolve_mesh_shape
+from unmask.parallel.mesh import launch_env, resolve_layout
 
 
 def qwen3_24_layer_muon_shapes() -> list[torch.Size]:
@@ -80,13 +80,17 @@ def test_chunk_rows_matches_torch_chunk(rows, world):
 
 
 def test_mesh_shape_and_its_errors():
-    assert resolve_mesh_shape(4, 1, -1) == (1, 4)
-    assert resolve_mesh_shape(4, 2, -1) == (2, 2)
-    assert resolve_mesh_shape(4, 2, 2) == (2, 2)
+    def dp(world, replicate, shard):
+        layout = resolve_layout(world, replicate, shard)
+        return layout.dp_replicate, layout.dp_shard
+
+    assert dp(4, 1, -1) == (1, 4)
+    assert dp(4, 2, -1) == (2, 2)
+    assert dp(4, 2, 2) == (2, 2)
     with pytest.raises(InputError, match=r"dp_replicate=2 x parallel.dp_shard=4 = 8 processes "):
-        resolve_mesh_shape(4, 2, 4)
+        dp(4, 2, 4)
     with pytest.raises(InputError, match="does not divide the world size 4"):
-        resolve_mesh_shape(4, 3, -1)
+        dp(4, 3, -1)
 
 
 def test_split_batches_divides_the_batch_or_says_why():

@@ -86,28 +86,14 @@ class DistState:
 def setup(
     device: torch.device,
     *,
-    shard: bool = True,
-    dp_replicate: int = 1,
-    dp_shard: int = -1,
-    tensor_parallel: int = 1,
-    context_parallel: int = 1,
-    pipeline_parallel: int = 1,
+    layout: MeshLayout,
     timeout_s: float = 1800,
     env: LaunchEnv | None = None,
-    layout: MeshLayout | None = None,
 ) -> DistState:
-    """Process group + mesh from the environment (torchrun, accelerate launch, srun).
-
-    shard: shard parameters over the ranks (FSDP2 / HSDP with dp_replicate x dp_shard);
-    False replicates them on every rank (dp_replicate = world size / (cp * tp)).
-    tensor_parallel / context_parallel / pipeline_parallel: the tp, cp and pp mesh dims (see
-    MeshLayout). The layout is checked (one-line InputError) before any process group work;
-    `layout`, one planned already (the trainer's `ParallelPlan`), is used as it is.
-    """
+    """Process group + mesh from the environment (torchrun, accelerate launch, srun), laid
+    out as `layout`: the one the trainer planned (`plan_layout`, train/setup.py
+    `ParallelPlan`), checked before any process group work."""
     env = env or launch_env()
-    if layout is None:
-        layout = plan_layout(env.world_size, shard, dp_replicate, dp_shard, tensor_parallel,
-                             context_parallel, pipeline_parallel)  # fmt: skip
     if env.world_size == 1:
         return DistState(0, 1, device, None)
     if device.type == "cuda":

@@ -114,12 +114,6 @@ def resolve_layout(
     return MeshLayout(dp_replicate, dp_shard, cp, tp, pp)
 
 
-def resolve_mesh_shape(world_size: int, dp_replicate: int, dp_shard: int) -> tuple[int, int]:
-    """(replicate, shard) sizes of a data-parallel-only mesh; see :func:`resolve_layout`."""
-    layout = resolve_layout(world_size, dp_replicate, dp_shard)
-    return layout.dp_replicate, layout.dp_shard
-
-
 def init_process_group(env: LaunchEnv, device: torch.device, timeout_s: float) -> None:
     """nccl on CUDA, gloo on CPU; pins this process to its local GPU first."""
     if dist.is_initialized():
