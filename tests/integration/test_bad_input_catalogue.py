@@ -884,6 +884,17 @@ LAYOUT_CASES = [
          "does not divide the world size 1"),
     case("expert-parallel-on-a-dense-model", over("parallel.expert_parallel=2"),
          "parallel.expert_parallel=2 needs a mixture-of-experts model"),
+    # issue 54: family cases the trainer and the planner once refused in different lines
+    case("pipeline-on-diffusion-gemma",
+         lambda ctx: ctx.train({"model": {**GEMMA, "tie_word_embeddings": True},
+                                "diffusion": {"objective": "uniform"}},
+                               "parallel.pipeline_parallel=2"),
+         "parallel.pipeline_parallel=2: model_type 'diffusion_gemma' has no pipeline stages"),
+    case("4-bit-without-lora", over("model.load_in_4bit=true"),
+         "model.load_in_4bit: true trains LoRA adapters on a frozen 4-bit base",
+         "set model.lora: true"),
+    case("float8-without-bf16", over("train.float8=true", "train.bf16=false"),
+         "train.float8: true trains the linear layers in float8 beside a bf16 model"),
 ]  # fmt: skip
 
 

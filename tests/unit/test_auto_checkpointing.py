@@ -21,7 +21,7 @@ from unmask.plan.checkpointing import (
 )
 from unmask.plan.devices import DEVICES
 from unmask.train.setup import checkpointing_is_auto
-from unmask.train.trainer import Trainer
+from unmask.train.trainer import UNDECIDED_CHECKPOINTING, Trainer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -68,12 +68,21 @@ def test_the_trainer_decides_from_its_built_model_as_the_plan_does(tmp_path, mon
     cfg = config(tmp_path)
     peaks = planned_peaks(cfg, 1, DEVICES["h100"])
     monkeypatch.setattr(auto, "training_device", lambda device: fitting(peaks["selective"]))
-    trainer = Trainer(cfg)
+    trainer = Trainer(cfg, decide_checkpointing=auto.choose_for_trainer)
     line = next(n for n in trainer.notices if n.startswith("activation checkpointing"))
     assert line.startswith("activation checkpointing: selective (auto: planned peak per rank")
     shown = {c: f"{c} {peaks[c] / 2**30:.1f}" for c in CHOICES}
     assert all(text in line for text in shown.values()), (line, shown)
     assert trainer.model.gradient_checkpointing == cfg.train.activation_checkpointing_every
+    trainer.loader.close()
+
+
+def test_a_trainer_without_the_decider_says_auto_was_not_decided(tmp_path):
+    """No registry filled by importing the planner: a Trainer built without the decider
+    (the planner sits a layer above it) checkpoints nothing and says so at start-up."""
+    trainer = Trainer(config(tmp_path))
+    assert UNDECIDED_CHECKPOINTING in trainer.notices
+    assert trainer.model.gradient_checkpointing is False
     trainer.loader.close()
 
 

@@ -51,9 +51,10 @@ def cmd_train(ns: argparse.Namespace) -> int:
 
     # what a stop prints (a signal, a lost peer, a second Ctrl-C): the user's own command
     ns.resume_command = resume_command(cfg.train.output_dir, path, overrides)
-    import unmask.plan.checkpointing  # noqa: F401 (activation_checkpointing auto decides)
+    from unmask.plan.checkpointing import choose_for_trainer
 
-    trainer = Trainer(cfg)
+    # activation_checkpointing auto: decided from the built model's planned memory
+    trainer = Trainer(cfg, decide_checkpointing=choose_for_trainer)
     trainer.resume_command = ns.resume_command
     try:
         trainer.train()

@@ -8,6 +8,7 @@ that fill a model from a state dict (checkpoint export, full-state gathers).
 
 import contextlib
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -15,8 +16,15 @@ from torch import nn
 
 from unmask.models.config import ModelConfig
 from unmask.models.diffusion_gemma import DiffusionGemma
-from unmask.models.families import FAMILIES, Family, add_family, remove_family
+from unmask.models.families import (
+    FAMILIES,
+    Family,
+    add_family,
+    family_for_hf_type,
+    remove_family,
+)
 from unmask.models.hf import (
+    RUN_FIELDS,
     check_weight_files,
     config_from_hf,
     load_weights,
@@ -58,11 +66,61 @@ def unregister_family(name: str) -> None:
 
 
 def shape_of(cfg: ModelConfig) -> ModelShape:
-    """The shape declaration (models/shape.py) of the model cfg builds: its family's, or
-    `WRAPPED` for a pretrained transformers encoder folder."""
+    """The shape declaration (models/shape.py) of an architecture's family (a model as
+    built: `model.config`); `WRAPPED` for a pretrained transformers encoder folder. A run's
+    model section with a pretrained folder: `resolve_model(cfg).shape` (the folder's)."""
     if is_wrapped(cfg):
         return WRAPPED
     return FAMILIES[cfg.model_type].shape
+
+
+@dataclass(frozen=True)
+class ResolvedModel:
+    """The model a run's `model:` section builds, resolved once (`resolve_model`): every
+    check, the trainer's layout plan and the planner read this, not the section's
+    `model_type` (which a pretrained folder does not set) nor the folder's config.json again.
+    """
+
+    section: ModelConfig
+    """The run's model section as written (its run fields: LoRA, 4-bit, kernels)."""
+    arch: ModelConfig
+    """The architecture built: the section itself, or the pretrained folder's config.json
+    (a transformers encoder folder: the section, whose fields transformers does not read)."""
+    family: Family
+    """The family built: the folder's (config.json's model_type or unmask's tag), else the
+    section's model_type."""
+    shape: ModelShape
+    """The family's shape declaration (models/shape.py), `WRAPPED` for an encoder."""
+
+    @property
+    def wrapped(self) -> bool:
+        """Runs through transformers (an encoder family or folder), not a native decoder."""
+        return self.shape is WRAPPED or not self.family.native
+
+    @property
+    def name(self) -> str:
+        """How messages name the model: its folder, else its model_type."""
+        return str(self.section.pretrained or self.section.model_type)
+
+    def planned(self) -> ModelConfig:
+        """The architecture with the section's run fields (how it is built and trained) and
+        no folder: what the planner builds on the meta device, whose weights it never reads."""
+        run = {key: getattr(self.section, key) for key in RUN_FIELDS if key != "model_type"}
+        return self.arch.model_copy(update={**run, "pretrained": None})
+
+
+def resolve_model(cfg: ModelConfig) -> ResolvedModel:
+    """The `ResolvedModel` of a model section: reads a pretrained folder's config.json once
+    (one clear line when it cannot be read or names no family unmask loads)."""
+    if cfg.pretrained is not None and is_encoder_folder(cfg.pretrained):
+        family = family_for_hf_type(read_config(Path(cfg.pretrained)).get("model_type"))
+        return ResolvedModel(cfg, cfg, family, WRAPPED)
+    family = FAMILIES[cfg.model_type]
+    if cfg.pretrained is None or not family.native:
+        return ResolvedModel(cfg, cfg, family, family.shape)
+    arch = config_from_hf(read_config(Path(cfg.pretrained)))
+    family = FAMILIES[arch.model_type]
+    return ResolvedModel(cfg, arch, family, family.shape)
 
 
 def build_model(cfg: ModelConfig) -> nn.Module:

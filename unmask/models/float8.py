@@ -21,14 +21,20 @@ from unmask.errors import InputError
 FLOAT8_CAPABILITY = (8, 9)
 
 
+def check_float8_request(float8: bool, bf16: bool) -> None:
+    """The float8 check that needs no device (train/setup.py `plan_parallel` runs it, so
+    `unmask plan` refuses it in the trainer's line)."""
+    if float8 and not bf16:
+        raise InputError("train.float8: true trains the linear layers in float8 beside a bf16 "
+                         "model; set train.bf16: true as well")  # fmt: skip
+
+
 def check_float8(float8: bool, bf16: bool, device: torch.device) -> None:
     """One clear line for a float8 request that cannot run; nothing when it can (or when
     none was made)."""
     if not float8:
         return
-    if not bf16:
-        raise InputError("train.float8: true trains the linear layers in float8 beside a bf16 "
-                         "model; set train.bf16: true as well")  # fmt: skip
+    check_float8_request(float8, bf16)
     if device.type != "cuda":
         raise InputError(f"train.float8: true needs a CUDA GPU with float8 tensor cores (compute "
                          f"capability 8.9 or newer: H100, H200, L4); training device here: "

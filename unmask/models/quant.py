@@ -43,6 +43,14 @@ def check_4bit(cfg: ModelConfig, device: torch.device, world_size: int) -> None:
             "model.load_in_4bit: true needs a CUDA GPU and the bitsandbytes package "
             f"(training device here: {device.type}); set load_in_4bit: false"
         )
+    check_4bit_request(cfg, world_size)
+
+
+def check_4bit_request(cfg: ModelConfig, world_size: int) -> None:
+    """The 4-bit checks that need no device (train/setup.py `plan_parallel` runs them, so
+    `unmask plan` refuses them in the trainer's line)."""
+    if not cfg.load_in_4bit:
+        return
     if not cfg.lora:
         raise InputError(
             "model.load_in_4bit: true trains LoRA adapters on a frozen 4-bit base; "
@@ -50,7 +58,7 @@ def check_4bit(cfg: ModelConfig, device: torch.device, world_size: int) -> None:
         )
     if cfg.lora_merge:
         raise InputError(
-            "model.lora_merge: true cannot merge into 4-bit weights; train with "
+            "model.load_in_4bit: true cannot merge into 4-bit weights; train with "
             "lora_merge: false and merge the saved adapter into the full-precision model"
         )
     if not FAMILIES[cfg.model_type].native:

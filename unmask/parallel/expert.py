@@ -52,36 +52,37 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from unmask.errors import InputError
-from unmask.models.build import is_wrapped
+from unmask.models.build import ResolvedModel, resolve_model
 from unmask.models.config import ModelConfig
-from unmask.models.hf import architecture
+from unmask.models.families import FAMILIES
 from unmask.models.moe import SparseMoE, moe_blocks
 from unmask.parallel.mesh import sub_mesh
 
 
-def check_moe_request(model: ModelConfig, expert_parallel: int, dp_cp: int, tp: int) -> None:
+def check_moe_request(model: ModelConfig | ResolvedModel, expert_parallel: int, dp_cp: int,
+                      tp: int) -> None:  # fmt: skip
     """One-line InputErrors for an MoE / expert-parallel layout that cannot work (before any
     process group): EP on a wrapped HF model or a dense one, experts not divisible by
     expert_parallel, expert_parallel not dividing the dp x cp ranks, MoE with tensor
     parallelism (but for a family whose tensor-parallel plan keeps its experts whole on every
     tp rank, models/shape.py `TensorPlan.replicated_experts`, without expert parallelism)."""
-    wrapped = is_wrapped(model)
-    if wrapped:
+    resolved = resolve_model(model) if isinstance(model, ModelConfig) else model
+    if resolved.wrapped:
         if expert_parallel > 1:
+            moe = ", ".join(name for name, family in FAMILIES.items()
+                            if family.native and family.config_defaults.get("num_experts"))  # fmt: skip
             raise InputError(
                 f"parallel.expert_parallel={expert_parallel} needs a native MoE model "
-                "(qwen3_moe_dllm, llada_moe, llada2_moe, diffusion_gemma); this model is "
-                "wrapped from transformers: set parallel.expert_parallel: 1"
+                f"({moe}); this model is wrapped from transformers: set "
+                "parallel.expert_parallel: 1"
             )
         return
     if expert_parallel == 1 and tp == 1:
         return
-    arch = architecture(model)  # a pretrained folder's own config.json
+    arch = resolved.arch  # a pretrained folder's own config.json
     experts = arch.num_experts
     if experts and tp > 1:
-        from unmask.models.build import shape_of
-
-        plan = shape_of(arch).tensor
+        plan = resolved.shape.tensor
         if plan is None or not plan.replicated_experts:
             raise InputError(
                 "parallel.tensor_parallel does not split mixture-of-experts layers; use "
@@ -105,10 +106,11 @@ def check_moe_request(model: ModelConfig, expert_parallel: int, dp_cp: int, tp: 
             f"model.num_experts={experts} is not divisible by parallel.expert_parallel="
             f"{expert_parallel}; pick an expert_parallel that divides the experts"
         )
+    section = resolved.section
     if (
-        model.lora
-        and isinstance(model.lora_target_modules, list)
-        and ("experts" in model.lora_target_modules)
+        section.lora
+        and isinstance(section.lora_target_modules, list)
+        and ("experts" in section.lora_target_modules)
     ):
         raise InputError(
             f"LoRA on the expert stacks (lora_target_modules holds 'experts') does not run under "

@@ -32,51 +32,53 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from unmask.errors import InputError
-from unmask.models.build import is_encoder_folder, shape_of
+from unmask.models.build import ResolvedModel, resolve_model, shape_of
 from unmask.models.config import ModelConfig
 from unmask.models.families import FAMILIES
-from unmask.models.hf import architecture
 from unmask.models.shape import WRAPPED, TensorPlan, decoder_layers
 
 
-def check_tensor_parallel(model: ModelConfig, tp: int, *, lora: bool = False,
+def check_tensor_parallel(model: ModelConfig | ResolvedModel, tp: int, *, lora: bool = False,
                           sequence_parallel: bool = False) -> None:  # fmt: skip
     """One-line InputError when the model cannot be split tp ways (before any process
     group work): wrapped transformers encoders, LoRA or 4-bit models, the full-logits loss
     (with a vocab-parallel head), sequence parallelism of a family that declares no
     sequence-parallel norms, or a degree that does not divide the heads, the key/value heads
-    or the MLP width (the plan's `divides`)."""
+    or the MLP width (the plan's `divides`). model: a run's model section, or the model it
+    resolves to (models/build.py `resolve_model`: a pretrained folder's family is checked,
+    not the section's model_type)."""
     if tp == 1:
         return
     key = f"parallel.tensor_parallel={tp}"
-    if model.pretrained is not None and is_encoder_folder(model.pretrained):
+    resolved = resolve_model(model) if isinstance(model, ModelConfig) else model
+    section = resolved.section
+    if section.pretrained is not None and resolved.shape is WRAPPED:
         raise InputError(
-            f"{key} needs a native decoder; model.pretrained {model.pretrained!r} is a "
+            f"{key} needs a native decoder; model.pretrained {section.pretrained!r} is a "
             "transformers encoder (wrapped HF model): set parallel.tensor_parallel=1"
         )
-    shape = shape_of(model)
+    shape = resolved.shape
     if shape.tensor is None:
         splittable = [name for name, fam in FAMILIES.items() if fam.shape.tensor is not None]
         what = "is a wrapped HF model" if shape is WRAPPED else "declares no tensor-parallel plan"
         raise InputError(
             f"{key} needs a native decoder, or a family that declares how its layers split "
-            f"({', '.join(splittable)}); model.model_type {model.model_type!r} {what}: "
+            f"({', '.join(splittable)}); model.model_type {resolved.family.name!r} {what}: "
             "set parallel.tensor_parallel=1"
         )
-    if lora or model.load_in_4bit:
+    if lora or section.load_in_4bit:
         raise InputError(
             f"{key} does not combine with model.lora / model.load_in_4bit (adapters and "
             "4-bit layers are not split); set parallel.tensor_parallel=1"
         )
-    arch = architecture(model)
-    plan = shape_of(arch).tensor
+    arch, plan = resolved.arch, shape.tensor
     if arch.diffusion_gemma is not None and arch.attention_bias:
         raise InputError(
             f"{key} does not split DiffusionGemma's attention biases (its encoder keeps biases "
             "of its own beside the decoder's); set parallel.tensor_parallel=1 or "
             "model.attention_bias: false"
         )
-    if plan.vocab_parallel and model.loss_implementation == "full":
+    if plan.vocab_parallel and section.loss_implementation == "full":
         raise InputError(
             f"{key} splits the LM head by vocabulary, which model.loss_implementation=full "
             "(the whole logits on every rank) does not take; use loss_implementation chunked"

@@ -8,8 +8,8 @@ usable share of the device's memory (planner.USABLE_MEMORY of it) wins, and the 
 log says which, with the three peaks.
 
 Two callers:
-- the trainer, once its model is built and sharded (`choose_for_trainer`, registered with
-  unmask.train.setup when this module is imported: `unmask train` imports it): the peaks
+- the trainer, once its model is built and sharded (`choose_for_trainer`, which `unmask
+  train` passes to the Trainer: `Trainer(cfg, decide_checkpointing=...)`): the peaks
   are those of the rank's real shards, the largest over the ranks (an all-reduce), so
   every rank decides alike; checkpointing is a flag each forward reads, set after the
   build;
@@ -30,13 +30,13 @@ from unmask.config import RunConfig
 from unmask.diffusion.registry import head_share
 from unmask.errors import InputError
 from unmask.models import ModelConfig, build_model
-from unmask.models.build import shape_of
+from unmask.models.build import resolve_model
 from unmask.plan.devices import DEVICES, Device, resolve_device
 from unmask.plan.memory import memory_terms
 from unmask.plan.planner import USABLE_MEMORY, planned_ranks, run_shape
 from unmask.plan.shards import describe_shards, planned_model_config, routing_of, shard_model
 from unmask.train.mfu import flop_model
-from unmask.train.setup import checkpointing_is_auto, register_checkpointing_resolver
+from unmask.train.setup import checkpointing_is_auto
 
 #: the choices in order of recomputation: the first that fits wins
 CHOICES = ("none", "selective", "full")
@@ -94,16 +94,13 @@ def _choose_for_trainer(trainer) -> tuple[bool | int, str]:
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     built = getattr(base, "config", None)  # a pretrained folder's architecture, as loaded
     # a canvas decoder never recomputes: decided before the planner (which refuses its tp)
-    if shape_of(built if isinstance(built, ModelConfig) else cfg.model).canvas_decoder:
+    resolved = trainer.parallel.model
+    if isinstance(built, ModelConfig):  # the architecture as loaded, the run's fields
+        resolved = replace(resolved, arch=built)
+    if resolved.shape.canvas_decoder:
         return False, f"activation checkpointing: none (auto: {NO_RECOMPUTE})"
     if isinstance(built, ModelConfig):
-        m = cfg.model
-        keep = {"pretrained": None, "load_in_4bit": m.load_in_4bit, "lora": m.lora,
-                "lora_r": m.lora_r, "lora_alpha": m.lora_alpha,
-                "lora_target_modules": m.lora_target_modules,
-                "attn_implementation": m.attn_implementation,
-                "loss_implementation": m.loss_implementation}  # fmt: skip
-        cfg = cfg.model_copy(update={"model": built.model_copy(update=keep)})
+        cfg = cfg.model_copy(update={"model": resolved.planned()})
     layout, world = trainer.dist.layout, trainer.dist.world_size
     pipeline = trainer.pipeline_plan
     device = training_device(trainer.device)
@@ -147,13 +144,10 @@ def resolve_checkpointing(cfg: RunConfig, world_size: int, device: Device
     notice and then the error)."""
     if not checkpointing_is_auto(cfg.train):
         return cfg, ""
-    if shape_of(planned_model_config(cfg).model).canvas_decoder:
+    if resolve_model(planned_model_config(cfg).model).shape.canvas_decoder:
         choice, why = "none", NO_RECOMPUTE
     else:
         choice, why = choose(planned_peaks(cfg, world_size, device), device)
     train = cfg.train.model_copy(update={"activation_checkpointing": choice})
     return cfg.model_copy(update={"train": train}), (
         f"activation checkpointing: {choice} (auto: {why})")  # fmt: skip
-
-
-register_checkpointing_resolver(choose_for_trainer)

@@ -26,14 +26,19 @@ from torch import nn
 from unmask.config import RunConfig
 from unmask.errors import InputError
 from unmask.models.build import _no_init, build_model  # no-op initializers, whole model
-from unmask.models.families import FAMILIES
-from unmask.models.hf import config_from_hf, read_config
 from unmask.models.shape import decoder_layers
 from unmask.optim.config import build_optimizer
 from unmask.parallel.mesh import MeshLayout, build_mesh
-from unmask.parallel.pipeline import PipelinePlan
+from unmask.parallel.pipeline_plan import PipelinePlan
+from unmask.parallel.tensor import check_tensor_parallel
 from unmask.train.mfu import flop_model
-from unmask.train.setup import ParallelPlan, build_train_model, plan_parallel
+from unmask.train.setup import (
+    ParallelPlan,
+    build_train_model,
+    check_model_request,
+    check_pipeline_request,
+    plan_parallel,
+)
 
 
 @dataclass(frozen=True)
@@ -103,7 +108,7 @@ class ShardedModel:
     layer_indices: tuple[int, ...] = ()
     """The whole model's indices of the decoder layers this rank holds, in order."""
     pipeline: PipelinePlan | None = None
-    """The run's pipeline (parallel/pipeline.py), None without pipeline parallelism."""
+    """The run's pipeline (parallel/pipeline_plan.py), None without pipeline parallelism."""
     pp_rank: int = 0
     parameters: int = 0
     """Parameters of the whole model (under a pipeline: of every stage, not only this
@@ -127,43 +132,37 @@ class ShardedModel:
 
 def planned_model_config(cfg: RunConfig) -> RunConfig:
     """The run config with a pretrained folder's architecture in place of its weights: the
-    planner reads config.json only (the weights are neither needed nor read). One line for
-    a family the planner does not model (its ModelShape's `plans`)."""
-    model = cfg.model
-    if model.load_in_4bit:
+    planner reads config.json only (the weights are neither needed nor read). The model is
+    resolved and checked by the trainer's own functions first (train/setup.py
+    `check_model_request`, `check_pipeline_request`, parallel/tensor.py
+    `check_tensor_parallel`: the same line for the same problem); then one line for what
+    the planner does not model (a 4-bit base, a wrapped encoder, a family whose ModelShape
+    says `plans` False, a canvas decoder's tensor split)."""
+    p = cfg.parallel
+    model = check_model_request(cfg, world_size=1)  # the world's own checks: plan_parallel
+    if cfg.model.load_in_4bit:
         raise InputError("model.load_in_4bit: the planner does not model 4-bit bases; plan "
                          "the run without it")  # fmt: skip
-    if not FAMILIES[model.model_type].native and model.pretrained is None:
-        raise InputError(f"model.model_type {model.model_type!r} is a wrapped transformers "
+    if model.wrapped:
+        raise InputError(f"model.model_type {model.family.name!r} is a wrapped transformers "
                          "encoder; the planner plans native decoders")  # fmt: skip
-    arch = model if model.pretrained is None else config_from_hf(read_config(model.pretrained))
-    if not FAMILIES[arch.model_type].shape.plans:  # models/shape.py: the family says so
+    if not model.shape.plans:  # models/shape.py: the family says so
         raise InputError(
-            f"unmask plan does not model model_type {arch.model_type!r} yet (its training "
+            f"unmask plan does not model model_type {model.family.name!r} yet (its training "
             "step is not the one-row forward the planner traces and prices: models/shape.py); "
             "train it without a plan"
         )
-    shape = FAMILIES[arch.model_type].shape
-    if not shape.staged and cfg.parallel.pipeline_parallel > 1:
-        raise InputError(f"parallel.pipeline_parallel={cfg.parallel.pipeline_parallel}: model_type "
-                         f"{arch.model_type!r} has no pipeline stages (models/shape.py); set "
-                         "parallel.pipeline_parallel=1")  # fmt: skip
-    if shape.tensor is None and cfg.parallel.tensor_parallel > 1:
-        raise InputError(f"parallel.tensor_parallel={cfg.parallel.tensor_parallel}: model_type "
-                         f"{arch.model_type!r} declares no tensor-parallel plan (models/shape.py); "
-                         "set parallel.tensor_parallel=1")  # fmt: skip
-    if shape.canvas_decoder and cfg.parallel.tensor_parallel > 1:
-        raise InputError(f"parallel.tensor_parallel={cfg.parallel.tensor_parallel}: model_type "
-                         f"{arch.model_type!r} trains under tensor parallelism, but unmask plan "
+    check_pipeline_request(cfg, model)
+    check_tensor_parallel(model, p.tensor_parallel, lora=cfg.model.lora,
+                          sequence_parallel=p.sequence_parallel)  # fmt: skip
+    if model.shape.canvas_decoder and p.tensor_parallel > 1:
+        raise InputError(f"parallel.tensor_parallel={p.tensor_parallel}: model_type "
+                         f"{model.family.name!r} trains under tensor parallelism, but unmask plan "
                          "does not model its split yet; plan with "
                          "parallel.tensor_parallel=1")  # fmt: skip
-    if model.pretrained is None:
+    if cfg.model.pretrained is None:
         return cfg
-    keep = {"attn_implementation": model.attn_implementation,
-            "loss_implementation": model.loss_implementation, "lora": model.lora,
-            "lora_r": model.lora_r, "lora_alpha": model.lora_alpha,
-            "lora_target_modules": model.lora_target_modules}  # fmt: skip
-    return cfg.model_copy(update={"model": arch.model_copy(update={**keep, "pretrained": None})})
+    return cfg.model_copy(update={"model": model.planned()})
 
 
 class _Vocabulary:

@@ -22,32 +22,27 @@ from unmask.diffusion import Objective, build_objective, objective_spec
 from unmask.diffusion.registry import head_share, names_that
 from unmask.errors import InputError
 from unmask.models import (
-    ModelConfig,
+    ResolvedModel,
     build_model,
     decoder_layers,
     folder_mask_token_id,
     max_positions,
-    shape_of,
+    resolve_model,
 )
-from unmask.models.float8 import convert_to_float8
-from unmask.models.hf import architecture
-from unmask.models.hf_wrapped import is_wrapped
+from unmask.models.families import FAMILIES
+from unmask.models.float8 import check_float8_request, convert_to_float8
 from unmask.models.lora import apply_lora, lora_targets, targets_experts
 from unmask.models.lora import check_request as check_lora_request
-from unmask.models.quant import quantize_4bit
+from unmask.models.quant import check_4bit_request, quantize_4bit
 from unmask.parallel.batch import per_rank_batch_size
 from unmask.parallel.context import check_context_parallel
 from unmask.parallel.distributed import plan_layout
 from unmask.parallel.expert import check_moe_request, expert_mesh, shard_experts
 from unmask.parallel.fsdp import apply_fsdp, compile_blocks
 from unmask.parallel.mesh import MeshLayout, fsdp_mesh, sub_mesh
-from unmask.parallel.pipeline import (
-    PipelineModel,
-    PipelinePlan,
-    layer_costs,
-    plan_pipeline,
-    schedule_spec,
-)
+from unmask.parallel.pipeline import PipelineModel
+from unmask.parallel.pipeline_plan import PipelinePlan, layer_costs, plan_pipeline
+from unmask.parallel.schedules import schedule_spec
 from unmask.parallel.tensor import apply_tensor_parallel, check_tensor_parallel
 
 
@@ -60,7 +55,8 @@ class ParallelPlan:
     layout: the mesh sizes (pp x dp_replicate x dp_shard x cp x tp); expert_parallel: the
     ranks one MoE layer's experts are split over; dp: the ranks that read different rows
     (1 on one process); rows: the rows each data-parallel rank trains on per micro-batch;
-    pipeline: the stages' layers and micro-batches (None without pipeline parallelism)."""
+    pipeline: the stages' layers and micro-batches (None without pipeline parallelism);
+    model: the model the run builds, resolved once (models/build.py `ResolvedModel`)."""
 
     world_size: int
     layout: MeshLayout
@@ -68,6 +64,7 @@ class ParallelPlan:
     dp: int
     rows: int
     pipeline: PipelinePlan | None
+    model: ResolvedModel | None = None
 
 
 def plan_parallel(cfg: RunConfig, world_size: int) -> ParallelPlan:
@@ -76,9 +73,7 @@ def plan_parallel(cfg: RunConfig, world_size: int) -> ParallelPlan:
     and pipeline parallelism, the mesh's factoring, experts), then the plan; a one-line
     InputError for the first problem."""
     t, p = cfg.train, cfg.parallel
-    check_family_trains(cfg.model)
-    check_family_objective(cfg)
-    check_lora_request(cfg.model)
+    model = check_model_request(cfg, world_size)
     if t.torch_compile and targets_experts(cfg.model):
         raise InputError(
             "train.torch_compile does not trace peft's adapters on the expert stacks "
@@ -87,59 +82,68 @@ def plan_parallel(cfg: RunConfig, world_size: int) -> ParallelPlan:
         )
     check_model_fits(cfg)
     check_tensor_parallel(
-        cfg.model, p.tensor_parallel, lora=cfg.model.lora, sequence_parallel=p.sequence_parallel
+        model, p.tensor_parallel, lora=cfg.model.lora, sequence_parallel=p.sequence_parallel
     )
-    check_context_request(cfg, world_size)
+    check_context_request(cfg, world_size, model)
     check_sequence_request(cfg)
-    check_pipeline_request(cfg)
+    check_pipeline_request(cfg, model)
     layout = plan_layout(world_size, p.fsdp2, p.dp_replicate, p.dp_shard, p.tensor_parallel,
                          p.context_parallel, p.pipeline_parallel)  # fmt: skip
     dp = layout.dp if world_size > 1 else 1
-    check_moe_request(cfg.model, p.expert_parallel, dp * layout.cp, p.tensor_parallel)
+    check_moe_request(model, p.expert_parallel, dp * layout.cp, p.tensor_parallel)
     what = "the world size" if dp == world_size else "the data-parallel size"
     # rows per micro-batch on this rank; the global batch grows with the world size unless
     # split_batches (then per_device_train_batch_size is the global batch)
     rows = per_rank_batch_size(t.per_device_train_batch_size, dp, t.split_batches, what)
     # the stages' layers and micro-batches (pp peers read the same rows)
-    pipeline = pipeline_plan(cfg, rows * t.gradient_accumulation_steps)
-    return ParallelPlan(world_size, layout, p.expert_parallel, dp, rows, pipeline)
+    pipeline = pipeline_plan(cfg, rows * t.gradient_accumulation_steps, model)
+    return ParallelPlan(world_size, layout, p.expert_parallel, dp, rows, pipeline, model)
 
 
-def check_family_trains(model: ModelConfig) -> None:
+def check_model_request(cfg: RunConfig, world_size: int) -> ResolvedModel:
+    """The model the run builds, resolved once, and the checks of it that need no layout
+    (its family trains, with this objective; LoRA, 4-bit and float8 requests): the first
+    checks of `plan_parallel`, which the trainer and `unmask plan` both run."""
+    check_lora_request(cfg.model)  # first: a missing peft is named before what needs it
+    model = resolve_model(cfg.model)
+    check_family_trains(model)
+    check_family_objective(cfg, model)
+    check_4bit_request(cfg.model, world_size)
+    check_float8_request(cfg.train.float8, cfg.train.bf16)
+    return model
+
+
+def check_family_trains(model: ResolvedModel) -> None:
     """One line when the family's shape says no objective drives its forward yet
-    (models/shape.py `trains`)."""
-    if not shape_of(model).trains:
+    (models/shape.py `trains`): the family built (a pretrained folder's), not the section's
+    model_type."""
+    if not model.shape.trains:
         raise InputError(
-            f"model.model_type {model.model_type!r}: unmask reads and writes its folders and "
+            f"model.model_type {model.family.name!r}: unmask reads and writes its folders and "
             "computes its logits (unmask.models.from_pretrained), but no objective trains it "
             "and the planner cannot trace it yet"
         )
 
 
-def family_shape(model: ModelConfig):
-    """The ModelShape of the model a run builds (a pretrained folder's family)."""
-    return shape_of(model if model.pretrained is None or is_wrapped(model) else architecture(model))
-
-
-def check_family_objective(cfg: RunConfig) -> None:
+def check_family_objective(cfg: RunConfig, model: ResolvedModel | None = None) -> None:
     """One line for an objective that does not train this kind of model: a canvas decoder
     (DiffusionGemma: no [MASK] token) only with an objective that says it trains one
     (`uniform`), and such an objective with no other family; for a canvas decoder also a
     canvas its rows and positions cannot hold, activation checkpointing (its layers do not
     recompute yet), and diffusion.freeze_router on a model without routers."""
+    model = model or resolve_model(cfg.model)
     objective = cfg.diffusion.objective
     canvas_objective = objective_spec(objective).canvas_decoder
-    shape = family_shape(cfg.model)
-    name = cfg.model.pretrained or cfg.model.model_type
-    if cfg.diffusion.freeze_router and (is_wrapped(cfg.model)
-                                        or not architecture(cfg.model).num_experts):  # fmt: skip
+    shape, name = model.shape, model.name
+    if cfg.diffusion.freeze_router and (model.wrapped or not model.arch.num_experts):
         raise InputError(f"diffusion.freeze_router: true needs a mixture-of-experts model; "
                          f"model {name!r} has no router: drop the key")  # fmt: skip
     if canvas_objective and not shape.canvas_decoder:
+        canvas = ", ".join(n for n, f in FAMILIES.items() if f.shape.canvas_decoder)
         raise InputError(
             f"diffusion.objective {objective!r} trains a prompt encoder and canvas decoder "
-            f"(model_type diffusion_gemma); model {name!r} has none: use a masked objective "
-            "(mdlm, llada, sft, ...) or model.model_type diffusion_gemma"
+            f"(model_type {canvas}); model {name!r} has none: use a masked objective "
+            f"(mdlm, llada, sft, ...) or model.model_type {canvas}"
         )
     if shape.canvas_decoder and not canvas_objective:
         raise InputError(
@@ -148,14 +152,15 @@ def check_family_objective(cfg: RunConfig) -> None:
             f"{names_that('canvas_decoder')}"
         )
     if shape.canvas_decoder:
-        check_canvas_fits(cfg)
+        check_canvas_fits(cfg, model)
 
 
-def check_canvas_fits(cfg: RunConfig) -> None:
+def check_canvas_fits(cfg: RunConfig, model: ResolvedModel | None = None) -> None:
     """A canvas decoder's canvas within a row (the answer is cut into canvases) and the
     model's positions (the last canvas of a row may run past its end: positions up to
     L + C - 2); no activation checkpointing (its layers do not recompute yet)."""
-    arch = architecture(cfg.model)
+    model = model or resolve_model(cfg.model)
+    arch = model.arch
     canvas, length = arch.diffusion_gemma.canvas_length, cfg.data.packing_length
     positions = arch.max_position_embeddings
     key = "model.diffusion_gemma.canvas_length" + (" (model.pretrained's config.json)"
@@ -170,8 +175,8 @@ def check_canvas_fits(cfg: RunConfig) -> None:
                          f"end), above max_position_embeddings ({positions}); lower one of "
                          "them")  # fmt: skip
     if checkpointing_choice(cfg.train) is not False:
-        raise InputError("train.activation_checkpointing: model_type diffusion_gemma's layers "
-                         "do not recompute yet; set train.activation_checkpointing none "
+        raise InputError(f"train.activation_checkpointing: model_type {model.family.name}'s "
+                         "layers do not recompute yet; set train.activation_checkpointing none "
                          "(or auto)")  # fmt: skip
 
 
@@ -189,7 +194,8 @@ def check_model_fits(cfg: RunConfig) -> None:
         )
 
 
-def check_context_request(cfg: RunConfig, world_size: int) -> None:
+def check_context_request(cfg: RunConfig, world_size: int,
+                          model: ResolvedModel | None = None) -> None:  # fmt: skip
     """parallel.context_parallel > 1: one-line InputError before any process group work for
     what context parallelism cannot serve. It splits the rows of native decoders trained
     with an objective that draws each row's noise on its own and normalizes by one global
@@ -199,9 +205,9 @@ def check_context_request(cfg: RunConfig, world_size: int) -> None:
     if cp == 1:
         return
     key = f"parallel.context_parallel={cp}"
-    model = cfg.model
-    if is_wrapped(model):
-        raise InputError(f"{key} needs a native decoder; model {model.pretrained or model.model_type!r} "
+    model = model or resolve_model(cfg.model)
+    if model.wrapped:
+        raise InputError(f"{key} needs a native decoder; model {model.name!r} "
                          "is a wrapped transformers model: set parallel.context_parallel=1")  # fmt: skip
     objective = cfg.diffusion.objective
     if not objective_spec(objective).accepts_context_parallel:  # its registry entry says
@@ -221,7 +227,7 @@ def check_context_request(cfg: RunConfig, world_size: int) -> None:
             f"{key} splits training forwards only; eval.generate_accuracy samples with the model "
             "and no sampler runs context-parallel: set eval.generate_accuracy=false"
         )
-    arch = architecture(model)
+    arch = model.arch
     check_context_parallel(cp, world_size=world_size, heads=arch.num_attention_heads,
                            kv_heads=arch.num_key_value_heads, length=cfg.data.packing_length,
                            tp=cfg.parallel.tensor_parallel)  # fmt: skip
@@ -252,7 +258,7 @@ def check_sequence_request(cfg: RunConfig) -> None:
                          "cache, which sequence-sharded rows cannot serve: turn one off")  # fmt: skip
 
 
-def check_pipeline_request(cfg: RunConfig) -> None:
+def check_pipeline_request(cfg: RunConfig, model: ResolvedModel | None = None) -> None:
     """parallel.pipeline_parallel > 1: one-line InputError before any process group work for
     what the pipeline cannot serve. It splits the layers of a native decoder with an
     untied head, trained with an objective whose count is known before the forward and
@@ -262,15 +268,17 @@ def check_pipeline_request(cfg: RunConfig) -> None:
     if pp == 1:
         return
     key = f"parallel.pipeline_parallel={pp}"
-    model = cfg.model
-    if is_wrapped(model):
-        name = model.pretrained or model.model_type
-        raise InputError(f"{key} needs a native decoder; model {name!r} is a wrapped "
+    model = model or resolve_model(cfg.model)
+    if model.wrapped:
+        raise InputError(f"{key} needs a native decoder; model {model.name!r} is a wrapped "
                          "transformers model: set parallel.pipeline_parallel=1")  # fmt: skip
-    if model.lora or model.load_in_4bit:
+    if not model.shape.staged:  # the family's shape says (models/shape.py)
+        raise InputError(f"{key}: model_type {model.family.name!r} has no pipeline stages "
+                         "(models/shape.py); set parallel.pipeline_parallel=1")  # fmt: skip
+    if cfg.model.lora or cfg.model.load_in_4bit:
         raise InputError(f"{key} does not combine with model.lora / model.load_in_4bit; set "
                          "parallel.pipeline_parallel=1")  # fmt: skip
-    if architecture(model).tie_word_embeddings:
+    if model.arch.tie_word_embeddings:
         raise InputError(
             f"{key} puts the embedding on the first stage and the LM head on the last; "
             "model.tie_word_embeddings makes them one matrix: set it to false or "
@@ -302,8 +310,9 @@ def check_pipeline_request(cfg: RunConfig) -> None:
                          "pipeline: set eval.generate_accuracy=false")  # fmt: skip
 
 
-def pipeline_plan(cfg: RunConfig, rows: int) -> PipelinePlan | None:
-    """The run's stages and micro-batches (parallel/pipeline.py `plan_pipeline`), None
+def pipeline_plan(cfg: RunConfig, rows: int,
+                  model: ResolvedModel | None = None) -> PipelinePlan | None:  # fmt: skip
+    """The run's stages and micro-batches (parallel/pipeline_plan.py `plan_pipeline`), None
     without pipeline parallelism: the layers as parallel.pipeline_split gives them, else cut by
     the architecture's estimated costs on rows of data.packing_length tokens with the LM
     head on the objective's share of them. rows: the rows one pipeline trains on per step.
@@ -311,7 +320,8 @@ def pipeline_plan(cfg: RunConfig, rows: int) -> PipelinePlan | None:
     p = cfg.parallel
     if p.pipeline_parallel == 1:
         return None
-    costs = layer_costs(architecture(cfg.model), cfg.data.packing_length,
+    arch = (model or resolve_model(cfg.model)).arch
+    costs = layer_costs(arch, cfg.data.packing_length,
                         head_share(cfg.diffusion.objective),
                         head_loss=schedule_spec(p.pipeline_schedule).head_loss)  # fmt: skip
     return plan_pipeline(p.pipeline_parallel, p.pipeline_schedule, p.pipeline_stages_per_rank,
@@ -337,21 +347,6 @@ def prepare_tokenizer(cfg: RunConfig):
     return tokenizer, as_loaded, added
 
 
-#: decides train.activation_checkpointing auto for a built trainer: trainer -> (the model's
-#: flag, the start-up line); registered by unmask.plan.checkpointing (the planner's memory
-#: walk lives a layer above the trainer), which `unmask train` imports
-_CHECKPOINTING_RESOLVERS: list = []
-
-
-def register_checkpointing_resolver(resolver) -> None:
-    """Make `resolver` decide activation_checkpointing auto (the last registered wins)."""
-    _CHECKPOINTING_RESOLVERS.append(resolver)
-
-
-def checkpointing_resolver():
-    return _CHECKPOINTING_RESOLVERS[-1] if _CHECKPOINTING_RESOLVERS else None
-
-
 def checkpointing_is_auto(t) -> bool:
     """Whether train.activation_checkpointing is left to the planner (auto, and no
     gradient_checkpointing given in the config)."""
@@ -371,8 +366,8 @@ def checkpointing_choice(t) -> bool | int:
     """The model's activation checkpointing flag: False (none), True (every layer) or n
     (every n-th layer, selective); train.activation_checkpointing wins over the older
     train.gradient_checkpointing boolean. `auto` builds with the gradient_checkpointing
-    boolean (default none); the trainer then decides from the built model's memory where a
-    resolver is registered (`checkpointing_resolver`)."""
+    boolean (default none); the trainer then decides from the built model's memory with the
+    decider it is given (trainer.py `Trainer(cfg, decide_checkpointing)`)."""
     choice = t.activation_checkpointing
     if choice in (None, "auto"):
         return t.gradient_checkpointing

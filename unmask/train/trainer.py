@@ -22,7 +22,6 @@ from unmask.data.streaming import StreamSpec
 from unmask.diffusion import objective_spec
 from unmask.errors import RunStopped
 from unmask.models.float8 import check_float8
-from unmask.models.lora import check_request as check_lora_request
 from unmask.models.quant import check_4bit
 from unmask.optim.config import build_optimizer
 from unmask.optim.schedule import build_scheduler
@@ -30,7 +29,8 @@ from unmask.parallel.context import ContextShard, attach_context
 from unmask.parallel.distributed import collective_failure, resolve_device, setup
 from unmask.parallel.expert import attach_moe_training
 from unmask.parallel.mesh import launch_env, share_from_rank0
-from unmask.parallel.pipeline import PipelineRunner, balancing_notice
+from unmask.parallel.pipeline import PipelineRunner
+from unmask.parallel.pipeline_plan import balancing_notice
 from unmask.parallel.threads import set_threads
 from unmask.runs.heartbeat import Heartbeat, mark_running
 from unmask.runs.report import run_summary
@@ -72,7 +72,6 @@ from unmask.train.setup import (
     build_run_objective,
     build_train_model,
     checkpointing_is_auto,
-    checkpointing_resolver,
     objective_datasets,
     plan_parallel,
     prepare_tokenizer,
@@ -92,14 +91,28 @@ def cpu_share_notice(world_size: int, cores: int | None = None) -> str | None:
             "than one process would; launch at most one per core")  # fmt: skip
 
 
+#: the start-up line of a Trainer built with activation_checkpointing auto and no decider
+UNDECIDED_CHECKPOINTING = (
+    "activation checkpointing: none (auto is decided by the planner: pass "
+    "decide_checkpointing=unmask.plan.checkpointing.choose_for_trainer to Trainer, as "
+    "`unmask train` does)"
+)
+
+
 class Trainer(TrainStep, Evaluation, CheckpointedState):
     """Builds every component from its config section and runs the loop. Its seams live in
     their own modules: setup.py (building the parts), step.py (`train_step`: normalization
     and the non-finite flag), evaluation.py (`evaluate`, held-out accuracy) and state.py
     (`save` and restoring: the parts' checkpoint state)."""
 
-    def __init__(self, cfg: RunConfig):
+    def __init__(self, cfg: RunConfig, decide_checkpointing=None):
+        """decide_checkpointing: trainer -> (the model's checkpointing flag, the start-up
+        line), which decides `train.activation_checkpointing: auto` from the built model's
+        planned memory (unmask.plan.checkpointing `choose_for_trainer`: the planner sits a
+        layer above the trainer, so the caller passes it, as `unmask train` does). None with
+        auto: no checkpointing, and the start-up log says auto was not decided."""
         self.cfg = cfg
+        self.decide_checkpointing = decide_checkpointing
         self._connect(cfg)  # every check of the layout, then the process group and mesh
         added_tokens = self._read_data(cfg)  # tokenizer, rows, step plan, run folder
         torch.manual_seed(cfg.train.seed)
@@ -114,13 +127,13 @@ class Trainer(TrainStep, Evaluation, CheckpointedState):
         """The checks that need nothing built (LoRA, async checkpoints, trackers, the layout:
         the planner makes the same), then the process group, mesh and device."""
         t = cfg.train
-        check_lora_request(cfg.model)  # first: a missing peft is named before what needs it
+        env = launch_env()
+        # every check of the model (LoRA first: a missing peft is named before what needs
+        # it) and of the layout, then the mesh's sizes, the rows per rank and the pipeline's
+        # stages, before any process group work (the planner runs the same)
+        self.parallel = plan_parallel(cfg, env.world_size)
         check_async_request(t.async_checkpoint, cfg.model.lora)
         check_trackers(t.report_to)
-        env = launch_env()
-        # every check of the layout, then the mesh's sizes, the rows per rank and the
-        # pipeline's stages, before any process group work (the planner builds the same)
-        self.parallel = plan_parallel(cfg, env.world_size)
         self.local_batch_size = self.parallel.rows
         self.pipeline_plan = self.parallel.pipeline
         self.dist = setup(resolve_device(t.device), timeout_s=t.ddp_timeout, env=env,
@@ -218,10 +231,12 @@ class Trainer(TrainStep, Evaluation, CheckpointedState):
         stages = None if self.pipeline is None else self.pipeline.group
         self.moe = attach_moe_training(self.model, self.optimizer, self.dist, forwards,
                                        stages)  # fmt: skip
-        if checkpointing_is_auto(t) and (resolver := checkpointing_resolver()) is not None:
-            flag, line = resolver(self)  # the memory of the model as built (plan/checkpointing.py)
+        if checkpointing_is_auto(t) and self.decide_checkpointing is not None:
+            flag, line = self.decide_checkpointing(self)  # the built model's planned memory
             set_checkpointing(self.model, flag)
             self.notices.append(line)
+        elif checkpointing_is_auto(t):
+            self.notices.append(UNDECIDED_CHECKPOINTING)
         self.scheduler = build_scheduler(
             self.optimizer,
             cfg.optim.lr_scheduler_type,
