@@ -26,7 +26,10 @@ VISION = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2,
           "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 8, "patch_size": 2,
           "position_embedding_size": 16, "pooling_kernel_size": 2}  # fmt: skip
 CANVAS = 6
+PAD_ID = 0
 TOLERANCE = 1e-5
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def transformers_model(bidirectional: bool = False, seed: int = 0):
@@ -76,17 +79,17 @@ def soft_tokens(shape: tuple[int, int]) -> int:
     return (shape[0] // 2) * (shape[1] // 2)
 
 
-def prompt_row(parts: list, length: int, seed: int) -> list[int]:
-    """Text tokens and images ((rows, cols): BOI, its soft tokens, EOI), left-padded with 0."""
+def unpadded(parts: list, seed: int) -> list[int]:
+    """Text tokens (2 .. 88: no pad, no EOS) and images ((rows, cols): BOI, its soft tokens,
+    EOI)."""
     g = torch.Generator().manual_seed(seed)
     row: list[int] = []
     for part in parts:
         if isinstance(part, tuple):
             row += [BOI] + [IMAGE] * soft_tokens(part) + [EOI]
         else:
-            row += torch.randint(0, 89, (part,), generator=g).tolist()
-    assert len(row) <= length
-    return [0] * (length - len(row)) + row
+            row += torch.randint(2, 89, (part,), generator=g).tolist()
+    return row
 
 
 CASES = {
@@ -98,11 +101,11 @@ CASES = {
 
 
 def batch(rows: list[list]):
-    length = max(len(prompt_row(r, 99, 0)) for r in rows)
-    ids = torch.tensor([prompt_row(r, length, seed) for seed, r in enumerate(rows)])
-    real = torch.tensor([[True] * length] * len(rows))
-    for i, r in enumerate(rows):
-        real[i, : length - len(prompt_row(r, 99, 0))] = False
+    """(ids (B, L) left-padded, real (B, L) bool, the rows' images in order)."""
+    tokens = [unpadded(r, seed) for seed, r in enumerate(rows)]
+    length = max(len(t) for t in tokens)
+    ids = torch.tensor([[PAD_ID] * (length - len(t)) + t for t in tokens])
+    real = torch.tensor([[False] * (length - len(t)) + [True] * len(t) for t in tokens])
     shapes = [p for r in rows for p in r if isinstance(p, tuple)]
     return ids, real, patches(shapes)
 
@@ -194,3 +197,79 @@ def test_bad_image_input_is_one_line(folders, tmp_path):
     text_only.hf_carried_weights = {}
     with pytest.raises(InputError, match="this model has no vision tower"):
         text_only(ids, canvas, images=images)
+
+
+# ------------------------------------------------ sample(images=) equals transformers' generate
+
+EOS, PAD = 1, 0
+OPTIONS = dict(max_denoising_steps=6, temperature_start=0.3, temperature_end=0.1,
+               confidence_threshold=0.3)  # fmt: skip
+THEIRS = dict(max_denoising_steps=6, t_max=0.3, t_min=0.1, confidence_threshold=0.3)
+#: 22 prompts: text only, one image, two of different sizes, text between and around
+PROMPTS = [[3, (4, 4), 2], [5], [(2, 2)], [1, (4, 6), 2, (2, 4), 1], [9], [2, (6, 6)],
+           [(4, 4), 4], [3, (2, 2), (2, 2), 1], [12], [1, (6, 4), 3], [4, (4, 2), 2],
+           [(2, 6), 1], [7, (4, 4)], [2], [1, (2, 2), 5, (4, 4), 1], [6, (2, 4), 2],
+           [(4, 4), (2, 2)], [3], [8, (6, 2), 1], [2, (4, 4), 2], [(2, 2), 6], [4, (2, 4)]]  # fmt: skip
+
+
+def row_images(parts: list) -> Images | None:
+    shapes = [p for p in parts if isinstance(p, tuple)]
+    return patches(shapes, seed=len(parts) * 7 + len(shapes)) if shapes else None
+
+
+def stacked(rows: list[Images | None]) -> Images:
+    """The rows' images in order, padded to the largest patch count."""
+    given = [r for r in rows if r is not None]
+    most = max(r.pixel_values.shape[1] for r in given)
+    pixels = [torch.nn.functional.pad(r.pixel_values, (0, 0, 0, most - r.pixel_values.shape[1]))
+              for r in given]  # fmt: skip
+    positions = [torch.nn.functional.pad(r.position_ids, (0, 0, 0, most - r.position_ids.shape[1]),
+                                         value=-1) for r in given]  # fmt: skip
+    return Images(torch.cat(pixels), torch.cat(positions))
+
+
+@torch.no_grad()
+def transformers_alone(hf, ids: list[int], images: Images | None, seed: int) -> list[int]:
+    """transformers' generate for one prompt (its images) after torch.manual_seed(seed), the
+    answer as unmask writes it (12 tokens, EOS after the first EOS)."""
+    ids_t = torch.tensor([ids])
+    extra = {} if images is None else dict(pixel_values=images.pixel_values,
+                                           image_position_ids=images.position_ids,
+                                           mm_token_type_ids=(ids_t == IMAGE).long())  # fmt: skip
+    torch.manual_seed(seed)
+    out = hf.generate(ids_t, max_new_tokens=12, eos_token_id=EOS, pad_token_id=PAD,
+                      **THEIRS, **extra)  # fmt: skip
+    answer = out.sequences[0, len(ids) :].tolist()[:12]
+    if EOS in answer:
+        answer = answer[: answer.index(EOS) + 1]
+    return answer + [EOS] * (12 - len(answer))
+
+
+def test_sample_with_images_equals_transformers_generate_alone_and_batched(folders):
+    from unmask.sampling import SamplingConfig, left_pad, sample
+
+    hf, folder = folders
+    ours = from_pretrained(folder).eval()
+    rows = [unpadded(p, seed) for seed, p in enumerate(PROMPTS)]
+    images = [row_images(p) for p in PROMPTS]
+    config = SamplingConfig(gen_length=12, uniform_canvas=True, **OPTIONS)
+    expected = [
+        transformers_alone(hf, r, im, 300 + i) for i, (r, im) in enumerate(zip(rows, images))
+    ]
+    alone = []
+    for i, (r, im) in enumerate(zip(rows, images)):
+        out = sample(ours, torch.tensor([r]), config, mask_id=PAD, eos_id=EOS, pad_id=PAD,
+                     generator=torch.Generator().manual_seed(300 + i), images=im)  # fmt: skip
+        alone.append(out.answers[0].tolist())
+    assert alone == expected
+    ids, valid = left_pad(rows, PAD)
+    out = sample(ours, ids, config, mask_id=PAD, eos_id=EOS, pad_id=PAD, attention_mask=valid,
+                 generator=torch.Generator().manual_seed(300), images=stacked(images))  # fmt: skip
+    assert [row.tolist() for row in out.answers] == expected
+    assert len({tuple(a) for a in expected}) >= 18  # the answers differ from row to row
+    # the images are read: other pixels, other answers for some rows with an image
+    flipped = sample(ours, ids, config, mask_id=PAD, eos_id=EOS, pad_id=PAD,
+                     attention_mask=valid, generator=torch.Generator().manual_seed(300),
+                     images=Images(stacked(images).pixel_values.flip(1) * 0.0 + 0.5,
+                                   stacked(images).position_ids))  # fmt: skip
+    assert [row.tolist() for row in flipped.answers] != expected

@@ -24,6 +24,8 @@ def add_generate(sub: argparse._SubParsersAction) -> None:
                      "LoRA or not), final/, run output_dir or exported folder")  # fmt: skip
     gen.add_argument("--prompt", action="append", help="text to continue (repeatable)")
     gen.add_argument("--prompts", help='jsonl file, one {"prompt": ...} per line')
+    gen.add_argument("--image", action="append", help="a picture every prompt sees, before "
+                     "its text (repeatable; a diffusion_gemma folder with a vision tower)")  # fmt: skip
     gen.add_argument("--out", help="write one jsonl record per prompt here")
     gen.add_argument("--jsonl", action="store_true", help="print jsonl records to stdout "
                      "(default: each prompt and its completion as one plain line, in order)")  # fmt: skip
@@ -56,8 +58,17 @@ def cmd_generate(ns: argparse.Namespace) -> int:
         raise InputError("no prompts; give --prompt TEXT (repeatable) or --prompts FILE.jsonl")
     if ns.out:
         check_out_file(Path(ns.out))
+    pictures = None
+    if ns.image:
+        from unmask.sampling.images import read_image_files
+
+        pictures = read_image_files(ns.image)  # a missing or unreadable file: before loading
     sm = load_for_sampling(ns.model, ns.tokenizer, ns.device, ns.mask_id, base=ns.base)
     set_sampling_threads(sm.model, sm.device)
+    if pictures is not None:
+        from unmask.sampling.images import prompt_images
+
+        pictures = prompt_images(sm.model, ns.model, pictures)
     config = resolve_sampling(sm.saved, sampling_flags(ns))
     notice = editing_notice(config, trained_edit_fraction(ns.model))
     if notice:
@@ -78,7 +89,8 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     on_batch = on_step.begin_batch if on_step is not None else None  # one animation each
     if on_batch is None and not sys.stderr.isatty():  # a log: say it moves, now and then
         on_batch = progress_lines(len(prompts))
-    records = generate_texts(sm, prompts, config, ns.batch_size, generator, on_step, on_batch)
+    records = generate_texts(sm, prompts, config, ns.batch_size, generator, on_step, on_batch,
+                             pictures)  # fmt: skip
     if on_step is not None:
         on_step.list_edits()  # the last batch's
     if ns.out:

@@ -277,6 +277,8 @@ class Vision(nn.Module):
         super().__init__()
         cfg = _tower_config(source["vision_config"])
         self.image_token_id = int(source.get("image_token_id", 258_880))
+        self.boi_token_id = int(source.get("boi_token_id", 255_999))
+        self.eoi_token_id = int(source.get("eoi_token_id", 258_882))
         text = source.get("text_config") or {}
         self.bidirectional = text.get("use_bidirectional_attention") == "vision"
         self.vision_tower = VisionTower(cfg)

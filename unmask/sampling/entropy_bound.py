@@ -69,6 +69,7 @@ import weakref
 import torch
 
 from unmask.errors import InputError
+from unmask.models.diffusion_gemma_vision import Images
 from unmask.sampling.config import SamplingConfig, entropy_bound_settings
 from unmask.sampling.decoders import WholeDecoder, register_decoder, uniform_canvas_model
 from unmask.sampling.generate import GenerationOutput
@@ -165,7 +166,7 @@ class EntropyBound(WholeDecoder):
 
     @torch.no_grad()
     def decode(self, model, prompt_ids, prompt_valid, config, *, mask_id, eos_id, pad_id,
-               eot_id, generator, on_step) -> GenerationOutput:  # fmt: skip
+               eot_id, generator, on_step, images: Images | None = None) -> GenerationOutput:  # fmt: skip
         if not uniform_canvas_model(model):
             kind = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
             raise InputError(f"decoder entropy_bound denoises the random-token canvases of a "
@@ -174,7 +175,7 @@ class EntropyBound(WholeDecoder):
         started = time.perf_counter()
         placeholder = next((i for i in (mask_id, pad_id) if i is not None), 0)  # not drawn yet
         run = _Run(model, prompt_ids, prompt_valid, config, placeholder, generator,
-                   [i for i in (eos_id, eot_id) if i is not None])  # fmt: skip
+                   [i for i in (eos_id, eot_id) if i is not None], images)  # fmt: skip
         run.history = [] if config.history else None
         run.on_step = on_step
         answers, generated = run.all_canvases()
@@ -192,7 +193,7 @@ class _Run:
 
     def __init__(self, model, prompt_ids: torch.Tensor, prompt_valid: torch.Tensor,
                  config: SamplingConfig, mask_id: int, generator: torch.Generator | None,
-                 stops: list[int]):  # fmt: skip
+                 stops: list[int], images: Images | None = None):  # fmt: skip
         self.model, self.config, self.mask_id, self.stops = model, config, mask_id, stops
         self.settings = entropy_bound_settings(config)
         self.prompt_ids = prompt_ids
@@ -213,7 +214,8 @@ class _Run:
         positions = (prompt_valid.long().cumsum(1) - 1).clamp_min(0)
         padded = not bool(prompt_valid.all())
         self.cache = model.encode(prompt_ids, position_ids=positions,
-                                  prompt_mask=prompt_valid if padded else None)  # fmt: skip
+                                  prompt_mask=prompt_valid if padded else None,
+                                  images=images)  # fmt: skip
         total = self.canvases * self.canvas_length
         self.answers = torch.full((batch, total), mask_id, dtype=torch.long, device=device)
         self.generated = torch.zeros((batch, total), dtype=torch.bool, device=device)

@@ -36,6 +36,7 @@ from torch import nn
 
 from unmask.errors import InputError, describe_validation_error
 from unmask.models.attention import KVCache
+from unmask.models.diffusion_gemma_vision import Images
 from unmask.sampling.autolength import prompt_mask, sample_auto
 from unmask.sampling.autoregressive import decode_left_to_right
 from unmask.sampling.blocks_from_start import decode_blocks_from_start
@@ -193,6 +194,7 @@ def sample(
     on_step: Callable[[torch.Tensor], None] | None = None,
     pad_id: int | None = None,
     eot_id: int | None = None,
+    images: Images | None = None,
 ) -> GenerationOutput:
     """Decode config.gen_length masked positions after each prompt (see the module doc);
     with config.row_length, row_length - P of them (`SamplingConfig.fitted`).
@@ -205,12 +207,19 @@ def sample(
     DiffusionGemma, is decoded by entropy_bound: sampling/entropy_bound.py). With eos_id a
     row leaves the batch once a finished block holds EOS. on_step receives the full
     (B, P + G) canvas after every step. pad_id (with eos_id, for `eos_penalty`) and eot_id (the end-of-turn
-    token, for `confidence_eos_eot_inf`) are the tokenizer's. ValueError when the lengths
+    token, for `confidence_eos_eot_inf`) are the tokenizer's. images: the prompts' pictures
+    (models/diffusion_gemma_vision.py `Images`, in the order of their image tokens), for a
+    DiffusionGemma folder with a vision tower (decoder entropy_bound). ValueError when the lengths
     do not split into blocks; InputError when an option needs an id that is not given or a
     hook raises.
     """
     if not config.uniform_canvas and uniform_canvas_model(model):  # DiffusionGemma: no [MASK]
         config = with_uniform_canvas(config)
+    if images is not None and not uniform_canvas_model(model):
+        raise InputError("images need a diffusion_gemma model with a vision tower; this model "
+                         "takes text only: drop the images")  # fmt: skip
+    if images is not None and config.gen_length == "auto":
+        raise InputError("gen_length auto does not take images yet; give a gen_length")
     if config.gen_length == "auto":  # grow the canvas while the model is not ready to end
         return sample_auto(sample, model, prompt_ids, config, mask_id=mask_id, eos_id=eos_id,
                            attention_mask=attention_mask, generator=generator,
@@ -220,9 +229,12 @@ def sample(
     config = config.fitted(prompt_len)  # row_length: the canvas that fills a training row
     decoder_cls = decoder_class(config)  # decoders.py: the named strategy
     if issubclass(decoder_cls, WholeDecoder):  # left_to_right, blocks_from_start, ...
+        extra = {} if images is None else {"images": images}  # entropy_bound's
         return decoder_cls().decode(model, prompt_ids, prompt_valid, config, mask_id=mask_id,
                                     eos_id=eos_id, pad_id=pad_id, eot_id=eot_id,
-                                    generator=generator, on_step=on_step)  # fmt: skip
+                                    generator=generator, on_step=on_step, **extra)  # fmt: skip
+    if images is not None:
+        raise InputError(f"decoder {config.decoder} takes no images; use decoder entropy_bound")
     config.check_lengths()
     special = special_ids(config, eos_id, pad_id, eot_id)
     started = time.perf_counter()

@@ -12,6 +12,7 @@ from unmask.errors import InputError
 from unmask.sampling.config import SamplingConfig
 from unmask.sampling.decoders import edits_tokens
 from unmask.sampling.generate import end_of_turn_id, left_pad, sample
+from unmask.sampling.images import PromptImages, with_prefix
 
 
 @dataclass
@@ -64,6 +65,7 @@ def generate_texts(
     generator: torch.Generator | None = None,
     on_step: Callable[[torch.Tensor], None] | None = None,
     on_batch: Callable[[list[int]], None] | None = None,
+    pictures: PromptImages | None = None,
 ) -> list[dict[str, Any]]:
     """Generate for each prompt (batched, left-padded); returns one record per prompt, in
     order: prompt, completion (text before the first EOS), tokens, and nfe (model forward
@@ -72,11 +74,13 @@ def generate_texts(
     With config.row_length the prompts are grouped by token length and each group gets the
     canvas that fills a training row (`SamplingConfig.fitted`). on_batch is called with
     the indices of each batch's prompts before it is decoded (on_step then gets its
-    canvases: `--show` starts a new animation)."""
+    canvases: `--show` starts a new animation). pictures: every prompt's images
+    (sampling/images.py: their tokens go before the prompt's)."""
     encoded = [sm.tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
     for text, ids in zip(prompts, encoded):
         if not ids:
             raise InputError(f"prompt {text!r} is empty after tokenization; give some text")
+    encoded = [with_prefix(ids, pictures) for ids in encoded]
     groups: dict[int, list[int]] = {}
     for index, ids in enumerate(encoded):
         groups.setdefault(len(ids) if config.row_length else 0, []).append(index)
@@ -97,10 +101,11 @@ def generate_texts(
             if on_batch is not None:
                 on_batch(chunk)
             counted = RowEdits(len(chunk), sm.mask_id, on_step) if edits_tokens(fitted) else None
+            images = None if pictures is None else pictures.for_rows(len(chunk)).to(sm.device)
             out = sample(sm.model, ids, fitted, mask_id=sm.mask_id, eos_id=sm.eos_id,
                          attention_mask=attention_mask, generator=generator,
                          on_step=counted or on_step, pad_id=sm.pad_id,
-                         eot_id=end_of_turn_id(sm.tokenizer))  # fmt: skip
+                         eot_id=end_of_turn_id(sm.tokenizer), images=images)  # fmt: skip
             for row, (index, answer) in enumerate(zip(chunk, out.answers.tolist())):
                 answer = before_eos(answer, sm.eos_id)
                 records[index] = {

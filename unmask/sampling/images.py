@@ -1,0 +1,97 @@
+"""Pictures for a prompt (`unmask generate --image PATH`, `unmask serve`'s image_url parts):
+files or bytes read with PIL, turned into patches by the model folder's own image processor
+(transformers' `AutoImageProcessor`, offline: preprocessor_config.json in the folder), and
+the tokens that stand for them in the prompt.
+
+Where a picture goes: before the prompt's text, in the order given, each as the folder's
+begin-of-image token, one image token per soft token the tower gives it, and the
+end-of-image token (config.json's boi_token_id / image_token_id / eoi_token_id), as
+Gemma 4's processor expands an image placeholder. Every prompt of a call gets the same
+pictures. Bad input is one line (InputError): a missing or unreadable file, a folder
+without an image processor, a model without a vision tower.
+"""
+
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass
+from pathlib import Path
+
+from unmask.errors import InputError
+from unmask.models.diffusion_gemma_vision import Images, require_vision
+
+
+@dataclass
+class PromptImages:
+    """A prompt's pictures: the tokens that go before its text, and their patches (one row
+    of images, in order)."""
+
+    prefix: list[int]
+    images: Images
+
+    def for_rows(self, rows: int) -> Images:
+        """The patches of `rows` prompts that each have these pictures."""
+        return Images(self.images.pixel_values.repeat(rows, 1, 1),
+                      self.images.position_ids.repeat(rows, 1, 1))  # fmt: skip
+
+
+def open_image(data: bytes, name: str):
+    """A PIL RGB image from bytes; one line naming `name` when PIL cannot read them."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        image = Image.open(io.BytesIO(data))
+        image.load()
+    except (UnidentifiedImageError, OSError, ValueError) as err:
+        raise InputError(f"{name} is not an image PIL can read ({type(err).__name__}); give a "
+                         "PNG, JPEG, GIF or WebP file") from None  # fmt: skip
+    return image.convert("RGB")
+
+
+def read_image_files(paths: list[str]) -> list:
+    """PIL images of the --image paths (one line for a missing or unreadable one)."""
+    out = []
+    for path in paths:
+        if not Path(path).is_file():
+            raise InputError(f"--image {path!r} does not exist; give an image file")
+        out.append(open_image(Path(path).read_bytes(), f"--image {path!r}"))
+    return out
+
+
+def image_processor(folder: str | Path):
+    """The folder's own image processor (offline), or one line when it has none."""
+    import transformers
+
+    if not (Path(folder) / "preprocessor_config.json").is_file():
+        raise InputError(f"{str(folder)!r} has no image processor (preprocessor_config.json); "
+                         "save the model's processor into the folder to give it images")  # fmt: skip
+    try:
+        return transformers.AutoImageProcessor.from_pretrained(str(folder), local_files_only=True)
+    except (OSError, ValueError) as err:
+        raise InputError(f"{str(folder)!r}: its image processor does not load ({err})") from None
+
+
+def prompt_images(model, folder: str | Path, pictures: list) -> PromptImages:
+    """The prefix tokens and patches of PIL `pictures` for `model`, through `folder`'s image
+    processor (one line when the model has no vision tower or the folder no processor)."""
+    vision = require_vision(model)
+    batch = image_processor(folder)(images=pictures, return_tensors="pt")
+    pixels, positions = batch["pixel_values"], batch["image_position_ids"]
+    images = Images(pixels.float(), positions.long())
+    k = vision.vision_tower.cfg["pooling_kernel_size"]
+    prefix: list[int] = []
+    for row in positions.long():
+        real = row[(row != -1).any(dim=-1)]
+        columns, lines = int(real[:, 0].max()) + 1, int(real[:, 1].max()) + 1
+        count = (columns // k) * (lines // k)
+        prefix += [vision.boi_token_id, *[vision.image_token_id] * count, vision.eoi_token_id]
+    return PromptImages(prefix, images)
+
+
+def with_prefix(ids: list[int], pictures: PromptImages | None) -> list[int]:
+    """A prompt's token ids after its pictures' tokens."""
+    return ids if pictures is None else [*pictures.prefix, *ids]
+
+
+__all__ = ["PromptImages", "image_processor", "open_image", "prompt_images",
+           "read_image_files", "with_prefix"]  # fmt: skip
