@@ -127,3 +127,70 @@ def test_bad_pictures_are_one_line_exit_2_nothing_written(saved, tmp_path, capsy
     assert "notes.png' is not an image PIL can read" in err[1]
     assert "this model has no vision tower" in err[2]
     assert "has no image processor (preprocessor_config.json)" in err[3]
+
+
+def test_the_server_answers_a_data_url_picture_as_generate_does(saved, tmp_path):
+    """The openai client's chat request with an image_url part (a data: URL) gets the text
+    `unmask generate --image` gives the same prompt; remote URLs, oversized pictures and
+    bytes that are no picture are HTTP 400 with OpenAI's error body."""
+    import asyncio
+    import base64
+
+    import httpx
+    import openai
+
+    from unmask.serve.app import Server, _chat_prompt, build_app
+    from unmask.serve.engine import Engine
+    from unmask.serve.protocol import ChatMessage
+
+    _, folder, pictures = saved
+    sm = load_for_sampling(folder, device="cpu")
+    question = "what is it?"
+    prompt = _chat_prompt(sm.tokenizer, [ChatMessage(role="user", content=question)])
+    dst = tmp_path / "out.jsonl"
+    assert main(["generate", "--model", str(folder), "--prompt", prompt, "--out", str(dst),
+                 "--seed", "5", "--image", pictures[0], *FLAGS]) == 0  # fmt: skip
+    expected = json.loads(dst.read_text())["completion"]
+    assert expected  # an answer to compare
+    encoded = base64.b64encode(open(pictures[0], "rb").read()).decode()
+    engine = Engine(sm)
+    server = Server(sm, engine, "tiny")
+    app = build_app(server)
+    unmask = {"max_denoising_steps": 8, "temperature_start": 0.3, "temperature_end": 0.1,
+              "confidence_threshold": 0.3}  # fmt: skip
+
+    def ask(client, url, seed=5):
+        content = [{"type": "text", "text": question},
+                   {"type": "image_url", "image_url": {"url": url}}]  # fmt: skip
+        return client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": content}], max_tokens=16,
+            seed=seed, extra_body={"unmask": unmask})  # fmt: skip
+
+    async def ask_all():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as http:
+            client = openai.AsyncOpenAI(base_url="http://127.0.0.1/v1", api_key="none",
+                                        http_client=http, max_retries=0)  # fmt: skip
+            reply = await ask(client, f"data:image/png;base64,{encoded}")
+            refused = []
+            server.max_image_bytes = 64
+            for url in (
+                "https://example.com/cat.png",
+                f"data:image/png;base64,{encoded}",
+                "data:image/png;base64," + base64.b64encode(b"no picture").decode(),
+            ):
+                with pytest.raises(openai.BadRequestError) as err:
+                    await ask(client, url)
+                refused.append(err.value.body)
+            return reply, refused
+
+    try:
+        reply, refused = asyncio.run(ask_all())
+    finally:
+        engine.close()
+    assert reply.choices[0].message.content == expected
+    assert all(body["type"] == "invalid_request_error" and body["param"] == "messages"
+               for body in refused), refused  # fmt: skip
+    assert "only data: URLs are taken (https URLs are not fetched)" in refused[0]["message"]
+    assert "image_url 1 is over this server's 64 bytes per picture" in refused[1]["message"]
+    assert "image_url 1 is not an image PIL can read" in refused[2]["message"]

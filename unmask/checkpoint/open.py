@@ -61,4 +61,5 @@ def load_for_sampling(
             f"mask token id {mask_id} is outside the vocabulary of the model in "
             f"{str(folder)!r} ({vocab} tokens); pass --mask-id"
         )
-    return SamplingModel(model, tokenizer, mask_id, eos_id, pad_id, device, sampling)
+    return SamplingModel(model, tokenizer, mask_id, eos_id, pad_id, device, sampling,
+                         folder=folder)  # fmt: skip

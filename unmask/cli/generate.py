@@ -68,7 +68,7 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     if pictures is not None:
         from unmask.sampling.images import prompt_images
 
-        pictures = prompt_images(sm.model, ns.model, pictures)
+        pictures = prompt_images(sm.model, sm.folder, pictures)
     config = resolve_sampling(sm.saved, sampling_flags(ns))
     notice = editing_notice(config, trained_edit_fraction(ns.model))
     if notice:

@@ -13,6 +13,8 @@ without an image processor, a model without a vision tower.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import io
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +48,33 @@ def open_image(data: bytes, name: str):
         raise InputError(f"{name} is not an image PIL can read ({type(err).__name__}); give a "
                          "PNG, JPEG, GIF or WebP file") from None  # fmt: skip
     return image.convert("RGB")
+
+
+MAX_IMAGE_BYTES = 8 << 20
+"""The served pictures' size cap (decoded bytes of one data: URL)."""
+
+
+def data_url_bytes(url: str, name: str, limit: int = MAX_IMAGE_BYTES) -> bytes:
+    """The bytes of a `data:image/...;base64,...` URL; one line for a remote URL (not
+    fetched), another form, bad base64 or more than `limit` bytes."""
+    if not url.startswith("data:"):
+        scheme = url.split(":", 1)[0] if ":" in url else "no scheme"
+        raise InputError(f"{name}: only data: URLs are taken ({scheme} URLs are not fetched); "
+                         "send the picture as data:image/png;base64,...")  # fmt: skip
+    head, _, payload = url.partition(",")
+    if not head.endswith(";base64") or not head[5:].startswith("image/"):
+        raise InputError(f"{name}: expected data:image/<type>;base64,<data>, got {head[:40]!r}")
+    if len(payload) * 3 // 4 > limit + 3:
+        raise InputError(f"{name} is over this server's {limit} bytes per picture; send a "
+                         "smaller picture")  # fmt: skip
+    try:
+        data = base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError):
+        raise InputError(f"{name}: its base64 data does not decode") from None
+    if len(data) > limit:
+        raise InputError(f"{name} is over this server's {limit} bytes per picture; send a "
+                         "smaller picture")  # fmt: skip
+    return data
 
 
 def read_image_files(paths: list[str]) -> list:
@@ -93,5 +122,5 @@ def with_prefix(ids: list[int], pictures: PromptImages | None) -> list[int]:
     return ids if pictures is None else [*pictures.prefix, *ids]
 
 
-__all__ = ["PromptImages", "image_processor", "open_image", "prompt_images",
-           "read_image_files", "with_prefix"]  # fmt: skip
+__all__ = ["MAX_IMAGE_BYTES", "PromptImages", "data_url_bytes", "image_processor",
+           "open_image", "prompt_images", "read_image_files", "with_prefix"]  # fmt: skip

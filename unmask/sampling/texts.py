@@ -29,6 +29,8 @@ class SamplingModel:
     saved: dict[str, Any]
     #: diffusion.edit_fraction of the run that made the folder (run_origin.py; None: unknown)
     trained_edit_fraction: float | None = None
+    #: the model folder it was read from (its image processor: sampling/images.py)
+    folder: Any = None
 
 
 class RowEdits:

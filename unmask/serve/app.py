@@ -28,6 +28,14 @@ from unmask.data.sft import split_chat
 from unmask.errors import InputError
 from unmask.sampling.decoders import uniform_canvas_model
 from unmask.sampling.generate import special_ids, with_uniform_canvas
+from unmask.sampling.images import (
+    MAX_IMAGE_BYTES,
+    PromptImages,
+    data_url_bytes,
+    open_image,
+    prompt_images,
+    with_prefix,
+)
 from unmask.sampling.run_origin import editing_notice
 from unmask.sampling.show import EOS_GLYPH
 from unmask.sampling.texts import SamplingModel
@@ -66,6 +74,9 @@ RETRY_AFTER = 1
 
 class Server:
     """What the routes share: the model, the engine, the served name and the options."""
+
+    #: largest picture a request may send (decoded bytes of one data: URL)
+    max_image_bytes: int = MAX_IMAGE_BYTES
 
     def __init__(self, sm: SamplingModel, engine: Engine, model_name: str,
                  api_key: str | None = None, runs_dir: Path | None = None,
@@ -109,10 +120,13 @@ class Server:
                                f"{self.model_name!r}", param="model",
                                code="model_not_found")  # fmt: skip
 
-    def make_job(self, text: str, request, max_tokens: int | None, **extra) -> Job:
+    def make_job(self, text: str, request, max_tokens: int | None,
+                 image_urls: list[str] | None = None, **extra) -> Job:  # fmt: skip
         """The Job of one prompt, its options checked (RequestError 400). Tokenizes: run it
-        on `self.tokenizing` (`make_jobs`)."""
+        on `self.tokenizing` (`make_jobs`). image_urls: its pictures (data: URLs; their
+        tokens go before the prompt's, as `unmask generate --image`)."""
         sm = self.sm
+        pictures = self.pictures(image_urls) if image_urls else None
         config, notices = sampling_config(request, sm.saved, max_tokens,
                                           uniform_canvas_model(sm.model))  # fmt: skip
         try:
@@ -129,6 +143,8 @@ class Server:
         ids = sm.tokenizer(text, add_special_tokens=False)["input_ids"]
         if not ids:
             raise RequestError(400, "the prompt is empty after tokenization", param="prompt")
+        if pictures is not None:
+            ids, extra["images"] = with_prefix(ids, pictures), pictures.images
         try:
             config = config.fitted(len(ids))
         except InputError as err:
@@ -145,6 +161,22 @@ class Server:
         notices += [edit_notice] if edit_notice else []
         return Job(ids, config, emit=lambda event: None, seed=request.seed,
                    notices=tuple(notices), **extra)  # fmt: skip
+
+    def pictures(self, urls: list[str]) -> PromptImages:
+        """A request's pictures from data: URLs (RequestError 400: a remote URL, one over
+        `max_image_bytes`, bytes PIL cannot read, a model without a vision tower)."""
+        opened = []
+        for number, url in enumerate(urls, 1):
+            name = f"image_url {number}"
+            try:
+                data = data_url_bytes(url, name, self.max_image_bytes)
+                opened.append(open_image(data, name))
+            except InputError as err:
+                raise RequestError(400, str(err), param="messages") from None
+        try:
+            return prompt_images(self.sm.model, self.sm.folder, opened)
+        except InputError as err:
+            raise RequestError(400, str(err), param="messages") from None
 
     async def make_jobs(self, texts: list[str], request, max_tokens: int | None,
                         **extra) -> list[Job]:  # fmt: skip
@@ -324,7 +356,9 @@ def build_app(server: Server) -> Guard:
         prompt = await asyncio.get_running_loop().run_in_executor(
             server.tokenizing, _chat_prompt, server.sm.tokenizer, req.messages)  # fmt: skip
         max_tokens = req.max_completion_tokens or req.max_tokens
-        jobs = await server.make_jobs([prompt], req, max_tokens, stops=stops)
+        urls = [url for message in req.messages for url in message.image_urls()]
+        jobs = await server.make_jobs([prompt], req, max_tokens, stops=stops,
+                                      image_urls=urls)  # fmt: skip
         return await respond(request, req, jobs, chat=True)
 
     async def respond(request: Request, req, jobs: list[Job], chat: bool):

@@ -57,6 +57,7 @@ from typing import Any
 
 import torch
 
+from unmask.models.diffusion_gemma_vision import Images
 from unmask.parallel.threads import IdleCores
 from unmask.sampling.config import SamplingConfig
 from unmask.sampling.decoders import decoder_class, decodes_by_block
@@ -231,6 +232,7 @@ class Job:
     forwards: int = 0
     edits: int = 0  # tokens of its answer the decoder replaced (joint_threshold's edits)
     notices: tuple[str, ...] = ()  # what the request's options were taken as (protocol.py)
+    images: Images | None = None  # its pictures' patches (sampling/images.py)
 
     def __post_init__(self):
         if self.seed is not None:
@@ -585,7 +587,8 @@ class Engine:
         out = sample(self.model, ids, job.config, mask_id=sm.mask_id, eos_id=sm.eos_id,
                      generator=job.generator,
                      on_step=on_step if job.trace else None, pad_id=sm.pad_id,
-                     eot_id=self.eot_id)  # fmt: skip
+                     eot_id=self.eot_id,
+                     images=None if job.images is None else job.images.to(sm.device))  # fmt: skip
         self.stats.forwards += out.nfe
         self.stats.row_forwards += out.row_forwards
         self.stats.decoded += out.decoded

@@ -133,16 +133,34 @@ class ChatMessage(_Strict):
     name: str | None = None
 
     def text(self) -> str:
-        """The message's text (content parts of type text joined; others refused)."""
+        """The message's text (content parts of type text joined; image_url parts are
+        `image_urls`; others refused)."""
         if isinstance(self.content, str):
             return self.content
         parts = []
         for part in self.content:
+            if part.get("type") == "image_url":
+                continue
             if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise RequestError(400, "only text content parts are supported",
+                raise RequestError(400, "only text and image_url content parts are supported",
                                    param="messages")  # fmt: skip
             parts.append(part["text"])
         return "".join(parts)
+
+    def image_urls(self) -> list[str]:
+        """The urls of its image_url content parts, in order."""
+        if isinstance(self.content, str):
+            return []
+        urls = []
+        for part in self.content:
+            if part.get("type") == "image_url":
+                image = part.get("image_url")
+                url = image.get("url") if isinstance(image, dict) else None
+                if not isinstance(url, str):
+                    raise RequestError(400, 'an image_url part needs {"image_url": {"url": '
+                                       '"data:image/png;base64,..."}}', param="messages")  # fmt: skip
+                urls.append(url)
+        return urls
 
 
 class ChatRequest(_Sampling):
