@@ -5,6 +5,11 @@ the folder): every prompt's text after the pictures' tokens, decoded as transfor
 alone and in batches; bad pictures are one line, exit 2, nothing written."""
 
 import json
+import threading
+from dataclasses import replace
+from functools import partial
+from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
 import torch
@@ -131,8 +136,10 @@ def test_bad_pictures_are_one_line_exit_2_nothing_written(saved, tmp_path, capsy
 
 def test_the_server_answers_a_data_url_picture_as_generate_does(saved, tmp_path):
     """The openai client's chat request with an image_url part (a data: URL) gets the text
-    `unmask generate --image` gives the same prompt; remote URLs, oversized pictures and
-    bytes that are no picture are HTTP 400 with OpenAI's error body."""
+    `unmask generate --image` gives the same prompt; a remote URL, an oversized picture and
+    bytes that are no picture are HTTP 400 with OpenAI's error body; with remote pictures
+    allowed (--allow-remote-images) the URL of the same file (a server on this machine)
+    gets the same text."""
     import asyncio
     import base64
 
@@ -173,24 +180,37 @@ def test_the_server_answers_a_data_url_picture_as_generate_does(saved, tmp_path)
                                         http_client=http, max_retries=0)  # fmt: skip
             reply = await ask(client, f"data:image/png;base64,{encoded}")
             refused = []
-            server.max_image_bytes = 64
             for url in (
-                "https://example.com/cat.png",
+                remote,
                 f"data:image/png;base64,{encoded}",
                 "data:image/png;base64," + base64.b64encode(b"no picture").decode(),
             ):
+                if url != remote:
+                    server.limits = replace(server.limits, max_image_bytes=64)
                 with pytest.raises(openai.BadRequestError) as err:
                     await ask(client, url)
                 refused.append(err.value.body)
-            return reply, refused
+            # --allow-remote-images: the same picture fetched from a local server
+            server.limits = replace(server.limits, max_image_bytes=2**20, remote_images=True)
+            fetched = await ask(client, remote)
+            return reply, refused, fetched
 
+    files = ThreadingHTTPServer(("127.0.0.1", 0), partial(SimpleHTTPRequestHandler,
+                                                          directory=str(folder.parent)))  # fmt: skip
+    threading.Thread(target=files.serve_forever, daemon=True).start()
+    remote = f"http://127.0.0.1:{files.server_port}/{Path(pictures[0]).name}"
     try:
-        reply, refused = asyncio.run(ask_all())
+        reply, refused, fetched = asyncio.run(ask_all())
     finally:
         engine.close()
+        files.shutdown()
     assert reply.choices[0].message.content == expected
+    assert fetched.choices[0].message.content == expected
     assert all(body["type"] == "invalid_request_error" and body["param"] == "messages"
                for body in refused), refused  # fmt: skip
-    assert "only data: URLs are taken (https URLs are not fetched)" in refused[0]["message"]
+    assert (
+        "only data: URLs are taken (http URLs are not fetched without unmask serve "
+        "--allow-remote-images)" in refused[0]["message"]
+    )
     assert "image_url 1 is over this server's 64 bytes per picture" in refused[1]["message"]
     assert "image_url 1 is not an image PIL can read" in refused[2]["message"]

@@ -73,6 +73,10 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
     limits.add_argument("--max-body-mb", type=megabytes, default=Limits.max_body_bytes / 2**20,
                         metavar="MB", help="MiB of one request body "
                         f"(default {Limits.max_body_bytes / 2**20:g})")  # fmt: skip
+    limits.add_argument("--max-image-mb", type=megabytes,
+                        default=Limits.max_image_bytes / 2**20, metavar="MB",
+                        help="MiB of one picture (an image_url part; default "
+                        f"{Limits.max_image_bytes / 2**20:g})")  # fmt: skip
     limits.add_argument("--header-timeout", type=seconds, default=HEADER_SECONDS,
                         metavar="S", help="seconds a connection may take to send a request's "
                         f"headers (default {HEADER_SECONDS:g}; its body: "
@@ -87,6 +91,9 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
                         "the API (repeatable; default: only the server's own page)")  # fmt: skip
     access.add_argument("--allow-no-key", action="store_true", help="serve a --host beyond "
                         "this machine without --api-key (refused otherwise)")  # fmt: skip
+    access.add_argument("--allow-remote-images", action="store_true", help="fetch http(s) "
+                        "image_url parts (default: data: URLs only; the fetch has the "
+                        "--max-image-mb cap and a 10 s timeout)")  # fmt: skip
     access.add_argument("--allow-train", action="store_true", help="let the page queue "
                         "training runs into --runs DIR, one at a time (docs/serving.md, "
                         "Training from the page); beyond this machine only with --api-key")  # fmt: skip
@@ -179,7 +186,9 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     notices = tuple(filter(None, [chat_notice(ns.model, sm.tokenizer), folder_edits]))
     limits = Limits(max_tokens=ns.max_tokens, max_steps=ns.max_steps,
                     max_prompts=ns.max_prompts, max_stop_chars=ns.max_stop_chars,
-                    max_body_bytes=int(ns.max_body_mb * 2**20))  # fmt: skip
+                    max_body_bytes=int(ns.max_body_mb * 2**20),
+                    max_image_bytes=int(ns.max_image_mb * 2**20),
+                    remote_images=ns.allow_remote_images)  # fmt: skip
     return run_server(sm, model_name=name, host=ns.host, port=ns.port,
                       max_batch=ns.max_batch, max_queue=ns.max_queue, api_key=api_key,
                       runs_dir=ns.runs, drain_seconds=ns.drain_timeout,

@@ -50,8 +50,26 @@ def open_image(data: bytes, name: str):
     return image.convert("RGB")
 
 
-MAX_IMAGE_BYTES = 8 << 20
-"""The served pictures' size cap (decoded bytes of one data: URL)."""
+MAX_IMAGE_BYTES = 3 * 2**20
+"""The served pictures' default size cap (bytes of one picture)."""
+
+
+def fetch_image_bytes(url: str, name: str, limit: int = MAX_IMAGE_BYTES,
+                      seconds: float = 10.0) -> bytes:  # fmt: skip
+    """The bytes at an http(s) URL (`unmask serve --allow-remote-images`); one line when the
+    fetch fails or the answer is over `limit` bytes."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=seconds) as answer:  # noqa: S310 (http(s) only)
+            data = answer.read(limit + 1)
+    except (urllib.error.URLError, OSError, ValueError) as err:
+        raise InputError(f"{name}: fetching {url!r} failed ({err})") from None
+    if len(data) > limit:
+        raise InputError(f"{name} is over this server's {limit} bytes per picture; send a "
+                         "smaller picture")  # fmt: skip
+    return data
 
 
 def data_url_bytes(url: str, name: str, limit: int = MAX_IMAGE_BYTES) -> bytes:
@@ -59,8 +77,9 @@ def data_url_bytes(url: str, name: str, limit: int = MAX_IMAGE_BYTES) -> bytes:
     fetched), another form, bad base64 or more than `limit` bytes."""
     if not url.startswith("data:"):
         scheme = url.split(":", 1)[0] if ":" in url else "no scheme"
-        raise InputError(f"{name}: only data: URLs are taken ({scheme} URLs are not fetched); "
-                         "send the picture as data:image/png;base64,...")  # fmt: skip
+        raise InputError(f"{name}: only data: URLs are taken ({scheme} URLs are not fetched "
+                         "without unmask serve --allow-remote-images); send the picture as "
+                         "data:image/png;base64,...")  # fmt: skip
     head, _, payload = url.partition(",")
     if not head.endswith(";base64") or not head[5:].startswith("image/"):
         raise InputError(f"{name}: expected data:image/<type>;base64,<data>, got {head[:40]!r}")
@@ -122,5 +141,6 @@ def with_prefix(ids: list[int], pictures: PromptImages | None) -> list[int]:
     return ids if pictures is None else [*pictures.prefix, *ids]
 
 
-__all__ = ["MAX_IMAGE_BYTES", "PromptImages", "data_url_bytes", "image_processor",
+__all__ = ["MAX_IMAGE_BYTES", "PromptImages", "data_url_bytes", "fetch_image_bytes",
+           "image_processor",
            "open_image", "prompt_images", "read_image_files", "with_prefix"]  # fmt: skip

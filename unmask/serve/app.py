@@ -29,9 +29,9 @@ from unmask.errors import InputError
 from unmask.sampling.decoders import uniform_canvas_model
 from unmask.sampling.generate import special_ids, with_uniform_canvas
 from unmask.sampling.images import (
-    MAX_IMAGE_BYTES,
     PromptImages,
     data_url_bytes,
+    fetch_image_bytes,
     open_image,
     prompt_images,
     with_prefix,
@@ -74,9 +74,6 @@ RETRY_AFTER = 1
 
 class Server:
     """What the routes share: the model, the engine, the served name and the options."""
-
-    #: largest picture a request may send (decoded bytes of one data: URL)
-    max_image_bytes: int = MAX_IMAGE_BYTES
 
     def __init__(self, sm: SamplingModel, engine: Engine, model_name: str,
                  api_key: str | None = None, runs_dir: Path | None = None,
@@ -163,13 +160,18 @@ class Server:
                    notices=tuple(notices), **extra)  # fmt: skip
 
     def pictures(self, urls: list[str]) -> PromptImages:
-        """A request's pictures from data: URLs (RequestError 400: a remote URL, one over
-        `max_image_bytes`, bytes PIL cannot read, a model without a vision tower)."""
+        """A request's pictures from data: URLs, or http(s) ones with --allow-remote-images
+        (RequestError 400: a remote URL without it, one over `Limits.max_image_bytes`, bytes
+        PIL cannot read, a model without a vision tower)."""
         opened = []
+        cap = self.limits.max_image_bytes
         for number, url in enumerate(urls, 1):
             name = f"image_url {number}"
             try:
-                data = data_url_bytes(url, name, self.max_image_bytes)
+                remote = self.limits.remote_images and url.startswith(("http://", "https://"))
+                data = (
+                    fetch_image_bytes(url, name, cap) if remote else data_url_bytes(url, name, cap)
+                )
                 opened.append(open_image(data, name))
             except InputError as err:
                 raise RequestError(400, str(err), param="messages") from None

@@ -60,6 +60,10 @@ class Limits:
     """Bytes of one request body."""
     body_seconds: float = 30.0
     """Seconds a client may take to send a request's body."""
+    max_image_bytes: int = 3 * 2**20
+    """Bytes of one picture (an image_url part; as base64 data it fits the default body)."""
+    remote_images: bool = False
+    """Fetch http(s) image_url parts (off: data: URLs only)."""
 
 
 class RequestError(Exception):
