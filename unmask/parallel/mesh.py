@@ -167,6 +167,31 @@ def build_mesh(device: torch.device, layout: MeshLayout) -> DeviceMesh:
     return mesh
 
 
+#: expert parallelism's dims, unflattened from "dp_cp" (torchtitan's way: the experts split
+#: over the ranks that read different rows or sequence slices, no mesh of their own): the
+#: ranks that hold the same experts (ep_replica), then the ranks that split them (ep)
+EXPERT_DIMS = ("ep_replica", "ep")
+
+
+def expert_dims(layout: MeshLayout, expert_parallel: int) -> dict[str, tuple[int, int]]:
+    """(size, stride in world ranks) of each of `EXPERT_DIMS` for expert_parallel ranks
+    per group: "dp_cp" (dp_replicate x dp_shard x cp, tp innermost) cut into
+    (dp_cp / ep, ep), ep innermost, within one pipeline stage (pp stays outermost). The rank
+    order `expert_mesh` builds and the planner's traffic reads."""
+    dp_cp = layout.dp * layout.cp
+    return {"ep_replica": (dp_cp // expert_parallel, expert_parallel * layout.tp),
+            "ep": (expert_parallel, layout.tp)}  # fmt: skip
+
+
+def expert_mesh(mesh: DeviceMesh, expert_parallel: int) -> DeviceMesh:
+    """This rank's (ep_replica, ep) grid (`expert_dims`): the world mesh's "dp_cp" dim of
+    this rank's pipeline stage unflattened, so a stage's experts live on its own ranks and
+    no second mesh is initialized."""
+    dp_cp = sub_mesh(mesh, "dp_cp")
+    sizes = (dp_cp.size() // expert_parallel, expert_parallel)
+    return dp_cp._unflatten(0, sizes, EXPERT_DIMS)
+
+
 def fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
     """The mesh FSDP2 shards over: dp_shard_cp, under dp_replicate when that is > 1 (HSDP)."""
     if mesh["dp_replicate"].size() > 1:

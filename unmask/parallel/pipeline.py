@@ -55,18 +55,7 @@ from torch import nn
 from unmask.diffusion.backward import BackwardPass
 from unmask.diffusion.loss import SelectedRows
 from unmask.models.fused import deferring_linear_forward
-
-# Transitional: train/setup.py and train/trainer.py, whose other edits are in flight, still
-# import balancing_notice, layer_costs, plan_pipeline and schedule_spec from here; they
-# import them from pipeline_plan.py / schedules.py with their next change, and this
-# re-export goes then.
-from unmask.parallel.pipeline_plan import (  # noqa: F401
-    PipelinePlan,
-    balancing_notice,
-    layer_costs,
-    plan_pipeline,
-)
-from unmask.parallel.schedules import schedule_spec  # noqa: F401
+from unmask.parallel.pipeline_plan import PipelinePlan
 
 
 class _Part(nn.Module):

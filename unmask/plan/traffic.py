@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from unmask.models.build import shape_of
 from unmask.models.shape import recomputes
 from unmask.parallel.context import alltoall_bytes
-from unmask.parallel.mesh import MESH_DIMS, MeshLayout
+from unmask.parallel.mesh import MESH_DIMS, MeshLayout, expert_dims
 from unmask.plan.memory import StepShape
 from unmask.plan.shards import ShardedModel
 
@@ -240,12 +240,14 @@ def expert_collectives(model: ShardedModel, shape: StepShape,
             calls += layers
     per_step *= shape.micro_batches
     calls *= shape.micro_batches
+    dims = expert_dims(layout, ep)  # the trainer's rank order (parallel/mesh.py)
     out = [Collective("ep", "all-to-all", "EP token dispatch and combine (+ counts)", calls,
-                      per_step, ep, _ep_intra(layout, ep, 1, nodes))]  # fmt: skip
+                      per_step, ep, _ep_intra(layout, *dims["ep"], nodes))]  # fmt: skip
     if replicas > 1:
         grads = sum(s.local_numel for s in experts if s.optimizer != "frozen") * 4
         out.append(Collective("ep_replica", "all-reduce", "EP expert gradients (float32)", 1,
-                              grads, replicas, _ep_intra(layout, replicas, ep, nodes)))  # fmt: skip
+                              grads, replicas,
+                              _ep_intra(layout, *dims["ep_replica"], nodes)))  # fmt: skip
     return out
 
 
@@ -293,9 +295,8 @@ def _grid_size(shard) -> int:
 
 
 def _ep_intra(layout: MeshLayout, size: int, stride: int, nodes: int) -> bool:
-    """Whether a group of the (ep_replica, ep) grid over the dp x cp ranks stays in a node:
-    its ranks are `stride` apart on that grid, `size` of them (the grid is the world's
-    ranks in order: tp is 1 under MoE, and pipelines do not split MoE models)."""
+    """Whether a group of an expert-parallel dim (`size` ranks `stride` apart in the world,
+    parallel/mesh.py `expert_dims`) stays in a node."""
     per_node = layout.world_size // nodes
     span = stride * size
     return span <= per_node and per_node % span == 0

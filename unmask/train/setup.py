@@ -37,9 +37,9 @@ from unmask.models.quant import check_4bit_request, quantize_4bit
 from unmask.parallel.batch import per_rank_batch_size
 from unmask.parallel.context import check_context_parallel
 from unmask.parallel.distributed import plan_layout
-from unmask.parallel.expert import check_moe_request, expert_mesh, shard_experts
+from unmask.parallel.expert import check_moe_request, shard_experts
 from unmask.parallel.fsdp import apply_fsdp, compile_blocks
-from unmask.parallel.mesh import MeshLayout, fsdp_mesh, sub_mesh
+from unmask.parallel.mesh import MeshLayout, expert_mesh, fsdp_mesh
 from unmask.parallel.pipeline import PipelineModel
 from unmask.parallel.pipeline_plan import PipelinePlan, layer_costs, plan_pipeline
 from unmask.parallel.schedules import schedule_spec
@@ -428,9 +428,7 @@ def build_train_model(cfg: RunConfig, tokenizer, added_tokens: int, device: torc
         experts = []  # expert parallelism: expert stacks on their own (replica, ep) grid
         ep = cfg.parallel.expert_parallel
         if ep > 1:
-            grid = expert_mesh(device, sub_mesh(mesh, "dp_cp").size(), ep,
-                               mesh["pp"].size())  # fmt: skip
-            experts = shard_experts(model, grid)
+            experts = shard_experts(model, expert_mesh(mesh, ep))
         units = model.stages if pipeline is not None else [model]
         # a split backward's weight pass (zero bubble's) finds the weights the forward used
         # among the module's parameters: they must stay gathered from the forward to it
