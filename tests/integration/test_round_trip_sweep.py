@@ -100,7 +100,7 @@ def _base_section(family: str) -> dict:
     if family == "diffusion_gemma":
         return dict(GEMMA_MODEL)
     section = {"model_type": family}
-    if FAMILIES[family].moe_layout:
+    if FAMILIES[family].moe:
         section.update(MOE)
     return section
 

@@ -24,7 +24,7 @@ MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
 def _config(family: str) -> ModelConfig:
     if FAMILIES[family].section:  # DiffusionGemma: conftest's tiny layout
         return ModelConfig(**{**SIZES, **TINY_GEMMA["model"], "vocab_size": 64})
-    return ModelConfig(**SIZES, model_type=family, **(MOE if FAMILIES[family].moe_layout else {}))
+    return ModelConfig(**SIZES, model_type=family, **(MOE if FAMILIES[family].moe else {}))
 
 
 def _logits(model, ids: torch.Tensor) -> torch.Tensor:

@@ -5,7 +5,8 @@
 
 Modules, bottom to top (each imports only those above it in this list):
 shape (the declaration of a family's blocks), diffusion_gemma_layout (DiffusionGemma's folder
-layout), families (the registry), config (ModelConfig), attention, hf (config.json,
+layout), moe_layout (the MoE folders' keys), layouts (each family's `FolderLayout`: config.json
+and weights in and out), families (the registry), config (ModelConfig), attention, hf (config.json,
 safetensors, saving), transformer (DiffusionTransformer), diffusion_gemma (DiffusionGemma),
 hf_wrapped (transformers encoders), build (build_model, build_empty, from_pretrained), lora,
 quant.
@@ -25,8 +26,9 @@ _WHERE = {
     "ModelConfig": "config",
     **dict.fromkeys(("FAMILIES", "Family", "family_of_config", "samples_with_logit_shift"),
                     "families"),
-    **dict.fromkeys(("HF_DIRECT_KEYS", "config_from_hf", "folder_mask_token_id",
-                     "hf_config_dict", "save_pretrained"), "hf"),
+    **dict.fromkeys(("config_from_hf", "folder_mask_token_id", "hf_config_dict",
+                     "save_pretrained"), "hf"),
+    **dict.fromkeys(("HF_DIRECT_KEYS", "FolderLayout"), "layouts"),
     **dict.fromkeys(("ModelShape", "TensorPlan", "decoder_layers"), "shape"),
     "DiffusionTransformer": "transformer",
 }  # fmt: skip
@@ -44,6 +46,7 @@ __all__ = [
     "MODEL_BUILDERS",
     "DiffusionTransformer",
     "Family",
+    "FolderLayout",
     "KVCache",
     "ModelConfig",
     "ModelShape",

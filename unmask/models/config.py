@@ -357,26 +357,15 @@ class ModelConfig(BaseModel):
                 )
             if section is not None:
                 section.check(self)
-        layout = FAMILIES[self.model_type].moe_layout
-        if self.num_experts and FAMILIES[self.model_type].native and not layout:
+        family = FAMILIES[self.model_type]
+        if self.num_experts and family.native and not family.moe:
+            moe = ", ".join(name for name, fam in FAMILIES.items() if fam.native and fam.moe)
             raise ValueError(
                 f"model_type {self.model_type} is dense; num_experts ({self.num_experts}) needs "
-                "an MoE family (qwen3_moe_dllm, llada_moe, llada2_moe, diffusion_gemma) or "
-                "num_experts: 0"
+                f"an MoE family ({moe}) or num_experts: 0"
             )
-        if FAMILIES[self.model_type].config_style == "llada":
-            extra = [key for key in ("qk_norm", "attention_bias") if getattr(self, key)]
-            if extra:  # LLaDA's folders (its key names) have no tensors for them
-                raise ValueError(
-                    f"model_type {self.model_type}'s folders (LLaDA's layout) have no q/k norms "
-                    f"and no o_proj bias: set {extra[0]}: false, or use model_type qwen3_dllm"
-                )
-        if self.num_shared_experts and layout == "hf":
-            raise ValueError(
-                f"model_type {self.model_type}'s folders (transformers' Qwen3-MoE / OLMoE) have "
-                "no shared experts, so transformers would drop them: use model_type "
-                "llada2_moe for shared experts, or num_shared_experts: 0"
-            )
+        if family.native:  # what the family's folders cannot hold (models/layouts.py)
+            family.layout.check(self)
         if self.num_experts:
             self._check_experts()
         return self

@@ -18,8 +18,9 @@ names things; encoder families run transformers' own masked-LM classes (models/h
 | diffusion_gemma | diffusion_gemma (DiffusionGemmaForBlockDiffusion) | yes | attention_bias | decoder's, `DIFFUSION_GEMMA_KEY_MAP` | - |
 | bert, modernbert | bert, modernbert (transformers encoders) | | | HF | - |
 
-MoE families (`moe_layout` set) run the same decoder with mixture-of-experts MLPs
-(models/moe.py); their folder layouts are in models/moe_layout.py.
+MoE families (a `layout` whose `moe` is set) run the same decoder with mixture-of-experts
+MLPs (models/moe.py); their folders' keys are in models/moe_layout.py. Each family's folder
+(config.json in and out, weights in and out) is its `layout` (models/layouts.py).
 
 `diffusion_gemma` (Google's DiffusionGemma, models/diffusion_gemma.py) has blocks of its own:
 a prompt encoder and a canvas decoder sharing one Gemma 4 stack (sliding and full attention
@@ -35,9 +36,10 @@ To add a family: append one `Family(...)` to `_ENTRIES` below. Name it (that nam
 valid `model.model_type`), list the config.json `model_type` values it loads from (the first
 is the one it writes) and its architecture, and set only the fields that differ from the
 defaults: `config_defaults` for the ModelConfig switches it implies, `key_map` if its folders
-name weights differently from HF Llama, `config_style` if its config.json is not HF
-Llama-style (a new style also needs a reader and writer in models/hf.py), `hf_absent_keys` /
-`hf_extra` for keys its transformers config lacks or adds, `keeps_source_config`,
+name weights differently from HF Llama, `layout` if its config.json or weights are not HF
+Llama-style (a `FolderLayout` subclass, models/layouts.py, defined where the family is),
+`hf_absent_keys` / `hf_extra` for keys its transformers config lacks or adds,
+`keeps_source_config`,
 `mask_token_id` and `logit_shift` for remote-code releases. Then add a round-trip case to
 tests/unit/test_families.py; ModelConfig, the builder, loading and saving read the rest from
 here. A family with blocks of its own also declares them (`shape`, models/shape.py) and is
@@ -50,8 +52,10 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Literal
 
+from unmask.models import layouts
 from unmask.models.diffusion_gemma_layout import CARRIED as DIFFUSION_GEMMA_CARRIED
 from unmask.models.diffusion_gemma_layout import KEY_MAP as DIFFUSION_GEMMA_KEY_MAP
+from unmask.models.layouts import FolderLayout
 from unmask.models.shape import DECODER, DIFFUSION_GEMMA, WRAPPED, ModelShape
 
 # Native (HF Llama-style) key -> LLaDA key; N is the layer index.
@@ -91,15 +95,11 @@ class Family:
     key_map: Mapping[str, str] = field(default_factory=dict)
     """Native state-dict key -> the key in this family's folders (N = layer index);
     empty = HF Llama names, which are the native names."""
-    config_style: Literal["hf", "llada", "llada2", "diffusion_gemma"] = "hf"
-    """How config.json fields convert: "hf" (Llama/Qwen names), "llada" (OLMo-style),
-    "llada2" (LLaDA2.0's own names, models/moe_layout.py) or "diffusion_gemma" (transformers'
-    nested text_config, models/diffusion_gemma_layout.py)."""
-    moe_layout: Literal["", "hf", "llada2", "diffusion_gemma"] = ""
-    """MoE families: how folders store experts and MoE config keys ("hf": transformers'
-    Qwen3-MoE / OLMoE keys, one matrix per expert; "llada2": LLaDA2.0's;
-    "diffusion_gemma": transformers' stacks `experts.gate_up_proj` / `experts.down_proj`,
-    as the model holds them); "" = dense."""
+    layout: FolderLayout = layouts.HF
+    """How its folders hold a model (models/layouts.py): config.json keys in and out, the
+    weights' layout after the key map (experts per matrix or stacked, fused tensors), the
+    configs its folders cannot hold, and whether it is an MoE family (`layout.moe`).
+    Default: HF Llama / Qwen, dense."""
     hf_absent_keys: tuple[str, ...] = ()
     """HF-style keys this family's transformers config lacks (not written)."""
     hf_extra: Mapping[str, Any] = field(default_factory=dict)
@@ -143,6 +143,11 @@ class Family:
     @property
     def native(self) -> bool:
         return self.kind == "native"
+
+    @property
+    def moe(self) -> bool:
+        """Its folders hold mixture-of-experts layers (its layout says)."""
+        return self.layout.moe
 
     @property
     def hf_model_type(self) -> str:
@@ -190,7 +195,7 @@ _ENTRIES = (
         "LLaDAModelLM",
         config_defaults={"qk_norm": False},
         key_map=LLADA_KEY_MAP,
-        config_style="llada",
+        layout=layouts.LLADA,
         hf_rope_theta_default=10000.0,  # LLaDA / OLMo default
         keeps_source_config=True,
         mask_token_id=126336,
@@ -203,7 +208,7 @@ _ENTRIES = (
         ("qwen3_moe",),
         "Qwen3MoeForCausalLM",
         config_defaults={"num_experts": 8, "num_experts_per_tok": 2},
-        moe_layout="hf",
+        layout=layouts.HF_MOE,
     ),
     Family(
         "llada_moe",
@@ -216,7 +221,7 @@ _ENTRIES = (
             "qk_norm_scope": "projection",
             "rms_norm_eps": 1e-5,
         },  # fmt: skip
-        moe_layout="hf",
+        layout=layouts.HF_MOE,
         hf_absent_keys=("head_dim", "layer_types", "use_sliding_window", "sliding_window"),
         hf_rope_theta_default=10000.0,  # transformers' OLMoE default
     ),
@@ -233,8 +238,7 @@ _ENTRIES = (
             "partial_rotary_factor": 0.5,
             "num_shared_experts": 1,
         },  # fmt: skip
-        config_style="llada2",
-        moe_layout="llada2",
+        layout=layouts.LLADA2,
         keeps_source_config=True,
         mask_token_id=156895,
         # LLaDA2.0's own `generate` (modeling_llada2_moe.py) at its defaults
@@ -262,8 +266,7 @@ _ENTRIES = (
             "tie_word_embeddings": True,
         },  # fmt: skip
         key_map=DIFFUSION_GEMMA_KEY_MAP,
-        config_style="diffusion_gemma",
-        moe_layout="diffusion_gemma",
+        layout=layouts.DIFFUSION_GEMMA,
         shape=DIFFUSION_GEMMA,
         section="diffusion_gemma",
         carried=DIFFUSION_GEMMA_CARRIED,

@@ -2,7 +2,8 @@
 
 Native parameter names equal HF Qwen3/Qwen2/Llama/Dream keys, so those load as a plain state
 dict; a family with a key map (LLaDA) is renamed through it. Which config.json `model_type`
-is which family, each family's config style and its key map come from models/families.py.
+is which family and its key map come from models/families.py, how its folders hold a model
+from its `FolderLayout` (models/layouts.py): this module switches on no family.
 Only local folders are read (no hub, no remote code); weights come from safetensors only. A
 loaded folder's config.json is kept on the model (`hf_source_config`) and written back on
 save, so a Dream or LLaDA folder round-trips with its own fields (mask_token_id, auto_map...).
@@ -28,120 +29,18 @@ from torch import nn
 
 from unmask.errors import InputError, describe_validation_error
 from unmask.models.config import ModelConfig
-from unmask.models.diffusion_gemma_layout import (
-    diffusion_gemma_config,
-    diffusion_gemma_fields,
-    shared_encoder_biases,
-)
 from unmask.models.families import (
     DEFAULT_FAMILY,
     FAMILIES,
-    Family,
     family_for_hf_type,
     from_folder_keys,
     native_hf_model_types,
     released_mask_token_id,
     to_folder_keys,
 )
-from unmask.models.moe_layout import (
-    expert_counts,
-    hf_moe_config,
-    hf_moe_fields,
-    llada2_config,
-    llada2_fields,
-    llada2_to_native,
-    moe_tag,
-    native_to_llada2,
-    split_experts,
-    stack_experts,
-    tagged_moe_fields,
-)
 
-HF_DIRECT_KEYS = (
-    "vocab_size",
-    "hidden_size",
-    "intermediate_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "head_dim",
-    "rms_norm_eps",
-    "max_position_embeddings",
-    "tie_word_embeddings",
-    "attention_bias",
-    "initializer_range",
-)
-"""HF-style config.json keys that are ModelConfig fields of the same name."""
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-
-
 # --- config.json -> ModelConfig ------------------------------------------------------------
-
-
-def _rope_theta(hf: dict[str, Any]) -> float | None:
-    """rope_theta from a transformers 5 `rope_parameters` dict or the older top-level key."""
-    params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type != "default":
-        raise InputError(
-            f"config.json: RoPE scaling type {rope_type!r} is not supported; only the default "
-            "RoPE is (remove rope_scaling / rope_parameters.rope_type or use a plain Qwen3 model)"
-        )
-    return params.get("rope_theta", hf.get("rope_theta"))
-
-
-def _hf_fields(hf: dict[str, Any], family: Family) -> dict[str, Any]:
-    """ModelConfig fields from an HF Llama/Qwen-style config.json."""
-    if hf.get("mlp_bias"):
-        raise InputError("config.json: mlp_bias=true is not supported; need false")
-    if hf.get("hidden_act", "silu") != "silu":
-        raise InputError(
-            f"config.json: hidden_act {hf['hidden_act']!r} is not supported; need silu"
-        )
-    if hf.get("use_sliding_window"):
-        raise InputError("config.json: use_sliding_window=true is not supported; set it to false")
-    fields = {key: hf[key] for key in HF_DIRECT_KEYS if hf.get(key) is not None}
-    theta = _rope_theta(hf)
-    if theta is not None:
-        fields["rope_theta"] = float(theta)
-    elif family.hf_rope_theta_default is not None:
-        fields["rope_theta"] = family.hf_rope_theta_default
-    return fields
-
-
-def _llada_fields(hf: dict[str, Any], family: Family) -> dict[str, Any]:
-    """ModelConfig fields from LLaDA's OLMo-style config.json names."""
-    checks = {
-        "block_type": "llama",
-        "activation_type": "silu",
-        "layer_norm_type": "rms",
-        "rope": True,
-        "alibi": False,
-        "attention_layer_norm": False,
-        "include_bias": False,
-    }
-    for key, want in checks.items():
-        if key in hf and hf[key] != want:
-            raise InputError(
-                f"config.json: LLaDA {key}={hf[key]!r} is not supported; need {want!r}"
-            )
-    n_heads = hf["n_heads"]
-    fields = {
-        "vocab_size": hf.get("embedding_size") or hf["vocab_size"],
-        "hidden_size": hf["d_model"],
-        "intermediate_size": hf.get("mlp_hidden_size") or hf.get("mlp_ratio", 4) * hf["d_model"],
-        "num_hidden_layers": hf["n_layers"],
-        "num_attention_heads": n_heads,
-        "num_key_value_heads": hf.get("n_kv_heads") or n_heads,
-        "rms_norm_eps": hf.get("rms_norm_eps", 1e-5),
-        "max_position_embeddings": hf.get("max_sequence_length", 4096),
-        "tie_word_embeddings": bool(hf.get("weight_tying", False)),
-        "qkv_bias": bool(hf.get("include_qkv_bias", False)),
-        "initializer_range": hf.get("init_std", 0.02),
-    }
-    if "rope_theta" in hf or family.hf_rope_theta_default is not None:
-        fields["rope_theta"] = hf.get("rope_theta", family.hf_rope_theta_default)
-    return fields
 
 
 def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
@@ -160,24 +59,7 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
             f"config.json: unmask.model_type {name!r} is not a model family; expected one of "
             f"{', '.join(FAMILIES)}"
         )
-    if family.config_style == "llada":
-        try:
-            fields = {**_llada_fields(hf, family), **tagged_model_fields(hf)}
-            return ModelConfig(model_type=family.name, **fields)
-        except (KeyError, ValueError) as err:
-            raise InputError(f"config.json: LLaDA config is missing or has bad {err}") from err
-    if family.config_style == "diffusion_gemma":
-        fields = diffusion_gemma_fields(hf)
-    elif family.config_style == "llada2":
-        try:
-            fields = {**llada2_fields(hf), **tagged_moe_fields(hf)}
-        except KeyError as err:
-            raise InputError(f"config.json: LLaDA2.0 config is missing {err}") from None
-    else:
-        fields = _hf_fields(hf, family)
-        if family.moe_layout == "hf":
-            fields.update(hf_moe_fields(hf, model_type))
-        fields.update(tagged_moe_fields(hf))
+    fields = family.layout.fields(hf, family)  # the family's folder (models/layouts.py)
     fields.update(tagged_model_fields(hf))
     try:
         return ModelConfig(model_type=family.name, **fields)
@@ -231,19 +113,7 @@ def hf_config_dict(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict
     family = FAMILIES[cfg.model_type]
     if not family.native:
         family = FAMILIES[DEFAULT_FAMILY]
-    if family.config_style == "diffusion_gemma":
-        out = diffusion_gemma_config(cfg, family.architecture, dtype_name)
-    elif family.config_style == "llada":
-        out = _llada_config_dict(cfg, family, dtype_name)
-    elif family.config_style == "llada2":
-        out = llada2_config(cfg, family.architecture, dtype_name)
-        out["unmask"] = {"model_type": cfg.model_type}
-    else:
-        out = _hf_config_dict(cfg, family, dtype_name)
-        if family.moe_layout == "hf":
-            out.update(hf_moe_config(cfg, family.hf_model_type))
-    if family.moe_layout:
-        out["unmask"].update(moe_tag(cfg))
+    out = family.layout.config(cfg, family, dtype_name)  # the family's folder
     for key in family.hf_absent_keys:
         out.pop(key, None)
     out.update(family.hf_extra)
@@ -254,75 +124,7 @@ def hf_config_dict(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict
     return out
 
 
-def _hf_config_dict(cfg: ModelConfig, family: Family, dtype_name: str) -> dict[str, Any]:
-    return {
-        "architectures": [family.architecture],
-        "model_type": family.hf_model_type,
-        "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.hidden_size,
-        "intermediate_size": cfg.intermediate_size,
-        "num_hidden_layers": cfg.num_hidden_layers,
-        "num_attention_heads": cfg.num_attention_heads,
-        "num_key_value_heads": cfg.num_key_value_heads,
-        "head_dim": cfg.resolved_head_dim,
-        "hidden_act": "silu",
-        "rms_norm_eps": cfg.rms_norm_eps,
-        "rope_theta": cfg.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
-        "max_position_embeddings": cfg.max_position_embeddings,
-        "tie_word_embeddings": cfg.tie_word_embeddings,
-        "attention_bias": cfg.attention_bias,
-        "attention_dropout": 0.0,
-        "initializer_range": cfg.initializer_range,
-        "use_sliding_window": False,
-        "sliding_window": None,
-        "layer_types": ["full_attention"] * cfg.num_hidden_layers,
-        "use_cache": False,
-        "torch_dtype": dtype_name,
-        "dtype": dtype_name,
-        "unmask": {"model_type": cfg.model_type},
-    }
-
-
-def _llada_config_dict(cfg: ModelConfig, family: Family, dtype_name: str) -> dict[str, Any]:
-    return {
-        "architectures": [family.architecture],
-        "model_type": family.hf_model_type,
-        "activation_type": "silu",
-        "block_type": "llama",
-        "layer_norm_type": "rms",
-        "rope": True,
-        "alibi": False,
-        "attention_layer_norm": False,
-        "include_bias": False,
-        "include_qkv_bias": cfg.qkv_bias,
-        "d_model": cfg.hidden_size,
-        "n_heads": cfg.num_attention_heads,
-        "n_kv_heads": cfg.num_key_value_heads,
-        "n_layers": cfg.num_hidden_layers,
-        "mlp_hidden_size": cfg.intermediate_size,
-        "vocab_size": cfg.vocab_size,
-        "embedding_size": cfg.vocab_size,
-        "rms_norm_eps": cfg.rms_norm_eps,
-        "rope_theta": cfg.rope_theta,
-        "max_sequence_length": cfg.max_position_embeddings,
-        "weight_tying": cfg.tie_word_embeddings,
-        "init_std": cfg.initializer_range,
-        "use_cache": False,
-        "torch_dtype": dtype_name,
-        "unmask": {"model_type": cfg.model_type},
-    }
-
-
 # --- folders: config.json, weights, mask id ------------------------------------------------
-
-
-def architecture(cfg: ModelConfig) -> ModelConfig:
-    """The architecture a run's model section builds: its own fields, or those of its
-    pretrained folder's config.json."""
-    if cfg.pretrained is None:
-        return cfg
-    return config_from_hf(read_config(Path(cfg.pretrained)))
 
 
 def read_config(folder: Path) -> dict[str, Any]:
@@ -410,13 +212,7 @@ def native_state(state: dict[str, torch.Tensor], family: str, cfg: ModelConfig |
     `read_state_dict`'s conversion of what it read (folder: named in errors)."""
     if FAMILIES[family].key_map:
         state = from_folder_keys(state, family)
-    if FAMILIES[family].config_style == "diffusion_gemma":
-        state = shared_encoder_biases(state)
-    if FAMILIES[family].moe_layout == "llada2":
-        state = llada2_to_native(state, cfg)
-    if FAMILIES[family].moe_layout in ("hf", "llada2"):  # one matrix per expert in folders
-        state = stack_experts(state)
-        _check_expert_counts(state, cfg, folder)
+    state = FAMILIES[family].layout.to_native(state, cfg, folder)  # experts, fused tensors
     if not any(key.startswith("model.") for key in state):  # a bare Qwen3Model checkpoint
         state = {(k if k == "lm_head.weight" else f"model.{k}"): v for k, v in state.items()}
     return {k: v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}
@@ -432,18 +228,6 @@ def split_carried(
         return state, {}
     carried = {k: v for k, v in state.items() if k.startswith(prefixes)}
     return {k: v for k, v in state.items() if k not in carried}, carried
-
-
-def _check_expert_counts(state: dict, cfg: ModelConfig | None, folder: Path) -> None:
-    """One clear line when config.json's num_experts disagrees with the weights."""
-    if cfg is None:
-        return
-    for layer, count in expert_counts(state).items():
-        if count != cfg.num_experts:
-            raise InputError(
-                f"{str(folder)!r}: config.json says num_experts={cfg.num_experts} but the "
-                f"weights of {layer} hold {count} experts; fix config.json or the weights"
-            )
 
 
 def load_weights(model: nn.Module, state: dict[str, torch.Tensor], folder: Path) -> None:
@@ -519,11 +303,7 @@ def save_pretrained(model: nn.Module, folder: str | Path) -> None:
     dtype = state["model.embed_tokens.weight"].dtype  # the first parameter's
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
-    state = to_folder_keys(state, family.name)
-    if family.moe_layout in ("hf", "llada2"):
-        state = split_experts(state)
-    if family.moe_layout == "llada2":
-        state = native_to_llada2(state)
+    state = family.layout.to_folder(to_folder_keys(state, family.name))
     state.update(getattr(model, "hf_carried_weights", None) or {})
     config = hf_config_dict(model.config, dtype)
     source = getattr(model, "hf_source_config", None)

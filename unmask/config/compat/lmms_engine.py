@@ -22,7 +22,7 @@ from typing import Any
 
 from unmask.config.compat.tree import NoEffect, mapping, put, refused, unsupported
 from unmask.errors import InputError
-from unmask.models.hf import HF_DIRECT_KEYS
+from unmask.models.layouts import HF_DIRECT_KEYS
 
 LMMS_KEYS = ("trainer_type", "model_config", "dataset_config", "trainer_args")
 _TASK_KEYS = ("type", "task_type", "config")
