@@ -55,7 +55,8 @@ def test_each_objective_trains_50_steps(tiny_config, name):
     if "bert" in name:
         return
     from unmask.checkpoint import export_model
-    from unmask.sampling.config import resolve_sampling, saved_sampling
+    from unmask.sampling.config import resolve_sampling
+    from unmask.sampling.generation_file import saved_sampling
 
     run = Path(trainer.cfg.train.output_dir)
     expected = SAMPLED_AS.get(name, {})

@@ -12,7 +12,8 @@ from unmask.config import EvalConfig
 from unmask.data import heldout_examples
 from unmask.data.config import DataConfig
 from unmask.sampling.accuracy import heldout_accuracy
-from unmask.sampling.config import resolve_sampling, saved_sampling
+from unmask.sampling.config import resolve_sampling
+from unmask.sampling.generation_file import saved_sampling
 from unmask.sampling.texts import generate_texts
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]

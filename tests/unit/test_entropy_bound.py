@@ -36,7 +36,7 @@ from transformers.models.diffusion_gemma.generation_diffusion_gemma import (
 from unmask.checkpoint import load_for_sampling
 from unmask.errors import InputError
 from unmask.sampling import SamplingConfig, left_pad, sample
-from unmask.sampling.config import entropy_bound_settings, resolve_sampling, saved_sampling
+from unmask.sampling.config import entropy_bound_settings, resolve_sampling
 from unmask.sampling.decoders import implied
 from unmask.sampling.entropy_bound import (
     StableAndConfident,
@@ -45,6 +45,7 @@ from unmask.sampling.entropy_bound import (
     schedule_temperature,
     token_entropy,
 )
+from unmask.sampling.generation_file import saved_sampling
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from conftest import tiny_model
 
 from unmask.diffusion import DiffusionConfig, build_objective
-from unmask.sampling.config import fixed_by_training
+from unmask.sampling.generation_file import fixed_by_training
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

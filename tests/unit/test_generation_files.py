@@ -11,8 +11,8 @@ from conftest import save_tiny_diffusion_gemma, save_tiny_model
 
 from unmask.checkpoint.generation import UNMASK_GENERATION_FILE, write_generation_files
 from unmask.data.tokenizer import load_local_tokenizer
-from unmask.sampling import config as sampling_config
-from unmask.sampling.config import GENERATION_FILE, generation_config_text, saved_sampling
+from unmask.sampling import generation_file as sampling_config
+from unmask.sampling.generation_file import GENERATION_FILE, generation_config_text, saved_sampling
 
 OPTIONS = {"decoder": "entropy_bound", "gen_length": 12, "entropy_bound": 0.5, "temperature_start": 0.9,
            "temperature_end": 0.3, "max_denoising_steps": 20, "confidence_threshold": 0.01,

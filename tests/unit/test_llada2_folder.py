@@ -16,7 +16,8 @@ from test_llada2_generate import MOE, official_text, released_folder
 from unmask.checkpoint import load_for_sampling
 from unmask.cli import main
 from unmask.sampling import sample
-from unmask.sampling.config import FolderSampling, resolve_sampling, saved_sampling
+from unmask.sampling.config import FolderSampling, resolve_sampling
+from unmask.sampling.generation_file import saved_sampling
 from unmask.sampling.texts import before_eos
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -13,7 +13,7 @@ from unmask.checkpoint import load_for_sampling
 from unmask.cli import main
 from unmask.errors import InputError
 from unmask.sampling import SamplingConfig, register_confidence, resolve_sampling, sample
-from unmask.sampling.config import GENERATION_FILE, generation_config_text, saved_sampling
+from unmask.sampling.generation_file import GENERATION_FILE, generation_config_text, saved_sampling
 from unmask.sampling.transfer import CONFIDENCE_FNS
 
 pytestmark = pytest.mark.usefixtures("one_thread")

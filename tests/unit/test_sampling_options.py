@@ -9,14 +9,8 @@ import pytest
 from unmask.cli import SAMPLING_GROUP, build_parser, sampling_flags
 from unmask.data.tokenizer import build_char_tokenizer, ensure_special_tokens
 from unmask.errors import InputError
-from unmask.sampling.config import (
-    GENERATION_FILE,
-    RUNTIME_OPTIONS,
-    SamplingConfig,
-    generation_config_text,
-    resolve_sampling,
-    saved_sampling,
-)
+from unmask.sampling.config import RUNTIME_OPTIONS, SamplingConfig, resolve_sampling
+from unmask.sampling.generation_file import GENERATION_FILE, generation_config_text, saved_sampling
 
 FIELDS = set(SamplingConfig.model_fields)
 FILE_FIELDS = FIELDS - set(RUNTIME_OPTIONS)  # hooks and history: never in a model folder

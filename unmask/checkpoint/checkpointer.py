@@ -58,7 +58,7 @@ from unmask.models.families import FAMILIES
 from unmask.models.hf import native_state, read_safetensors, shape_mismatch, split_carried
 from unmask.models.lora import ADAPTER_FILE, apply_lora, load_adapter, save_adapter, save_lora
 from unmask.parallel.fsdp import full_model_state
-from unmask.sampling.config import GENERATION_FILE
+from unmask.sampling.generation_file import GENERATION_FILE
 
 OPTIMIZER_FILE, SCHEDULER_FILE, RNG_FILE = "optimizer.pt", "scheduler.pt", "rng_state.pt"
 

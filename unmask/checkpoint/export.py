@@ -20,7 +20,8 @@ from unmask.checkpoint.layout import resolve_model_folder
 from unmask.checkpoint.saved import gather_distributed_checkpoint, inspect_saved, load_saved_model
 from unmask.data.tokenizer import load_local_tokenizer
 from unmask.errors import InputError
-from unmask.sampling.config import FolderSampling, generation_config_text, saved_sampling
+from unmask.sampling.config import FolderSampling
+from unmask.sampling.generation_file import generation_config_text, saved_sampling
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _TOKENIZER_FILES = ("tokenizer", "special_tokens", "vocab")

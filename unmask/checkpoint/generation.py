@@ -2,9 +2,9 @@
 transformers' generation config class takes no keys but its own.
 
 unmask's sampling options travel in generation_config.json's "unmask" entry (with the
-special ids and `mask_token_id`; unmask/sampling/config.py writes and reads that text). Most
-of transformers' generation config classes keep unknown keys as attributes, so the folder
-loads there as it is. DiffusionGemma's (`DiffusionGemmaGenerationConfig`) raises
+special ids and `mask_token_id`; unmask/sampling/generation_file.py writes and reads that
+text). Most of transformers' generation config classes keep unknown keys as attributes, so
+the folder loads there as it is. DiffusionGemma's (`DiffusionGemmaGenerationConfig`) raises
 `ValueError: Unexpected kwargs` for any key it does not know, which made every folder unmask
 wrote for that family unloadable in transformers. For such a folder generation_config.json
 holds only that class's keys (the special ids, and unmask's options that it has a key for:
@@ -19,11 +19,12 @@ import json
 from pathlib import Path
 from typing import Any
 
-from unmask.sampling.config import GENERATION_FILE, TRANSFORMERS_GENERATION_KEYS
+from unmask.sampling.generation_file import GENERATION_FILE, TRANSFORMERS_GENERATION_KEYS
 
 UNMASK_GENERATION_FILE = "unmask_generation.json"
 """unmask's own generation settings where generation_config.json cannot hold them
-(`STRICT_GENERATION_TYPES`); sampling/config.py `saved_sampling` reads it by this name."""
+(`STRICT_GENERATION_TYPES`); sampling/generation_file.py `saved_sampling` reads it by this
+name."""
 
 STRICT_GENERATION_TYPES = ("diffusion_gemma",)
 """config.json model_types whose transformers generation config refuses unknown keys

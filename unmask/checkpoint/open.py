@@ -12,7 +12,7 @@ from unmask.data.tokenizer import load_local_tokenizer
 from unmask.errors import InputError
 from unmask.models import folder_mask_token_id
 from unmask.parallel.distributed import resolve_device
-from unmask.sampling.config import saved_sampling
+from unmask.sampling.generation_file import saved_sampling
 from unmask.sampling.texts import SamplingModel
 
 

@@ -16,7 +16,7 @@ from unmask.eval import tasks as lm_tasks
 from unmask.eval.harness import UnmaskLM
 from unmask.eval.presets import PRESETS, preset_sampling
 from unmask.parallel.threads import set_sampling_threads
-from unmask.sampling.config import saved_sampling
+from unmask.sampling.generation_file import saved_sampling
 
 #: lm-eval's default bootstrap rounds for the stderr of non-mean metrics
 BOOTSTRAP_ITERS = 100000

@@ -38,8 +38,9 @@ from unmask.diffusion.objectives import Objective, ObjectiveOutput, maskable_of
 from unmask.diffusion.registry import ObjectiveContext, ObjectiveSpec, register_objective
 from unmask.errors import InputError
 from unmask.models import from_pretrained
-from unmask.sampling.config import resolve_sampling, saved_sampling
+from unmask.sampling.config import resolve_sampling
 from unmask.sampling.generate import sample
+from unmask.sampling.generation_file import saved_sampling
 
 STUDENT_THRESHOLD = 0.9
 """The confidence threshold a distilled student samples with (dParallel, d3LLM: 0.9)."""

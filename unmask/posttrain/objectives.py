@@ -20,7 +20,7 @@ from unmask.posttrain.pairs import build_pair_datasets, heldout_pair_examples
 from unmask.posttrain.preference import PreferenceObjective, reference_memory_note
 from unmask.rewards import RewardSet, parse_rewards
 from unmask.sampling.accuracy import decode_answer
-from unmask.sampling.config import fixed_by_training
+from unmask.sampling.generation_file import fixed_by_training
 
 _CHECK_ROWS = 4  # training rows whose records the rewards are tried on before the run
 

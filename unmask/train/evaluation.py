@@ -15,7 +15,7 @@ from unmask.diffusion import Objective
 from unmask.parallel.context import pad_rows
 from unmask.parallel.pipeline import capture_call
 from unmask.sampling.accuracy import heldout_accuracy
-from unmask.sampling.config import fixed_by_training
+from unmask.sampling.generation_file import fixed_by_training
 from unmask.train.metrics import MetricsLogger
 from unmask.train.setup import objective_heldout
 from unmask.train.step import autocast, to_device

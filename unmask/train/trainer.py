@@ -34,7 +34,7 @@ from unmask.parallel.pipeline_plan import balancing_notice
 from unmask.parallel.threads import set_threads
 from unmask.runs.heartbeat import Heartbeat, mark_running
 from unmask.runs.report import run_summary
-from unmask.sampling.config import (
+from unmask.sampling.generation_file import (
     GENERATION_FILE,
     fitted_to_rows,
     fixed_by_training,
