@@ -487,3 +487,25 @@ def test_pipeline_selective_checkpointing_plans_the_layers_the_model_recomputes(
     assert [k == input_only for k in kept] == [False, True, False]
     assert kept[0] == kept[2] > kept[1]
     assert _checkpointed_layers(model, shape.checkpointing) == 1
+
+
+def test_the_planned_expert_rank_order_is_the_trainers_grid():
+    # plan/traffic.py reads parallel/mesh.py `expert_dims`; the trainer shards the experts on
+    # `expert_mesh` (the world mesh's dp_cp unflattened): the same groups, rank by rank.
+    # pp 2 x dp_shard 4 at world 8, ep 2: stage 1 is ranks 4-7
+    import torch
+
+    from unmask.parallel.mesh import build_mesh, expert_dims, expert_mesh
+    from unmask.plan.shards import fake_world
+
+    layout = MeshLayout(1, 4, 1, 1, 2)
+    dims = expert_dims(layout, 2)
+    assert dims == {"ep_replica": (2, 2), "ep": (2, 1)}
+    expected = {0: {"ep": [0, 1], "ep_replica": [0, 2]}, 5: {"ep": [4, 5], "ep_replica": [5, 7]}}
+    for rank, groups in expected.items():
+        with fake_world(rank, 8):
+            grid = expert_mesh(build_mesh(torch.device("cpu"), layout), 2)
+            for name, (size, stride) in dims.items():
+                ranks = grid[name].mesh.tolist()
+                assert ranks == groups[name]
+                assert ranks == list(range(ranks[0], ranks[0] + size * stride, stride))
