@@ -118,10 +118,11 @@ def transformers_logits(hf, ids, real, images, canvas, previous):
     masks = hf.model.encoder.create_masks_for_generate(
         config=hf.config, inputs_embeds=torch.empty(*ids.shape, 0), attention_mask=real,
         cache=None, position_ids=torch.arange(ids.shape[1])[None], mm_token_type_ids=kinds)  # fmt: skip
+    pictures = {} if images is None else dict(pixel_values=images.pixel_values,
+                                              image_position_ids=images.position_ids)  # fmt: skip
     with torch.no_grad():
         return hf(input_ids=ids, attention_mask=masks, decoder_input_ids=canvas,
-                  self_conditioning_logits=previous, pixel_values=images.pixel_values,
-                  image_position_ids=images.position_ids,
+                  self_conditioning_logits=previous, **pictures,
                   decoder_attention_mask=torch.nn.functional.pad(real, (0, CANVAS), value=True),
                   ).logits  # fmt: skip
 
@@ -273,3 +274,86 @@ def test_sample_with_images_equals_transformers_generate_alone_and_batched(folde
                      images=Images(stacked(images).pixel_values.flip(1) * 0.0 + 0.5,
                                    stacked(images).position_ids))  # fmt: skip
     assert [row.tolist() for row in flipped.answers] != expected
+
+
+# ------------------------------------------ the uniform objective with pictures in the encoder
+
+#: (prompt parts, answer tokens, ended): rows whose prompts hold pictures, one without
+TRAIN_ROWS = [([2, (4, 4), 1], 7, True), ([(2, 4), 3], 5, False), ([4], 6, True),
+              ([1, (2, 2), 2, (4, 2)], 8, True)]  # fmt: skip
+TRAIN_CANVAS = CANVAS
+
+
+def train_batch(seed: int = 5) -> tuple[dict, list[Images | None]]:
+    """Right-padded rows (EOS) of prompt + answer, `maskable` over the answer (and its EOS),
+    the pictures of all rows in order; and each row's own pictures."""
+    g = torch.Generator().manual_seed(seed)
+    rows, masks, own = [], [], []
+    for index, (parts, answer, ended) in enumerate(TRAIN_ROWS):
+        prompt = unpadded(parts, 40 + index)
+        words = torch.randint(3, 89, (answer,), generator=g).tolist()
+        rows.append(prompt + words + [EOS] * int(ended))
+        masks.append([False] * len(prompt) + [True] * (answer + int(ended)))
+        shapes = [p for p in parts if isinstance(p, tuple)]
+        own.append(patches(shapes, seed=index) if shapes else None)
+    length = max(len(r) for r in rows) + 2
+    ids = torch.tensor([r + [EOS] * (length - len(r)) for r in rows])
+    maskable = torch.tensor([m + [False] * (length - len(m)) for m in masks])
+    return {"input_ids": ids, "maskable": maskable, "images": stacked(own)}, own
+
+
+def loss_by_definition(hf, batch: dict, own: list, seed: int) -> tuple[float, int]:
+    """docs/diffusion.md's uniform loss row by row (the draws as the objective makes them,
+    self-conditioning off), the logits transformers' with each row's own pictures."""
+    import math
+
+    g = torch.Generator().manual_seed(seed)
+    count, length = batch["input_ids"].shape
+    t = (1 - 1e-3) * torch.rand(count, generator=g) + 1e-3
+    u_canvas, _ = torch.rand(count, generator=g), torch.rand(count, generator=g)
+    u_replace, u_token = (
+        torch.rand(count, length, generator=g),
+        torch.rand(count, length, generator=g),
+    )
+    total, scored = 0.0, 0
+    for b in range(count):
+        ids, maskable = batch["input_ids"][b].tolist(), batch["maskable"][b].tolist()
+        start = maskable.index(True)
+        eos = [i for i in range(start, length) if maskable[i] and ids[i] == EOS]
+        end = eos[0] if eos else max(i for i in range(length) if maskable[i])
+        answer = ids[start : end + 1]
+        canvases = math.ceil(len(answer) / TRAIN_CANVAS)
+        k = min(int(u_canvas[b] * canvases), canvases - 1)
+        clean = answer[k * TRAIN_CANVAS : (k + 1) * TRAIN_CANVAS]
+        score = [True] * len(clean) + [bool(eos)] * (TRAIN_CANVAS - len(clean))
+        clean += [EOS] * (TRAIN_CANVAS - len(clean))
+        noisy = [min(int(u_token[b, i] * VOCAB), VOCAB - 1) if u_replace[b, i] < t[b] else clean[i]
+                 for i in range(TRAIN_CANVAS)]  # fmt: skip
+        encoder = torch.tensor([ids[:start] + answer[: k * TRAIN_CANVAS]])
+        logits = transformers_logits(hf, encoder, torch.ones_like(encoder, dtype=torch.bool),
+                                     own[b], torch.tensor([noisy]), None)  # fmt: skip
+        ce = torch.nn.functional.cross_entropy(logits[0].double(), torch.tensor(clean),
+                                               reduction="none")  # fmt: skip
+        total += sum(ce[i].item() for i in range(TRAIN_CANVAS) if score[i])
+        scored += sum(score)
+    return total, scored
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_the_uniform_loss_with_pictures_equals_its_definition(folders, seed):
+    from unmask.diffusion import DiffusionConfig, build_objective
+
+    hf, folder = folders
+    ours = from_pretrained(folder).eval()
+    objective = build_objective(DiffusionConfig(objective="uniform", self_conditioning_prob=0.0),
+                                mask_id=2, eos_id=EOS)  # fmt: skip
+    batch, own = train_batch()
+    with torch.no_grad():
+        loss_sum, count = objective(ours, batch, torch.Generator().manual_seed(seed))
+        without, _ = objective(ours, {k: v for k, v in batch.items() if k != "images"} | {
+            "input_ids": batch["input_ids"].masked_fill(batch["input_ids"] == IMAGE, 3)},
+            torch.Generator().manual_seed(seed))  # fmt: skip
+    expected, scored = loss_by_definition(hf, batch, own, seed)
+    assert int(count) == scored
+    assert loss_sum.item() / scored == pytest.approx(expected / scored, abs=1e-5)
+    assert abs(without.item() - loss_sum.item()) / scored > 1e-4  # the pictures count

@@ -109,9 +109,10 @@ def _base(model: nn.Module) -> nn.Module:
 class UniformObjective(Objective):
     """DiffusionGemma's canvas objective (module docstring). The model is called once per
     micro-batch: `model(encoder_ids, noisy_canvas, prompt_mask=, position_ids=,
-    canvas_position_ids=, self_condition=, targets=, target_weights=)` returns the weighted
-    cross-entropy sum (models/diffusion_gemma.py). `last_stats`: mean_t, num_replaced (scored
-    positions replaced), num_scored."""
+    canvas_position_ids=, self_condition=, targets=, target_weights=, images=)` returns the
+    weighted cross-entropy sum (models/diffusion_gemma.py; `images`: the batch's pictures,
+    models/diffusion_gemma_vision.py `Images`, in the encoder with the frozen tower).
+    `last_stats`: mean_t, num_replaced (scored positions replaced), num_scored."""
 
     global_noise = True
 
@@ -152,7 +153,8 @@ class UniformObjective(Objective):
                          position_ids=rows["position_ids"],
                          canvas_position_ids=rows["canvas_positions"],
                          self_condition=condition if self.cfg.self_conditioning_prob > 0 else None,
-                         targets=targets, target_weights=scored.float())  # fmt: skip
+                         targets=targets, target_weights=scored.float(),
+                         images=batch.get("images"))  # fmt: skip
         count = scored.sum().float()
         self.last_stats = {"mean_t": t.detach().float().mean(),
                            "num_replaced": (replaced & scored).sum().detach().float(),
