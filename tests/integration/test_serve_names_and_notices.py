@@ -19,7 +19,7 @@ from conftest import save_tiny_diffusion_gemma, save_tiny_model
 from test_serve import free_port
 
 from unmask.cli.serve import served_name
-from unmask.sampling.config import ENTROPY_BOUND_DEFAULTS
+from unmask.sampling.entropy_bound import ENTROPY_BOUND_DEFAULTS
 from unmask.serve.protocol import entropy_bound_named
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -36,11 +36,12 @@ from transformers.models.diffusion_gemma.generation_diffusion_gemma import (
 from unmask.checkpoint import load_for_sampling
 from unmask.errors import InputError
 from unmask.sampling import SamplingConfig, left_pad, sample
-from unmask.sampling.config import entropy_bound_settings, resolve_sampling
+from unmask.sampling.config import resolve_sampling
 from unmask.sampling.decoders import implied
 from unmask.sampling.entropy_bound import (
     StableAndConfident,
     entropy_bound_accept,
+    entropy_bound_settings,
     row_seeds,
     schedule_temperature,
     token_entropy,

@@ -18,7 +18,8 @@ from unmask.checkpoint import load_for_sampling
 from unmask.cli import build_parser, main
 from unmask.errors import InputError
 from unmask.sampling import SamplingConfig, left_pad, sample
-from unmask.sampling.config import joint_threshold_settings, resolve_sampling
+from unmask.sampling.config import resolve_sampling
+from unmask.sampling.editing import joint_threshold_settings
 from unmask.sampling.show import UNDERLINE, TerminalAnimation
 from unmask.sampling.texts import before_eos, generate_texts
 

@@ -48,7 +48,7 @@ from unmask.data.sft import has_chat_template, split_chat
 from unmask.errors import InputError
 from unmask.plugins import load_plugins
 from unmask.sampling.config import SamplingConfig, resolve_sampling
-from unmask.sampling.decoders import implied
+from unmask.sampling.decoders import decoder_class
 from unmask.sampling.generate import sample
 from unmask.sampling.likelihood import (
     answer_log_likelihood,
@@ -260,7 +260,7 @@ class UnmaskLM(LM):
         Decoder entropy_bound (DiffusionGemma) takes the task's max_gen_toks alone: its
         temperature is its schedule's, its canvases the model's."""
         task = {"gen_length": max_gen_toks, "temperature": temperature}
-        if implied(self.options) == "entropy_bound":  # DiffusionGemma: no blocks, its schedule
+        if not decoder_class(self.options).block_layout:  # entropy_bound: no blocks, its schedule
             return resolve_sampling(self.sm.saved, self.defaults, {"gen_length": max_gen_toks},
                                     self.sampling)  # fmt: skip
         chosen = resolve_sampling(self.sm.saved, self.defaults, task, self.sampling)

@@ -14,7 +14,16 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from unmask.errors import InputError, describe_validation_error, did_you_mean
-from unmask.sampling.decoders import BlockDecoder, decoder_class, decoder_names, implied
+from unmask.sampling.decoders import (
+    DECODERS,
+    BlockDecoder,
+    decoder_choices,
+    decoder_class,
+    decoder_names,
+    given,
+    implied,
+    owner_of,
+)
 from unmask.sampling.hooks import import_hook
 from unmask.sampling.schedules import SCHEDULES
 from unmask.sampling.transfer import remasking_choices
@@ -27,45 +36,17 @@ _CHOICES = {
     "schedule": lambda: SCHEDULES,
     "cache": lambda: CACHES,
     "decoder": decoder_names,
-    "joint_preset": lambda: tuple(JOINT_PRESETS),
-    "edit_scope": lambda: EDIT_SCOPES,
     "block_origin": lambda: BLOCK_ORIGINS,
-    "fill_rule": lambda: FILL_RULES,
 }
+# a decoder's own options that take one of a set of names: the decoder declares the names
+# (`Decoder.choices`: joint_threshold's presets and edit scopes, masked's fill rules)
+_DECODER_CHOICES = ("joint_preset", "edit_scope", "fill_rule")
 # options that may be None (not given) though they take one of a set of names
-_UNSET_CHOICES = ("decoder", "joint_preset", "edit_scope", "fill_rule")
+_UNSET_CHOICES = ("decoder", *_DECODER_CHOICES)
 # where blocks are counted from: the answer's first position (blocks of the answer alone),
 # or the request's first token (LLaDA2's generate, SGLang: the prompt's tail shares the
 # first decoded block with masks); sampling/layout.py
 BLOCK_ORIGINS = ("answer", "request")
-# the masked decoder's threshold rules: fast_dllm (the top one and every confidence >=
-# threshold), llada2 (every confidence > threshold when at least the step's quota do, else
-# the quota's most confident: LLaDA2's generate)
-FILL_RULES = ("fast_dllm", "llada2")
-# Decoder joint_threshold (sampling/editing.py): LLaDA2.1's decoding modes, the report's S and
-# Q modes (arXiv 2602.08676; the model cards of inclusionAI/LLaDA2.1-mini and -flash), and
-# SGLang's JointThreshold defaults (= speedy) for what neither a preset nor an option sets.
-JOINT_PRESETS = {
-    "speedy": {"threshold": 0.5, "edit_threshold": 0.0, "max_post_edit_steps": 16,
-               "penalty_lambda": 0.0},
-    "quality": {"threshold": 0.7, "edit_threshold": 0.5, "max_post_edit_steps": 16,
-                "penalty_lambda": 0.0},
-}  # fmt: skip
-JOINT_DEFAULT_PRESET = "speedy"
-# the options only decoder joint_threshold reads
-JOINT_OPTIONS = ("edit_threshold", "max_post_edit_steps", "penalty_lambda", "joint_preset",
-                 "edit_scope")  # fmt: skip
-# where its T2T edits reach: the current block (SGLang, the official generate), or every
-# block so far (the report's multi-block editing)
-EDIT_SCOPES = ("block", "all")
-# Decoder entropy_bound (sampling/entropy_bound.py): DiffusionGemma's sampler. Its options and
-# their defaults, those of transformers 5.24's DiffusionGemmaGenerationConfig
-# (`_get_default_generation_params`: sampler_config.entropy_bound, max_denoising_steps,
-# t_max, t_min, stability_threshold, confidence_threshold)
-ENTROPY_BOUND_DEFAULTS = {"entropy_bound": 0.1, "max_denoising_steps": 48,
-                          "temperature_start": 0.8, "temperature_end": 0.4,
-                          "stability_threshold": 1, "confidence_threshold": 0.005}  # fmt: skip
-ENTROPY_BOUND_OPTIONS = tuple(ENTROPY_BOUND_DEFAULTS)
 # Options of one call, never of a model folder: generation_config.json neither holds nor
 # gives them (a downloaded folder must not name code to run), model_dump leaves them out.
 RUNTIME_OPTIONS = ("logits_hook", "tokens_hook", "history")
@@ -177,11 +158,11 @@ class SamplingConfig(BaseModel):
     """Decoder joint_threshold: repetition penalty, subtracted from the logit of the token
     just before each position of the block (SGLang's 2-gram penalty; 0 = off, 3 curbs most
     repetition). None = the preset's (0)."""
-    joint_preset: Literal[tuple(JOINT_PRESETS)] | None = None
+    joint_preset: str | None = None
     """Decoder joint_threshold: LLaDA2.1's mode, speedy (threshold 0.5, edit_threshold 0)
     or quality (threshold 0.7, edit_threshold 0.5), both max_post_edit_steps 16; options
     given win over it. None = speedy (SGLang's defaults)."""
-    edit_scope: Literal[EDIT_SCOPES] | None = None
+    edit_scope: str | None = None
     """Decoder joint_threshold: where T2T edits reach, block (the current block's filled
     tokens, as SGLang and LLaDA2.1's own generate) or all (also every answer token of the
     earlier blocks, under the same edit_threshold rule, while the current block decodes:
@@ -266,7 +247,7 @@ class SamplingConfig(BaseModel):
     def _importable_hook(cls, value):
         return import_hook(value) if isinstance(value, str) else value
 
-    @field_validator(*_CHOICES, mode="before")
+    @field_validator(*_CHOICES, *_DECODER_CHOICES, mode="before")
     @classmethod
     def _known_choice(cls, value, info):
         if value is None and info.field_name in _UNSET_CHOICES:  # the implied / default one
@@ -308,33 +289,22 @@ class SamplingConfig(BaseModel):
         if self.ddpm_cache and (self.remasking != "origin" or self.cache != "none"):
             raise ValueError("ddpm_cache needs remasking='origin' and cache='none'")
         decoder = implied(self)  # what the options are checked for: the decoder that runs
-        if self.uniform_canvas and decoder != "entropy_bound":
+        kind = DECODERS[decoder]
+        if self.uniform_canvas and not kind.uniform_canvas:
             raise ValueError(f"decoder {decoder!r} fills [MASK] tokens, and this model has none "
                              f"(uniform_canvas: its canvas starts as random tokens, as "
                              f"DiffusionGemma's); use decoder entropy_bound")  # fmt: skip
-        if decoder == "entropy_bound":
-            check_entropy_bound(self)
-        else:
-            given = [name for name in ENTROPY_BOUND_OPTIONS if getattr(self, name) is not None]
-            if given:
-                raise ValueError(f"{given[0]} is an option of decoder entropy_bound (the "
-                                 f"decoder here is {decoder!r}); give decoder entropy_bound")  # fmt: skip
-        if decoder == "left_to_right":
-            check_autoregressive(self)
-        elif self.autoregressive:
+        for name in type(self).model_fields:
+            owner = owner_of(name)
+            if owner is not None and owner != decoder and given(self, name):
+                raise ValueError(f"{name} is an option of decoder {owner} (the decoder here is "
+                                 f"{decoder!r}); give decoder {owner}")  # fmt: skip
+        if self.autoregressive and not kind.autoregressive:
             raise ValueError(f"an autoregressive model decodes left to right; decoder "
                              f"{decoder!r} decodes masks it never learned to fill")  # fmt: skip
-        if decoder == "joint_threshold":
-            check_joint_threshold(self)
-        else:
-            given = [name for name in JOINT_OPTIONS if getattr(self, name) is not None]
-            if given:
-                raise ValueError(f"{given[0]} is an option of decoder joint_threshold (the "
-                                 f"decoder here is {decoder!r}); give decoder joint_threshold")  # fmt: skip
+        kind.check(self)
         check_block_origin(self, decoder)
-        if decoder == "blocks_from_start":
-            check_blocks_from_start(self)
-        elif self.block_causal and self.shift_logits:
+        if self.block_causal and self.shift_logits and not kind.shifted_blocks:
             raise ValueError(
                 "block_causal attention cannot use the logit shift (the first position of "
                 "a block would be predicted from the block before, which cannot see it)"
@@ -408,7 +378,7 @@ class SamplingConfig(BaseModel):
                 f"a prompt of {prompt_len} tokens leaves no room for an answer in the "
                 f"{self.row_length}-token rows the model was trained on; give --gen-length N"
             )
-        if implied(self) == "entropy_bound":  # whole canvases, no blocks or step budget
+        if not decoder_class(self).block_layout:  # whole canvases, no blocks or step budget
             return self.updated(gen_length=gen, row_length=None)
         if self.block_origin == "request" or self.block_steps is not None:
             return self.updated(gen_length=gen, row_length=None)  # any length; per-block steps
@@ -435,7 +405,7 @@ def option_choices(name: str) -> tuple[str, ...] | None:
     """The names option `name` accepts now (remasking: with the registered scores), or None
     for an option that is not a choice of names."""
     choices = _CHOICES.get(name)
-    return None if choices is None else tuple(choices())
+    return decoder_choices(name) if choices is None else tuple(choices())
 
 
 def check_auto_length(config: SamplingConfig) -> None:
@@ -454,21 +424,9 @@ def check_auto_length(config: SamplingConfig) -> None:
         raise ValueError(f"gen_length_max ({cap}) must be a multiple of block_length ({block})")
 
 
-def check_autoregressive(config: SamplingConfig) -> None:
-    """Left-to-right sampling takes no options of masked decoding that change its result."""
-    if config.gen_length == "auto":
-        raise ValueError("autoregressive sampling stops at EOS by itself; give gen_length N")
-    for name in ("block_causal", "shift_logits", "growing_canvas"):
-        if getattr(config, name):
-            raise ValueError(f"autoregressive sampling is causal already; {name} does not apply")
-    if config.cfg_scale > 0:
-        raise ValueError("autoregressive sampling has no mask to guide with; use cfg_scale 0")
-
-
 def check_block_origin(config: SamplingConfig, decoder: str) -> None:
-    """block_origin, block_steps, fill_rule and eos_early_stop: options of the block
-    decoders (`fill_rule` and `eos_early_stop`: of `masked`); the request origin counts
-    steps per block."""
+    """block_origin and block_steps: options of the block decoders (`BlockDecoder`); the
+    request origin counts steps per block."""
     by_block = issubclass(decoder_class(config), BlockDecoder)
     given = {"block_origin": config.block_origin != "answer",
              "block_steps": config.block_steps is not None}  # fmt: skip
@@ -477,12 +435,6 @@ def check_block_origin(config: SamplingConfig, decoder: str) -> None:
             raise ValueError(f"{name} is an option of the block decoders (masked, "
                              f"joint_threshold); decoder {decoder!r} does not decode by "
                              f"blocks")  # fmt: skip
-    for name, value in {"fill_rule": config.fill_rule is not None,
-                        "eos_early_stop": config.eos_early_stop,
-                        "multinomial_draws": config.multinomial_draws}.items():  # fmt: skip
-        if value and decoder != "masked":
-            raise ValueError(f"{name} is an option of decoder masked (the decoder here is "
-                             f"{decoder!r})")  # fmt: skip
     if config.block_origin == "request":
         if config.gen_length == "auto":
             raise ValueError("block_origin request needs a gen_length N (its canvas ends on "
@@ -497,124 +449,6 @@ def check_block_origin(config: SamplingConfig, decoder: str) -> None:
     if config.block_steps is not None and config.steps is not None:
         raise ValueError("give steps (over the whole answer) or block_steps (per block), not "
                          "both")  # fmt: skip
-    if config.multinomial_draws and config.fill_rule != "llada2":
-        raise ValueError("multinomial_draws draws as LLaDA2's generate does: it needs "
-                         "fill_rule llada2")  # fmt: skip
-    if config.fill_rule == "llada2":
-        if config.threshold is None:
-            raise ValueError("fill_rule llada2 fills by threshold above the step's quota; "
-                             "give threshold (LLaDA2: 0.95)")  # fmt: skip
-        if config.sub_block_length is not None or config.remasking != "low_confidence":
-            raise ValueError("fill_rule llada2 scores a proposal by its probability over the "
-                             "whole block: leave remasking and sub_block_length at their "
-                             "defaults")  # fmt: skip
-
-
-def check_blocks_from_start(config: SamplingConfig) -> None:
-    """Fast-dLLM v2's sampler: block-causal, shifted, threshold decoding, no guidance."""
-    if not (config.block_causal and config.shift_logits):
-        raise ValueError("blocks_from_start is Fast-dLLM v2's form: it needs block_causal and "
-                         "shift_logits")  # fmt: skip
-    if config.threshold is None:
-        raise ValueError("blocks_from_start decodes sub-blocks by threshold; give threshold")
-    if config.gen_length == "auto" or config.cfg_scale > 0 or config.block_length is None:
-        raise ValueError("blocks_from_start needs block_length, a gen_length N and cfg_scale 0")
-
-
-def check_joint_threshold(config: SamplingConfig) -> None:
-    """LLaDA2.1's joint-threshold decoder (sampling/editing.py) scores a proposal by its own
-    probability, fills by threshold above the llada quota and edits: the options of the
-    masked decoder's other rules do not apply, and the threshold is a probability."""
-    if config.threshold is not None and not 0.0 <= config.threshold <= 1.0:
-        raise ValueError(f"decoder joint_threshold: threshold is a probability, from 0 to 1 "
-                         f"(got {config.threshold})")  # fmt: skip
-    refused = {
-        "remasking": config.remasking != "low_confidence",
-        "schedule": config.schedule != "llada",
-        "alg_temp": bool(config.alg_temp),
-        "factor": config.factor is not None,
-        "sub_block_length": config.sub_block_length is not None,
-        "confidence_eos_eot_inf": config.confidence_eos_eot_inf,
-        "ddpm_cache": config.ddpm_cache,
-        "blocks_from_start": config.blocks_from_start,
-    }
-    for name, given in refused.items():
-        if given:
-            raise ValueError(
-                f"decoder joint_threshold takes no {name} (it fills masks whose proposal's "
-                f"probability clears threshold, at least the llada quota, and edits filled "
-                f"tokens); leave {name} at its default"
-            )
-    if config.edit_scope == "all" and config.tokens_hook is not None:
-        raise ValueError("decoder joint_threshold: edit_scope all takes no tokens_hook (the "
-                         "tokens a hook set in an earlier block could not be told from "
-                         "generated ones, which edits may replace)")  # fmt: skip
-
-
-#: options decoder entropy_bound refuses when given: what it reads instead (the rest of the
-#: sentence "decoder entropy_bound takes no NAME: ...")
-_NOT_ENTROPY_BOUND = {
-    "temperature": "its temperature follows temperature_start to temperature_end",
-    "top_p": "it samples the whole tempered distribution, as transformers does",
-    "top_k": "it samples the whole tempered distribution, as transformers does",
-    "steps": "a canvas takes at most max_denoising_steps",
-    "block_length": "its canvases are the model's canvas_length",
-    "remasking": "it accepts tokens by entropy_bound",
-    "schedule": "it accepts tokens by entropy_bound",
-    "alg_temp": "it accepts tokens by entropy_bound",
-    "threshold": "it accepts tokens by entropy_bound",
-    "factor": "it accepts tokens by entropy_bound",
-    "sub_block_length": "its canvases are the model's canvas_length",
-    "eos_penalty": "transformers' sampler changes no logit",
-    "logits_eos_inf": "transformers' sampler changes no logit",
-    "confidence_eos_eot_inf": "it accepts tokens by entropy_bound",
-    "cfg_scale": "the model has no [MASK] to guide with",
-    "cache": "the prompt's K/V are computed once, by the encoder",
-    "cache_refresh": "the prompt's K/V are computed once, by the encoder",
-    "shift_logits": "the decoder predicts each canvas position in place",
-    "block_causal": "the canvas attends to the encoder's K/V and to itself",
-    "blocks_from_start": "its canvases start after the prompt",
-    "ddpm_cache": "every step renoises the canvas",
-    "growing_canvas": "its canvases are the model's canvas_length",
-    "logits_hook": "hooks are read by the masked decoders",
-    "tokens_hook": "hooks are read by the masked decoders",
-}
-
-
-def check_entropy_bound(config: SamplingConfig) -> None:
-    """DiffusionGemma's sampler (sampling/entropy_bound.py) takes its own options: the
-    masked decoders' are refused when given, gen_length is a number of tokens, and the
-    temperature schedule falls (transformers' t_max > t_min)."""
-    if config.gen_length == "auto":
-        raise ValueError("decoder entropy_bound stops a row at the canvas holding EOS; give "
-                         "gen_length N (the most tokens)")  # fmt: skip
-    defaults = SamplingConfig.model_fields
-    for name, why in _NOT_ENTROPY_BOUND.items():
-        value = getattr(config, name)
-        if value is not None and value != defaults[name].get_default():
-            raise ValueError(f"decoder entropy_bound takes no {name} ({why}); leave {name} at "
-                             f"its default")  # fmt: skip
-    settings = entropy_bound_settings(config)
-    start, end = settings["temperature_start"], settings["temperature_end"]
-    if start <= end:
-        raise ValueError(f"decoder entropy_bound: temperature_start ({start}) must be above "
-                         f"temperature_end ({end}): the schedule falls from start to end")  # fmt: skip
-
-
-def entropy_bound_settings(config: SamplingConfig) -> dict[str, Any]:
-    """The options of decoder entropy_bound: each one given, else transformers' default
-    (`ENTROPY_BOUND_DEFAULTS`)."""
-    return {name: default if getattr(config, name) is None else getattr(config, name)
-            for name, default in ENTROPY_BOUND_DEFAULTS.items()}  # fmt: skip
-
-
-def joint_threshold_settings(config: SamplingConfig) -> dict[str, Any]:
-    """threshold, edit_threshold, max_post_edit_steps and penalty_lambda of decoder
-    joint_threshold: each option given, else its value in the preset (joint_preset, else
-    speedy: SGLang JointThreshold's defaults)."""
-    preset = JOINT_PRESETS[config.joint_preset or JOINT_DEFAULT_PRESET]
-    return {name: preset[name] if getattr(config, name) is None else getattr(config, name)
-            for name in preset}  # fmt: skip
 
 
 def without_none(options: dict[str, Any]) -> dict[str, Any]:

@@ -3,7 +3,10 @@
 
 `DECODERS` maps a name to a decoder class; `register_decoder` adds one from outside the
 package; `SamplingConfig.decoder` names one (None: the one the options imply, `implied`).
-Two kinds:
+Each decoder declares what it reads (`Decoder`): the options that are its own (every other
+decoder refuses them when given), the names they take, the options it refuses, what kind of
+model it decodes, its checks and how it fits a canvas; `SamplingConfig`'s validation, the
+command line's choices and the playground read them from here. Two kinds:
 
 - `BlockDecoder`: the steps of one block of a canvas (`Canvas`, sampling/generate.py).
   `sample` makes one per block, left to right, and the server's engine makes one per block
@@ -20,15 +23,19 @@ remasking, schedule, threshold, factor, sub_block_length), `left_to_right` (an
 autoregressive model: one token per forward with a KV cache) and `blocks_from_start`
 (Fast-dLLM v2's form); `joint_threshold` (LLaDA2.1's token editing, sampling/editing.py)
 and `entropy_bound` (DiffusionGemma's sampler, sampling/entropy_bound.py) register
-themselves.
+themselves. A model's canvas of random tokens (no [MASK]) is its family's shape's
+(`ModelShape.canvas_decoder`, `uniform_canvas_model`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+from unmask.models.families import FAMILIES, family_for_hf_type
 
 if TYPE_CHECKING:  # pragma: no cover
     from unmask.sampling.config import SamplingConfig
@@ -38,7 +45,47 @@ if TYPE_CHECKING:  # pragma: no cover
 DECODERS: dict[str, type[BlockDecoder] | type[WholeDecoder]] = {}
 
 
-class BlockDecoder:
+class Decoder:
+    """What a decoder declares about the `SamplingConfig` it decodes with; the registry's
+    readers (sampling/config.py's validation, `option_choices`, the playground) take it from
+    here, so a decoder's options, checks, presets and fitting live with the decoder."""
+
+    #: the options only this decoder reads: any other decoder refuses them when given
+    #: (differing from the field's default), naming this one
+    options: tuple[str, ...] = ()
+    #: the names each of its options that takes a name accepts (`option_choices`)
+    choices: Mapping[str, tuple[str, ...]] = MappingProxyType({})
+    #: options of the schema it refuses when given, each with why (the playground hides
+    #: them; `check` raises)
+    refuses: Mapping[str, str] = MappingProxyType({})
+    #: decodes canvases that start as uniformly random tokens (no [MASK]): the only kind of
+    #: decoder a uniform_canvas model takes
+    uniform_canvas = False
+    #: decodes an autoregressive model (left to right): the only kind such a model takes
+    autoregressive = False
+    #: takes block_causal attention with the logit shift (Fast-dLLM v2's form)
+    shifted_blocks = False
+    #: lays gen_length out in blocks with a step budget (`SamplingConfig.fitted` and the
+    #: lm-eval adapter round a canvas to whole blocks); False: whole canvases on the
+    #: decoder's own schedule, which takes gen_length alone
+    block_layout = True
+    #: whether the decoder replaces tokens it committed (counted in GenerationOutput.edits,
+    #: shown by `--show`, the summary line and the served usage's `edits`)
+    edits_tokens = False
+
+    @classmethod
+    def check(cls, config: SamplingConfig) -> None:
+        """ValueError (one line) when `config` asks what this decoder cannot do; its own
+        options are checked here, the schema's single options by SamplingConfig."""
+
+    @classmethod
+    def edits(cls, config: SamplingConfig) -> bool:
+        """Whether decoding with `config` can replace a committed token (edits_tokens,
+        unless the options turn edits off)."""
+        return cls.edits_tokens
+
+
+class BlockDecoder(Decoder):
     """The steps of one block, positions [start, stop) of `canvas`: each `step` commits
     some of the block's masks in canvas.x; `max_steps` bounds the steps a block may take.
 
@@ -65,10 +112,6 @@ class BlockDecoder:
         self.trace = False
         self.proposed: torch.Tensor | None = None
         self.proposal_p: torch.Tensor | None = None
-
-    #: whether the decoder replaces tokens it committed (counted in GenerationOutput.edits,
-    #: shown by `--show`, the summary line and the served usage's `edits`)
-    edits_tokens = False
 
     def step(self, step: int, generator: torch.Generator | None, out: GenerationOutput) -> bool:
         """Commit this step's tokens in canvas.x (counting forwards in out.nfe and
@@ -102,10 +145,8 @@ class BlockDecoder:
         return full[:, start - shift - lo : stop - shift - lo]
 
 
-class WholeDecoder:
+class WholeDecoder(Decoder):
     """Decodes every answer of a batch in one call."""
-
-    edits_tokens = False  # as BlockDecoder's
 
     def decode(self, model: torch.nn.Module, prompt_ids: torch.Tensor,
                prompt_valid: torch.Tensor, config: SamplingConfig, *, mask_id: int,
@@ -145,15 +186,39 @@ def implied(config: SamplingConfig) -> str:
     return "blocks_from_start" if config.blocks_from_start else "masked"
 
 
-#: config.json model types whose canvas starts as random tokens, denoised with a prompt
-#: encoder (`encode` / `decode`): decoded by entropy_bound, never by a masked decoder
-UNIFORM_CANVAS_MODEL_TYPES = ("diffusion_gemma",)
-
-
 def uniform_canvas_model(model: torch.nn.Module) -> bool:
-    """Whether `model` (or the wrapper that forwards its attributes) is such a model."""
-    config = getattr(model, "config", None)
-    return getattr(config, "model_type", None) in UNIFORM_CANVAS_MODEL_TYPES
+    """Whether `model` (or the wrapper that forwards its attributes) denoises canvases that
+    start as random tokens with a prompt encoder (`encode` / `decode`): its family's shape
+    says so (`ModelShape.canvas_decoder`: DiffusionGemma). Decoded by a uniform_canvas
+    decoder (entropy_bound), never by a masked one."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    family = FAMILIES.get(model_type) if isinstance(model_type, str) else None
+    family = family or family_for_hf_type(model_type)
+    return family is not None and family.shape.canvas_decoder
+
+
+def owner_of(option: str) -> str | None:
+    """The decoder whose own option `option` is (`Decoder.options`), or None."""
+    return next((name for name, kind in DECODERS.items() if option in kind.options), None)
+
+
+def decoder_choices(option: str) -> tuple[str, ...] | None:
+    """The names a decoder's own option accepts (`Decoder.choices`), or None."""
+    owner = owner_of(option)
+    return None if owner is None else DECODERS[owner].choices.get(option)
+
+
+def refused_options(decoder: str) -> set[str]:
+    """The options `decoder` refuses when given: those it declares, and every other
+    decoder's own."""
+    others = {o for name, kind in DECODERS.items() if name != decoder for o in kind.options}
+    return set(DECODERS[decoder].refuses) | others
+
+
+def given(config: Any, option: str) -> bool:
+    """Whether `config` sets `option` away from its field's default."""
+    field = type(config).model_fields[option]
+    return getattr(config, option) != field.get_default()
 
 
 def decoder_class(config: SamplingConfig) -> type[BlockDecoder] | type[WholeDecoder]:
@@ -173,12 +238,17 @@ def decodes_by_block(config: SamplingConfig) -> bool:
 __all__ = [
     "DECODERS",
     "BlockDecoder",
+    "Decoder",
     "WholeDecoder",
+    "decoder_choices",
     "decoder_class",
     "decoder_names",
     "decodes_by_block",
     "edits_tokens",
+    "given",
     "implied",
+    "owner_of",
+    "refused_options",
     "register_decoder",
     "uniform_canvas_model",
 ]

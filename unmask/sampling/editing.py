@@ -59,14 +59,48 @@ count and end are its own (the server batches rows of different requests).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
-from unmask.sampling.config import joint_threshold_settings
+from unmask.sampling.config import SamplingConfig
 from unmask.sampling.decoders import BlockDecoder, register_decoder
 from unmask.sampling.generate import GenerationOutput, eos_adjusted
 from unmask.sampling.hooks import call_logits_hook, call_tokens_hook
 from unmask.sampling.schedules import num_transfer_tokens
 from unmask.sampling.transfer import propose_tokens, select_top_k
+
+# LLaDA2.1's decoding modes, the report's S and Q modes (arXiv 2602.08676; the model cards
+# of inclusionAI/LLaDA2.1-mini and -flash), and SGLang's JointThreshold defaults (= speedy)
+# for what neither a preset nor an option sets.
+JOINT_PRESETS = {
+    "speedy": {"threshold": 0.5, "edit_threshold": 0.0, "max_post_edit_steps": 16,
+               "penalty_lambda": 0.0},
+    "quality": {"threshold": 0.7, "edit_threshold": 0.5, "max_post_edit_steps": 16,
+                "penalty_lambda": 0.0},
+}  # fmt: skip
+JOINT_DEFAULT_PRESET = "speedy"
+# the options only decoder joint_threshold reads
+JOINT_OPTIONS = ("edit_threshold", "max_post_edit_steps", "penalty_lambda", "joint_preset",
+                 "edit_scope")  # fmt: skip
+# where its T2T edits reach: the current block (SGLang, the official generate), or every
+# block so far (the report's multi-block editing)
+EDIT_SCOPES = ("block", "all")
+_REFUSED_WHY = ("it fills masks whose proposal's probability clears threshold, at least the "
+                "llada quota, and edits filled tokens")  # fmt: skip
+#: the masked decoders' options it refuses when given
+JOINT_REFUSED = {name: _REFUSED_WHY for name in (
+    "remasking", "schedule", "alg_temp", "factor", "sub_block_length", "confidence_eos_eot_inf",
+    "ddpm_cache", "blocks_from_start")}  # fmt: skip
+
+
+def joint_threshold_settings(config: SamplingConfig) -> dict[str, Any]:
+    """threshold, edit_threshold, max_post_edit_steps and penalty_lambda of decoder
+    joint_threshold: each option given, else its value in the preset (joint_preset, else
+    speedy: SGLang JointThreshold's defaults)."""
+    preset = JOINT_PRESETS[config.joint_preset or JOINT_DEFAULT_PRESET]
+    return {name: preset[name] if getattr(config, name) is None else getattr(config, name)
+            for name in preset}  # fmt: skip
 
 
 class JointThreshold(BlockDecoder):
@@ -76,6 +110,34 @@ class JointThreshold(BlockDecoder):
     (`joint_threshold_settings`) and edit_scope."""
 
     edits_tokens = True
+    options = JOINT_OPTIONS
+    choices = {"joint_preset": tuple(JOINT_PRESETS), "edit_scope": EDIT_SCOPES}
+    refuses = JOINT_REFUSED
+
+    @classmethod
+    def check(cls, config: SamplingConfig) -> None:
+        """LLaDA2.1's joint-threshold decoder scores a proposal by its own probability,
+        fills by threshold above the llada quota and edits: the options of the masked
+        decoder's other rules do not apply, and the threshold is a probability."""
+        if config.threshold is not None and not 0.0 <= config.threshold <= 1.0:
+            raise ValueError(f"decoder joint_threshold: threshold is a probability, from 0 to "
+                             f"1 (got {config.threshold})")  # fmt: skip
+        defaults = SamplingConfig.model_fields
+        for name, why in JOINT_REFUSED.items():
+            value = getattr(config, name)
+            off = name == "alg_temp" and not value  # alg_temp 0 = None: the top ones
+            if value != defaults[name].get_default() and not off:
+                raise ValueError(f"decoder joint_threshold takes no {name} ({why}); leave "
+                                 f"{name} at its default")  # fmt: skip
+        if config.edit_scope == "all" and config.tokens_hook is not None:
+            raise ValueError("decoder joint_threshold: edit_scope all takes no tokens_hook (the "
+                             "tokens a hook set in an earlier block could not be told from "
+                             "generated ones, which edits may replace)")  # fmt: skip
+
+    @classmethod
+    def edits(cls, config: SamplingConfig) -> bool:
+        """edit_threshold 1 turns edits off (p > 1 never holds)."""
+        return joint_threshold_settings(config)["edit_threshold"] < 1
 
     def __init__(self, config, model, canvas, start, stop, steps_per_block, mask_id, special):
         super().__init__(config, model, canvas, start, stop, steps_per_block, mask_id, special)

@@ -5,7 +5,7 @@ Written from transformers' `DiffusionGemmaGenerationMixin.generate`
 (transformers/models/diffusion_gemma/generation_diffusion_gemma.py, transformers 5.24.0):
 its `EntropyBoundSampler`, `StableAndConfidentStoppingCriteria` and
 `LinearTemperatureScheduleLogitsProcessor`, with the defaults of its
-`DiffusionGemmaGenerationConfig` (config.py `ENTROPY_BOUND_DEFAULTS`). For each prompt:
+`DiffusionGemmaGenerationConfig` (`ENTROPY_BOUND_DEFAULTS`). For each prompt:
 
 1. the encoder reads the prompt once (`model.encode`: every layer's K/V);
 2. canvases of the model's `canvas_length` tokens follow it, ceil(gen_length /
@@ -65,17 +65,62 @@ from __future__ import annotations
 
 import time
 import weakref
+from typing import Any
 
 import torch
 
 from unmask.errors import InputError
 from unmask.models.diffusion_gemma_vision import Images
-from unmask.sampling.config import SamplingConfig, entropy_bound_settings
+from unmask.sampling.config import SamplingConfig
 from unmask.sampling.decoders import WholeDecoder, register_decoder, uniform_canvas_model
 from unmask.sampling.generate import GenerationOutput
 
 #: row seeds are (seed + row) mod 2**64, torch.Generator.manual_seed's range
 _SEED_RANGE = 2**64
+
+
+# Its options and their defaults, those of transformers 5.24's DiffusionGemmaGenerationConfig
+# (`_get_default_generation_params`: sampler_config.entropy_bound, max_denoising_steps,
+# t_max, t_min, stability_threshold, confidence_threshold)
+ENTROPY_BOUND_DEFAULTS = {"entropy_bound": 0.1, "max_denoising_steps": 48,
+                          "temperature_start": 0.8, "temperature_end": 0.4,
+                          "stability_threshold": 1, "confidence_threshold": 0.005}  # fmt: skip
+ENTROPY_BOUND_OPTIONS = tuple(ENTROPY_BOUND_DEFAULTS)
+#: options decoder entropy_bound refuses when given: what it reads instead (the rest of the
+#: sentence "decoder entropy_bound takes no NAME: ...")
+NOT_ENTROPY_BOUND = {
+    "temperature": "its temperature follows temperature_start to temperature_end",
+    "top_p": "it samples the whole tempered distribution, as transformers does",
+    "top_k": "it samples the whole tempered distribution, as transformers does",
+    "steps": "a canvas takes at most max_denoising_steps",
+    "block_length": "its canvases are the model's canvas_length",
+    "remasking": "it accepts tokens by entropy_bound",
+    "schedule": "it accepts tokens by entropy_bound",
+    "alg_temp": "it accepts tokens by entropy_bound",
+    "threshold": "it accepts tokens by entropy_bound",
+    "factor": "it accepts tokens by entropy_bound",
+    "sub_block_length": "its canvases are the model's canvas_length",
+    "eos_penalty": "transformers' sampler changes no logit",
+    "logits_eos_inf": "transformers' sampler changes no logit",
+    "confidence_eos_eot_inf": "it accepts tokens by entropy_bound",
+    "cfg_scale": "the model has no [MASK] to guide with",
+    "cache": "the prompt's K/V are computed once, by the encoder",
+    "cache_refresh": "the prompt's K/V are computed once, by the encoder",
+    "shift_logits": "the decoder predicts each canvas position in place",
+    "block_causal": "the canvas attends to the encoder's K/V and to itself",
+    "blocks_from_start": "its canvases start after the prompt",
+    "ddpm_cache": "every step renoises the canvas",
+    "growing_canvas": "its canvases are the model's canvas_length",
+    "logits_hook": "hooks are read by the masked decoders",
+    "tokens_hook": "hooks are read by the masked decoders",
+}
+
+
+def entropy_bound_settings(config: SamplingConfig) -> dict[str, Any]:
+    """The options of decoder entropy_bound: each one given, else transformers' default
+    (`ENTROPY_BOUND_DEFAULTS`)."""
+    return {name: default if getattr(config, name) is None else getattr(config, name)
+            for name, default in ENTROPY_BOUND_DEFAULTS.items()}  # fmt: skip
 
 
 def schedule_temperature(step: int, steps: int, start: float, end: float,
@@ -163,6 +208,31 @@ class EntropyBound(WholeDecoder):
     the linear temperature schedule, over canvases of the model's canvas_length (the module
     doc). Options entropy_bound, max_denoising_steps, temperature_start / _end,
     stability_threshold, confidence_threshold (`entropy_bound_settings`)."""
+
+    options = ENTROPY_BOUND_OPTIONS
+    refuses = NOT_ENTROPY_BOUND
+    uniform_canvas = True
+    block_layout = False
+
+    @classmethod
+    def check(cls, config: SamplingConfig) -> None:
+        """Its own options: the masked decoders' are refused when given, gen_length is a
+        number of tokens, and the temperature schedule falls (transformers' t_max > t_min)."""
+        if config.gen_length == "auto":
+            raise ValueError("decoder entropy_bound stops a row at the canvas holding EOS; "
+                             "give gen_length N (the most tokens)")  # fmt: skip
+        defaults = SamplingConfig.model_fields
+        for name, why in NOT_ENTROPY_BOUND.items():
+            value = getattr(config, name)
+            if value is not None and value != defaults[name].get_default():
+                raise ValueError(f"decoder entropy_bound takes no {name} ({why}); leave {name} "
+                                 f"at its default")  # fmt: skip
+        settings = entropy_bound_settings(config)
+        start, end = settings["temperature_start"], settings["temperature_end"]
+        if start <= end:
+            raise ValueError(f"decoder entropy_bound: temperature_start ({start}) must be "
+                             f"above temperature_end ({end}): the schedule falls from start to "
+                             f"end")  # fmt: skip
 
     @torch.no_grad()
     def decode(self, model, prompt_ids, prompt_valid, config, *, mask_id, eos_id, pad_id,

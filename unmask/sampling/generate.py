@@ -298,6 +298,21 @@ class LeftToRight(WholeDecoder):
     """`left_to_right`: an autoregressive model (`config.autoregressive`), one token per
     forward with a KV cache (autoregressive.py)."""
 
+    autoregressive = True
+
+    @classmethod
+    def check(cls, config: SamplingConfig) -> None:
+        """Left-to-right sampling takes no options of masked decoding that change its
+        result."""
+        if config.gen_length == "auto":
+            raise ValueError("autoregressive sampling stops at EOS by itself; give gen_length N")
+        for name in ("block_causal", "shift_logits", "growing_canvas"):
+            if getattr(config, name):
+                raise ValueError(f"autoregressive sampling is causal already; {name} does not "
+                                 f"apply")  # fmt: skip
+        if config.cfg_scale > 0:
+            raise ValueError("autoregressive sampling has no mask to guide with; use cfg_scale 0")
+
     def decode(self, model, prompt_ids, prompt_valid, config, *, mask_id, eos_id, pad_id,
                eot_id, generator, on_step) -> GenerationOutput:  # fmt: skip
         started = time.perf_counter()
@@ -327,6 +342,20 @@ class BlocksFromStart(WholeDecoder):
     """`blocks_from_start`: Fast-dLLM v2's form (blocks_from_start.py): rows of one prompt
     length decode together (blocks are counted from each row's first real token); each
     row's first gen_length answer tokens fill its place in the (B, P + G) output."""
+
+    shifted_blocks = True
+
+    @classmethod
+    def check(cls, config: SamplingConfig) -> None:
+        """Fast-dLLM v2's sampler: block-causal, shifted, threshold decoding, no guidance."""
+        if not (config.block_causal and config.shift_logits):
+            raise ValueError("blocks_from_start is Fast-dLLM v2's form: it needs block_causal "
+                             "and shift_logits")  # fmt: skip
+        if config.threshold is None:
+            raise ValueError("blocks_from_start decodes sub-blocks by threshold; give threshold")
+        if config.gen_length == "auto" or config.cfg_scale > 0 or config.block_length is None:
+            raise ValueError("blocks_from_start needs block_length, a gen_length N and "
+                             "cfg_scale 0")  # fmt: skip
 
     def decode(self, model, prompt_ids, prompt_valid, config, *, mask_id, eos_id, pad_id,
                eot_id, generator, on_step) -> GenerationOutput:  # fmt: skip
@@ -413,6 +442,28 @@ class MaskedBlockDecoder(BlockDecoder):
     """`masked`: the masked-diffusion block decoder. Each step a forward (or a cache / ddpm
     reuse), proposals, and commits chosen by remasking and schedule, threshold, factor or
     sub_block_length (LLaDA, Dream, Fast-dLLM v1 and v2's sub-blocks, MDLM's origin)."""
+
+    options = ("fill_rule", "eos_early_stop", "multinomial_draws")
+    #: its threshold rules: fast_dllm (the top one and every confidence >= threshold),
+    #: llada2 (every confidence > threshold when at least the step's quota do, else the
+    #: quota's most confident: LLaDA2's generate)
+    choices = {"fill_rule": ("fast_dllm", "llada2")}
+
+    @classmethod
+    def check(cls, config: SamplingConfig) -> None:
+        """multinomial_draws with fill_rule llada2 only; fill_rule llada2 fills by threshold
+        with the default scores over the whole block."""
+        if config.multinomial_draws and config.fill_rule != "llada2":
+            raise ValueError("multinomial_draws draws as LLaDA2's generate does: it needs "
+                             "fill_rule llada2")  # fmt: skip
+        if config.fill_rule == "llada2":
+            if config.threshold is None:
+                raise ValueError("fill_rule llada2 fills by threshold above the step's quota; "
+                                 "give threshold (LLaDA2: 0.95)")  # fmt: skip
+            if config.sub_block_length is not None or config.remasking != "low_confidence":
+                raise ValueError("fill_rule llada2 scores a proposal by its probability over "
+                                 "the whole block: leave remasking and sub_block_length at "
+                                 "their defaults")  # fmt: skip
 
     def __init__(self, config, model, canvas, start, stop, steps_per_block, mask_id, special):
         super().__init__(config, model, canvas, start, stop, steps_per_block, mask_id, special)

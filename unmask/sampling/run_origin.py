@@ -12,8 +12,8 @@ from typing import Any
 
 import yaml
 
-from unmask.sampling.config import SamplingConfig, joint_threshold_settings
-from unmask.sampling.decoders import edits_tokens, implied
+from unmask.sampling.config import SamplingConfig
+from unmask.sampling.decoders import decoder_class, implied
 
 RUN_CONFIG = "config.yaml"  # a run directory's resolved config (train.output_dir)
 
@@ -47,13 +47,8 @@ def trained_edit_fraction(model_dir: str | Path) -> float | None:
 def editing_notice(config: SamplingConfig, edit_fraction: float | None) -> str | None:
     """The warning for a decoder that edits tokens on a model whose run trained with
     edit_fraction 0, else None (no edits, a model trained for them, or unknown)."""
-    if edit_fraction is None or edit_fraction > 0 or not edits_tokens(config):
-        return None
-    if (
-        implied(config) == "joint_threshold"
-        and joint_threshold_settings(config)["edit_threshold"] >= 1
-    ):  # p > 1 never holds: edits are off
-        return None
+    if edit_fraction is None or edit_fraction > 0 or not decoder_class(config).edits(config):
+        return None  # no edits (joint_threshold's edit_threshold 1 turns them off)
     return (
         f"decoder {implied(config)} edits tokens it committed, but this model's run trained "
         "with diffusion.edit_fraction 0 (it never learned to edit): its edits can turn right "

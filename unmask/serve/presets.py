@@ -14,19 +14,11 @@ from __future__ import annotations
 from typing import Any
 
 from unmask.errors import InputError
-from unmask.sampling.config import (
-    _NOT_ENTROPY_BOUND,
-    ENTROPY_BOUND_DEFAULTS,
-    ENTROPY_BOUND_OPTIONS,
-    JOINT_OPTIONS,
-    resolve_sampling,
-)
-from unmask.sampling.decoders import decoder_names, implied
+from unmask.sampling.config import resolve_sampling
+from unmask.sampling.decoders import decoder_names, implied, refused_options
+from unmask.sampling.entropy_bound import ENTROPY_BOUND_DEFAULTS
 from unmask.sampling.generate import with_uniform_canvas
 
-#: the masked decoders' options decoder joint_threshold refuses (config.check_joint_threshold)
-JOINT_REFUSED = ("remasking", "schedule", "alg_temp", "factor", "sub_block_length",
-                 "confidence_eos_eot_inf", "ddpm_cache", "blocks_from_start")  # fmt: skip
 #: decoders a model with [MASK] tokens never runs from the page (its own kinds of model)
 NOT_MASKED = ("entropy_bound", "left_to_right")
 #: the first row of the form, by decoder (the rest are under "every option")
@@ -65,15 +57,6 @@ PRESETS: list[tuple[str, str, dict[str, Any], str]] = [
      "masked"),
     ("random", "random order", {"decoder": "masked", "remasking": "random"}, "masked"),
 ]  # fmt: skip
-
-
-def refused_options(decoder: str) -> set[str]:
-    """The request options `decoder` refuses when given (sampling/config.py's checks)."""
-    if decoder == "entropy_bound":
-        return set(_NOT_ENTROPY_BOUND) | set(JOINT_OPTIONS)
-    if decoder == "joint_threshold":
-        return set(JOINT_REFUSED) | set(ENTROPY_BOUND_OPTIONS)
-    return set(JOINT_OPTIONS) | set(ENTROPY_BOUND_OPTIONS)
 
 
 def _valid(saved: dict[str, Any], options: dict[str, Any], uniform: bool) -> bool:

@@ -18,13 +18,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from unmask.errors import InputError, describe_validation_error, did_you_mean
 from unmask.sampling.config import (
-    ENTROPY_BOUND_DEFAULTS,
     RUNTIME_OPTIONS,
     SamplingConfig,
     option_choices,
     resolve_sampling,
 )
 from unmask.sampling.decoders import implied
+from unmask.sampling.entropy_bound import ENTROPY_BOUND_DEFAULTS
 
 #: SamplingConfig fields a request sets with OpenAI's names (max_tokens -> gen_length)
 OPENAI_NAMED = ("gen_length", "temperature", "top_p", "top_k")
