@@ -151,7 +151,7 @@ def cpu_reference_path(layers) -> None:
 
 
 def quant_targets():
-    from unmask.models.lora import NATIVE_LINEAR
+    from unmask.models.shape import NATIVE_LINEAR
 
     return NATIVE_LINEAR
 

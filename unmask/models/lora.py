@@ -20,22 +20,12 @@ from torch import nn
 
 from unmask.errors import InputError
 from unmask.models.config import ModelConfig
-from unmask.models.diffusion_gemma import DiffusionGemma
-from unmask.models.transformer import DiffusionTransformer
+from unmask.models.families import FAMILIES
+from unmask.models.shape import WRAPPED
 
 ADAPTER_FILE = "adapter_model.safetensors"  # peft's file name: what a LoRA run saves
 ADAPTER_CONFIG = "adapter_config.json"  # peft's settings file, next to ADAPTER_FILE
 LORA_BASE_FILE = "lora_base.json"  # what rebuilds the base an adapter was trained on
-# Every linear layer of the decoder blocks (the LM head stays frozen: the masked-only loss
-# reads its weight directly).
-NATIVE_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-# DiffusionGemma's "all-linear": the same names, inside the shared stack's layers only (its
-# attention and dense MLP; full-attention layers have no v_proj). Not its router (`router.proj`:
-# frozen when fine-tuning, diffusion.freeze_router), not the self-conditioning MLP outside the
-# layers (`model.self_conditioning.*_proj`, which the names alone would match), not the LM head
-# (the tied embedding). A regex over full module names, as peft and quant._targeted read it.
-DIFFUSION_GEMMA_LINEAR = (r"model\.layers\.\d+\.(self_attn\.(q|k|v|o)_proj"
-                          r"|mlp\.(gate|up|down)_proj)")  # fmt: skip
 # `experts` in a lora_target_modules list: the routed expert stacks of an MoE model
 # ((experts, out, in) parameters, not modules), adapted through peft's `target_parameters`
 # (one rank-r pair per expert). "all-linear" leaves them frozen (attention and shared experts).
@@ -66,14 +56,15 @@ def check_request(cfg: ModelConfig) -> None:
 
 
 def lora_targets(cfg: ModelConfig, model: nn.Module) -> str | list[str]:
-    """Module names that get adapters: every decoder-block linear layer of the native model
-    for "all-linear" (DiffusionGemma: DIFFUSION_GEMMA_LINEAR), transformers' own
-    "all-linear" choice for encoders."""
+    """Module names that get adapters: for "all-linear" what the model's family declares
+    (its shape's `lora_linear`: every decoder-block linear layer of the native model,
+    DiffusionGemma's stack layers, transformers' own choice for encoders)."""
     targets = cfg.lora_target_modules
     if targets in (None, "all-linear"):
-        if isinstance(model, DiffusionGemma):
-            return DIFFUSION_GEMMA_LINEAR
-        return list(NATIVE_LINEAR) if _is_native(model) else "all-linear"
+        built = getattr(model, "config", None)
+        shape = FAMILIES[built.model_type].shape if isinstance(built, ModelConfig) else WRAPPED
+        linear = shape.lora_linear
+        return list(linear) if isinstance(linear, tuple) else linear
     if isinstance(targets, str):  # peft's regex
         return targets
     return [t for t in targets if t != EXPERTS]  # the expert stacks: `expert_targets`
@@ -86,10 +77,10 @@ def expert_targets(cfg: ModelConfig, model: nn.Module) -> list[str] | None:
         return None
     stacks = expert_stack_targets(model)
     if not stacks:
+        moe = ", ".join(name for name, family in FAMILIES.items() if family.native and family.moe)
         raise InputError(
             "model.lora_target_modules holds 'experts' but this model has no routed expert "
-            "stacks (an MoE model: qwen3_moe_dllm, llada_moe, llada2_moe, diffusion_gemma); "
-            "drop it"
+            f"stacks (an MoE model: {moe}); drop it"
         )
     return stacks
 
@@ -142,10 +133,6 @@ def peft_config(cfg: ModelConfig, model: nn.Module):
         target_modules=lora_targets(cfg, model),
         target_parameters=expert_targets(cfg, model),
     )
-
-
-def _is_native(model: nn.Module) -> bool:
-    return isinstance(model, DiffusionTransformer)
 
 
 def apply_lora(model: nn.Module, cfg: ModelConfig) -> nn.Module:

@@ -58,7 +58,7 @@ def check_4bit_request(cfg: ModelConfig, world_size: int) -> None:
         )
     if cfg.lora_merge:
         raise InputError(
-            "model.load_in_4bit: true cannot merge into 4-bit weights; train with "
+            "model.lora_merge: true cannot merge into 4-bit weights; train with "
             "lora_merge: false and merge the saved adapter into the full-precision model"
         )
     if not FAMILIES[cfg.model_type].native:

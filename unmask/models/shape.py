@@ -64,6 +64,11 @@ class TensorPlan:
         object.__setattr__(self, "inputs", MappingProxyType(dict(self.inputs)))
 
 
+NATIVE_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""LoRA's "all-linear" on the native decoder: every linear layer of its blocks (the LM head
+stays frozen: the masked-only loss reads its weight directly)."""
+
+
 @dataclass(frozen=True)
 class ModelShape:
     """The declaration of a family's blocks (module docstring). `tensor` None: the family
@@ -76,7 +81,11 @@ class ModelShape:
     auto`, which asks the planner) cannot model its step yet and refuses it in one line;
     `canvas_decoder` True: a prompt encoder and a canvas decoder without a [MASK] token
     (DiffusionGemma), trained only by objectives that say so (diffusion/registry.py
-    `ObjectiveSpec.canvas_decoder`: `uniform`), and those train no other family."""
+    `ObjectiveSpec.canvas_decoder`: `uniform`), and those train no other family;
+    `recompute` False: its layers do not recompute under activation checkpointing (the
+    trainer refuses it, `auto` and the planner choose none); `lora_linear`: the modules
+    LoRA's "all-linear" adapts (a tuple of module names, or one regex over full module
+    names, as peft reads them; "all-linear": transformers' own choice)."""
 
     name: str
     tensor: TensorPlan | None = None
@@ -85,6 +94,8 @@ class ModelShape:
     trains: bool = True
     plans: bool = True
     canvas_decoder: bool = False
+    recompute: bool = True
+    lora_linear: str | tuple[str, ...] = NATIVE_LINEAR
 
     def attention_width(self, arch) -> int:
         """Query heads x head dim: the width of the attention scores' matmuls."""
@@ -175,7 +186,7 @@ DECODER = ModelShape("decoder", DECODER_TENSOR_PLAN, activation_formula=True)
 """The native decoder block (models/transformer.py DecoderLayer): pre-norm GQA attention
 and a gated MLP or a mixture of experts."""
 
-WRAPPED = ModelShape("transformers", tensor=None, staged=False)
+WRAPPED = ModelShape("transformers", tensor=None, staged=False, lora_linear="all-linear")
 """A transformers masked-LM class run as it is (models/hf_wrapped.py): no tensor or
 pipeline parallelism."""
 
@@ -293,8 +304,16 @@ DIFFUSION_GEMMA_TENSOR_PLAN = TensorPlan(
     replicated_experts=True,
 )  # fmt: skip
 
+# DiffusionGemma's "all-linear": the decoder's names, inside the shared stack's layers only
+# (its attention and dense MLP; full-attention layers have no v_proj). Not its router
+# (`router.proj`: frozen when fine-tuning, diffusion.freeze_router), not the
+# self-conditioning MLP outside the layers (`model.self_conditioning.*_proj`, which the names
+# alone would match), not the LM head (the tied embedding).
+DIFFUSION_GEMMA_LINEAR = (r"model\.layers\.\d+\.(self_attn\.(q|k|v|o)_proj"
+                          r"|mlp\.(gate|up|down)_proj)")  # fmt: skip
 DIFFUSION_GEMMA = DiffusionGemmaShape("diffusion_gemma", tensor=DIFFUSION_GEMMA_TENSOR_PLAN,
-                                     staged=False, canvas_decoder=True)  # fmt: skip
+                                     staged=False, canvas_decoder=True, recompute=False,
+                                     lora_linear=DIFFUSION_GEMMA_LINEAR)  # fmt: skip
 """Tensor parallelism (`DIFFUSION_GEMMA_TENSOR_PLAN`, Megatron's split of what this family
 allows): attention's q/k/v column-parallel (full layers have no v_proj: V is the k
 projection, so it is split with k), o row-parallel, q_norm/k_norm per head over a rank's

@@ -34,14 +34,23 @@ from unmask.models.build import resolve_model
 from unmask.plan.devices import DEVICES, Device, resolve_device
 from unmask.plan.memory import memory_terms
 from unmask.plan.planner import USABLE_MEMORY, planned_ranks, run_shape
-from unmask.plan.shards import describe_shards, planned_model_config, routing_of, shard_model
+from unmask.plan.shards import (
+    describe_shards,
+    parallel_of,
+    planned_model_config,
+    routing_of,
+    shard_model,
+)
 from unmask.train.mfu import flop_model
 from unmask.train.setup import checkpointing_is_auto
 
 #: the choices in order of recomputation: the first that fits wins
 CHOICES = ("none", "selective", "full")
-#: why a canvas decoder (DiffusionGemma) gets none: its layers do not recompute yet
-NO_RECOMPUTE = "a canvas decoder's layers (model_type diffusion_gemma) do not recompute yet"
+
+
+def no_recompute(model) -> str:
+    """Why a family whose shape says `recompute` False (DiffusionGemma) gets none."""
+    return f"model_type {model.family.name}'s layers do not recompute yet"
 
 
 def flags(cfg: RunConfig) -> dict[str, bool | int]:
@@ -97,8 +106,8 @@ def _choose_for_trainer(trainer) -> tuple[bool | int, str]:
     resolved = trainer.parallel.model
     if isinstance(built, ModelConfig):  # the architecture as loaded, the run's fields
         resolved = replace(resolved, arch=built)
-    if resolved.shape.canvas_decoder:
-        return False, f"activation checkpointing: none (auto: {NO_RECOMPUTE})"
+    if not resolved.shape.recompute:  # the family's shape says
+        return False, f"activation checkpointing: none (auto: {no_recompute(resolved)})"
     if isinstance(built, ModelConfig):
         cfg = cfg.model_copy(update={"model": resolved.planned()})
     layout, world = trainer.dist.layout, trainer.dist.world_size
@@ -144,8 +153,11 @@ def resolve_checkpointing(cfg: RunConfig, world_size: int, device: Device
     notice and then the error)."""
     if not checkpointing_is_auto(cfg.train):
         return cfg, ""
-    if resolve_model(planned_model_config(cfg).model).shape.canvas_decoder:
-        choice, why = "none", NO_RECOMPUTE
+    planned = planned_model_config(cfg)
+    resolved = resolve_model(planned.model)
+    if not resolved.shape.recompute:
+        parallel_of(planned, world_size)  # a bad layout's line first (no notice before it)
+        choice, why = "none", no_recompute(resolved)
     else:
         choice, why = choose(planned_peaks(cfg, world_size, device), device)
     train = cfg.train.model_copy(update={"activation_checkpointing": choice})

@@ -44,7 +44,7 @@ def fix_for(plan: RunPlan, cfg) -> str:
     if m.experts and name in ("parameters", "gradients", "optimizer state", "working buffers") \
             and m.experts + m.expert_working > over:  # fmt: skip
         return expert_fix(plan, m, over)
-    if name == "activations" and resolve_model(cfg.model).shape.canvas_decoder:  # no recomputation
+    if name == "activations" and not resolve_model(cfg.model).shape.recompute:  # no recomputation
         return ("lower train.per_device_train_batch_size or data.packing_length (the encoder "
                 "runs over the whole row; its layers do not recompute yet)")  # fmt: skip
     if name == "activations":

@@ -30,7 +30,6 @@ from unmask.models.shape import decoder_layers
 from unmask.optim.config import build_optimizer
 from unmask.parallel.mesh import MeshLayout, build_mesh
 from unmask.parallel.pipeline_plan import PipelinePlan
-from unmask.parallel.tensor import check_tensor_parallel
 from unmask.train.mfu import flop_model
 from unmask.train.setup import (
     ParallelPlan,
@@ -134,10 +133,11 @@ def planned_model_config(cfg: RunConfig) -> RunConfig:
     """The run config with a pretrained folder's architecture in place of its weights: the
     planner reads config.json only (the weights are neither needed nor read). The model is
     resolved and checked by the trainer's own functions first (train/setup.py
-    `check_model_request`, `check_pipeline_request`, parallel/tensor.py
-    `check_tensor_parallel`: the same line for the same problem); then one line for what
-    the planner does not model (a 4-bit base, a wrapped encoder, a family whose ModelShape
-    says `plans` False, a canvas decoder's tensor split)."""
+    `check_model_request` and `check_pipeline_request`: the same line for the same problem;
+    the layout's other checks follow in `plan_parallel`, which the plan runs for every
+    rank); then one line for what the
+    planner does not model (a 4-bit base, a wrapped encoder, a family whose ModelShape says
+    `plans` False, a canvas decoder's tensor split)."""
     p = cfg.parallel
     model = check_model_request(cfg, world_size=1)  # the world's own checks: plan_parallel
     if cfg.model.load_in_4bit:
@@ -152,9 +152,7 @@ def planned_model_config(cfg: RunConfig) -> RunConfig:
             "step is not the one-row forward the planner traces and prices: models/shape.py); "
             "train it without a plan"
         )
-    check_pipeline_request(cfg, model)
-    check_tensor_parallel(model, p.tensor_parallel, lora=cfg.model.lora,
-                          sequence_parallel=p.sequence_parallel)  # fmt: skip
+    check_pipeline_request(cfg, model)  # the family's stages, in the trainer's line
     if model.shape.canvas_decoder and p.tensor_parallel > 1:
         raise InputError(f"parallel.tensor_parallel={p.tensor_parallel}: model_type "
                          f"{model.family.name!r} trains under tensor parallelism, but unmask plan "

@@ -129,8 +129,9 @@ def check_family_objective(cfg: RunConfig, model: ResolvedModel | None = None) -
     """One line for an objective that does not train this kind of model: a canvas decoder
     (DiffusionGemma: no [MASK] token) only with an objective that says it trains one
     (`uniform`), and such an objective with no other family; for a canvas decoder also a
-    canvas its rows and positions cannot hold, activation checkpointing (its layers do not
-    recompute yet), and diffusion.freeze_router on a model without routers."""
+    canvas its rows and positions cannot hold; activation checkpointing of a family whose
+    shape says its layers do not recompute (`recompute`), and diffusion.freeze_router on a
+    model without routers."""
     model = model or resolve_model(cfg.model)
     objective = cfg.diffusion.objective
     canvas_objective = objective_spec(objective).canvas_decoder
@@ -153,12 +154,16 @@ def check_family_objective(cfg: RunConfig, model: ResolvedModel | None = None) -
         )
     if shape.canvas_decoder:
         check_canvas_fits(cfg, model)
+    if not shape.recompute and checkpointing_choice(cfg.train) is not False:
+        raise InputError(f"train.activation_checkpointing: model_type {model.family.name}'s "
+                         "layers do not recompute yet; set train.activation_checkpointing none "
+                         "(or auto)")  # fmt: skip
 
 
 def check_canvas_fits(cfg: RunConfig, model: ResolvedModel | None = None) -> None:
     """A canvas decoder's canvas within a row (the answer is cut into canvases) and the
     model's positions (the last canvas of a row may run past its end: positions up to
-    L + C - 2); no activation checkpointing (its layers do not recompute yet)."""
+    L + C - 2)."""
     model = model or resolve_model(cfg.model)
     arch = model.arch
     canvas, length = arch.diffusion_gemma.canvas_length, cfg.data.packing_length
@@ -174,10 +179,6 @@ def check_canvas_fits(cfg: RunConfig, model: ResolvedModel | None = None) -> Non
                          f"{length + canvas - 1} positions (a row's last canvas runs past its "
                          f"end), above max_position_embeddings ({positions}); lower one of "
                          "them")  # fmt: skip
-    if checkpointing_choice(cfg.train) is not False:
-        raise InputError(f"train.activation_checkpointing: model_type {model.family.name}'s "
-                         "layers do not recompute yet; set train.activation_checkpointing none "
-                         "(or auto)")  # fmt: skip
 
 
 def check_model_fits(cfg: RunConfig) -> None:
