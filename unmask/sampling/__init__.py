@@ -3,14 +3,26 @@
 
 from unmask.sampling.config import SamplingConfig, resolve_sampling
 from unmask.sampling.decoders import BlockDecoder, WholeDecoder, register_decoder
-from unmask.sampling.editing import JointThreshold  # registers decoder joint_threshold
-from unmask.sampling.entropy_bound import EntropyBound  # registers decoder entropy_bound
 from unmask.sampling.generate import GenerationOutput, cfg_combine, generate, left_pad, sample
 from unmask.sampling.schedules import dream_schedule, num_transfer_tokens
 from unmask.sampling.transfer import add_gumbel_noise, register_confidence, select_top_k
 
+# The built-in decoders register themselves on import, in this order (the order of
+# `decoder_names()`: the --decoder choices, the playground's list)
+# isort: off
+from unmask.sampling.masked import MaskedBlockDecoder
+from unmask.sampling.autoregressive import LeftToRight
+from unmask.sampling.blocks_from_start import BlocksFromStart
+from unmask.sampling.editing import JointThreshold
+from unmask.sampling.entropy_bound import EntropyBound
+
+# isort: on
+
 __all__ = [
     "BlockDecoder",
+    "BlocksFromStart",
+    "LeftToRight",
+    "MaskedBlockDecoder",
     "EntropyBound",
     "GenerationOutput",
     "JointThreshold",

@@ -10,17 +10,21 @@ same filters as the diffusion sampler, `transfer.filtered_logits`). Greedy outpu
 transformers' greedy `generate` on the exported folder (tests/unit/test_autoregressive.py).
 """
 
+import time
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from unmask.models.attention import KVCache
+from unmask.sampling.config import SamplingConfig
+from unmask.sampling.decoders import WholeDecoder, register_decoder
+from unmask.sampling.generate import GenerationOutput, finish_output
 from unmask.sampling.transfer import add_gumbel_noise, filtered_logits
 
 
 @dataclass
-class LeftToRight:
+class LeftToRightResult:
     """What a left-to-right decode produced: sequences (B, P + G) (after a row's first EOS,
     with eos_id, every position is EOS), forwards (model calls), decoded (tokens chosen by
     the model, rows that had stopped excluded), row_forwards (calls times rows in them)."""
@@ -69,7 +73,7 @@ def decode_left_to_right(
     fill_id: int = 0,
     generator: torch.Generator | None = None,
     on_step=None,
-) -> LeftToRight:
+) -> LeftToRightResult:
     """Append gen_length tokens to each (left-padded) prompt, one forward per token.
 
     prompt_ids (B, P) long, prompt_valid (B, P) bool (False = left padding). The model is
@@ -91,7 +95,7 @@ def decode_left_to_right(
                    attention_mask=_step_mask(valid[:, :prompt_len], 0, prompt_len),
                    kv_cache=cache)[:, -1]  # fmt: skip
     grow_cache(cache, gen_length)
-    out = LeftToRight(x, forwards=1, decoded=0, row_forwards=batch)
+    out = LeftToRightResult(x, forwards=1, decoded=0, row_forwards=batch)
     done = torch.zeros(batch, dtype=torch.bool, device=device)
     for step in range(gen_length):
         pos = prompt_len + step
@@ -123,3 +127,50 @@ def grow_cache(cache: KVCache, extra: int) -> None:
     for layer, (k, v) in enumerate(zip(cache.keys, cache.values)):
         cache.keys[layer] = torch.cat([k, k.new_zeros(*k.shape[:2], extra, k.shape[3])], dim=2)
         cache.values[layer] = torch.cat([v, v.new_zeros(*v.shape[:2], extra, v.shape[3])], 2)
+
+
+class LeftToRight(WholeDecoder):
+    """`left_to_right`: an autoregressive model (`config.autoregressive`), one token per
+    forward with a KV cache (`decode_left_to_right`)."""
+
+    autoregressive = True
+
+    @classmethod
+    def check(cls, config: SamplingConfig) -> None:
+        """Left-to-right sampling takes no options of masked decoding that change its
+        result."""
+        if config.gen_length == "auto":
+            raise ValueError("autoregressive sampling stops at EOS by itself; give gen_length N")
+        for name in ("block_causal", "shift_logits", "growing_canvas"):
+            if getattr(config, name):
+                raise ValueError(f"autoregressive sampling is causal already; {name} does not "
+                                 f"apply")  # fmt: skip
+        if config.cfg_scale > 0:
+            raise ValueError("autoregressive sampling has no mask to guide with; use cfg_scale 0")
+
+    def decode(self, model, prompt_ids, prompt_valid, config, *, mask_id, eos_id, pad_id,
+               eot_id, generator, on_step) -> GenerationOutput:  # fmt: skip
+        started = time.perf_counter()
+        history = [] if config.history else None
+
+        def step(canvas: torch.Tensor) -> None:
+            if history is not None:
+                history.append(canvas)
+            if on_step is not None:
+                on_step(canvas)
+
+        fill = eos_id if eos_id is not None else (pad_id if pad_id is not None else 0)
+        done = decode_left_to_right(
+            model, prompt_ids, prompt_valid, config.gen_length, temperature=config.temperature,
+            top_k=config.top_k, top_p=config.top_p, eos_id=eos_id, fill_id=fill,
+            generator=generator, on_step=step if (history is not None or on_step) else None,
+        )  # fmt: skip
+        out = GenerationOutput(done.sequences, prompt_ids.shape[1], nfe=done.forwards,
+                               steps=done.forwards, decoded=done.decoded,
+                               row_forwards=done.row_forwards, history=history)  # fmt: skip
+        finish_output(out, done.sequences, -1, eos_id)
+        out.seconds = time.perf_counter() - started
+        return out
+
+
+register_decoder("left_to_right", LeftToRight)

@@ -23,6 +23,7 @@ forward, one token past the canvas) where this sampler stops
 (tests/unit/test_blocks_from_start.py mirrors its loop).
 """
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -30,11 +31,14 @@ from torch import nn
 
 from unmask.models.attention import KVCache
 from unmask.sampling.autoregressive import grow_cache
+from unmask.sampling.config import SamplingConfig
+from unmask.sampling.decoders import WholeDecoder, register_decoder
+from unmask.sampling.generate import GenerationOutput, finish_output
 from unmask.sampling.transfer import propose_tokens, sampling_probs
 
 
 @dataclass
-class BlocksFromStart:
+class BlocksFromStartResult:
     """What a decode produced: sequences (B, T) with T = the canvas (prompt + answer blocks,
     ending on a block boundary), forwards (model calls), decoded (positions committed by
     the model) and row_forwards (calls times rows in them)."""
@@ -111,7 +115,7 @@ def decode_blocks_from_start(
     top_p: float | None = None,
     eos_id: int | None = None,
     generator: torch.Generator | None = None,
-) -> BlocksFromStart:
+) -> BlocksFromStartResult:
     """Fill the blocks after prompts of one length (prompt_ids (B, P), no padding): the
     canvas ends at the first block boundary at or after P + gen_length. With eos_id a row
     stops after the block in which it commits EOS (the loop ends when every row has)."""
@@ -121,7 +125,7 @@ def decode_blocks_from_start(
     x = torch.full((batch, end), mask_id, dtype=prompt_ids.dtype, device=device)
     x[:, :prompt_len] = prompt_ids
     runner = _Model(model, end, block_length, batch, device)
-    out = BlocksFromStart(x)
+    out = BlocksFromStartResult(x)
     rows = torch.arange(batch, device=device)  # rows of x still decoding
     first_block = prompt_len // block_length
     if first_block > 0:
@@ -167,3 +171,53 @@ def decode_blocks_from_start(
             rows = rows[keep]
     out.forwards, out.row_forwards = runner.calls, runner.row_calls
     return out
+
+
+class BlocksFromStart(WholeDecoder):
+    """`blocks_from_start`: Fast-dLLM v2's form (`decode_blocks_from_start`): rows of one prompt
+    length decode together (blocks are counted from each row's first real token); each
+    row's first gen_length answer tokens fill its place in the (B, P + G) output."""
+
+    shifted_blocks = True
+
+    @classmethod
+    def check(cls, config: SamplingConfig) -> None:
+        """Fast-dLLM v2's sampler: block-causal, shifted, threshold decoding, no guidance."""
+        if not (config.block_causal and config.shift_logits):
+            raise ValueError("blocks_from_start is Fast-dLLM v2's form: it needs block_causal "
+                             "and shift_logits")  # fmt: skip
+        if config.threshold is None:
+            raise ValueError("blocks_from_start decodes sub-blocks by threshold; give threshold")
+        if config.gen_length == "auto" or config.cfg_scale > 0 or config.block_length is None:
+            raise ValueError("blocks_from_start needs block_length, a gen_length N and "
+                             "cfg_scale 0")  # fmt: skip
+
+    def decode(self, model, prompt_ids, prompt_valid, config, *, mask_id, eos_id, pad_id,
+               eot_id, generator, on_step) -> GenerationOutput:  # fmt: skip
+        started = time.perf_counter()
+        batch, width = prompt_ids.shape
+        gen = config.gen_length
+        sequences = torch.full((batch, width + gen), mask_id, dtype=prompt_ids.dtype,
+                               device=prompt_ids.device)  # fmt: skip
+        sequences[:, :width] = prompt_ids
+        out = GenerationOutput(sequences, width)
+        lengths = prompt_valid.sum(1)
+        for length in lengths.unique().tolist():
+            rows = (lengths == length).nonzero().squeeze(1)
+            done = decode_blocks_from_start(
+                model, prompt_ids[rows, width - length :], gen, block_length=config.block_length,
+                sub_block_length=config.sub_block_length or config.block_length,
+                threshold=config.threshold, mask_id=mask_id, temperature=config.temperature,
+                top_k=config.top_k, top_p=config.top_p, eos_id=eos_id, generator=generator,
+            )  # fmt: skip
+            sequences[rows, width:] = done.sequences[:, length : length + gen]
+            out.nfe += done.forwards
+            out.steps += done.forwards
+            out.decoded += done.decoded
+            out.row_forwards += done.row_forwards
+        finish_output(out, sequences, mask_id, eos_id)
+        out.seconds = time.perf_counter() - started
+        return out
+
+
+register_decoder("blocks_from_start", BlocksFromStart)

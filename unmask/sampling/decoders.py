@@ -17,13 +17,13 @@ command line's choices and the playground read them from here. Two kinds:
 - `WholeDecoder`: decodes every answer of a batch in one call (`decode`); the server runs
   its requests one at a time.
 
-Built in (sampling/generate.py): `masked` (the masked-diffusion block decoder: LLaDA's,
-Dream's, Fast-dLLM's threshold / factor and v2's sub-blocks, MDLM's `origin`, chosen by
-remasking, schedule, threshold, factor, sub_block_length), `left_to_right` (an
-autoregressive model: one token per forward with a KV cache) and `blocks_from_start`
-(Fast-dLLM v2's form); `joint_threshold` (LLaDA2.1's token editing, sampling/editing.py)
-and `entropy_bound` (DiffusionGemma's sampler, sampling/entropy_bound.py) register
-themselves. A model's canvas of random tokens (no [MASK]) is its family's shape's
+Built in, each registered by its own module: `masked` (masked.py: the masked-diffusion
+block decoder: LLaDA's, Dream's, Fast-dLLM's threshold / factor and v2's sub-blocks, MDLM's
+`origin`, chosen by remasking, schedule, threshold, factor, sub_block_length),
+`left_to_right` (autoregressive.py: an autoregressive model, one token per forward with a
+KV cache), `blocks_from_start` (blocks_from_start.py: Fast-dLLM v2's form),
+`joint_threshold` (editing.py: LLaDA2.1's token editing) and `entropy_bound`
+(entropy_bound.py: DiffusionGemma's sampler). A model's canvas of random tokens (no [MASK]) is its family's shape's
 (`ModelShape.canvas_decoder`, `uniform_canvas_model`).
 """
 
