@@ -1,5 +1,6 @@
-"""The HTTP side of `unmask serve`: a Starlette app with OpenAI's routes, the metrics, and
-the web page's data (docs/serving.md).
+"""The HTTP side of `unmask serve`: a Starlette app with OpenAI's routes
+(openai_routes.py), the metrics, the web page's data (page_routes.py) and the Train tab
+(training.py), docs/serving.md. `Server` holds what the routes share.
 
 Every request becomes one `Job` per prompt for the engine (engine.py); the handler waits
 for the job's events on an asyncio queue the engine thread feeds. Errors are OpenAI's error
@@ -9,9 +10,7 @@ body with a 4xx status, so the openai client raises its typed errors; the server
 from __future__ import annotations
 
 import asyncio
-import json
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -21,10 +20,9 @@ from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import FileResponse, JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.responses import JSONResponse, PlainTextResponse
 from starlette.routing import Route
 
-from unmask.data.sft import split_chat
 from unmask.errors import InputError
 from unmask.sampling.decoders import uniform_canvas_model
 from unmask.sampling.generate import special_ids, with_uniform_canvas
@@ -37,37 +35,20 @@ from unmask.sampling.images import (
     with_prefix,
 )
 from unmask.sampling.run_origin import editing_notice
-from unmask.sampling.show import EOS_GLYPH
 from unmask.sampling.texts import SamplingModel
-from unmask.serve import presets, runs_view, training
+from unmask.serve import openai_routes, page_routes, presets, training
 from unmask.serve.engine import Draining, Engine, Job, QueueFull
 from unmask.serve.guard import Guard, error_body
+from unmask.serve.openai_routes import chat_prompt as _chat_prompt  # noqa: F401  (its old name)
 from unmask.serve.protocol import (
-    CanvasRequest,
-    ChatRequest,
-    CompletionRequest,
     Limits,
     RequestError,
     check_lengths,
-    finite_json,
     parse_json,
-    parse_request,
     sampling_config,
     sampling_options,
 )
 
-STATIC = Path(__file__).resolve().parent / "static"
-#: the page's files (GET /static/NAME), by name, with their media types: a request names
-#: one of these, never a path
-MEDIA_TYPES = {".js": "text/javascript; charset=utf-8", ".css": "text/css; charset=utf-8",
-               ".svg": "image/svg+xml"}  # fmt: skip
-STATIC_FILES = {
-    path.name: MEDIA_TYPES[path.suffix]
-    for path in sorted(STATIC.iterdir())
-    if path.suffix in MEDIA_TYPES
-}
-#: the page's icon (also answered at /favicon.ico, where browsers look without a link)
-FAVICON = "favicon.svg"
 #: seconds a client is told to wait after a 429
 RETRY_AFTER = 1
 
@@ -257,27 +238,6 @@ class Server:
                 self.engine.cancel(jobs[index])
 
 
-def _sse(payload: Any) -> str:
-    return f"data: {json.dumps(payload)}\n\n"
-
-
-def _usage(done: list[dict]) -> dict[str, int]:
-    """OpenAI's usage fields, and `edits`: the answer tokens the decoder replaced by others
-    (joint_threshold's token edits; 0 for decoders that never edit)."""
-    prompt = sum(d["prompt_tokens"] for d in done)
-    completion = sum(d["tokens"] for d in done)
-    return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion,
-            "edits": sum(d.get("edits", 0) for d in done)}  # fmt: skip
-
-
-def _notices(jobs: list[Job]) -> dict[str, list[str]]:
-    """{"notices": [...]}: what the request's options were taken as and warnings about them
-    (each said once), beside OpenAI's fields; {} when there are none."""
-    notices = list(dict.fromkeys(n for job in jobs for n in job.notices))
-    return {"notices": notices} if notices else {}
-
-
 async def _read_json(request: Request, limits: Limits) -> Any:
     """The body as JSON (`parse_json`), read within the size and time limits: a body over
     max_body_bytes is refused as soon as its Content-Length (or its bytes) say so."""
@@ -312,17 +272,6 @@ async def _read_json(request: Request, limits: Limits) -> Any:
     return parse_json(body)
 
 
-def _chat_prompt(tokenizer, messages) -> str:
-    """The prompt of a conversation: the tokenizer's chat template with the generation
-    prompt, or (no template, as the char tokenizer) the "role: content" lines unmask trains
-    chat data with, ending in "assistant: " (data/sft.py)."""
-    turns = [{"role": m.role, "content": m.text()} for m in messages]
-    try:
-        return split_chat(tokenizer, [*turns, {"role": "assistant", "content": ""}])[0]
-    except InputError as err:
-        raise RequestError(400, str(err), param="messages") from None
-
-
 def build_app(server: Server) -> Guard:
     """The ASGI app: OpenAI routes, /health, /metrics, the page and its data, behind the
     Host, Origin and Content-Type checks of guard.py."""
@@ -341,128 +290,6 @@ def build_app(server: Server) -> Guard:
 
     limits = server.limits
 
-    async def completions(request: Request):
-        req = parse_request(CompletionRequest, await _read_json(request, limits))
-        server.check_model(req.model)
-        prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
-        if not prompts:
-            raise RequestError(400, "prompt is an empty list", param="prompt")
-        stops = req.stops(limits)
-        jobs = await server.make_jobs(prompts, req, req.max_tokens, stops=stops)
-        return await respond(request, req, jobs, chat=False)
-
-    async def chat(request: Request):
-        req = parse_request(ChatRequest, await _read_json(request, limits))
-        server.check_model(req.model)
-        stops = req.stops(limits)
-        prompt = await asyncio.get_running_loop().run_in_executor(
-            server.tokenizing, _chat_prompt, server.sm.tokenizer, req.messages)  # fmt: skip
-        max_tokens = req.max_completion_tokens or req.max_tokens
-        urls = [url for message in req.messages for url in message.image_urls()]
-        jobs = await server.make_jobs([prompt], req, max_tokens, stops=stops,
-                                      image_urls=urls)  # fmt: skip
-        return await respond(request, req, jobs, chat=True)
-
-    async def respond(request: Request, req, jobs: list[Job], chat: bool):
-        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-        head = {"id": rid, "object": "chat.completion" if chat else "text_completion",
-                "created": int(time.time()), "model": server.model_name}  # fmt: skip
-        queue = server.start(jobs)
-        if req.stream:
-            usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(stream(request, jobs, queue, head, chat, usage),
-                                     media_type="text/event-stream")  # fmt: skip
-        done: dict[int, dict] = {}
-        async for index, event in server.events(request, jobs, queue):
-            if event["type"] == "done":
-                done[index] = event
-        if len(done) < len(jobs):  # the client left
-            return PlainTextResponse("", status_code=499)
-        choices = []
-        for index in range(len(jobs)):
-            d = done[index]
-            if chat:
-                choices.append({"index": index, "finish_reason": d["finish_reason"],
-                                "message": {"role": "assistant", "content": d["text"]}})  # fmt: skip
-            else:
-                choices.append({"index": index, "text": d["text"], "logprobs": None,
-                                "finish_reason": d["finish_reason"]})  # fmt: skip
-        return JSONResponse({**head, "choices": choices, "usage": _usage(list(done.values())),
-                             **_notices(jobs)})  # fmt: skip
-
-    async def stream(request, jobs, queue, head, chat, usage):
-        kind = "chat.completion.chunk" if chat else "text_completion"
-        head = {**head, "object": kind}
-
-        def chunk(index: int, text: str | None, reason: str | None) -> dict:
-            if chat:
-                delta = {} if text is None else {"content": text}
-                return {"index": index, "delta": delta, "finish_reason": reason}
-            return {"index": index, "text": text or "", "logprobs": None, "finish_reason": reason}
-
-        if chat:  # the role first, as OpenAI sends it
-            yield _sse({**head, "choices": [{"index": 0, "delta": {"role": "assistant",
-                        "content": ""}, "finish_reason": None}], **_notices(jobs)})  # fmt: skip
-        elif _notices(jobs):  # the notices before the text
-            yield _sse({**head, "choices": [], **_notices(jobs)})
-        done = []
-        try:
-            async for index, event in server.events(request, jobs, queue):
-                if event["type"] == "block":
-                    yield _sse({**head, "choices": [chunk(index, event["text"], None)]})
-                elif event["type"] == "done":
-                    done.append(event)
-                    yield _sse({**head, "choices": [chunk(index, None, event["finish_reason"])]})
-        except RequestError as err:  # headers are sent: the error goes in the stream
-            yield _sse(err.body())
-        if usage and len(done) == len(jobs):
-            yield _sse({**head, "choices": [], "usage": _usage(done)})
-        yield "data: [DONE]\n\n"
-
-    async def canvas(request: Request):
-        """The playground: the answer canvas after every denoising step (null = a mask)."""
-        req = parse_request(CanvasRequest, await _read_json(request, limits))
-        (job,) = await server.make_jobs([req.prompt], req, req.max_tokens, trace=True)
-        queue = server.start([job])
-        sm = server.sm
-        # a uniform-canvas model (DiffusionGemma) has no masks: every canvas position is a token
-        mask_id = None if server.playground["uniform_canvas"] else sm.mask_id
-
-        def token_text(token: int) -> str | None:
-            if token == mask_id:
-                return None
-            if token == sm.eos_id:
-                return EOS_GLYPH
-            return sm.tokenizer.decode([token])
-
-        async def steps():
-            count = 0
-            try:
-                async for _, event in server.events(request, [job], queue):
-                    if event["type"] == "step":
-                        count += 1
-                        frame = {"step": count,
-                                 "canvas": [token_text(t) for t in event["canvas"]]}  # fmt: skip
-                        if "proposed" in event:  # block decoding: each mask's proposal
-                            frame["proposed"] = [None if t is None else token_text(t)
-                                                 for t in event["proposed"]]  # fmt: skip
-                            frame["probability"] = event["probability"]
-                        yield _sse(frame)
-                    elif event["type"] == "done":
-                        yield _sse({"done": True, "text": event["text"],
-                                    "finish_reason": event["finish_reason"],
-                                    "forwards": event["forwards"], "edits": event["edits"],
-                                    **_notices([job])})  # fmt: skip
-            except RequestError as err:
-                yield _sse(err.body())
-
-        return StreamingResponse(steps(), media_type="text/event-stream")
-
-    async def models(request: Request):
-        return JSONResponse({"object": "list", "data": [
-            {"id": server.model_name, "object": "model", "created": server.created,
-             "owned_by": "unmask"}]})  # fmt: skip
-
     async def health(request: Request):
         if server.engine.closing:
             return JSONResponse({"status": "shutting down"}, status_code=503)
@@ -472,59 +299,15 @@ def build_app(server: Server) -> Guard:
         return PlainTextResponse(metrics_text(server.engine),
                                  media_type="text/plain; version=0.0.4")  # fmt: skip
 
-    async def page(request: Request):
-        return FileResponse(STATIC / "index.html", media_type="text/html; charset=utf-8")
-
-    async def favicon(request: Request):
-        return FileResponse(STATIC / FAVICON, media_type=STATIC_FILES[FAVICON])
-
-    async def static_file(request: Request):
-        name = request.path_params["name"]
-        kind = STATIC_FILES.get(name)  # names only: the folder's own files, never a path
-        if kind is None:
-            raise RequestError(404, f"no page file {name!r}")
-        return FileResponse(STATIC / name, media_type=kind)
-
-    # a runs folder's files are read off the event loop, and whatever they hold is data:
-    # NaN / infinite numbers (a diverged run) are served as null
-    async def runs(request: Request):
-        if server.runs_dir is None:
-            raise RequestError(404, "this server was started without --runs DIR")
-        rows = await run_in_threadpool(runs_view.list_runs, server.runs_dir)
-        return JSONResponse(finite_json({"runs": rows}))
-
-    async def run_curves(request: Request):
-        if server.runs_dir is None:
-            raise RequestError(404, "this server was started without --runs DIR")
-        name = request.path_params["name"]
-        found = await run_in_threadpool(runs_view.run_dir, server.runs_dir, name)
-        if found is None:  # names only: never a path from the request
-            raise RequestError(404, f"no run named {name!r} in the runs folder")
-        return JSONResponse(finite_json(await run_in_threadpool(runs_view.curves, found)))
-
-    async def info(request: Request):
-        return JSONResponse({"model": server.model_name, "runs": server.runs_dir is not None,
-                             "train": server.training is not None,
-                             "defaults": server.sm.saved,
-                             "sampling_options": server.sampling_options,
-                             "playground": server.playground,
-                             "notices": server.notices})  # fmt: skip
+    async def read_json(request: Request) -> Any:
+        return await _read_json(request, limits)
 
     routes = [
-        Route("/v1/completions", route(completions), methods=["POST"]),
-        Route("/v1/chat/completions", route(chat), methods=["POST"]),
-        Route("/v1/models", route(models), methods=["GET"]),
-        Route("/v1/unmask/canvas", route(canvas), methods=["POST"]),
+        *openai_routes.routes(server, route, read_json),
         Route("/health", route(health, open_route=True), methods=["GET"]),
         Route("/metrics", route(metrics), methods=["GET"]),
-        # the page and its script hold no data: they load without the key, the page asks it
-        Route("/", route(page, open_route=True), methods=["GET"]),
-        Route("/static/{name}", route(static_file, open_route=True), methods=["GET"]),
-        Route("/favicon.ico", route(favicon, open_route=True), methods=["GET"]),
-        Route("/api/info", route(info), methods=["GET"]),
-        Route("/api/runs", route(runs), methods=["GET"]),
-        Route("/api/runs/{name}", route(run_curves), methods=["GET"]),
-        *training.routes(server, route, lambda request: _read_json(request, limits)),
+        *page_routes.routes(server, route),
+        *training.routes(server, route, read_json),
     ]
 
     async def http_error(request: Request, exc: HTTPException):
