@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from unmask.errors import InputError
@@ -70,7 +70,7 @@ def check_moe_request(model: ModelConfig | ResolvedModel, expert_parallel: int, 
     if resolved.wrapped:
         if expert_parallel > 1:
             moe = ", ".join(name for name, family in FAMILIES.items()
-                            if family.native and family.config_defaults.get("num_experts"))  # fmt: skip
+                            if family.native and family.moe)  # fmt: skip
             raise InputError(
                 f"parallel.expert_parallel={expert_parallel} needs a native MoE model "
                 f"({moe}); this model is wrapped from transformers: set "
@@ -240,21 +240,6 @@ def attach_moe_training(model, optimizer, dist_state, micro_batches: int,
 
 
 # --- expert parallelism --------------------------------------------------------------------
-
-
-def expert_mesh(device: torch.device, dp_cp: int, expert_parallel: int,
-                pp: int = 1) -> DeviceMesh:  # fmt: skip
-    """The (replica, ep) grid over the dp x cp ranks (tensor_parallel is 1 under EP); under
-    pipeline parallelism the grid of this rank's stage: the world is pp of them, pp
-    outermost as in the world mesh, and a stage's experts live on its own ranks."""
-    if pp == 1:
-        return init_device_mesh(
-            device.type, (dp_cp // expert_parallel, expert_parallel),
-            mesh_dim_names=("ep_replica", "ep"),
-        )  # fmt: skip
-    grids = init_device_mesh(device.type, (pp, dp_cp // expert_parallel, expert_parallel),
-                             mesh_dim_names=("pp", "ep_replica", "ep"))  # fmt: skip
-    return sub_mesh(grids, "ep_replica", "ep")
 
 
 class ExpertShard:
