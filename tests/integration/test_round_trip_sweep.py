@@ -30,7 +30,7 @@ from unmask.cli import main
 from unmask.config import load_config
 from unmask.models import FAMILIES, ModelConfig, config_from_hf, from_pretrained, hf_config_dict
 from unmask.models.hf import ARCHITECTURE_FIELDS
-from unmask.sampling.config import GENERATION_FILE, saved_sampling
+from unmask.sampling.generation_file import GENERATION_FILE, saved_sampling
 from unmask.train.trainer import Trainer
 
 pytestmark = pytest.mark.usefixtures("one_thread")

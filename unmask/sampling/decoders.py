@@ -174,16 +174,17 @@ def decoder_names() -> tuple[str, ...]:
 
 
 def implied(config: SamplingConfig) -> str:
-    """The decoder a config names, or the one its options imply: left_to_right for an
-    autoregressive model, entropy_bound for a uniform-canvas one (DiffusionGemma),
-    blocks_from_start for Fast-dLLM v2's form, else masked."""
+    """The decoder a config names, or the one its options imply: the first registered
+    decoder of an autoregressive model (left_to_right) or of a uniform-canvas one
+    (entropy_bound, DiffusionGemma) by their declarations, blocks_from_start for Fast-dLLM
+    v2's form, else the first registered one (masked)."""
     if config.decoder is not None:
         return config.decoder
     if config.autoregressive:
-        return "left_to_right"
+        return next(name for name, kind in DECODERS.items() if kind.autoregressive)
     if config.uniform_canvas:
-        return "entropy_bound"
-    return "blocks_from_start" if config.blocks_from_start else "masked"
+        return next(name for name, kind in DECODERS.items() if kind.uniform_canvas)
+    return "blocks_from_start" if config.blocks_from_start else next(iter(DECODERS))
 
 
 def uniform_canvas_model(model: torch.nn.Module) -> bool:

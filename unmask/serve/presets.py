@@ -15,12 +15,10 @@ from typing import Any
 
 from unmask.errors import InputError
 from unmask.sampling.config import resolve_sampling
-from unmask.sampling.decoders import decoder_names, implied, refused_options
+from unmask.sampling.decoders import DECODERS, decoder_names, implied, refused_options
 from unmask.sampling.entropy_bound import ENTROPY_BOUND_DEFAULTS
 from unmask.sampling.generate import with_uniform_canvas
 
-#: decoders a model with [MASK] tokens never runs from the page (its own kinds of model)
-NOT_MASKED = ("entropy_bound", "left_to_right")
 #: the first row of the form, by decoder (the rest are under "every option")
 TOP_ROW = {
     "entropy_bound": (
@@ -59,6 +57,13 @@ PRESETS: list[tuple[str, str, dict[str, Any], str]] = [
 ]  # fmt: skip
 
 
+def not_masked() -> tuple[str, ...]:
+    """The decoders a model with [MASK] tokens never runs from the page: those of its own
+    kinds of model (uniform-canvas, autoregressive), by their declarations."""
+    return tuple(name for name, kind in DECODERS.items()
+                 if kind.uniform_canvas or kind.autoregressive)  # fmt: skip
+
+
 def _valid(saved: dict[str, Any], options: dict[str, Any], uniform: bool) -> bool:
     try:
         config = resolve_sampling(saved, options, strict=True)
@@ -85,7 +90,7 @@ def playground(saved: dict[str, Any], family: str | None, uniform: bool,
     elif config is not None and config.autoregressive:
         decoders = ["left_to_right"]
     else:
-        decoders = [name for name in decoder_names() if name not in NOT_MASKED]
+        decoders = [name for name in decoder_names() if name not in not_masked()]
     if decoder not in decoders:
         decoders.insert(0, decoder)
     accepted = {name: [o for o in option_names if o not in refused_options(name)]
@@ -94,7 +99,7 @@ def playground(saved: dict[str, Any], family: str | None, uniform: bool,
            for name in decoders}  # fmt: skip
     editing = family in EDITING_FAMILIES or decoder == "joint_threshold"
     wanted = {"editing": editing and not uniform, "uniform": uniform,
-              "masked": not uniform and decoder not in NOT_MASKED}  # fmt: skip
+              "masked": not uniform and decoder not in not_masked()}  # fmt: skip
     presets = [{"name": "", "label": f"the model folder's ({decoder})", "options": {}}]
     for name, label, options, kind in PRESETS:
         if wanted[kind] and _valid(saved, options, uniform):
