@@ -205,7 +205,8 @@ def test_a_diffusion_gemma_model_gets_entropy_bound_presets_and_a_canvas_without
             r"\d+ tokens? renoised", result["status"]
         )
         for title in result["titles"]:
-            assert re.fullmatch(r"drawn at step \d+(, renoised \d+ times?)?", title), title
+            assert re.fullmatch(r"drawn at step \d+(, renoised \d+ times?)? \(p \d+\.\d%\)",
+                                title), title  # fmt: skip
     driver.save_screenshot(str(tmp_path / "gemma.png"))
 
 

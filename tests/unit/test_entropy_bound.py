@@ -452,3 +452,42 @@ def test_decoders_are_refused_on_the_wrong_model(sm, tmp_path):
                mask_id=masked.mask_id)  # fmt: skip
     assert str(err.value).startswith("decoder entropy_bound denoises the random-token canvases")
     assert "(qwen3_dllm) is not one" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_an_on_step_that_asks_gets_each_shown_tokens_probability(sm):
+    """The playground's hover (issue 55): an on_step with `wants_probability` receives, with
+    each step's canvas, the probability of every shown (argmax) token under that step's
+    tempered distribution, computed here from the model's own logits; the tokens are the
+    ones a plain on_step sees."""
+    ids = [encode(sm, "probability please")]
+    config = SamplingConfig(gen_length=CANVAS, uniform_canvas=True, **SETTINGS["stable"])
+    plain: list[torch.Tensor] = []
+    sample(sm.model, torch.tensor(ids), config, mask_id=sm.mask_id, eos_id=EOS, pad_id=PAD,
+           generator=torch.Generator().manual_seed(3), on_step=plain.append)  # fmt: skip
+    logits: list[torch.Tensor] = []
+    decode = sm.model.decode
+
+    def recording(*args, **kwargs):
+        out = decode(*args, **kwargs)
+        logits.append(out.float())
+        return out
+
+    seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def on_step(canvas, probability=None):
+        seen.append((canvas, probability.clone()))
+
+    on_step.wants_probability = True
+    sm.model.decode = recording
+    try:
+        sample(sm.model, torch.tensor(ids), config, mask_id=sm.mask_id, eos_id=EOS,
+               pad_id=PAD, generator=torch.Generator().manual_seed(3), on_step=on_step)  # fmt: skip
+    finally:
+        del sm.model.decode
+    assert all(torch.equal(c, p) for (c, _), p in zip(seen, plain, strict=True))
+    steps = config.max_denoising_steps
+    for index, ((_, probability), step_logits) in enumerate(zip(seen, logits, strict=True)):
+        t = schedule_temperature(steps - index, steps, config.temperature_start,
+                                 config.temperature_end, step_logits.device)  # fmt: skip
+        expected = torch.softmax(step_logits / t, dim=-1).amax(-1)
+        torch.testing.assert_close(probability, expected, rtol=1e-5, atol=1e-6)

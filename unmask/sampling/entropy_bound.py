@@ -289,6 +289,9 @@ class _Run:
         total = self.canvases * self.canvas_length
         self.answers = torch.full((batch, total), mask_id, dtype=torch.long, device=device)
         self.generated = torch.zeros((batch, total), dtype=torch.bool, device=device)
+        #: the probability of each shown (argmax) token under its step's tempered
+        #: distribution, for an on_step that asks for it (`wants_probability`)
+        self.probability = torch.full((batch, total), float("nan"), device=device)
 
     def all_canvases(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Every canvas of every row -> (answers (B, canvases x C), generated: bool, False
@@ -347,6 +350,8 @@ class _Run:
             drawn = torch.stack([torch.multinomial(probs[i], 1, generator=gens[r]).squeeze(-1)
                                  for i, r in enumerate(live.tolist())])  # fmt: skip
             best = torch.argmax(tempered, dim=-1)
+            if getattr(self.on_step, "wants_probability", False):
+                self.probability[rows[live], columns] = probs.amax(dim=-1)
             entropy = token_entropy(tempered)
             accepted = entropy_bound_accept(entropy, s["entropy_bound"])
             kept = torch.where(accepted, drawn, current[live])
@@ -373,7 +378,11 @@ class _Run:
         canvas = torch.cat((self.prompt_ids, answers[:, : self.gen_length]), dim=1)
         if self.history is not None:
             self.history.append(canvas)
-        if self.on_step is not None:
+        if self.on_step is None:
+            return
+        if getattr(self.on_step, "wants_probability", False):  # the playground's hover
+            self.on_step(canvas.clone(), probability=self.probability[:, : self.gen_length])
+        else:
             self.on_step(canvas.clone())
 
 

@@ -580,8 +580,14 @@ class Engine:
         sm = self.sm
         prompt_len = len(job.prompt_ids)
 
-        def on_step(canvas: torch.Tensor) -> None:
-            job.emit({"type": "step", "canvas": canvas[0, prompt_len:].tolist()})
+        def on_step(canvas: torch.Tensor, probability: torch.Tensor | None = None) -> None:
+            event = {"type": "step", "canvas": canvas[0, prompt_len:].tolist()}
+            if probability is not None:  # entropy_bound: each shown token's probability
+                event["probability"] = [round(p, 4) if p == p else None
+                                        for p in probability[0].tolist()]  # fmt: skip
+            job.emit(event)
+
+        on_step.wants_probability = True  # a decoder that can, passes them (entropy_bound)
 
         ids = torch.tensor([job.prompt_ids], device=sm.device)
         out = sample(self.model, ids, job.config, mask_id=sm.mask_id, eos_id=sm.eos_id,

@@ -174,6 +174,8 @@ def routes(server, route: Callable, read_json: Callable) -> list[Route]:
                             frame["proposed"] = [None if t is None else token_text(t)
                                                  for t in event["proposed"]]  # fmt: skip
                             frame["probability"] = event["probability"]
+                        elif "probability" in event:  # entropy_bound: each shown token's
+                            frame["probability"] = event["probability"]
                         yield _sse(frame)
                     elif event["type"] == "done":
                         yield _sse({"done": True, "text": event["text"],

@@ -163,7 +163,8 @@ const quoted = (token) => JSON.stringify(token);
 function tokenTitle(commit, uniform) {
   if (uniform) {
     const changes = commit.changes ? `, renoised ${commit.changes} time${commit.changes > 1 ? "s" : ""}` : "";
-    return `drawn at step ${commit.since}${changes}`;
+    const p = commit.p !== null && commit.p !== undefined ? ` (p ${percent(commit.p)})` : "";
+    return `drawn at step ${commit.since}${changes}${p}`;
   }
   let title = `committed at step ${commit.step}`;
   if (commit.p !== null && commit.p !== undefined) title += ` (p ${percent(commit.p)})`;
@@ -205,6 +206,7 @@ function drawCanvas(prompt, event, previous, history, uniform) {
           commit.changes += 1;
           span.classList.add("new");
         }
+        commit.p = p;  // this step's probability of the token shown (null: not sent)
       } else if (!commit || before === null || before === undefined) {
         commit = history[i] = { step: event.step, p, edits: [] };
         span.classList.add("new");
@@ -217,9 +219,9 @@ function drawCanvas(prompt, event, previous, history, uniform) {
         span.dataset.edits = String(commit.edits.length);
       }
       span.title = tokenTitle(commit, uniform);
-      if (!uniform && commit.p !== null && commit.p !== undefined) {
+      if (commit.p !== null && commit.p !== undefined) {
         span.dataset.p = String(commit.p);
-        if (commit.p < LOW) span.classList.add("low");
+        if (!uniform && commit.p < LOW) span.classList.add("low");
       }
       span.textContent = token;
     }
