@@ -58,7 +58,9 @@ does; the encoder's passes (one per prompt, one per appended canvas) are not cou
 decoded: answer tokens up to and with the first EOS, so tokens_per_forward is
 transformers'. History / on_step: after every step, the canvas's current argmax (what
 transformers streams as the draft); positions not generated yet hold mask_id (pad_id
-without one).
+without one). An on_step with a true `wants_probability` attribute is called as
+on_step(canvas, probability=(B, G) float): each shown token's probability under its step's
+tempered distribution (NaN where nothing is drawn yet; the server's playground hover).
 """
 
 from __future__ import annotations
