@@ -241,3 +241,22 @@ def test_instruct_prompts_without_a_chat_template_are_the_sft_rows_prompts(tmp_p
     assert lm.apply_chat_template(turns) == prompt == "system: be brief\nuser: rev 12=\nassistant: "
     prefilled = [*turns, {"role": "assistant", "content": "21"}]
     assert lm.apply_chat_template(prefilled, add_generation_prompt=False) == prompt + answer
+
+
+def test_a_decoder_that_edits_reports_its_edits(model_dir, tmp_path, offline, capsys):
+    """joint_threshold's edits (issue 55: totals in every summary line): summed over the
+    generations in the results' throughput and on the summary line; a decoder that never
+    edits reports none."""
+    tasks = write_toy_tasks(tmp_path / "tasks", QUESTIONS)
+    args = ["eval", "--model", str(model_dir), "--tasks", str(tasks / "gen.yaml"),
+            "--preset", "instruct", "--log-samples"]  # fmt: skip
+    assert main([*args, "--decoder", "joint_threshold", "--joint-preset", "speedy",
+                 "--threshold", "0.2", "--edit-threshold", "0.0"]) == 0  # fmt: skip
+    captured = capsys.readouterr()
+    stats = json.loads(captured.out)["throughput"]
+    assert isinstance(stats["edits"], int) and stats["edits"] >= 0
+    assert f"tokens per forward, {stats['edits']} edits" in captured.err
+    assert main(args) == 0
+    captured = capsys.readouterr()
+    assert "edits" not in json.loads(captured.out)["throughput"]
+    assert " edits" not in captured.err.splitlines()[-1]

@@ -110,4 +110,6 @@ def evaluate_tasks(request: TaskRequest) -> TaskResults:
                      f"{wall['generation_seconds']:.2f}s: "
                      f"{wall['generated_tokens_per_second']} generated tokens/s, "
                      f"{stats['tokens_per_forward']} tokens per forward")  # fmt: skip
+        if "edits" in stats:  # a decoder that edits its committed tokens (joint_threshold)
+            lines[-1] += f", {stats['edits']} edits"
     return TaskResults(tree, lm_tasks.results_text(tree), len(kinds), lines)

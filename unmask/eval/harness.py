@@ -249,6 +249,9 @@ class UnmaskLM(LM):
         self.stats["row_forwards"] += sum(r["nfe"] * sum(x["batch"] == b for x in records)
                                           for b, r in batches.items())  # fmt: skip
         self.stats["generation_seconds"] += sum(r["seconds"] for r in batches.values())
+        if any("edits" in r for r in records):  # a decoder that edits (joint_threshold)
+            self.stats["edits"] = self.stats.get("edits", 0) + sum(r.get("edits", 0)
+                                                                   for r in records)  # fmt: skip
         self.generations.append({"until": list(until), "max_gen_toks": max_gen_toks,
                                  "task_temperature": temperature, "requests": len(records),
                                  "sampling": options.record()})  # fmt: skip
