@@ -191,7 +191,7 @@ def test_refused_seed_keys_are_one_line_exit_2_nothing_written(
 @pytest.mark.parametrize(
     "extra, message",
     [
-        ({"load_in_4bit": True}, "load_in_4bit: true needs a CUDA GPU and the bitsandbytes"),
+        ({"load_in_4bit": True}, "load_in_4bit: true trains LoRA adapters on a frozen 4-bit base"),
         ({"training_method": "mdm"}, "training_method: 'mdm' is not supported"),
         ({"train_device": "tpu"}, "train_device: 'tpu' is not supported"),
         ({"loss_weight_type": "cart[p:0.3]"}, "unknown loss weight 'cart[p:0.3]'"),

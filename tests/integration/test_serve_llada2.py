@@ -66,4 +66,7 @@ def test_served_answers_are_llada2s_generate(server, folder, unmask, max_tokens,
     forwards, rows = metric(server, "forward_passes_total"), metric(server, "row_forwards_total")
     assert ask_staggered(server, unmask, max_tokens) == want
     forwards = metric(server, "forward_passes_total") - forwards
-    assert metric(server, "row_forwards_total") - rows > forwards  # rows were batched
+    if not arguments:  # LLaDA2's 2048-token default: the later requests join it mid-way
+        # (the shorter decodes may end before the next request arrives on a busy machine;
+        # the engine's rows at different blocks: test_llada2_folder.py, without timing)
+        assert metric(server, "row_forwards_total") - rows > forwards  # rows were batched

@@ -107,7 +107,7 @@ def lost_peer(monkeypatch, tiny_config):
     class StoppedTrainer:
         exit_code = 0
 
-        def __init__(self, cfg):
+        def __init__(self, cfg, **_):  # the CLI passes decide_checkpointing
             pass
 
         def train(self):

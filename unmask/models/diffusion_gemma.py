@@ -201,7 +201,7 @@ class Attention(nn.Module):
         return k, rms(v.transpose(1, 2), self.eps)  # a new tensor, not a view (FSDP2)
 
     def forward(self, x, cos, sin, mask: torch.Tensor | None,
-                past: tuple[torch.Tensor, torch.Tensor] | None = None,
+                past: tuple[torch.Tensor, torch.Tensor] | None = None, *,
                 encoder: bool = False):  # fmt: skip
         """x (B, L, H) -> (output (B, L, H), this call's k, v); the queries attend over
         `past` K/V (B, Hkv, P, D) followed by their own, under `mask` (B or 1, 1, L, P + L)
@@ -361,7 +361,9 @@ class DiffusionGemmaLayer(nn.Module):
         FSDP2's hooks gather its weights)."""
         if keys_only:
             return None, self.self_attn.keys_values(self.input_layernorm(x), cos, sin, encoder)
-        attended, kv = self.self_attn(self.input_layernorm(x), cos, sin, mask, past, encoder)
+        # encoder by keyword: tensor parallelism prepares the call's 5 positional inputs
+        attended, kv = self.self_attn(self.input_layernorm(x), cos, sin, mask, past,
+                                      encoder=encoder)  # fmt: skip
         x = x + self.post_attention_layernorm(attended)
         dense = self.post_feedforward_layernorm_1(self.mlp(self.pre_feedforward_layernorm(x)))
         flat = x.reshape(-1, x.shape[-1])

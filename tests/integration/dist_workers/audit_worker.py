@@ -46,6 +46,13 @@ def audit(config: str) -> dict:
         "float32_largest": [
             [r.op, r.shapes, r.flops, r.site] for r in matmuls.largest(torch.float32)
         ],
+        # the MoE routers' logits and their two gradients: float32 by design (models/moe.py
+        # _Float32Linear), at its sites
+        "float32_router": sum(
+            r.flops
+            for r in matmuls.records
+            if r.dtype == torch.float32 and "models/moe.py" in r.site
+        ),
         "syncs": syncs.found,
         "sharded": any(isinstance(p, DTensor) for p in trainer.model.parameters()),
     }
