@@ -379,12 +379,18 @@ def test_a_restarted_server_lists_its_jobs_and_can_stop_them(model_dir, runs, br
         driver.refresh()
 
         def rows() -> dict[str, list[str]]:
-            return {r.get_attribute("data-job"): [td.text for td in r.find_elements(By.TAG_NAME, "td")]
-                    for r in driver.find_elements(By.CSS_SELECTOR, "#train-jobs tbody tr")}  # fmt: skip
+            # read in one script: the table is redrawn as jobs update (no stale elements)
+            return driver.execute_script(
+                "const out = {};"
+                "for (const r of document.querySelectorAll('#train-jobs tbody tr'))"
+                "  out[r.dataset.job] = [...r.querySelectorAll('td')].map((td) => td.innerText.trim());"
+                "return out;"
+            )  # fmt: skip
 
         wait_for(lambda: len(rows()) == len(before), 30)
         assert rows()[after][1:4] == ["after", "tiny.yaml", "running"]
-        driver.find_element(By.CSS_SELECTOR, f'#train-jobs tr[data-job="{after}"]').click()
+        driver.execute_script("document.querySelector(arguments[0]).click()",
+                              f'#train-jobs tr[data-job="{after}"]')  # fmt: skip
         wait_for(
             lambda: driver.find_element(By.ID, "train-view").get_attribute("data-job") == after, 10
         )
