@@ -6,8 +6,7 @@ of any length, alone and batched."""
 
 import pytest
 import torch
-from conftest import tiny_model
-from test_llada2_generate import MOE, NoMaskProposals, prompts_of
+from test_llada2_generate import prompts_of, spread_model
 from torch import nn
 
 from unmask.sampling import SamplingConfig, left_pad, sample
@@ -19,15 +18,9 @@ V, MASK, PAD, EOS = 64, 63, 62, 10
 
 @pytest.fixture(scope="module")
 def model():
-    """As in test_llada2_generate: proposals that change with the context, probabilities
+    """test_llada2_generate's: proposals that change with the context, probabilities
     spread from about 0.3 to 0.95 (fills by threshold, edits where an argmax changes)."""
-    base = tiny_model(0, vocab_size=V, **MOE).eval()
-    with torch.no_grad():
-        for name, param in base.named_parameters():
-            if "norm" not in name:
-                param.normal_(0, 0.2)
-        base.lm_head.weight.mul_(5.0)
-    return NoMaskProposals(base).eval()
+    return spread_model()
 
 
 class Request:

@@ -30,8 +30,7 @@ class NoMaskProposals(nn.Module):
         return logits.index_fill(-1, torch.tensor([self.mask_id]), -torch.inf)
 
 
-@pytest.fixture(scope="module")
-def model():
+def spread_model() -> nn.Module:
     """Weights drawn from N(0, 0.2) and a head scaled by 5: unlike the default initial
     weights (whose argmax is one token everywhere) the proposals change with the context
     and their probabilities spread from about 0.3 to 0.95, so thresholds select some
@@ -43,6 +42,11 @@ def model():
                 param.normal_(0, 0.2)
         base.lm_head.weight.mul_(5.0)
     return NoMaskProposals(base).eval()
+
+
+@pytest.fixture(scope="module")
+def model():
+    return spread_model()
 
 
 # ------------------------------------------------------- the published decoder, written out
