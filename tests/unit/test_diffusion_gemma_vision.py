@@ -357,3 +357,130 @@ def test_the_uniform_loss_with_pictures_equals_its_definition(folders, seed):
     assert int(count) == scored
     assert loss_sum.item() / scored == pytest.approx(expected / scored, abs=1e-5)
     assert abs(without.item() - loss_sum.item()) / scored > 1e-4  # the pictures count
+
+
+# ------------------------------------- model.freeze_vision: the tower and projector trained
+
+
+def vision_keys(state) -> list[str]:
+    return sorted(k for k in state if k.startswith(("model.encoder.vision_tower.",
+                                                    "model.encoder.embed_vision.")))  # fmt: skip
+
+
+def built(folder, **section):
+    from unmask.models import ModelConfig, build_model
+
+    return build_model(ModelConfig(pretrained=str(folder), **section))
+
+
+def test_frozen_by_default_the_tower_stays_apart(folders):
+    hf, folder = folders
+    model = built(folder)
+    assert vision_keys(model.state_dict()) == []
+    assert not any(p.requires_grad for p in folder_vision(model).parameters())
+    assert folder_vision(model) is not getattr(model.model, "encoder", None)
+    assert len(vision_keys(model.hf_carried_weights)) == len(vision_keys(hf.state_dict()))
+
+
+@pytest.mark.parametrize("freeze, tower, projector", [(False, True, True), ("tower", False, True),
+                                                      ("projector", True, False)])  # fmt: skip
+def test_freeze_vision_registers_the_tower_under_the_folders_names(folders, freeze, tower,
+                                                                    projector):  # fmt: skip
+    hf, folder = folders
+    frozen, model = built(folder).eval(), built(folder, freeze_vision=freeze).eval()
+    state = model.state_dict()
+    assert vision_keys(state) == vision_keys(hf.state_dict())
+    for key in vision_keys(state):
+        assert torch.equal(state[key], hf.state_dict()[key]), key
+    assert vision_keys(model.hf_carried_weights) == []
+    grads = {name: p.requires_grad for name, p in model.named_parameters()}
+    assert {grads[k] for k in grads if k.startswith("model.encoder.vision_tower.")} == {tower}
+    assert {grads[k] for k in grads if k.startswith("model.encoder.embed_vision.")} == {projector}
+    ids, real, images = batch(CASES["several images of different sizes per row"])
+    canvas = torch.randint(0, VOCAB, (ids.shape[0], CANVAS), generator=torch.Generator())
+    with torch.no_grad():  # the same computation as the frozen, held-apart tower
+        assert torch.equal(model(ids, canvas, prompt_mask=real, images=images),
+                           frozen(ids, canvas, prompt_mask=real, images=images))  # fmt: skip
+    model(ids, canvas, prompt_mask=real, images=images).sum().backward()
+    for name, param in model.named_parameters():
+        if name.startswith("model.encoder."):
+            assert (param.grad is not None and param.grad.abs().sum() > 0) == param.requires_grad
+
+
+def test_freeze_vision_refusals(folders, tmp_path):
+    from unmask.models import ModelConfig
+
+    hf, folder = folders
+    with pytest.raises(ValueError, match="freeze_vision=False needs model.pretrained"):
+        ModelConfig(model_type="diffusion_gemma", freeze_vision=False)
+    with pytest.raises(ValueError, match="with model.lora: LoRA trains adapters only"):
+        ModelConfig(pretrained=str(folder), freeze_vision="tower", lora=True)
+    text_only = from_pretrained(folder)
+    text_only.hf_source_config = {k: v for k, v in text_only.hf_source_config.items()
+                                  if k != "vision_config"}  # fmt: skip
+    text_only.hf_carried_weights = {}
+    text_only.save_pretrained(tmp_path / "text")
+    with pytest.raises(InputError, match="needs a diffusion_gemma folder with a vision tower"):
+        built(tmp_path / "text", freeze_vision=False)
+
+
+def test_muon_routing_of_the_tower_and_projector(folders):
+    """docs/multimodal.md's rule: the tower's hidden matrices on Muon; the patch embedding,
+    the position table and the projector (names with `embed`: a map into a space, as the
+    embedding) on AdamW with decay; norms on AdamW without decay."""
+    from unmask.optim.routing import route_parameters
+
+    hf, folder = folders
+    routing = route_parameters(built(folder, freeze_vision=False))
+    where = {name: group for group in ("muon", "adamw_decay", "adamw_no_decay")
+             for name, _ in getattr(routing, group)}  # fmt: skip
+    tower = "model.encoder.vision_tower."
+    layer = tower + "encoder.layers.0."
+    expected = {
+        tower + "patch_embedder.input_proj.weight": "adamw_decay",
+        tower + "patch_embedder.position_embedding_table": "adamw_decay",
+        "model.encoder.embed_vision.embedding_projection.weight": "adamw_decay",
+        **{f"{layer}self_attn.{p}_proj.linear.weight": "muon" for p in "qkvo"},
+        **{f"{layer}mlp.{p}_proj.linear.weight": "muon" for p in ("gate", "up", "down")},
+        **{f"{layer}self_attn.{p}_norm.weight": "adamw_no_decay" for p in "qk"},
+        **{f"{layer}{n}.weight": "adamw_no_decay" for n in (
+            "input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+            "post_feedforward_layernorm")},
+    }  # fmt: skip
+    vision = {name: group for name, group in where.items() if name.startswith("model.encoder.")}
+    layer1 = {k.replace(".layers.0.", ".layers.1."): v for k, v in expected.items()
+              if ".layers.0." in k}  # fmt: skip
+    assert vision == {**expected, **layer1}
+
+
+def test_a_trained_tower_saves_reads_bit_exact_and_transformers_reads_it(folders, tmp_path):
+    """A changed (trained) tower and projector: save_pretrained writes them from the state
+    dict, reading the folder back gives them bit for bit (trained or frozen again), and
+    transformers' logits on the saved folder equal unmask's (1e-5)."""
+    hf, folder = folders
+    model = built(folder, freeze_vision=False).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.startswith("model.encoder."):
+                param.add_(0.05 * torch.randn(param.shape, generator=torch.Generator()))
+    ids, real, images = batch(CASES["several images of different sizes per row"])
+    canvas = torch.randint(0, VOCAB, (ids.shape[0], CANVAS), generator=torch.Generator())
+    with torch.no_grad():
+        before = model(ids, canvas, prompt_mask=real, images=images)
+    model.save_pretrained(tmp_path / "trained")
+    state = model.state_dict()
+    with safe_open(str(tmp_path / "trained" / "model.safetensors"), "pt") as written:
+        assert vision_keys(written.keys()) == vision_keys(state)
+        for key in vision_keys(state):
+            assert torch.equal(written.get_tensor(key), state[key]), key
+    for freeze in (False, True):
+        again = built(tmp_path / "trained", freeze_vision=freeze).eval()
+        for key, tensor in folder_vision(model).state_dict().items():
+            assert torch.equal(tensor, folder_vision(again).state_dict()[key]), key
+        with torch.no_grad():
+            assert torch.equal(again(ids, canvas, prompt_mask=real, images=images), before)
+    back = transformers.DiffusionGemmaForBlockDiffusion.from_pretrained(tmp_path / "trained")
+    expected = transformers_logits(back.eval(), ids, real, images, canvas, None)
+    assert (before - expected).abs().max().item() <= TOLERANCE
+    original = transformers_logits(hf, ids, real, images, canvas, None)
+    assert (before - original).abs().max().item() > 1e-3  # the changed tower is what was read

@@ -16,6 +16,7 @@ from torch import nn
 
 from unmask.models.config import ModelConfig
 from unmask.models.diffusion_gemma import DiffusionGemma
+from unmask.models.diffusion_gemma_vision import attach_vision, vision_registered
 from unmask.models.families import (
     FAMILIES,
     Family,
@@ -128,11 +129,14 @@ def build_model(cfg: ModelConfig) -> nn.Module:
     if cfg.pretrained is not None:
         if is_encoder_folder(cfg.pretrained):
             return load_encoder(cfg.pretrained)
-        return from_pretrained(
+        model = from_pretrained(
             cfg.pretrained,
             attn_implementation=cfg.attn_implementation,
             loss_implementation=cfg.loss_implementation,
         )
+        if vision_registered(cfg):  # trained or LoRA-adapted: the model's own modules
+            attach_vision(model, cfg.freeze_vision)
+        return model
     return MODEL_BUILDERS[cfg.model_type](cfg)
 
 

@@ -282,6 +282,13 @@ class ModelConfig(BaseModel):
     set, the architecture comes from the folder's config.json and the fields above
     (except attn_implementation and loss_implementation) are ignored."""
 
+    freeze_vision: bool | Literal["tower", "projector"] = True
+    """A diffusion_gemma folder's vision tower and `embed_vision` projector: true keeps both
+    frozen (held apart from the model's parameters, saved as read), false trains both,
+    `tower` freezes the tower and trains the projector (LLaVA's fine-tuning recipe),
+    `projector` the reverse. Needs `pretrained` (a folder with a vision tower); with LoRA,
+    name `vision_tower` / `embed_vision` in lora_target_modules instead. docs/multimodal.md."""
+
     lora: bool = False
     """Train LoRA adapters (peft) instead of all weights; LoRA factors always use AdamW."""
 
@@ -368,7 +375,24 @@ class ModelConfig(BaseModel):
             family.layout.check(self)
         if self.num_experts:
             self._check_experts()
+        self._check_vision()
         return self
+
+    def _check_vision(self) -> None:
+        if self.freeze_vision is True:
+            return
+        if self.lora:
+            raise ValueError(
+                f"model.freeze_vision={self.freeze_vision!r} with model.lora: LoRA trains "
+                "adapters only; keep freeze_vision: true and name vision_tower / embed_vision "
+                "in lora_target_modules"
+            )
+        if self.pretrained is None:
+            raise ValueError(
+                f"model.freeze_vision={self.freeze_vision!r} needs model.pretrained: a "
+                "diffusion_gemma folder with a vision tower (a model built from the config "
+                "has none)"
+            )
 
     def _check_experts(self) -> None:
         if self.moe_intermediate_size is None:  # resolved, so folders round-trip it

@@ -28,10 +28,18 @@ way:
   text_config.use_bidirectional_attention is "vision", each run of consecutive image tokens
   also attends to itself bidirectionally in the encoder (every layer, window or not).
 
-Held apart from the text model: the folder's tower tensors stay the model's carried
-weights (`hf_carried_weights`, written back as read), and the tower built from them is not
-a registered submodule, so it is frozen, not in the state dict, the optimizer or FSDP's
-units. Training the tower is not supported yet.
+Frozen (`model.freeze_vision: true`, the default): held apart from the text model. The
+folder's tower tensors stay the model's carried weights (`hf_carried_weights`, written back
+as read), and the tower built from them is not a registered submodule, so it is not in the
+state dict, the optimizer, FSDP's units or LoRA's targets.
+
+Trained (`freeze_vision: false`, `tower` or `projector`: what stays frozen), or adapted by
+LoRA (`vision_tower` / `embed_vision` in `lora_target_modules`): `attach_vision` registers
+the tower and the projector as the model's `model.encoder` (DiffusionGemmaStack), so their
+state-dict names are the folder's (`model.encoder.vision_tower.*`,
+`model.encoder.embed_vision.*`), `save_pretrained` writes them from the state dict, the
+optimizer and checkpoints hold them, and each tower layer is an FSDP2 unit
+(`vision_layers`). The frozen part keeps requires_grad False.
 """
 
 from __future__ import annotations
@@ -48,6 +56,9 @@ from unmask.errors import InputError
 
 TOWER, PROJECTOR = "model.encoder.vision_tower.", "model.encoder.embed_vision."
 """Folder prefixes of the tower's and the projector's tensors."""
+LORA_TOWER, LORA_PROJECTOR = "vision_tower", "embed_vision"
+"""`lora_target_modules` entries that adapt the tower's layers' linear maps and the
+projector's (models/lora.py)."""
 
 
 @dataclass
@@ -325,10 +336,84 @@ class Vision(nn.Module):
         return torch.where(image, run, -1)
 
 
+def trained_parts(freeze: bool | str) -> tuple[bool, bool]:
+    """(tower trained, projector trained) for a `model.freeze_vision` value: True freezes
+    both, False trains both, "tower" / "projector" freezes that one and trains the other."""
+    if freeze is True:
+        return False, False
+    if freeze is False:
+        return True, True
+    return freeze != "tower", freeze != "projector"
+
+
+def vision_registered(cfg: Any) -> bool:
+    """Whether a model section (ModelConfig) has the tower and projector registered on the
+    model: a trained part (`freeze_vision` not true) or a LoRA target on them."""
+    targets = cfg.lora_target_modules
+    adapted = cfg.lora and isinstance(targets, list) and bool(
+        {LORA_TOWER, LORA_PROJECTOR} & set(targets))  # fmt: skip
+    return cfg.freeze_vision is not True or adapted
+
+
+def registered_vision(model: nn.Module) -> Vision | None:
+    """The tower and projector registered on the model (`attach_vision`), else None."""
+    encoder = getattr(getattr(model, "model", None), "encoder", None)
+    return encoder if isinstance(encoder, Vision) else None
+
+
+def _build_from_folder(model: nn.Module) -> Vision | None:
+    """A Vision of the folder's config.json and carried tensors (None: the model has none)."""
+    source = getattr(model, "hf_source_config", None) or {}
+    carried = getattr(model, "hf_carried_weights", None) or {}
+    if "vision_config" not in source or not any(k.startswith(TOWER) for k in carried):
+        return None
+    vision = Vision(source, model.config.hidden_size)
+    vision.load_folder_tensors(carried)
+    return vision
+
+
+def attach_vision(model: nn.Module, freeze: bool | str) -> Vision:
+    """Register the folder's tower and projector on the model as `model.model.encoder` (their
+    state-dict names: the folder's), trained as `freeze` (`model.freeze_vision`) says; the
+    frozen part gets requires_grad False. Their tensors leave `hf_carried_weights` (the
+    state dict now writes them). One line when the model has no tower."""
+    vision = registered_vision(model)
+    if vision is None:
+        vision = _build_from_folder(model)
+        if vision is None:
+            raise InputError("model.freeze_vision / a vision LoRA target needs a diffusion_gemma "
+                             "folder with a vision tower (model.pretrained; its config.json "
+                             "has vision_config); this model has none: set freeze_vision: true "
+                             "and drop vision_tower / embed_vision from "
+                             "lora_target_modules")  # fmt: skip
+        weight = model.model.embed_tokens.weight
+        vision.to(device=weight.device, dtype=weight.dtype)
+        model.model.encoder = vision
+        model.__dict__.pop("_folder_vision", None)
+        model.hf_carried_weights = {key: value for key, value in model.hf_carried_weights.items()
+                                    if not key.startswith((TOWER, PROJECTOR))}  # fmt: skip
+    tower, projector = trained_parts(freeze)
+    vision.vision_tower.requires_grad_(tower)
+    vision.embed_vision.requires_grad_(projector)
+    return vision
+
+
+def vision_layers(model: nn.Module) -> list[nn.Module]:
+    """The registered tower's layers (FSDP2 units of their own), [] when none is registered."""
+    for module in model.modules():
+        if isinstance(module, Vision):
+            return list(module.vision_tower.encoder.layers)
+    return []
+
+
 def folder_vision(model: nn.Module) -> Vision | None:
-    """The model's tower and projector, built once from its folder's config.json
-    (`hf_source_config`) and carried tensors, on the embedding's device and dtype; None for a
-    model without them (a fresh one, or a folder with no vision_config)."""
+    """The model's tower and projector: the registered ones (`attach_vision`), else built
+    once from its folder's config.json (`hf_source_config`) and carried tensors, frozen and
+    held apart, on the embedding's device and dtype; None for a model without them (a fresh
+    one, or a folder with no vision_config)."""
+    registered = registered_vision(model)
+    if registered is not None:
+        return registered
     weight = model.model.embed_tokens.weight
     built = model.__dict__.get("_folder_vision")
     if built is not None:
@@ -336,12 +421,9 @@ def folder_vision(model: nn.Module) -> Vision | None:
         if param.device != weight.device or param.dtype != weight.dtype:
             built.to(device=weight.device, dtype=weight.dtype)
         return built
-    source = getattr(model, "hf_source_config", None) or {}
-    carried = getattr(model, "hf_carried_weights", None) or {}
-    if "vision_config" not in source or not any(k.startswith(TOWER) for k in carried):
+    vision = _build_from_folder(model)
+    if vision is None:
         return None
-    vision = Vision(source, model.config.hidden_size)
-    vision.load_folder_tensors(carried)
     vision.requires_grad_(False)
     vision.to(device=weight.device, dtype=weight.dtype).eval()
     model.__dict__["_folder_vision"] = vision  # not a submodule: kept out of the state dict

@@ -80,7 +80,7 @@ def tagged_model_fields(hf: dict[str, Any]) -> dict[str, Any]:
 
 RUN_FIELDS = ("model_type", "attn_implementation", "loss_implementation", "pretrained", "lora",
               "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "adaptor_name",
-              "lora_merge", "load_in_4bit")  # fmt: skip
+              "lora_merge", "load_in_4bit", "freeze_vision")  # fmt: skip
 """ModelConfig fields that are not the architecture (how a run builds or trains it)."""
 ARCHITECTURE_FIELDS = tuple(k for k in ModelConfig.model_fields if k not in RUN_FIELDS)
 """ModelConfig fields a folder must give back (config.json keys, else the "unmask" tag)."""
@@ -303,7 +303,12 @@ def save_pretrained(model: nn.Module, folder: str | Path) -> None:
     dtype = state["model.embed_tokens.weight"].dtype  # the first parameter's
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
+    # a carried part the model runs as a registered module (a trained vision tower) has
+    # the folder's names already
+    own = {k: v for k, v in state.items() if family.carried and k.startswith(family.carried)}
+    state = {k: v for k, v in state.items() if k not in own}
     state = family.layout.to_folder(to_folder_keys(state, family.name))
+    state.update(own)
     state.update(getattr(model, "hf_carried_weights", None) or {})
     config = hf_config_dict(model.config, dtype)
     source = getattr(model, "hf_source_config", None)
