@@ -484,3 +484,129 @@ def test_a_trained_tower_saves_reads_bit_exact_and_transformers_reads_it(folders
     assert (before - expected).abs().max().item() <= TOLERANCE
     original = transformers_logits(hf, ids, real, images, canvas, None)
     assert (before - original).abs().max().item() > 1e-3  # the changed tower is what was read
+
+
+def test_a_trained_tower_resumes_bit_exact_from_a_checkpoint(folders, tmp_path):
+    """Two steps straight equal one step, a checkpoint, a fresh model and optimizer loaded
+    from it, one step: the tower, the projector and their optimizer state bit for bit."""
+    from unmask.checkpoint.checkpointer import Checkpointer
+
+    hf, folder = folders
+    ids, real, images = batch(CASES["several images of different sizes per row"])
+    canvas = torch.randint(0, VOCAB, (ids.shape[0], CANVAS), generator=torch.Generator())
+
+    def trainer(freeze):
+        model = built(folder, freeze_vision=freeze)
+        params = [p for p in model.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(params, lr=1e-2)
+        return model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+
+    def step(model, optimizer, scheduler):
+        optimizer.zero_grad()
+        model(ids, canvas, prompt_mask=real, images=images).logsumexp(-1).mean().backward()
+        optimizer.step()
+        scheduler.step()
+
+    straight = trainer("tower")
+    step(*straight)
+    saver = Checkpointer(tmp_path / "run")
+    path = saver.save(1, *straight, {"step": 1}, {})
+    step(*straight)
+    resumed = trainer("tower")
+    saver.load(path, *resumed)
+    step(*resumed)
+    ours, theirs = straight[0].state_dict(), resumed[0].state_dict()
+    assert vision_keys(ours) and ours.keys() == theirs.keys()
+    for key in ours:
+        assert torch.equal(ours[key], theirs[key]), key
+    projection = "model.encoder.embed_vision.embedding_projection.weight"
+    assert not torch.equal(ours[projection], hf.state_dict()[projection])  # it trained
+    tower = "model.encoder.vision_tower.patch_embedder.input_proj.weight"
+    assert torch.equal(ours[tower], hf.state_dict()[tower])  # frozen: as read
+
+
+# ------------------------------------------------------ LoRA on the tower and the projector
+
+TOWER_LINEAR = {f"self_attn.{p}_proj" for p in "qkvo"} | {f"mlp.{p}_proj" for p in
+                                                          ("gate", "up", "down")}  # fmt: skip
+
+
+def lora_model(folder, targets):
+    from unmask.models.lora import apply_lora
+
+    section = dict(lora=True, lora_r=4, lora_alpha=8, lora_dropout=0.0,
+                   lora_target_modules=targets)  # fmt: skip
+    model = built(folder, **section)
+    from unmask.models import ModelConfig
+
+    return apply_lora(model, ModelConfig(pretrained=str(folder), **section))
+
+
+def adapted_modules(model) -> set[str]:
+    from peft.tuners.lora.layer import Linear
+
+    return {name.removeprefix("base_model.model.") for name, m in model.named_modules()
+            if isinstance(m, Linear)}  # fmt: skip
+
+
+@pytest.mark.parametrize("targets", [["vision_tower"], ["embed_vision"], ["q_proj", "embed_vision"],
+                                     ["all-linear", "vision_tower", "embed_vision"]])  # fmt: skip
+def test_lora_targets_on_the_tower_and_the_projector_are_chosen_separately(folders, targets):
+    pytest.importorskip("peft")
+    hf, folder = folders
+    found = adapted_modules(lora_model(folder, targets))
+    tower = {f"model.encoder.vision_tower.encoder.layers.{i}.{n}.linear" for i in range(2)
+             for n in TOWER_LINEAR}  # fmt: skip
+    projector = {"model.encoder.embed_vision.embedding_projection"}
+    stack_q = {f"model.layers.{i}.self_attn.q_proj" for i in range(4)}
+    stack = {f"model.layers.{i}.{n}" for i in range(4) for n in TOWER_LINEAR
+             if not (n == "self_attn.v_proj" and i % 2)}  # full layers: no v_proj  # fmt: skip
+    expected = {"vision_tower": tower, "embed_vision": projector, "q_proj": stack_q,
+                "all-linear": stack}  # fmt: skip
+    assert found == set().union(*(expected[t] for t in targets))
+
+
+def test_lora_on_the_tower_and_projector_keeps_the_base_and_reloads_with_equal_logits(
+        folders, tmp_path):  # fmt: skip
+    """Three AdamW steps on the adapters of the tower and the projector (pictures in the
+    batch): the base weights (tower and projector included) stay bit for bit; the adapter
+    saved in peft's format, merged into a fresh base, gives the trained model's logits; the
+    merged folder reads back (unmask and transformers) with those logits."""
+    pytest.importorskip("peft")
+    from unmask.models.diffusion_gemma_vision import attach_vision
+    from unmask.models.lora import adapts_vision, merge_adapter, save_adapter
+
+    hf, folder = folders
+    model = lora_model(folder, ["vision_tower", "embed_vision"])
+    base = {k: v.clone() for k, v in model.state_dict().items() if "lora_" not in k}
+    ids, real, images = batch(CASES["several images of different sizes per row"])
+    canvas = torch.randint(0, VOCAB, (ids.shape[0], CANVAS), generator=torch.Generator())
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-2)
+    for _ in range(3):
+        optimizer.zero_grad()
+        model(ids, canvas, prompt_mask=real, images=images).logsumexp(-1).mean().backward()
+        optimizer.step()
+    for key, value in model.state_dict().items():
+        if "lora_" not in key:
+            assert torch.equal(value, base[key]), key
+    model.eval()
+    with torch.no_grad():
+        trained = model(ids, canvas, prompt_mask=real, images=images)
+        plain = from_pretrained(folder).eval()(ids, canvas, prompt_mask=real, images=images)
+    assert (trained - plain).abs().max().item() > 1e-3  # the adapters moved the logits
+    save_adapter(model, tmp_path / "adapter")
+    assert adapts_vision(tmp_path / "adapter")
+    fresh = from_pretrained(folder)
+    attach_vision(fresh, True)
+    merged = merge_adapter(fresh, tmp_path / "adapter").eval()
+    with torch.no_grad():
+        got = merged(ids, canvas, prompt_mask=real, images=images)
+    assert (got - trained).abs().max().item() <= TOLERANCE
+    merged.save_pretrained(tmp_path / "merged")
+    with torch.no_grad():
+        again = from_pretrained(tmp_path / "merged").eval()(ids, canvas, prompt_mask=real,
+                                                            images=images)  # fmt: skip
+    assert torch.equal(again, got)
+    back = transformers.DiffusionGemmaForBlockDiffusion.from_pretrained(tmp_path / "merged")
+    expected = transformers_logits(back.eval(), ids, real, images, canvas, None)
+    assert (got - expected).abs().max().item() <= TOLERANCE

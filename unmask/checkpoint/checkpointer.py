@@ -53,7 +53,8 @@ from unmask.checkpoint.layout import (
 )
 from unmask.checkpoint.state import RunState
 from unmask.errors import InputError, RunStopped
-from unmask.models import ModelConfig, build_empty, hf_config_dict
+from unmask.models import ModelConfig, hf_config_dict
+from unmask.models.build import build_empty_like
 from unmask.models.families import FAMILIES
 from unmask.models.hf import native_state, read_safetensors, shape_mismatch, split_carried
 from unmask.models.lora import ADAPTER_FILE, apply_lora, load_adapter, save_adapter, save_lora
@@ -289,7 +290,7 @@ class Checkpointer:
         if self.sharded:
             state = full_model_state(model)  # collective: every rank
             if dist.get_rank() == 0:  # peft names under LoRA: load into a plain peft model
-                plain = build_empty(model.config)
+                plain = build_empty_like(model)
                 plain = apply_lora(plain, model_cfg) if lora else plain
                 plain.load_state_dict(state)
                 if lora:
@@ -402,7 +403,9 @@ def _load_model(path: Path, model: nn.Module) -> None:
         # save_pretrained wrote the family's folder names (key map, expert layout, carried
         # tensors): back to the model's own
         family = config.model_type
-        weights, _ = split_carried(native_state(weights, family, config, path), family)
+        weights, carried = split_carried(native_state(weights, family, config, path), family)
+        own = model.state_dict()  # a registered (trained) vision tower's are the model's
+        weights.update({key: value for key, value in carried.items() if key in own})
     wrong = shape_mismatch(model, weights)
     if wrong:
         raise InputError(

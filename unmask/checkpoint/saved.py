@@ -36,10 +36,12 @@ from unmask.models import (
     config_from_hf,
     from_pretrained,
 )
+from unmask.models.diffusion_gemma_vision import attach_vision
 from unmask.models.hf import read_config
 from unmask.models.lora import (
     LORA_BASE_FILE,
     LORA_SETTINGS,
+    adapts_vision,
     apply_lora,
     merge_adapter,
     weights_fingerprint,
@@ -212,6 +214,8 @@ def _merged_adapter(folder: Path, spec: AdapterBase) -> DiffusionTransformer:
     with torch.random.fork_rng():
         torch.manual_seed(spec.seed)
         model = from_pretrained(spec.folder) if spec.folder is not None else build_model(spec.model)
+        if adapts_vision(folder):  # its vision tower registered, as the run's base had it
+            attach_vision(model, True)
         if spec.vocab_size is not None and model.config.vocab_size < spec.vocab_size:
             model.resize_token_embeddings(spec.vocab_size)
     if spec.fingerprint is not None:

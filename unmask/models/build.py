@@ -16,7 +16,12 @@ from torch import nn
 
 from unmask.models.config import ModelConfig
 from unmask.models.diffusion_gemma import DiffusionGemma
-from unmask.models.diffusion_gemma_vision import attach_vision, vision_registered
+from unmask.models.diffusion_gemma_vision import (
+    Vision,
+    attach_vision,
+    register_empty_vision,
+    vision_registered,
+)
 from unmask.models.families import (
     FAMILIES,
     Family,
@@ -231,3 +236,20 @@ def from_pretrained(
     model.hf_source_config = source
     model.hf_carried_weights = carried
     return model
+
+
+def build_empty_like(model: nn.Module) -> nn.Module:
+    """`build_empty(model.config)` that also holds what model's state dict holds beyond the
+    architecture: a registered (trained) vision tower, and the folder's config.json and
+    carried tensors, so a full state loaded into it saves the folder `model` would (a
+    sharded run's final save)."""
+    plain = build_empty(model.config)
+    source = getattr(model, "hf_source_config", None)
+    carried = getattr(model, "hf_carried_weights", None)
+    vision = next((m for m in model.modules() if isinstance(m, Vision)), None)
+    if vision is None and not carried:
+        return plain
+    plain.hf_source_config, plain.hf_carried_weights = source, carried
+    if vision is not None:
+        register_empty_vision(plain, source)
+    return plain

@@ -379,6 +379,14 @@ class ModelConfig(BaseModel):
         return self
 
     def _check_vision(self) -> None:
+        targets = self.lora_target_modules
+        adapted = self.lora and isinstance(targets, list) and bool(
+            {"vision_tower", "embed_vision"} & set(targets))  # fmt: skip
+        if adapted and self.pretrained is None:
+            raise ValueError(
+                "model.lora_target_modules names vision_tower / embed_vision: needs "
+                "model.pretrained, a diffusion_gemma folder with a vision tower"
+            )
         if self.freeze_vision is True:
             return
         if self.lora:

@@ -172,6 +172,8 @@ class MLP(nn.Module):
 
 
 class Layer(nn.Module):
+    fsdp_unit = True  # parallel/fsdp.py: one FSDP2 unit per layer when registered (trained)
+
     def __init__(self, cfg: dict[str, Any]) -> None:
         super().__init__()
         hidden, eps = cfg["hidden_size"], cfg["rms_norm_eps"]
@@ -395,6 +397,17 @@ def attach_vision(model: nn.Module, freeze: bool | str) -> Vision:
     tower, projector = trained_parts(freeze)
     vision.vision_tower.requires_grad_(tower)
     vision.embed_vision.requires_grad_(projector)
+    return vision
+
+
+def register_empty_vision(model: nn.Module, source: dict[str, Any]) -> Vision:
+    """An uninitialized tower and projector of config.json `source`'s vision_config,
+    registered as `attach_vision` does, to load a state dict into (a gathered checkpoint)."""
+    with torch.device("meta"):
+        vision = Vision(source, model.config.hidden_size)
+    weight = model.model.embed_tokens.weight
+    vision.to_empty(device=weight.device).to(dtype=weight.dtype)
+    model.model.encoder = vision
     return vision
 
 

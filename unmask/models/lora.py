@@ -12,6 +12,8 @@ base weights), so an adapter folder can be sampled and exported without its run'
 from __future__ import annotations
 
 import importlib.util
+import json
+import re
 from pathlib import Path
 
 import torch
@@ -20,6 +22,7 @@ from torch import nn
 
 from unmask.errors import InputError
 from unmask.models.config import ModelConfig
+from unmask.models.diffusion_gemma_vision import LORA_PROJECTOR, LORA_TOWER
 from unmask.models.families import FAMILIES
 from unmask.models.shape import WRAPPED
 
@@ -58,16 +61,62 @@ def check_request(cfg: ModelConfig) -> None:
 def lora_targets(cfg: ModelConfig, model: nn.Module) -> str | list[str]:
     """Module names that get adapters: for "all-linear" what the model's family declares
     (its shape's `lora_linear`: every decoder-block linear layer of the native model,
-    DiffusionGemma's stack layers, transformers' own choice for encoders)."""
+    DiffusionGemma's stack layers, transformers' own choice for encoders). A list naming
+    `vision_tower` / `embed_vision` (DiffusionGemma's vision tower layers' linear maps, its
+    projector) becomes one regex: those, and the list's other names outside the vision
+    modules (`all-linear` in the list: the family's)."""
     targets = cfg.lora_target_modules
     if targets in (None, "all-linear"):
-        built = getattr(model, "config", None)
-        shape = FAMILIES[built.model_type].shape if isinstance(built, ModelConfig) else WRAPPED
-        linear = shape.lora_linear
-        return list(linear) if isinstance(linear, tuple) else linear
+        return _family_linear(model)
     if isinstance(targets, str):  # peft's regex
         return targets
-    return [t for t in targets if t != EXPERTS]  # the expert stacks: `expert_targets`
+    names = [t for t in targets if t != EXPERTS]  # the expert stacks: `expert_targets`
+    vision = [VISION_TARGETS[t] for t in names if t in VISION_TARGETS]
+    if not vision:
+        return names
+    others = [t for t in names if t not in VISION_TARGETS]
+    parts = list(vision)
+    if "all-linear" in others:
+        linear = _family_linear(model)
+        parts.append(linear if isinstance(linear, str) else _names_regex(linear))
+        others.remove("all-linear")
+    if others:
+        parts.append(_names_regex(others))
+    return "|".join(f"(?:{part})" for part in parts)
+
+
+VISION_TARGETS = {
+    LORA_TOWER: r"model\.encoder\.vision_tower\.encoder\.layers\.\d+\."
+                r"(?:self_attn\.[qkvo]_proj|mlp\.(?:gate|up|down)_proj)\.linear",
+    LORA_PROJECTOR: r"model\.encoder\.embed_vision\.embedding_projection",
+}  # fmt: skip
+"""lora_target_modules entries for DiffusionGemma's vision modules (models/
+diffusion_gemma_vision.py; registered on the model for them) -> the regex of the modules
+they adapt: the tower layers' attention and MLP linear maps (inside their clamps), the
+projector's linear map."""
+
+
+def _family_linear(model: nn.Module) -> str | list[str]:
+    built = getattr(model, "config", None)
+    shape = FAMILIES[built.model_type].shape if isinstance(built, ModelConfig) else WRAPPED
+    linear = shape.lora_linear
+    return list(linear) if isinstance(linear, tuple) else linear
+
+
+def _names_regex(names) -> str:
+    """peft's list rule (a module whose name is, or ends with `.` and, a listed name) as a
+    regex, left out of the vision modules."""
+    return r"(?!model\.encoder\.)(?:.*\.)?(?:" + "|".join(re.escape(n) for n in names) + ")"
+
+
+def adapts_vision(folder: Path) -> bool:
+    """Whether the adapter saved in folder adapts DiffusionGemma's vision modules (its
+    adapter_config.json's target_modules name them): its base must have them registered."""
+    try:
+        targets = json.loads((Path(folder) / ADAPTER_CONFIG).read_text()).get("target_modules")
+    except (OSError, json.JSONDecodeError, AttributeError):
+        return False
+    return isinstance(targets, str) and r"model\.encoder\." in targets
 
 
 def expert_targets(cfg: ModelConfig, model: nn.Module) -> list[str] | None:

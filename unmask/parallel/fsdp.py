@@ -38,7 +38,8 @@ def apply_fsdp(
 ) -> nn.Module:
     """Shard ``model`` in place over ``mesh`` (1-D: FSDP2; 2-D replicate x shard: HSDP).
 
-    Each of ``blocks`` (the transformer layers) is one FSDP unit; the root holds the rest
+    Each of ``blocks`` (the transformer layers), and each module whose class sets
+    ``fsdp_unit = True``, is one FSDP unit; the root holds the rest
     (embedding, final norm, head). ``bf16``: parameters are cast to bfloat16 for compute,
     gradients are reduced in float32 (the sharded master weights stay float32).
     ``reshard_after_forward``: True frees each block's gathered weights after its forward
@@ -54,7 +55,10 @@ def apply_fsdp(
     options = {"mesh": mesh, "mp_policy": policy, "reshard_after_forward": reshard_after_forward}
     if ignored_params:
         options["ignored_params"] = ignored_params
-    for block in blocks:
+    # and the modules that declare themselves a unit (`fsdp_unit`: a trained vision tower's
+    # layers, models/diffusion_gemma_vision.py), before the root that holds the rest
+    own = [m for m in model.modules() if getattr(type(m), "fsdp_unit", False)]
+    for block in [*blocks, *(m for m in own if not any(m is b for b in blocks))]:
         fully_shard(block, **options)
     fully_shard(model, **options)
     for module in model.modules():  # per FSDP unit (these setters do not recurse)
