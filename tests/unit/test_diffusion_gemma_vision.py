@@ -610,3 +610,39 @@ def test_lora_on_the_tower_and_projector_keeps_the_base_and_reloads_with_equal_l
     back = transformers.DiffusionGemmaForBlockDiffusion.from_pretrained(tmp_path / "merged")
     expected = transformers_logits(back.eval(), ids, real, images, canvas, None)
     assert (got - expected).abs().max().item() <= TOLERANCE
+
+
+# ------------------------------------------------------------------ the tower's FLOPs (MFU)
+
+
+@pytest.mark.parametrize("freeze", [True, "tower", "projector", False])
+def test_tower_flops_equal_torchs_flop_counter(folders, freeze):
+    """tower_flops (what the MFU adds for a call's pictures) equals FlopCounterMode over the
+    tower and projector's forward and the backward the trained parts run; and the training
+    call's count with pictures is the count without them plus exactly that."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from unmask.models.shape import DIFFUSION_GEMMA
+    from unmask.train.mfu import flop_model
+
+    hf, folder = folders
+    model = built(folder, freeze_vision=freeze) if freeze is not True else built(folder)
+    vision = folder_vision(model)
+    images = patches([(4, 6), (2, 2), (6, 4)])
+    counter = FlopCounterMode(display=False)
+    # attention in matmuls the counter sees (it has no formula for the CPU's fused kernel)
+    with sdpa_kernel(SDPBackend.MATH), counter:
+        out = vision.soft_tokens(images)
+        if out.requires_grad:
+            out.sum().backward()
+    flops = flop_model(model)
+    assert flops.tower is not None
+    assert int(flops.tower.call_flops(images)) == counter.get_total_flops()
+    # the text part counts no tower weights
+    assert flops.matmul_params == flop_model(built(folder)).matmul_params
+    ids, real, _ = batch([[2, (4, 6), 1, (2, 2), 3], [(6, 4), 2]])
+    canvas = torch.zeros(ids.shape[0], CANVAS, dtype=torch.long)
+    without = DIFFUSION_GEMMA.call_flops(flops, model.config, (ids, canvas), {})
+    counted = DIFFUSION_GEMMA.call_flops(flops, model.config, (ids, canvas), {"images": images})
+    assert int(counted) - without == counter.get_total_flops()

@@ -451,3 +451,78 @@ def require_vision(model: nn.Module) -> Vision:
                          "a diffusion_gemma folder): images are not supported; drop the "
                          "images")  # fmt: skip
     return vision
+
+
+# -- FLOPs (train/mfu.py, models/shape.py DiffusionGemmaShape.call_flops) -------------------
+
+
+@dataclass(frozen=True)
+class TowerFlops:
+    """The tower's and projector's sizes and which of them train: what a training call's
+    FLOP count adds for its pictures (`call_flops`)."""
+
+    cfg: dict
+    text_hidden: int
+    tower: bool
+    """The tower trains (its parameters or LoRA factors get gradients)."""
+    projector: bool
+
+    def call_flops(self, images: Images):
+        """FLOPs of the tower and projector over a call's pictures (`Images`: N pictures of
+        P patches, padding patches included, which are computed too), forward and the
+        backward the trained parts run; a 0-d tensor (the soft-token count is read on the
+        pictures' device without a sync)."""
+        count, patches = images.pixel_values.shape[:2]
+        k = self.cfg["pooling_kernel_size"]
+        soft = (images.position_ids[..., 0] >= 0).sum() // (k * k)
+        return tower_flops(self.cfg, self.text_hidden, count, patches, soft, self.tower,
+                           self.projector)  # fmt: skip
+
+
+def tower_flops(cfg: dict, text_hidden: int, images: int, patches: int, soft_tokens,
+                tower: bool, projector: bool):  # fmt: skip
+    """Matmul FLOPs of `images` pictures of `patches` patches each through the tower and
+    `soft_tokens` soft tokens through the projector (2 per multiply-add). Forward: the patch
+    embedding (3 p^2 -> hidden), per layer q, k, v, o and the gated MLP's three maps over
+    every patch, attention's Q K^T and A V over all patch pairs (every head), the pooling's
+    (blocks x patches) average, the projector (hidden -> text hidden). Backward of a
+    trained tower: 2x the forward of its layers (input and weight gradients), 1x the patch
+    embedding's (the pixels need no gradient) and the pooling's (the averaging weights are
+    not parameters); the projector adds 1x for its weight gradient when it trains and 1x
+    for its input gradient when the tower trains. A frozen part runs its forward only."""
+    hidden, inner, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
+    width = cfg["num_attention_heads"] * cfg["head_dim"]
+    kv = cfg["num_key_value_heads"] * cfg["head_dim"]
+    k = cfg["pooling_kernel_size"]
+    tokens = images * patches
+    embed = 2 * tokens * 3 * cfg["patch_size"] ** 2 * hidden
+    layer = (2 * tokens * hidden * (2 * width + 2 * kv) + 2 * tokens * 3 * hidden * inner
+             + 4 * images * patches * patches * width)  # fmt: skip
+    pool = 2 * images * (patches // (k * k)) * patches * hidden
+    project = 2 * soft_tokens * hidden * text_hidden
+    trained = 1 + int(tower)
+    return (embed * trained + layers * layer * (1 + 2 * int(tower)) + pool * trained
+            + project * (1 + int(tower) + int(projector)))  # fmt: skip
+
+
+def tower_flop_model(model: nn.Module) -> TowerFlops | None:
+    """The TowerFlops of a model's tower and projector: registered (trained where a
+    parameter of the part requires a gradient) or held apart (frozen); None without one."""
+    vision = next((m for m in model.modules() if isinstance(m, Vision)), None)
+    if vision is not None:
+        trains = [any(p.requires_grad for p in part.parameters())
+                  for part in (vision.vision_tower, vision.embed_vision)]  # fmt: skip
+        return TowerFlops(vision.vision_tower.cfg, vision.embed_vision.embedding_projection
+                          .out_features, *trains)  # fmt: skip
+    source = getattr(model, "hf_source_config", None) or {}
+    carried = getattr(model, "hf_carried_weights", None) or {}
+    if "vision_config" not in source or not any(k.startswith(TOWER) for k in carried):
+        return None
+    return TowerFlops(_tower_config(source["vision_config"]), model.config.hidden_size,
+                      False, False)  # fmt: skip
+
+
+def vision_modules(model: nn.Module) -> set[int]:
+    """ids of the registered tower's and projector's modules (their matmuls are not the
+    text model's per-token weights: the MFU counts them per picture)."""
+    return {id(m) for v in model.modules() if isinstance(v, Vision) for m in v.modules()}

@@ -268,11 +268,20 @@ class DiffusionGemmaShape(ModelShape):
         only, on every row, and the second pass's signal (softmax @ embedding, forward and
         the embedding's gradient, and the self-conditioning MLP) on every row, zero on the
         rows it does not condition. tests/integration/test_uniform_train.py holds it to
-        torch's FlopCounterMode."""
+        torch's FlopCounterMode. A call with pictures (`images`) adds the vision tower's and
+        projector's (`flops.tower`: models/diffusion_gemma_vision.py `tower_flops`)."""
         prompt = args[0] if args else kwargs["input_ids"]
         canvas = args[1] if len(args) > 1 else kwargs.get("canvas_ids")
         if canvas is None:  # a plain call: the decoder's count
             return super().call_flops(flops, arch, args, kwargs, context)
+        text = self._text_call_flops(flops, arch, prompt, canvas, kwargs)
+        tower, images = getattr(flops, "tower", None), kwargs.get("images")
+        if tower is None or images is None:
+            return text
+        return text + tower.call_flops(images)  # the pictures through the vision tower
+
+    def _text_call_flops(self, flops, arch, prompt, canvas, kwargs: dict):
+        """`call_flops` of the shared stack, the self-conditioning and the head."""
         rows, p, c = prompt.shape[0], prompt.shape[1], canvas.shape[1]
         n, width = flops.matmul_params, flops.attention_width
         last = arch.num_hidden_layers - 1

@@ -15,6 +15,9 @@ FLOPs of one optimizer step on one device (forward and backward, 3x the forward'
   as if every token saw the whole row, which overstates the attention term of packed batches.
   `FlopModel.executed_flops` counts what a document-masked kernel executes instead:
   sum over documents of len^2 per layer (the benchmark's `mfu_executed`).
+- Pictures (DiffusionGemma's vision tower and projector): per picture of a call that has
+  them, the tower's matmuls over its patches, forward, and backward where the tower or
+  projector trains (models/diffusion_gemma_vision.py `tower_flops`).
 - LM head: 6 d V per row it runs on, R = the masked tokens of the step (unmask computes
   logits only for them); an encoder from transformers (BERT, ModernBERT) runs its head on
   every token (R = T).
@@ -41,6 +44,7 @@ import torch
 from torch import nn
 
 from unmask.models.build import shape_of
+from unmask.models.diffusion_gemma_vision import TowerFlops, tower_flop_model, vision_modules
 from unmask.models.shape import matmul_flops
 
 # Dense peak FLOP/s (no structured sparsity: the datasheets' "with sparsity" figures halved),
@@ -81,6 +85,9 @@ class FlopModel:
     """d x V of the LM head."""
     head_on_masked: bool
     """True: the head runs on the masked rows only (unmask's decoder); False: every token."""
+    tower: TowerFlops | None = None
+    """DiffusionGemma's vision tower and projector, counted per picture of a call that
+    has pictures (models/diffusion_gemma_vision.py `tower_flops`); None: no tower."""
 
     def step_flops(self, tokens: int, length: int, head_rows):
         """FLOPs of one micro-batch of `tokens` tokens in rows of `length`, forward and
@@ -175,7 +182,9 @@ def flop_model(model: nn.Module) -> FlopModel:
     on_masked = head is not None
     if head is None:
         head = model.hf_model.get_output_embeddings()
-    linears = [m for m in model.modules() if isinstance(m, nn.Linear) and m is not head]
+    vision = vision_modules(model)  # counted per picture (`tower`), not per token
+    linears = [m for m in model.modules()
+               if isinstance(m, nn.Linear) and m is not head and id(m) not in vision]  # fmt: skip
     cfg = model.config
     return FlopModel(
         matmul_params=sum(m.in_features * m.out_features for m in linears) + _active_experts(model),
@@ -183,6 +192,7 @@ def flop_model(model: nn.Module) -> FlopModel:
         attention_width=shape_of(cfg).attention_width(cfg),
         head_params=head.in_features * head.out_features,
         head_on_masked=on_masked,
+        tower=tower_flop_model(model) if on_masked else None,
     )
 
 
