@@ -7,14 +7,17 @@ Imports the lm-eval adapter (harness.py), so importing this module needs lm-eval
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from unmask.checkpoint import resolve_model_folder
 from unmask.errors import InputError
 from unmask.eval import tasks as lm_tasks
-from unmask.eval.harness import UnmaskLM
+from unmask.eval.harness import UnmaskLM, read_pictures
 from unmask.eval.presets import PRESETS, preset_sampling
+from unmask.models.diffusion_gemma_vision import require_vision
 from unmask.parallel.threads import set_sampling_threads
 from unmask.sampling.generation_file import saved_sampling
 
@@ -61,6 +64,40 @@ class TaskResults:
     lines: list[str]
 
 
+def picture_roots(loaded: dict) -> dict[str, Path]:
+    """{task: the folder of its data file} for the tasks with pictures (doc_to_image) whose
+    local data files are in one folder: their documents' relative picture paths start
+    there (docs/multimodal.md, Evaluation)."""
+    roots = {}
+    for name, task in loaded["tasks"].items():
+        if not getattr(task, "MULTIMODAL", False):
+            continue
+        files = (task.config.dataset_kwargs or {}).get("data_files")
+        values = list(files.values()) if isinstance(files, dict) else [files]
+        paths = [p for v in values for p in (v if isinstance(v, list) else [v]) if p]
+        folders = {Path(str(p)).parent for p in paths}
+        if len(folders) == 1:
+            roots[name] = folders.pop()
+    return roots
+
+
+def check_pictures(lm: UnmaskLM, loaded: dict, limit: float | None) -> None:
+    """Every picture the tasks' documents name (those --limit keeps) read before anything
+    runs: a missing or unreadable one, or pictures for a model without a vision tower, is
+    one line (InputError)."""
+    for name, task in sorted(loaded["tasks"].items()):
+        if not getattr(task, "MULTIMODAL", False):
+            continue
+        docs = list(task.eval_docs)
+        if limit is not None:
+            docs = docs[: int(limit) if limit >= 1 else math.ceil(len(docs) * limit)]
+        root = lm.picture_roots.get(name, Path.cwd())
+        for doc_id, doc in enumerate(docs):
+            where = f"task {name!r} document {doc_id}"
+            if read_pictures(task.doc_to_image(doc), root, where) is not None:
+                require_vision(lm.sm.model)
+
+
 def evaluate_tasks(request: TaskRequest) -> TaskResults:
     """Run the tasks with the preset (presets.py) in this process (tasks.py: every seed set,
     the results file). The model folder is read first, so a missing one is named before any
@@ -89,6 +126,8 @@ def evaluate_tasks(request: TaskRequest) -> TaskResults:
     except ValueError as err:
         raise InputError(str(err)) from None
     set_sampling_threads(lm.sm.model, lm.sm.device)
+    lm.picture_roots = picture_roots(loaded)
+    check_pictures(lm, loaded, request.limit)
     limit = request.limit
     limit = limit if limit is None or limit < 1 else int(limit)
     bootstrap = BOOTSTRAP_ITERS if request.bootstrap_iters is None else request.bootstrap_iters

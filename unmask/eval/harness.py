@@ -24,6 +24,10 @@ is enough: `lm_eval.simple_evaluate(model="unmask", model_args=...)`.
   is cut at the first stop string. A diffusion_gemma model (decoder entropy_bound) takes
   only max_gen_toks from the task, and has no likelihoods. Draws come from one generator seeded `seed` on the
   model's device.
+- Pictures (a task with doc_to_image: lm-eval's multimodal requests, `visual`): file paths
+  (relative ones from the task's data file's folder, `picture_roots`) or PIL images, put
+  before the prompt's text as `unmask generate --image` puts them (a model with a vision
+  tower: DiffusionGemma); a call with pictures decodes each prompt alone, in order.
 - apply_chat_template (lm-eval's `--apply_chat_template`): the tokenizer's chat template
   with the generation prompt; a tokenizer without one gets the "role: content" lines that
   unmask's SFT rows use without a template (`unmask.data.sft.split_chat`).
@@ -33,6 +37,7 @@ is enough: `lm_eval.simple_evaluate(model="unmask", model_args=...)`.
 """
 
 import sys
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -50,6 +55,7 @@ from unmask.plugins import load_plugins
 from unmask.sampling.config import SamplingConfig, resolve_sampling
 from unmask.sampling.decoders import decoder_class
 from unmask.sampling.generate import sample
+from unmask.sampling.images import PromptImages, open_image, prompt_images
 from unmask.sampling.likelihood import (
     answer_log_likelihood,
     continuation_ids,
@@ -63,9 +69,36 @@ from unmask.sampling.texts import generate_texts
 _IGNORED_ARGS = ("max_batch_size", "dtype")
 
 
+def read_pictures(visual, root: Path, where: str) -> list | None:
+    """A document's pictures as PIL images (lm-eval's `visual`, a task's doc_to_image: a
+    file path, a PIL image, or a list of them), None without any; relative paths start at
+    `root`. One line naming `where` for a missing or unreadable file."""
+    if visual is None or visual == []:
+        return None
+    opened = []
+    for item in visual if isinstance(visual, list) else [visual]:
+        if isinstance(item, str | Path):
+            path = Path(item) if Path(item).is_absolute() else root / item
+            name = f"{where}: image {str(item)!r}"
+            if not path.is_file():
+                raise InputError(f"{name} does not exist ({path}); give paths relative to "
+                                 "the task's data file")  # fmt: skip
+            opened.append(open_image(path.read_bytes(), name))
+        elif hasattr(item, "convert"):  # a PIL image (a datasets Image column)
+            opened.append(item.convert("RGB"))
+        else:
+            raise InputError(f"{where}: an image is a file path or a picture, not "
+                             f"{type(item).__name__}")  # fmt: skip
+    return opened
+
+
 @register_model("unmask")
 class UnmaskLM(LM):
     """An unmask checkpoint or exported folder behind lm-eval's LM interface."""
+
+    #: lm-eval gives it a task's pictures (a task with doc_to_image); a model without a
+    #: vision tower refuses them in one line (`_pictures`)
+    MULTIMODAL = True
 
     def __init__(
         self,
@@ -118,6 +151,9 @@ class UnmaskLM(LM):
                       "forward_passes": 0, "row_forwards": 0, "generation_seconds": 0.0,
                       "likelihood_requests": 0, "scored_tokens": 0}  # fmt: skip
         self.generations: list[dict[str, Any]] = []
+        #: task -> the folder its documents' relative picture paths start from (its data
+        #: file's: unmask eval sets it; else the working folder)
+        self.picture_roots: dict[str, Path] = {}
 
     @property
     def tokenizer(self):
@@ -214,6 +250,17 @@ class UnmaskLM(LM):
             results.append(total)
         return results
 
+    def _pictures(self, request) -> PromptImages | None:
+        """A request's pictures (lm-eval's `visual`: a task's doc_to_image), None without,
+        through the folder's image processor (`read_pictures`; one line for a model
+        without a vision tower)."""
+        extra = request.args[2] if len(request.args) > 2 else None
+        visual = extra.get("visual") if isinstance(extra, dict) else None
+        root = self.picture_roots.get(request.task_name, Path.cwd())
+        opened = read_pictures(visual, root, f"task {request.task_name!r} document "
+                               f"{request.doc_id}")  # fmt: skip
+        return None if opened is None else prompt_images(self.sm.model, self.sm.folder, opened)
+
     @torch.inference_mode()
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         groups: dict[tuple, list[int]] = {}
@@ -223,12 +270,22 @@ class UnmaskLM(LM):
             until = (until,) if isinstance(until, str) else tuple(until)
             key = (until, kwargs.get("max_gen_toks"), kwargs.get("temperature"))
             groups.setdefault(key, []).append(index)
+        pictures = [self._pictures(request) for request in requests]  # all read first
         results: list[str] = [""] * len(requests)
         for (until, max_gen_toks, temperature), indices in groups.items():
             options = self._generation_config(max_gen_toks, temperature)
             contexts = [requests[i].args[0] for i in indices]
-            records = generate_texts(self.sm, contexts, options, self.gen_batch_size,
-                                     self.generator)  # fmt: skip
+            if any(pictures[i] is not None for i in indices):
+                # each prompt with its own pictures, alone and in order: prompt i draws from
+                # seed + i as in a batch, and gets what `unmask generate --image` gives it
+                records = []
+                for i, context in zip(indices, contexts):
+                    (record,) = generate_texts(self.sm, [context], options, 1, self.generator,
+                                               pictures=pictures[i])  # fmt: skip
+                    records.append({**record, "batch": len(records)})
+            else:
+                records = generate_texts(self.sm, contexts, options, self.gen_batch_size,
+                                         self.generator)  # fmt: skip
             self._count(records, options, until, max_gen_toks, temperature)
             for index, record in zip(indices, records):
                 text = record["completion"]

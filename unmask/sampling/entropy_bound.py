@@ -67,6 +67,7 @@ from __future__ import annotations
 
 import time
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -215,6 +216,9 @@ class EntropyBound(WholeDecoder):
     refuses = NOT_ENTROPY_BOUND
     uniform_canvas = True
     block_layout = False
+    #: `unmask serve` batches its rows continuously, canvas by canvas (serve/canvases.py):
+    #: each row draws from its own generator and reads only its own K/V
+    serves_by_canvas = True
 
     @classmethod
     def check(cls, config: SamplingConfig) -> None:
@@ -272,14 +276,11 @@ class _Run:
         batch, width = prompt_ids.shape
         self.device = device = prompt_ids.device
         self.canvas_length = model.config.diffusion_gemma.canvas_length
-        self.vocab = model.config.vocab_size
         self.gen_length = config.gen_length
         self.canvases = -(-config.gen_length // self.canvas_length)
         self.generators = [torch.Generator(device=device).manual_seed(seed)
                            for seed in row_seeds(generator, batch)]  # fmt: skip
         self.lengths = prompt_valid.sum(1)  # each row's own tokens: its positions count them
-        # self-conditioning logits in the (tied) embedding's dtype, as transformers casts them
-        self.signal_dtype = model.lm_head.weight.dtype
         self.out = GenerationOutput(prompt_ids, width)
         self.history: list[torch.Tensor] | None = None
         self.on_step = None
@@ -323,53 +324,17 @@ class _Run:
                  columns: slice) -> torch.Tensor:  # fmt: skip
         """The steps of one canvas for batch rows `rows` (the cache's rows) -> its argmax
         canvas (R, C)."""
-        s, model, device = self.settings, self.model, self.device
-        steps, length = s["max_denoising_steps"], self.canvas_length
         gens = [self.generators[r] for r in rows.tolist()]
-        current = torch.cat([torch.randint(0, self.vocab, (1, length), generator=g,
-                                           device=device) for g in gens])  # fmt: skip
-        argmax = current.clone()
-        signal: torch.Tensor | None = None  # the last step's tempered logits (R, C, V)
-        done = torch.zeros(len(gens), dtype=torch.bool, device=device)
-        stopper = StableAndConfident(len(gens), length, s["stability_threshold"],
-                                     s["confidence_threshold"], device)  # fmt: skip
-        live, cache = None, self.cache
-        for step in range(steps, 0, -1):
-            index = (~done).nonzero().squeeze(1)
-            if live is None or index.numel() != live.numel():  # rows stopped: a smaller batch
-                live = index
-                cache = self.cache if live.numel() == len(gens) else self.cache.select_rows(live)
-            logits = model.decode(current[live], cache,
-                                  None if signal is None else signal[live],
-                                  position_ids=positions[live])  # fmt: skip
-            self.out.nfe += 1
-            self.out.steps += 1
-            self.out.row_forwards += live.numel()
-            temperature = schedule_temperature(step, steps, s["temperature_start"],
-                                               s["temperature_end"], device)  # fmt: skip
-            tempered = logits / temperature
-            probs = torch.softmax(tempered, dim=-1, dtype=torch.float32)
-            drawn = torch.stack([torch.multinomial(probs[i], 1, generator=gens[r]).squeeze(-1)
-                                 for i, r in enumerate(live.tolist())])  # fmt: skip
-            best = torch.argmax(tempered, dim=-1)
-            if getattr(self.on_step, "wants_probability", False):
-                self.probability[rows[live], columns] = probs.amax(dim=-1)
-            entropy = token_entropy(tempered)
-            accepted = entropy_bound_accept(entropy, s["entropy_bound"])
-            kept = torch.where(accepted, drawn, current[live])
-            noise = torch.cat([torch.randint(0, self.vocab, (1, length), generator=gens[r],
-                                             device=device) for r in live.tolist()])  # fmt: skip
-            current[live] = torch.where(accepted, kept, noise)
-            argmax[live] = best
-            if signal is None:
-                signal = tempered.new_zeros((len(gens), *tempered.shape[1:]),
-                                            dtype=self.signal_dtype)  # fmt: skip
-            signal[live] = tempered.to(self.signal_dtype)
-            done[live] |= stopper(live, best, entropy)
+        wanted = getattr(self.on_step, "wants_probability", False)
+        shown = torch.full((len(gens), self.canvas_length), float("nan"), device=self.device)
+
+        def show(argmax: torch.Tensor) -> None:
+            if wanted:
+                self.probability[rows, columns] = shown
             self._show(rows, argmax, columns)
-            if done.all():
-                break
-        return argmax
+
+        return denoise_canvas(self.model, self.cache, positions, gens, self.settings, self.out,
+                              show, shown if wanted else None)  # fmt: skip
 
     def _show(self, rows: torch.Tensor, argmax: torch.Tensor, columns: slice) -> None:
         """History / on_step: the (B, P + G) canvas with this canvas's current argmax."""
@@ -386,6 +351,66 @@ class _Run:
             self.on_step(canvas.clone(), probability=self.probability[:, : self.gen_length])
         else:
             self.on_step(canvas.clone())
+
+
+def denoise_canvas(model, cache, positions: torch.Tensor, generators: list[torch.Generator],
+                   settings: dict[str, Any], out, show: Callable | None = None,
+                   probability: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """The denoising steps of one canvas (the module doc's 2a-2e) for the rows of `cache`
+    (the encoder's K/V of their prompts and earlier canvases), each drawing from its own
+    generator -> the canvas's last argmax (R, C). positions (R, C): the canvas's RoPE
+    positions; settings: `entropy_bound_settings`; out: counts nfe, steps and row_forwards;
+    show(argmax) after every step; probability (R, C): filled with each shown token's
+    probability under its step's tempered distribution (the rows still denoising)."""
+    steps, length = settings["max_denoising_steps"], positions.shape[1]
+    device, vocab = positions.device, model.config.vocab_size
+    # self-conditioning logits in the (tied) embedding's dtype, as transformers casts them
+    signal_dtype = model.lm_head.weight.dtype
+    gens = generators
+    current = torch.cat([torch.randint(0, vocab, (1, length), generator=g, device=device)
+                         for g in gens])  # fmt: skip
+    argmax = current.clone()
+    signal: torch.Tensor | None = None  # the last step's tempered logits (R, C, V)
+    done = torch.zeros(len(gens), dtype=torch.bool, device=device)
+    stopper = StableAndConfident(len(gens), length, settings["stability_threshold"],
+                                 settings["confidence_threshold"], device)  # fmt: skip
+    live, rows_cache = None, cache
+    for step in range(steps, 0, -1):
+        index = (~done).nonzero().squeeze(1)
+        if live is None or index.numel() != live.numel():  # rows stopped: a smaller batch
+            live = index
+            rows_cache = cache if live.numel() == len(gens) else cache.select_rows(live)
+        logits = model.decode(current[live], rows_cache,
+                              None if signal is None else signal[live],
+                              position_ids=positions[live])  # fmt: skip
+        out.nfe += 1
+        out.steps += 1
+        out.row_forwards += live.numel()
+        temperature = schedule_temperature(step, steps, settings["temperature_start"],
+                                           settings["temperature_end"], device)  # fmt: skip
+        tempered = logits / temperature
+        probs = torch.softmax(tempered, dim=-1, dtype=torch.float32)
+        drawn = torch.stack([torch.multinomial(probs[i], 1, generator=gens[r]).squeeze(-1)
+                             for i, r in enumerate(live.tolist())])  # fmt: skip
+        best = torch.argmax(tempered, dim=-1)
+        if probability is not None:
+            probability[live] = probs.amax(dim=-1)
+        entropy = token_entropy(tempered)
+        accepted = entropy_bound_accept(entropy, settings["entropy_bound"])
+        kept = torch.where(accepted, drawn, current[live])
+        noise = torch.cat([torch.randint(0, vocab, (1, length), generator=gens[r],
+                                         device=device) for r in live.tolist()])  # fmt: skip
+        current[live] = torch.where(accepted, kept, noise)
+        argmax[live] = best
+        if signal is None:
+            signal = tempered.new_zeros((len(gens), *tempered.shape[1:]), dtype=signal_dtype)
+        signal[live] = tempered.to(signal_dtype)
+        done[live] |= stopper(live, best, entropy)
+        if show is not None:
+            show(argmax)
+        if done.all():
+            break
+    return argmax
 
 
 def _ended(prompt_ids: torch.Tensor, answers: torch.Tensor, generated: torch.Tensor,
@@ -405,8 +430,11 @@ def _ended(prompt_ids: torch.Tensor, answers: torch.Tensor, generated: torch.Ten
 register_decoder("entropy_bound", EntropyBound)
 
 __all__ = [
+    "ENTROPY_BOUND_DEFAULTS",
     "EntropyBound",
     "StableAndConfident",
+    "denoise_canvas",
+    "entropy_bound_settings",
     "entropy_bound_accept",
     "row_seeds",
     "schedule_temperature",

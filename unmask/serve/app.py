@@ -24,6 +24,7 @@ from starlette.responses import JSONResponse, PlainTextResponse
 from starlette.routing import Route
 
 from unmask.errors import InputError
+from unmask.models.diffusion_gemma_vision import require_vision
 from unmask.sampling.decoders import uniform_canvas_model
 from unmask.sampling.generate import special_ids, with_uniform_canvas
 from unmask.sampling.images import (
@@ -51,6 +52,18 @@ from unmask.serve.protocol import (
 
 #: seconds a client is told to wait after a 429
 RETRY_AFTER = 1
+
+
+def takes_images(sm: SamplingModel) -> bool:
+    """Whether the served model takes pictures: a vision tower and the folder's image
+    processor (sampling/images.py)."""
+    if sm.folder is None or not (Path(sm.folder) / "preprocessor_config.json").is_file():
+        return False
+    try:
+        require_vision(sm.model)
+    except InputError:
+        return False
+    return True
 
 
 class Server:
@@ -82,6 +95,12 @@ class Server:
             sm.saved, getattr(config, "model_type", None), uniform_canvas_model(sm.model),
             [option["name"] for option in self.sampling_options])  # fmt: skip
         self.notices: list[str] = []  # warnings about the model (chat.py), for the page
+        self.takes_images = takes_images(sm)  # the page offers a picture upload
+
+    def picture_limits(self) -> dict[str, int] | None:
+        """/api/info's `images`: the bytes one picture may have (the page refuses a bigger
+        one before sending it), None when the model takes no pictures."""
+        return {"max_bytes": self.limits.max_image_bytes} if self.takes_images else None
 
     # ------------------------------------------------------------------- request checks
 
@@ -376,4 +395,8 @@ def metrics_text(engine: Engine) -> str:
            cache.max_bytes if cache else 0)  # fmt: skip
     metric("prefix_cache_saved_row_forwards_total", "counter", "Rows whose first forward "
            "was not computed.", s.saved_row_forwards)  # fmt: skip
+    metric("prompts_encoded_total", "counter", "Prompts of canvas rows (DiffusionGemma) "
+           "through the encoder: once each.", s.prompts_encoded)  # fmt: skip
+    metric("pictures_encoded_total", "counter", "Their pictures through the vision tower.",
+           s.pictures_encoded)  # fmt: skip
     return "\n".join(lines) + "\n"

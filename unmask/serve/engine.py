@@ -20,8 +20,13 @@ Greedy rows give the tokens `unmask generate` gives for the prompt alone (batch
 invariance: tests/integration/test_serve.py). A request with a `seed` owns its generator
 and is decoded alone, so it draws exactly what `unmask generate --seed` draws. gen_length
 `auto` (a growing canvas), a decoder that is not a block decoder (a `WholeDecoder`:
-left_to_right, blocks_from_start, entropy_bound) and joint_threshold with edit_scope all
-(it edits finished blocks) are decoded by `sample` in one piece, alone.
+left_to_right, blocks_from_start) and joint_threshold with edit_scope all (it edits
+finished blocks) are decoded by `sample` in one piece, alone.
+
+DiffusionGemma's rows (decoder entropy_bound, `serves_by_canvas`) join and leave between
+canvases instead of blocks (canvases.py): a row's prompt, pictures included, is encoded
+once when it joins, and each turn denoises one canvas for every row of its group, seeded
+rows too (each row draws from its own generator).
 
 Prefix cache (`PrefixCache`, `--prefix-cache-mb`): the first forward of a prompt's first
 block sees [prompt | masks], a canvas the prompt and a few options decide, so its result
@@ -70,6 +75,7 @@ from unmask.sampling.generate import (
     special_ids,
 )
 from unmask.sampling.texts import SamplingModel, before_eos
+from unmask.serve.canvases import append_canvas, run_canvas, start_row
 
 #: SamplingConfig fields that do not change how one block is decoded (lengths: per row)
 _PER_ROW = ("gen_length", "row_length", "steps", "gen_length_max", "auto_eos_threshold")
@@ -233,22 +239,34 @@ class Job:
     edits: int = 0  # tokens of its answer the decoder replaced (joint_threshold's edits)
     notices: tuple[str, ...] = ()  # what the request's options were taken as (protocol.py)
     images: Images | None = None  # its pictures' patches (sampling/images.py)
+    state: Any = None  # a canvas row's K/V and generator between canvases (canvases.py)
 
     def __post_init__(self):
         if self.seed is not None:
             self.generator = torch.Generator().manual_seed(self.seed)
 
     @property
+    def by_canvas(self) -> bool:
+        """Decoded canvas by canvas with other rows (canvases.py): a decoder that declares
+        `serves_by_canvas` (entropy_bound: DiffusionGemma)."""
+        return getattr(decoder_class(self.config), "serves_by_canvas", False)
+
+    @property
     def auto(self) -> bool:
         """Decoded by `sample` in one piece: gen_length auto, a decoder that is not a
-        block decoder, or joint_threshold's edit_scope all (its steps edit finished blocks,
-        which the block calls keep as they were)."""
+        block decoder (nor served by canvas), or joint_threshold's edit_scope all (its steps
+        edit finished blocks, which the block calls keep as they were)."""
+        if self.by_canvas:
+            return False
         return (self.config.gen_length == "auto" or not decodes_by_block(self.config)
                 or self.config.edit_scope == "all")  # fmt: skip
 
     @cached_property
     def group(self) -> tuple:
-        """Rows with the same group share block calls."""
+        """Rows with the same group share block calls (canvas rows: canvas calls; a seed
+        is the row's own generator's there)."""
+        if self.by_canvas:
+            return ("canvas", *sorted(self.config.model_dump(exclude=set(_PER_ROW)).items()))
         if self.seed is not None or self.auto:
             return ("alone", id(self))
         options = self.config.model_dump(exclude=set(_PER_ROW))
@@ -267,6 +285,8 @@ class Stats:
     tokens: int = 0  # answer tokens returned (before EOS / stop)
     blocks: int = 0  # block calls
     saved_row_forwards: int = 0  # rows whose first forward the prefix cache gave
+    prompts_encoded: int = 0  # canvas rows' prompts through the encoder (once per prompt)
+    pictures_encoded: int = 0  # their pictures through the vision tower
     busy_seconds: float = 0.0
     started: float = field(default_factory=time.time)
     recent: deque = field(default_factory=lambda: deque(maxlen=256))  # (time, tokens)
@@ -373,6 +393,8 @@ class Engine:
             try:
                 if first.auto:
                     self._run_whole(first)
+                elif first.by_canvas:
+                    self.run_canvas(rows)
                 else:
                     self.run_block(rows)
             except Exception as err:  # a bad option the checks missed: those rows fail
@@ -574,6 +596,60 @@ class Engine:
             keys.append(k)
             values.append(v)
         canvas.cache.keys, canvas.cache.values = keys, values
+
+    def run_canvas(self, rows: list[Job]) -> None:
+        """Denoise the next canvas of every row (one group; canvases.py): a row new to the
+        batch has its prompt and pictures encoded first, once."""
+        sm = self.sm
+        for job in rows:
+            if job.state is None:
+                job.state = start_row(sm.model, job.prompt_ids, job.images, job.generator,
+                                      sm.device)  # fmt: skip
+                self.stats.prompts_encoded += 1
+                if job.images is not None:
+                    self.stats.pictures_encoded += job.images.pixel_values.shape[0]
+        states = [job.state for job in rows]
+        traced = [row for row, job in enumerate(rows) if job.trace]
+        placeholder = next((i for i in (sm.mask_id, sm.pad_id) if i is not None), 0)
+        nan = float("nan")
+
+        def show(argmax: torch.Tensor, probability: torch.Tensor) -> None:
+            for row in traced:
+                job = rows[row]
+                gen = job.config.gen_length
+                canvas = (job.answer + argmax[row].tolist())[:gen]
+                shown = (job.state.probability + probability[row].tolist())[:gen]
+                rest = [placeholder] * (gen - len(canvas))
+                job.emit({"type": "step", "canvas": canvas + rest,
+                          "probability": [round(p, 4) if p == p else None
+                                          for p in shown + [nan] * (gen - len(shown))]})  # fmt: skip
+
+        canvas, joined = run_canvas(sm.model, states, rows[0].config, show if traced else None)
+        counts = joined[2]
+        self.stats.forwards += counts.nfe
+        self.stats.row_forwards += counts.row_forwards
+        self.stats.blocks += 1
+        stops = [i for i in (sm.eos_id, self.eot_id) if i is not None]
+        fill = next((i for i in (sm.eos_id, self.eot_id, sm.pad_id) if i is not None), 0)
+        keep = []
+        for row, (job, tokens) in enumerate(zip(rows, canvas.tolist())):
+            job.forwards += counts.nfe
+            gen = job.config.gen_length
+            new = tokens[: gen - len(job.answer)]
+            stop = next((i for i, t in enumerate(new) if t in stops), None)
+            if stop is not None:  # as `sample` writes it: the stop token, then the fill
+                new = new[: stop + 1]
+            self.stats.decoded += len(new)
+            job.answer += new
+            job.block += 1
+            ended = stop is not None or len(job.answer) >= gen
+            if ended:
+                job.answer += [fill] * (gen - len(job.answer))
+                job.state = None  # its K/V go
+            else:
+                keep.append(row)
+            self._advance(job, ended)
+        append_canvas(sm.model, states, canvas, joined, keep)
 
     def _run_whole(self, job: Job) -> None:
         """A job decoded in one call of `sample` (`Job.auto`)."""

@@ -149,7 +149,8 @@ def routes(server, route: Callable, read_json: Callable) -> list[Route]:
     async def canvas(request: Request):
         """The playground: the answer canvas after every denoising step (null = a mask)."""
         req = parse_request(CanvasRequest, await read_json(request))
-        (job,) = await server.make_jobs([req.prompt], req, req.max_tokens, trace=True)
+        (job,) = await server.make_jobs([req.prompt], req, req.max_tokens, trace=True,
+                                        image_urls=req.image_urls or None)  # fmt: skip
         queue = server.start([job])
         sm = server.sm
         # a uniform-canvas model (DiffusionGemma) has no masks: every canvas position is a token

@@ -71,6 +71,7 @@ def routes(server, route: Callable) -> list[Route]:
                              "defaults": server.sm.saved,
                              "sampling_options": server.sampling_options,
                              "playground": server.playground,
+                             "images": server.picture_limits(),
                              "notices": server.notices})  # fmt: skip
 
     return [

@@ -173,9 +173,12 @@ class ChatRequest(_Sampling):
 
 
 class CanvasRequest(_Strict):
-    """The page's playground: one prompt, every denoising step streamed."""
+    """The page's playground: one prompt, every denoising step streamed. image_urls: its
+    pictures (data: URLs, as a chat message's image_url parts give them; their tokens go
+    before the prompt's)."""
 
     prompt: str
+    image_urls: list[str] | None = None
     max_tokens: int | None = Field(None, gt=0)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)

@@ -138,6 +138,60 @@ $("preset").addEventListener("change", () => {
   placeOptions();
 });
 
+// a picture sent with the prompt (a model with a vision tower: /api/info's `images`), as a
+// data: URL in the request's image_urls; one over the server's cap is refused here with the
+// server's own line, and the server refuses it too
+let picture = null;  // {name, url}
+let pictureLimit = null;  // bytes of one picture; null: the model takes none
+
+function setPicture(value) {
+  picture = value;
+  $("picture-shown").hidden = !value;
+  $("picture-thumb").src = value ? value.url : "";
+  $("picture-thumb").title = value ? value.name : "";
+  if (!value) $("picture").value = "";
+}
+
+function takePicture(file) {
+  if (pictureLimit === null || !file) return;
+  if (file.size > pictureLimit) {
+    setPicture(null);
+    failed(`${file.name} is over this server's ${pictureLimit} bytes per picture; send a smaller picture`);
+    return;
+  }
+  const reader = new FileReader();
+  reader.onload = () => {
+    setPicture({ name: file.name, url: reader.result });
+    $("status").textContent = `picture ${file.name} (${file.size} bytes) goes with the prompt`;
+    $("status").classList.remove("play-error");
+  };
+  reader.readAsDataURL(file);
+}
+
+infoHooks.push((info) => {
+  pictureLimit = info.images ? info.images.max_bytes : null;
+  $("picture-label").hidden = pictureLimit === null;
+  if (pictureLimit === null) setPicture(null);
+});
+
+$("picture").addEventListener("change", () => takePicture($("picture").files[0]));
+$("picture-clear").addEventListener("click", () => setPicture(null));
+$("prompt").addEventListener("paste", (event) => {
+  const item = [...(event.clipboardData || {}).items || []].find((i) => i.kind === "file" && i.type.startsWith("image/"));
+  if (item && pictureLimit !== null) {
+    event.preventDefault();
+    takePicture(item.getAsFile());
+  }
+});
+$("play").addEventListener("dragover", (event) => { if (pictureLimit !== null) event.preventDefault(); });
+$("play").addEventListener("drop", (event) => {
+  const file = [...(event.dataTransfer || {}).files || []].find((f) => f.type.startsWith("image/"));
+  if (file && pictureLimit !== null) {
+    event.preventDefault();
+    takePicture(file);
+  }
+});
+
 function requestBody(prompt) {
   // the options given (empty: the model folder's), top-level or under "unmask" as the API
   // takes them, typed by their kind; a hidden option (its decoder refuses it) is not sent
@@ -154,6 +208,7 @@ function requestBody(prompt) {
   }
   if (Object.keys(options).length) body.unmask = options;
   if ($("seed").value !== "") body.seed = Number($("seed").value);
+  if (picture) body.image_urls = [picture.url];
   return body;
 }
 
@@ -256,6 +311,14 @@ function clearCanvas() {
   box.dataset.step = "0";
   box.dataset.masks = "0";
   box.dataset.edits = "";
+  box.dataset.text = "";
+}
+
+function failed(message) {
+  clearCanvas();
+  $("canvas").dataset.error = "1";
+  $("status").textContent = "error: " + message;
+  $("status").classList.add("play-error");
 }
 
 async function unmask() {
@@ -266,12 +329,7 @@ async function unmask() {
   $("status").classList.remove("play-error");
   showNotices([]);
   $("run").disabled = true;
-  const fail = (message) => {
-    clearCanvas();
-    $("canvas").dataset.error = "1";
-    $("status").textContent = "error: " + message;
-    $("status").classList.add("play-error");
-  };
+  const fail = failed;
   try {
     const response = await fetch("/v1/unmask/canvas", {
       method: "POST", headers: headers(), body: JSON.stringify(body),
@@ -292,6 +350,7 @@ async function unmask() {
         $("canvas").dataset.edits = String(count);
         $("canvas").dataset.done = "1";
         $("canvas").dataset.forwards = String(event.forwards);
+        $("canvas").dataset.text = event.text;
         showNotices(event.notices || []);
       } else {
         drawCanvas(prompt, event, previous, history, uniform);
