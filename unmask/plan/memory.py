@@ -234,7 +234,8 @@ def traced_layer_bytes(arch_json: str, rows: int, length: int, bf16: bool,
     """Bytes each layer of the model `arch_json` (a ModelConfig's JSON) saves for backward
     over `rows` rows of `length` tokens: its forward run under FakeTensorMode (no storage)
     with saved-tensor hooks, each saved storage counted once, on the layer that saved it
-    first, parameters left out. bf16: bfloat16 compute, by autocast over float32 weights
+    first, parameters left out (an MoE layer's too: a family of its own with mixture-of-experts
+    layers). bf16: bfloat16 compute, by autocast over float32 weights
     (`autocast`: one process, whose saves include autocast's weight copies) or with the
     weights themselves in bfloat16 (FSDP2's mixed precision)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -269,7 +270,11 @@ def traced_layer_bytes(arch_json: str, rows: int, length: int, bf16: bool,
         cast = (torch.autocast("cpu", dtype=torch.bfloat16) if bf16 and autocast
                 else contextlib.nullcontext())  # fmt: skip
         ids = torch.zeros(rows, length, dtype=torch.long)
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), cast:
+        # an MoE layer's grouped GEMM as its shapes (`_GroupedMatmulShapes`), its expert
+        # stacks' copies made once for the step (train/step.py `step_casts`)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), cast, \
+                mock.patch.object(torch, "_grouped_mm", _GroupedMatmulShapes.apply), \
+                step_casts():  # fmt: skip
             model.hidden_states(ids)
         for handle in handles:
             handle.remove()
