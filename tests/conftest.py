@@ -400,3 +400,67 @@ def offline(tmp_path, monkeypatch):
         monkeypatch.setenv(name, "1")
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf" / "datasets"))
+
+
+#: a tiny Gemma 4 vision tower whose patches (2 x 2 pixels) pool 2 x 2 into soft tokens
+PICTURE_VISION = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
+                  "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 8,
+                  "patch_size": 2, "position_embedding_size": 64, "pooling_kernel_size": 2}  # fmt: skip
+PICTURE_IMAGE, PICTURE_BOI, PICTURE_EOI = 125, 126, 127
+
+
+def save_vision_gemma(folder: Path, seed: int = 0, canvas_length: int = 4, **text) -> Path:
+    """A random tiny DiffusionGemma folder with a vision tower (transformers' model), the
+    char tokenizer and transformers' Gemma 4 image processor (70 soft tokens a picture):
+    what a run with pictures fine-tunes. Text config: DIFFUSION_GEMMA_TEXT with every
+    expert chosen (2 of 2: no token's routing flips on a rounding difference between
+    process counts), updated by `text`."""
+    import transformers
+    from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
+
+    from unmask.data.tokenizer import build_char_tokenizer, ensure_special_tokens
+
+    torch.manual_seed(seed)
+    config = transformers.DiffusionGemmaConfig(
+        text_config={**DIFFUSION_GEMMA_TEXT, "num_experts": 2, "top_k_experts": 2, **text},
+        vision_config=PICTURE_VISION,
+        canvas_length=canvas_length, initializer_range=0.02, image_token_id=PICTURE_IMAGE,
+        boi_token_id=PICTURE_BOI, eoi_token_id=PICTURE_EOI)  # fmt: skip
+    model = transformers.DiffusionGemmaForBlockDiffusion(config)
+    with torch.no_grad():  # a tower whose features differ from picture to picture
+        for name, param in model.named_parameters():
+            if "vision" in name and "norm" not in name:
+                param.normal_(0.0, 0.3)
+    model.save_pretrained(str(folder))
+    tokenizer = build_char_tokenizer()
+    ensure_special_tokens(tokenizer)
+    tokenizer.save_pretrained(str(folder))
+    Gemma4ImageProcessorPil(patch_size=2, max_soft_tokens=70,
+                            pooling_kernel_size=2).save_pretrained(str(folder))  # fmt: skip
+    return folder
+
+
+PICTURE_COLORS = {"red": (220, 30, 30), "green": (30, 200, 40), "blue": (30, 40, 220)}
+
+
+def write_picture_rows(root: Path, count: int, seed: int = 0) -> Path:
+    """root/rows.jsonl: LLaVA-style rows ("image" a file under root/pictures, the human
+    turn "<image>\\ncolor?", the answer the picture's color name), pictures of a few sizes,
+    a solid color with noise."""
+    from PIL import Image
+
+    g = torch.Generator().manual_seed(seed)
+    (root / "pictures").mkdir(parents=True, exist_ok=True)
+    names, rows = list(PICTURE_COLORS), []
+    for index in range(count):
+        name = names[int(torch.randint(len(names), (1,), generator=g))]
+        width, height = [(12, 12), (16, 8), (10, 14)][index % 3]
+        noise = torch.randint(-20, 21, (height, width, 3), generator=g)
+        pixels = (torch.tensor(PICTURE_COLORS[name]) + noise).clamp(0, 255).to(torch.uint8)
+        Image.fromarray(pixels.numpy()).save(root / "pictures" / f"{index}.png")
+        rows.append({"id": index, "image": f"pictures/{index}.png",
+                     "conversations": [{"from": "human", "value": "<image>\ncolor?"},
+                                       {"from": "gpt", "value": name}]})  # fmt: skip
+    path = root / "rows.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path

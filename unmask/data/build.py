@@ -15,10 +15,11 @@ from pathlib import Path
 import torch
 
 from unmask.data.config import DataConfig, SourceConfig
+from unmask.data.images import FolderVision, has_pictures, picture_record, picture_rows
 from unmask.data.indexed import IndexedStore, check_store_tokenizer
 from unmask.data.packing import build_rows, tokenize_records
 from unmask.data.rows import RowSource, TokenStoreRows
-from unmask.data.sources import Record, load_records
+from unmask.data.sources import Record, read_rows, records_of, to_record
 from unmask.data.streaming import StreamSpec, first_records, record_key
 from unmask.data.synthetic import Example, make_synthetic, make_synthetic_heldout
 from unmask.errors import InputError
@@ -55,9 +56,12 @@ def token_store_prefix(path: str, dataset_format: str = "auto") -> str | None:
     return None
 
 
-def build_datasets(cfg: DataConfig, tokenizer, saved_tokenizer=None) -> Datasets:
+def build_datasets(cfg: DataConfig, tokenizer, saved_tokenizer=None,
+                   model_folder: str | None = None) -> Datasets:  # fmt: skip
     """Training rows (a RowSource, a Blend for data.sources, a StreamSpec for
-    data.streaming), eval rows and notices.
+    data.streaming), eval rows and notices. Rows with pictures (data/images.py) go through
+    `model_folder`'s image processor (the model's folder; None: a model without a vision
+    tower, which refuses them).
 
     The tokenizer needs an EOS token (call `ensure_special_tokens` first); token stores are
     checked against `saved_tokenizer`, the tokenizer as loaded before tokens were added to it
@@ -73,7 +77,8 @@ def build_datasets(cfg: DataConfig, tokenizer, saved_tokenizer=None) -> Datasets
     check = _StoreCheck(saved_tokenizer or tokenizer)
     if not cfg.sources:
         source = SourceConfig(path=cfg.dataset, dataset_format=cfg.dataset_format)
-        return _one_source(cfg, source, tokenizer, eos_id, cfg.eval_dataset, check)
+        return _one_source(cfg, source, tokenizer, eos_id, cfg.eval_dataset, check,
+                           vision=model_folder)  # fmt: skip
     parts = [_one_source(cfg, s, tokenizer, eos_id, None, check) for s in cfg.sources]
     evals = _concatenated([p.eval for p in parts])
     if cfg.eval_dataset is not None:
@@ -96,15 +101,18 @@ class _StoreCheck:
 
 def _one_source(
     cfg: DataConfig, source: SourceConfig, tokenizer, eos_id: int, eval_path: str | None,
-    check: _StoreCheck, eval_only: bool = False,
+    check: _StoreCheck, eval_only: bool = False, vision: str | None | bool = False,
 ) -> Datasets:  # fmt: skip
+    """`vision`: the model folder for rows with pictures (None: no tower; False: a blend or
+    a separate eval source, which take no pictures)."""
     prefix = token_store_prefix(source.path, source.dataset_format)
     if prefix is not None:
         return _token_store(cfg, prefix, tokenizer, eos_id, eval_path, check, eval_only)
     train, evals = _split_records(cfg, source, eval_path)
     if eval_only:
         train, evals = [], train
-    return Datasets(_rows(cfg, tokenizer, train, eos_id), _rows(cfg, tokenizer, evals, eos_id))
+    return Datasets(_rows(cfg, tokenizer, train, eos_id, vision),
+                    _rows(cfg, tokenizer, evals, eos_id, vision))  # fmt: skip
 
 
 def _token_store(
@@ -217,7 +225,22 @@ def split_records(cfg: DataConfig) -> tuple[list[Record], list[Record]]:
 
 
 def _load(cfg: DataConfig, path: str, dataset_format: str, text_field: str) -> list[Record]:
-    return load_records(path, dataset_format, text_field, cfg.prompt_field, cfg.response_field)
+    rows = read_rows(path, dataset_format)
+    if not any(has_pictures(row, cfg.image_field) for row in rows):
+        return records_of(rows, path, text_field, cfg.prompt_field, cfg.response_field)
+    source = Path(path).expanduser()
+    folder = Path(cfg.image_folder).expanduser() if cfg.image_folder else (
+        source if source.is_dir() else source.parent)  # fmt: skip
+    out = []
+    for index, row in enumerate(rows):
+        where = f"{path!r} row {index}"
+        if has_pictures(row, cfg.image_field) or row.get("conversations") is not None:
+            out.append(picture_record(row, where, cfg.image_field, folder, cfg.prompt_field,
+                                      cfg.response_field))  # fmt: skip
+        else:
+            record = to_record(row, where, text_field, cfg.prompt_field, cfg.response_field)
+            out += [] if record is None else [record]
+    return out
 
 
 def _pair_records(examples: list[Example]) -> list[Record]:
@@ -257,7 +280,20 @@ def _hold_out(records: list[Record], eval_split: float, seed: int) -> tuple[list
     return train, evals
 
 
-def _rows(cfg: DataConfig, tokenizer, records: list[Record], eos_id: int) -> RowSource:
+def _rows(cfg: DataConfig, tokenizer, records: list[Record], eos_id: int,
+          vision: str | None | bool = False) -> RowSource:  # fmt: skip
+    """Rows of records; PictureRows (data/images.py) when some hold pictures."""
+    if any("images" in r for r in records):
+        where = f"data.dataset {cfg.dataset!r}"
+        if vision is False:
+            raise InputError(f"data: pictures are read from one data.dataset (with its held-out "
+                             f"rows), not from data.sources or data.eval_dataset; {where}")  # fmt: skip
+        if cfg.packing:
+            raise InputError("data: rows with pictures are one example per row: set "
+                             "data.packing: false (data.pad_policy eos or single_eos)")  # fmt: skip
+        folder = FolderVision(vision, where)
+        return picture_rows(records, tokenizer, eos_id, cfg.chat_template, folder,
+                            cfg.packing_length, cfg.supervise_padding)  # fmt: skip
     examples = tokenize_records(records, tokenizer, eos_id, cfg.chat_template)
     return build_rows(examples, cfg.packing_length, eos_id, cfg.packing, cfg.supervise_padding)
 
@@ -275,4 +311,4 @@ def heldout_examples(cfg: DataConfig) -> list[Example]:
     if token_store_prefix(cfg.dataset, cfg.dataset_format) is not None:
         return []
     _, evals = split_records(cfg)
-    return [(r["prompt"], r["response"]) for r in evals if "prompt" in r]
+    return [(r["prompt"], r["response"]) for r in evals if "prompt" in r and "images" not in r]

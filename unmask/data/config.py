@@ -74,6 +74,16 @@ class DataConfig(BaseModel):
     response_field: str = "response"
     """Column holding the answer of a prompt/answer pair (the part the loss trains)."""
 
+    image_field: str = "image"
+    """Column holding a row's pictures (docs/data.md, Pictures): a path, a list of paths, or
+    a `datasets` Image value; rows holding it train a model with a vision tower (its
+    folder's image processor turns them into patches). LLaVA-style rows (`image` and
+    `conversations` of human / gpt turns, `<image>` placeholders) are read as chats."""
+
+    image_folder: str | None = None
+    """Folder the pictures' relative paths are under (None: the dataset file's folder, or
+    the folder itself for a folder of files)."""
+
     chat_template: bool = True
     """Format prompt/response pairs as a user and an assistant turn with the tokenizer's chat
     template when it has one. Rows with a `messages` list (chat turns, the last one the

@@ -59,10 +59,22 @@ def load_records(
     if not source.exists():
         raise InputError(f"data: dataset path {str(path)!r} does not exist; accepted: {accepted()}")
     rows = list(_read_rows(source, dataset_format))
-    records = _to_records(rows, str(path), text_field, prompt_field, response_field)
+    return records_of(rows, str(path), text_field, prompt_field, response_field)
+
+
+def records_of(
+    rows: list[dict[str, Any]],
+    where: str,
+    text_field: str = "text",
+    prompt_field: str = "prompt",
+    response_field: str = "response",
+) -> list[Record]:
+    """The records of raw rows (`read_rows`) as `load_records` makes them; zero documents is
+    an error."""
+    records = _to_records(rows, where, text_field, prompt_field, response_field)
     if not records:
         raise InputError(
-            f"data: dataset {str(path)!r} holds 0 documents; give a file with at least one "
+            f"data: dataset {where!r} holds 0 documents; give a file with at least one "
             "non-empty document"
         )
     return records

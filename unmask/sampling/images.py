@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import base64
 import binascii
-import io
 from dataclasses import dataclass
 from pathlib import Path
 
+from unmask.data.images import image_processor, open_image
 from unmask.errors import InputError
 from unmask.models.diffusion_gemma_vision import Images, require_vision
 
@@ -35,19 +35,6 @@ class PromptImages:
         """The patches of `rows` prompts that each have these pictures."""
         return Images(self.images.pixel_values.repeat(rows, 1, 1),
                       self.images.position_ids.repeat(rows, 1, 1))  # fmt: skip
-
-
-def open_image(data: bytes, name: str):
-    """A PIL RGB image from bytes; one line naming `name` when PIL cannot read them."""
-    from PIL import Image, UnidentifiedImageError
-
-    try:
-        image = Image.open(io.BytesIO(data))
-        image.load()
-    except (UnidentifiedImageError, OSError, ValueError) as err:
-        raise InputError(f"{name} is not an image PIL can read ({type(err).__name__}); give a "
-                         "PNG, JPEG, GIF or WebP file") from None  # fmt: skip
-    return image.convert("RGB")
 
 
 MAX_IMAGE_BYTES = 3 * 2**20
@@ -104,19 +91,6 @@ def read_image_files(paths: list[str]) -> list:
             raise InputError(f"--image {path!r} does not exist; give an image file")
         out.append(open_image(Path(path).read_bytes(), f"--image {path!r}"))
     return out
-
-
-def image_processor(folder: str | Path):
-    """The folder's own image processor (offline), or one line when it has none."""
-    import transformers
-
-    if not (Path(folder) / "preprocessor_config.json").is_file():
-        raise InputError(f"{str(folder)!r} has no image processor (preprocessor_config.json); "
-                         "save the model's processor into the folder to give it images")  # fmt: skip
-    try:
-        return transformers.AutoImageProcessor.from_pretrained(str(folder), local_files_only=True)
-    except (OSError, ValueError) as err:
-        raise InputError(f"{str(folder)!r}: its image processor does not load ({err})") from None
 
 
 def prompt_images(model, folder: str | Path, pictures: list) -> PromptImages:

@@ -18,7 +18,7 @@ from unmask.sampling.accuracy import heldout_accuracy
 from unmask.sampling.generation_file import fixed_by_training
 from unmask.train.metrics import MetricsLogger
 from unmask.train.setup import objective_heldout
-from unmask.train.step import autocast, to_device
+from unmask.train.step import autocast, to_device, with_images
 
 if TYPE_CHECKING:  # pragma: no cover
     from pathlib import Path
@@ -66,7 +66,7 @@ class Evaluation:
             if self.cfg.train.eval_max_batches is not None:
                 if index >= self.cfg.train.eval_max_batches:
                     break
-            batch = self._eval_noise(to_device(batch, self.device), index * size)
+            batch = with_images(self._eval_noise(to_device(batch, self.device), index * size))
             if self.context is not None:  # this rank's slice of the rows (noise drawn)
                 batch = self.context.shard_batch(pad_rows(batch, self.context.size))
             with autocast(self.device, self.cfg.train.bf16):

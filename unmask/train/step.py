@@ -14,7 +14,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from unmask.data.images import IMAGE_KEYS
 from unmask.diffusion.cutoffs import random_length_cut
+from unmask.models.diffusion_gemma_vision import Images
 from unmask.models.moe import step_casts
 from unmask.parallel.batch import rank_generator
 from unmask.parallel.context import pad_rows
@@ -35,6 +37,20 @@ if TYPE_CHECKING:  # pragma: no cover
 
 def to_device(batch: dict, device: torch.device) -> dict:
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+def with_images(batch: dict) -> dict:
+    """A gathered batch with its rows' pictures (data/images.py `image_pixels`,
+    `image_positions`) turned into the model's `images`: every picture of the batch in row
+    order (none: no `images`). Other batches unchanged."""
+    if IMAGE_KEYS[0] not in batch:
+        return batch
+    out = {k: v for k, v in batch.items() if k not in IMAGE_KEYS}
+    pixels, positions = batch["image_pixels"], batch["image_positions"]
+    real = (positions != -1).any(dim=-1).any(dim=-1)  # (B, M) slots holding a picture
+    if bool(real.any()):
+        out["images"] = Images(pixels[real], positions[real])
+    return out
 
 
 def autocast(device: torch.device, bf16: bool):
@@ -99,8 +115,9 @@ class TrainStep:
 
     def _prepared(self, batch: dict) -> dict:
         """A micro-batch on the device, cut to LLaDA's random length (seeded by the step, so
-        every rank and micro-batch cuts alike)."""
-        batch = to_device(batch, self.device)
+        every rank and micro-batch cuts alike); its rows' pictures (data/images.py) as the
+        model's `images`."""
+        batch = with_images(to_device(batch, self.device))
         return random_length_cut(
             batch, self.cfg.diffusion.random_length_prob, self.cfg.train.seed, self.step
         )

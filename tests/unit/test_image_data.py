@@ -1,0 +1,176 @@
+"""Image-text rows (data/images.py): LLaVA-style JSONL and a save_to_disk folder with an
+Image column become padded rows whose prompts hold each picture's tokens where its
+`<image>` placeholder was, and batches whose pictures are what `unmask generate --image`
+gives the model for the same files (sampling/images.py prompt_images: the same tokens, the
+same patches); the batch's `Images` are the rows' pictures in row order; bad input is one
+line, exit 2, nothing written."""
+
+import json
+
+import pytest
+import torch
+import yaml
+from conftest import (
+    PICTURE_BOI,
+    PICTURE_EOI,
+    PICTURE_IMAGE,
+    TINY,
+    deep_update,
+    save_vision_gemma,
+    write_picture_rows,
+)
+from PIL import Image
+
+from unmask.cli import main
+from unmask.data import DataConfig, build_datasets
+from unmask.data.tokenizer import build_tokenizer
+from unmask.errors import InputError
+from unmask.train.step import with_images
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+LENGTH = 96
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """(the model folder, the LLaVA rows file)."""
+    root = tmp_path_factory.mktemp("picture_data")
+    return save_vision_gemma(root / "model"), write_picture_rows(root / "data", 6)
+
+
+def config(data, folder, **extra) -> DataConfig:
+    return DataConfig(dataset=str(data), tokenizer=str(folder), packing=False,
+                      packing_length=LENGTH, eval_split=2, **extra)  # fmt: skip
+
+
+def rows_of(data, folder, model_folder=None):
+    cfg = config(data, folder)
+    tokenizer = build_tokenizer(cfg)
+    return build_datasets(cfg, tokenizer, model_folder=str(model_folder or folder)), tokenizer
+
+
+def test_llava_rows_hold_the_pictures_tokens_and_generates_patches(saved):
+    from unmask.data import split_records
+    from unmask.models import from_pretrained
+    from unmask.sampling.images import prompt_images
+
+    folder, data = saved
+    built, tokenizer = rows_of(data, folder)
+    train = built.train
+    assert len(train) == 4 and len(built.eval) == 2
+    records, _ = split_records(config(data, folder))
+    model = from_pretrained(folder)
+    batch = train.gather(torch.arange(len(train)))
+
+    def encode(text: str) -> list[int]:
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    own = []
+    for b, record in enumerate(records):
+        ids, maskable = batch["input_ids"][b].tolist(), batch["maskable"][b].tolist()
+        (picture,) = record["images"]
+        given = prompt_images(model, folder, [Image.open(picture.path).convert("RGB")])
+        assert given.prefix[0] == PICTURE_BOI and given.prefix[-1] == PICTURE_EOI
+        prompt = encode("user: ") + given.prefix + encode("\ncolor?\nassistant: ")
+        answer = encode(record["messages"][-1]["content"]) + [tokenizer.eos_token_id]
+        assert ids[: len(prompt) + len(answer)] == prompt + answer
+        assert maskable == [False] * len(prompt) + [True] * (LENGTH - len(prompt))
+        own.append(given.images)
+    images = with_images(batch)["images"]
+    assert torch.equal(images.position_ids, torch.cat([g.position_ids for g in own]))
+    assert torch.equal(images.pixel_values, torch.cat([g.pixel_values for g in own]))
+
+
+def test_a_save_to_disk_folder_with_an_image_column_gives_the_jsonl_rows(saved, tmp_path):
+    import datasets
+
+    folder, data = saved
+    rows = [json.loads(line) for line in data.read_text().splitlines()]
+    pairs = [{"image": r["image"], "prompt": "<image> color?", "response":
+              r["conversations"][1]["value"]} for r in rows]  # fmt: skip
+    (data.parent / "pairs.jsonl").write_text("".join(json.dumps(p) + "\n" for p in pairs))
+    table = {"image": [{"bytes": (data.parent / p["image"]).read_bytes(), "path": None}
+                       for p in pairs],
+             "prompt": [p["prompt"] for p in pairs], "response": [p["response"] for p in pairs]}  # fmt: skip
+    features = datasets.Features({"image": datasets.Image(), "prompt": datasets.Value("string"),
+                                  "response": datasets.Value("string")})  # fmt: skip
+    datasets.Dataset.from_dict(table, features=features).save_to_disk(str(tmp_path / "hf"))
+    from_jsonl, _ = rows_of(data.parent / "pairs.jsonl", folder)
+    from_folder, _ = rows_of(tmp_path / "hf", folder)
+    every = torch.arange(len(from_jsonl.train))
+    a, b = from_jsonl.train.gather(every), from_folder.train.gather(every)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert int((a["input_ids"] == PICTURE_IMAGE).sum()) > 0
+
+
+def test_the_batch_images_are_the_rows_pictures_in_row_order():
+    pixels = torch.arange(4 * 2 * 3 * 1, dtype=torch.float).view(4, 2, 3, 1)
+    positions = torch.full((4, 2, 3, 2), -1)
+    # row 0: two pictures, row 1: none, row 2: one (slot 0), row 3: one of 1 patch
+    for row, slot, patches in ((0, 0, 3), (0, 1, 2), (2, 0, 3), (3, 0, 1)):
+        positions[row, slot, :patches] = 0
+    out = with_images({"input_ids": torch.zeros(4, 5), "image_pixels": pixels,
+                       "image_positions": positions})  # fmt: skip
+    assert set(out) == {"input_ids", "images"}
+    assert torch.equal(out["images"].pixel_values, pixels[[0, 0, 2, 3], [0, 1, 0, 0]])
+    assert torch.equal(out["images"].position_ids, positions[[0, 0, 2, 3], [0, 1, 0, 0]])
+    none = with_images({"image_pixels": pixels[1:2], "image_positions": positions[1:2]})
+    assert none == {}
+
+
+def write_rows(tmp_path, rows: list[dict]):
+    path = tmp_path / "bad.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows * 4))
+    return path
+
+
+def test_bad_pictures_are_one_line(saved, tmp_path):
+    folder, data = saved
+    picture = str(data.parent / "pictures" / "0.png")
+    chat = [{"from": "human", "value": "<image> and <image>?"}, {"from": "gpt", "value": "x"}]
+    (tmp_path / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\nnot a picture")
+    cases = {
+        "missing": ({"image": "nowhere.png", "conversations": chat},
+                    "picture '.*nowhere.png' does not exist"),
+        "unreadable": ({"image": str(tmp_path / "broken.png"), "prompt": "<image>",
+                        "response": "x"}, "broken.png' is not an image PIL can read"),
+        "placeholders": ({"image": picture, "conversations": chat},
+                         "row 0 has 2 <image> placeholder\\(s\\) but 1 picture\\(s\\)"),
+    }  # fmt: skip
+    for row, message in cases.values():
+        with pytest.raises(InputError, match=message):
+            rows_of(write_rows(tmp_path, [row]), folder)
+    with pytest.raises(InputError, match="set data.packing: false"):
+        cfg = config(data, folder).model_copy(update={"packing": True})
+        build_datasets(cfg, build_tokenizer(cfg), model_folder=str(folder))
+    text_only = tmp_path / "text_only"
+    text_only.mkdir()
+    source = json.loads((folder / "config.json").read_text())
+    source.pop("vision_config")
+    (text_only / "config.json").write_text(json.dumps(source))
+    with pytest.raises(InputError, match="has no vision tower"):
+        rows_of(data, folder, text_only)
+    with pytest.raises(InputError, match="the model is built without a vision tower"):
+        build_datasets(config(data, folder), build_tokenizer(config(data, folder)))
+
+
+def test_a_missing_picture_stops_unmask_train_in_one_line_before_writing(saved, tmp_path,
+                                                                         capsys):  # fmt: skip
+    folder, data = saved
+    rows = [json.loads(line) for line in data.read_text().splitlines()]
+    rows[3]["image"] = "pictures/gone.png"
+    bad = tmp_path / "rows.jsonl"
+    bad.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tree = deep_update(TINY, {"data": {"dataset": str(bad), "tokenizer": str(folder),
+                                       "image_folder": str(data.parent),
+                                       "packing_length": LENGTH, "eval_split": 2},
+                              "diffusion": {"objective": "uniform"},
+                              "train": {"output_dir": str(tmp_path / "run")}})  # fmt: skip
+    tree["model"] = {"pretrained": str(folder)}
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(tree))
+    assert main(["train", str(path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "row 3: picture" in err[0] and "gone.png' does not exist" in err[0]
+    assert not (tmp_path / "run").exists()
