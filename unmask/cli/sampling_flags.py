@@ -9,6 +9,8 @@ import argparse
 import types
 from typing import Literal, Union, get_args, get_origin
 
+import yaml
+
 from unmask.sampling.config import SamplingConfig, option_choices
 
 SAMPLING_GROUP = "sampling options (default: the model folder's generation_config.json)"
@@ -16,6 +18,9 @@ SAMPLING_GROUP = "sampling options (default: the model folder's generation_confi
 # SamplingConfig fields with no flag: the step history is data for the Python API (--show
 # draws it).
 NO_FLAG = ("history",)
+# SamplingConfig fields that are a mapping of names to values: one repeated flag, each
+# NAME=VALUE (a plug-in decoder's own options, `--decoder-option stride=2`)
+MAPPING_FLAGS = {"decoder_options": "--decoder-option"}
 
 
 def add_sampling_flags(parser: argparse.ArgumentParser) -> None:
@@ -36,7 +41,10 @@ def add_sampling_flags(parser: argparse.ArgumentParser) -> None:
         doc = (field.description or "").split(". ")[0].rstrip(".")
         help_text = doc if default is None else f"{doc} (built-in default: {default})"
         kind = option_choices(name) or _flag_type(field.annotation)
-        if kind is bool:
+        if name in MAPPING_FLAGS:
+            group.add_argument(MAPPING_FLAGS[name], action="append", type=_name_value,
+                               dest=name, metavar="NAME=VALUE", help=help_text)  # fmt: skip
+        elif kind is bool:
             group.add_argument(flag, action=argparse.BooleanOptionalAction, dest=name,
                                help=help_text)  # fmt: skip
         elif isinstance(kind, tuple):
@@ -67,6 +75,24 @@ def _number_or(kind, words: list[str]):
     return parse
 
 
+def _name_value(text: str) -> tuple[str, object]:
+    """NAME=VALUE, the value read as a YAML scalar (2 -> int, 0.5 -> float, true -> bool,
+    a word -> str)."""
+    name, sep, value = text.partition("=")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {text!r}")
+    try:
+        parsed = yaml.safe_load(value) if value else value
+    except yaml.YAMLError:
+        parsed = value
+    return name, parsed if isinstance(parsed, (int, float, bool, str)) else value
+
+
 def sampling_flags(ns: argparse.Namespace) -> dict:
-    """The sampling options given on the command line (None = not given)."""
-    return {name: getattr(ns, name) for name in ns.sampling_fields}
+    """The sampling options given on the command line (None = not given; a repeated
+    NAME=VALUE flag as a mapping)."""
+    out = {name: getattr(ns, name) for name in ns.sampling_fields}
+    for name in MAPPING_FLAGS:
+        if out.get(name) is not None:
+            out[name] = dict(out[name])
+    return out

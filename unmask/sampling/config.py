@@ -17,6 +17,7 @@ from unmask.errors import InputError, describe_validation_error, did_you_mean
 from unmask.sampling.decoders import (
     DECODERS,
     BlockDecoder,
+    check_own_options,
     decoder_choices,
     decoder_class,
     decoder_names,
@@ -147,6 +148,12 @@ class SamplingConfig(BaseModel):
     or one added with `unmask.sampling.register_decoder` (docs/sampling.md). Default: the
     one the options imply (left_to_right with autoregressive, entropy_bound with
     uniform_canvas, blocks_from_start with blocks_from_start, else masked)."""
+    decoder_options: dict[str, Any] | None = None
+    """Options a decoder from another package declares itself (its `options_model`,
+    sampling/decoders.py `Decoder`), by name: `--decoder-option NAME=VALUE` (repeated; the
+    value read as a YAML scalar), a mapping in YAML and in generation_config.json, or
+    "decoder_options": {...} under a request's "unmask". Checked by the decoder that runs
+    (a decoder without an options model refuses them). Default: none (its own defaults)."""
     edit_threshold: float | None = Field(None, ge=0.0, le=1.0)
     """Decoder joint_threshold (LLaDA2.1's T2T edits): a filled answer token of the current
     block is replaced by the model's argmax where that differs and its probability is above
@@ -303,6 +310,7 @@ class SamplingConfig(BaseModel):
             raise ValueError(f"an autoregressive model decodes left to right; decoder "
                              f"{decoder!r} decodes masks it never learned to fill")  # fmt: skip
         kind.check(self)
+        check_own_options(self, decoder)
         check_block_origin(self, decoder)
         if self.block_causal and self.shift_logits and not kind.shifted_blocks:
             raise ValueError(

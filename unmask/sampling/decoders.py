@@ -6,7 +6,10 @@ package; `SamplingConfig.decoder` names one (None: the one the options imply, `i
 Each decoder declares what it reads (`Decoder`): the options that are its own (every other
 decoder refuses them when given), the names they take, the options it refuses, what kind of
 model it decodes, its checks and how it fits a canvas; `SamplingConfig`'s validation, the
-command line's choices and the playground read them from here. Two kinds:
+command line's choices and the playground read them from here. A decoder from another
+package declares its own options as one pydantic model (`Decoder.options_model`), given as
+`SamplingConfig.decoder_options` and checked for the decoder that runs (`check_own_options`,
+one line naming it). Two kinds:
 
 - `BlockDecoder`: the steps of one block of a canvas (`Canvas`, sampling/generate.py).
   `sample` makes one per block, left to right, and the server's engine makes one per block
@@ -34,7 +37,9 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 import torch
+from pydantic import BaseModel, ValidationError
 
+from unmask.errors import describe_validation_error, did_you_mean
 from unmask.models.families import FAMILIES, family_for_hf_type
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -72,6 +77,22 @@ class Decoder:
     #: whether the decoder replaces tokens it committed (counted in GenerationOutput.edits,
     #: shown by `--show`, the summary line and the served usage's `edits`)
     edits_tokens = False
+    #: its own options as one pydantic model, for a decoder that is not unmask's (from
+    #: another package): the fields with their docstrings and defaults, their checks and any
+    #: presets in the model's validators. They are given as `SamplingConfig.decoder_options`
+    #: (`unmask generate --decoder-option NAME=VALUE`, a mapping in YAML and in a folder's
+    #: generation_config.json, a request's "unmask": {"decoder_options": {...}}), checked
+    #: here for the decoder that runs (`check_own_options`) and read with `own_options`;
+    #: None: it takes none
+    options_model: type[BaseModel] | None = None
+
+    @classmethod
+    def own_options(cls, config: SamplingConfig) -> BaseModel | None:
+        """Its options model filled from config.decoder_options (the model's defaults where
+        none is given; its presets applied by its validators); None without a model."""
+        if cls.options_model is None:
+            return None
+        return cls.options_model.model_validate(config.decoder_options or {})
 
     @classmethod
     def check(cls, config: SamplingConfig) -> None:
@@ -222,6 +243,29 @@ def given(config: Any, option: str) -> bool:
     return getattr(config, option) != field.get_default()
 
 
+def check_own_options(config: SamplingConfig, decoder: str) -> None:
+    """ValueError (one line naming the decoder) when config.decoder_options are not the
+    options `decoder` declares (`Decoder.options_model`): given to a decoder without a model,
+    a name the model has no field for, or a value its checks refuse."""
+    given = config.decoder_options
+    if given is None:
+        return
+    model = DECODERS[decoder].options_model
+    if model is None:
+        raise ValueError(f"decoder {decoder!r} declares no options of its own; drop "
+                         f"decoder_options {sorted(given)}")  # fmt: skip
+    for name in given:
+        if name not in model.model_fields:
+            raise ValueError(f"unknown option {name!r} of decoder {decoder!r}"
+                             f"{did_you_mean(name, model.model_fields)}; its options: "
+                             f"{', '.join(model.model_fields)}")  # fmt: skip
+    try:
+        model.model_validate(given)
+    except ValidationError as err:
+        raise ValueError(f"decoder {decoder!r}: "
+                         f"{describe_validation_error(err, 'option')}") from None  # fmt: skip
+
+
 def decoder_class(config: SamplingConfig) -> type[BlockDecoder] | type[WholeDecoder]:
     return DECODERS[implied(config)]
 
@@ -250,6 +294,7 @@ __all__ = [
     "implied",
     "owner_of",
     "refused_options",
+    "check_own_options",
     "register_decoder",
     "uniform_canvas_model",
 ]

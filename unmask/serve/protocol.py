@@ -339,8 +339,8 @@ def sampling_options(saved: dict[str, Any]) -> list[dict[str, Any]]:
     the first sentence of its description."""
     out = []
     for name, field in SamplingConfig.model_fields.items():
-        if name in RUNTIME_OPTIONS:
-            continue
+        if name in RUNTIME_OPTIONS or name == "decoder_options":  # a plug-in decoder's own
+            continue  # options: a request gives them by name, the page has no form for them
         choices = option_choices(name)
         annotation = str(field.annotation)
         if name == "gen_length":  # max_tokens: a count ("auto" only from the folder)
