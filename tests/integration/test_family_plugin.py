@@ -339,7 +339,13 @@ def test_it_is_planned_generated_and_served(plugin, tmp_path):
     assert rows["model.layers.0.mlp.fc_out.weight"]["local"] == [32, 32]  # row-parallel
     assert rows["model.layers.1.moe.experts.gate_proj"]["local"] == [4, 64, 32]  # whole
     assert plan["ranks"][0]["memory"]["activations"] > 0
-    plan = plan_json(env, config, "parallel.expert_parallel=2")
+    # expert parallelism's plan, in this process (where the fixture registered the family)
+    from unmask.config import load_config
+    from unmask.plan.devices import DEVICES
+    from unmask.plan.planner import make_run_plan
+
+    ep = make_run_plan(load_config(config, ["parallel.expert_parallel=2"]), 2, DEVICES["h100"])
+    plan = ep.to_json()
     for rank in (0, 1):  # each ep rank holds two of the four experts
         rows = {row["name"]: row for row in plan["ranks"][rank]["shards"]}
         assert rows["model.layers.1.moe.experts.down_proj"]["local"] == [2, 32, 64]

@@ -11,9 +11,11 @@ Each `Family` (models/families.py) carries a `ModelShape`. What reads it:
   `attention_width` (`layer_costs`) and runs each stage through the model's own
   `hidden_states` over the stage's layers (`StagedModel`, no copy of the forward);
 - the MFU (train/mfu.py) counts the attention term with `attention_width`;
-- the memory model (plan/memory.py) uses its formulas for the decoder block
-  (`activation_formula` True) and otherwise measures what a layer saves for backward by
-  running the model on the meta device (no storage, no compute).
+- the memory model (plan/memory.py) is the walk the shape names (`memory_model`): the
+  decoder's uses its formulas for the decoder block (`activation_formula` True) and otherwise
+  measures what a layer saves for backward by running the model on the meta device (no
+  storage, no compute); a canvas decoder's (DiffusionGemma) reads `prompt_kv`; a family
+  from another package may register its own.
 
 The model a family builds (models/build.py `register_family`) keeps the layout these paths
 name: the layers at `model.layers`, the embedding at `model.embed_tokens`, the final norm at
@@ -96,6 +98,12 @@ class ModelShape:
     canvas_decoder: bool = False
     recompute: bool = True
     lora_linear: str | tuple[str, ...] = NATIVE_LINEAR
+    memory_model: str = "decoder"
+    """The walk `unmask plan` prices its training step's memory with, by name (plan/memory.py
+    `MEMORY_MODELS`): "decoder" (a stack of layers over each micro-batch: the formulas, or
+    the layers' traced saves), "canvas" (an encoder pass and decoder passes over a canvas);
+    a family from another package registers its own walk
+    (plan/memory.py `register_memory_model`) and names it here, with no edit of plan/."""
 
     def attention_width(self, arch) -> int:
         """Query heads x head dim: the width of the attention scores' matmuls."""
@@ -224,6 +232,15 @@ class DiffusionGemmaShape(ModelShape):
     def layer_matmul_params(self, arch, index: int) -> int:
         return self._attention(arch, index)[1] + self.mlp_params(arch, index)
 
+    def prompt_kv(self, arch, index: int, length: int) -> tuple[int, int, int]:
+        """(prompt tokens whose keys and values layer `index` keeps for the decoder, its
+        key/value heads, its head dim) for a prompt of `length` tokens: the whole prompt on a
+        full-attention layer, its last sliding_window - 1 tokens on a sliding one (the
+        canvas's memory walk, plan/memory.py `prompt_kv_gradient_bytes`)."""
+        sliding, head_dim, kv_heads = arch.diffusion_gemma.layer_shape(arch, index)
+        kept = min(length, arch.diffusion_gemma.sliding_window - 1) if sliding else length
+        return kept, kv_heads, head_dim
+
     def training_call(self, arch, rows: int, length: int,
                       self_condition: bool) -> tuple[tuple, dict]:  # fmt: skip
         """(args, kwargs) of one training call of the model as the `uniform` objective makes
@@ -322,7 +339,8 @@ DIFFUSION_GEMMA_LINEAR = (r"model\.layers\.\d+\.(self_attn\.(q|k|v|o)_proj"
                           r"|mlp\.(gate|up|down)_proj)")  # fmt: skip
 DIFFUSION_GEMMA = DiffusionGemmaShape("diffusion_gemma", tensor=DIFFUSION_GEMMA_TENSOR_PLAN,
                                      staged=False, canvas_decoder=True, recompute=False,
-                                     lora_linear=DIFFUSION_GEMMA_LINEAR)  # fmt: skip
+                                     lora_linear=DIFFUSION_GEMMA_LINEAR,
+                                     memory_model="canvas")  # fmt: skip
 """Tensor parallelism (`DIFFUSION_GEMMA_TENSOR_PLAN`, Megatron's split of what this family
 allows): attention's q/k/v column-parallel (full layers have no v_proj: V is the k
 projection, so it is split with k), o row-parallel, q_norm/k_norm per head over a rank's

@@ -63,10 +63,14 @@ and dtypes, no storage, no compute) at the micro-batch's rows and length and cou
 bytes each layer's modules save for backward, as autograd's saved-tensor hooks see them,
 at tp = 1 (an upper bound under tensor parallelism, which splits some of them).
 
-A canvas decoder (DiffusionGemma under `uniform`: the shape's `canvas_decoder`) runs its
-stack once per pass, so its step is traced whole (`traced_canvas_bytes`: the objective's
-call under FakeTensorMode, each layer's saves per pass and those around the layers) and
-walked by `canvas_memory_terms`.
+Which walk prices a family's step is its shape's declaration (models/shape.py
+`ModelShape.memory_model`, a name in `MEMORY_MODELS`; `memory_terms` calls it): "decoder"
+(`decoder_memory_terms`, above) or "canvas". A canvas decoder (DiffusionGemma under
+`uniform`) runs its stack once per pass, so its step is traced whole (`traced_canvas_bytes`:
+the objective's call under FakeTensorMode, each layer's saves per pass and those around the
+layers) and walked by `canvas_memory_terms`, which reads the prompt keys the layers keep
+from the shape (`prompt_kv`). A family from another
+package registers its own walk (`register_memory_model`) and names it on its shape.
 """
 
 from __future__ import annotations
@@ -74,6 +78,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from unittest import mock
 
@@ -631,6 +636,17 @@ def in_flight(model: ShardedModel) -> float:
 
 
 def memory_terms(model: ShardedModel, shape: StepShape) -> MemoryTerms:
+    """Every term of this rank and the peak estimate, by the walk the model's family
+    declares (models/shape.py `ModelShape.memory_model`, one of `MEMORY_MODELS`)."""
+    name = shape_of(model.model_config).memory_model
+    if name not in MEMORY_MODELS:
+        raise ValueError(f"memory model {name!r} of model_type "
+                         f"{model.model_config.model_type!r} is not registered; registered: "
+                         f"{', '.join(MEMORY_MODELS)} (plan/memory.py register_memory_model)")  # fmt: skip
+    return MEMORY_MODELS[name](model, shape)
+
+
+def decoder_memory_terms(model: ShardedModel, shape: StepShape) -> MemoryTerms:
     """Every term of this rank and the peak estimate, in a step after the first (the
     optimizer state exists). The peak is the most live at any point of a walk through the
     step, on top of the parameters and the optimizer state:
@@ -654,8 +670,6 @@ def memory_terms(model: ShardedModel, shape: StepShape) -> MemoryTerms:
     schedule's, `in_flight` of them hold their saved activations at the peak, and only the
     rank that holds the last stage computes the head.
     """
-    if shape.canvas:
-        return canvas_memory_terms(model, shape)
     params, grads, optim = state_bytes(model)
     kept, held, around = layer_saves(model, shape)
     one = sum(kept) + around
@@ -860,16 +874,13 @@ def prompt_kv_gradient_bytes(model: ShardedModel, shape: StepShape) -> list[int]
     b = 2 if shape.bf16 else 4
     out = []
     for index in range(arch.num_hidden_layers):
-        sliding, head_dim, kv_heads = arch.diffusion_gemma.layer_shape(arch, index)
-        kept = (
-            min(shape.length, arch.diffusion_gemma.sliding_window - 1) if sliding else shape.length
-        )
+        kept, kv_heads, head_dim = shape_of(arch).prompt_kv(arch, index, shape.length)
         out.append(2 * shape.rows * kept * kv_heads * head_dim * b)
     return out
 
 
 def canvas_memory_terms(model: ShardedModel, shape: StepShape) -> MemoryTerms:
-    """`memory_terms` of a canvas decoder's step (models/shape.py DiffusionGemmaShape: the
+    """The memory walk of a canvas decoder's step (models/shape.py DiffusionGemmaShape: the
     encoder over the row, a decoder pass without gradients over the canvas when
     self-conditioning, the decoder with gradients, the LM head on the canvas over the whole
     vocabulary in float32). The saves are `canvas_saves`'s; the walk, on top of the
@@ -887,7 +898,7 @@ def canvas_memory_terms(model: ShardedModel, shape: StepShape) -> MemoryTerms:
       below it (the encoder's whole while the decoder's backward runs), the layer's
       activation gradients (`canvas_gradient_bytes`), the prompt keys' and values'
       gradients made so far (`prompt_kv_gradient_bytes`), and FSDP2's units as in
-      `memory_terms` (this layer gathered with its unsharded float32 gradient and its
+      `decoder_memory_terms` (this layer gathered with its unsharded float32 gradient and its
       expert stacks' gradients, the next one prefetched, the sharded gradients made);
     - the optimizer step: every gradient and Muon's buffers.
 
@@ -951,3 +962,22 @@ def canvas_memory_terms(model: ShardedModel, shape: StepShape) -> MemoryTerms:
         expert_working = muon - muon_step_bytes(model, shape, experts=False)
     return MemoryTerms(params, grads, optim, round(saved), round(working),
                        round(params + optim + live_peak), experts, expert_working)  # fmt: skip
+
+
+MemoryModel = Callable[[ShardedModel, StepShape], MemoryTerms]
+MEMORY_MODELS: dict[str, MemoryModel] = {
+    "decoder": decoder_memory_terms,
+    "canvas": canvas_memory_terms,
+}
+"""A family's memory walk by the name its shape declares (models/shape.py
+`ModelShape.memory_model`): `memory_terms` calls it with this rank's shards and the step."""
+
+
+def register_memory_model(name: str, walk: MemoryModel) -> None:
+    """Add a memory walk (`walk(model, shape) -> MemoryTerms`) that a family's shape names
+    (`ModelShape(memory_model=name)`), from another package too: a family whose step is
+    neither the decoder's nor the canvas decoder's brings its own with no edit of plan/
+    (ValueError when the name is taken)."""
+    if name in MEMORY_MODELS:
+        raise ValueError(f"memory model {name!r} is already registered")
+    MEMORY_MODELS[name] = walk
