@@ -5,6 +5,8 @@ several images of different sizes per row, a batch with a text-only row, left pa
 the bidirectional image blocks (use_bidirectional_attention: vision); folders with the tower
 round-trip bit for bit and transformers reads unmask's; bad image input is one line."""
 
+import json
+
 import pytest
 import torch
 import transformers
@@ -646,3 +648,134 @@ def test_tower_flops_equal_torchs_flop_counter(folders, freeze):
     without = DIFFUSION_GEMMA.call_flops(flops, model.config, (ids, canvas), {})
     counted = DIFFUSION_GEMMA.call_flops(flops, model.config, (ids, canvas), {"images": images})
     assert int(counted) - without == counter.get_total_flops()
+
+
+# --------------------------------------------- unmask plan: the 26B-A4B's tower at 8 H100s
+
+
+@pytest.fixture(scope="module")
+def gemma_26b_folder(tmp_path_factory):
+    """configs/models/diffusion_gemma_26b_a4b.yaml's architecture as a folder's config.json
+    with transformers' default Gemma 4 vision tower (the planner reads no weights)."""
+    import json
+    from pathlib import Path
+
+    from unmask.config import load_config
+    from unmask.models import hf_config_dict
+
+    yaml = Path(__file__).parents[2] / "configs" / "models" / "diffusion_gemma_26b_a4b.yaml"
+    folder = tmp_path_factory.mktemp("gemma_26b")
+    config = hf_config_dict(load_config(yaml).model)
+    config["vision_config"] = transformers.DiffusionGemmaConfig().vision_config.to_dict()
+    (folder / "config.json").write_text(json.dumps(config))
+    return yaml, folder
+
+
+def planned(gemma_26b_folder, freeze):
+    from unmask.config import load_config
+
+    yaml, folder = gemma_26b_folder
+    return load_config(yaml, ["parallel.expert_parallel=8", f"model.pretrained={folder}",
+                              f"model.freeze_vision={freeze}"])  # fmt: skip
+
+
+@pytest.mark.parametrize("freeze", ["true", "tower", "false"])
+def test_the_planner_counts_the_26b_a4b_tower_at_8_ranks(gemma_26b_folder, freeze):
+    """transformers' default tower (768 wide, 16 layers of 12 heads of 64, MLP 3072, patches
+    of 16, a 2 x 10240 position table) and the projector to 2816: frozen, whole on every
+    rank in float32 and forward only; trained, FSDP2-sharded float32 with its gradients and
+    AdamW's two moments over 8 ranks, one bfloat16 layer gathered, its saves; one picture
+    of 280 soft tokens (2520 patches) per row."""
+    from unmask.models.diffusion_gemma_vision import tower_flops
+    from unmask.plan.vision import plan_tower, traced_tower_saves
+
+    cfg = planned(gemma_26b_folder, freeze)
+    tower = plan_tower(cfg, 8)
+    h, inner, text, rows = 768, 3072, 2816, cfg.train.per_device_train_batch_size
+    layer = 4 * h * h + 3 * h * inner + 2 * 64 + 4 * h  # q k v o, MLP, q/k norms, 4 norms
+    projector = h * text
+    total = 3 * 16 * 16 * h + 2 * 10240 * h + 16 * layer + projector
+    assert tower.parameters == total == 169_527_296
+    assert (tower.pictures, tower.patches) == (rows, 2520)
+    trains = {"true": (False, False), "tower": (False, True), "false": (True, True)}[freeze]
+    trained = (total - projector) * trains[0] + projector * trains[1]
+    assert tower.trained == trained
+    micro = cfg.train.gradient_accumulation_steps
+    assert tower.flops == micro * tower_flops(
+        {"hidden_size": h, "intermediate_size": inner, "num_hidden_layers": 16,
+         "num_attention_heads": 12, "num_key_value_heads": 12, "head_dim": 64,
+         "patch_size": 16, "pooling_kernel_size": 3}, text, rows, 2520, rows * 280, *trains)  # fmt: skip
+    if freeze == "true":
+        assert (tower.weights, tower.gradients, tower.optimizer, tower.activations) == (
+            4 * total, 0, 0, 0)  # fmt: skip
+        return
+    assert tower.weights == 4 * total // 8 + 2 * layer  # bf16: a gathered layer
+    assert tower.gradients == 4 * trained // 8
+    assert tower.optimizer == 8 * trained // 8
+    projector_input = rows * 280 * h * (4 + 2)
+    if freeze == "tower":
+        assert tower.activations == projector_input
+    else:
+        from unmask.models.diffusion_gemma_vision import Vision
+
+        with torch.device("meta"):
+            vision = Vision(json.loads((gemma_26b_folder[1] / "config.json").read_text()), text)
+        saves = traced_tower_saves(vision, rows, 2520, torch.bfloat16)
+        pooling = rows * 2520 * h * 4 + rows * 2520 * 280 * 4
+        assert tower.activations == saves + pooling + projector_input
+        assert saves > 16 * rows * 2520 * h * 2 * 8  # at least 8 saved (P, h) bf16 a layer
+
+
+def test_the_planners_tower_saves_equal_a_cpu_forwards(folders):
+    """traced_tower_saves (the meta device, attention as a fused kernel saves) against the
+    saved tensors of a real forward of the tiny trained tower on the CPU (its fused
+    attention), byte for byte."""
+    from unmask.models.diffusion_gemma_vision import Vision
+    from unmask.plan.vision import traced_tower_saves
+
+    hf, folder = folders
+    vision = folder_vision(built(folder, freeze_vision=False))
+    images = patches([(4, 4), (4, 4)])
+    params = {p.untyped_storage()._cdata for p in vision.parameters()}
+    seen, total = set(), [0]
+
+    def pack(t):
+        key = t.untyped_storage()._cdata
+        if key not in params and key not in seen:
+            seen.add(key)
+            total[0] += t.untyped_storage().nbytes()
+        return t
+
+    tower = vision.vision_tower
+    padding = (images.position_ids == -1).all(dim=-1)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        x = tower.patch_embedder(images.pixel_values, images.position_ids, padding)
+        for layer in tower.encoder.layers:
+            x = layer(x, images.position_ids, ~padding)
+    with torch.device("meta"):
+        meta = Vision(from_pretrained(folder).hf_source_config, 32)
+    traced = traced_tower_saves(meta, 2, 16, torch.float32)
+    assert traced == total[0]
+
+
+def test_unmask_plan_prints_the_tower(folders, tmp_path, capsys):
+    """`unmask plan` of a run on a folder with a tower: the tower's counts beside the plan
+    (text), and as `vision_tower` in --json (plan_tower's)."""
+    from conftest import write_run_config
+
+    from unmask.cli import main
+    from unmask.config import load_config
+    from unmask.plan.vision import plan_tower
+
+    hf, folder = folders
+    path = write_run_config(tmp_path, "tower", {"diffusion": {"objective": "uniform"}}, {
+        "model": {"pretrained": str(folder), "freeze_vision": False}})  # fmt: skip
+    args = ["plan", str(path), "--world", "1", "--device", "cpu"]
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    assert "vision tower: 0.000 B parameters, freeze_vision False:" in text
+    assert main([*args, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["vision_tower"] == plan_tower(load_config(path), 1).to_json()
+    assert out["vision_tower"]["parameters"] == sum(
+        p.numel() for p in folder_vision(from_pretrained(folder)).parameters())  # fmt: skip

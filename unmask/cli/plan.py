@@ -52,6 +52,7 @@ def cmd_plan(ns: argparse.Namespace) -> int:
     from unmask.plan.devices import resolve_device
     from unmask.plan.planner import DEFAULT_MFU, make_run_plan
     from unmask.plan.report import refusal, render
+    from unmask.plan.vision import plan_tower, tower_lines
 
     path, overrides = split_train_args(ns.args, ns.config)
     if path is None:
@@ -74,9 +75,23 @@ def cmd_plan(ns: argparse.Namespace) -> int:
                          ranks=ns.ranks)  # fmt: skip
     if not plan.fits:
         raise InputError(refusal(plan, cfg))
+    tower = plan_tower(cfg, ns.world)  # DiffusionGemma's vision tower, trained or frozen
+    peak = max(rank.memory.peak for rank in plan.ranks)
+    if tower is not None and peak + tower.total > plan.memory_limit:
+        raise InputError(f"with its vision tower ({tower.parameters / 1e9:.3f} B parameters, "
+                         f"freeze_vision {cfg.model.freeze_vision!r}) a rank needs "
+                         f"{(peak + tower.total) / 1e9:.1f} GB of "
+                         f"{plan.memory_limit / 1e9:.1f}: freeze it (model.freeze_vision: "
+                         "true), or fewer rows per rank")  # fmt: skip
     if ns.json:
-        json.dump(plan.to_json(), sys.stdout, indent=1)
+        out = plan.to_json()
+        if tower is not None:
+            out["vision_tower"] = tower.to_json()
+        json.dump(out, sys.stdout, indent=1)
         print()
     else:
         print(render(plan, path))
+        if tower is not None:
+            print("\n".join(["", *tower_lines(tower, peak, plan.memory_limit, plan.compute_s,
+                                               plan.flops_per_step / plan.world_size)]))  # fmt: skip
     return 0

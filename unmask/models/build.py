@@ -17,6 +17,8 @@ from torch import nn
 from unmask.models.config import ModelConfig
 from unmask.models.diffusion_gemma import DiffusionGemma
 from unmask.models.diffusion_gemma_vision import (
+    LORA_PROJECTOR,
+    LORA_TOWER,
     Vision,
     attach_vision,
     register_empty_vision,
@@ -42,6 +44,8 @@ from unmask.models.hf_wrapped import build_encoder, is_encoder_folder, is_wrappe
 from unmask.models.moe import moe_blocks
 from unmask.models.shape import WRAPPED, ModelShape
 from unmask.models.transformer import DiffusionTransformer
+
+VISION_LORA_TARGETS = (LORA_TOWER, LORA_PROJECTOR)
 
 OWN_BLOCKS: dict[str, Callable[[ModelConfig], nn.Module]] = {"diffusion_gemma": DiffusionGemma}
 """The families of models/families.py with blocks of their own, and their builders."""
@@ -110,9 +114,14 @@ class ResolvedModel:
 
     def planned(self) -> ModelConfig:
         """The architecture with the section's run fields (how it is built and trained) and
-        no folder: what the planner builds on the meta device, whose weights it never reads."""
+        no folder: what the planner builds on the meta device, whose weights it never reads.
+        Without a folder there is no vision tower (plan/vision.py counts a folder's apart):
+        freeze_vision true, no vision LoRA targets."""
         run = {key: getattr(self.section, key) for key in RUN_FIELDS if key != "model_type"}
-        return self.arch.model_copy(update={**run, "pretrained": None})
+        targets = run["lora_target_modules"]
+        if isinstance(targets, list):
+            run["lora_target_modules"] = [t for t in targets if t not in VISION_LORA_TARGETS]
+        return self.arch.model_copy(update={**run, "pretrained": None, "freeze_vision": True})
 
 
 def resolve_model(cfg: ModelConfig) -> ResolvedModel:

@@ -306,7 +306,10 @@ class ModelConfig(BaseModel):
     transformers' choice for encoders), a list of module names (a name matches a module
     whose dotted name ends with it) or a regex over full module names, as peft reads them. On
     a native MoE model, `experts` in a list also adapts the routed expert stacks (peft's
-    target_parameters; needs lora_dropout 0); "all-linear" leaves them frozen."""
+    target_parameters; needs lora_dropout 0); "all-linear" leaves them frozen. On a
+    diffusion_gemma folder with a vision tower, `vision_tower` (its layers' attention and
+    MLP maps) and `embed_vision` (the projector) in a list adapt those, each on its own;
+    the list's other names (`all-linear` too) then leave the vision modules alone."""
 
     adaptor_name: str = "adaptor"
     """Folder (under output_dir) for the adapter in peft's format."""
