@@ -57,6 +57,12 @@ PRESETS: list[tuple[str, str, dict[str, Any], str]] = [
 ]  # fmt: skip
 
 
+def of_kind(kind: str) -> list[str]:
+    """The decoders that declare `kind` (uniform_canvas, autoregressive), registration
+    order: the only ones such a model takes."""
+    return [name for name, decoder in DECODERS.items() if getattr(decoder, kind)]
+
+
 def not_masked() -> tuple[str, ...]:
     """The decoders a model with [MASK] tokens never runs from the page: those of its own
     kinds of model (uniform-canvas, autoregressive), by their declarations."""
@@ -83,12 +89,12 @@ def playground(saved: dict[str, Any], family: str | None, uniform: bool,
         if uniform and not config.uniform_canvas:
             config = with_uniform_canvas(config)
         decoder = implied(config)
-    except (InputError, ValueError):
-        config, decoder = None, "entropy_bound" if uniform else "masked"
+    except (InputError, ValueError):  # the first decoder of the model's kind, as `implied`
+        config, decoder = None, of_kind("uniform_canvas")[0] if uniform else decoder_names()[0]
     if uniform:
-        decoders = ["entropy_bound"]
+        decoders = of_kind("uniform_canvas")
     elif config is not None and config.autoregressive:
-        decoders = ["left_to_right"]
+        decoders = of_kind("autoregressive")
     else:
         decoders = [name for name in decoder_names() if name not in not_masked()]
     if decoder not in decoders:
