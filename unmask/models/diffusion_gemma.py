@@ -39,8 +39,10 @@ models/diffusion_gemma) computes, and this module computes the same way:
 The names are the folder's with `model.decoder.` read as `model.` (the layout models/shape.py
 names; models/diffusion_gemma_layout.py maps them, and the encoder's layer scalars are
 `model.layers.N.encoder_layer_scalar`). The vision tower transformers always builds is not
-part of this model's parameters: `from_pretrained` carries its tensors to the folder it saves,
-and `encode(..., images=)` runs them (models/diffusion_gemma_vision.py, frozen).
+part of this model's parameters by default: `from_pretrained` carries its tensors to the
+folder it saves, and `encode(..., images=)` runs them (models/diffusion_gemma_vision.py,
+frozen); trained (`model.freeze_vision`) or LoRA-adapted, it is the registered
+`model.encoder` under the folder's names.
 
 Config: the sizes every decoder shares stay ModelConfig's flat fields (for this family the
 sliding layers' heads, head_dim and rope_theta); the fields only this family reads are one
@@ -68,7 +70,7 @@ Tensor parallelism (`parallel.tensor_parallel`, parallel/tensor.py with models/s
 `DIFFUSION_GEMMA_TENSOR_PLAN`): attention's projections and the dense MLP split over the tp
 ranks (each rank's attention runs on its own heads, and caches their K/V only); the
 routers, experts, embedding / LM head and self-conditioning MLP stay whole on every rank.
-Not yet: pipeline parallelism, activation checkpointing, training the vision tower.
+Not yet: pipeline parallelism, activation checkpointing.
 """
 
 from __future__ import annotations
