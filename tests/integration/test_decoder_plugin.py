@@ -198,6 +198,23 @@ def test_generate_takes_the_decoder_flag_and_its_options(registered, model_dir, 
     assert not dst.exists()
 
 
+def test_a_run_configs_yaml_carries_its_options(registered, tmp_path):
+    """eval.sampling (the held-out generation's sampler) in a run's YAML."""
+    from conftest import write_run_config
+
+    from unmask.config import load_config
+
+    sampler = {"decoder": registered, "block_length": 4}
+    good = {"eval": {"sampling": {**sampler, "decoder_options": {"preset": "fast"}}}}
+    cfg = load_config(write_run_config(tmp_path, "good", {}, good))
+    assert DECODERS[registered].own_options(cfg.eval.sampling).stride == 4
+    bad = {"eval": {"sampling": {**sampler, "decoder_options": {"stride": "wide"}}}}
+    with pytest.raises(InputError, match="decoder 'right_to_left': bad value for option "
+                                         "'stride'") as err:  # fmt: skip
+        load_config(write_run_config(tmp_path, "bad", {}, bad))
+    assert "\n" not in str(err.value)
+
+
 def test_a_folder_carries_its_options(registered, tmp_path):
     from unmask.data.tokenizer import build_char_tokenizer, ensure_special_tokens
     from unmask.sampling.generation_file import (
