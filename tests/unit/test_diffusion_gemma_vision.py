@@ -364,6 +364,15 @@ def test_the_uniform_loss_with_pictures_equals_its_definition(folders, seed):
 # ------------------------------------- model.freeze_vision: the tower and projector trained
 
 
+@pytest.fixture(scope="module")
+def causal(tmp_path_factory):
+    """The causal tiny model and its folder: the cases below do not depend on the rule."""
+    root = tmp_path_factory.mktemp("dg_vision_causal")
+    hf = transformers_model(False)
+    hf.save_pretrained(root / "hf")
+    return hf, root / "hf"
+
+
 def vision_keys(state) -> list[str]:
     return sorted(k for k in state if k.startswith(("model.encoder.vision_tower.",
                                                     "model.encoder.embed_vision.")))  # fmt: skip
@@ -375,8 +384,8 @@ def built(folder, **section):
     return build_model(ModelConfig(pretrained=str(folder), **section))
 
 
-def test_frozen_by_default_the_tower_stays_apart(folders):
-    hf, folder = folders
+def test_frozen_by_default_the_tower_stays_apart(causal):
+    hf, folder = causal
     model = built(folder)
     assert vision_keys(model.state_dict()) == []
     assert not any(p.requires_grad for p in folder_vision(model).parameters())
@@ -386,9 +395,9 @@ def test_frozen_by_default_the_tower_stays_apart(folders):
 
 @pytest.mark.parametrize("freeze, tower, projector", [(False, True, True), ("tower", False, True),
                                                       ("projector", True, False)])  # fmt: skip
-def test_freeze_vision_registers_the_tower_under_the_folders_names(folders, freeze, tower,
+def test_freeze_vision_registers_the_tower_under_the_folders_names(causal, freeze, tower,
                                                                     projector):  # fmt: skip
-    hf, folder = folders
+    hf, folder = causal
     frozen, model = built(folder).eval(), built(folder, freeze_vision=freeze).eval()
     state = model.state_dict()
     assert vision_keys(state) == vision_keys(hf.state_dict())
@@ -409,10 +418,10 @@ def test_freeze_vision_registers_the_tower_under_the_folders_names(folders, free
             assert (param.grad is not None and param.grad.abs().sum() > 0) == param.requires_grad
 
 
-def test_freeze_vision_refusals(folders, tmp_path):
+def test_freeze_vision_refusals(causal, tmp_path):
     from unmask.models import ModelConfig
 
-    hf, folder = folders
+    hf, folder = causal
     with pytest.raises(ValueError, match="freeze_vision=False needs model.pretrained"):
         ModelConfig(model_type="diffusion_gemma", freeze_vision=False)
     with pytest.raises(ValueError, match="with model.lora: LoRA trains adapters only"):
@@ -426,13 +435,13 @@ def test_freeze_vision_refusals(folders, tmp_path):
         built(tmp_path / "text", freeze_vision=False)
 
 
-def test_muon_routing_of_the_tower_and_projector(folders):
+def test_muon_routing_of_the_tower_and_projector(causal):
     """docs/multimodal.md's rule: the tower's hidden matrices on Muon; the patch embedding,
     the position table and the projector (names with `embed`: a map into a space, as the
     embedding) on AdamW with decay; norms on AdamW without decay."""
     from unmask.optim.routing import route_parameters
 
-    hf, folder = folders
+    hf, folder = causal
     routing = route_parameters(built(folder, freeze_vision=False))
     where = {name: group for group in ("muon", "adamw_decay", "adamw_no_decay")
              for name, _ in getattr(routing, group)}  # fmt: skip
@@ -455,11 +464,11 @@ def test_muon_routing_of_the_tower_and_projector(folders):
     assert vision == {**expected, **layer1}
 
 
-def test_a_trained_tower_saves_reads_bit_exact_and_transformers_reads_it(folders, tmp_path):
+def test_a_trained_tower_saves_reads_bit_exact_and_transformers_reads_it(causal, tmp_path):
     """A changed (trained) tower and projector: save_pretrained writes them from the state
     dict, reading the folder back gives them bit for bit (trained or frozen again), and
     transformers' logits on the saved folder equal unmask's (1e-5)."""
-    hf, folder = folders
+    hf, folder = causal
     model = built(folder, freeze_vision=False).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -488,12 +497,12 @@ def test_a_trained_tower_saves_reads_bit_exact_and_transformers_reads_it(folders
     assert (before - original).abs().max().item() > 1e-3  # the changed tower is what was read
 
 
-def test_a_trained_tower_resumes_bit_exact_from_a_checkpoint(folders, tmp_path):
+def test_a_trained_tower_resumes_bit_exact_from_a_checkpoint(causal, tmp_path):
     """Two steps straight equal one step, a checkpoint, a fresh model and optimizer loaded
     from it, one step: the tower, the projector and their optimizer state bit for bit."""
     from unmask.checkpoint.checkpointer import Checkpointer
 
-    hf, folder = folders
+    hf, folder = causal
     ids, real, images = batch(CASES["several images of different sizes per row"])
     canvas = torch.randint(0, VOCAB, (ids.shape[0], CANVAS), generator=torch.Generator())
 
@@ -553,9 +562,9 @@ def adapted_modules(model) -> set[str]:
 
 @pytest.mark.parametrize("targets", [["vision_tower"], ["embed_vision"], ["q_proj", "embed_vision"],
                                      ["all-linear", "vision_tower", "embed_vision"]])  # fmt: skip
-def test_lora_targets_on_the_tower_and_the_projector_are_chosen_separately(folders, targets):
+def test_lora_targets_on_the_tower_and_the_projector_are_chosen_separately(causal, targets):
     pytest.importorskip("peft")
-    hf, folder = folders
+    hf, folder = causal
     found = adapted_modules(lora_model(folder, targets))
     tower = {f"model.encoder.vision_tower.encoder.layers.{i}.{n}.linear" for i in range(2)
              for n in TOWER_LINEAR}  # fmt: skip
@@ -569,7 +578,7 @@ def test_lora_targets_on_the_tower_and_the_projector_are_chosen_separately(folde
 
 
 def test_lora_on_the_tower_and_projector_keeps_the_base_and_reloads_with_equal_logits(
-        folders, tmp_path):  # fmt: skip
+        causal, tmp_path):  # fmt: skip
     """Three AdamW steps on the adapters of the tower and the projector (pictures in the
     batch): the base weights (tower and projector included) stay bit for bit; the adapter
     saved in peft's format, merged into a fresh base, gives the trained model's logits; the
@@ -578,7 +587,7 @@ def test_lora_on_the_tower_and_projector_keeps_the_base_and_reloads_with_equal_l
     from unmask.models.diffusion_gemma_vision import attach_vision
     from unmask.models.lora import adapts_vision, merge_adapter, save_adapter
 
-    hf, folder = folders
+    hf, folder = causal
     model = lora_model(folder, ["vision_tower", "embed_vision"])
     base = {k: v.clone() for k, v in model.state_dict().items() if "lora_" not in k}
     ids, real, images = batch(CASES["several images of different sizes per row"])
@@ -618,7 +627,7 @@ def test_lora_on_the_tower_and_projector_keeps_the_base_and_reloads_with_equal_l
 
 
 @pytest.mark.parametrize("freeze", [True, "tower", "projector", False])
-def test_tower_flops_equal_torchs_flop_counter(folders, freeze):
+def test_tower_flops_equal_torchs_flop_counter(causal, freeze):
     """tower_flops (what the MFU adds for a call's pictures) equals FlopCounterMode over the
     tower and projector's forward and the backward the trained parts run; and the training
     call's count with pictures is the count without them plus exactly that."""
@@ -628,7 +637,7 @@ def test_tower_flops_equal_torchs_flop_counter(folders, freeze):
     from unmask.models.shape import DIFFUSION_GEMMA
     from unmask.train.mfu import flop_model
 
-    hf, folder = folders
+    hf, folder = causal
     model = built(folder, freeze_vision=freeze) if freeze is not True else built(folder)
     vision = folder_vision(model)
     images = patches([(4, 6), (2, 2), (6, 4)])
@@ -726,14 +735,14 @@ def test_the_planner_counts_the_26b_a4b_tower_at_8_ranks(gemma_26b_folder, freez
         assert saves > 16 * rows * 2520 * h * 2 * 8  # at least 8 saved (P, h) bf16 a layer
 
 
-def test_the_planners_tower_saves_equal_a_cpu_forwards(folders):
+def test_the_planners_tower_saves_equal_a_cpu_forwards(causal):
     """traced_tower_saves (the meta device, attention as a fused kernel saves) against the
     saved tensors of a real forward of the tiny trained tower on the CPU (its fused
     attention), byte for byte."""
     from unmask.models.diffusion_gemma_vision import Vision
     from unmask.plan.vision import traced_tower_saves
 
-    hf, folder = folders
+    hf, folder = causal
     vision = folder_vision(built(folder, freeze_vision=False))
     images = patches([(4, 4), (4, 4)])
     params = {p.untyped_storage()._cdata for p in vision.parameters()}
@@ -758,7 +767,7 @@ def test_the_planners_tower_saves_equal_a_cpu_forwards(folders):
     assert traced == total[0]
 
 
-def test_unmask_plan_prints_the_tower(folders, tmp_path, capsys):
+def test_unmask_plan_prints_the_tower(causal, tmp_path, capsys):
     """`unmask plan` of a run on a folder with a tower: the tower's counts beside the plan
     (text), and as `vision_tower` in --json (plan_tower's)."""
     from conftest import write_run_config
@@ -767,7 +776,7 @@ def test_unmask_plan_prints_the_tower(folders, tmp_path, capsys):
     from unmask.config import load_config
     from unmask.plan.vision import plan_tower
 
-    hf, folder = folders
+    hf, folder = causal
     path = write_run_config(tmp_path, "tower", {"diffusion": {"objective": "uniform"}}, {
         "model": {"pretrained": str(folder), "freeze_vision": False}})  # fmt: skip
     args = ["plan", str(path), "--world", "1", "--device", "cpu"]
@@ -779,3 +788,25 @@ def test_unmask_plan_prints_the_tower(folders, tmp_path, capsys):
     assert out["vision_tower"] == plan_tower(load_config(path), 1).to_json()
     assert out["vision_tower"]["parameters"] == sum(
         p.numel() for p in folder_vision(from_pretrained(folder)).parameters())  # fmt: skip
+
+
+@pytest.mark.parametrize("freeze", [True, False])
+def test_a_sharded_runs_final_model_saves_the_tower_as_one_process_does(causal, tmp_path,
+                                                                        freeze):  # fmt: skip
+    """build_empty_like (what a sharded run's final save loads the gathered state into)
+    writes the folder one process writes: the tower frozen (carried) or trained (its state)."""
+    from unmask.models.build import build_empty_like
+
+    hf, folder = causal
+    model = built(folder, freeze_vision=freeze)
+    plain = build_empty_like(model)
+    plain.load_state_dict(model.state_dict())
+    model.save_pretrained(tmp_path / "one")
+    plain.save_pretrained(tmp_path / "sharded")
+    with safe_open(str(tmp_path / "one" / "model.safetensors"), "pt") as one, \
+            safe_open(str(tmp_path / "sharded" / "model.safetensors"), "pt") as sharded:  # fmt: skip
+        assert set(one.keys()) == set(sharded.keys()) and vision_keys(one.keys())
+        for key in one.keys():
+            assert torch.equal(one.get_tensor(key), sharded.get_tensor(key)), key
+    assert (tmp_path / "one" / "config.json").read_text() == (
+        tmp_path / "sharded" / "config.json").read_text()  # fmt: skip
