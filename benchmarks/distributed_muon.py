@@ -300,13 +300,14 @@ def tp_worker(out: str, rounds: int, steps: int) -> None:
     import unmask.optim.distributed as muon_distributed
     from unmask.models import decoder_layers
     from unmask.optim import MuonAdamW
+    from unmask.parallel.dims import ParallelDims
     from unmask.parallel.fsdp import apply_fsdp
-    from unmask.parallel.mesh import MeshLayout, build_mesh, fsdp_mesh
     from unmask.parallel.tensor import apply_tensor_parallel
 
     dist.init_process_group("gloo")
     world, rank = dist.get_world_size(), dist.get_rank()
-    mesh = build_mesh(torch.device("cpu"), MeshLayout(tp=world))
+    dims = ParallelDims(tp=world)
+    mesh = dims.build_mesh(torch.device("cpu"))
     sent: list[int] = []  # per owner all-to-all: bytes to other ranks (even: out, odd: back)
     original_a2a = dist.all_to_all_single
 
@@ -322,7 +323,7 @@ def tp_worker(out: str, rounds: int, steps: int) -> None:
     def build():
         model = tp_model()
         apply_tensor_parallel(model, mesh["tp"])
-        apply_fsdp(model, fsdp_mesh(mesh), decoder_layers(model))
+        apply_fsdp(model, dims.fsdp_mesh(mesh), decoder_layers(model))
         gen = torch.Generator().manual_seed(1)
         for p in model.parameters():
             whole = torch.randn(p.shape, generator=gen)

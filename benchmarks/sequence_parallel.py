@@ -58,7 +58,7 @@ def step(model, ids, targets) -> None:
 def worker(out: str, length: int, sequence_parallel: bool) -> None:
     from unmask.models import ModelConfig
     from unmask.models.transformer import DiffusionTransformer
-    from unmask.parallel.mesh import MeshLayout, build_mesh
+    from unmask.parallel.dims import ParallelDims
     from unmask.parallel.tensor import apply_tensor_parallel
 
     torch.set_num_threads(1)
@@ -67,7 +67,7 @@ def worker(out: str, length: int, sequence_parallel: bool) -> None:
     model = DiffusionTransformer(ModelConfig(**MODEL))
     if tp > 1:
         dist.init_process_group("gloo")
-        mesh = build_mesh(torch.device("cpu"), MeshLayout(tp=tp))["tp"]
+        mesh = ParallelDims(tp=tp).build_mesh(torch.device("cpu"))["tp"]
         apply_tensor_parallel(model, mesh, sequence_parallel=sequence_parallel)
     params = {local(p).untyped_storage().data_ptr() for p in model.parameters()}
     step(model, *make_row(512))  # kernels, thread pools and allocator arenas set up first

@@ -95,10 +95,10 @@ def worker(out: str, rounds: int, vocab: int) -> None:
     import torch
     import torch.distributed as dist
 
-    from unmask.parallel.mesh import MeshLayout, build_mesh
+    from unmask.parallel.dims import ParallelDims
 
     dist.init_process_group("gloo")
-    mesh = build_mesh(torch.device("cpu"), MeshLayout(tp=dist.get_world_size()))["tp"]
+    mesh = ParallelDims(tp=dist.get_world_size()).build_mesh(torch.device("cpu"))["tp"]
     gen = torch.Generator().manual_seed(0)  # the same rows on every rank (tp peers)
     hidden_rows = torch.randn(ROWS, HIDDEN, generator=gen)
     targets = torch.randint(0, vocab, (ROWS,), generator=gen)

@@ -21,6 +21,7 @@ from safetensors.torch import load_file
 from unmask.checkpoint import is_distributed_checkpoint
 from unmask.config import load_config
 from unmask.errors import InputError
+from unmask.models.build import resolve_model
 from unmask.parallel.tensor import check_tensor_parallel
 from unmask.train.setup import plan_parallel
 
@@ -139,7 +140,7 @@ def config(tmp_path: Path, extra: dict):
 
 
 def test_what_tensor_parallelism_cannot_run_is_refused_in_one_line(tmp_path):
-    assert plan_parallel(config(tmp_path, {}), 2).layout.tp == 2  # the experts stay whole
+    assert plan_parallel(config(tmp_path, {}), 2).dims.tp == 2  # the experts stay whole
     refusals = [
         ({"model": {"diffusion_gemma": {"num_global_key_value_heads": 1}}}, 2,
          r"^parallel.tensor_parallel=2 does not divide "
@@ -162,7 +163,7 @@ def test_what_tensor_parallelism_cannot_run_is_refused_in_one_line(tmp_path):
         assert "\n" not in str(err.value)
     with pytest.raises(InputError, match=r"^parallel.sequence_parallel: true: model_type "
                        r"'diffusion_gemma' declares no sequence-parallel split") as err:  # fmt: skip
-        check_tensor_parallel(config(tmp_path, {}).model, 2, sequence_parallel=True)
+        check_tensor_parallel(resolve_model(config(tmp_path, {}).model), 2, sequence_parallel=True)
     assert "\n" not in str(err.value)
     with pytest.raises(InputError, match=r"^parallel.sequence_parallel: true: model_type "
                        r"'diffusion_gemma' declares no sequence-parallel split"):  # fmt: skip

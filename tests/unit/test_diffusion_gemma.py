@@ -23,6 +23,7 @@ from unmask.models import (
     build_model,
     config_from_hf,
     from_pretrained,
+    resolve_model,
     shape_of,
 )
 from unmask.models.diffusion_gemma import DiffusionGemma, Experts
@@ -249,7 +250,7 @@ def test_a_folder_with_attention_biases_reads_the_encoders_own(tmp_path):
         cache = lora.encode(prompt)
         assert (cache.keys[0] - ours.encode(prompt).keys[0]).abs().max() > 1e-3
     with pytest.raises(InputError, match="tensor_parallel=2 does not split DiffusionGemma's"):
-        check_tensor_parallel(ours.config, 2)
+        check_tensor_parallel(resolve_model(ours.config), 2)
 
     plain = json.loads((tmp_path / "hf" / "config.json").read_text())
     plain["text_config"]["attention_bias"] = False
@@ -383,7 +384,7 @@ def test_it_trains_with_uniform_only_and_plans_without_tensor_or_pipeline_parall
     cfg = load_config(None, ["model.model_type=diffusion_gemma", "diffusion.objective=uniform",
                              "eval.generate_accuracy=false",
                              "model.diffusion_gemma.canvas_length=8"])  # fmt: skip
-    assert plan_parallel(cfg, 1).world_size == 1  # the trainer's checks pass
+    assert plan_parallel(cfg, 1).dims.world_size == 1  # the trainer's checks pass
     assert planned_model_config(cfg) is cfg  # planned (tests/unit/test_plan_diffusion_gemma.py)
     for key in ("tensor_parallel", "pipeline_parallel"):
         with pytest.raises(InputError, match=rf"^parallel.{key}=2: model_type 'diffusion_gemma' "

@@ -1,4 +1,4 @@
-"""Owner assignment, row blocks and batch/mesh arithmetic of the distributed path (no
+"""Owner assignment, row blocks and batch arithmetic of the distributed path (the mesh's: test_parallel_dims.py) (no
 processes needed; the real collectives are in tests/integration/test_distributed_muon.py)."""
 
 import pytest
@@ -11,7 +11,7 @@ from unmask.optim.distributed import OwnerPlan, assign_owners, chunk_rows, owner
 from unmask.optim.newton_schulz import ns_flops
 from unmask.optim.routing import route_parameters
 from unmask.parallel.batch import per_rank_batch_size
-from unmask.parallel.mesh import launch_env, resolve_layout
+from unmask.parallel.mesh import launch_env
 
 
 def qwen3_24_layer_muon_shapes() -> list[torch.Size]:
@@ -79,20 +79,6 @@ def test_chunk_rows_matches_torch_chunk(rows, world):
     assert all(a[1] == b[0] for a, b in zip(blocks, blocks[1:]))
 
 
-def test_mesh_shape_and_its_errors():
-    def dp(world, replicate, shard):
-        layout = resolve_layout(world, replicate, shard)
-        return layout.dp_replicate, layout.dp_shard
-
-    assert dp(4, 1, -1) == (1, 4)
-    assert dp(4, 2, -1) == (2, 2)
-    assert dp(4, 2, 2) == (2, 2)
-    with pytest.raises(InputError, match=r"dp_replicate=2 x parallel.dp_shard=4 = 8 processes "):
-        dp(4, 2, 4)
-    with pytest.raises(InputError, match="does not divide the world size 4"):
-        dp(4, 3, -1)
-
-
 def test_split_batches_divides_the_batch_or_says_why():
     assert per_rank_batch_size(8, 4, split_batches=True) == 2
     assert per_rank_batch_size(8, 4, split_batches=False) == 8
@@ -141,27 +127,6 @@ def test_nested_chunk_rows_match_torch_chunk_twice(rows, sizes):
     assert len(blocks) == len(expected)
     for (start, stop), want in zip(blocks, expected):
         assert torch.equal(index[start:stop], want), (blocks, expected)
-
-
-def test_layout_with_tensor_and_context_parallel_and_its_errors():
-    from unmask.parallel.mesh import MeshLayout, resolve_layout
-
-    assert resolve_layout(8, 1, -1, tp=2) == MeshLayout(1, 4, 1, 2)
-    assert resolve_layout(8, 2, -1, cp=2, tp=2) == MeshLayout(2, 1, 2, 2)
-    assert resolve_layout(4, 1, 2, tp=2).dp == 2
-    with pytest.raises(InputError) as err:
-        resolve_layout(6, 1, -1, tp=4)
-    assert str(err.value) == (
-        "parallel.tensor_parallel=4 does not divide the world size 6; launch a multiple of 4 "
-        "processes or lower it"
-    )
-    with pytest.raises(InputError) as err:
-        resolve_layout(4, 1, 4, tp=2)
-    assert str(err.value) == (
-        "mesh parallel.dp_replicate=1 x parallel.dp_shard=4 x parallel.tensor_parallel=2 = 8 processes "
-        "does not match the world size 4; make their product the number of processes "
-        "(dp_shard: -1 fills it in)"
-    )
 
 
 def test_wire_elements_are_every_block_but_the_owners_each_way():

@@ -11,7 +11,7 @@ from unmask.config import load_config
 from unmask.errors import InputError
 from unmask.models.families import FAMILIES
 from unmask.models.moe import SparseMoE
-from unmask.parallel.mesh import MeshLayout
+from unmask.parallel.dims import ParallelDims
 from unmask.parallel.pipeline_plan import PipelinePlan
 from unmask.plan.devices import DEVICES, resolve_device
 from unmask.plan.memory import StepShape, activation_bytes, in_flight, memory_terms, state_bytes
@@ -23,7 +23,7 @@ from unmask.plan.planner import (
 )
 from unmask.plan.report import refusal
 from unmask.plan.shards import planned_model_config, shard_model
-from unmask.plan.traffic import group_span, is_intra_node, step_collectives
+from unmask.plan.traffic import step_collectives
 
 TINY = [
     "model.model_type=qwen3_dllm", "model.vocab_size=96", "model.hidden_size=64",
@@ -71,7 +71,7 @@ def test_fsdp_tp_shard_shapes_follow_the_formulas():
     assert got["model.layers.0.mlp.down_proj.weight"] == (h // 2, inter // 2)
     assert got["model.embed_tokens.weight"] == (vocab // 2 // 2, h)
     assert got["model.layers.0.self_attn.q_norm.weight"] == (16 // 2,)
-    assert model.layout == MeshLayout(1, 2, 1, 2)
+    assert model.layout == ParallelDims(1, 2, 1, 2)
 
 
 def test_uneven_shards_last_rank_holds_less():
@@ -143,15 +143,6 @@ def test_traffic_against_hand_counts():
     muon = by_kind[("dp_shard_cp+tp", "all-to-all")]
     local_muon = sum(s.local_numel for s in model.shards if s.optimizer == "muon")
     assert muon.tensor_bytes == 2 * local_muon * 2 and muon.group == 4
-
-
-def test_intra_and_inter_node_groups():
-    layout = MeshLayout(dp_replicate=1, dp_shard=8, cp=1, tp=8)  # 64 ranks
-    assert group_span(layout, ("tp",)) == 8
-    assert group_span(layout, ("dp_shard", "cp")) == 64
-    assert is_intra_node(layout, ("tp",), nodes=8)
-    assert not is_intra_node(layout, ("dp_shard", "cp"), nodes=8)
-    assert is_intra_node(layout, ("dp_shard", "cp"), nodes=1)
 
 
 def test_refusals_are_one_line():
@@ -487,25 +478,3 @@ def test_pipeline_selective_checkpointing_plans_the_layers_the_model_recomputes(
     assert [k == input_only for k in kept] == [False, True, False]
     assert kept[0] == kept[2] > kept[1]
     assert _checkpointed_layers(model, shape.checkpointing) == 1
-
-
-def test_the_planned_expert_rank_order_is_the_trainers_grid():
-    # plan/traffic.py reads parallel/mesh.py `expert_dims`; the trainer shards the experts on
-    # `expert_mesh` (the world mesh's dp_cp unflattened): the same groups, rank by rank.
-    # pp 2 x dp_shard 4 at world 8, ep 2: stage 1 is ranks 4-7
-    import torch
-
-    from unmask.parallel.mesh import build_mesh, expert_dims, expert_mesh
-    from unmask.plan.shards import fake_world
-
-    layout = MeshLayout(1, 4, 1, 1, 2)
-    dims = expert_dims(layout, 2)
-    assert dims == {"ep_replica": (2, 2), "ep": (2, 1)}
-    expected = {0: {"ep": [0, 1], "ep_replica": [0, 2]}, 5: {"ep": [4, 5], "ep_replica": [5, 7]}}
-    for rank, groups in expected.items():
-        with fake_world(rank, 8):
-            grid = expert_mesh(build_mesh(torch.device("cpu"), layout), 2)
-            for name, (size, stride) in dims.items():
-                ranks = grid[name].mesh.tolist()
-                assert ranks == groups[name]
-                assert ranks == list(range(ranks[0], ranks[0] + size * stride, stride))

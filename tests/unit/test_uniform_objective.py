@@ -271,7 +271,7 @@ def test_router_frozen_for_fine_tuning_and_the_key_to_change_it(gemma_folder, pr
     cfg = validate_tree(config)
     tokenizer = build_char_tokenizer()
     ensure_special_tokens(tokenizer)
-    model = build_train_model(cfg, tokenizer, 0, torch.device("cpu"), None)
+    model = build_train_model(cfg, tokenizer, 0, torch.device("cpu"), plan_parallel(cfg, 1), None)
     params = routers(model)
     assert len(params) == 3 * 2  # proj, scale, per_expert_scale of each layer
     assert all(p.requires_grad is not frozen for p in params)

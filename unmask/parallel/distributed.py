@@ -1,7 +1,7 @@
 """This process's place in a multi-process run, and the collectives the training loop uses.
 
-``setup`` reads the launcher's environment, checks the mesh settings (one-line errors before
-anything starts), opens the process group and builds the device mesh. With one process it
+``setup`` reads the launcher's environment, opens the process group and builds the device
+mesh of the layout the trainer planned (parallel/dims.py `ParallelDims`). With one process it
 returns a state with ``mesh=None`` and the caller takes its plain single-process path.
 """
 
@@ -18,27 +18,23 @@ from torch.distributed.tensor import DTensor
 
 from unmask.errors import InputError
 from unmask.optim.distributed import quiet_dtensor_notes
-from unmask.parallel.mesh import (
-    LaunchEnv,
-    MeshLayout,
-    build_mesh,
-    init_process_group,
-    launch_env,
-    resolve_layout,
-    sub_mesh,
-)
+from unmask.parallel.dims import ParallelDims
+from unmask.parallel.mesh import LaunchEnv, init_process_group, launch_env, sub_mesh
 
 
 @dataclass
 class DistState:
-    """This process's place in the run; mesh (the world mesh, dims dp_replicate, dp_shard,
-    cp, tp) is None for a single process."""
+    """This process's place in the run: its rank, device and the world mesh (None for a
+    single process), laid out as `dims` (parallel/dims.py, the one owner of the layout)."""
 
     rank: int
-    world_size: int
     device: torch.device
     mesh: DeviceMesh | None
-    layout: MeshLayout = MeshLayout()
+    dims: ParallelDims = ParallelDims()
+
+    @property
+    def world_size(self) -> int:
+        return self.dims.world_size
 
     @property
     def is_main(self) -> bool:
@@ -54,7 +50,8 @@ class DistState:
 
     @property
     def dp_size(self) -> int:
-        return self.layout.dp
+        """How many ranks read different rows (the layout's dp)."""
+        return self.dims.dp
 
     @cached_property
     def tp_rank(self) -> int:
@@ -65,58 +62,24 @@ class DistState:
         """This rank's place in its pipeline (0: holds the first stage)."""
         return 0 if self.mesh is None else self.mesh["pp"].get_local_rank()
 
-    def describe(self) -> str:
-        """' x 4 processes (FSDP2 over 4)' for the start-up line; '' for one process."""
-        if self.mesh is None:
-            return ""
-        shard, replicate = self.layout.dp_shard, self.layout.dp_replicate
-        if shard == 1:
-            how = f"replicated {replicate}x" if replicate > 1 else ""
-        elif replicate > 1:
-            how = f"HSDP {replicate} x {shard}"
-        else:
-            how = f"FSDP2 over {shard}"
-        parts = [how] if how else []
-        parts += [f"{name} {size}" for name, size in (("CP", self.layout.cp),
-                                                     ("TP", self.layout.tp),
-                                                     ("PP", self.layout.pp)) if size > 1]  # fmt: skip
-        return f" x {self.world_size} processes ({', '.join(parts)})"
-
 
 def setup(
     device: torch.device,
     *,
-    layout: MeshLayout,
+    dims: ParallelDims,
     timeout_s: float = 1800,
     env: LaunchEnv | None = None,
 ) -> DistState:
     """Process group + mesh from the environment (torchrun, accelerate launch, srun), laid
-    out as `layout`: the one the trainer planned (`plan_layout`, train/setup.py
-    `ParallelPlan`), checked before any process group work."""
+    out as `dims`: the layout the trainer planned (train/setup.py `plan_parallel`), checked
+    before any process group work."""
     env = env or launch_env()
     if env.world_size == 1:
-        return DistState(0, 1, device, None)
+        return DistState(0, device, None)
     if device.type == "cuda":
         device = torch.device("cuda", env.local_rank)
     init_process_group(env, device, timeout_s)
-    mesh = build_mesh(device, layout)
-    return DistState(env.rank, env.world_size, device, mesh, layout)
-
-
-def plan_layout(world_size: int, shard: bool, dp_replicate: int, dp_shard: int, tp: int = 1,
-                cp: int = 1, pp: int = 1) -> MeshLayout:  # fmt: skip
-    """The mesh sizes setup() will build (pure: no process group), or a one-line InputError.
-    One process: the dp keys are ignored (as before), tensor_parallel / context_parallel /
-    pipeline_parallel are not. ``shard`` False: dp_replicate = world size / (pp * cp * tp),
-    dp_shard = 1."""
-    if world_size == 1:
-        if tp * cp * pp > 1:
-            resolve_layout(1, 1, -1, cp, tp, pp)  # raises: pp * tp * cp does not divide 1
-        return MeshLayout()
-    if shard:
-        return resolve_layout(world_size, dp_replicate, dp_shard, cp, tp, pp)
-    rest = resolve_layout(world_size, 1, -1, cp, tp, pp).dp_shard
-    return MeshLayout(rest, 1, cp, tp, pp)
+    return DistState(env.rank, device, dims.build_mesh(device), dims)
 
 
 def all_reduce_sum(*values: torch.Tensor) -> tuple[torch.Tensor, ...]:

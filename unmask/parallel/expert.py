@@ -42,7 +42,7 @@ statistics, so `MoETraining` only reduces its gradients). LoRA's `experts` targe
 
 from __future__ import annotations
 
-import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -52,21 +52,21 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from unmask.errors import InputError
-from unmask.models.build import ResolvedModel, resolve_model
-from unmask.models.config import ModelConfig
 from unmask.models.families import FAMILIES
 from unmask.models.moe import SparseMoE, moe_blocks
 from unmask.parallel.mesh import sub_mesh
 
+if TYPE_CHECKING:
+    from unmask.models.build import ResolvedModel
 
-def check_moe_request(model: ModelConfig | ResolvedModel, expert_parallel: int, dp_cp: int,
-                      tp: int) -> None:  # fmt: skip
-    """One-line InputErrors for an MoE / expert-parallel layout that cannot work (before any
-    process group): EP on a wrapped HF model or a dense one, experts not divisible by
-    expert_parallel, expert_parallel not dividing the dp x cp ranks, MoE with tensor
+
+def check_moe_request(resolved: ResolvedModel, expert_parallel: int, tp: int) -> None:
+    """One-line InputErrors for an MoE / expert-parallel request this model cannot serve
+    (before any process group): EP on a wrapped HF model or a dense one, experts not
+    divisible by expert_parallel, LoRA on the expert stacks under EP, MoE with tensor
     parallelism (but for a family whose tensor-parallel plan keeps its experts whole on every
-    tp rank, models/shape.py `TensorPlan.replicated_experts`, without expert parallelism)."""
-    resolved = resolve_model(model) if isinstance(model, ModelConfig) else model
+    tp rank, models/shape.py `TensorPlan.replicated_experts`, without expert parallelism).
+    Whether the degree fits the ranks is the layout's check (parallel/dims.py)."""
     if resolved.wrapped:
         if expert_parallel > 1:
             moe = ", ".join(name for name, family in FAMILIES.items()
@@ -115,14 +115,6 @@ def check_moe_request(model: ModelConfig | ResolvedModel, expert_parallel: int, 
         raise InputError(
             f"LoRA on the expert stacks (lora_target_modules holds 'experts') does not run under "
             f"parallel.expert_parallel={expert_parallel}: set expert_parallel: 1 or drop 'experts'"
-        )
-    if dp_cp % expert_parallel:
-        fitting = math.gcd(experts, dp_cp)  # the largest ep both the experts and ranks take
-        raise InputError(
-            f"parallel.expert_parallel={expert_parallel} does not divide the data-parallel x "
-            f"context ranks ({dp_cp}); launch a multiple of {expert_parallel} of them, or "
-            f"override parallel.expert_parallel={fitting} (it divides the {experts} experts "
-            f"and the {dp_cp} ranks)"
         )
 
 

@@ -29,8 +29,8 @@ import torch.distributed as dist
 from unmask.config import RunConfig
 from unmask.diffusion.registry import head_share
 from unmask.errors import InputError
-from unmask.models import ModelConfig, build_model
-from unmask.models.build import resolve_model
+from unmask.models.build import build_model, resolve_model
+from unmask.models.config import ModelConfig
 from unmask.plan.devices import DEVICES, Device, resolve_device
 from unmask.plan.memory import memory_terms
 from unmask.plan.planner import USABLE_MEMORY, planned_ranks, run_shape
@@ -110,7 +110,7 @@ def _choose_for_trainer(trainer) -> tuple[bool | int, str]:
         return False, f"activation checkpointing: none (auto: {no_recompute(resolved)})"
     if isinstance(built, ModelConfig):
         cfg = cfg.model_copy(update={"model": resolved.planned()})
-    layout, world = trainer.dist.layout, trainer.dist.world_size
+    layout, world = trainer.parallel.dims, trainer.dist.world_size
     pipeline = trainer.pipeline_plan
     device = training_device(trainer.device)
     with torch.device("meta"):  # the whole model's FLOPs and parameters (under PP: one

@@ -114,7 +114,7 @@ def step_shape(cfg: RunConfig, world_size: int) -> StepShape:
     return StepShape(rows=rows, length=cfg.data.packing_length,
                      micro_batches=micro, bf16=t.bf16,
                      checkpointing=checkpointing_choice(t),
-                     reshard_after_forward=cfg.parallel.reshard_after_forward,
+                     reshard_after_forward=parallel.reshard_after_forward,
                      canvas=canvas,
                      self_condition=bool(canvas) and cfg.diffusion.self_conditioning_prob > 0)  # fmt: skip
 
@@ -247,7 +247,7 @@ def make_run_plan(cfg: RunConfig, world_size: int, device: Device, *, nodes: int
     if not 0 < mfu <= 1:
         raise InputError(f"--mfu must be in (0, 1], got {mfu}")
     cfg = planned_model_config(cfg)
-    layout = parallel_of(cfg, world_size).layout  # a one-line InputError for a bad layout
+    layout = parallel_of(cfg, world_size).dims  # a one-line InputError for a bad layout
     shape = run_shape(cfg, world_size, device, masked_fraction)
     plans, first, ns_work = [], None, 0.0
     for rank in planned_ranks(world_size, ranks):
@@ -258,7 +258,7 @@ def make_run_plan(cfg: RunConfig, world_size: int, device: Device, *, nodes: int
     collectives = step_collectives(first, shape, nodes, ns_bytes=ns_bytes(cfg, device))
     total_params = (sum(math.prod(s.global_shape) for s in first.shards)
                     if first.pipeline is None else first.parameters)  # fmt: skip
-    dp = layout.dp if world_size > 1 else 1
+    dp = layout.dp
     batch_ranks = 1 if cfg.train.split_batches else dp
     rows_per_step = (cfg.train.per_device_train_batch_size * cfg.train.gradient_accumulation_steps
                      * batch_ranks)  # fmt: skip
@@ -294,7 +294,8 @@ def make_run_plan(cfg: RunConfig, world_size: int, device: Device, *, nodes: int
                      "memory estimate leaves them out (about one micro-batch's saved "
                      "activations of the stage per weight pass not yet run)")  # fmt: skip
     return RunPlan(world_size=world_size, nodes=nodes, device=device.name,
-                   layout=asdict(layout), parameters=total_params, ranks=plans,
+                   layout={k: v for k, v in asdict(layout).items() if k != "ep"},  # mesh dims
+                   parameters=total_params, ranks=plans,
                    collectives=collectives, rows_per_rank=shape.rows,
                    micro_batches=shape.micro_batches, tokens_per_step=tokens_per_step,
                    flops_per_step=flops, mfu=mfu, compute_s=compute, bubble=bubble,
@@ -303,7 +304,7 @@ def make_run_plan(cfg: RunConfig, world_size: int, device: Device, *, nodes: int
                    step_s=step, total_steps=total_steps,
                    wall_s=None if total_steps is None else total_steps * step,
                    memory_limit=limit, fits=worst <= limit, notes=notes,
-                   expert_parallel=cfg.parallel.expert_parallel,
+                   expert_parallel=layout.ep,
                    num_experts=first.model_config.num_experts, canvas=shape.canvas,
                    self_condition=shape.self_condition,
                    rows_per_step=rows_per_step)  # fmt: skip

@@ -3,7 +3,7 @@ run at cluster size on this machine.
 
 `shard_model(cfg, world_size, rank)` opens torch's fake process group (every collective
 returns at once, nothing is sent) as rank `rank` of `world_size`, builds the run's mesh
-(parallel/mesh.py `build_mesh`), builds the model on the meta device with the trainer's
+(parallel/dims.py `ParallelDims.build_mesh`), builds the model on the meta device with the trainer's
 own `build_train_model` (train/setup.py: the pipeline stages this rank holds, tensor
 parallelism, activation checkpointing, expert parallelism, FSDP2, in the trainer's order;
 the pipeline planned by the trainer's `pipeline_plan`) and the run's optimizer
@@ -28,7 +28,7 @@ from unmask.errors import InputError
 from unmask.models.build import _no_init, build_model  # no-op initializers, whole model
 from unmask.models.shape import decoder_layers
 from unmask.optim.config import build_optimizer
-from unmask.parallel.mesh import MeshLayout, build_mesh
+from unmask.parallel.dims import ParallelDims
 from unmask.parallel.pipeline_plan import PipelinePlan
 from unmask.train.mfu import flop_model
 from unmask.train.setup import (
@@ -96,7 +96,8 @@ class ShardedModel:
     """What one rank holds, and the facts of the model the other terms need."""
 
     rank: int
-    layout: MeshLayout
+    layout: ParallelDims
+    """The run's layout (the trainer's `plan_parallel`)."""
     shards: list[TensorShard]
     model_config: object
     """The ModelConfig the model was built from (architecture fields)."""
@@ -207,15 +208,15 @@ def shard_model(cfg: RunConfig, world_size: int, rank: int = 0) -> ShardedModel:
     """Rank `rank`'s shards of the run's model at `world_size` (see the module docstring);
     cfg: a planned config (`planned_model_config`)."""
     parallel = parallel_of(cfg, world_size)
-    layout, pipeline = parallel.layout, parallel.pipeline
+    layout, pipeline = parallel.dims, parallel.pipeline
     with fake_world(rank, world_size), warnings.catch_warnings():
         # torch's note on slicing the flattened dims the trainer's own code slices
         warnings.filterwarnings("ignore", message="Slicing a flattened dim")
-        mesh = build_mesh(torch.device("cpu"), layout) if world_size > 1 else None
+        mesh = layout.build_mesh(torch.device("cpu")) if world_size > 1 else None
         meta = torch.device("meta")
         with meta, _no_init():  # no storage to fill (and no torch._dynamo import)
-            model = build_train_model(cfg, _Vocabulary(cfg.model.vocab_size), 0, meta, mesh,
-                                      pipeline)  # fmt: skip
+            model = build_train_model(cfg, _Vocabulary(cfg.model.vocab_size), 0, meta,
+                                      parallel, mesh)  # fmt: skip
             # the step's FLOPs and parameters are the whole model's (a pipeline rank holds
             # part of it)
             whole = model if pipeline is None else build_model(cfg.model)
@@ -226,7 +227,7 @@ def shard_model(cfg: RunConfig, world_size: int, rank: int = 0) -> ShardedModel:
                                rank, pipeline, pp_rank, flops, parameters)  # fmt: skip
 
 
-def describe_shards(model: nn.Module, routing: dict[int, str], layout: MeshLayout, rank: int,
+def describe_shards(model: nn.Module, routing: dict[int, str], layout: ParallelDims, rank: int,
                     pipeline, pp_rank: int, flops, parameters: int) -> ShardedModel:  # fmt: skip
     """The ShardedModel of a built model: the planner's meta build, or a trainer's own
     (its real shards: unmask/plan/checkpointing.py). routing: parameter id -> muon /
@@ -276,7 +277,7 @@ def _units(model: nn.Module) -> dict[int, str]:
 
 
 def _read_shards(
-    model: nn.Module, routing: dict[int, str], layout: MeshLayout
+    model: nn.Module, routing: dict[int, str], layout: ParallelDims
 ) -> list[TensorShard]:
     from torch.distributed.tensor import DTensor
 

@@ -44,7 +44,6 @@ from dataclasses import dataclass
 from unmask.models.build import shape_of
 from unmask.models.shape import recomputes
 from unmask.parallel.context import alltoall_bytes
-from unmask.parallel.mesh import MESH_DIMS, MeshLayout, expert_dims
 from unmask.plan.memory import StepShape
 from unmask.plan.shards import ShardedModel
 
@@ -68,28 +67,6 @@ class Collective:
         share = (self.group - 1) / self.group
         factor = 2 * share if self.kind == "all-reduce" else share
         return int(self.tensor_bytes * factor)
-
-
-def group_span(layout: MeshLayout, dims: tuple[str, ...]) -> int:
-    """How many consecutive ranks a group over `dims` spans in the row-major world mesh
-    (pp, dp_replicate, dp_shard, cp, tp: tp innermost): stride of its innermost dim x sizes."""
-    sizes = {name: getattr(layout, name) for name in MESH_DIMS}
-    inner = MESH_DIMS.index(max(dims, key=MESH_DIMS.index))
-    stride = 1
-    for name in MESH_DIMS[inner + 1 :]:
-        stride *= sizes[name]
-    span = stride
-    for name in dims:
-        span *= sizes[name]
-    return span
-
-
-def is_intra_node(layout: MeshLayout, dims: tuple[str, ...], nodes: int) -> bool:
-    """True when every group over `dims` lies inside one node (ranks placed node by node:
-    world / nodes consecutive ranks per node)."""
-    per_node = layout.world_size // nodes
-    span = group_span(layout, dims)
-    return span <= per_node and per_node % span == 0
 
 
 def step_collectives(model: ShardedModel, shape: StepShape, nodes: int,
@@ -118,7 +95,7 @@ def step_collectives(model: ShardedModel, shape: StepShape, nodes: int,
         scatters, scattered = len(units), sum(units.values())
         if shape.canvas:  # a canvas decoder's layers run once per pass (`canvas_passes`)
             gathers, calls, scatters, scattered = _canvas_fsdp(model, shape, units)
-        intra = is_intra_node(layout, fsdp_dims, nodes)
+        intra = layout.intra_node(fsdp_dims, nodes)
         out.append(Collective("dp_shard_cp", "all-gather", "FSDP2 parameters", calls,
                               micro * gathers * b, fsdp_group, intra))  # fmt: skip
         out.append(Collective("dp_shard_cp", "reduce-scatter", "FSDP2 gradients (float32)",
@@ -127,7 +104,7 @@ def step_collectives(model: ShardedModel, shape: StepShape, nodes: int,
         grads = sum(s.local_numel for s in model.shards if s.optimizer != "frozen") * 4
         out.append(Collective("dp_replicate", "all-reduce", "HSDP gradients (float32)", 1,
                               grads, layout.dp_replicate,
-                              is_intra_node(layout, ("dp_replicate",), nodes)))  # fmt: skip
+                              layout.intra_node(("dp_replicate",), nodes)))  # fmt: skip
     tokens = shape.rows * shape.length // layout.cp
     recomputed = _checkpointed_layers(model, shape.checkpointing)
     if layout.tp > 1:
@@ -143,7 +120,7 @@ def step_collectives(model: ShardedModel, shape: StepShape, nodes: int,
         out.append(Collective("tp", "all-reduce",
                               "TP activations (o_proj, down_proj, embedding), vocab-parallel loss",
                               calls, size, layout.tp,
-                              is_intra_node(layout, ("tp",), nodes)))  # fmt: skip
+                              layout.intra_node(("tp",), nodes)))  # fmt: skip
     if layout.cp > 1:
         heads, kv = arch.num_attention_heads // layout.tp, arch.num_key_value_heads // layout.tp
         whole = shape.rows * shape.length
@@ -153,7 +130,7 @@ def step_collectives(model: ShardedModel, shape: StepShape, nodes: int,
                                         recomputed, layout.cp, b, backward=False)  # fmt: skip
         total = (sent + recompute_sent) * layout.cp // (layout.cp - 1)
         calls = micro * 4 * (2 * model.layers + recomputed)  # q, k, v, out per pass
-        intra = is_intra_node(layout, ("cp",), nodes)
+        intra = layout.intra_node(("cp",), nodes)
         out.append(Collective("cp", "all-to-all", "CP q, k, v and attention output", calls,
                               micro * total, layout.cp, intra))  # fmt: skip
         out.append(Collective("cp", "all-gather", "CP doc ids", micro,
@@ -170,7 +147,7 @@ def step_collectives(model: ShardedModel, shape: StepShape, nodes: int,
         out.append(Collective("+".join(d for d in ("dp_shard_cp", "tp") if d != "tp" or
                                        layout.tp > 1), "all-to-all",
                               "Muon NS inputs and updates", 2, 2 * muon * ns_bytes,
-                              owner_group, is_intra_node(layout, owner_dims, nodes)))  # fmt: skip
+                              owner_group, layout.intra_node(owner_dims, nodes)))  # fmt: skip
     return out
 
 
@@ -191,7 +168,7 @@ def pipeline_collectives(model: ShardedModel, shape: StepShape,
     hidden = shape.rows * shape.length * model.model_config.hidden_size * b
     calls = plan.microbatches * sends
     return [Collective("pp", "send/recv", "PP hidden states and their gradients", calls,
-                       calls * hidden, 2, is_intra_node(model.layout, ("pp",), nodes))]  # fmt: skip
+                       calls * hidden, 2, model.layout.intra_node(("pp",), nodes))]  # fmt: skip
 
 
 def moe_layers(model: ShardedModel) -> int:
@@ -240,14 +217,14 @@ def expert_collectives(model: ShardedModel, shape: StepShape,
             calls += layers
     per_step *= shape.micro_batches
     calls *= shape.micro_batches
-    dims = expert_dims(layout, ep)  # the trainer's rank order (parallel/mesh.py)
+    # the trainer's rank order (parallel/dims.py `ParallelDims.expert_dims`)
     out = [Collective("ep", "all-to-all", "EP token dispatch and combine (+ counts)", calls,
-                      per_step, ep, _ep_intra(layout, *dims["ep"], nodes))]  # fmt: skip
+                      per_step, ep, layout.intra_node(("ep",), nodes))]  # fmt: skip
     if replicas > 1:
         grads = sum(s.local_numel for s in experts if s.optimizer != "frozen") * 4
         out.append(Collective("ep_replica", "all-reduce", "EP expert gradients (float32)", 1,
                               grads, replicas,
-                              _ep_intra(layout, *dims["ep_replica"], nodes)))  # fmt: skip
+                              layout.intra_node(("ep_replica",), nodes)))  # fmt: skip
     return out
 
 
@@ -292,14 +269,6 @@ def _canvas_fsdp(model: ShardedModel, shape: StepShape,
 def _grid_size(shard) -> int:
     """The ep size of an expert stack: its global expert count over its local one."""
     return shard.global_shape[0] // shard.local_shape[0]
-
-
-def _ep_intra(layout: MeshLayout, size: int, stride: int, nodes: int) -> bool:
-    """Whether a group of an expert-parallel dim (`size` ranks `stride` apart in the world,
-    parallel/mesh.py `expert_dims`) stays in a node."""
-    per_node = layout.world_size // nodes
-    span = stride * size
-    return span <= per_node and per_node % span == 0
 
 
 def _checkpointed_moe_layers(model: ShardedModel, flag: bool | int) -> int:

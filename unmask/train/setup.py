@@ -5,7 +5,7 @@ the objective with what it needs beside the model (its registry entry says what)
 
 import contextlib
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -36,10 +36,9 @@ from unmask.models.lora import check_request as check_lora_request
 from unmask.models.quant import check_4bit_request, quantize_4bit
 from unmask.parallel.batch import per_rank_batch_size
 from unmask.parallel.context import check_context_parallel
-from unmask.parallel.distributed import plan_layout
+from unmask.parallel.dims import ParallelDims
 from unmask.parallel.expert import check_moe_request, shard_experts
 from unmask.parallel.fsdp import apply_fsdp, compile_blocks
-from unmask.parallel.mesh import MeshLayout, expert_mesh, fsdp_mesh
 from unmask.parallel.pipeline import PipelineModel
 from unmask.parallel.pipeline_plan import PipelinePlan, layer_costs, plan_pipeline
 from unmask.parallel.schedules import schedule_spec
@@ -50,28 +49,30 @@ from unmask.parallel.tensor import apply_tensor_parallel, check_tensor_parallel
 class ParallelPlan:
     """A run's parallel layout at a world size, planned once after every pre-check
     (`plan_parallel`): the trainer and `unmask plan` both build it, so they accept and
-    refuse the same configs with the same line.
+    refuse the same configs with the same line, and the model builders read it (not the
+    config's parallel section).
 
-    layout: the mesh sizes (pp x dp_replicate x dp_shard x cp x tp); expert_parallel: the
-    ranks one MoE layer's experts are split over; dp: the ranks that read different rows
-    (1 on one process); rows: the rows each data-parallel rank trains on per micro-batch;
-    pipeline: the stages' layers and micro-batches (None without pipeline parallelism);
-    model: the model the run builds, resolved once (models/build.py `ResolvedModel`)."""
+    dims: the layout (parallel/dims.py `ParallelDims`, its one owner: the degrees, ep
+    included, the world mesh, FSDP2's mesh and the experts' grid); rows: the rows each
+    data-parallel rank trains on per micro-batch; pipeline: the stages' layers and
+    micro-batches (None without pipeline parallelism); model: the model the run builds,
+    resolved once (models/build.py `ResolvedModel`); sequence_parallel: tensor
+    parallelism shards the residual stream over the sequence; reshard_after_forward:
+    FSDP2 frees gathered parameters after the forward."""
 
-    world_size: int
-    layout: MeshLayout
-    expert_parallel: int
-    dp: int
+    dims: ParallelDims
     rows: int
     pipeline: PipelinePlan | None
-    model: ResolvedModel | None = None
+    model: ResolvedModel
+    sequence_parallel: bool = False
+    reshard_after_forward: bool = True
 
 
 def plan_parallel(cfg: RunConfig, world_size: int) -> ParallelPlan:
     """Every check of a run's layout before any process group exists (the family against
     the objective, LoRA, the rows against the model's positions, tensor, context, sequence
-    and pipeline parallelism, the mesh's factoring, experts), then the plan; a one-line
-    InputError for the first problem."""
+    and pipeline parallelism, experts, the degrees' factoring of the world), then the plan;
+    a one-line InputError for the first problem."""
     t, p = cfg.train, cfg.parallel
     model = check_model_request(cfg, world_size)
     if t.torch_compile and targets_experts(cfg.model):
@@ -87,17 +88,20 @@ def plan_parallel(cfg: RunConfig, world_size: int) -> ParallelPlan:
     check_context_request(cfg, world_size, model)
     check_sequence_request(cfg)
     check_pipeline_request(cfg, model)
-    layout = plan_layout(world_size, p.fsdp2, p.dp_replicate, p.dp_shard, p.tensor_parallel,
-                         p.context_parallel, p.pipeline_parallel)  # fmt: skip
-    dp = layout.dp if world_size > 1 else 1
-    check_moe_request(model, p.expert_parallel, dp * layout.cp, p.tensor_parallel)
-    what = "the world size" if dp == world_size else "the data-parallel size"
+    check_moe_request(model, p.expert_parallel, p.tensor_parallel)
+    experts = 0 if model.wrapped else model.arch.num_experts
+    dims = ParallelDims.resolve(world_size, dp_replicate=p.dp_replicate, dp_shard=p.dp_shard,
+                                cp=p.context_parallel, tp=p.tensor_parallel,
+                                pp=p.pipeline_parallel, ep=p.expert_parallel, shard=p.fsdp2,
+                                experts=experts)  # fmt: skip
+    what = "the world size" if dims.dp == world_size else "the data-parallel size"
     # rows per micro-batch on this rank; the global batch grows with the world size unless
     # split_batches (then per_device_train_batch_size is the global batch)
-    rows = per_rank_batch_size(t.per_device_train_batch_size, dp, t.split_batches, what)
+    rows = per_rank_batch_size(t.per_device_train_batch_size, dims.dp, t.split_batches, what)
     # the stages' layers and micro-batches (pp peers read the same rows)
-    pipeline = pipeline_plan(cfg, rows * t.gradient_accumulation_steps, model)
-    return ParallelPlan(world_size, layout, p.expert_parallel, dp, rows, pipeline, model)
+    pipeline = pipeline_plan(cfg, dims, rows * t.gradient_accumulation_steps, model)
+    return ParallelPlan(dims, rows, pipeline, model, p.sequence_parallel,
+                        p.reshard_after_forward)  # fmt: skip
 
 
 def check_model_request(cfg: RunConfig, world_size: int) -> ResolvedModel:
@@ -311,21 +315,21 @@ def check_pipeline_request(cfg: RunConfig, model: ResolvedModel | None = None) -
                          "pipeline: set eval.generate_accuracy=false")  # fmt: skip
 
 
-def pipeline_plan(cfg: RunConfig, rows: int,
+def pipeline_plan(cfg: RunConfig, dims: ParallelDims, rows: int,
                   model: ResolvedModel | None = None) -> PipelinePlan | None:  # fmt: skip
     """The run's stages and micro-batches (parallel/pipeline_plan.py `plan_pipeline`), None
     without pipeline parallelism: the layers as parallel.pipeline_split gives them, else cut by
     the architecture's estimated costs on rows of data.packing_length tokens with the LM
     head on the objective's share of them. rows: the rows one pipeline trains on per step.
     The trainer and `unmask plan` both call this, so the planned split is the run's."""
-    p = cfg.parallel
-    if p.pipeline_parallel == 1:
+    p = cfg.parallel  # the pipeline's own keys; its degree is the layout's
+    if dims.pp == 1:
         return None
     arch = (model or resolve_model(cfg.model)).arch
     costs = layer_costs(arch, cfg.data.packing_length,
                         head_share(cfg.diffusion.objective),
                         head_loss=schedule_spec(p.pipeline_schedule).head_loss)  # fmt: skip
-    return plan_pipeline(p.pipeline_parallel, p.pipeline_schedule, p.pipeline_stages_per_rank,
+    return plan_pipeline(dims.pp, p.pipeline_schedule, p.pipeline_stages_per_rank,
                          p.pipeline_microbatches, p.pipeline_split, costs, rows)  # fmt: skip
 
 
@@ -378,12 +382,14 @@ def checkpointing_choice(t) -> bool | int:
 
 
 def build_train_model(cfg: RunConfig, tokenizer, added_tokens: int, device: torch.device,
-                      mesh, pipeline: PipelinePlan | None = None) -> torch.nn.Module:  # fmt: skip
+                      parallel: ParallelPlan, mesh) -> torch.nn.Module:  # fmt: skip
     """The model on its device, in torchtitan's order: vocabulary resize, 4-bit base, the
-    pipeline stages this rank holds (`pipeline`: a PipelineModel of them), tensor
+    pipeline stages this rank holds (the plan's pipeline: a PipelineModel of them), tensor
     parallelism over the mesh's tp dim, activation checkpointing, per-block compile, LoRA,
-    then FSDP2 over its dp_shard_cp dims (mesh None: one process; per stage under PP)."""
-    t = cfg.train
+    the experts on their grid, then FSDP2 (mesh None: one process; per stage under PP). The
+    layout is the plan's (`parallel`, from `plan_parallel`; its dims built `mesh`), never
+    re-read from cfg.parallel."""
+    t, dims, pipeline = cfg.train, parallel.dims, parallel.pipeline
     # one process on a GPU, drawn weights (no pretrained folder, no 4-bit base quantized on
     # the host): built on the GPU, not drawn on the CPU and copied (98.8 s for a 1.91B-weight
     # slice on a 2-core host, issue 53)
@@ -400,10 +406,10 @@ def build_train_model(cfg: RunConfig, tokenizer, added_tokens: int, device: torc
         freeze_routers(model)
     if pipeline is not None:  # every rank drew the whole model: the same weights as 1 process
         model = PipelineModel(model, pipeline, mesh["pp"].get_local_rank())
-    if mesh is not None and mesh["tp"].size() > 1:
+    if mesh is not None and dims.tp > 1:
         model.to(device)
         apply_tensor_parallel(model, mesh["tp"], decoder_layers(model),
-                              sequence_parallel=cfg.parallel.sequence_parallel)  # fmt: skip
+                              sequence_parallel=parallel.sequence_parallel)  # fmt: skip
     model.gradient_checkpointing = checkpointing_choice(t)
     if t.float8 and device.type != "meta":  # torchao's float8 linears, before compile and
         convert_to_float8(model)  # FSDP2 (torchtitan's order); the planner plans bf16 ones
@@ -420,24 +426,23 @@ def build_train_model(cfg: RunConfig, tokenizer, added_tokens: int, device: torc
         # expert parallelism's dispatch reads its per-expert counts to the host (the
         # all-to-all splits): the expert blocks run eagerly between a layer's graphs
         # (parallel/expert.py shard_experts)
-        traceable = traceable and cfg.parallel.expert_parallel == 1
+        traceable = traceable and dims.ep == 1
         compile_blocks(decoder_layers(model), fullgraph=traceable)
     if cfg.model.lora:  # peft wrapper: base frozen, LoRA factors train (AdamW)
         model = apply_lora(model, cfg.model)
     model.to(device)
     if mesh is not None:
         experts = []  # expert parallelism: expert stacks on their own (replica, ep) grid
-        ep = cfg.parallel.expert_parallel
-        if ep > 1:
-            experts = shard_experts(model, expert_mesh(mesh, ep))
+        if dims.ep > 1:
+            experts = shard_experts(model, dims.expert_mesh(mesh))
         units = model.stages if pipeline is not None else [model]
         # a split backward's weight pass (zero bubble's) finds the weights the forward used
         # among the module's parameters: they must stay gathered from the forward to it
         split = pipeline is not None and pipeline.spec.split_backward
-        reshard = cfg.parallel.reshard_after_forward and not split
+        reshard = parallel.reshard_after_forward and not split
         for unit in units:  # under PP: each stage is an FSDP2 root of its own
             layers = decoder_layers(model) if pipeline is None else list(unit.layers)
-            apply_fsdp(unit, fsdp_mesh(mesh), layers, bf16=t.bf16, reshard_after_forward=reshard,
+            apply_fsdp(unit, dims.fsdp_mesh(mesh), layers, bf16=t.bf16, reshard_after_forward=reshard,
                        ignored_params=set(experts))  # fmt: skip
     return model
 
@@ -467,7 +472,7 @@ def objective_datasets(cfg: RunConfig, tokenizer, as_loaded) -> Datasets:
     own = objective_spec(cfg.diffusion.objective).datasets
     if own is not None:
         return own(cfg, tokenizer, as_loaded)
-    return build_datasets(cfg.data, tokenizer, as_loaded)
+    return build_datasets(cfg.data, tokenizer, as_loaded, cfg.model.pretrained)
 
 
 def objective_heldout(cfg: RunConfig, tokenizer) -> list[tuple[str, str]]:
@@ -480,15 +485,16 @@ def objective_heldout(cfg: RunConfig, tokenizer) -> list[tuple[str, str]]:
 
 
 def build_run_objective(cfg: RunConfig, tokenizer, added_tokens: int, device: torch.device,
-                        mesh, notices: list[str]) -> Objective:  # fmt: skip
+                        parallel: ParallelPlan, mesh, notices: list[str]) -> Objective:  # fmt: skip
     """The run's objective from the registry, given what any objective may need: the run's
     sections, the tokenizer and, on request, a copy of the starting model (same seed and
-    init_from, before any resume: preference's frozen reference). Its start-up lines go to
-    `notices`."""
+    init_from, before any resume: preference's frozen reference, whole layers: no pipeline
+    stages). Its start-up lines go to `notices`."""
 
     def starting_model() -> torch.nn.Module:
         torch.manual_seed(cfg.train.seed)  # the policy's initial weights
-        return build_train_model(cfg, tokenizer, added_tokens, device, mesh)
+        whole = replace(parallel, pipeline=None)
+        return build_train_model(cfg, tokenizer, added_tokens, device, whole, mesh)
 
     return build_objective(cfg.diffusion, tokenizer.mask_token_id, tokenizer.eos_token_id,
                            run=cfg, tokenizer=tokenizer, starting_model=starting_model,

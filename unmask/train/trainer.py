@@ -137,7 +137,7 @@ class Trainer(TrainStep, Evaluation, CheckpointedState):
         self.local_batch_size = self.parallel.rows
         self.pipeline_plan = self.parallel.pipeline
         self.dist = setup(resolve_device(t.device), timeout_s=t.ddp_timeout, env=env,
-                          layout=self.parallel.layout)  # fmt: skip
+                          dims=self.parallel.dims)  # fmt: skip
         self.device = self.dist.device
         self.sharded = self.dist.mesh is not None  # world size 1: no process group, no mesh
         self.context = ContextShard.from_mesh(self.dist.mesh)  # None: whole rows per rank
@@ -155,7 +155,7 @@ class Trainer(TrainStep, Evaluation, CheckpointedState):
         objective_spec(cfg.diffusion.objective).check_rows(cfg, self.tokenizer, data.train)
         self.notices = [*cfg.notices, *data.notices]  # the config file's, then the data's
         self.num_rows = None if isinstance(data.train, StreamSpec) else len(data.train)
-        batch_ranks = 1 if t.split_batches else self.parallel.dp
+        batch_ranks = 1 if t.split_batches else self.parallel.dims.dp
         self.plan = make_plan(cfg, self.num_rows, batch_ranks)
         if self.device.type == "cpu" and (notice := cpu_share_notice(self.dist.world_size)):
             self.notices.append(notice)
@@ -182,7 +182,7 @@ class Trainer(TrainStep, Evaluation, CheckpointedState):
         the FLOP count."""
         t = cfg.train
         self.model = build_train_model(cfg, self.tokenizer, added_tokens, self.device,
-                                       self.dist.mesh, self.pipeline_plan)  # fmt: skip
+                                       self.parallel, self.dist.mesh)  # fmt: skip
         self.pipeline = None  # PipelineRunner: this rank's stages and the schedule
         if self.pipeline_plan is not None:
             hidden_dtype = torch.bfloat16 if t.bf16 else torch.float32
@@ -201,7 +201,8 @@ class Trainer(TrainStep, Evaluation, CheckpointedState):
         if line := set_threads(t.num_threads, params, self.device.type, resumed):
             self.notices.append(line)
         self.objective = build_run_objective(cfg, self.tokenizer, added_tokens, self.device,
-                                             self.dist.mesh, self.notices)  # fmt: skip
+                                             self.parallel, self.dist.mesh,
+                                             self.notices)  # fmt: skip
         # mfu.py: the FLOP count (of the whole model: not under PP, where a rank holds part)
         self.timer = DeviceTimer(self.device)  # the optimizer's share of a step
         self.flops = None
@@ -559,7 +560,7 @@ class Trainer(TrainStep, Evaluation, CheckpointedState):
         return (
             f"unmask: {size} | {rows} train rows, "
             f"{len(self.eval_rows)} eval rows of {self.cfg.data.packing_length} tokens | "
-            f"{self.plan.total_steps} steps on {self.device}{self.dist.describe()} | {start} | "
+            f"{self.plan.total_steps} steps on {self.device}{self.dist.dims.describe()} | {start} | "
             f"output_dir {self.output_dir}"
         )
 

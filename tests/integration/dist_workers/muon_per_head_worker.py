@@ -31,13 +31,14 @@ from conftest import matrices_in, newton_schulz_calls, tiny_model  # noqa: E402
 
 from unmask.models import decoder_layers  # noqa: E402
 from unmask.optim import MuonAdamW  # noqa: E402
+from unmask.parallel.dims import ParallelDims  # noqa: E402
 from unmask.parallel.fsdp import apply_fsdp  # noqa: E402
-from unmask.parallel.mesh import MeshLayout, build_mesh, end_process, fsdp_mesh  # noqa: E402
+from unmask.parallel.mesh import end_process  # noqa: E402
 from unmask.parallel.tensor import apply_tensor_parallel  # noqa: E402
 
 STEPS = 3
 OPTIM = dict(lr=0.02, weight_decay=0.1, ns_dtype="float32", per_head=True, verbose=False)
-LAYOUTS = {"dp2": MeshLayout(dp_shard=2), "tp2": MeshLayout(tp=2)}
+LAYOUTS = {"dp2": ParallelDims(dp_shard=2), "tp2": ParallelDims(tp=2)}
 MODELS = {
     "dp2": dict(hidden_size=24, num_attention_heads=3, num_key_value_heads=1),
     "tp2": dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2),
@@ -67,11 +68,11 @@ def reference(layout: str) -> tuple[dict[str, torch.Tensor], int]:
 
 
 def run(layout: str) -> tuple[dict[str, torch.Tensor], int]:
-    mesh = build_mesh(torch.device("cpu"), LAYOUTS[layout])
+    mesh = LAYOUTS[layout].build_mesh(torch.device("cpu"))
     model = make_model(layout)
     if LAYOUTS[layout].tp > 1:
         apply_tensor_parallel(model, mesh["tp"])
-    apply_fsdp(model, fsdp_mesh(mesh), decoder_layers(model))
+    apply_fsdp(model, LAYOUTS[layout].fsdp_mesh(mesh), decoder_layers(model))
     opt = MuonAdamW(model, **OPTIM)
     with newton_schulz_calls() as calls:
         for step in range(STEPS):

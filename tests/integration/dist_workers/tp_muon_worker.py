@@ -34,8 +34,9 @@ from plan_worker import collective_bytes  # noqa: E402
 import unmask.optim.distributed as muon_distributed  # noqa: E402
 from unmask.models import decoder_layers  # noqa: E402
 from unmask.optim import MuonAdamW  # noqa: E402
+from unmask.parallel.dims import ParallelDims  # noqa: E402
 from unmask.parallel.fsdp import apply_fsdp  # noqa: E402
-from unmask.parallel.mesh import MeshLayout, build_mesh, end_process, fsdp_mesh  # noqa: E402
+from unmask.parallel.mesh import end_process  # noqa: E402
 from unmask.parallel.tensor import apply_tensor_parallel  # noqa: E402
 
 STEPS = 2
@@ -43,11 +44,11 @@ OPTIM = dict(lr=0.02, weight_decay=0.1, ns_dtype="float32", verbose=False)
 #: the tiny model with 64 tokens and 4 query and 4 key/value heads (tp=4 splits both)
 SPLIT = {"vocab_size": 64, "num_key_value_heads": 4}
 LAYOUTS = {
-    "tp2": MeshLayout(tp=2),
-    "tp4": MeshLayout(tp=4),
-    "dp2xtp2": MeshLayout(dp_shard=2, tp=2),
-    "dp4": MeshLayout(dp_shard=4),
-    "rep2xtp2": MeshLayout(dp_replicate=2, tp=2),
+    "tp2": ParallelDims(tp=2),
+    "tp4": ParallelDims(tp=4),
+    "dp2xtp2": ParallelDims(dp_shard=2, tp=2),
+    "dp4": ParallelDims(dp_shard=4),
+    "rep2xtp2": ParallelDims(dp_replicate=2, tp=2),
 }
 
 
@@ -73,15 +74,15 @@ def reference() -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def run(layout: MeshLayout, ns_dtype: str = "float32",
+def run(layout: ParallelDims, ns_dtype: str = "float32",
         count=None) -> tuple[dict[str, torch.Tensor], int, int, MuonAdamW]:  # fmt: skip
     """STEPS steps on the split model; ``count`` (a context manager factory) wraps the
     last optimizer step."""
-    mesh = build_mesh(torch.device("cpu"), layout)
+    mesh = layout.build_mesh(torch.device("cpu"))
     model = make_model()
     if layout.tp > 1:
         apply_tensor_parallel(model, mesh["tp"])
-    apply_fsdp(model, fsdp_mesh(mesh), decoder_layers(model))
+    apply_fsdp(model, layout.fsdp_mesh(mesh), decoder_layers(model))
     opt = MuonAdamW(model, **{**OPTIM, "ns_dtype": ns_dtype})
     with newton_schulz_calls() as calls:
         for step in range(STEPS):
@@ -214,7 +215,7 @@ def main() -> None:
     expected = reference()
     results = {}
     if "families" in sys.argv[2:]:
-        mesh = build_mesh(torch.device("cpu"), MeshLayout(tp=dist.get_world_size()))["tp"]
+        mesh = ParallelDims(tp=dist.get_world_size()).build_mesh(torch.device("cpu"))["tp"]
         families = ("qwen3_dllm", "qwen2_dllm", "llama_dllm", "dream", "llada")
         results["families"] = {family: family_forward(family, mesh) for family in families}
     for name in [n for n in sys.argv[2:] if n.startswith("paths-")]:

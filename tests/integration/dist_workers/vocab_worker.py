@@ -25,7 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/: conftest
 
 from conftest import tiny_model  # noqa: E402
 
-from unmask.parallel.mesh import MeshLayout, build_mesh, end_process  # noqa: E402
+from unmask.parallel.dims import ParallelDims  # noqa: E402
+from unmask.parallel.mesh import end_process  # noqa: E402
 from unmask.parallel.tensor import apply_tensor_parallel  # noqa: E402
 
 #: 4 query and 4 key/value heads: tp 2 and 4 split them
@@ -99,7 +100,7 @@ def main() -> None:
     out = sys.argv[1]
     dist.init_process_group("gloo")
     torch.manual_seed(0)
-    mesh = build_mesh(torch.device("cpu"), MeshLayout(tp=dist.get_world_size()))["tp"]
+    mesh = ParallelDims(tp=dist.get_world_size()).build_mesh(torch.device("cpu"))["tp"]
     results = {}
     for case, fields in CASES.items():
         # vocab_chunk 16: several vocabulary chunks per rank (the online log-sum-exp)
