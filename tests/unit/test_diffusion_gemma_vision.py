@@ -810,3 +810,36 @@ def test_a_sharded_runs_final_model_saves_the_tower_as_one_process_does(causal, 
             assert torch.equal(one.get_tensor(key), sharded.get_tensor(key)), key
     assert (tmp_path / "one" / "config.json").read_text() == (
         tmp_path / "sharded" / "config.json").read_text()  # fmt: skip
+
+
+@pytest.mark.parametrize("freeze", [True, "tower"])
+def test_a_dcp_checkpoint_exports_with_its_tower(causal, tmp_path, freeze):
+    """A DCP checkpoint (one process, async_save) records the tower: its config.json's
+    vision keys, the frozen tower's tensors beside the state, a trained one in it; the
+    gathered model gives the saved model's logits with pictures and writes its folder."""
+    from unmask.checkpoint.checkpointer import Checkpointer
+    from unmask.checkpoint.saved import gather_distributed_checkpoint
+
+    hf, folder = causal
+    model = built(folder, freeze_vision=freeze).eval()
+    if freeze is not True:
+        with torch.no_grad():
+            model.model.encoder.embed_vision.embedding_projection.weight.mul_(1.5)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    saver = Checkpointer(tmp_path / "run", async_save=True)
+    path = saver.save(1, model, optimizer, scheduler, {"step": 1}, {})
+    saver.wait()
+    gathered = gather_distributed_checkpoint(path)
+    ids, real, images = batch(CASES["several images of different sizes per row"])
+    canvas = torch.randint(0, VOCAB, (ids.shape[0], CANVAS), generator=torch.Generator())
+    with torch.no_grad():
+        assert torch.equal(gathered(ids, canvas, prompt_mask=real, images=images),
+                           model(ids, canvas, prompt_mask=real, images=images))  # fmt: skip
+    model.save_pretrained(tmp_path / "one")
+    gathered.save_pretrained(tmp_path / "gathered")
+    with safe_open(str(tmp_path / "one" / "model.safetensors"), "pt") as one, \
+            safe_open(str(tmp_path / "gathered" / "model.safetensors"), "pt") as other:  # fmt: skip
+        assert set(one.keys()) == set(other.keys()) and vision_keys(one.keys())
+        for key in one.keys():
+            assert torch.equal(one.get_tensor(key), other.get_tensor(key)), key

@@ -35,6 +35,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from safetensors.torch import save_file
 from torch import nn
 
 from unmask.checkpoint.generation import write_generation_files
@@ -55,6 +56,7 @@ from unmask.checkpoint.state import RunState
 from unmask.errors import InputError, RunStopped
 from unmask.models import ModelConfig, hf_config_dict
 from unmask.models.build import build_empty_like
+from unmask.models.diffusion_gemma_vision import VISION_SOURCE_KEYS
 from unmask.models.families import FAMILIES
 from unmask.models.hf import native_state, read_safetensors, shape_mismatch, split_carried
 from unmask.models.lora import ADAPTER_FILE, apply_lora, load_adapter, save_adapter, save_lora
@@ -135,8 +137,7 @@ class Checkpointer:
             torch.save(optimizer.state_dict(), tmp / OPTIMIZER_FILE)
         if self._is_writer:
             if self.sharded:  # the architecture, for export and sampling
-                config = hf_config_dict(model.config)
-                (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2))
+                write_architecture(tmp, model)
             torch.save(scheduler.state_dict(), tmp / SCHEDULER_FILE)
             torch.save(rng_state, tmp / RNG_FILE)
             (tmp / STATE_FILE).write_text(json.dumps(state, indent=2))
@@ -186,7 +187,7 @@ class Checkpointer:
         if self.sharded:
             state["world_size"] = dist.get_world_size()
         if self._is_writer:  # the small files now: they describe this step
-            (tmp / CONFIG_FILE).write_text(json.dumps(hf_config_dict(model.config), indent=2))
+            write_architecture(tmp, model)
             torch.save(scheduler.state_dict(), tmp / SCHEDULER_FILE)
             torch.save(rng_state, tmp / RNG_FILE)
             (tmp / STATE_FILE).write_text(json.dumps(state, indent=2))
@@ -383,6 +384,25 @@ def best_checkpoint(output_dir: Path, new: Path | None = None) -> Path | None:
         if loss is not None and loss < best_loss:
             best, best_loss = path, loss
     return None if best == new else best  # the new one is the newest: never pruned
+
+
+CARRIED_FILE = "carried.safetensors"
+"""A DCP checkpoint's folder tensors the model carries unrun (DiffusionGemma's frozen vision
+tower), which its model state does not hold."""
+
+
+def write_architecture(folder: Path, model: nn.Module) -> None:
+    """A DCP checkpoint's config.json (the model's architecture, with a DiffusionGemma
+    folder's vision keys: its tower) and `CARRIED_FILE` (the carried tensors, if any), so
+    its export and sampling rebuild the model with its tower (saved.py
+    gather_distributed_checkpoint)."""
+    config = hf_config_dict(model.config)
+    source = getattr(model, "hf_source_config", None) or {}
+    config.update({key: source[key] for key in VISION_SOURCE_KEYS if key in source})
+    (folder / CONFIG_FILE).write_text(json.dumps(config, indent=2))
+    carried = getattr(model, "hf_carried_weights", None) or {}
+    if carried:
+        save_file({k: v.contiguous() for k, v in carried.items()}, str(folder / CARRIED_FILE))
 
 
 def _load_model(path: Path, model: nn.Module) -> None:

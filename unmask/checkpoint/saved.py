@@ -18,8 +18,10 @@ from pathlib import Path
 
 import torch
 import yaml
+from safetensors.torch import load_file
+from torch import nn
 
-from unmask.checkpoint.checkpointer import dcp_load
+from unmask.checkpoint.checkpointer import CARRIED_FILE, dcp_load
 from unmask.checkpoint.layout import (
     ADAPTER_CONFIG,
     CONFIG_FILE,
@@ -36,7 +38,7 @@ from unmask.models import (
     config_from_hf,
     from_pretrained,
 )
-from unmask.models.diffusion_gemma_vision import attach_vision
+from unmask.models.diffusion_gemma_vision import attach_vision, register_empty_vision
 from unmask.models.hf import read_config
 from unmask.models.lora import (
     LORA_BASE_FILE,
@@ -241,6 +243,22 @@ def _dcp_lora_settings(folder: Path) -> dict | None:
     return settings if isinstance(settings, dict) else None
 
 
+def _with_tower(model: nn.Module, source: dict, path: Path) -> None:
+    """A DiffusionGemma checkpoint's vision tower on the empty model: its config.json's keys
+    and carried tensors (checkpointer.py write_architecture), and the registered (trained)
+    tower where the DCP state holds one."""
+    if "vision_config" not in source:
+        return
+    from torch.distributed.checkpoint import FileSystemReader
+
+    carried = path / CARRIED_FILE
+    model.hf_source_config = source
+    model.hf_carried_weights = load_file(str(carried)) if carried.is_file() else {}
+    keys = FileSystemReader(str(path / DCP_DIR)).read_metadata().state_dict_metadata
+    if any(".model.encoder.vision_tower." in key for key in keys):
+        register_empty_vision(model, source)
+
+
 def gather_distributed_checkpoint(path: Path) -> DiffusionTransformer:
     """The full model of a sharded (DCP) checkpoint-N, in one process without a process
     group; only the model's entries are read. A LoRA run's (peft names: base weights and
@@ -248,8 +266,10 @@ def gather_distributed_checkpoint(path: Path) -> DiffusionTransformer:
     path = Path(path)
     if not is_distributed_checkpoint(path):
         raise InputError(f"{str(path)!r} is not a sharded (DCP) unmask checkpoint")
-    cfg = config_from_hf(read_config(path))
+    source = read_config(path)
+    cfg = config_from_hf(source)
     model = build_empty(cfg)
+    _with_tower(model, source, path)
     settings = _dcp_lora_settings(path)
     if settings is not None:
         lora = {k: v for k, v in settings.items() if k in LORA_SETTINGS and k != "load_in_4bit"}

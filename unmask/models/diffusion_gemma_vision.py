@@ -56,6 +56,10 @@ from unmask.errors import InputError
 
 TOWER, PROJECTOR = "model.encoder.vision_tower.", "model.encoder.embed_vision."
 """Folder prefixes of the tower's and the projector's tensors."""
+VISION_SOURCE_KEYS = ("vision_config", "image_token_id", "boi_token_id", "eoi_token_id",
+                      "image_token_index", "mm_tokens_per_image")  # fmt: skip
+"""config.json keys of a DiffusionGemma folder that describe its tower (a checkpoint's
+config.json keeps them)."""
 LORA_TOWER, LORA_PROJECTOR = "vision_tower", "embed_vision"
 """`lora_target_modules` entries that adapt the tower's layers' linear maps and the
 projector's (models/lora.py)."""
