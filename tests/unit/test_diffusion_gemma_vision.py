@@ -607,6 +607,18 @@ def test_lora_on_the_tower_and_projector_keeps_the_base_and_reloads_with_equal_l
     assert (trained - plain).abs().max().item() > 1e-3  # the adapters moved the logits
     save_adapter(model, tmp_path / "adapter")
     assert adapts_vision(tmp_path / "adapter")
+    # as `unmask generate --model ADAPTER` reads it: the recorded base, its tower registered
+    # for the merge, the fingerprint of the frozen base (tower included) checked
+    from unmask.checkpoint.saved import inspect_saved, load_saved_model
+    from unmask.models import ModelConfig
+    from unmask.models.lora import LORA_BASE_FILE, base_fingerprint, base_record
+
+    record = base_record(ModelConfig(pretrained=str(folder)), 0, VOCAB, base_fingerprint(model))
+    (tmp_path / "adapter" / LORA_BASE_FILE).write_text(json.dumps(record))
+    with torch.no_grad():
+        loaded = load_saved_model(inspect_saved(tmp_path / "adapter"))
+        read = loaded(ids, canvas, prompt_mask=real, images=images)
+    assert (read - trained).abs().max().item() <= TOLERANCE
     fresh = from_pretrained(folder)
     attach_vision(fresh, True)
     merged = merge_adapter(fresh, tmp_path / "adapter").eval()
