@@ -55,7 +55,7 @@ def test_tensor_parallel_on_a_folder_without_a_tensor_plan_is_one_line(qwen3_fol
     with_shape(monkeypatch, "qwen3_dllm", tensor=None)
     section = ModelConfig(model_type="llama_dllm", pretrained=str(qwen3_folder))
     with pytest.raises(InputError) as err:
-        check_tensor_parallel(section, 2)
+        check_tensor_parallel(resolve_model(section), 2)
     assert str(err.value).startswith("parallel.tensor_parallel=2 needs a native decoder, or a "
                                      "family that declares how its layers split")  # fmt: skip
     assert "model.model_type 'qwen3_dllm' declares no tensor-parallel plan" in str(err.value)

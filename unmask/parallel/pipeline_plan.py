@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from unmask.errors import InputError
-from unmask.models.build import shape_of
+from unmask.models.families import FAMILIES
 from unmask.models.shape import matmul_flops
 from unmask.parallel.schedules import HEAD_PASSES, PIPELINE_SCHEDULES, ScheduleSpec, schedule_spec
 
@@ -56,7 +56,7 @@ def layer_costs(cfg, length: int, head_share: float, head_loss: str = "fused") -
     elementwise work). The fused loss makes 3 passes (logits, then both gradients, in its
     forward); the chunked one 4 (the logits, then in its backward the logits again and
     both gradients)."""
-    shape = shape_of(cfg)  # the family's declaration: its layers' weights and attention
+    shape = FAMILIES[cfg.model_type].shape  # the family's declaration: its layers' weights
     hidden = cfg.hidden_size
     width = shape.attention_width(cfg)
     layers = tuple(float(matmul_flops(shape.layer_matmul_params(cfg, i), 1, width, 1, length))
@@ -73,7 +73,8 @@ def split_passes(cfg, length: int) -> tuple[float, float, float]:
     weight 2 in each pass (as `layer_costs` counts its 6), the attention scores (no
     weight) a third of their 12 x width x length in the forward and the rest, their
     backward, in the input pass."""
-    scores = 12.0 * shape_of(cfg).attention_width(cfg) * length * cfg.num_hidden_layers
+    shape = FAMILIES[cfg.model_type].shape  # a native decoder's family's declaration
+    scores = 12.0 * shape.attention_width(cfg) * length * cfg.num_hidden_layers
     weights = (math.fsum(layer_costs(cfg, length, 0.0).layers) - scores) / 6
     return 2 * weights + scores / 3, 2 * weights + 2 * scores / 3, 2 * weights
 

@@ -28,29 +28,32 @@ have no v_proj (a layer's plan takes the modules it has).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from unmask.errors import InputError
-from unmask.models.build import ResolvedModel, resolve_model, shape_of
-from unmask.models.config import ModelConfig
 from unmask.models.families import FAMILIES
 from unmask.models.shape import WRAPPED, TensorPlan, decoder_layers
 
+if TYPE_CHECKING:
+    from unmask.models.build import ResolvedModel
+    from unmask.models.config import ModelConfig
 
-def check_tensor_parallel(model: ModelConfig | ResolvedModel, tp: int, *, lora: bool = False,
+
+def check_tensor_parallel(resolved: ResolvedModel, tp: int, *, lora: bool = False,
                           sequence_parallel: bool = False) -> None:  # fmt: skip
     """One-line InputError when the model cannot be split tp ways (before any process
     group work): wrapped transformers encoders, LoRA or 4-bit models, the full-logits loss
     (with a vocab-parallel head), sequence parallelism of a family that declares no
     sequence-parallel norms, or a degree that does not divide the heads, the key/value heads
-    or the MLP width (the plan's `divides`). model: a run's model section, or the model it
-    resolves to (models/build.py `resolve_model`: a pretrained folder's family is checked,
-    not the section's model_type)."""
+    or the MLP width (the plan's `divides`). resolved: the model a run's section resolves
+    to (models/build.py `resolve_model`: a pretrained folder's family is checked, not the
+    section's model_type)."""
     if tp == 1:
         return
     key = f"parallel.tensor_parallel={tp}"
-    resolved = resolve_model(model) if isinstance(model, ModelConfig) else model
     section = resolved.section
     if section.pretrained is not None and resolved.shape is WRAPPED:
         raise InputError(
@@ -132,7 +135,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh,
         parallelize_module,
     )
 
-    tensor = shape_of(model.config).tensor  # the family's declaration (models/shape.py)
+    # the family's declaration (models/shape.py) of the native decoder built
+    tensor = FAMILIES[model.config.model_type].shape.tensor
     if sequence_parallel:
         check_sequence_plan(tensor, model.config.model_type)
     if sequence_parallel and not vocab_parallel:
