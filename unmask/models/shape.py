@@ -105,6 +105,11 @@ class ModelShape:
     a family from another package registers its own walk
     (plan/memory.py `register_memory_model`) and names it here, with no edit of plan/."""
 
+    def canvas_length(self, arch) -> int:
+        """Tokens of the canvas a canvas decoder's passes run over (`canvas_decoder`), which
+        the planner's step reads; 0 for a family without one."""
+        return 0
+
     def attention_width(self, arch) -> int:
         """Query heads x head dim: the width of the attention scores' matmuls."""
         return arch.num_attention_heads * arch.resolved_head_dim
@@ -231,6 +236,9 @@ class DiffusionGemmaShape(ModelShape):
 
     def layer_matmul_params(self, arch, index: int) -> int:
         return self._attention(arch, index)[1] + self.mlp_params(arch, index)
+
+    def canvas_length(self, arch) -> int:
+        return arch.diffusion_gemma.canvas_length
 
     def prompt_kv(self, arch, index: int, length: int) -> tuple[int, int, int]:
         """(prompt tokens whose keys and values layer `index` keeps for the decoder, its

@@ -110,7 +110,7 @@ def step_shape(cfg: RunConfig, world_size: int) -> StepShape:
     if pipeline is not None:  # the step's rows cut into the schedule's micro-batches
         rows, micro = rows * micro // pipeline.microbatches, pipeline.microbatches
     arch = cfg.model
-    canvas = arch.diffusion_gemma.canvas_length if shape_of(arch).canvas_decoder else 0
+    canvas = shape_of(arch).canvas_length(arch)  # a canvas decoder's (0: none)
     return StepShape(rows=rows, length=cfg.data.packing_length,
                      micro_batches=micro, bf16=t.bf16,
                      checkpointing=checkpointing_choice(t),
