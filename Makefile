@@ -27,7 +27,7 @@ quickstart: $(STAMP)
 # one torchrun launch shared by a file's tests run once): 15 minutes on 2 cores instead of
 # 20. PYTEST_WORKERS=0 runs in one process.
 PYTEST_WORKERS ?= 2
-PYTEST := $(BIN)/pytest -q -n $(PYTEST_WORKERS) --dist loadfile
+PYTEST := $(BIN)/pytest -q -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 test: $(STAMP)
 	$(PYTEST) tests

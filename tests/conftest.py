@@ -9,6 +9,17 @@ import pytest
 import torch
 import yaml
 
+
+def pytest_collection_modifyitems(config, items):
+    """The files marked slow (multi-process launches, docs commands, trainings) first, in
+    their order, then the rest: under `make test` (xdist --dist loadfile, without its
+    reordering by test count) the two workers end on the short unit files together instead
+    of one waiting on a 2-minute launch the other started last."""
+    slow = [item for item in items if item.get_closest_marker("slow")]
+    fast = [item for item in items if not item.get_closest_marker("slow")]
+    items[:] = slow + fast
+
+
 TINY = {
     "model": {
         "hidden_size": 32,

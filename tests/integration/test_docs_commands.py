@@ -13,7 +13,9 @@ directives separated by `;`): `not run: REASON` (the reason is required), `repla
 with "B": REASON` (tiny sizes: the sandbox's model saves other checkpoints than the real
 quickstart, a 2-core machine starts 2 processes, not 8), `output varies: REASON` (only the
 exit code is checked), `alternatives` (each line runs in its own copy of the sandbox, for
-blocks listing ways to do one thing). Unlabeled fences are refused, so every block is
+blocks listing ways to do one thing), `stop after "TEXT": REASON` (for commands that run until
+stopped, a server: each line runs until it prints a line holding TEXT, then gets SIGTERM and
+must exit 0). Unlabeled fences are refused, so every block is
 either code that runs or says why it does not.
 
 The sandbox holds what the docs name: runs/quickstart (made by the Makefile's own
@@ -26,8 +28,10 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -69,7 +73,9 @@ def parse_directives(comment: str) -> dict:
     out: dict = {"replace": []}
     parts: list[str] = []
     for piece in comment.split(";"):  # a reason may hold ";": it continues the directive
-        if parts and not re.match(r"\s*(replace |not run:|output varies:|alternatives)", piece):
+        if parts and not re.match(
+            r"\s*(replace |not run:|output varies:|alternatives|stop after )", piece
+        ):
             parts[-1] += ";" + piece
         else:
             parts.append(piece)
@@ -78,6 +84,8 @@ def parse_directives(comment: str) -> dict:
             out["replace"].append((m.group(1), m.group(2)))
         elif m := re.fullmatch(r"(not run|output varies): (.+)", part):
             out[m.group(1)] = m.group(2)
+        elif m := re.fullmatch(r'stop after "(.+?)": .+', part):
+            out["stop after"] = m.group(1)
         elif part == "alternatives":
             out["alternatives"] = True
         else:
@@ -148,6 +156,29 @@ def sh(command: str, cwd: Path, check: bool = True) -> subprocess.CompletedProce
     if check and done.returncode != 0:
         raise AssertionError(f"{command!r} exited {done.returncode}:\n{done.stdout}\n{done.stderr}")
     return done
+
+
+def run_until(command: str, cwd: Path, text: str) -> None:
+    """Run a command that runs until stopped (a server): once a line it prints holds `text`,
+    SIGTERM its process group; it must then exit 0 (killed after TIMEOUT s if it never does)."""
+    proc = subprocess.Popen(["bash", "-e", "-c", command], cwd=cwd, env=environment(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)  # fmt: skip
+    overdue = threading.Timer(TIMEOUT, os.killpg, (proc.pid, signal.SIGKILL))
+    overdue.start()
+    printed: list[str] = []
+    try:
+        for line in proc.stdout:
+            printed.append(line)
+            if text in line:
+                os.killpg(proc.pid, signal.SIGTERM)
+                break
+        printed.append(proc.communicate()[0])
+    finally:
+        overdue.cancel()
+    out = "".join(printed)
+    assert text in out, f"{command!r} never printed {text!r}:\n{out}"
+    assert proc.returncode == 0, f"{command!r} exited {proc.returncode} after SIGTERM:\n{out}"
 
 
 def makefile_recipe(target: str) -> list[str]:
@@ -244,7 +275,10 @@ def run_block(block: Block, cwd: Path) -> None:
         else:
             for command in shell_lines(body):
                 started = time.perf_counter()
-                sh(command, cwd)
+                if "stop after" in block.directives:
+                    run_until(command, cwd, block.directives["stop after"])
+                else:
+                    sh(command, cwd)
                 print(f"{block.name}: {time.perf_counter() - started:5.1f}s  {command.strip()}")
     elif block.lang == "python":
         script = cwd / f"block_{block.line}.py"

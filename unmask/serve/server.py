@@ -131,7 +131,18 @@ def header_deadline_protocol(seconds: float) -> type:
 
 class _Server(uvicorn.Server):
     """uvicorn raises the signal it stopped on again once it has shut down (the process then
-    dies of SIGTERM); a drained SIGTERM is a clean stop here: exit status 0."""
+    dies of SIGTERM); a drained SIGTERM is a clean stop here: exit status 0. `announce` runs
+    once the socket listens and SIGTERM is handled, so a client (or a script) that waits for
+    the "serving" line can connect, and stop it cleanly, at once."""
+
+    def __init__(self, config: uvicorn.Config, announce) -> None:
+        super().__init__(config)
+        self.announce = announce
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets=sockets)
+        if self.started and not self.should_exit:
+            self.announce()
 
     def handle_exit(self, sig, frame) -> None:
         super().handle_exit(sig, frame)
@@ -186,22 +197,25 @@ def run_server(sm: SamplingModel, *, model_name: str, host: str = "127.0.0.1",
         small += f", one for forwards under {one_thread_below} positions"
     if threads > 1 and watch_load:
         small += ", no more than the cores idle of other work"
-    shown = f"[{host}]" if ":" in host else host
-    if api_key is None and not is_loopback(host):
-        print(f"unmask: WARNING: {host} serves beyond this machine with no API key: anyone "
-              "who reaches the port can generate and read the runs folder", file=sys.stderr,
-              flush=True)  # fmt: skip
-    print(f"unmask: serving {model_name!r} on http://{shown}:{port} (max batch {max_batch}, "
-          f"queue {max_queue}, prefix cache {prefix_cache_bytes / 2**20:g} MiB, {threads} torch "
-          f"thread(s){small})",
-          file=sys.stderr, flush=True)  # fmt: skip
-    for notice in notices:
-        print(f"unmask: WARNING: {notice}", file=sys.stderr, flush=True)
     server.notices = list(notices)
-    if allow_train:
-        print(f"unmask: the page may queue training runs into {str(runs_dir)!r} (--allow-train)",
+
+    def announce() -> None:  # once it listens (_Server.startup)
+        shown = f"[{host}]" if ":" in host else host
+        if api_key is None and not is_loopback(host):
+            print(f"unmask: WARNING: {host} serves beyond this machine with no API key: anyone "
+                  "who reaches the port can generate and read the runs folder", file=sys.stderr,
+                  flush=True)  # fmt: skip
+        print(f"unmask: serving {model_name!r} on http://{shown}:{port} (max batch {max_batch}, "
+              f"queue {max_queue}, prefix cache {prefix_cache_bytes / 2**20:g} MiB, {threads} torch "
+              f"thread(s){small})",
               file=sys.stderr, flush=True)  # fmt: skip
-    _Server(config).run(sockets=[sock])
+        for notice in notices:
+            print(f"unmask: WARNING: {notice}", file=sys.stderr, flush=True)
+        if allow_train:
+            print(f"unmask: the page may queue training runs into {str(runs_dir)!r} (--allow-train)",
+                  file=sys.stderr, flush=True)  # fmt: skip
+
+    _Server(config, announce).run(sockets=[sock])
     if server.training is not None:  # the running job checkpoints and exits (bounded)
         server.training.close()
     engine.close(timeout=drain_seconds)
