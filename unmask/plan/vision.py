@@ -66,11 +66,14 @@ class TowerPlan:
 
 
 def folder_vision_config(folder: str | Path) -> dict | None:
-    """The folder's config.json if it has a vision_config (None otherwise)."""
+    """The folder's config.json if it is a diffusion_gemma one with a vision_config (None
+    otherwise)."""
     path = Path(folder) / "config.json"
     try:
         source = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError):
+        return None
+    if source.get("model_type") != "diffusion_gemma":  # the one family with a tower here
         return None
     return source if isinstance(source.get("vision_config"), dict) else None
 
