@@ -118,7 +118,8 @@ def _choose_for_trainer(trainer) -> tuple[bool | int, str]:
     counted = whole if whole is not None else model
     sharded = describe_shards(model, routing_of(trainer.optimizer), layout, trainer.dist.rank,
                               pipeline, trainer.dist.pp_rank, flop_model(counted),
-                              sum(p.numel() for p in counted.parameters()))  # fmt: skip
+                              sum(p.numel() for p in counted.parameters()),
+                              resolved.shape)  # fmt: skip
     shape = run_shape(planned_model_config(cfg), world, device,
                       head_share(cfg.diffusion.objective))  # fmt: skip
     peaks = torch.tensor([memory_terms(sharded, replace(shape, checkpointing=flags(cfg)[c])).peak

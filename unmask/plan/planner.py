@@ -25,7 +25,6 @@ from unmask.diffusion.loss import LOSS_BLOCK, loss_block_elements
 from unmask.diffusion.registry import head_share
 from unmask.errors import InputError
 from unmask.models.attention import FLEX_MIN_HEAD_DIM
-from unmask.models.build import shape_of
 from unmask.optim.newton_schulz import ns_flops
 from unmask.optim.updates import auto_ns_dtype, cpu_has_native_bf16
 from unmask.parallel.pipeline_plan import bubble_formula, split_passes
@@ -110,7 +109,7 @@ def step_shape(cfg: RunConfig, world_size: int) -> StepShape:
     if pipeline is not None:  # the step's rows cut into the schedule's micro-batches
         rows, micro = rows * micro // pipeline.microbatches, pipeline.microbatches
     arch = cfg.model
-    canvas = shape_of(arch).canvas_length(arch)  # a canvas decoder's (0: none)
+    canvas = parallel.model.shape.canvas_length(arch)  # a canvas decoder's (0: none)
     return StepShape(rows=rows, length=cfg.data.packing_length,
                      micro_batches=micro, bf16=t.bf16,
                      checkpointing=checkpointing_choice(t),
@@ -218,9 +217,9 @@ def step_flops(model: ShardedModel, shape: StepShape, dp: int, masked_fraction: 
     if shape.canvas:
         arch = model.model_config
         with torch.device("meta"):
-            args, kwargs = shape_of(arch).training_call(arch, rows, shape.length,
-                                                        shape.self_condition)  # fmt: skip
-        return float(shape_of(arch).call_flops(model.flops, arch, args, kwargs))
+            args, kwargs = model.shape.training_call(arch, rows, shape.length,
+                                                     shape.self_condition)  # fmt: skip
+        return float(model.shape.call_flops(model.flops, arch, args, kwargs))
     tokens = rows * shape.length
     return float(model.flops.step_flops(tokens, shape.length, masked_fraction * tokens))
 

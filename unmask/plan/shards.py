@@ -26,7 +26,7 @@ from torch import nn
 from unmask.config import RunConfig
 from unmask.errors import InputError
 from unmask.models.build import _no_init, build_model  # no-op initializers, whole model
-from unmask.models.shape import decoder_layers
+from unmask.models.shape import ModelShape, decoder_layers
 from unmask.optim.config import build_optimizer
 from unmask.parallel.dims import ParallelDims
 from unmask.parallel.pipeline_plan import PipelinePlan
@@ -113,6 +113,10 @@ class ShardedModel:
     parameters: int = 0
     """Parameters of the whole model (under a pipeline: of every stage, not only this
     rank's)."""
+    shape: ModelShape | None = None
+    """The family's declaration (models/shape.py) of the model the run resolved
+    (train/setup.py `plan_parallel`'s `ResolvedModel`): what the traffic and FLOP terms
+    read of the family."""
 
     @property
     def stages(self) -> list[int]:
@@ -224,11 +228,13 @@ def shard_model(cfg: RunConfig, world_size: int, rank: int = 0) -> ShardedModel:
             parameters = sum(p.numel() for p in whole.parameters())
         pp_rank = mesh["pp"].get_local_rank() if pipeline is not None else 0
         return describe_shards(model, routing_of(build_optimizer(cfg.optim, model)), layout,
-                               rank, pipeline, pp_rank, flops, parameters)  # fmt: skip
+                               rank, pipeline, pp_rank, flops, parameters,
+                               parallel.model.shape)  # fmt: skip
 
 
 def describe_shards(model: nn.Module, routing: dict[int, str], layout: ParallelDims, rank: int,
-                    pipeline, pp_rank: int, flops, parameters: int) -> ShardedModel:  # fmt: skip
+                    pipeline, pp_rank: int, flops, parameters: int,
+                    shape: ModelShape) -> ShardedModel:  # fmt: skip
     """The ShardedModel of a built model: the planner's meta build, or a trainer's own
     (its real shards: unmask/plan/checkpointing.py). routing: parameter id -> muon /
     adamw (`routing_of` the optimizer)."""
@@ -239,7 +245,7 @@ def describe_shards(model: nn.Module, routing: dict[int, str], layout: ParallelD
         indices = tuple(sorted(i for stage in pipeline.stages_of(pp_rank)
                                for i in pipeline.layers[stage]))  # fmt: skip
     return ShardedModel(rank, layout, shards, model.config, len(layers), flops, indices,
-                        pipeline, pp_rank, parameters)  # fmt: skip
+                        pipeline, pp_rank, parameters, shape)  # fmt: skip
 
 
 def routing_of(optimizer) -> dict[int, str]:

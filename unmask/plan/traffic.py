@@ -41,7 +41,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from unmask.models.build import shape_of
 from unmask.models.shape import recomputes
 from unmask.parallel.context import alltoall_bytes
 from unmask.plan.memory import StepShape
@@ -235,7 +234,7 @@ def canvas_passes(model: ShardedModel, shape: StepShape) -> list[tuple[int, int,
     with gradients run backward too."""
     arch = model.model_config
     out: list[tuple[int, int, bool | None]] = []
-    for length, layers, grad in shape_of(arch).passes(arch, shape.length, shape.self_condition):
+    for length, layers, grad in model.shape.passes(arch, shape.length, shape.self_condition):
         out.append((shape.rows * length, layers, False))
         if grad:
             out.append((shape.rows * length, layers, None))
@@ -253,7 +252,7 @@ def _canvas_fsdp(model: ShardedModel, shape: StepShape,
     (the encoder's and the decoder's: FSDP2's post-backward runs once per use); the root
     as any unit's."""
     arch = model.model_config
-    passes = shape_of(arch).passes(arch, shape.length, shape.self_condition)
+    passes = model.shape.passes(arch, shape.length, shape.self_condition)
     uses = len(passes)
     backward = sum(1 for *_, grad in passes if grad)
     per_layer = uses + backward if shape.reshard_after_forward else max(backward, 1)
