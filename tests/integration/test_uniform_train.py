@@ -148,6 +148,9 @@ def test_sigkill_and_resume_with_pictures_is_bit_equal(tmp_path, pictures):
     assert tower and any(not torch.equal(ref[k], start[k]) for k in tower)  # it trained
     assert losses(run) == losses(tmp_path / "ref")
     assert sorted(losses(run)) == list(range(1, 9))
+    # final/ keeps the folder's image processor: it takes pictures as the folder does
+    processor = (pictures[0] / "preprocessor_config.json").read_text()
+    assert (run / "final" / "preprocessor_config.json").read_text() == processor
 
 
 @pytest.mark.parametrize("self_conditioning", [0.0, 0.5])

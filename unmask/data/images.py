@@ -74,13 +74,24 @@ def image_processor(folder: str | Path):
     """The folder's own image processor (offline), or one line when it has none."""
     import transformers
 
-    if not (Path(folder) / "preprocessor_config.json").is_file():
+    if not (Path(folder) / PROCESSOR_FILE).is_file():
         raise InputError(f"{str(folder)!r} has no image processor (preprocessor_config.json); "
                          "save the model's processor into the folder to give it images")  # fmt: skip
     try:
         return transformers.AutoImageProcessor.from_pretrained(str(folder), local_files_only=True)
     except (OSError, ValueError) as err:
         raise InputError(f"{str(folder)!r}: its image processor does not load ({err})") from None
+
+
+PROCESSOR_FILE = "preprocessor_config.json"
+
+
+def processor_files(folder: str | Path | None) -> dict[str, str]:
+    """{PROCESSOR_FILE: its text} of a model folder that has an image processor, for a
+    run's checkpoints and final/ (so a folder trained from it takes pictures as it does);
+    {} for none."""
+    path = Path(folder) / PROCESSOR_FILE if folder else None
+    return {PROCESSOR_FILE: path.read_text()} if path is not None and path.is_file() else {}
 
 
 @dataclass(frozen=True)
@@ -326,5 +337,5 @@ def picture_rows(records: list[dict[str, Any]], tokenizer, eos_id: int, chat_tem
 
 
 __all__ = ["IMAGE_KEYS", "PLACEHOLDER", "FolderVision", "Picture", "PictureRows",
-           "has_pictures", "image_processor", "open_image", "picture_record", "picture_rows",
+           "PROCESSOR_FILE", "has_pictures", "image_processor", "processor_files", "open_image", "picture_record", "picture_rows",
            "tokenize_picture_records"]  # fmt: skip

@@ -18,6 +18,7 @@ from unmask.checkpoint.checkpointer import check_async_request
 from unmask.checkpoint.layout import newest_intact
 from unmask.config import RunConfig, dump_config
 from unmask.data import make_loader
+from unmask.data.images import processor_files
 from unmask.data.streaming import StreamSpec
 from unmask.diffusion import objective_spec
 from unmask.errors import RunStopped
@@ -282,7 +283,13 @@ class Trainer(TrainStep, Evaluation, CheckpointedState):
             self.output_dir,
             sharded=self.sharded,
             tokenizer=self.tokenizer,
-            files={GENERATION_FILE: sampling, **self.lora.files()},
+            # the folder's image processor: a run from a folder with a tower gives folders
+            # that take pictures (unmask generate --image, serve) as it does
+            files={
+                GENERATION_FILE: sampling,
+                **self.lora.files(),
+                **processor_files(cfg.model.pretrained),
+            },
             save_total_limit=t.save_total_limit,
             keep_best=t.keep_best,
             async_save=t.async_checkpoint,
