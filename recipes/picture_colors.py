@@ -8,6 +8,9 @@ from scratch, and a text-only control that cannot see the picture.
         train.output_dir=runs/picture_colors/control
     python recipes/picture_colors.py score       # held-out exact match of both
 
+or all four in one process: `python recipes/picture_colors.py all` (`--set KEY=VALUE`,
+repeatable, goes to both runs).
+
 `prepare` writes runs/picture_colors/model (a random DiffusionGemma folder made by
 transformers: a 2-layer text stack, a 2-layer Gemma 4 vision tower whose weights are
 drawn N(0, 0.3) so that pictures differ in its output from the start, the char tokenizer
@@ -154,15 +157,26 @@ def score(root: Path, runs: dict[str, Path], batch: int = 50) -> None:
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("step", choices=["prepare", "score"])
+    parser.add_argument("step", choices=["prepare", "score", "all"])
     parser.add_argument("--root", type=Path, default=ROOT)
     parser.add_argument("--train", type=int, default=4000, help="training rows")
     parser.add_argument("--heldout", type=int, default=100, help="held-out rows")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="all: a config override for both runs")  # fmt: skip
     ns = parser.parse_args(argv)
-    if ns.step == "prepare":
+    if ns.step in ("prepare", "all"):
         prepare(ns.root, ns.train, ns.heldout, ns.seed)
-    else:
+    if ns.step == "all":
+        from unmask.cli import main as unmask
+
+        recipe = str(Path(__file__).with_suffix(".yaml"))
+        control = [f"data.dataset={ns.root / 'data' / 'train_text.jsonl'}",
+                   f"train.output_dir={ns.root / 'control'}"]  # fmt: skip
+        for overrides in ([], control):
+            if unmask(["train", recipe, *ns.set, *overrides]) != 0:
+                return 1
+    if ns.step in ("score", "all"):
         score(ns.root, {"pictures": ns.root / "run" / "final",
                         "control": ns.root / "control" / "final"})  # fmt: skip
     return 0
