@@ -141,6 +141,9 @@ def test_bad_pictures_are_one_line(saved, tmp_path):
     for row, message in cases.values():
         with pytest.raises(InputError, match=message):
             rows_of(write_rows(tmp_path, [row]), folder)
+    with pytest.raises(InputError, match="data.streaming does not read pictures yet"):
+        cfg = config(data, folder).model_copy(update={"streaming": True})
+        build_datasets(cfg, build_tokenizer(cfg), model_folder=str(folder))
     with pytest.raises(InputError, match="set data.packing: false"):
         cfg = config(data, folder).model_copy(update={"packing": True})
         build_datasets(cfg, build_tokenizer(cfg), model_folder=str(folder))

@@ -20,7 +20,7 @@ from unmask.data.indexed import IndexedStore, check_store_tokenizer
 from unmask.data.packing import build_rows, tokenize_records
 from unmask.data.rows import RowSource, TokenStoreRows
 from unmask.data.sources import Record, read_rows, records_of, to_record
-from unmask.data.streaming import StreamSpec, first_records, record_key
+from unmask.data.streaming import StreamSpec, first_records, open_stream, record_key
 from unmask.data.synthetic import Example, make_synthetic, make_synthetic_heldout
 from unmask.errors import InputError
 
@@ -148,6 +148,12 @@ def _streaming(cfg: DataConfig, tokenizer, eos_id: int) -> Datasets:
                 f"data.streaming reads jsonl / parquet / text files or a hub id, not "
                 f"{source.path!r}; set data.streaming: false for it"
             )
+        local = Path(source.path).expanduser().exists()  # a hub id is not opened for this
+        first = next(iter(open_stream(source.path, source.dataset_format).take(1)), None) \
+            if local else None  # fmt: skip
+        if first is not None and has_pictures(first, cfg.image_field):
+            raise InputError(f"data.streaming does not read pictures yet ({source.path!r} "
+                             f"has {cfg.image_field!r}); set data.streaming: false")  # fmt: skip
     fields = {"prompt_field": cfg.prompt_field, "response_field": cfg.response_field}
     held = 0 if cfg.eval_dataset is not None else stream_eval_count(cfg.eval_split)
     held_records: list[Record] = []
