@@ -230,6 +230,12 @@ def test_a_folder_carries_its_options(registered, tmp_path):
     config = resolve_sampling(saved_sampling(tmp_path), {"gen_length": 8})
     assert config.decoder_options == {"preset": "fast"}
     assert DECODERS[registered].own_options(config).stride == 4
+    # another decoder named later: the folder's options were its decoder's, and go
+    other = resolve_sampling(saved_sampling(tmp_path), {"gen_length": 8, "decoder": "masked"})
+    assert other.decoder == "masked" and other.decoder_options is None
+    same = resolve_sampling({"decoder": registered, "decoder_options": {"stride": 2}},
+                            {"decoder": registered})  # fmt: skip
+    assert same.decoder_options == {"stride": 2}
 
 
 def test_the_engine_batches_it_as_each_prompt_alone(registered, sm):

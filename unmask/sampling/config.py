@@ -492,6 +492,9 @@ def _resolve(layers, strict: bool) -> SamplingConfig:
             merged.pop("row_length", None)
         elif "row_length" in layer:
             merged.pop("gen_length", None)
+        if "decoder" in layer and layer["decoder"] != merged.get("decoder"):
+            # another decoder: the earlier layers' decoder_options were that decoder's own
+            merged.pop("decoder_options", None)
         merged.update(layer)
     try:
         return SamplingConfig.model_validate(merged, strict=strict)
