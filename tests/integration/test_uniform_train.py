@@ -3,7 +3,8 @@ synthetic quickstart tasks: its loss falls over 30 steps; 2 processes (FSDP2, th
 trained and frozen) give the losses of 1 within 1e-5; a run resumed from a checkpoint gives
 the uninterrupted run's losses and weights bit for bit. With pictures (a DiffusionGemma
 folder with a vision tower fine-tuned on LLaVA-style rows, data/images.py): 2 processes
-give the losses of 1 within 1e-5 over 20 steps, and a run killed (SIGKILL) and resumed
+give the losses of 1 within 1e-5 over 20 steps, the tower frozen and trained
+(`model.freeze_vision: false`, its layers FSDP2 units), and a run killed (SIGKILL) and resumed
 gives the uninterrupted run's losses and weights bit for bit, the tower trained and its
 pictures decoded in a DataLoader worker."""
 
@@ -84,13 +85,18 @@ def test_two_processes_give_the_one_process_losses(tmp_path, pictures):
         "pictures": picture_config(tmp_path, "pictures", pictures,
                                    {"train": {"split_batches": True, "max_steps": 20},
                                     "optim": {"learning_rate": 1e-3}}),
+        # the tower and the projector trained too: each tower layer an FSDP2 unit of its own
+        "pictures-tower": picture_config(tmp_path, "pictures-tower", pictures,
+                                         {"train": {"split_batches": True, "max_steps": 20},
+                                          "optim": {"learning_rate": 1e-3},
+                                          "model": {"freeze_vision": False}}),
     }  # fmt: skip
     results = train_in_ranks(2, tmp_path / "results.json", *configs.values())
     for name, path in configs.items():
         assert results[name]["rc"] == 0, results[name]["stderr"][-2000:]
         single = losses(train_in_process(path, tmp_path / f"{name}-1"))
         double = losses(tmp_path / name)
-        steps = 20 if name == "pictures" else 5
+        steps = 20 if name.startswith("pictures") else 5
         assert sorted(single) == sorted(double) == list(range(1, steps + 1))
         for step in single:
             assert double[step] == pytest.approx(single[step], abs=1e-5), (name, step)
