@@ -475,3 +475,18 @@ def write_picture_rows(root: Path, count: int, seed: int = 0) -> Path:
     path = root / "rows.jsonl"
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return path
+
+
+def huge_png(width: int, height: int) -> bytes:
+    """A 1-bit PNG whose header says width x height, with no pixel data (a few dozen
+    bytes): what a decompression bomb shows before anything is decoded."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(
+            ">I", zlib.crc32(kind + body) & 0xFFFFFFFF)  # fmt: skip
+
+    header = struct.pack(">IIBBBBB", width, height, 1, 0, 0, 0, 0)
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(b""))
+            + chunk(b"IEND", b""))  # fmt: skip

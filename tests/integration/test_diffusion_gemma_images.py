@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from conftest import DIFFUSION_GEMMA_TEXT, save_tiny_model
+from conftest import DIFFUSION_GEMMA_TEXT, huge_png, save_tiny_model
 from PIL import Image
 
 from unmask.checkpoint import load_for_sampling
@@ -193,6 +193,18 @@ def test_the_server_answers_a_data_url_picture_as_generate_does(saved, tmp_path)
             # --allow-remote-images: the same picture fetched from a local server
             server.limits = replace(server.limits, max_image_bytes=2**20, remote_images=True)
             fetched = await ask(client, remote)
+            # a few bytes of PNG saying 7000 x 7000 (over --max-image-pixels); 9 pictures
+            # (over --max-images)
+            bomb = base64.b64encode(huge_png(7000, 7000)).decode()
+            for urls in ([f"data:image/png;base64,{bomb}"],
+                         [f"data:image/png;base64,{encoded}"] * 9):  # fmt: skip
+                content = [{"type": "image_url", "image_url": {"url": url}} for url in urls]
+                with pytest.raises(openai.BadRequestError) as err:
+                    await client.chat.completions.create(
+                        model="tiny", messages=[{"role": "user", "content": content}],
+                        max_tokens=16)  # fmt: skip
+                assert err.value.status_code == 400
+                refused.append(err.value.body)
             return reply, refused, fetched
 
     files = ThreadingHTTPServer(("127.0.0.1", 0), partial(SimpleHTTPRequestHandler,
@@ -214,6 +226,13 @@ def test_the_server_answers_a_data_url_picture_as_generate_does(saved, tmp_path)
     )
     assert "image_url 1 is over this server's 64 bytes per picture" in refused[1]["message"]
     assert "image_url 1 is not an image PIL can read" in refused[2]["message"]
+    assert refused[3]["message"] == (
+        "image_url 1 is 7000 x 7000 = 49,000,000 pixels, over "
+        "the 40,000,000 a picture may have; shrink it"
+    )
+    assert (
+        refused[4]["message"] == "9 pictures in one request are over this server's 8 (--max-images)"
+    )
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,7 @@ from conftest import (
     PICTURE_IMAGE,
     TINY,
     deep_update,
+    huge_png,
     save_vision_gemma,
     write_picture_rows,
 )
@@ -177,3 +178,29 @@ def test_a_missing_picture_stops_unmask_train_in_one_line_before_writing(saved, 
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "row 3: picture" in err[0] and "gone.png' does not exist" in err[0]
     assert not (tmp_path / "run").exists()
+
+
+def test_a_picture_over_the_pixel_cap_is_one_line_before_decoding(saved, tmp_path):
+    """A few bytes of PNG saying 7000 x 7000 (over the cap), 10000 x 10000 (over PIL's own
+    89 MP, whose warning is an error here) or 20000 x 10000 (PIL's error) are refused from
+    the header by open_image and by a training row."""
+    from unmask.data.images import MAX_IMAGE_PIXELS, open_image
+
+    folder, _ = saved
+    bomb = huge_png(7000, 7000)
+    assert len(bomb) < 100 and MAX_IMAGE_PIXELS == 40_000_000
+    with pytest.raises(InputError, match=r"^x is 7000 x 7000 = 49,000,000 pixels, over the "
+                       r"40,000,000 a picture may have; shrink it$"):  # fmt: skip
+        open_image(bomb, "x")
+    for width in (10000, 20000):  # PIL's warning (> 89 MP), PIL's error (> 179 MP)
+        with pytest.raises(
+            InputError,
+            match=r"^y has over 89,478,485 pixels, more than PIL "
+            r"decodes safely \(a picture may have 89,478,485\); shrink it$",
+        ):
+            open_image(huge_png(width, 10000), "y", max_pixels=10**9)
+    (tmp_path / "bomb.png").write_bytes(huge_png(20000, 10000))
+    row = {"image": str(tmp_path / "bomb.png"), "prompt": "<image>", "response": "x"}
+    with pytest.raises(InputError, match=r"bomb.png' has over 89,478,485 pixels, more than "
+                       r"PIL decodes safely \(a picture may have 40,000,000\)"):  # fmt: skip
+        rows_of(write_rows(tmp_path, [row]), folder)

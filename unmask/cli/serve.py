@@ -77,6 +77,13 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
                         default=Limits.max_image_bytes / 2**20, metavar="MB",
                         help="MiB of one picture (an image_url part; default "
                         f"{Limits.max_image_bytes / 2**20:g})")  # fmt: skip
+    limits.add_argument("--max-image-pixels", type=positive_int,
+                        default=Limits.max_image_pixels, metavar="N",
+                        help="pixels (width x height) of one picture, read from its header "
+                        f"before decoding (default {Limits.max_image_pixels})")  # fmt: skip
+    limits.add_argument("--max-images", type=positive_int, default=Limits.max_images,
+                        metavar="N", help="pictures in one request "
+                        f"(default {Limits.max_images})")  # fmt: skip
     limits.add_argument("--header-timeout", type=seconds, default=HEADER_SECONDS,
                         metavar="S", help="seconds a connection may take to send a request's "
                         f"headers (default {HEADER_SECONDS:g}; its body: "
@@ -188,6 +195,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
                     max_prompts=ns.max_prompts, max_stop_chars=ns.max_stop_chars,
                     max_body_bytes=int(ns.max_body_mb * 2**20),
                     max_image_bytes=int(ns.max_image_mb * 2**20),
+                    max_image_pixels=ns.max_image_pixels, max_images=ns.max_images,
                     remote_images=ns.allow_remote_images)  # fmt: skip
     return run_server(sm, model_name=name, host=ns.host, port=ns.port,
                       max_batch=ns.max_batch, max_queue=ns.max_queue, api_key=api_key,

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import io
 import json
+import warnings
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -57,14 +58,46 @@ LLAVA_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant":
                "system": "system"}  # fmt: skip
 
 
-def open_image(data: bytes, name: str):
-    """A PIL RGB image from bytes; one line naming `name` when PIL cannot read them."""
+MAX_IMAGE_PIXELS = 40_000_000
+"""The most pixels (width x height) a picture may have: an 8K picture (7680 x 4320, 33 MP)
+fits; a larger one is refused from its header before it is decoded (a few KB of PNG can
+say 20000 x 10000). Under PIL's own limit (89 MP), whose warning is an error here too."""
+
+
+def _opened(data: bytes, name: str, max_pixels: int):
+    """PIL's lazy image (header read, nothing decoded) once its size is under `max_pixels`;
+    one line naming `name` otherwise. PIL's decompression-bomb warning is an error."""
+    from PIL import Image
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", Image.DecompressionBombWarning)
+        try:
+            image = Image.open(io.BytesIO(data))
+        except (Image.DecompressionBombError, Image.DecompressionBombWarning):
+            limit = min(max_pixels, Image.MAX_IMAGE_PIXELS)
+            raise InputError(f"{name} has over {Image.MAX_IMAGE_PIXELS:,} pixels, more than "
+                             f"PIL decodes safely (a picture may have {limit:,}); shrink "
+                             "it") from None  # fmt: skip
+    width, height = image.size
+    if width * height > max_pixels:
+        image.close()
+        raise InputError(f"{name} is {width} x {height} = {width * height:,} pixels, over the "
+                         f"{max_pixels:,} a picture may have; shrink it") from None  # fmt: skip
+    return image
+
+
+def open_image(data: bytes, name: str, max_pixels: int = MAX_IMAGE_PIXELS):
+    """A PIL RGB image from bytes; one line naming `name` when PIL cannot read them or the
+    header says more than `max_pixels` pixels (checked before decoding)."""
     from PIL import Image, UnidentifiedImageError
 
     try:
-        image = Image.open(io.BytesIO(data))
-        image.load()
-    except (UnidentifiedImageError, OSError, ValueError) as err:
+        image = _opened(data, name, max_pixels)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            image.load()
+    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError,
+            Image.DecompressionBombWarning) as err:  # fmt: skip
         raise InputError(f"{name} is not an image PIL can read ({type(err).__name__}); give a "
                          "PNG, JPEG, GIF or WebP file") from None  # fmt: skip
     return image.convert("RGB")
@@ -117,12 +150,12 @@ class Picture:
 
     def size(self) -> tuple[int, int]:
         """(width, height) from the header, after checking the file (one line when PIL
-        cannot read it)."""
-        from PIL import Image, UnidentifiedImageError
+        cannot read it or it has over MAX_IMAGE_PIXELS pixels)."""
+        from PIL import UnidentifiedImageError
 
         data = self.read_bytes()
         try:
-            with Image.open(io.BytesIO(data)) as image:
+            with _opened(data, self.name, MAX_IMAGE_PIXELS) as image:
                 size = image.size
                 image.verify()
         except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as err:
@@ -337,5 +370,5 @@ def picture_rows(records: list[dict[str, Any]], tokenizer, eos_id: int, chat_tem
 
 
 __all__ = ["IMAGE_KEYS", "PLACEHOLDER", "FolderVision", "Picture", "PictureRows",
-           "PROCESSOR_FILE", "has_pictures", "image_processor", "processor_files", "open_image", "picture_record", "picture_rows",
+           "MAX_IMAGE_PIXELS", "PROCESSOR_FILE", "has_pictures", "image_processor", "processor_files", "open_image", "picture_record", "picture_rows",
            "tokenize_picture_records"]  # fmt: skip

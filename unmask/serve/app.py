@@ -161,8 +161,13 @@ class Server:
 
     def pictures(self, urls: list[str]) -> PromptImages:
         """A request's pictures from data: URLs, or http(s) ones with --allow-remote-images
-        (RequestError 400: a remote URL without it, one over `Limits.max_image_bytes`, bytes
-        PIL cannot read, a model without a vision tower)."""
+        (RequestError 400: more than `Limits.max_images`, a remote URL without it, one over
+        `Limits.max_image_bytes` or `max_image_pixels`, bytes PIL cannot read, a model
+        without a vision tower)."""
+        if len(urls) > self.limits.max_images:
+            raise RequestError(400, f"{len(urls)} pictures in one request are over this "
+                               f"server's {self.limits.max_images} (--max-images)",
+                               param="messages")  # fmt: skip
         opened = []
         cap = self.limits.max_image_bytes
         for number, url in enumerate(urls, 1):
@@ -172,7 +177,7 @@ class Server:
                 data = (
                     fetch_image_bytes(url, name, cap) if remote else data_url_bytes(url, name, cap)
                 )
-                opened.append(open_image(data, name))
+                opened.append(open_image(data, name, self.limits.max_image_pixels))
             except InputError as err:
                 raise RequestError(400, str(err), param="messages") from None
         try:

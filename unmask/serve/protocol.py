@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from unmask.data.images import MAX_IMAGE_PIXELS
 from unmask.errors import InputError, describe_validation_error, did_you_mean
 from unmask.sampling.config import (
     RUNTIME_OPTIONS,
@@ -62,6 +63,10 @@ class Limits:
     """Seconds a client may take to send a request's body."""
     max_image_bytes: int = 3 * 2**20
     """Bytes of one picture (an image_url part; as base64 data it fits the default body)."""
+    max_image_pixels: int = MAX_IMAGE_PIXELS
+    """Pixels (width x height) of one picture, read from its header before it is decoded."""
+    max_images: int = 8
+    """Pictures in one request (image_url parts of all its messages; the page's image_urls)."""
     remote_images: bool = False
     """Fetch http(s) image_url parts (off: data: URLs only)."""
 
