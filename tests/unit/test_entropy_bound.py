@@ -37,8 +37,9 @@ from unmask.checkpoint import load_for_sampling
 from unmask.errors import InputError
 from unmask.sampling import SamplingConfig, left_pad, sample
 from unmask.sampling.config import resolve_sampling
-from unmask.sampling.decoders import implied
+from unmask.sampling.decoders import DECODERS, WholeDecoder, implied, register_decoder
 from unmask.sampling.entropy_bound import (
+    EntropyBound,
     StableAndConfident,
     entropy_bound_accept,
     entropy_bound_settings,
@@ -47,6 +48,7 @@ from unmask.sampling.entropy_bound import (
     token_entropy,
 )
 from unmask.sampling.generation_file import saved_sampling
+from unmask.serve.engine import Engine, Job
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -491,3 +493,56 @@ def test_an_on_step_that_asks_gets_each_shown_tokens_probability(sm):
                                  config.temperature_end, step_logits.device)  # fmt: skip
         expected = torch.softmax(step_logits / t, dim=-1).amax(-1)
         torch.testing.assert_close(probability, expected, rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------------------- served by canvas: the decoder's own
+
+
+class ToyCanvas(EntropyBound):
+    """A decoder served by canvas with its own per-canvas step: every token "x"."""
+
+    token = 0  # set by the test: the char tokenizer's "x"
+
+    @classmethod
+    def serve_canvas(cls, model, cache, positions, generators, config, out, show=None,
+                     probability=None):  # fmt: skip
+        out.nfe += 1
+        return torch.full(positions.shape, cls.token, device=positions.device)
+
+
+@pytest.fixture
+def toy_canvas(sm):
+    ToyCanvas.token = encode(sm, "x")[0]
+    register_decoder("toy_canvas", ToyCanvas)
+    yield "toy_canvas"
+    DECODERS.pop("toy_canvas")  # the registry is process-wide: leave it as it was
+
+
+def test_a_decoder_served_by_canvas_runs_its_own_step(sm, toy_canvas):
+    """The engine's canvas calls run the running decoder's serve_canvas, not
+    entropy_bound's; a row ending on a stop string leaves the batch with its K/V."""
+    events = []
+    config = SamplingConfig(decoder=toy_canvas, gen_length=2 * CANVAS)
+    job = Job(encode(sm, "add 12+7="), config, emit=events.append)
+    engine = Engine(sm, start=False)
+    assert job.by_canvas
+    engine.run_canvas([job])
+    assert job.answer == [ToyCanvas.token] * CANVAS and job.block == 1
+    assert job.state is not None  # goes on to its next canvas
+    engine.run_canvas([job])
+    assert job.block == -1 and job.state is None
+    assert events[-1]["text"] == "x" * 2 * CANVAS and events[-1]["finish_reason"] == "length"
+    events.clear()
+    stopped = Job(encode(sm, "a"), config, emit=events.append, stops=("xx",))
+    engine.run_canvas([stopped])
+    assert stopped.block == -1 and stopped.state is None  # ended on the stop string
+    assert events[-1]["text"] == "" and events[-1]["finish_reason"] == "stop"
+
+
+def test_serves_by_canvas_without_serve_canvas_is_refused():
+    class Flagged(WholeDecoder):
+        serves_by_canvas = True
+
+    with pytest.raises(ValueError, match="declares serves_by_canvas but no serve_canvas"):
+        register_decoder("flagged", Flagged)
+    assert "flagged" not in DECODERS

@@ -85,6 +85,23 @@ class Decoder:
     #: here for the decoder that runs (`check_own_options`) and read with `own_options`;
     #: None: it takes none
     options_model: type[BaseModel] | None = None
+    #: `unmask serve` batches its rows continuously, canvas by canvas (serve/canvases.py):
+    #: each turn denoises one canvas of every row with its `serve_canvas` (each row drawing
+    #: from its own generator, reading only its own K/V); `register_decoder` refuses the flag
+    #: on a decoder that does not define serve_canvas
+    serves_by_canvas = False
+
+    @classmethod
+    def serve_canvas(cls, model, cache, positions: torch.Tensor,
+                     generators: list[torch.Generator], config: SamplingConfig, out,
+                     show: Callable | None = None,
+                     probability: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+        """A `serves_by_canvas` decoder's per-canvas step for the rows of `cache` (the
+        encoder's K/V of their prompts and earlier canvases) -> the canvas (R, C): positions
+        (R, C) its RoPE positions; out counts nfe, steps and row_forwards; show(argmax)
+        after every step; probability (R, C), when given, filled with each shown token's
+        probability."""
+        raise NotImplementedError(f"{cls.__name__} is not served by canvas")
 
     @classmethod
     def own_options(cls, config: SamplingConfig) -> BaseModel | None:
@@ -182,11 +199,15 @@ class WholeDecoder(Decoder):
 def register_decoder(name: str, decoder: type[BlockDecoder] | type[WholeDecoder]) -> None:
     """Add `decoder` (a BlockDecoder or WholeDecoder subclass) as `SamplingConfig.decoder`
     value `name` (a `--decoder` choice, an `"unmask": {"decoder": ...}` option of a served
-    request). ValueError when the name is taken or the class is neither kind."""
+    request). ValueError when the name is taken, the class is neither kind, or it declares
+    `serves_by_canvas` without a `serve_canvas`."""
     if name in DECODERS:
         raise ValueError(f"decoder {name!r} is already registered")
     if not (isinstance(decoder, type) and issubclass(decoder, (BlockDecoder, WholeDecoder))):
         raise ValueError(f"decoder {name!r} must subclass BlockDecoder or WholeDecoder")
+    if decoder.serves_by_canvas and decoder.serve_canvas.__func__ is Decoder.serve_canvas.__func__:
+        raise ValueError(f"decoder {name!r} declares serves_by_canvas but no serve_canvas "
+                         f"(its per-canvas step, which `unmask serve` runs)")  # fmt: skip
     DECODERS[name] = decoder
 
 

@@ -216,9 +216,16 @@ class EntropyBound(WholeDecoder):
     refuses = NOT_ENTROPY_BOUND
     uniform_canvas = True
     block_layout = False
-    #: `unmask serve` batches its rows continuously, canvas by canvas (serve/canvases.py):
-    #: each row draws from its own generator and reads only its own K/V
+    #: `unmask serve` batches its rows continuously, canvas by canvas (serve/canvases.py),
+    #: with `serve_canvas`: each row draws from its own generator and reads only its own K/V
     serves_by_canvas = True
+
+    @classmethod
+    def serve_canvas(cls, model, cache, positions, generators, config, out, show=None,
+                     probability=None) -> torch.Tensor:  # fmt: skip
+        """One canvas of served rows: `denoise_canvas`, the steps `decode` runs."""
+        return denoise_canvas(model, cache, positions, generators,
+                              entropy_bound_settings(config), out, show, probability)  # fmt: skip
 
     @classmethod
     def check(cls, config: SamplingConfig) -> None:

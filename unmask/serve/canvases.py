@@ -1,6 +1,7 @@
-"""Continuous batching of DiffusionGemma's rows (decoder entropy_bound, and any decoder that
-declares `serves_by_canvas`) for `unmask serve`: requests join and leave the batch between
-canvases, as masked rows do between blocks (engine.py).
+"""Continuous batching of canvas rows for `unmask serve` (DiffusionGemma's decoder
+entropy_bound, and any decoder that declares `serves_by_canvas` with its `serve_canvas`):
+requests join and leave the batch between canvases, as masked rows do between blocks
+(engine.py).
 
 What a row carries from one canvas to the next is the encoder's K/V of its prompt and of
 its finished canvases (models/diffusion_gemma.py PromptCache) and its own generator. So:
@@ -8,8 +9,8 @@ its finished canvases (models/diffusion_gemma.py PromptCache) and its own genera
 1. when a row joins, its prompt is encoded alone (`model.encode`, the prompt's pictures
    through the vision tower and the projector there): once per prompt, never again for
    its later steps or canvases (`CanvasState.cache`);
-2. each turn denoises one canvas for every row of the group (`denoise_canvas`, the code
-   `unmask generate` runs): the rows' caches are joined, each left-padded to the longest
+2. each turn denoises one canvas for every row of the group with the running decoder's
+   `serve_canvas` (entropy_bound: `denoise_canvas`, the code `unmask generate` runs): the rows' caches are joined, each left-padded to the longest
    (zeros no query attends to: the cache's padding mask), and each row's canvas sits at
    its own positions (its tokens so far onward);
 3. the finished canvas is appended to the rows' joined cache (`model.encode`, the canvas
@@ -29,7 +30,8 @@ from types import SimpleNamespace
 
 import torch
 
-from unmask.sampling.entropy_bound import denoise_canvas, entropy_bound_settings, row_seeds
+from unmask.sampling.decoders import decoder_class
+from unmask.sampling.entropy_bound import row_seeds
 
 
 @dataclass
@@ -90,8 +92,9 @@ def start_row(model, prompt_ids: list[int], images, generator: torch.Generator |
 
 
 def run_canvas(model, states: list[CanvasState], config, show=None) -> tuple[torch.Tensor, object]:
-    """One canvas for rows `states` (one group: the same options) -> (its argmax (R, C),
-    counts: nfe, steps, row_forwards). show(argmax, probability) after every step."""
+    """One canvas for rows `states` (one group: the same options), by the decoder of
+    `config` (its `serve_canvas`) -> (the canvas (R, C), (joined cache, positions, counts:
+    nfe, steps, row_forwards)). show(argmax, probability) after every step."""
     length = model.config.diffusion_gemma.canvas_length
     device = states[0].cache.keys[0].device
     cache = join_caches([s.cache for s in states])
@@ -99,9 +102,10 @@ def run_canvas(model, states: list[CanvasState], config, show=None) -> tuple[tor
     counts = SimpleNamespace(nfe=0, steps=0, row_forwards=0)
     probability = torch.full((len(states), length), float("nan"), device=device)
     step_show = None if show is None else (lambda argmax: show(argmax, probability))
-    canvas = denoise_canvas(model, cache, positions, [s.generator for s in states],
-                            entropy_bound_settings(config), counts, step_show,
-                            probability if show is not None else None)  # fmt: skip
+    canvas = decoder_class(config).serve_canvas(model, cache, positions,
+                                                [s.generator for s in states], config, counts,
+                                                step_show,
+                                                probability if show is not None else None)  # fmt: skip
     for state, shown in zip(states, probability.tolist()):
         state.probability += shown
     return canvas, (cache, positions, counts)

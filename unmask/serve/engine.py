@@ -17,16 +17,18 @@ prompts. Requests whose options change a block's steps (block length, steps per 
 remasking, threshold, temperature, ...) are decoded in separate calls, taken in turn.
 
 Greedy rows give the tokens `unmask generate` gives for the prompt alone (batch
-invariance: tests/integration/test_serve.py). A request with a `seed` owns its generator
-and is decoded alone, so it draws exactly what `unmask generate --seed` draws. gen_length
-`auto` (a growing canvas), a decoder that is not a block decoder (a `WholeDecoder`:
-left_to_right, blocks_from_start) and joint_threshold with edit_scope all (it edits
-finished blocks) are decoded by `sample` in one piece, alone.
+invariance: tests/integration/test_serve.py). A request with a `seed` owns its generator,
+so it draws exactly what `unmask generate --seed` draws: a block row with one is decoded
+alone, a canvas row joins its group (below). gen_length `auto` (a growing canvas), a
+decoder that is not a block decoder (a `WholeDecoder`: left_to_right, blocks_from_start)
+and joint_threshold with edit_scope all (it edits finished blocks) are decoded by
+`sample` in one piece, alone.
 
-DiffusionGemma's rows (decoder entropy_bound, `serves_by_canvas`) join and leave between
-canvases instead of blocks (canvases.py): a row's prompt, pictures included, is encoded
-once when it joins, and each turn denoises one canvas for every row of its group, seeded
-rows too (each row draws from its own generator).
+DiffusionGemma's rows (decoder entropy_bound; any decoder declaring `serves_by_canvas`,
+each canvas by its own `serve_canvas`) join and leave between canvases instead of blocks
+(canvases.py): a row's prompt, pictures included, is encoded once when it joins, and each
+turn denoises one canvas for every row of its group, seeded rows too (each row draws from
+its own generator).
 
 Prefix cache (`PrefixCache`, `--prefix-cache-mb`): the first forward of a prompt's first
 block sees [prompt | masks], a canvas the prompt and a few options decide, so its result
@@ -247,8 +249,9 @@ class Job:
 
     @property
     def by_canvas(self) -> bool:
-        """Decoded canvas by canvas with other rows (canvases.py): a decoder that declares
-        `serves_by_canvas` (entropy_bound: DiffusionGemma)."""
+        """Decoded canvas by canvas with other rows (canvases.py), each canvas by the
+        decoder's own `serve_canvas`: a decoder that declares `serves_by_canvas`
+        (entropy_bound: DiffusionGemma)."""
         return getattr(decoder_class(self.config), "serves_by_canvas", False)
 
     @property
@@ -645,10 +648,11 @@ class Engine:
             ended = stop is not None or len(job.answer) >= gen
             if ended:
                 job.answer += [fill] * (gen - len(job.answer))
+            self._advance(job, ended)
+            if job.block < 0:  # ended: EOS, the canvas full, or a stop string (_advance)
                 job.state = None  # its K/V go
             else:
                 keep.append(row)
-            self._advance(job, ended)
         append_canvas(sm.model, states, canvas, joined, keep)
 
     def _run_whole(self, job: Job) -> None:
