@@ -119,6 +119,8 @@ def test_bad_or_unsafe_configs_are_a_400_and_write_nothing(server, runs):
         ({"config_text": "data: {dataset: /etc/hostname}"},
          "data.dataset '/etc/hostname' is outside the runs folder"),
         ({"config_text": "model: {pretrained: ../../model}"}, "model.pretrained .* outside"),
+        ({"config_text": "data: {image_folder: /home}"},
+         "data.image_folder '/home' is outside the runs folder"),
         ({"config_text": "train: {report_to: wandb}"}, "train.report_to 'wandb'"),
         ({"config_text": "x: 1", "overrides": ["eval.sampling.tokens_hook=os:system"]},
          "eval.sampling.tokens_hook names code"),

@@ -6,6 +6,7 @@ same patches); the batch's `Images` are the rows' pictures in row order; bad inp
 line, exit 2, nothing written."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -131,12 +132,20 @@ def test_bad_pictures_are_one_line(saved, tmp_path):
     picture = str(data.parent / "pictures" / "0.png")
     chat = [{"from": "human", "value": "<image> and <image>?"}, {"from": "gpt", "value": "x"}]
     (tmp_path / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\nnot a picture")
+    (tmp_path / "0.png").write_bytes(Path(picture).read_bytes())
+    (tmp_path / "away").symlink_to(data.parent / "pictures")
+    outside = "is outside data.image_folder .*; pictures are read from under it only"
     cases = {
+        # every path must stay under data.image_folder (here the rows file's folder)
+        "absolute": ({"image": picture, "conversations": chat}, f"picture '{picture}' {outside}"),
+        "parent": ({"image": "../x.png", "conversations": chat}, f"picture '../x.png' {outside}"),
+        "home": ({"image": "~/x.png", "conversations": chat}, f"picture '~/x.png' {outside}"),
+        "link": ({"image": "away/0.png", "conversations": chat}, f"'away/0.png' {outside}"),
         "missing": ({"image": "nowhere.png", "conversations": chat},
                     "picture '.*nowhere.png' does not exist"),
         "unreadable": ({"image": str(tmp_path / "broken.png"), "prompt": "<image>",
                         "response": "x"}, "broken.png' is not an image PIL can read"),
-        "placeholders": ({"image": picture, "conversations": chat},
+        "placeholders": ({"image": "0.png", "conversations": chat},
                          "row 0 has 2 <image> placeholder\\(s\\) but 1 picture\\(s\\)"),
     }  # fmt: skip
     for row, message in cases.values():

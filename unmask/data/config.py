@@ -82,7 +82,9 @@ class DataConfig(BaseModel):
 
     image_folder: str | None = None
     """Folder the pictures' relative paths are under (None: the dataset file's folder, or
-    the folder itself for a folder of files)."""
+    the folder itself for a folder of files). Every picture path, absolute ones included,
+    must resolve to a file under it (a run started from the page then reads only the runs
+    folder)."""
 
     chat_template: bool = True
     """Format prompt/response pairs as a user and an assistant turn with the tokenizer's chat

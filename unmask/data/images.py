@@ -6,7 +6,8 @@ Where the pictures come from (docs/data.md, Pictures):
 
 - a column `data.image_field` ("image") of a jsonl / json / parquet file or a save_to_disk
   folder: a path, a list of paths, or `datasets`' Image value ({"bytes", "path"}); a
-  relative path is under `data.image_folder` (default: the dataset file's folder);
+  relative path is under `data.image_folder` (default: the dataset file's folder), and
+  every path (absolute, `~`, `..` and links resolved) must stay under it;
 - LLaVA-style rows: `image` (a path or a list) and `conversations`, a list of
   {"from": "human" | "gpt" | "system", "value": ...} turns, the last one the answer.
 
@@ -261,6 +262,11 @@ def picture_record(row: dict[str, Any], where: str, image_field: str, image_fold
                              f"or an Image value; got {type(item).__name__}")  # fmt: skip
         path = Path(item).expanduser()
         path = path if path.is_absolute() else image_folder / path
+        root = image_folder.expanduser().resolve()
+        if root not in path.resolve().parents:
+            raise InputError(f"data: {where}: picture {item!r} is outside data.image_folder "
+                             f"{str(image_folder)!r}; pictures are read from under it only "
+                             "(set data.image_folder to a folder holding them)")  # fmt: skip
         if not path.is_file():
             raise InputError(f"data: {where}: picture {str(path)!r} does not exist; give "
                              "data.image_folder the folder the paths are under")  # fmt: skip

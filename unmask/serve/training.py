@@ -214,6 +214,7 @@ def _read_paths(tree: dict) -> list[tuple[str, str]]:
     if data.get("tokenizer", "char") != "char":
         found.append(("data.tokenizer", data.get("tokenizer")))
     found += [("data.eval_dataset", data.get("eval_dataset")),
+              ("data.image_folder", data.get("image_folder")),
               ("model.pretrained", model.get("pretrained")),
               ("distill.teacher", distill.get("teacher"))]  # fmt: skip
     resume = train.get("resume_from_checkpoint")
