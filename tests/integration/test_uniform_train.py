@@ -4,7 +4,8 @@ trained and frozen) give the losses of 1 within 1e-5; a run resumed from a check
 the uninterrupted run's losses and weights bit for bit. With pictures (a DiffusionGemma
 folder with a vision tower fine-tuned on LLaVA-style rows, data/images.py): 2 processes
 give the losses of 1 within 1e-5 over 20 steps, the tower frozen and trained
-(`model.freeze_vision: false`, its layers FSDP2 units), and a run killed (SIGKILL) and resumed
+(`model.freeze_vision: false`, its layers FSDP2 units; also under expert parallelism,
+one expert a rank), and a run killed (SIGKILL) and resumed
 gives the uninterrupted run's losses and weights bit for bit, the tower trained and its
 pictures decoded in a DataLoader worker."""
 
@@ -90,11 +91,21 @@ def test_two_processes_give_the_one_process_losses(tmp_path, pictures):
                                          {"train": {"split_batches": True, "max_steps": 20},
                                           "optim": {"learning_rate": 1e-3},
                                           "model": {"freeze_vision": False}}),
+        # and under expert parallelism (1 of the folder's 2 experts a rank), the tower trained
+        "pictures-ep2": picture_config(tmp_path, "pictures-ep2", pictures,
+                                       {"train": {"split_batches": True, "max_steps": 20},
+                                        "optim": {"learning_rate": 1e-3},
+                                        "model": {"freeze_vision": False},
+                                        "parallel": {"expert_parallel": 2}}),
     }  # fmt: skip
     results = train_in_ranks(2, tmp_path / "results.json", *configs.values())
-    for name, path in configs.items():
+    singles: dict[str, dict] = {}
+    for name in configs:
         assert results[name]["rc"] == 0, results[name]["stderr"][-2000:]
-        single = losses(train_in_process(path, tmp_path / f"{name}-1"))
+        one = "pictures-tower" if name == "pictures-ep2" else name  # ep=2 needs 2 ranks
+        if one not in singles:
+            singles[one] = losses(train_in_process(configs[one], tmp_path / f"{one}-1"))
+        single = singles[one]
         double = losses(tmp_path / name)
         steps = 20 if name.startswith("pictures") else 5
         assert sorted(single) == sorted(double) == list(range(1, steps + 1))
