@@ -213,3 +213,28 @@ def test_a_picture_over_the_pixel_cap_is_one_line_before_decoding(saved, tmp_pat
     with pytest.raises(InputError, match=r"bomb.png' has over 89,478,485 pixels, more than "
                        r"PIL decodes safely \(a picture may have 40,000,000\)"):  # fmt: skip
         rows_of(write_rows(tmp_path, [row]), folder)
+
+
+def test_a_text_dataset_with_an_image_column_trains_as_text_on_a_text_only_model(saved,
+                                                                                  tmp_path):  # fmt: skip
+    """Rows {"text", "image": URL} are text rows for a model without a vision tower (as
+    before pictures were read); for one with a tower the URL is refused as a URL, in one
+    line naming data.image_field."""
+    folder, _ = saved
+    rows = [{"text": f"a cat, number {i}", "image": "http://example.com/cat.jpg"}
+            for i in range(6)]  # fmt: skip
+    data = tmp_path / "captions.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = config(data, folder)
+    tokenizer = build_tokenizer(cfg)
+    text = build_datasets(cfg, tokenizer)
+    plain = tmp_path / "plain.jsonl"
+    plain.write_text("".join(json.dumps({"text": r["text"]}) + "\n" for r in rows))
+    reference = build_datasets(config(plain, folder), tokenizer)
+    for got, want in ((text.train, reference.train), (text.eval, reference.eval)):
+        assert len(got) == len(want) > 0
+        indices = torch.arange(len(want))
+        assert torch.equal(got.gather(indices)["input_ids"], want.gather(indices)["input_ids"])
+    with pytest.raises(InputError, match=r"picture 'http://example.com/cat.jpg' is a URL; "
+                       r".*set data.image_field \(now 'image'\) to another column"):  # fmt: skip
+        build_datasets(cfg, tokenizer, model_folder=str(folder))

@@ -15,7 +15,14 @@ from pathlib import Path
 import torch
 
 from unmask.data.config import DataConfig, SourceConfig
-from unmask.data.images import FolderVision, has_pictures, picture_record, picture_rows
+from unmask.data.images import (
+    FolderVision,
+    has_pictures,
+    has_tower,
+    picture_record,
+    picture_row,
+    picture_rows,
+)
 from unmask.data.indexed import IndexedStore, check_store_tokenizer
 from unmask.data.packing import build_rows, tokenize_records
 from unmask.data.rows import RowSource, TokenStoreRows
@@ -75,15 +82,18 @@ def build_datasets(cfg: DataConfig, tokenizer, saved_tokenizer=None,
     if cfg.streaming:
         return _streaming(cfg, tokenizer, eos_id)
     check = _StoreCheck(saved_tokenizer or tokenizer)
+    tower = has_tower(model_folder)  # an image column is read as pictures only with one
     if not cfg.sources:
         source = SourceConfig(path=cfg.dataset, dataset_format=cfg.dataset_format)
         return _one_source(cfg, source, tokenizer, eos_id, cfg.eval_dataset, check,
-                           vision=model_folder)  # fmt: skip
-    parts = [_one_source(cfg, s, tokenizer, eos_id, None, check) for s in cfg.sources]
+                           vision=model_folder, tower=tower)  # fmt: skip
+    parts = [_one_source(cfg, s, tokenizer, eos_id, None, check, tower=tower)
+             for s in cfg.sources]  # fmt: skip
     evals = _concatenated([p.eval for p in parts])
     if cfg.eval_dataset is not None:
         eval_source = SourceConfig(path=cfg.eval_dataset)
-        evals = _one_source(cfg, eval_source, tokenizer, eos_id, None, check, True).eval
+        evals = _one_source(cfg, eval_source, tokenizer, eos_id, None, check, True,
+                            tower=tower).eval  # fmt: skip
     blend = Blend([p.train for p in parts], [s.weight for s in cfg.sources])
     return Datasets(blend, evals, [n for p in parts for n in p.notices])
 
@@ -102,13 +112,15 @@ class _StoreCheck:
 def _one_source(
     cfg: DataConfig, source: SourceConfig, tokenizer, eos_id: int, eval_path: str | None,
     check: _StoreCheck, eval_only: bool = False, vision: str | None | bool = False,
+    tower: bool = False,
 ) -> Datasets:  # fmt: skip
     """`vision`: the model folder for rows with pictures (None: no tower; False: a blend or
-    a separate eval source, which take no pictures)."""
+    a separate eval source, which take no pictures); `tower`: the model has a vision tower
+    (images.py picture_row)."""
     prefix = token_store_prefix(source.path, source.dataset_format)
     if prefix is not None:
         return _token_store(cfg, prefix, tokenizer, eos_id, eval_path, check, eval_only)
-    train, evals = _split_records(cfg, source, eval_path)
+    train, evals = _split_records(cfg, source, eval_path, tower)
     if eval_only:
         train, evals = [], train
     return Datasets(_rows(cfg, tokenizer, train, eos_id, vision),
@@ -208,15 +220,15 @@ class _Chain:
 
 
 def _split_records(
-    cfg: DataConfig, source: SourceConfig, eval_path: str | None
+    cfg: DataConfig, source: SourceConfig, eval_path: str | None, tower: bool = False
 ) -> tuple[list[Record], list[Record]]:
     if source.path == "synthetic":
         train, held_out = make_synthetic(cfg)
         return _pair_records(train), _pair_records(held_out)
     text_field = source.text_field or cfg.text_field
-    train = _load(cfg, source.path, source.dataset_format, text_field)
+    train = _load(cfg, source.path, source.dataset_format, text_field, tower)
     if eval_path is not None:
-        return train, _load(cfg, eval_path, "auto", text_field)
+        return train, _load(cfg, eval_path, "auto", text_field, tower)
     return _hold_out(train, cfg.eval_split, cfg.seed)
 
 
@@ -230,9 +242,10 @@ def split_records(cfg: DataConfig) -> tuple[list[Record], list[Record]]:
     return _split_records(cfg, source, cfg.eval_dataset)
 
 
-def _load(cfg: DataConfig, path: str, dataset_format: str, text_field: str) -> list[Record]:
+def _load(cfg: DataConfig, path: str, dataset_format: str, text_field: str,
+          tower: bool = False) -> list[Record]:  # fmt: skip
     rows = read_rows(path, dataset_format)
-    if not any(has_pictures(row, cfg.image_field) for row in rows):
+    if not any(picture_row(row, cfg.image_field, tower) for row in rows):
         return records_of(rows, path, text_field, cfg.prompt_field, cfg.response_field)
     source = Path(path).expanduser()
     folder = Path(cfg.image_folder).expanduser() if cfg.image_folder else (
@@ -240,7 +253,7 @@ def _load(cfg: DataConfig, path: str, dataset_format: str, text_field: str) -> l
     out = []
     for index, row in enumerate(rows):
         where = f"{path!r} row {index}"
-        if has_pictures(row, cfg.image_field) or row.get("conversations") is not None:
+        if picture_row(row, cfg.image_field, tower):
             out.append(picture_record(row, where, cfg.image_field, folder, cfg.prompt_field,
                                       cfg.response_field))  # fmt: skip
         else:

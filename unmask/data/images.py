@@ -243,6 +243,27 @@ def has_pictures(row: dict[str, Any], image_field: str) -> bool:
     return value is not None and value != [] and value != ""
 
 
+def has_tower(folder: str | None) -> bool:
+    """Whether a model folder's config.json has a vision tower (vision_config)."""
+    config_file = Path(folder) / "config.json" if folder else None
+    try:
+        return config_file is not None and "vision_config" in json.loads(config_file.read_text())
+    except (OSError, ValueError):
+        return False
+
+
+def picture_row(row: dict[str, Any], image_field: str, tower: bool) -> bool:
+    """Whether a row is read as one with pictures: a LLaVA `conversations` row, or one with
+    `image_field` set when the model has a vision tower or the row's text holds `<image>`
+    (for a text-only model, an `image` column of a text dataset, URLs say, is not read)."""
+    if row.get("conversations") is not None:
+        return True
+    if not has_pictures(row, image_field):
+        return False
+    rest = {k: v for k, v in row.items() if k != image_field}
+    return tower or PLACEHOLDER in json.dumps(rest, default=str)
+
+
 def picture_record(row: dict[str, Any], where: str, image_field: str, image_folder: Path,
                    prompt_field: str, response_field: str) -> dict[str, Any]:  # fmt: skip
     """A row with pictures as a record: its pair (`prompt`/`response`) or chat (`messages`,
@@ -260,6 +281,11 @@ def picture_record(row: dict[str, Any], where: str, image_field: str, image_fold
         if not isinstance(item, str) or not item:
             raise InputError(f"data: {where}: {image_field!r} must be a path, a list of paths "
                              f"or an Image value; got {type(item).__name__}")  # fmt: skip
+        if item.startswith(("http://", "https://")):
+            raise InputError(f"data: {where}: picture {item!r} is a URL; pictures are read "
+                             "from local files (download them under data.image_folder), or "
+                             f"set data.image_field (now {image_field!r}) to another column "
+                             "to train the rows as text")  # fmt: skip
         path = Path(item).expanduser()
         path = path if path.is_absolute() else image_folder / path
         root = image_folder.expanduser().resolve()
@@ -376,5 +402,5 @@ def picture_rows(records: list[dict[str, Any]], tokenizer, eos_id: int, chat_tem
 
 
 __all__ = ["IMAGE_KEYS", "PLACEHOLDER", "FolderVision", "Picture", "PictureRows",
-           "MAX_IMAGE_PIXELS", "PROCESSOR_FILE", "has_pictures", "image_processor", "processor_files", "open_image", "picture_record", "picture_rows",
+           "MAX_IMAGE_PIXELS", "PROCESSOR_FILE", "has_pictures", "has_tower", "image_processor", "processor_files", "open_image", "picture_record", "picture_row", "picture_rows",
            "tokenize_picture_records"]  # fmt: skip
