@@ -3,7 +3,8 @@ folder unmask writes (see saved.py: a checkpoint-N of one process or many, a LoR
 merged with its base, final/, a run output_dir).
 
 The folder holds config.json (the family's layout; Qwen3/Qwen2/Llama load in transformers
-as they are), model.safetensors, the tokenizer files and generation_config.json (special ids
+as they are), model.safetensors, the tokenizer files, the image processor's
+(preprocessor_config.json, when the source has one) and generation_config.json (special ids
 + every sampling option, the checkpoint's own included; for DiffusionGemma the options
 transformers' generation config takes, the rest in unmask's own file: generation.py), so
 `unmask generate`, `unmask eval` and the lm-eval adapter load it as it is.
@@ -18,6 +19,7 @@ import torch
 from unmask.checkpoint.generation import write_generation_files
 from unmask.checkpoint.layout import resolve_model_folder
 from unmask.checkpoint.saved import gather_distributed_checkpoint, inspect_saved, load_saved_model
+from unmask.data.images import PROCESSOR_FILE, processor_files
 from unmask.data.tokenizer import load_local_tokenizer
 from unmask.errors import InputError
 from unmask.sampling.config import FolderSampling
@@ -58,21 +60,26 @@ def export_model(
         merged = {**own, **(sampling or {})}
     text = generation_config_text(tokenizer, merged, complete=True)
     model = load_saved_model(saved).to(DTYPES[dtype])
+    processor = processor_files(folder)  # the image processor: pictures in, as in the source
     if replace:  # only now: a source that cannot be read leaves --out as it was
         shutil.rmtree(out)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(out))
     tokenizer.save_pretrained(str(out))
     write_generation_files(out, text)  # after config.json: it names the model_type
+    for name, content in processor.items():
+        (out / name).write_text(content)
     return out
 
 
 def export_distributed_checkpoint(path: Path, out: Path) -> Path:
     """Gather a DCP checkpoint-N into one HF folder (config.json, model.safetensors and the
-    tokenizer files); one process, no process group needed."""
+    tokenizer files, the image processor's when it has one); one process, no process group
+    needed."""
     path, out = Path(path), Path(out)
     gather_distributed_checkpoint(path).save_pretrained(str(out))
     for name in path.iterdir():
-        if name.is_file() and name.name.startswith(_TOKENIZER_FILES):
+        if name.is_file() and (name.name.startswith(_TOKENIZER_FILES)
+                               or name.name == PROCESSOR_FILE):  # fmt: skip
             shutil.copy2(name, out / name.name)
     return out
