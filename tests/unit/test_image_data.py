@@ -238,3 +238,25 @@ def test_a_text_dataset_with_an_image_column_trains_as_text_on_a_text_only_model
     with pytest.raises(InputError, match=r"picture 'http://example.com/cat.jpg' is a URL; "
                        r".*set data.image_field \(now 'image'\) to another column"):  # fmt: skip
         build_datasets(cfg, tokenizer, model_folder=str(folder))
+
+
+def test_a_stream_refuses_pictures_wherever_they_start(saved, tmp_path):
+    """data.streaming: a row with pictures (or a LLaVA conversations row) past the rows
+    read at start-up is refused in one line when the stream reaches it; an image URL
+    column on a text-only model streams as text."""
+    folder, _ = saved
+    rows = [{"text": f"plain text row {i}"} for i in range(12)]
+    rows[10] = {"image": "pictures/0.png", "conversations": [
+        {"from": "human", "value": "<image>"}, {"from": "gpt", "value": "x"}]}  # fmt: skip
+    data = tmp_path / "mixed.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = config(data, folder).model_copy(update={"streaming": True})
+    stream = build_datasets(cfg, build_tokenizer(cfg)).train.dataset()
+    with pytest.raises(InputError, match=r"^data.streaming does not read pictures yet \(the "
+                       r"stream's row 10 has 'image' or 'conversations'\)"):  # fmt: skip
+        list(stream)
+    urls = tmp_path / "urls.jsonl"
+    urls.write_text("".join(json.dumps({"text": f"a cat {i}", "image": "http://x/c.jpg"}) + "\n"
+                            for i in range(12)))  # fmt: skip
+    cfg = config(urls, folder).model_copy(update={"streaming": True})
+    assert len(list(build_datasets(cfg, build_tokenizer(cfg)).train.dataset())) == 10

@@ -17,7 +17,6 @@ import torch
 from unmask.data.config import DataConfig, SourceConfig
 from unmask.data.images import (
     FolderVision,
-    has_pictures,
     has_tower,
     picture_record,
     picture_row,
@@ -27,7 +26,13 @@ from unmask.data.indexed import IndexedStore, check_store_tokenizer
 from unmask.data.packing import build_rows, tokenize_records
 from unmask.data.rows import RowSource, TokenStoreRows
 from unmask.data.sources import Record, read_rows, records_of, to_record
-from unmask.data.streaming import StreamSpec, first_records, open_stream, record_key
+from unmask.data.streaming import (
+    StreamSpec,
+    first_records,
+    open_stream,
+    record_key,
+    refuse_pictures,
+)
 from unmask.data.synthetic import Example, make_synthetic, make_synthetic_heldout
 from unmask.errors import InputError
 
@@ -79,10 +84,10 @@ def build_datasets(cfg: DataConfig, tokenizer, saved_tokenizer=None,
         raise InputError(
             "the tokenizer has no EOS token; call unmask.data.ensure_special_tokens(tokenizer)"
         )
-    if cfg.streaming:
-        return _streaming(cfg, tokenizer, eos_id)
-    check = _StoreCheck(saved_tokenizer or tokenizer)
     tower = has_tower(model_folder)  # an image column is read as pictures only with one
+    if cfg.streaming:
+        return _streaming(cfg, tokenizer, eos_id, tower)
+    check = _StoreCheck(saved_tokenizer or tokenizer)
     if not cfg.sources:
         source = SourceConfig(path=cfg.dataset, dataset_format=cfg.dataset_format)
         return _one_source(cfg, source, tokenizer, eos_id, cfg.eval_dataset, check,
@@ -150,9 +155,12 @@ def _token_store(
     return Datasets(rows(0, n - k), rows(n - k, n), notices)
 
 
-def _streaming(cfg: DataConfig, tokenizer, eos_id: int) -> Datasets:
+def _streaming(cfg: DataConfig, tokenizer, eos_id: int, tower: bool = False) -> Datasets:
     """A StreamSpec for the training rows; eval rows from eval_dataset, or the first
-    documents of each stream (skipped by the training stream)."""
+    documents of each stream (skipped by the training stream). A row with pictures
+    (images.py picture_row) is refused in one line: in the first rows of a local file at
+    start-up, in the hold-out, and wherever the training stream meets one."""
+    pictures = (cfg.image_field, tower)
     sources = cfg.sources or [SourceConfig(path=cfg.dataset, dataset_format=cfg.dataset_format)]
     for source in sources:
         if source.path == "synthetic" or token_store_prefix(source.path, source.dataset_format):
@@ -160,12 +168,9 @@ def _streaming(cfg: DataConfig, tokenizer, eos_id: int) -> Datasets:
                 f"data.streaming reads jsonl / parquet / text files or a hub id, not "
                 f"{source.path!r}; set data.streaming: false for it"
             )
-        local = Path(source.path).expanduser().exists()  # a hub id is not opened for this
-        first = next(iter(open_stream(source.path, source.dataset_format).take(1)), None) \
-            if local else None  # fmt: skip
-        if first is not None and has_pictures(first, cfg.image_field):
-            raise InputError(f"data.streaming does not read pictures yet ({source.path!r} "
-                             f"has {cfg.image_field!r}); set data.streaming: false")  # fmt: skip
+        if Path(source.path).expanduser().exists():  # a hub id is not opened for this
+            for index, row in enumerate(open_stream(source.path, source.dataset_format).take(8)):
+                refuse_pictures(row, f"{source.path!r} row {index}", pictures)
     fields = {"prompt_field": cfg.prompt_field, "response_field": cfg.response_field}
     held = 0 if cfg.eval_dataset is not None else stream_eval_count(cfg.eval_split)
     held_records: list[Record] = []
@@ -173,7 +178,8 @@ def _streaming(cfg: DataConfig, tokenizer, eos_id: int) -> Datasets:
         text_field = source.text_field or cfg.text_field
         if held:
             held_records += first_records(source.path, source.dataset_format, held,
-                                          {**fields, "text_field": text_field})  # fmt: skip
+                                          {**fields, "text_field": text_field},
+                                          pictures)  # fmt: skip
     if cfg.eval_dataset is not None:
         evals = _one_source(cfg, SourceConfig(path=cfg.eval_dataset), tokenizer, eos_id, None,
                             _StoreCheck(tokenizer), True).eval  # fmt: skip
@@ -185,6 +191,7 @@ def _streaming(cfg: DataConfig, tokenizer, eos_id: int) -> Datasets:
         held_out=frozenset(record_key(r) for r in held_records), tokenizer=tokenizer,
         fields=fields, row_length=cfg.packing_length, eos_id=eos_id, packing=cfg.packing,
         supervise_padding=cfg.supervise_padding, chat_template=cfg.chat_template, seed=cfg.seed,
+        pictures=pictures,
     )  # fmt: skip
     return Datasets(spec, evals)
 

@@ -38,6 +38,7 @@ from unmask.data.formats import (
     get_format,
     open_binary,
 )
+from unmask.data.images import picture_row
 from unmask.data.mixing import BlockMixer
 from unmask.data.packing import tokenize_records
 from unmask.data.rows import segment_layout
@@ -137,6 +138,7 @@ class PackedStream(IterableDataset):
         self, make_stream, tokenizer, fields: dict[str, str], row_length: int, eos_id: int,
         packing: bool = True, supervise_padding: bool = True, chat_template: bool = True,
         rank: int = 0, world_size: int = 1, held_out: frozenset[str] = frozenset(),
+        pictures: tuple[str, bool] | None = None,
     ):  # fmt: skip
         from datasets.distributed import split_dataset_by_node  # with datasets, at call time
 
@@ -145,11 +147,13 @@ class PackedStream(IterableDataset):
         self.tokenizer, self.fields, self.eos_id = tokenizer, fields, eos_id
         self.row_length, self.packing = row_length, packing
         self.supervise_padding, self.chat_template = supervise_padding, chat_template
+        self.pictures = pictures  # (data.image_field, the model has a vision tower)
         self._carry: list[tuple[int, bool, int]] = []  # (token, maskable, document)
         self._documents = 0
 
     def _examples(self) -> Iterator[tuple[list[int], list[bool]]]:
-        for row in self.stream:
+        for index, row in enumerate(self.stream):
+            refuse_pictures(row, f"the stream's row {index}", self.pictures)
             record = to_record(row, "stream", **self.fields)
             if record is None or (self.held_out and record_key(record) in self.held_out):
                 continue
@@ -256,6 +260,8 @@ class StreamSpec:
     supervise_padding: bool
     chat_template: bool
     seed: int
+    pictures: tuple[str, bool] | None = None
+    """(data.image_field, the model has a vision tower): rows with pictures are refused."""
 
     def dataset(self, rank: int = 0, world_size: int = 1) -> IterableDataset:
         fields = [{**self.fields, "text_field": field} for _, _, field in self.sources]
@@ -272,6 +278,7 @@ class StreamSpec:
                 rank,
                 world_size,
                 self.held_out,
+                self.pictures,
             )  # fmt: skip
             for (path, fmt, _), own_fields in zip(self.sources, fields)
         ]
@@ -284,10 +291,23 @@ def _opener(path: str, fmt: str) -> Callable[[], Any]:
     return lambda: open_stream(path, fmt)
 
 
-def first_records(path: str, fmt: str, count: int, fields: dict[str, str]) -> list[Record]:
-    """The first `count` documents of a stream (the eval hold-out), as records."""
+def refuse_pictures(row: dict[str, Any], where: str, pictures: tuple[str, bool] | None) -> None:
+    """One line for a row with pictures (images.py picture_row; `pictures`: (data.image_field,
+    the model has a vision tower); None: no check), wherever it is in the stream: a stream
+    trains text only, and would train them as text with `<image>` kept as a word."""
+    if pictures is not None and picture_row(row, *pictures):
+        raise InputError(f"data.streaming does not read pictures yet ({where} has "
+                         f"{pictures[0]!r} or 'conversations'); set data.streaming: "
+                         "false")  # fmt: skip
+
+
+def first_records(path: str, fmt: str, count: int, fields: dict[str, str],
+                  pictures: tuple[str, bool] | None = None) -> list[Record]:  # fmt: skip
+    """The first `count` documents of a stream (the eval hold-out), as records; one line
+    for a row with pictures (`refuse_pictures`)."""
     records = []
-    for row in open_stream(path, fmt).take(count):
+    for index, row in enumerate(open_stream(path, fmt).take(count)):
+        refuse_pictures(row, f"{path!r} row {index}", pictures)
         record = to_record(row, path, **fields)
         if record is not None:
             records.append(record)
