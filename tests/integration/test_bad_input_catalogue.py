@@ -895,6 +895,16 @@ LAYOUT_CASES = [
          "set model.lora: true"),
     case("float8-without-bf16", over("train.float8=true", "train.bf16=false"),
          "train.float8: true trains the linear layers in float8 beside a bf16 model"),
+    # issue 56: a trained or LoRA-adapted vision tower on a folder without one (the planner
+    # once planned it, the trainer refused it after loading the model)
+    case("freeze-vision-on-a-folder-without-a-tower",
+         lambda ctx: ctx.train({"model": {"pretrained": str(ctx.model_folder),
+                                          "freeze_vision": False}}),
+         "model.freeze_vision / a vision LoRA target needs a diffusion_gemma folder"),
+    case("vision-lora-on-a-folder-without-a-tower",
+         lambda ctx: ctx.train({"model": {"pretrained": str(ctx.model_folder), "lora": True,
+                                          "lora_target_modules": ["q_proj", "vision_tower"]}}),
+         "model.freeze_vision / a vision LoRA target needs a diffusion_gemma folder"),
 ]  # fmt: skip
 
 

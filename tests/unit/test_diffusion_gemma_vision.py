@@ -6,6 +6,7 @@ the bidirectional image blocks (use_bidirectional_attention: vision); folders wi
 round-trip bit for bit and transformers reads unmask's; bad image input is one line."""
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -435,6 +436,37 @@ def test_freeze_vision_refusals(causal, tmp_path):
         built(tmp_path / "text", freeze_vision=False)
 
 
+def test_the_request_check_refuses_a_folder_without_a_tower_before_any_build(causal, tmp_path):
+    """check_vision_request (check_model_request's, which the trainer and `unmask plan` both
+    run, issue 54): a trained or LoRA-adapted tower needs a diffusion_gemma folder whose
+    config.json has a vision_config and whose weights hold the tower's tensors; the line is
+    attach_vision's."""
+    from unmask.models import ModelConfig, resolve_model
+    from unmask.models.diffusion_gemma_vision import NO_TOWER
+    from unmask.train.setup import check_vision_request
+
+    hf, folder = causal
+    text_only = from_pretrained(folder)
+    source = dict(text_only.hf_source_config)
+    text_only.hf_source_config = {k: v for k, v in source.items() if k != "vision_config"}
+    text_only.hf_carried_weights = {}
+    text_only.save_pretrained(tmp_path / "text")
+    shutil.copytree(tmp_path / "text", tmp_path / "no_tensors")  # a vision_config, no tower
+    (tmp_path / "no_tensors" / "config.json").write_text(json.dumps(source))
+    sections = [dict(freeze_vision=False), dict(freeze_vision="tower"),
+                dict(lora=True, lora_target_modules=["vision_tower"]),
+                dict(lora=True, lora_target_modules=["q_proj", "embed_vision"])]  # fmt: skip
+    for where in ("text", "no_tensors"):
+        for section in sections:
+            cfg = ModelConfig(pretrained=str(tmp_path / where), **section)
+            with pytest.raises(InputError) as err:
+                check_vision_request(resolve_model(cfg))
+            assert str(err.value) == NO_TOWER, (where, section)
+        check_vision_request(resolve_model(ModelConfig(pretrained=str(tmp_path / where))))
+    for section in sections:  # the folder with its tower passes
+        check_vision_request(resolve_model(ModelConfig(pretrained=str(folder), **section)))
+
+
 def test_muon_routing_of_the_tower_and_projector(causal):
     """docs/multimodal.md's rule: the tower's hidden matrices on Muon; the patch embedding,
     the position table and the projector (names with `embed`: a map into a space, as the
@@ -802,9 +834,68 @@ def test_unmask_plan_prints_the_tower(causal, tmp_path, capsys):
         p.numel() for p in folder_vision(from_pretrained(folder)).parameters())  # fmt: skip
 
 
+@pytest.mark.parametrize("targets", [["vision_tower"], ["embed_vision"],
+                                     ["vision_tower", "q_proj"]])  # fmt: skip
+def test_unmask_plan_counts_lora_on_the_tower_as_the_trainer_builds_it(causal, tmp_path, capsys,
+                                                                      targets):  # fmt: skip
+    """LoRA on the tower / projector (freeze_vision true): `unmask plan` runs (vision targets
+    only: the text model planned without LoRA) and counts the adapted part registered with
+    its backward: the adapters' parameters are those peft adds to the trainer's model, the
+    FLOPs the MFU's count of that model (tower_flop_model), activations saved."""
+    pytest.importorskip("peft")
+    from conftest import write_run_config
+
+    from unmask.cli import main
+    from unmask.config import load_config
+    from unmask.models.diffusion_gemma_vision import tower_flop_model, tower_flops
+    from unmask.plan.vision import plan_tower
+
+    hf, folder = causal
+    path = write_run_config(tmp_path, "lora", {"diffusion": {"objective": "uniform"}}, {
+        "model": {"pretrained": str(folder), "lora": True, "lora_r": 4,
+                  "lora_target_modules": targets}})  # fmt: skip
+    assert main(["plan", str(path), "--world", "1", "--device", "cpu"]) == 0
+    assert "LoRA: 0.0" in capsys.readouterr().out
+    cfg = load_config(path)
+    tower = plan_tower(cfg, 1)
+    model = lora_model(folder, targets)
+    adapters = sum(p.numel() for n, p in model.named_parameters()
+                   if "lora_" in n and ".encoder." in n)  # fmt: skip
+    assert tower.adapters == adapters > 0
+    assert tower.gradients == 4 * adapters and tower.optimizer == 8 * adapters
+    assert tower.weights == 4 * (tower.parameters + adapters)
+    flops = tower_flop_model(model)
+    assert (flops.tower, flops.projector) == ("vision_tower" in targets, "embed_vision" in targets)
+    rows, k = tower.pictures, flops.cfg["pooling_kernel_size"]
+    assert tower.flops == cfg.train.gradient_accumulation_steps * tower_flops(
+        flops.cfg, flops.text_hidden, rows, tower.patches, rows * tower.patches // (k * k),
+        flops.tower, flops.projector)  # fmt: skip
+    assert tower.activations > 0
+
+
+def test_the_towers_pictures_per_rank_are_the_text_plans_rows(causal, tmp_path):
+    """plan_tower takes rows per rank and micro-batches as the text plan does (step_rows of
+    parallel_of): under split_batches over 2 ranks half the rows of a rank's batch, and the
+    FLOPs scale with them."""
+    from conftest import write_run_config
+
+    from unmask.config import load_config
+    from unmask.plan.vision import plan_tower
+
+    hf, folder = causal
+    path = write_run_config(tmp_path, "split", {"diffusion": {"objective": "uniform"}}, {
+        "model": {"pretrained": str(folder), "freeze_vision": False}})  # fmt: skip
+    whole = plan_tower(load_config(path), 2)
+    split = plan_tower(load_config(path, ["train.split_batches=true"]), 2)
+    rows = load_config(path).train.per_device_train_batch_size
+    assert (whole.pictures, split.pictures) == (rows, rows // 2)
+    assert split.flops == pytest.approx(whole.flops / 2, rel=1e-12)
+    assert split.activations < whole.activations
+
+
 @pytest.mark.parametrize("freeze", [True, False])
-def test_a_sharded_runs_final_model_saves_the_tower_as_one_process_does(causal, tmp_path,
-                                                                        freeze):  # fmt: skip
+def test_build_empty_like_loads_a_state_and_saves_the_folder_one_process_does(causal, tmp_path,
+                                                                              freeze):  # fmt: skip
     """build_empty_like (what a sharded run's final save loads the gathered state into)
     writes the folder one process writes: the tower frozen (carried) or trained (its state)."""
     from unmask.models.build import build_empty_like

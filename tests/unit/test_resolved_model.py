@@ -65,3 +65,19 @@ def test_tensor_parallel_on_a_folder_without_a_tensor_plan_is_one_line(qwen3_fol
 def test_a_missing_folder_is_one_line(tmp_path):
     with pytest.raises(InputError, match="does not exist; set model.pretrained"):
         resolve_model(ModelConfig(pretrained=str(tmp_path / "nothing")))
+
+
+def test_planned_drops_vision_lora_targets_and_lora_with_none_left(qwen3_folder):
+    """The planner's text model has no vision tower (plan/vision.py counts it): vision LoRA
+    targets leave the list, and a list of vision targets only plans the text model without
+    LoRA (peft refuses an adapter list that matches nothing)."""
+
+    def planned(targets):
+        section = ModelConfig(pretrained=str(qwen3_folder), lora=True,
+                              lora_target_modules=targets)  # fmt: skip
+        return resolve_model(section).planned()
+
+    assert (planned(["vision_tower", "q_proj"]).lora, planned(["q_proj", "embed_vision"])
+            .lora_target_modules) == (True, ["q_proj"])  # fmt: skip
+    assert planned(["vision_tower", "q_proj"]).lora_target_modules == ["q_proj"]
+    assert not planned(["vision_tower"]).lora and not planned(["vision_tower", "embed_vision"]).lora

@@ -116,11 +116,16 @@ class ResolvedModel:
         """The architecture with the section's run fields (how it is built and trained) and
         no folder: what the planner builds on the meta device, whose weights it never reads.
         Without a folder there is no vision tower (plan/vision.py counts a folder's apart):
-        freeze_vision true, no vision LoRA targets."""
+        freeze_vision true, no vision LoRA targets. A LoRA list of vision targets only plans
+        the text model without LoRA (the tower's adapters are plan/vision.py's): its backward
+        runs as the trainer's does (to reach the tower), while its weights' gradients and
+        optimizer state, which stay frozen, are counted too (an upper bound)."""
         run = {key: getattr(self.section, key) for key in RUN_FIELDS if key != "model_type"}
         targets = run["lora_target_modules"]
         if isinstance(targets, list):
-            run["lora_target_modules"] = [t for t in targets if t not in VISION_LORA_TARGETS]
+            text = [t for t in targets if t not in VISION_LORA_TARGETS]
+            run["lora_target_modules"] = text or "all-linear"
+            run["lora"] = run["lora"] and bool(text)
         return self.arch.model_copy(update={**run, "pretrained": None, "freeze_vision": True})
 
 

@@ -25,8 +25,10 @@ from unmask.models.families import DEFAULT_FAMILY, FAMILIES, family_names
 class DiffusionGemmaSection(BaseModel):
     """`model.diffusion_gemma`: the fields of Google's DiffusionGemma (models/diffusion_gemma.py)
     beyond the shared ones. There, num_key_value_heads / head_dim / rope_theta are the
-    sliding-window layers'; the full-attention layers have their own below. Text only: keys
-    asking for images are refused."""
+    sliding-window layers'; the full-attention layers have their own below. The vision tower
+    comes from a pretrained folder (its config.json's vision_config, models/
+    diffusion_gemma_vision.py), not from this section: keys asking for images here are
+    refused."""
 
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 

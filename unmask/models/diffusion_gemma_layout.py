@@ -88,7 +88,9 @@ KEY_MAP = {
 embedding and not stored."""
 
 CARRIED = ("model.encoder.vision_tower.", "model.encoder.embed_vision.")
-"""Folder keys unmask does not run, carried from the folder read to the folder written."""
+"""Folder keys of the vision tower and projector: while the tower is frozen and held apart
+(the default) carried from the folder read to the folder written; a trained or LoRA-adapted
+tower is registered and its keys are in the state dict (models/diffusion_gemma_vision.py)."""
 
 VISION_KEYS = ("vision_config", "vision_tower", "image_token_id", "boi_token_id",
                "eoi_token_id", "pixel_values", "images")  # fmt: skip

@@ -38,8 +38,9 @@ LoRA (`vision_tower` / `embed_vision` in `lora_target_modules`): `attach_vision`
 the tower and the projector as the model's `model.encoder` (DiffusionGemmaStack), so their
 state-dict names are the folder's (`model.encoder.vision_tower.*`,
 `model.encoder.embed_vision.*`), `save_pretrained` writes them from the state dict, the
-optimizer and checkpoints hold them, and each tower layer is an FSDP2 unit
-(`vision_layers`). The frozen part keeps requires_grad False.
+optimizer and checkpoints hold them, and each tower layer is an FSDP2 unit (its class
+declares `fsdp_unit`, which parallel/fsdp.py apply_fsdp shards on its own). The frozen part
+keeps requires_grad False.
 """
 
 from __future__ import annotations
@@ -352,6 +353,23 @@ def trained_parts(freeze: bool | str) -> tuple[bool, bool]:
     return freeze != "tower", freeze != "projector"
 
 
+NO_TOWER = ("model.freeze_vision / a vision LoRA target needs a diffusion_gemma folder with a "
+            "vision tower (model.pretrained; its config.json has vision_config); this model "
+            "has none: set freeze_vision: true and drop vision_tower / embed_vision from "
+            "lora_target_modules")  # fmt: skip
+"""The one line for a trained or adapted tower on a model without one (the request check
+`has_folder_tower`, and `attach_vision`)."""
+
+
+def has_folder_tower(source: dict[str, Any], tensor_names: set[str] | None) -> bool:
+    """Whether a folder's config.json `source` and its weight tensors' names hold a tower:
+    a diffusion_gemma config with a vision_config, and the tower's tensors (None: a folder
+    without weight files, its config.json alone, is judged by it)."""
+    return (source.get("model_type") == "diffusion_gemma"
+            and isinstance(source.get("vision_config"), dict)
+            and (tensor_names is None or any(n.startswith(TOWER) for n in tensor_names)))  # fmt: skip
+
+
 def vision_registered(cfg: Any) -> bool:
     """Whether a model section (ModelConfig) has the tower and projector registered on the
     model: a trained part (`freeze_vision` not true) or a LoRA target on them."""
@@ -387,11 +405,7 @@ def attach_vision(model: nn.Module, freeze: bool | str) -> Vision:
     if vision is None:
         vision = _build_from_folder(model)
         if vision is None:
-            raise InputError("model.freeze_vision / a vision LoRA target needs a diffusion_gemma "
-                             "folder with a vision tower (model.pretrained; its config.json "
-                             "has vision_config); this model has none: set freeze_vision: true "
-                             "and drop vision_tower / embed_vision from "
-                             "lora_target_modules")  # fmt: skip
+            raise InputError(NO_TOWER)
         weight = model.model.embed_tokens.weight
         vision.to(device=weight.device, dtype=weight.dtype)
         model.model.encoder = vision
@@ -413,14 +427,6 @@ def register_empty_vision(model: nn.Module, source: dict[str, Any]) -> Vision:
     vision.to_empty(device=weight.device).to(dtype=weight.dtype)
     model.model.encoder = vision
     return vision
-
-
-def vision_layers(model: nn.Module) -> list[nn.Module]:
-    """The registered tower's layers (FSDP2 units of their own), [] when none is registered."""
-    for module in model.modules():
-        if isinstance(module, Vision):
-            return list(module.vision_tower.encoder.layers)
-    return []
 
 
 def folder_vision(model: nn.Module) -> Vision | None:

@@ -182,6 +182,28 @@ def read_safetensors(path: Path, fix: str = "copy or re-export the folder") -> d
         ) from None
 
 
+def tensor_names(folder: Path) -> set[str] | None:
+    """The names of the folder's weight tensors, from the safetensors headers (no tensor
+    read); None for a folder with no weight files (a config.json alone, as `unmask plan`
+    reads one; loading it is refused in its own line); a damaged file is one line naming it."""
+    if (
+        not (folder / "model.safetensors").is_file()
+        and not (folder / "model.safetensors.index.json").is_file()
+    ):
+        return None
+    names: set[str] = set()
+    for path in _weight_files(folder):
+        try:
+            with safe_open(str(path), "pt") as f:
+                names.update(f.keys())
+        except (SafetensorError, OSError) as err:
+            raise InputError(
+                f"{str(path)!r} is damaged or not a safetensors file ({err}); copy or re-export "
+                "the folder"
+            ) from None
+    return names
+
+
 def check_weight_files(folder: Path) -> None:
     """Every weight file of the folder is there and whole (headers only: cheap)."""
     for path in _weight_files(folder):

@@ -37,7 +37,7 @@ from unmask.plan.shards import (
     shard_model,
 )
 from unmask.plan.traffic import Collective, step_collectives
-from unmask.train.setup import checkpointing_choice
+from unmask.train.setup import ParallelPlan, checkpointing_choice
 
 #: Share of the device memory a plan may fill (CUDA context, allocator fragmentation,
 #: NCCL buffers take the rest).
@@ -101,13 +101,21 @@ class RunPlan:
         return out
 
 
+def step_rows(cfg: RunConfig, parallel: ParallelPlan) -> tuple[int, int]:
+    """(rows per rank and micro-batch, micro-batches per step) of the trainer's layout
+    (`parallel_of`): under pipeline parallelism the step's rows cut into the schedule's
+    micro-batches."""
+    rows, micro, pipeline = parallel.rows, cfg.train.gradient_accumulation_steps, parallel.pipeline
+    if pipeline is not None:
+        rows, micro = rows * micro // pipeline.microbatches, pipeline.microbatches
+    return rows, micro
+
+
 def step_shape(cfg: RunConfig, world_size: int) -> StepShape:
     """This rank's micro-batch and the step's settings, as the trainer sizes them."""
     t = cfg.train
     parallel = parallel_of(cfg, world_size)  # the trainer's plan: its rows per rank
-    rows, micro, pipeline = parallel.rows, t.gradient_accumulation_steps, parallel.pipeline
-    if pipeline is not None:  # the step's rows cut into the schedule's micro-batches
-        rows, micro = rows * micro // pipeline.microbatches, pipeline.microbatches
+    rows, micro = step_rows(cfg, parallel)
     arch = cfg.model
     canvas = parallel.model.shape.canvas_length(arch)  # a canvas decoder's (0: none)
     return StepShape(rows=rows, length=cfg.data.packing_length,

@@ -32,7 +32,15 @@ from unittest import mock
 import torch
 import torch.nn.functional as F
 
-from unmask.models.diffusion_gemma_vision import Vision, tower_flops, trained_parts
+from unmask.models.diffusion_gemma_vision import (
+    LORA_PROJECTOR,
+    LORA_TOWER,
+    Vision,
+    tower_flops,
+    trained_parts,
+    vision_registered,
+)
+from unmask.models.lora import VISION_TARGETS
 
 MAX_SOFT_TOKENS = 280
 """transformers' Gemma 4 image processor's default `max_soft_tokens`."""
@@ -46,6 +54,9 @@ class TowerPlan:
     trained: int
     """Of the parameters, those that train (freeze_vision)."""
     freeze_vision: bool | str
+    adapters: int
+    """LoRA factors' parameters on the tower's and the projector's linear maps (vision_tower /
+    embed_vision in lora_target_modules): they train (float32, AdamW), the base stays frozen."""
     pictures: int
     """Pictures per rank and micro-batch (one per row)."""
     patches: int
@@ -140,9 +151,31 @@ def traced_tower_saves(vision: Vision, pictures: int, patches: int, dtype: torch
     return total[0]
 
 
+def lora_adapters(vision: Vision, model) -> dict[str, int]:
+    """LoRA factors' parameters on the tower's and the projector's linear maps, by
+    lora_target_modules entry (models/lora.py VISION_TARGETS: the modules peft adapts,
+    r x (in + out) each); 0 for a part not targeted."""
+    import re
+
+    targets = model.lora_target_modules if model.lora else None
+    count = dict.fromkeys((LORA_TOWER, LORA_PROJECTOR), 0)
+    if not isinstance(targets, list):
+        return count
+    for name, pattern in VISION_TARGETS.items():
+        if name not in targets:
+            continue
+        for path, module in vision.named_modules(prefix="model.encoder"):
+            if isinstance(module, torch.nn.Linear) and re.fullmatch(pattern, path):
+                count[name] += model.lora_r * (module.in_features + module.out_features)
+    return count
+
+
 def plan_tower(cfg, world_size: int) -> TowerPlan | None:
     """The TowerPlan of a run config (`RunConfig`) at `world_size` ranks, or None when its
     model has no vision tower (no pretrained folder, or one without vision_config)."""
+    from unmask.plan.planner import step_rows
+    from unmask.plan.shards import parallel_of, planned_model_config
+
     folder = cfg.model.pretrained
     source = folder_vision_config(folder) if folder is not None else None
     if source is None:
@@ -151,6 +184,7 @@ def plan_tower(cfg, world_size: int) -> TowerPlan | None:
     with torch.device("meta"):
         vision = Vision(source, text_hidden)
     tower_trains, projector_trains = trained_parts(cfg.model.freeze_vision)
+    adapters = lora_adapters(vision, cfg.model)
     vision.requires_grad_(False)
     vision.vision_tower.requires_grad_(tower_trains)
     vision.embed_vision.requires_grad_(projector_trains)
@@ -159,28 +193,35 @@ def plan_tower(cfg, world_size: int) -> TowerPlan | None:
     count = {name: sum(p.numel() for p in m.parameters()) for name, (m, _) in parts.items()}
     total = sum(count.values())
     trained = sum(count[name] for name, (_, trains) in parts.items() if trains)
-    registered = trained > 0
+    registered = vision_registered(cfg.model)
+    # a part with LoRA factors runs its backward as a trained one (the factors' gradients),
+    # as the trainer's MFU counts it (tower_flop_model: a part with a parameter to train)
+    tower_trains = tower_trains or adapters[LORA_TOWER] > 0
+    projector_trains = projector_trains or adapters[LORA_PROJECTOR] > 0
+    adapted = sum(adapters.values())
     k = vision.vision_tower.cfg["pooling_kernel_size"]
     soft = max_soft_tokens(folder)
     patches = soft * k * k
-    rows = cfg.train.per_device_train_batch_size
-    micro = cfg.train.gradient_accumulation_steps
+    # the text plan's rows per rank and micro-batches (split_batches, pipeline schedules)
+    planned = planned_model_config(cfg)
+    rows, micro = step_rows(planned, parallel_of(planned, world_size))
     bf16 = cfg.train.bf16
     b = 2 if bf16 else 4
     hidden = vision.vision_tower.cfg["hidden_size"]
     if registered:  # FSDP2-sharded float32 masters, one tower layer gathered (compute dtype)
         layer = sum(p.numel() for p in vision.vision_tower.encoder.layers[0].parameters())
-        weights = 4 * total // world_size + (b * layer if world_size > 1 else 0)
+        weights = 4 * (total + adapted) // world_size + (b * layer if world_size > 1 else 0)
     else:  # held apart: whole on every rank
         weights = 4 * total
-    gradients = 4 * trained // world_size
+    gradients = 4 * (trained + adapted) // world_size
     muon_matrices = 0
     if cfg.optim.name == "muon" and tower_trains:
         muon_matrices = sum(p.numel() for name, p in vision.vision_tower.named_parameters()
                             if ".layers." in name and p.ndim == 2)  # fmt: skip
-    optimizer = (8 * trained - 4 * muon_matrices) // world_size
+    optimizer = (8 * (trained + adapted) - 4 * muon_matrices) // world_size  # LoRA: AdamW
     activations = 0
-    if tower_trains:
+    if tower_trains:  # LoRA's factors keep their linear maps' inputs: a trained tower's saves
+        vision.vision_tower.requires_grad_(True)
         dtype = torch.bfloat16 if bf16 else torch.float32
         activations = traced_tower_saves(vision, rows, patches, dtype)
         activations += rows * patches * hidden * 4 + rows * patches * soft * 4  # pooling
@@ -189,6 +230,7 @@ def plan_tower(cfg, world_size: int) -> TowerPlan | None:
     flops = micro * tower_flops(vision.vision_tower.cfg, text_hidden, rows, patches, rows * soft,
                                 tower_trains, projector_trains)  # fmt: skip
     return TowerPlan(parameters=total, trained=trained, freeze_vision=cfg.model.freeze_vision,
+                     adapters=adapted,
                      pictures=rows, patches=patches, weights=weights, gradients=gradients,
                      optimizer=optimizer, activations=activations, flops=float(flops))  # fmt: skip
 
@@ -199,9 +241,14 @@ def tower_lines(tower: TowerPlan, peak: int, limit: int, compute_s: float,
     text model's worst peak, and of the step's compute at the plan's MFU."""
     from unmask.plan.report import human_bytes
 
-    state = ("frozen (held apart: whole on every rank, forward only)"
-             if not tower.trained else f"freeze_vision {tower.freeze_vision!r}: "
-             f"{tower.trained / 1e9:.3f} B of them trained, FSDP2-sharded")  # fmt: skip
+    if tower.adapters:
+        state = (f"LoRA: {tower.adapters / 1e6:.3f} M adapter parameters trained on the frozen "
+                 "base, registered and FSDP2-sharded, with backward")  # fmt: skip
+    elif tower.trained:
+        state = (f"freeze_vision {tower.freeze_vision!r}: {tower.trained / 1e9:.3f} B of them "
+                 "trained, FSDP2-sharded")  # fmt: skip
+    else:
+        state = "frozen (held apart: whole on every rank, forward only)"
     seconds = compute_s * tower.flops / step_flops if step_flops else 0.0
     verdict = "fits" if peak + tower.total <= limit else "DOES NOT FIT"
     return [

@@ -114,7 +114,27 @@ def check_model_request(cfg: RunConfig, world_size: int) -> ResolvedModel:
     check_family_objective(cfg, model)
     check_4bit_request(cfg.model, world_size)
     check_float8_request(cfg.train.float8, cfg.train.bf16)
+    check_vision_request(model)
     return model
+
+
+def check_vision_request(model: ResolvedModel) -> None:
+    """One line, before any model is built, for a trained or LoRA-adapted vision tower
+    (`model.freeze_vision` not true, vision_tower / embed_vision among the LoRA targets) on
+    a folder without one: it must be a diffusion_gemma folder whose config.json has a
+    vision_config and whose weights hold the tower's tensors."""
+    from pathlib import Path
+
+    from unmask.models.diffusion_gemma_vision import NO_TOWER, has_folder_tower, vision_registered
+    from unmask.models.hf import read_config, tensor_names
+
+    if not vision_registered(model.section):
+        return
+    folder = model.section.pretrained
+    if folder is None:  # the section's own check refuses it first
+        raise InputError(NO_TOWER)
+    if not has_folder_tower(read_config(Path(folder)), tensor_names(Path(folder))):
+        raise InputError(NO_TOWER)
 
 
 def check_family_trains(model: ResolvedModel) -> None:
