@@ -260,3 +260,32 @@ def test_a_stream_refuses_pictures_wherever_they_start(saved, tmp_path):
                             for i in range(12)))  # fmt: skip
     cfg = config(urls, folder).model_copy(update={"streaming": True})
     assert len(list(build_datasets(cfg, build_tokenizer(cfg)).train.dataset())) == 10
+
+
+def test_a_batch_has_as_many_picture_slots_as_its_rows_need(saved, tmp_path):
+    """The slots of a gathered batch are the most pictures one of its rows has (not the
+    dataset's most), and its Images equal those of the dataset-wide slots."""
+    from unmask.data.images import PictureRows
+
+    folder, data = saved
+    for i in range(3):
+        (tmp_path / f"{i}.png").write_bytes((data.parent / "pictures" / f"{i}.png").read_bytes())
+    rows = [{"image": [], "prompt": "none", "response": "x"},
+            {"image": ["0.png"], "prompt": "<image> one", "response": "x"},
+            {"image": ["0.png", "1.png", "2.png"], "prompt": "three", "response": "x"}]  # fmt: skip
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows * 2))
+    cfg = config(path, folder).model_copy(update={"eval_split": 0, "packing_length": 256})
+    source = build_datasets(cfg, build_tokenizer(cfg), model_folder=str(folder)).train
+    counts = [len(p) for p in source.pictures]
+    index = {n: counts.index(n) for n in (0, 1, 3)}
+    wide = PictureRows(source.rows, source.pictures, source.vision, slots=3)
+    for chosen, slots in (([0], 1), ([1, 0], 1), ([0, 3, 1], 3)):
+        indices = torch.tensor([index[n] for n in chosen])
+        batch, reference = source.gather(indices), wide.gather(indices)
+        assert batch["image_pixels"].shape[1] == batch["image_positions"].shape[1] == slots
+        got, want = with_images(batch), with_images(reference)
+        assert set(got) == set(want)
+        if "images" in want:
+            assert torch.equal(got["images"].pixel_values, want["images"].pixel_values)
+            assert torch.equal(got["images"].position_ids, want["images"].position_ids)

@@ -23,7 +23,7 @@ process before the step.
 
 A gathered batch carries its rows' pictures as two tensors, `image_pixels` (B, M, P, D)
 and `image_positions` (B, M, P, 2): row b's pictures in its slots, in order, M the most
-pictures a row of the dataset has, P the processor's patches per picture (smaller
+pictures a row of the batch has (at least 1), P the processor's patches per picture (smaller
 pictures padded with (-1, -1) positions), empty slots all padding. Rows stay rows (a
 batch slices, moves and pins as text batches do); `with_images` turns them into the
 model's `Images` (every picture of the batch in row order) where the batch is fed
@@ -363,7 +363,7 @@ class PictureRows:
     def __init__(self, rows: RowStore, pictures: list[list[Picture]], vision: FolderVision,
                  slots: int | None = None) -> None:  # fmt: skip
         self.rows, self.pictures, self.vision = rows, pictures, vision
-        self.slots = max([len(p) for p in pictures] + [1]) if slots is None else slots
+        self.slots = slots  # None: the most pictures a row of the gathered batch has
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -377,10 +377,11 @@ class PictureRows:
         `image_positions` (module docstring)."""
         batch = self.rows.gather(indices)
         patches, width = self.vision.patch_shape
-        n = len(indices)
-        pixels = torch.zeros(n, self.slots, patches, width)
-        positions = torch.full((n, self.slots, patches, 2), -1, dtype=torch.long)
-        chosen = [(row, slot, picture) for row, index in enumerate(indices.tolist())
+        n, chosen_rows = len(indices), indices.tolist()
+        most = self.slots or max([len(self.pictures[i]) for i in chosen_rows] + [1])
+        pixels = torch.zeros(n, most, patches, width)
+        positions = torch.full((n, most, patches, 2), -1, dtype=torch.long)
+        chosen = [(row, slot, picture) for row, index in enumerate(chosen_rows)
                   for slot, picture in enumerate(self.pictures[index])]  # fmt: skip
         if chosen:
             got, where, _ = self.vision.patches([p.image() for _, _, p in chosen])
