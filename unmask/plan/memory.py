@@ -85,9 +85,9 @@ from unittest import mock
 import torch
 
 from unmask.diffusion.loss import LOSS_BLOCK, loss_block_rows
-from unmask.models.build import _no_init, build_model, shape_of
+from unmask.models.build import _no_init, build_model
 from unmask.models.moe import step_casts
-from unmask.models.shape import recomputes
+from unmask.models.shape import ModelShape, recomputes
 from unmask.optim.muon import NS_BATCH_NUMEL
 from unmask.plan.shards import ShardedModel
 
@@ -343,7 +343,7 @@ def layer_saves(model: ShardedModel, shape: StepShape) -> tuple[list[int], list[
     # autocast's bfloat16 copy of each linear weight of a layer that is not checkpointed
     weight_copies = 2 * model.flops.matmul_params // model.layers if casts else 0
     traced = None
-    if not shape_of(arch).activation_formula:  # a family without the decoder's formula
+    if not model.shape.activation_formula:  # a family without the decoder's formula
         traced = traced_layer_bytes(arch.model_dump_json(), shape.rows, length, shape.bf16,
                                     autocast=casts)  # fmt: skip
         weight_copies = 0  # the trace saw autocast's copies
@@ -638,7 +638,7 @@ def in_flight(model: ShardedModel) -> float:
 def memory_terms(model: ShardedModel, shape: StepShape) -> MemoryTerms:
     """Every term of this rank and the peak estimate, by the walk the model's family
     declares (models/shape.py `ModelShape.memory_model`, one of `MEMORY_MODELS`)."""
-    name = shape_of(model.model_config).memory_model
+    name = model.shape.memory_model
     if name not in MEMORY_MODELS:
         raise ValueError(f"memory model {name!r} of model_type "
                          f"{model.model_config.model_type!r} is not registered; registered: "
@@ -750,9 +750,25 @@ def _grad_bytes_by_unit(model: ShardedModel, experts_only: bool = False) -> dict
 # --- a canvas decoder's step (DiffusionGemma under `uniform`) -----------------------------
 
 
-@functools.lru_cache(maxsize=32)
-def traced_canvas_bytes(arch_json: str, rows: int, length: int, self_condition: bool,
-                        bf16: bool, autocast: bool) -> tuple[tuple[int, ...], tuple[int, ...], int]:  # fmt: skip
+_CANVAS_SAVES: dict[tuple, tuple[tuple[int, ...], tuple[int, ...], int]] = {}
+"""traced_canvas_bytes' results by (arch_json, rows, length, self_condition, bf16, autocast)
+(the architecture's JSON names its family, so its shape)."""
+
+
+def traced_canvas_bytes(family: ModelShape, arch_json: str, rows: int, length: int,
+                        self_condition: bool, bf16: bool,
+                        autocast: bool) -> tuple[tuple[int, ...], tuple[int, ...], int]:  # fmt: skip
+    """`trace_canvas_bytes`, once per architecture and step shape (`family`: the resolved
+    model's shape declaration, `ShardedModel.shape`, whose `training_call` is traced)."""
+    key = (arch_json, rows, length, self_condition, bf16, autocast)
+    if key not in _CANVAS_SAVES:
+        _CANVAS_SAVES[key] = trace_canvas_bytes(family, *key)
+    return _CANVAS_SAVES[key]
+
+
+def trace_canvas_bytes(family: ModelShape, arch_json: str, rows: int, length: int,
+                       self_condition: bool, bf16: bool,
+                       autocast: bool) -> tuple[tuple[int, ...], tuple[int, ...], int]:  # fmt: skip
     """What one training call of a canvas decoder (the `uniform` objective's, the shape's
     `training_call`) saves for backward over `rows` rows of `length` prompt tokens and a
     canvas: (each layer's saves in the encoder pass, each layer's in the decoder pass with
@@ -800,7 +816,7 @@ def traced_canvas_bytes(arch_json: str, rows: int, length: int, self_condition: 
 
         cast = (torch.autocast("cpu", dtype=torch.bfloat16) if bf16 and autocast
                 else contextlib.nullcontext())  # fmt: skip
-        args, kwargs = shape_of(arch).training_call(arch, rows, length, self_condition)
+        args, kwargs = family.training_call(arch, rows, length, self_condition)
         # step_casts: the expert stacks' copies made once for every pass (train/step.py)
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), cast, \
                 mock.patch.object(torch, "_grouped_mm", _GroupedMatmulShapes.apply), \
@@ -837,7 +853,7 @@ def canvas_saves(model: ShardedModel, shape: StepShape) -> tuple[list[int], list
     arch = model.model_config
     sharded = model.layout.world_size > 1
     casts = shape.bf16 and not sharded  # one process: autocast over float32 masters
-    encoder, decoder, around = traced_canvas_bytes(arch.model_dump_json(), shape.rows,
+    encoder, decoder, around = traced_canvas_bytes(model.shape, arch.model_dump_json(), shape.rows,
                                                    shape.length, shape.self_condition,
                                                    shape.bf16, casts)  # fmt: skip
     encoder, decoder = list(encoder), list(decoder)
@@ -874,7 +890,7 @@ def prompt_kv_gradient_bytes(model: ShardedModel, shape: StepShape) -> list[int]
     b = 2 if shape.bf16 else 4
     out = []
     for index in range(arch.num_hidden_layers):
-        kept, kv_heads, head_dim = shape_of(arch).prompt_kv(arch, index, shape.length)
+        kept, kv_heads, head_dim = model.shape.prompt_kv(arch, index, shape.length)
         out.append(2 * shape.rows * kept * kv_heads * head_dim * b)
     return out
 

@@ -105,6 +105,10 @@ class ShardedModel:
     """Decoder layers this rank holds."""
     flops: object
     """train/mfu.py's FlopModel of the model (global counts)."""
+    shape: ModelShape
+    """The family's declaration (models/shape.py) of the model the run resolved
+    (train/setup.py `plan_parallel`'s `ResolvedModel`): what the memory, traffic and FLOP
+    terms read of the family."""
     layer_indices: tuple[int, ...] = ()
     """The whole model's indices of the decoder layers this rank holds, in order."""
     pipeline: PipelinePlan | None = None
@@ -113,10 +117,6 @@ class ShardedModel:
     parameters: int = 0
     """Parameters of the whole model (under a pipeline: of every stage, not only this
     rank's)."""
-    shape: ModelShape | None = None
-    """The family's declaration (models/shape.py) of the model the run resolved
-    (train/setup.py `plan_parallel`'s `ResolvedModel`): what the traffic and FLOP terms
-    read of the family."""
 
     @property
     def stages(self) -> list[int]:
@@ -244,8 +244,8 @@ def describe_shards(model: nn.Module, routing: dict[int, str], layout: ParallelD
     if pipeline is not None:
         indices = tuple(sorted(i for stage in pipeline.stages_of(pp_rank)
                                for i in pipeline.layers[stage]))  # fmt: skip
-    return ShardedModel(rank, layout, shards, model.config, len(layers), flops, indices,
-                        pipeline, pp_rank, parameters, shape)  # fmt: skip
+    return ShardedModel(rank, layout, shards, model.config, len(layers), flops, shape, indices,
+                        pipeline, pp_rank, parameters)  # fmt: skip
 
 
 def routing_of(optimizer) -> dict[int, str]:
