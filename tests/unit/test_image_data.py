@@ -189,6 +189,26 @@ def test_a_missing_picture_stops_unmask_train_in_one_line_before_writing(saved, 
     assert not (tmp_path / "run").exists()
 
 
+def test_held_out_accuracy_on_rows_with_pictures_is_refused_before_writing(saved, tmp_path,
+                                                                           capsys):  # fmt: skip
+    """eval.generate_accuracy would decode the held-out prompts without their pictures:
+    refused in one line at start-up, the run folder not made."""
+    folder, data = saved
+    tree = deep_update(TINY, {"data": {"dataset": str(data), "tokenizer": str(folder),
+                                       "image_folder": str(data.parent),
+                                       "packing_length": LENGTH, "eval_split": 2},
+                              "diffusion": {"objective": "uniform"},
+                              "eval": {"generate_accuracy": True},
+                              "train": {"output_dir": str(tmp_path / "run")}})  # fmt: skip
+    tree["model"] = {"pretrained": str(folder)}
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(tree))
+    assert main(["train", str(path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "eval.generate_accuracy decodes held-out prompts without" in err[0]
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_picture_over_the_pixel_cap_is_one_line_before_decoding(saved, tmp_path):
     """A few bytes of PNG saying 7000 x 7000 (over the cap), 10000 x 10000 (over PIL's own
     89 MP, whose warning is an error here) or 20000 x 10000 (PIL's error) are refused from

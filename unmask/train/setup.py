@@ -492,7 +492,16 @@ def objective_datasets(cfg: RunConfig, tokenizer, as_loaded) -> Datasets:
     own = objective_spec(cfg.diffusion.objective).datasets
     if own is not None:
         return own(cfg, tokenizer, as_loaded)
-    return build_datasets(cfg.data, tokenizer, as_loaded, cfg.model.pretrained)
+    datasets = build_datasets(cfg.data, tokenizer, as_loaded, cfg.model.pretrained)
+    from unmask.data.images import PictureRows
+
+    if cfg.eval.generate_accuracy and isinstance(datasets.train, PictureRows):
+        # its held-out prompts would be decoded without their pictures (or left out)
+        raise InputError("eval.generate_accuracy decodes held-out prompts without pictures; "
+                         f"data.dataset {cfg.data.dataset!r} holds rows with pictures: set "
+                         "eval.generate_accuracy=false and score a checkpoint with unmask "
+                         "generate --image or unmask eval --tasks (docs/multimodal.md)")  # fmt: skip
+    return datasets
 
 
 def objective_heldout(cfg: RunConfig, tokenizer) -> list[tuple[str, str]]:
