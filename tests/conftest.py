@@ -490,3 +490,26 @@ def huge_png(width: int, height: int) -> bytes:
     header = struct.pack(">IIBBBBB", width, height, 1, 0, 0, 0, 0)
     return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(b""))
             + chunk(b"IEND", b""))  # fmt: skip
+
+
+def sigkill_after_steps(cfg: Path, run: Path, steps: int, timeout: float = 120) -> None:
+    """`python -m unmask train cfg` SIGKILLed once `steps` steps are in run/metrics.jsonl
+    (what a killed job leaves on disk: its checkpoints, no final/)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    def logged() -> int:
+        path = run / "metrics.jsonl"
+        return len(path.read_text().splitlines()) if path.is_file() else 0
+
+    proc = subprocess.Popen([sys.executable, "-m", "unmask", "train", str(cfg)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    deadline = time.monotonic() + timeout
+    while logged() < steps and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert proc.poll() is None, f"the run ended before it was killed: {proc.stderr.read()[-2000:]}"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (run / "final").exists()

@@ -2,15 +2,11 @@
 from the run's noise generator, so 2 processes train as 1 (mdlm draws the global batch's
 noise, edits included) and a run killed and resumed ends bit-equal to an uninterrupted one."""
 
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import losses, train_in_process, write_run_config
+from conftest import losses, sigkill_after_steps, train_in_process, write_run_config
 from launch import train_in_ranks
 from safetensors.torch import load_file
 
@@ -39,11 +35,6 @@ def _weights(run: Path) -> dict[str, torch.Tensor]:
     return load_file(str(run / "final" / "model.safetensors"))
 
 
-def _logged_steps(run: Path) -> int:
-    path = run / "metrics.jsonl"
-    return len(path.read_text().splitlines()) if path.is_file() else 0
-
-
 def test_sigkill_and_resume_is_bit_equal_with_edits(tmp_path):
     # sft: each rank draws from its own generator, which the checkpoints carry
     extra = {"diffusion": {"objective": "sft", "edit_fraction": 0.3},
@@ -52,15 +43,7 @@ def test_sigkill_and_resume_is_bit_equal_with_edits(tmp_path):
     assert main(["train", str(reference)]) == 0
     cfg = write_run_config(tmp_path, "run", BASE, extra)
     run = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "unmask", "train", str(cfg)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
-    deadline = time.monotonic() + 60
-    while _logged_steps(run) < 8 and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert proc.poll() is None, f"the run ended before it was killed: {proc.stderr.read()[-2000:]}"
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    assert not (run / "final").exists()
+    sigkill_after_steps(cfg, run, 8, timeout=60)
     assert main(["train", str(cfg), "train.resume_from_checkpoint=true"]) == 0
     ref, resumed = _weights(tmp_path / "ref"), _weights(run)
     assert ref.keys() == resumed.keys() and all(torch.equal(ref[k], resumed[k]) for k in ref)

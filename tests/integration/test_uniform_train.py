@@ -10,10 +10,6 @@ gives the uninterrupted run's losses and weights bit for bit, the tower trained 
 pictures decoded in a DataLoader worker."""
 
 import shutil
-import signal
-import subprocess
-import sys
-import time
 
 import pytest
 import torch
@@ -25,6 +21,7 @@ from conftest import (
     losses,
     read_metrics,
     save_vision_gemma,
+    sigkill_after_steps,
     train_in_process,
     write_picture_rows,
     write_run_config,
@@ -130,11 +127,6 @@ def test_a_resumed_run_gives_the_same_losses_bit_for_bit(tmp_path):
     assert weights[0] == weights[1]
 
 
-def _logged_steps(run) -> int:
-    path = run / "metrics.jsonl"
-    return len(path.read_text().splitlines()) if path.is_file() else 0
-
-
 def test_sigkill_and_resume_with_pictures_is_bit_equal(tmp_path, pictures):
     from unmask.cli import main
 
@@ -147,15 +139,7 @@ def test_sigkill_and_resume_with_pictures_is_bit_equal(tmp_path, pictures):
     assert main(["train", str(picture_config(tmp_path, "ref", pictures, unsaved))]) == 0
     cfg = picture_config(tmp_path, "run", pictures, extra)
     run = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "unmask", "train", str(cfg)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
-    deadline = time.monotonic() + 120
-    while _logged_steps(run) < 3 and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert proc.poll() is None, f"the run ended before it was killed: {proc.stderr.read()[-2000:]}"
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    assert not (run / "final").exists()
+    sigkill_after_steps(cfg, run, 3, timeout=120)
     assert main(["train", str(cfg), "train.resume_from_checkpoint=true"]) == 0
     ref = load_file(str(tmp_path / "ref" / "final" / "model.safetensors"))
     resumed = load_file(str(run / "final" / "model.safetensors"))
