@@ -166,6 +166,16 @@ class Picture:
         return size
 
 
+def soft_token_count(positions: torch.Tensor, pooling: int) -> int:
+    """Soft tokens the vision tower gives a picture whose patches sit at `positions` (P, 2),
+    (-1, -1) on padding patches: (patch columns // k) x (patch rows // k), k the config's
+    `pooling_kernel_size` (the tower's pooling, models/diffusion_gemma_vision.py). The one
+    count a prompt's image tokens follow, in training rows and in sampling."""
+    real = positions[(positions != -1).any(dim=-1)]
+    columns, lines = int(real[:, 0].max()) + 1, int(real[:, 1].max()) + 1
+    return (columns // pooling) * (lines // pooling)
+
+
 class FolderVision:
     """What a model folder says about pictures: the image, begin- and end-of-image token
     ids (config.json) and its image processor (preprocessor_config.json)."""
@@ -201,15 +211,8 @@ class FolderVision:
         of each picture)."""
         out = self.processor(images=pictures, return_tensors="pt")
         positions = out["image_position_ids"].long()
-        counts = out.get("num_soft_tokens_per_image")
-        if counts is None:
-            counts = [self._count(row) for row in positions]
-        return out["pixel_values"].float(), positions, [int(c) for c in counts]
-
-    def _count(self, positions: torch.Tensor) -> int:
-        k = self._pooling
-        real = positions[(positions != -1).any(dim=-1)]
-        return ((int(real[:, 0].max()) + 1) // k) * ((int(real[:, 1].max()) + 1) // k)
+        counts = [soft_token_count(row, self._pooling) for row in positions]
+        return out["pixel_values"].float(), positions, counts
 
     @cached_property
     def _pooling(self) -> int:

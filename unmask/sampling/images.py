@@ -18,7 +18,7 @@ import binascii
 from dataclasses import dataclass
 from pathlib import Path
 
-from unmask.data.images import image_processor, open_image
+from unmask.data.images import image_processor, open_image, soft_token_count
 from unmask.errors import InputError
 from unmask.models.diffusion_gemma_vision import Images, require_vision
 
@@ -103,9 +103,7 @@ def prompt_images(model, folder: str | Path, pictures: list) -> PromptImages:
     k = vision.vision_tower.cfg["pooling_kernel_size"]
     prefix: list[int] = []
     for row in positions.long():
-        real = row[(row != -1).any(dim=-1)]
-        columns, lines = int(real[:, 0].max()) + 1, int(real[:, 1].max()) + 1
-        count = (columns // k) * (lines // k)
+        count = soft_token_count(row, k)
         prefix += [vision.boi_token_id, *[vision.image_token_id] * count, vision.eoi_token_id]
     return PromptImages(prefix, images)
 
