@@ -24,8 +24,8 @@ quickstart: $(STAMP)
 	$(BIN)/unmask generate --model runs/quickstart/final --prompt "add 58+67="
 
 # Two pytest workers (pytest-xdist), each test file on one worker (module fixtures such as
-# one torchrun launch shared by a file's tests run once): 15 minutes on 2 cores instead of
-# 20. PYTEST_WORKERS=0 runs in one process.
+# one torchrun launch shared by a file's tests run once), the files marked slow first
+# (tests/conftest.py): about 23 minutes on 2 cores. PYTEST_WORKERS=0 runs in one process.
 PYTEST_WORKERS ?= 2
 PYTEST := $(BIN)/pytest -q -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
