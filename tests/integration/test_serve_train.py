@@ -294,9 +294,12 @@ def test_the_train_tab_starts_a_run_shows_its_log_and_stops_it(server, runs, bro
              get(server, "/api/train/configs/tiny.yaml").json()["text"], 10)  # fmt: skip
     element("train-start").click()
     wait_for(lambda: element("train-view").get_attribute("data-state") == "running", 60)
-    row = wait_for(lambda: [r for r in driver.find_elements(By.CSS_SELECTOR, "#train-jobs tbody tr")
-                            if r.find_elements(By.TAG_NAME, "td")[1].text == "page-run"], 30)[0]  # fmt: skip
-    assert row.find_elements(By.TAG_NAME, "td")[2].text == "tiny.yaml"
+    # the job table read in one script: it is redrawn as jobs update (no stale elements)
+    cells = wait_for(lambda: [row for row in driver.execute_script(
+        "return [...document.querySelectorAll('#train-jobs tbody tr')]"
+        ".map((r) => [...r.querySelectorAll('td')].map((td) => td.innerText.trim()));")
+        if len(row) > 2 and row[1] == "page-run"], 30)[0]  # fmt: skip
+    assert cells[2] == "tiny.yaml"
     assert [job["source"] for job in get(server, "/api/train").json()["jobs"]
             if job["name"] == "page-run"] == ["tiny.yaml"]  # fmt: skip
     # one Stop button: the selected job's
