@@ -1,8 +1,9 @@
 """`unmask plan`'s predictions against real runs on this machine (torchrun, gloo).
 
-One launch per world size (1, 2, 4) runs every layout of that size through the real
-Trainer (tests/integration/dist_workers/plan_worker.py: a second training step measured on
-every rank); the plan of the same config, made in this process under the fake process
+One launch per world size (1, 2, 4) runs every layout of that size, dense, expert-parallel
+and pipelined alike (`ALL_LAYOUTS`), through the real Trainer
+(tests/integration/dist_workers/plan_worker.py: a second training step measured on every
+rank); the plan of the same config, made in this process under the fake process
 group, must match:
 - parameter, gradient and optimizer-state bytes of every rank: exactly;
 - each parameter's local shape on every rank: exactly;
@@ -158,9 +159,33 @@ def measure(world: int, out: Path, layouts: dict | None = None) -> dict[str, lis
         path = out / f"{name}.yaml"
         path.write_text(yaml.safe_dump(layout_config(overrides)))
         paths.append(path)
-    torchrun(world, WORKER, out, *paths, timeout=600)
+    torchrun(world, WORKER, out, *paths, timeout=900)
     return {name: [json.loads((out / f"{name}.rank{r}.json").read_text()) for r in range(world)]
             for name in layouts}  # fmt: skip
+
+
+#: every layout of a world size, run by one launch (`measured`): each launch pays the
+#: ranks' imports and the rendezvous once, whichever test reads it first
+ALL_LAYOUTS = {world: {name: overrides
+                       for layouts in (LAYOUTS, MOE_LAYOUTS, PP_LAYOUTS, PP_MOE_LAYOUTS)
+                       for name, overrides in layouts.get(world, {}).items()}
+               for world in (1, 2, 4)}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory):
+    """world -> (the launch's folder, {name: [rank 0's, ...]}) for `layouts` of that world:
+    every layout of ALL_LAYOUTS[world] measured by one launch, the first time a test asks."""
+    runs: dict[int, tuple[Path, dict]] = {}
+
+    def get(world: int, layouts: dict) -> tuple[Path, dict[str, list[dict]]]:
+        if world not in runs:
+            out = tmp_path_factory.mktemp(f"world{world}")
+            runs[world] = (out, measure(world, out, ALL_LAYOUTS))
+        out, got = runs[world]
+        return out, {name: got[name] for name in layouts[world]}
+
+    return get
 
 
 def planned(name: str, world: int, out: Path, masked: int, rank: int):
@@ -216,8 +241,8 @@ def check_collectives(name: str, plan, counted: dict, world: int) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [1, 2, 4])
-def test_plan_equals_measured_bytes(world, tmp_path):
-    measured = measure(world, tmp_path)
+def test_plan_equals_measured_bytes(world, measured):
+    tmp_path, measured = measured(world, LAYOUTS)
     gaps = {}
     for name, ranks in measured.items():
         for rank, got in enumerate(ranks):
@@ -242,7 +267,7 @@ def test_plan_equals_measured_bytes(world, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
-def test_expert_parallel_plan_equals_measured_bytes(world, tmp_path):
+def test_expert_parallel_plan_equals_measured_bytes(world, measured):
     """Expert parallelism (parallel/expert.py, run by the planner under the fake process
     group as the trainer runs it): parameter, gradient and optimizer-state bytes and every
     parameter's local shape of every rank equal the real run's exactly, and so do the
@@ -255,7 +280,7 @@ def test_expert_parallel_plan_equals_measured_bytes(world, tmp_path):
     +21.8%). The peak is within 15% on every rank (measured -6.3% to +13.0%, the plan
     higher on the ranks that get the fewest rows; -0.7% where Muon's step on the whole
     expert stacks is the peak); the gaps are printed (pytest -s)."""
-    measured = measure(world, tmp_path, MOE_LAYOUTS)
+    tmp_path, measured = measured(world, MOE_LAYOUTS)
     gaps = {}
     for name, ranks in measured.items():
         ep = layout_config(MOE_LAYOUTS[world][name])["train"]["expert_parallel"]
@@ -301,7 +326,7 @@ def assert_state_equals_plan(name: str, world: int, tmp_path, rank: int, got: di
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
-def test_pipeline_plan_equals_measured_bytes(world, tmp_path):
+def test_pipeline_plan_equals_measured_bytes(world, measured):
     """Pipeline parallelism (the trainer's own PipelineModel split and per-stage FSDP2, run
     by the planner under the fake process group): parameter, gradient and optimizer-state
     bytes and the local shapes of every rank (each holding its stage) equal the real run's
@@ -311,7 +336,7 @@ def test_pipeline_plan_equals_measured_bytes(world, tmp_path):
     last) equal the plan's exactly on every rank, and the peak (MemTracker over the step,
     the stages' receive buffers tracked) is within 15% (measured: -4.0% to +4.0%; the
     gaps are printed, pytest -s)."""
-    measured = measure(world, tmp_path, PP_LAYOUTS)
+    tmp_path, measured = measured(world, PP_LAYOUTS)
     gaps = {}
     for name, ranks in measured.items():
         for rank, got in enumerate(ranks):
@@ -328,7 +353,7 @@ def test_pipeline_plan_equals_measured_bytes(world, tmp_path):
 
 
 @pytest.mark.slow
-def test_pipeline_moe_plan_equals_measured_bytes(tmp_path):
+def test_pipeline_moe_plan_equals_measured_bytes(measured):
     """MoE layers in pipeline stages (pp=2 on 4 processes, layer 0 dense), with expert
     parallelism inside each stage (ep=2: each stage's expert stacks split over its own 2
     ranks) or without (ep=1: FSDP2 shards them too): parameter, gradient and optimizer-state bytes and the local
@@ -338,7 +363,7 @@ def test_pipeline_moe_plan_equals_measured_bytes(tmp_path):
     plan takes as balanced: within 15% (measured -6.7% to +0.4%; micro-batches of one
     32-token row: the largest of 8 routings per rank, -6.7% to -2.8%)."""
     world = 4
-    measured = measure(world, tmp_path, PP_MOE_LAYOUTS)
+    tmp_path, measured = measured(world, PP_MOE_LAYOUTS)
     gaps = {}
     for name, ranks in measured.items():
         ep = layout_config(PP_MOE_LAYOUTS[world][name])["train"].get("expert_parallel", 1)
