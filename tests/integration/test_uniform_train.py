@@ -5,7 +5,7 @@ the uninterrupted run's losses and weights bit for bit. With pictures (a Diffusi
 folder with a vision tower fine-tuned on LLaVA-style rows, data/images.py): 2 processes
 give the losses of 1 within 1e-5 over 20 steps, the tower frozen and trained
 (`model.freeze_vision: false`, its layers FSDP2 units; also under expert parallelism,
-one expert a rank), and a run killed (SIGKILL) and resumed
+one expert a rank, and under tensor parallelism, the tower whole on each rank), and a run killed (SIGKILL) and resumed
 gives the uninterrupted run's losses and weights bit for bit, the tower trained and its
 pictures decoded in a DataLoader worker."""
 
@@ -72,7 +72,15 @@ def test_30_steps_on_the_quickstart_tasks_lower_the_loss(tmp_path):
     assert (run / "final" / "model.safetensors").is_file()
 
 
-def test_two_processes_give_the_one_process_losses(tmp_path, pictures):
+@pytest.fixture(scope="module")
+def pictures_tp(tmp_path_factory, pictures):
+    """(the folder of `pictures` with 2 key/value heads in its global attention, so that
+    tensor parallelism over 2 ranks splits them; the same rows)."""
+    root = tmp_path_factory.mktemp("uniform_pictures_tp")
+    return save_vision_gemma(root / "model", num_global_key_value_heads=2), pictures[1]
+
+
+def test_two_processes_give_the_one_process_losses(tmp_path, pictures, pictures_tp):
     base = deep_update(GEMMA, {"train": {"split_batches": True, "max_steps": 5}})
     frozen = {"diffusion": {"freeze_router": True}}
     configs = {
@@ -94,12 +102,29 @@ def test_two_processes_give_the_one_process_losses(tmp_path, pictures):
                                         "optim": {"learning_rate": 1e-3},
                                         "model": {"freeze_vision": False},
                                         "parallel": {"expert_parallel": 2}}),
+        # and under tensor parallelism (attention and the dense MLP split over the 2 ranks,
+        # the tower and projector whole on each), the tower trained: a folder whose global
+        # attention has 2 key/value heads, one a rank
+        "pictures-tp2": picture_config(tmp_path, "pictures-tp2", pictures_tp,
+                                       {"train": {"split_batches": True, "max_steps": 20},
+                                        "optim": {"learning_rate": 1e-3},
+                                        "model": {"freeze_vision": False},
+                                        "parallel": {"tensor_parallel": 2}}),
+        "pictures-tp1": picture_config(tmp_path, "pictures-tp1", pictures_tp,
+                                       {"train": {"split_batches": True, "max_steps": 20},
+                                        "optim": {"learning_rate": 1e-3},
+                                        "model": {"freeze_vision": False}}),
     }  # fmt: skip
-    results = train_in_ranks(2, tmp_path / "results.json", *configs.values())
+    one_process = {"pictures-ep2": "pictures-tower",  # ep=2 and tp=2 need 2 ranks
+                   "pictures-tp2": "pictures-tp1"}  # fmt: skip
+    launched = [path for name, path in configs.items() if name != "pictures-tp1"]
+    results = train_in_ranks(2, tmp_path / "results.json", *launched)
     singles: dict[str, dict] = {}
     for name in configs:
+        if name == "pictures-tp1":  # pictures-tp2's one-process reference
+            continue
         assert results[name]["rc"] == 0, results[name]["stderr"][-2000:]
-        one = "pictures-tower" if name == "pictures-ep2" else name  # ep=2 needs 2 ranks
+        one = one_process.get(name, name)
         if one not in singles:
             singles[one] = losses(train_in_process(configs[one], tmp_path / f"{one}-1"))
         single = singles[one]
