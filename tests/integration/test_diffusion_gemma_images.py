@@ -517,27 +517,13 @@ def expected_text(folder, prompt: str, pictures: list[str], gen_length: int) -> 
         return json.loads(out.read_text())["completion"]
 
 
-def test_unmask_export_keeps_the_image_processor(saved, tmp_path, monkeypatch):
-    """`unmask export` of a folder with an image processor (and the DCP gather of a
-    checkpoint holding one) writes its preprocessor_config.json, so the exported folder
-    takes pictures as the source does."""
+def test_unmask_export_keeps_the_image_processor(saved, tmp_path):
+    """`unmask export` of a folder with an image processor writes its
+    preprocessor_config.json, so the exported folder takes pictures as the source does (a
+    2-process DCP checkpoint's export: test_uniform_train.py)."""
     from unmask.checkpoint import export
 
     _, folder, _ = saved
     source = (Path(folder) / "preprocessor_config.json").read_text()
     out = export.export_model(folder, tmp_path / "out")
     assert (out / "preprocessor_config.json").read_text() == source
-    dcp = tmp_path / "checkpoint-3"
-    dcp.mkdir()
-    for name in ("preprocessor_config.json", "tokenizer.json", "other.json"):
-        (dcp / name).write_text(name)
-
-    class Gathered:
-        def save_pretrained(self, where):
-            Path(where).mkdir(parents=True, exist_ok=True)
-
-    monkeypatch.setattr(export, "gather_distributed_checkpoint", lambda path: Gathered())
-    gathered = export.export_distributed_checkpoint(dcp, tmp_path / "gathered")
-    assert sorted(p.name for p in gathered.iterdir()) == ["preprocessor_config.json",
-                                                          "tokenizer.json"]  # fmt: skip
-    assert (gathered / "preprocessor_config.json").read_text() == "preprocessor_config.json"

@@ -13,6 +13,7 @@ import shutil
 
 import pytest
 import torch
+import transformers
 import yaml
 from conftest import (
     TINY,
@@ -29,6 +30,7 @@ from conftest import (
 from launch import train_in_ranks
 from safetensors.torch import load_file
 
+from unmask.checkpoint import export_distributed_checkpoint, is_distributed_checkpoint
 from unmask.cli import main
 
 pytestmark = pytest.mark.slow
@@ -92,8 +94,10 @@ def test_two_processes_give_the_one_process_losses(tmp_path, pictures, pictures_
                                    {"train": {"split_batches": True, "max_steps": 20},
                                     "optim": {"learning_rate": 1e-3}}),
         # the tower and the projector trained too: each tower layer an FSDP2 unit of its own
+        # (its last step also saved as a checkpoint: FSDP2's DCP shards, exported below)
         "pictures-tower": picture_config(tmp_path, "pictures-tower", pictures,
-                                         {"train": {"split_batches": True, "max_steps": 20},
+                                         {"train": {"split_batches": True, "max_steps": 20,
+                                                    "save_steps": 20},
                                           "optim": {"learning_rate": 1e-3},
                                           "model": {"freeze_vision": False}}),
         # and under expert parallelism (1 of the folder's 2 experts a rank), the tower trained
@@ -133,6 +137,30 @@ def test_two_processes_give_the_one_process_losses(tmp_path, pictures, pictures_
         assert sorted(single) == sorted(double) == list(range(1, steps + 1))
         for step in single:
             assert double[step] == pytest.approx(single[step], abs=1e-5), (name, step)
+    # `unmask export` of the 2 ranks' DCP checkpoint: one folder with the gathered weights
+    # (the run's final/, written at the same step, holds the same), the tower's among them,
+    # and the image processor, which transformers loads as a DiffusionGemma with pictures
+    checkpoint = tmp_path / "pictures-tower" / "checkpoint-20"
+    assert is_distributed_checkpoint(checkpoint)
+    assert main(["export", str(checkpoint), "--out", str(tmp_path / "exported")]) == 0
+    exported = tmp_path / "exported"
+    source = pictures[0] / "preprocessor_config.json"
+    assert (exported / "preprocessor_config.json").read_text() == source.read_text()
+    final = load_file(tmp_path / "pictures-tower" / "final" / "model.safetensors")
+    got = load_file(exported / "model.safetensors")
+    assert sorted(got) == sorted(final)
+    assert any(".vision_tower." in key for key in got)
+    for key, value in final.items():
+        assert torch.equal(got[key], value), key
+    model = transformers.DiffusionGemmaForBlockDiffusion.from_pretrained(str(exported))
+    state = model.state_dict()
+    for key, value in final.items():
+        assert torch.equal(state[key], value), key
+    assert transformers.AutoImageProcessor.from_pretrained(str(exported)) is not None
+    # the Python API's gather of the same checkpoint keeps the image processor too
+    gathered = export_distributed_checkpoint(checkpoint, tmp_path / "gathered")
+    assert (gathered / "preprocessor_config.json").read_text() == source.read_text()
+    assert load_file(gathered / "model.safetensors").keys() == final.keys()
 
 
 def test_a_resumed_run_gives_the_same_losses_bit_for_bit(tmp_path):
