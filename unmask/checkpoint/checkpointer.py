@@ -56,7 +56,7 @@ from unmask.checkpoint.state import RunState
 from unmask.errors import InputError, RunStopped
 from unmask.models import ModelConfig, hf_config_dict
 from unmask.models.build import build_empty_like
-from unmask.models.diffusion_gemma_vision import VISION_SOURCE_KEYS
+from unmask.models.diffusion_gemma_layout import VISION_SOURCE_KEYS
 from unmask.models.families import FAMILIES
 from unmask.models.hf import native_state, read_safetensors, shape_mismatch, split_carried
 from unmask.models.lora import ADAPTER_FILE, apply_lora, load_adapter, save_adapter, save_lora

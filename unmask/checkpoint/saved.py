@@ -38,6 +38,7 @@ from unmask.models import (
     config_from_hf,
     from_pretrained,
 )
+from unmask.models.diffusion_gemma_layout import TOWER
 from unmask.models.diffusion_gemma_vision import attach_vision, register_empty_vision
 from unmask.models.hf import read_config
 from unmask.models.lora import (
@@ -255,7 +256,7 @@ def _with_tower(model: nn.Module, source: dict, path: Path) -> None:
     model.hf_source_config = source
     model.hf_carried_weights = load_file(str(carried)) if carried.is_file() else {}
     keys = FileSystemReader(str(path / DCP_DIR)).read_metadata().state_dict_metadata
-    if any(".model.encoder.vision_tower." in key for key in keys):
+    if any(f".{TOWER}" in key for key in keys):
         register_empty_vision(model, source)
 
 

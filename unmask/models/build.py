@@ -16,9 +16,8 @@ from torch import nn
 
 from unmask.models.config import ModelConfig
 from unmask.models.diffusion_gemma import DiffusionGemma
+from unmask.models.diffusion_gemma_layout import LORA_PROJECTOR, LORA_TOWER
 from unmask.models.diffusion_gemma_vision import (
-    LORA_PROJECTOR,
-    LORA_TOWER,
     Vision,
     attach_vision,
     register_empty_vision,

@@ -15,6 +15,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from unmask.errors import OneOf
 from unmask.models.diffusion_gemma_layout import (
     FULL,
+    LORA_PROJECTOR,
+    LORA_TOWER,
     SLIDING,
     VISION_KEYS,
     default_layer_types,
@@ -386,10 +388,10 @@ class ModelConfig(BaseModel):
     def _check_vision(self) -> None:
         targets = self.lora_target_modules
         adapted = self.lora and isinstance(targets, list) and bool(
-            {"vision_tower", "embed_vision"} & set(targets))  # fmt: skip
+            {LORA_TOWER, LORA_PROJECTOR} & set(targets))  # fmt: skip
         if adapted and self.pretrained is None:
             raise ValueError(
-                "model.lora_target_modules names vision_tower / embed_vision: needs "
+                f"model.lora_target_modules names {LORA_TOWER} / {LORA_PROJECTOR}: needs "
                 "model.pretrained, a diffusion_gemma folder with a vision tower"
             )
         if self.freeze_vision is True:
@@ -397,8 +399,8 @@ class ModelConfig(BaseModel):
         if self.lora:
             raise ValueError(
                 f"model.freeze_vision={self.freeze_vision!r} with model.lora: LoRA trains "
-                "adapters only; keep freeze_vision: true and name vision_tower / embed_vision "
-                "in lora_target_modules"
+                f"adapters only; keep freeze_vision: true and name {LORA_TOWER} / "
+                f"{LORA_PROJECTOR} in lora_target_modules"
             )
         if self.pretrained is None:
             raise ValueError(

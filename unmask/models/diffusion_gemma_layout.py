@@ -87,14 +87,31 @@ KEY_MAP = {
 """unmask state-dict key -> folder key (N = layer index); `lm_head.weight` is the tied
 embedding and not stored."""
 
-CARRIED = ("model.encoder.vision_tower.", "model.encoder.embed_vision.")
+LORA_TOWER, LORA_PROJECTOR = "vision_tower", "embed_vision"
+"""The vision tower's and the projector's module names under `model.encoder`: the
+`lora_target_modules` entries that adapt the tower's layers' linear maps and the
+projector's (models/lora.py)."""
+
+TOWER, PROJECTOR = f"model.encoder.{LORA_TOWER}.", f"model.encoder.{LORA_PROJECTOR}."
+"""Folder prefixes of the tower's and the projector's tensors."""
+
+CARRIED = (TOWER, PROJECTOR)
 """Folder keys of the vision tower and projector: while the tower is frozen and held apart
 (the default) carried from the folder read to the folder written; a trained or LoRA-adapted
 tower is registered and its keys are in the state dict (models/diffusion_gemma_vision.py)."""
 
-VISION_KEYS = ("vision_config", "vision_tower", "image_token_id", "boi_token_id",
-               "eoi_token_id", "pixel_values", "images")  # fmt: skip
-"""Keys of a `model.diffusion_gemma` section that ask for images (refused: text only)."""
+IMAGE_TOKEN_KEYS = ("image_token_id", "boi_token_id", "eoi_token_id")
+"""config.json keys of a DiffusionGemma folder's image, begin-of-image and end-of-image
+token ids."""
+
+VISION_SOURCE_KEYS = ("vision_config", *IMAGE_TOKEN_KEYS, "image_token_index",
+                      "mm_tokens_per_image")  # fmt: skip
+"""config.json keys of a DiffusionGemma folder that describe its tower (a checkpoint's
+config.json keeps them)."""
+
+VISION_KEYS = (VISION_SOURCE_KEYS[0], LORA_TOWER, *IMAGE_TOKEN_KEYS, "pixel_values", "images")
+"""Keys of a `model.diffusion_gemma` section that ask for images (refused: text only; the
+message names the first one given, in this order)."""
 
 
 def default_layer_types(layers: int) -> list[str]:

@@ -54,16 +54,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from unmask.errors import InputError
-
-TOWER, PROJECTOR = "model.encoder.vision_tower.", "model.encoder.embed_vision."
-"""Folder prefixes of the tower's and the projector's tensors."""
-VISION_SOURCE_KEYS = ("vision_config", "image_token_id", "boi_token_id", "eoi_token_id",
-                      "image_token_index", "mm_tokens_per_image")  # fmt: skip
-"""config.json keys of a DiffusionGemma folder that describe its tower (a checkpoint's
-config.json keeps them)."""
-LORA_TOWER, LORA_PROJECTOR = "vision_tower", "embed_vision"
-"""`lora_target_modules` entries that adapt the tower's layers' linear maps and the
-projector's (models/lora.py)."""
+from unmask.models.diffusion_gemma_layout import (
+    LORA_PROJECTOR,
+    LORA_TOWER,
+    PROJECTOR,
+    TOWER,
+)
 
 
 @dataclass
@@ -307,7 +303,7 @@ class Vision(nn.Module):
         missing or left over)."""
         state = {}
         for key, value in carried.items():
-            for prefix, native in ((TOWER, "vision_tower."), (PROJECTOR, "embed_vision.")):
+            for prefix, native in ((TOWER, f"{LORA_TOWER}."), (PROJECTOR, f"{LORA_PROJECTOR}.")):
                 if key.startswith(prefix):
                     state[native + key[len(prefix) :]] = value
         expected = set(self.state_dict())
@@ -355,8 +351,8 @@ def trained_parts(freeze: bool | str) -> tuple[bool, bool]:
 
 NO_TOWER = ("model.freeze_vision / a vision LoRA target needs a diffusion_gemma folder with a "
             "vision tower (model.pretrained; its config.json has vision_config); this model "
-            "has none: set freeze_vision: true and drop vision_tower / embed_vision from "
-            "lora_target_modules")  # fmt: skip
+            f"has none: set freeze_vision: true and drop {LORA_TOWER} / {LORA_PROJECTOR} "
+            "from lora_target_modules")  # fmt: skip
 """The one line for a trained or adapted tower on a model without one (the request check
 `has_folder_tower`, and `attach_vision`)."""
 

@@ -22,7 +22,7 @@ from torch import nn
 
 from unmask.errors import InputError
 from unmask.models.config import ModelConfig
-from unmask.models.diffusion_gemma_vision import LORA_PROJECTOR, LORA_TOWER
+from unmask.models.diffusion_gemma_vision import LORA_PROJECTOR, LORA_TOWER, PROJECTOR, TOWER
 from unmask.models.families import FAMILIES
 from unmask.models.shape import WRAPPED
 
@@ -86,9 +86,9 @@ def lora_targets(cfg: ModelConfig, model: nn.Module) -> str | list[str]:
 
 
 VISION_TARGETS = {
-    LORA_TOWER: r"model\.encoder\.vision_tower\.encoder\.layers\.\d+\."
+    LORA_TOWER: re.escape(TOWER) + r"encoder\.layers\.\d+\."
                 r"(?:self_attn\.[qkvo]_proj|mlp\.(?:gate|up|down)_proj)\.linear",
-    LORA_PROJECTOR: r"model\.encoder\.embed_vision\.embedding_projection",
+    LORA_PROJECTOR: re.escape(PROJECTOR) + r"embedding_projection",
 }  # fmt: skip
 """lora_target_modules entries for DiffusionGemma's vision modules (models/
 diffusion_gemma_vision.py; registered on the model for them) -> the regex of the modules
