@@ -209,3 +209,67 @@ def test_unmask_lm_eval_command_line(model_dir, tmp_path, monkeypatch, capsys):
     acc = sum(p == q["label"] for p, q in zip(picks, QUESTIONS)) / len(QUESTIONS)
     row = next(line for line in capsys.readouterr().out.splitlines() if "unmask_toy_mc" in line)
     assert f"|{acc:.2f}|" in row.replace(" ", "").replace("↑", "")
+
+
+def picture_requests(rows: list[tuple[str, list]]) -> list:
+    """generate_until Instances of task 'pics', one per (prompt, pictures) row (lm-eval's
+    `visual`), all in one generation setting."""
+    return [Instance("generate_until", {}, (prompt, {"until": ["\n"], "max_gen_toks": 4},
+                                            {"visual": visual}),
+                     idx=0, metadata=("pics", doc_id, 1))
+            for doc_id, (prompt, visual) in enumerate(rows)]  # fmt: skip
+
+
+@pytest.mark.parametrize("bad", ["missing", "huge", "wrong_type"])
+def test_pictures_are_checked_first_and_patched_one_prompt_at_a_time(model_dir, tmp_path,
+                                                                     monkeypatch, bad):  # fmt: skip
+    """generate_until reads and checks every request's pictures before it decodes any
+    prompt (a bad picture in the last request: one line, nothing decoded, no patches
+    built); with good pictures each prompt's patches are built just before it is decoded
+    and dropped after (the previous prompt's are gone when the next are built)."""
+    import weakref
+
+    from conftest import huge_png
+    from PIL import Image
+
+    import unmask.eval.harness as harness
+    from unmask.errors import InputError
+
+    for name, color in (("a.png", "red"), ("b.png", "blue")):
+        Image.new("RGB", (8, 8), color).save(tmp_path / name)
+    (tmp_path / "huge.png").write_bytes(huge_png(20_000, 10_000))
+    lm = UnmaskLM.create_from_arg_string(f"pretrained={model_dir}")
+    lm.picture_roots = {"pics": tmp_path}
+    events: list[tuple] = []
+    built: list = []
+
+    class Patches:  # stands in for PromptImages (the text model has no vision tower)
+        def __init__(self, opened):
+            self.sizes = [picture.size for picture in opened]
+
+    def prompt_images(model, folder, opened):
+        assert all(ref() is None for ref in built), "a previous prompt's patches are held"
+        patches = Patches(opened)
+        built.append(weakref.ref(patches))
+        events.append(("patches", len(opened)))
+        return patches
+
+    def generate_texts(sm, contexts, options, batch_size, generator, pictures=None):
+        events.append(("decode", contexts[0], None if pictures is None else pictures.sizes))
+        return [{"completion": "ok", "tokens": 1, "nfe": 1, "seconds": 0.0, "batch": 0}]
+
+    monkeypatch.setattr(harness, "require_vision", lambda model: None)
+    monkeypatch.setattr(harness, "image_processor", lambda folder: None)
+    monkeypatch.setattr(harness, "prompt_images", prompt_images)
+    monkeypatch.setattr(harness, "generate_texts", generate_texts)
+    last = {"missing": ["nope.png"], "huge": ["huge.png"], "wrong_type": [3]}[bad]
+    rows = [("q0", ["a.png"]), ("q1", ["b.png", "a.png"]), ("q2", []), ("q3", last)]
+    with pytest.raises(InputError, match="task 'pics' document 3: "):
+        lm.generate_until(picture_requests(rows))
+    assert events == []  # nothing decoded, no patches built
+    rows[-1] = ("q3", ["b.png"])
+    assert lm.generate_until(picture_requests(rows)) == ["ok"] * 4
+    assert events == [("patches", 1), ("decode", "q0", [(8, 8)]),
+                      ("patches", 2), ("decode", "q1", [(8, 8), (8, 8)]),
+                      ("decode", "q2", None),
+                      ("patches", 1), ("decode", "q3", [(8, 8)])]  # fmt: skip

@@ -27,7 +27,12 @@ is enough: `lm_eval.simple_evaluate(model="unmask", model_args=...)`.
 - Pictures (a task with doc_to_image: lm-eval's multimodal requests, `visual`): file paths
   (relative ones from the task's data file's folder, `picture_roots`) or PIL images, put
   before the prompt's text as `unmask generate --image` puts them (a model with a vision
-  tower: DiffusionGemma); a call with pictures decodes each prompt alone, in order.
+  tower: DiffusionGemma); a call with pictures decodes each prompt alone, in order. Every
+  request's pictures are read and checked before any prompt is decoded (a missing or
+  unreadable file, a wrong type, a picture over the pixel cap, a model without a vision
+  tower or a folder without an image processor: one line), then dropped; a prompt's patches
+  are built when it is decoded and dropped after it, so a task's pictures are never held
+  all at once (each picture is decoded twice: to check it, and to build its patches).
 - apply_chat_template (lm-eval's `--apply_chat_template`): the tokenizer's chat template
   with the generation prompt; a tokenizer without one gets the "role: content" lines that
   unmask's SFT rows use without a template (`unmask.data.sft.split_chat`).
@@ -51,11 +56,12 @@ except ImportError as err:  # pragma: no cover - only without the eval extra
 from unmask.checkpoint import load_for_sampling
 from unmask.data.sft import has_chat_template, split_chat
 from unmask.errors import InputError
+from unmask.models.diffusion_gemma_vision import require_vision
 from unmask.plugins import load_plugins
 from unmask.sampling.config import SamplingConfig, resolve_sampling
 from unmask.sampling.decoders import decoder_class
 from unmask.sampling.generate import sample
-from unmask.sampling.images import PromptImages, open_image, prompt_images
+from unmask.sampling.images import PromptImages, image_processor, open_image, prompt_images
 from unmask.sampling.likelihood import (
     answer_log_likelihood,
     continuation_ids,
@@ -250,15 +256,32 @@ class UnmaskLM(LM):
             results.append(total)
         return results
 
-    def _pictures(self, request) -> PromptImages | None:
-        """A request's pictures (lm-eval's `visual`: a task's doc_to_image), None without,
-        through the folder's image processor (`read_pictures`; one line for a model
-        without a vision tower)."""
+    def _opened(self, request) -> list | None:
+        """A request's pictures (lm-eval's `visual`: a task's doc_to_image) as PIL images,
+        None without (`read_pictures`)."""
         extra = request.args[2] if len(request.args) > 2 else None
         visual = extra.get("visual") if isinstance(extra, dict) else None
         root = self.picture_roots.get(request.task_name, Path.cwd())
-        opened = read_pictures(visual, root, f"task {request.task_name!r} document "
-                               f"{request.doc_id}")  # fmt: skip
+        return read_pictures(visual, root, f"task {request.task_name!r} document "
+                             f"{request.doc_id}")  # fmt: skip
+
+    def _check_pictures(self, requests) -> list[bool]:
+        """Which requests have pictures, every one read and checked as `_pictures` reads it
+        and dropped (one line for a bad one); at the first request with pictures, the
+        model's vision tower and the folder's image processor are checked too."""
+        found, model_checked = [], False
+        for request in requests:
+            found.append(self._opened(request) is not None)
+            if found[-1] and not model_checked:
+                require_vision(self.sm.model)
+                image_processor(self.sm.folder)
+                model_checked = True
+        return found
+
+    def _pictures(self, request) -> PromptImages | None:
+        """A request's pictures, None without, through the folder's image processor: the
+        tokens before its prompt and their patches (built when the prompt is decoded)."""
+        opened = self._opened(request)
         return None if opened is None else prompt_images(self.sm.model, self.sm.folder, opened)
 
     @torch.inference_mode()
@@ -270,18 +293,19 @@ class UnmaskLM(LM):
             until = (until,) if isinstance(until, str) else tuple(until)
             key = (until, kwargs.get("max_gen_toks"), kwargs.get("temperature"))
             groups.setdefault(key, []).append(index)
-        pictures = [self._pictures(request) for request in requests]  # all read first
+        with_pictures = self._check_pictures(requests)  # all checked before any decoding
         results: list[str] = [""] * len(requests)
         for (until, max_gen_toks, temperature), indices in groups.items():
             options = self._generation_config(max_gen_toks, temperature)
             contexts = [requests[i].args[0] for i in indices]
-            if any(pictures[i] is not None for i in indices):
+            if any(with_pictures[i] for i in indices):
                 # each prompt with its own pictures, alone and in order: prompt i draws from
-                # seed + i as in a batch, and gets what `unmask generate --image` gives it
+                # seed + i as in a batch, and gets what `unmask generate --image` gives it;
+                # its patches are built here and dropped when its decoding returns
                 records = []
                 for i, context in zip(indices, contexts):
                     (record,) = generate_texts(self.sm, [context], options, 1, self.generator,
-                                               pictures=pictures[i])  # fmt: skip
+                                               pictures=self._pictures(requests[i]))  # fmt: skip
                     records.append({**record, "batch": len(records)})
             else:
                 records = generate_texts(self.sm, contexts, options, self.gen_batch_size,
