@@ -146,3 +146,61 @@ def test_row_length_fits_the_canvas_and_a_later_gen_length_wins():
     assert resolve_sampling({"gen_length": 8}, {"row_length": 20}).fitted(5).gen_length == 15
     with pytest.raises(InputError, match="leaves no room for an answer in the 20-token rows"):
         SamplingConfig(row_length=20).fitted(20)
+
+
+# SamplingConfig's fields, in their order, as they were before the built-in decoders'
+# options moved into the decoders' modules (issue 54): the flags, the playground's options
+# and a folder's generation_config.json list them in this order
+FIELD_ORDER = [
+    "gen_length", "row_length", "steps", "block_length", "temperature", "top_p", "top_k",
+    "eos_penalty", "logits_eos_inf", "confidence_eos_eot_inf", "remasking", "schedule", "eps",
+    "alg_temp", "threshold", "sub_block_length", "factor", "cfg_scale", "cache",
+    "cache_refresh", "shift_logits", "block_causal", "autoregressive", "uniform_canvas",
+    "blocks_from_start", "decoder", "decoder_options", "edit_threshold", "max_post_edit_steps",
+    "penalty_lambda", "joint_preset", "edit_scope", "entropy_bound", "max_denoising_steps",
+    "temperature_start", "temperature_end", "stability_threshold", "confidence_threshold",
+    "block_origin", "block_steps", "minimal_topk", "fill_rule", "multinomial_draws",
+    "eos_early_stop", "ddpm_cache", "gen_length_max", "auto_eos_threshold", "growing_canvas",
+    "logits_hook", "tokens_hook", "history",
+]  # fmt: skip
+
+
+def test_built_in_decoders_declare_their_option_fields_in_their_own_modules():
+    from unmask.sampling.decoders import DECODERS, decoder_names
+    from unmask.sampling.editing import JointThreshold, JointThresholdOptions
+    from unmask.sampling.entropy_bound import (
+        ENTROPY_BOUND_DEFAULTS,
+        EntropyBound,
+        EntropyBoundOptions,
+    )
+    from unmask.sampling.masked import MaskedBlockDecoder, MaskedOptions
+
+    assert list(SamplingConfig.model_fields) == FIELD_ORDER
+    assert decoder_names()[:5] == ("masked", "left_to_right", "blocks_from_start",
+                                   "joint_threshold", "entropy_bound")  # fmt: skip
+    owned = {MaskedBlockDecoder: MaskedOptions, JointThreshold: JointThresholdOptions,
+             EntropyBound: EntropyBoundOptions}  # fmt: skip
+    for kind, model in owned.items():
+        assert model.__module__ == kind.__module__  # declared with the decoder
+        assert kind.options == tuple(model.model_fields)
+        assert model.model_config == SamplingConfig.model_config
+        for name, field in model.model_fields.items():
+            flat = SamplingConfig.model_fields[name]  # a flat key, as before
+            assert flat.get_default() == field.get_default(), name
+            assert flat.description == field.description and field.description, name
+            assert flat.annotation == field.annotation and flat.metadata == field.metadata
+    # entropy_bound's None-means defaults name exactly its fields
+    assert tuple(ENTROPY_BOUND_DEFAULTS) == EntropyBound.options
+    # the other built-ins own none; every owned option is a field of one of those models
+    assert all(not DECODERS[name].options for name in ("left_to_right", "blocks_from_start"))
+    assert {o for kind in owned for o in kind.options} == {
+        o for name in decoder_names()[:5] for o in DECODERS[name].options}  # fmt: skip
+    # SamplingConfig's settings hold for the composed fields: unknown keys, infinities
+    with pytest.raises(ValueError, match="Extra inputs are not permitted"):
+        SamplingConfig(edit_thresold=0.5)
+    with pytest.raises(ValueError, match="finite number"):
+        SamplingConfig(uniform_canvas=True, entropy_bound=float("inf"))
+    with pytest.raises(ValueError, match="less than or equal to 1"):
+        SamplingConfig(decoder="joint_threshold", edit_threshold=1.5)
+    with pytest.raises(ValueError, match="unknown fill_rule 'lada2'.*'llada2'"):
+        SamplingConfig(fill_rule="lada2")

@@ -6,9 +6,9 @@ from typing import Protocol
 
 import torch
 
+from unmask.sampling import generate
 from unmask.sampling.config import SamplingConfig
 from unmask.sampling.decoders import uniform_canvas_model
-from unmask.sampling.generate import generate
 from unmask.sampling.texts import before_eos
 
 

@@ -25,12 +25,15 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from unmask.errors import InputError
-from unmask.sampling.config import SamplingConfig
+
+if TYPE_CHECKING:  # pragma: no cover
+    from unmask.sampling.config import SamplingConfig
 
 
 def _steps_per_block(config: SamplingConfig) -> int:

@@ -10,17 +10,22 @@ same filters as the diffusion sampler, `transfer.filtered_logits`). Greedy outpu
 transformers' greedy `generate` on the exported folder (tests/unit/test_autoregressive.py).
 """
 
+from __future__ import annotations
+
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from unmask.models.attention import KVCache
-from unmask.sampling.config import SamplingConfig
 from unmask.sampling.decoders import WholeDecoder, register_decoder
 from unmask.sampling.generate import GenerationOutput, finish_output
 from unmask.sampling.transfer import add_gumbel_noise, filtered_logits
+
+if TYPE_CHECKING:  # pragma: no cover
+    from unmask.sampling.config import SamplingConfig
 
 
 @dataclass

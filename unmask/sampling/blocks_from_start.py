@@ -23,18 +23,23 @@ forward, one token past the canvas) where this sampler stops
 (tests/unit/test_blocks_from_start.py mirrors its loop).
 """
 
+from __future__ import annotations
+
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from unmask.models.attention import KVCache
 from unmask.sampling.autoregressive import grow_cache
-from unmask.sampling.config import SamplingConfig
 from unmask.sampling.decoders import WholeDecoder, register_decoder
 from unmask.sampling.generate import GenerationOutput, finish_output
 from unmask.sampling.transfer import propose_tokens, sampling_probs
+
+if TYPE_CHECKING:  # pragma: no cover
+    from unmask.sampling.config import SamplingConfig
 
 
 @dataclass

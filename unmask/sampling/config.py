@@ -1,21 +1,26 @@
 """Sampling settings, declared once: `SamplingConfig`, and how layered settings resolve into
 one (`resolve_sampling`, a folder's family defaults: `FolderSampling`).
 
-Every sampling option lives in `SamplingConfig` and nowhere else: `sample` reads it, the
+Every sampling option is a field of `SamplingConfig`: `sample` reads it, the
 `unmask generate` flags and the lm-eval adapter's model_args are its fields, and a model
 folder's generation_config.json carries them in its "unmask" entry (written and read by
 sampling/generation_file.py). The run config's `eval:` section (the held-out generation at
-the end of training) holds one too: unmask/config/eval.py.
+the end of training) holds one too: unmask/config/eval.py. The options every decoder reads
+or refuses are declared here; a built-in decoder's own options are declared in its module,
+as one model (`MaskedOptions` in masked.py, `JointThresholdOptions` in editing.py,
+`EntropyBoundOptions` in entropy_bound.py), which SamplingConfig composes into the same
+flat fields (a decoder from another package gives its own as `decoder_options`).
 """
 
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
 from unmask.errors import InputError, describe_validation_error, did_you_mean
 from unmask.sampling.decoders import (
     DECODERS,
+    OPTION_SETTINGS,
     BlockDecoder,
     check_own_options,
     decoder_choices,
@@ -25,7 +30,10 @@ from unmask.sampling.decoders import (
     implied,
     owner_of,
 )
+from unmask.sampling.editing import JointThreshold, JointThresholdOptions
+from unmask.sampling.entropy_bound import EntropyBound, EntropyBoundOptions
 from unmask.sampling.hooks import import_hook
+from unmask.sampling.masked import MaskedBlockDecoder, MaskedOptions
 from unmask.sampling.schedules import SCHEDULES
 from unmask.sampling.transfer import remasking_choices
 
@@ -41,7 +49,8 @@ _CHOICES = {
 }
 # a decoder's own options that take one of a set of names: the decoder declares the names
 # (`Decoder.choices`: joint_threshold's presets and edit scopes, masked's fill rules)
-_DECODER_CHOICES = ("joint_preset", "edit_scope", "fill_rule")
+_DECODER_CHOICES = tuple(name for kind in (MaskedBlockDecoder, JointThreshold, EntropyBound)
+                         for name in kind.choices)  # fmt: skip
 # options that may be None (not given) though they take one of a set of names
 _UNSET_CHOICES = ("decoder", *_DECODER_CHOICES)
 # where blocks are counted from: the answer's first position (blocks of the answer alone),
@@ -53,15 +62,11 @@ BLOCK_ORIGINS = ("answer", "request")
 RUNTIME_OPTIONS = ("logits_hook", "tokens_hook", "history")
 
 
-class SamplingConfig(BaseModel):
-    """How `sample` fills a masked canvas (docs/diffusion.md, Sampling).
+class _SharedOptions(BaseModel):
+    """SamplingConfig's options up to the decoder's choice: the canvas, proposals, commits,
+    cache, attention, the kind of model and the decoder."""
 
-    Each option is checked on its own here; whether the lengths fit together (blocks, steps
-    per block) is checked by `check_lengths`, which `sample` calls, so callers may adjust
-    lengths after reading a folder's defaults.
-    """
-
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, allow_inf_nan=False)
+    model_config = OPTION_SETTINGS
 
     gen_length: int | Literal["auto"] = 32
     """Tokens to generate after each prompt (the canvas of masks), or `auto`: start from
@@ -154,48 +159,13 @@ class SamplingConfig(BaseModel):
     value read as a YAML scalar), a mapping in YAML and in generation_config.json, or
     "decoder_options": {...} under a request's "unmask". Checked by the decoder that runs
     (a decoder without an options model refuses them). Default: none (its own defaults)."""
-    edit_threshold: float | None = Field(None, ge=0.0, le=1.0)
-    """Decoder joint_threshold (LLaDA2.1's T2T edits): a filled answer token of the current
-    block is replaced by the model's argmax where that differs and its probability is above
-    this (0 = wherever the argmax differs). None = the preset's (speedy 0, quality 0.5)."""
-    max_post_edit_steps: int | None = Field(None, ge=0)
-    """Decoder joint_threshold: steps of edits alone once a block has no mask left (a block
-    also ends at the first step that changes nothing). None = the preset's (16)."""
-    penalty_lambda: float | None = Field(None, ge=0.0)
-    """Decoder joint_threshold: repetition penalty, subtracted from the logit of the token
-    just before each position of the block (SGLang's 2-gram penalty; 0 = off, 3 curbs most
-    repetition). None = the preset's (0)."""
-    joint_preset: str | None = None
-    """Decoder joint_threshold: LLaDA2.1's mode, speedy (threshold 0.5, edit_threshold 0)
-    or quality (threshold 0.7, edit_threshold 0.5), both max_post_edit_steps 16; options
-    given win over it. None = speedy (SGLang's defaults)."""
-    edit_scope: str | None = None
-    """Decoder joint_threshold: where T2T edits reach, block (the current block's filled
-    tokens, as SGLang and LLaDA2.1's own generate) or all (also every answer token of the
-    earlier blocks, under the same edit_threshold rule, while the current block decodes:
-    the report's multi-block editing; each step's forward then reads the whole answer so
-    far, and a K/V cache keeps only the prompt's). None = block."""
-    entropy_bound: float | None = Field(None, gt=0.0)
-    """Decoder entropy_bound: each step accepts the sampled tokens of lowest entropy while
-    the sum of their entropies less the largest stays within this bound (more accepted:
-    faster, less independent); the rest of the canvas is renoised. None = transformers'
-    0.1."""
-    max_denoising_steps: int | None = Field(None, gt=0)
-    """Decoder entropy_bound: the most denoising steps (decoder forwards) of one canvas; it
-    stops sooner once stable and confident. None = transformers' 48."""
-    temperature_start: float | None = Field(None, ge=0.0)
-    """Decoder entropy_bound: the temperature of the linear schedule at its start
-    (transformers' t_max); at step n of N remaining it is end + (start - end) n / N. None =
-    0.8."""
-    temperature_end: float | None = Field(None, ge=0.0)
-    """Decoder entropy_bound: the schedule's end temperature (transformers' t_min), below
-    temperature_start; the last step's is end + (start - end) / N. None = 0.4."""
-    stability_threshold: int | None = Field(None, ge=0)
-    """Decoder entropy_bound, adaptive stopping: a canvas is stable when its argmax equals
-    that of each of this many steps before (0: always stable). None = transformers' 1."""
-    confidence_threshold: float | None = Field(None, gt=0.0)
-    """Decoder entropy_bound, adaptive stopping: a canvas is confident when its tokens'
-    mean entropy (tempered) is below this; stable and confident stops it. None = 0.005."""
+
+
+class _BlockGridOptions(BaseModel):
+    """SamplingConfig's options of the block decoders' grid (`BlockDecoder`)."""
+
+    model_config = OPTION_SETTINGS
+
     block_origin: str = "answer"
     """Where blocks are counted from: `answer` (the answer's first position: blocks hold
     only masks) or `request` (the request's first token, as LLaDA2's generate and SGLang
@@ -210,21 +180,22 @@ class SamplingConfig(BaseModel):
     blocks (block_origin request: one token a step, block_length)."""
     minimal_topk: int = Field(1, ge=1)
     """LLaDA2: block_steps is capped at gen_length // minimal_topk."""
-    fill_rule: str | None = None
-    """The masked decoder's threshold rule: `fast_dllm` (each step the most confident mask
-    and every mask with confidence >= threshold) or `llada2` (every mask whose proposal's
-    probability is > threshold when at least the step's quota of them are, else the
-    quota's most confident; quotas split block_length over block_steps, LLaDA2's
-    generate). None = fast_dllm."""
-    multinomial_draws: bool = False
-    """fill_rule llada2: draw each proposal with torch.multinomial from the tempered,
-    filtered softmax of the block, as LLaDA2's generate draws (a row alone draws the same
-    tokens from the same seed); at temperature 0 this draws from the untempered softmax,
-    as the first LLaDA2.0 hub file does (inclusionAI/LLaDA2.X issue 6), not the argmax."""
-    eos_early_stop: bool = False
-    """LLaDA2's eos_early_stop: a row stops within a block at the step that commits an EOS
-    with no mask left before its first EOS (every row stops after a block that holds
-    EOS already, when the tokenizer has one)."""
+
+
+# pydantic takes the fields of the bases last to first, then the class's own: this order
+# keeps SamplingConfig's fields in the order they had (the order of the command line's
+# flags, the playground's options and a folder's generation_config.json)
+class SamplingConfig(MaskedOptions, _BlockGridOptions, EntropyBoundOptions,
+                     JointThresholdOptions, _SharedOptions):  # fmt: skip
+    """How `sample` fills a masked canvas (docs/diffusion.md, Sampling).
+
+    Each option is checked on its own here; whether the lengths fit together (blocks, steps
+    per block) is checked by `check_lengths`, which `sample` calls, so callers may adjust
+    lengths after reading a folder's defaults.
+    """
+
+    model_config = OPTION_SETTINGS
+
     ddpm_cache: bool = False
     """With `origin` remasking: reuse the last logits while no token changed (MDLM)."""
     gen_length_max: int | None = Field(None, gt=0)

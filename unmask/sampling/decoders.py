@@ -6,7 +6,10 @@ package; `SamplingConfig.decoder` names one (None: the one the options imply, `i
 Each decoder declares what it reads (`Decoder`): the options that are its own (every other
 decoder refuses them when given), the names they take, the options it refuses, what kind of
 model it decodes, its checks and how it fits a canvas; `SamplingConfig`'s validation, the
-command line's choices and the playground read them from here. A decoder from another
+command line's choices and the playground read them from here. A built-in decoder's own
+option fields (types, bounds, defaults, docstrings) are a `DecoderOptions` model in its
+module, which `SamplingConfig` composes into flat fields (sampling/config.py); its
+`options` are that model's field names. A decoder from another
 package declares its own options as one pydantic model (`Decoder.options_model`), given as
 `SamplingConfig.decoder_options` and checked for the decoder that runs (`check_own_options`,
 one line naming it). Two kinds:
@@ -37,7 +40,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 import torch
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from unmask.errors import describe_validation_error, did_you_mean
 from unmask.models.families import FAMILIES, family_for_hf_type
@@ -50,13 +53,29 @@ if TYPE_CHECKING:  # pragma: no cover
 DECODERS: dict[str, type[BlockDecoder] | type[WholeDecoder]] = {}
 
 
+#: the settings of SamplingConfig and of each model it is composed of: unknown keys refused,
+#: each attribute's docstring its description, numbers finite
+OPTION_SETTINGS = ConfigDict(extra="forbid", use_attribute_docstrings=True, allow_inf_nan=False)
+
+
+class DecoderOptions(BaseModel):
+    """The base of a built-in decoder's options model (`MaskedOptions` in masked.py,
+    `JointThresholdOptions` in editing.py, `EntropyBoundOptions` in entropy_bound.py): its
+    fields, with their bounds, defaults and docstrings, are `SamplingConfig` fields
+    (config.py composes the models), under SamplingConfig's settings (`OPTION_SETTINGS`)."""
+
+    model_config = OPTION_SETTINGS
+
+
 class Decoder:
     """What a decoder declares about the `SamplingConfig` it decodes with; the registry's
     readers (sampling/config.py's validation, `option_choices`, the playground) take it from
     here, so a decoder's options, checks, presets and fitting live with the decoder."""
 
     #: the options only this decoder reads: any other decoder refuses them when given
-    #: (differing from the field's default), naming this one
+    #: (differing from the field's default), naming this one. A built-in decoder's are the
+    #: fields of its options model (a `DecoderOptions` in its own module), which are
+    #: SamplingConfig's fields
     options: tuple[str, ...] = ()
     #: the names each of its options that takes a name accepts (`option_choices`)
     choices: Mapping[str, tuple[str, ...]] = MappingProxyType({})
@@ -305,6 +324,8 @@ __all__ = [
     "DECODERS",
     "BlockDecoder",
     "Decoder",
+    "DecoderOptions",
+    "OPTION_SETTINGS",
     "WholeDecoder",
     "decoder_choices",
     "decoder_class",

@@ -59,16 +59,19 @@ count and end are its own (the server batches rows of different requests).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+from pydantic import Field
 
-from unmask.sampling.config import SamplingConfig
-from unmask.sampling.decoders import BlockDecoder, register_decoder
+from unmask.sampling.decoders import BlockDecoder, DecoderOptions, register_decoder
 from unmask.sampling.generate import GenerationOutput, eos_adjusted
 from unmask.sampling.hooks import call_logits_hook, call_tokens_hook
 from unmask.sampling.schedules import num_transfer_tokens
 from unmask.sampling.transfer import propose_tokens, select_top_k
+
+if TYPE_CHECKING:  # pragma: no cover
+    from unmask.sampling.config import SamplingConfig
 
 # LLaDA2.1's decoding modes, the report's S and Q modes (arXiv 2602.08676; the model cards
 # of inclusionAI/LLaDA2.1-mini and -flash), and SGLang's JointThreshold defaults (= speedy)
@@ -80,9 +83,6 @@ JOINT_PRESETS = {
                 "penalty_lambda": 0.0},
 }  # fmt: skip
 JOINT_DEFAULT_PRESET = "speedy"
-# the options only decoder joint_threshold reads
-JOINT_OPTIONS = ("edit_threshold", "max_post_edit_steps", "penalty_lambda", "joint_preset",
-                 "edit_scope")  # fmt: skip
 # where its T2T edits reach: the current block (SGLang, the official generate), or every
 # block so far (the report's multi-block editing)
 EDIT_SCOPES = ("block", "all")
@@ -92,6 +92,32 @@ _REFUSED_WHY = ("it fills masks whose proposal's probability clears threshold, a
 JOINT_REFUSED = {name: _REFUSED_WHY for name in (
     "remasking", "schedule", "alg_temp", "factor", "sub_block_length", "confidence_eos_eot_inf",
     "ddpm_cache", "blocks_from_start")}  # fmt: skip
+
+
+class JointThresholdOptions(DecoderOptions):
+    """The options only decoder joint_threshold reads, SamplingConfig fields."""
+
+    edit_threshold: float | None = Field(None, ge=0.0, le=1.0)
+    """Decoder joint_threshold (LLaDA2.1's T2T edits): a filled answer token of the current
+    block is replaced by the model's argmax where that differs and its probability is above
+    this (0 = wherever the argmax differs). None = the preset's (speedy 0, quality 0.5)."""
+    max_post_edit_steps: int | None = Field(None, ge=0)
+    """Decoder joint_threshold: steps of edits alone once a block has no mask left (a block
+    also ends at the first step that changes nothing). None = the preset's (16)."""
+    penalty_lambda: float | None = Field(None, ge=0.0)
+    """Decoder joint_threshold: repetition penalty, subtracted from the logit of the token
+    just before each position of the block (SGLang's 2-gram penalty; 0 = off, 3 curbs most
+    repetition). None = the preset's (0)."""
+    joint_preset: str | None = None
+    """Decoder joint_threshold: LLaDA2.1's mode, speedy (threshold 0.5, edit_threshold 0)
+    or quality (threshold 0.7, edit_threshold 0.5), both max_post_edit_steps 16; options
+    given win over it. None = speedy (SGLang's defaults)."""
+    edit_scope: str | None = None
+    """Decoder joint_threshold: where T2T edits reach, block (the current block's filled
+    tokens, as SGLang and LLaDA2.1's own generate) or all (also every answer token of the
+    earlier blocks, under the same edit_threshold rule, while the current block decodes:
+    the report's multi-block editing; each step's forward then reads the whole answer so
+    far, and a K/V cache keeps only the prompt's). None = block."""
 
 
 def joint_threshold_settings(config: SamplingConfig) -> dict[str, Any]:
@@ -110,7 +136,7 @@ class JointThreshold(BlockDecoder):
     (`joint_threshold_settings`) and edit_scope."""
 
     edits_tokens = True
-    options = JOINT_OPTIONS
+    options = tuple(JointThresholdOptions.model_fields)
     choices = {"joint_preset": tuple(JOINT_PRESETS), "edit_scope": EDIT_SCOPES}
     refuses = JOINT_REFUSED
 
@@ -122,7 +148,7 @@ class JointThreshold(BlockDecoder):
         if config.threshold is not None and not 0.0 <= config.threshold <= 1.0:
             raise ValueError(f"decoder joint_threshold: threshold is a probability, from 0 to "
                              f"1 (got {config.threshold})")  # fmt: skip
-        defaults = SamplingConfig.model_fields
+        defaults = type(config).model_fields
         for name, why in JOINT_REFUSED.items():
             value = getattr(config, name)
             off = name == "alg_temp" and not value  # alg_temp 0 = None: the top ones

@@ -68,15 +68,23 @@ from __future__ import annotations
 import time
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+from pydantic import Field
 
 from unmask.errors import InputError
 from unmask.models.diffusion_gemma_vision import Images
-from unmask.sampling.config import SamplingConfig
-from unmask.sampling.decoders import WholeDecoder, register_decoder, uniform_canvas_model
+from unmask.sampling.decoders import (
+    DecoderOptions,
+    WholeDecoder,
+    register_decoder,
+    uniform_canvas_model,
+)
 from unmask.sampling.generate import GenerationOutput
+
+if TYPE_CHECKING:  # pragma: no cover
+    from unmask.sampling.config import SamplingConfig
 
 #: row seeds are (seed + row) mod 2**64, torch.Generator.manual_seed's range
 _SEED_RANGE = 2**64
@@ -88,7 +96,35 @@ _SEED_RANGE = 2**64
 ENTROPY_BOUND_DEFAULTS = {"entropy_bound": 0.1, "max_denoising_steps": 48,
                           "temperature_start": 0.8, "temperature_end": 0.4,
                           "stability_threshold": 1, "confidence_threshold": 0.005}  # fmt: skip
-ENTROPY_BOUND_OPTIONS = tuple(ENTROPY_BOUND_DEFAULTS)
+
+
+class EntropyBoundOptions(DecoderOptions):
+    """The options only decoder entropy_bound reads, SamplingConfig fields; None: its
+    default (`ENTROPY_BOUND_DEFAULTS`)."""
+
+    entropy_bound: float | None = Field(None, gt=0.0)
+    """Decoder entropy_bound: each step accepts the sampled tokens of lowest entropy while
+    the sum of their entropies less the largest stays within this bound (more accepted:
+    faster, less independent); the rest of the canvas is renoised. None = transformers'
+    0.1."""
+    max_denoising_steps: int | None = Field(None, gt=0)
+    """Decoder entropy_bound: the most denoising steps (decoder forwards) of one canvas; it
+    stops sooner once stable and confident. None = transformers' 48."""
+    temperature_start: float | None = Field(None, ge=0.0)
+    """Decoder entropy_bound: the temperature of the linear schedule at its start
+    (transformers' t_max); at step n of N remaining it is end + (start - end) n / N. None =
+    0.8."""
+    temperature_end: float | None = Field(None, ge=0.0)
+    """Decoder entropy_bound: the schedule's end temperature (transformers' t_min), below
+    temperature_start; the last step's is end + (start - end) / N. None = 0.4."""
+    stability_threshold: int | None = Field(None, ge=0)
+    """Decoder entropy_bound, adaptive stopping: a canvas is stable when its argmax equals
+    that of each of this many steps before (0: always stable). None = transformers' 1."""
+    confidence_threshold: float | None = Field(None, gt=0.0)
+    """Decoder entropy_bound, adaptive stopping: a canvas is confident when its tokens'
+    mean entropy (tempered) is below this; stable and confident stops it. None = 0.005."""
+
+
 #: options decoder entropy_bound refuses when given: what it reads instead (the rest of the
 #: sentence "decoder entropy_bound takes no NAME: ...")
 NOT_ENTROPY_BOUND = {
@@ -212,7 +248,7 @@ class EntropyBound(WholeDecoder):
     doc). Options entropy_bound, max_denoising_steps, temperature_start / _end,
     stability_threshold, confidence_threshold (`entropy_bound_settings`)."""
 
-    options = ENTROPY_BOUND_OPTIONS
+    options = tuple(EntropyBoundOptions.model_fields)
     refuses = NOT_ENTROPY_BOUND
     uniform_canvas = True
     block_layout = False
@@ -234,7 +270,7 @@ class EntropyBound(WholeDecoder):
         if config.gen_length == "auto":
             raise ValueError("decoder entropy_bound stops a row at the canvas holding EOS; "
                              "give gen_length N (the most tokens)")  # fmt: skip
-        defaults = SamplingConfig.model_fields
+        defaults = type(config).model_fields
         for name, why in NOT_ENTROPY_BOUND.items():
             value = getattr(config, name)
             if value is not None and value != defaults[name].get_default():

@@ -27,9 +27,12 @@ step that commits an EOS with no mask before it), and everything after its first
 EOS. `sample` returns the tokens with NFE and throughput.
 """
 
+from __future__ import annotations
+
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from pydantic import ValidationError
@@ -39,7 +42,6 @@ from unmask.errors import InputError, describe_validation_error
 from unmask.models.attention import KVCache
 from unmask.models.diffusion_gemma_vision import Images
 from unmask.sampling.autolength import prompt_mask, sample_auto
-from unmask.sampling.config import SamplingConfig
 from unmask.sampling.decoders import (
     WholeDecoder,
     decoder_class,
@@ -47,6 +49,10 @@ from unmask.sampling.decoders import (
 )
 from unmask.sampling.hooks import call_tokens_hook
 from unmask.sampling.layout import canvas_blocks, filler_token, lay_out
+
+if TYPE_CHECKING:  # pragma: no cover
+    # config.py imports the decoders' modules (their options models), which build on this one
+    from unmask.sampling.config import SamplingConfig
 
 
 @dataclass
@@ -346,28 +352,6 @@ def finish_output(out: GenerationOutput, x_all: torch.Tensor, mask_id: int, eos_
     out.sequences = x_all
 
 
-def generate(
-    model: nn.Module,
-    prompt_ids: torch.Tensor,
-    config: SamplingConfig | None = None,
-    *,
-    mask_id: int,
-    eos_id: int | None = None,
-    attention_mask: torch.Tensor | None = None,
-    generator: torch.Generator | None = None,
-    on_step: Callable[[torch.Tensor], None] | None = None,
-    **options,
-) -> torch.Tensor:
-    """LLaDA-style front end: `sample` returning only the tokens (B, P + G), prompt
-    unchanged, no masks left. Sampling options may be given as keywords (they update
-    `config`, else SamplingConfig's defaults); steps = gen_length = block_length = 128,
-    temperature 0 and low_confidence reproduce LLaDA's `generate` with its defaults."""
-    config = (config or SamplingConfig()).updated(**options)
-    return sample(model, prompt_ids, config, mask_id=mask_id, eos_id=eos_id,
-                  attention_mask=attention_mask, generator=generator,
-                  on_step=on_step).sequences  # fmt: skip
-
-
 # The decoders register themselves in their own modules, which build on this one:
 # masked.py, autoregressive.py (left_to_right), blocks_from_start.py, editing.py
 # (joint_threshold) and entropy_bound.py; the package imports them (sampling/__init__.py).
@@ -377,7 +361,6 @@ __all__ = [
     "GenerationOutput",
     "canvas_blocks",
     "cfg_combine",
-    "generate",
     "left_pad",
     "sample",
 ]

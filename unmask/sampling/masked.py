@@ -7,10 +7,11 @@ out and runs it block by block; the server's engine runs it per block call.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from unmask.sampling.config import SamplingConfig
-from unmask.sampling.decoders import BlockDecoder, register_decoder
+from unmask.sampling.decoders import BlockDecoder, DecoderOptions, register_decoder
 from unmask.sampling.generate import GenerationOutput, eos_adjusted
 from unmask.sampling.hooks import call_logits_hook, call_tokens_hook
 from unmask.sampling.schedules import dream_transfer_count, num_transfer_tokens, unmask_fraction
@@ -27,13 +28,37 @@ from unmask.sampling.transfer import (
     select_top_k,
 )
 
+if TYPE_CHECKING:  # pragma: no cover
+    from unmask.sampling.config import SamplingConfig
+
+
+class MaskedOptions(DecoderOptions):
+    """The options only the masked decoder reads (LLaDA2's fill rule), SamplingConfig
+    fields."""
+
+    fill_rule: str | None = None
+    """The masked decoder's threshold rule: `fast_dllm` (each step the most confident mask
+    and every mask with confidence >= threshold) or `llada2` (every mask whose proposal's
+    probability is > threshold when at least the step's quota of them are, else the
+    quota's most confident; quotas split block_length over block_steps, LLaDA2's
+    generate). None = fast_dllm."""
+    multinomial_draws: bool = False
+    """fill_rule llada2: draw each proposal with torch.multinomial from the tempered,
+    filtered softmax of the block, as LLaDA2's generate draws (a row alone draws the same
+    tokens from the same seed); at temperature 0 this draws from the untempered softmax,
+    as the first LLaDA2.0 hub file does (inclusionAI/LLaDA2.X issue 6), not the argmax."""
+    eos_early_stop: bool = False
+    """LLaDA2's eos_early_stop: a row stops within a block at the step that commits an EOS
+    with no mask left before its first EOS (every row stops after a block that holds
+    EOS already, when the tokenizer has one)."""
+
 
 class MaskedBlockDecoder(BlockDecoder):
     """`masked`: the masked-diffusion block decoder. Each step a forward (or a cache / ddpm
     reuse), proposals, and commits chosen by remasking and schedule, threshold, factor or
     sub_block_length (LLaDA, Dream, Fast-dLLM v1 and v2's sub-blocks, MDLM's origin)."""
 
-    options = ("fill_rule", "eos_early_stop", "multinomial_draws")
+    options = tuple(MaskedOptions.model_fields)
     #: its threshold rules: fast_dllm (the top one and every confidence >= threshold),
     #: llada2 (every confidence > threshold when at least the step's quota do, else the
     #: quota's most confident: LLaDA2's generate)
