@@ -9,9 +9,9 @@ import torch
 from unmask.checkpoint.layout import resolve_model_folder
 from unmask.checkpoint.saved import inspect_saved, load_saved_model
 from unmask.data.tokenizer import load_local_tokenizer
+from unmask.device import resolve_device
 from unmask.errors import InputError
 from unmask.models import folder_mask_token_id
-from unmask.parallel.distributed import resolve_device
 from unmask.sampling.generation_file import saved_sampling
 from unmask.sampling.texts import SamplingModel
 

@@ -16,7 +16,6 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from unmask.errors import InputError
 from unmask.optim.distributed import quiet_dtensor_notes
 from unmask.parallel.dims import ParallelDims
 from unmask.parallel.mesh import LaunchEnv, init_process_group, launch_env, sub_mesh
@@ -155,15 +154,6 @@ def _first_clause(message: str) -> str:
 def full_value(x):
     """The global value of a DTensor (e.g. a grad norm), else x."""
     return x.full_tensor() if isinstance(x, DTensor) else x
-
-
-def resolve_device(name: str) -> torch.device:
-    """auto: cuda when a CUDA device is visible, else cpu; cuda without one: an InputError."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise InputError("device is 'cuda' but no CUDA device is visible; use auto or cpu")
-    return torch.device(name)
 
 
 def clip_grad_norm(parameters, max_norm: float, across=None) -> torch.Tensor:

@@ -8,10 +8,13 @@ it composes with FSDP2 without wrappers; the caller sets it before compiling and
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+if TYPE_CHECKING:  # pragma: no cover
+    from torch.distributed.device_mesh import DeviceMesh
 
 
 def compile_blocks(blocks: list[nn.Module], fullgraph: bool = True) -> int:
@@ -48,6 +51,11 @@ def apply_fsdp(
     normalizes by the global token count itself. ``ignored_params``: parameters FSDP2 leaves
     alone (expert-parallel expert stacks, DTensors on their own grid: parallel/expert.py).
     """
+    # torch.distributed.fsdp imports DTensor, with sympy under it: half a second that every
+    # reader of a checkpoint (this module's full_model_state: `unmask generate`, `eval`,
+    # `export`) would pay at start-up though only the trainer shards
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
     policy = MixedPrecisionPolicy(
         param_dtype=torch.bfloat16 if bf16 else None,
         reduce_dtype=torch.float32 if bf16 else None,
@@ -79,6 +87,7 @@ def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """Gather the full (unsharded) state dict to CPU; collective, every rank calls it. A
     pipeline stage's model (its `pipeline_group` set) also gathers the other stages'
     entries from its pipeline's ranks: the first one gets the whole model's."""
+    # here, not at the top: the readers of checkpoints import this module (see apply_fsdp)
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from torch.distributed.tensor import DTensor

@@ -20,6 +20,7 @@ from unmask.config import RunConfig, dump_config
 from unmask.data import make_loader
 from unmask.data.images import processor_files
 from unmask.data.streaming import StreamSpec
+from unmask.device import resolve_device
 from unmask.diffusion import objective_spec
 from unmask.errors import RunStopped
 from unmask.models.float8 import check_float8
@@ -27,7 +28,7 @@ from unmask.models.quant import check_4bit
 from unmask.optim.config import build_optimizer
 from unmask.optim.schedule import build_scheduler
 from unmask.parallel.context import ContextShard, attach_context
-from unmask.parallel.distributed import collective_failure, resolve_device, setup
+from unmask.parallel.distributed import collective_failure, setup
 from unmask.parallel.expert import attach_moe_training
 from unmask.parallel.mesh import launch_env, share_from_rank0
 from unmask.parallel.pipeline import PipelineRunner
