@@ -1,6 +1,6 @@
 """A family's memory model is its shape's declaration (models/shape.py
 `ModelShape.memory_model`, issue 54): `unmask plan` prices the step with the walk the shape
-names (plan/memory.py `MEMORY_MODELS`), so a family from another package brings its own walk
+names (plan/memory_models.py `MEMORY_MODELS`), so a family from another package brings its own walk
 with `register_memory_model` and no edit of plan/; the built-in ones keep theirs (the
 decoder's, DiffusionGemma's canvas walk)."""
 
@@ -11,9 +11,10 @@ import pytest
 from unmask.config import load_config
 from unmask.models import DiffusionTransformer, Family, register_family, unregister_family
 from unmask.models.shape import DECODER, DIFFUSION_GEMMA
-from unmask.plan import memory
+from unmask.plan import canvas_memory
 from unmask.plan.devices import DEVICES
-from unmask.plan.memory import MEMORY_MODELS, decoder_memory_terms, register_memory_model
+from unmask.plan.memory import decoder_memory_terms
+from unmask.plan.memory_models import MEMORY_MODELS, register_memory_model
 from unmask.plan.planner import make_run_plan
 from unmask.plan.shards import planned_model_config
 
@@ -30,7 +31,7 @@ def tiny(model_type: str):
 def test_the_built_in_families_name_their_walks():
     assert DECODER.memory_model == "decoder" and DIFFUSION_GEMMA.memory_model == "canvas"
     assert MEMORY_MODELS["decoder"] is decoder_memory_terms
-    assert MEMORY_MODELS["canvas"] is memory.canvas_memory_terms
+    assert MEMORY_MODELS["canvas"] is canvas_memory.canvas_memory_terms
     with pytest.raises(ValueError, match="memory model 'decoder' is already registered"):
         register_memory_model("decoder", decoder_memory_terms)
 

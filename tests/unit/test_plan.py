@@ -14,7 +14,8 @@ from unmask.models.moe import SparseMoE
 from unmask.parallel.dims import ParallelDims
 from unmask.parallel.pipeline_plan import PipelinePlan
 from unmask.plan.devices import DEVICES, resolve_device
-from unmask.plan.memory import StepShape, activation_bytes, in_flight, memory_terms, state_bytes
+from unmask.plan.memory import StepShape, activation_bytes, in_flight, state_bytes
+from unmask.plan.memory_models import memory_terms
 from unmask.plan.planner import (
     bubble_fraction,
     make_run_plan,

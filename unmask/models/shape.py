@@ -11,7 +11,7 @@ Each `Family` (models/families.py) carries a `ModelShape`. What reads it:
   `attention_width` (`layer_costs`) and runs each stage through the model's own
   `hidden_states` over the stage's layers (`StagedModel`, no copy of the forward);
 - the MFU (train/mfu.py) counts the attention term with `attention_width`;
-- the memory model (plan/memory.py) is the walk the shape names (`memory_model`): the
+- the memory model (plan/memory_models.py) is the walk the shape names (`memory_model`): the
   decoder's uses its formulas for the decoder block (`activation_formula` True) and otherwise
   measures what a layer saves for backward by running the model on the meta device (no
   storage, no compute); a canvas decoder's (DiffusionGemma) reads `prompt_kv`; a family
@@ -99,11 +99,12 @@ class ModelShape:
     recompute: bool = True
     lora_linear: str | tuple[str, ...] = NATIVE_LINEAR
     memory_model: str = "decoder"
-    """The walk `unmask plan` prices its training step's memory with, by name (plan/memory.py
-    `MEMORY_MODELS`): "decoder" (a stack of layers over each micro-batch: the formulas, or
-    the layers' traced saves), "canvas" (an encoder pass and decoder passes over a canvas);
+    """The walk `unmask plan` prices its training step's memory with, by name
+    (plan/memory_models.py `MEMORY_MODELS`): "decoder" (a stack of layers over each
+    micro-batch: the formulas, or the layers' traced saves), "canvas" (an encoder pass and
+    decoder passes over a canvas);
     a family from another package registers its own walk
-    (plan/memory.py `register_memory_model`) and names it here, with no edit of plan/."""
+    (plan/memory_models.py `register_memory_model`) and names it here, with no edit of plan/."""
 
     def canvas_length(self, arch) -> int:
         """Tokens of the canvas a canvas decoder's passes run over (`canvas_decoder`), which
@@ -244,7 +245,7 @@ class DiffusionGemmaShape(ModelShape):
         """(prompt tokens whose keys and values layer `index` keeps for the decoder, its
         key/value heads, its head dim) for a prompt of `length` tokens: the whole prompt on a
         full-attention layer, its last sliding_window - 1 tokens on a sliding one (the
-        canvas's memory walk, plan/memory.py `prompt_kv_gradient_bytes`)."""
+        canvas's memory walk, plan/canvas_memory.py `prompt_kv_gradient_bytes`)."""
         sliding, head_dim, kv_heads = arch.diffusion_gemma.layer_shape(arch, index)
         kept = min(length, arch.diffusion_gemma.sliding_window - 1) if sliding else length
         return kept, kv_heads, head_dim
@@ -367,7 +368,7 @@ split of this family and refuses it in one line.
 No pipeline stages (its forward is an encoder pass and a decoder pass, not
 `StagedModel`'s `hidden_states`); trained by the `uniform` objective (`canvas_decoder`).
 
-Planned (`plans`; plan/memory.py `canvas_memory_terms`) as that objective's step runs it:
+Planned (`plans`; plan/canvas_memory.py `canvas_memory_terms`) as that objective's step runs it:
 the encoder over the whole row (data.packing_length, left-padded), a decoder pass without
 gradients over the canvas when diffusion.self_conditioning_prob > 0 (on every row), the
 decoder with gradients over the canvas, the tied LM head on the canvas over the whole
@@ -377,7 +378,7 @@ vocabulary in float32. What is measured and what is modelled:
   parallelize code under the fake process group, experts on the ep grid as the other MoE
   families'); the bytes the step saves for backward, layer by layer and pass by pass, by
   running the model's own forward on the objective's call (`training_call`) under
-  FakeTensorMode (plan/memory.py `traced_canvas_bytes`); the FLOPs (`call_flops`, held to
+  FakeTensorMode (plan/canvas_memory.py `traced_canvas_bytes`); the FLOPs (`call_flops`, held to
   FlopCounterMode);
 - modelled: under expert parallelism the saves a one-process trace cannot see (the
   received rows' regrouping, autocast's bfloat16 copies of the local expert stacks), with

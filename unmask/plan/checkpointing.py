@@ -32,7 +32,7 @@ from unmask.errors import InputError
 from unmask.models.build import build_model, resolve_model
 from unmask.models.config import ModelConfig
 from unmask.plan.devices import DEVICES, Device, resolve_device
-from unmask.plan.memory import memory_terms
+from unmask.plan.memory_models import memory_terms
 from unmask.plan.planner import USABLE_MEMORY, planned_ranks, run_shape
 from unmask.plan.shards import (
     describe_shards,

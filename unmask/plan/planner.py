@@ -29,7 +29,8 @@ from unmask.optim.newton_schulz import ns_flops
 from unmask.optim.updates import auto_ns_dtype, cpu_has_native_bf16
 from unmask.parallel.pipeline_plan import bubble_formula, split_passes
 from unmask.plan.devices import Device
-from unmask.plan.memory import MemoryTerms, StepShape, memory_terms
+from unmask.plan.memory import MemoryTerms, StepShape
+from unmask.plan.memory_models import memory_terms
 from unmask.plan.shards import (
     ShardedModel,
     parallel_of,
