@@ -12,7 +12,7 @@ from conftest import save_tiny_model
 
 from unmask.cli import main
 from unmask.config import load_config
-from unmask.parallel.distributed import resolve_device
+from unmask.device import resolve_device
 from unmask.train.trainer import cpu_share_notice
 
 
