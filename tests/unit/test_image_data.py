@@ -168,6 +168,20 @@ def test_bad_pictures_are_one_line(saved, tmp_path):
         build_datasets(config(data, folder), build_tokenizer(config(data, folder)))
 
 
+def picture_run(tmp_path, folder, dataset, image_folder, extra: dict | None = None):
+    """tmp_path/run.yaml: the folder fine-tuned (`uniform`) on `dataset`'s picture rows, its
+    output in tmp_path/run."""
+    tree = deep_update(TINY, {"data": {"dataset": str(dataset), "tokenizer": str(folder),
+                                       "image_folder": str(image_folder),
+                                       "packing_length": LENGTH, "eval_split": 2},
+                              "diffusion": {"objective": "uniform"},
+                              "train": {"output_dir": str(tmp_path / "run")}})  # fmt: skip
+    tree["model"] = {"pretrained": str(folder)}
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(deep_update(tree, extra or {})))
+    return path
+
+
 def test_a_missing_picture_stops_unmask_train_in_one_line_before_writing(saved, tmp_path,
                                                                          capsys):  # fmt: skip
     folder, data = saved
@@ -175,15 +189,7 @@ def test_a_missing_picture_stops_unmask_train_in_one_line_before_writing(saved, 
     rows[3]["image"] = "pictures/gone.png"
     bad = tmp_path / "rows.jsonl"
     bad.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    tree = deep_update(TINY, {"data": {"dataset": str(bad), "tokenizer": str(folder),
-                                       "image_folder": str(data.parent),
-                                       "packing_length": LENGTH, "eval_split": 2},
-                              "diffusion": {"objective": "uniform"},
-                              "train": {"output_dir": str(tmp_path / "run")}})  # fmt: skip
-    tree["model"] = {"pretrained": str(folder)}
-    path = tmp_path / "run.yaml"
-    path.write_text(yaml.safe_dump(tree))
-    assert main(["train", str(path)]) == 2
+    assert main(["train", str(picture_run(tmp_path, folder, bad, data.parent))]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "row 3: picture" in err[0] and "gone.png' does not exist" in err[0]
     assert not (tmp_path / "run").exists()
@@ -194,15 +200,7 @@ def test_held_out_accuracy_on_rows_with_pictures_is_refused_before_writing(saved
     """eval.generate_accuracy would decode the held-out prompts without their pictures:
     refused in one line at start-up, the run folder not made."""
     folder, data = saved
-    tree = deep_update(TINY, {"data": {"dataset": str(data), "tokenizer": str(folder),
-                                       "image_folder": str(data.parent),
-                                       "packing_length": LENGTH, "eval_split": 2},
-                              "diffusion": {"objective": "uniform"},
-                              "eval": {"generate_accuracy": True},
-                              "train": {"output_dir": str(tmp_path / "run")}})  # fmt: skip
-    tree["model"] = {"pretrained": str(folder)}
-    path = tmp_path / "run.yaml"
-    path.write_text(yaml.safe_dump(tree))
+    path = picture_run(tmp_path, folder, data, data.parent, {"eval": {"generate_accuracy": True}})
     assert main(["train", str(path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "eval.generate_accuracy decodes held-out prompts without" in err[0]

@@ -102,8 +102,7 @@ class ModelShape:
     """The walk `unmask plan` prices its training step's memory with, by name
     (plan/memory_models.py `MEMORY_MODELS`): "decoder" (a stack of layers over each
     micro-batch: the formulas, or the layers' traced saves), "canvas" (an encoder pass and
-    decoder passes over a canvas);
-    a family from another package registers its own walk
+    decoder passes over a canvas); a family from another package registers its own walk
     (plan/memory_models.py `register_memory_model`) and names it here, with no edit of plan/."""
 
     def canvas_length(self, arch) -> int:

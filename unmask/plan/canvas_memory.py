@@ -19,6 +19,7 @@ from unittest import mock
 import torch
 
 from unmask.models.build import _no_init, build_model
+from unmask.models.config import ModelConfig
 from unmask.models.moe import step_casts
 from unmask.models.shape import ModelShape
 from unmask.plan.memory import (
@@ -60,8 +61,6 @@ def trace_canvas_bytes(family: ModelShape, arch_json: str, rows: int, length: in
     with saved-tensor hooks, as `traced_layer_bytes` (each storage once, parameters left
     out); the first decoder pass runs under no_grad and saves nothing."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from unmask.models.config import ModelConfig
 
     arch = ModelConfig.model_validate_json(arch_json)
     with FakeTensorMode(), _no_init():

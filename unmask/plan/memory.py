@@ -82,6 +82,7 @@ import torch
 
 from unmask.diffusion.loss import LOSS_BLOCK, loss_block_rows
 from unmask.models.build import _no_init, build_model
+from unmask.models.config import ModelConfig
 from unmask.models.moe import step_casts
 from unmask.models.shape import recomputes
 from unmask.optim.muon import NS_BATCH_NUMEL
@@ -240,8 +241,6 @@ def traced_layer_bytes(arch_json: str, rows: int, length: int, bf16: bool,
     (`autocast`: one process, whose saves include autocast's weight copies) or with the
     weights themselves in bfloat16 (FSDP2's mixed precision)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from unmask.models.config import ModelConfig
 
     arch = ModelConfig.model_validate_json(arch_json)
     with FakeTensorMode(), _no_init():

@@ -25,6 +25,7 @@ The pictures: one per row at the folder's image processor's largest size
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from unittest import mock
@@ -41,6 +42,9 @@ from unmask.models.diffusion_gemma_vision import (
     vision_registered,
 )
 from unmask.models.lora import VISION_TARGETS
+from unmask.plan.planner import step_rows
+from unmask.plan.report import human_bytes
+from unmask.plan.shards import parallel_of, planned_model_config
 
 MAX_SOFT_TOKENS = 280
 """transformers' Gemma 4 image processor's default `max_soft_tokens`."""
@@ -155,8 +159,6 @@ def lora_adapters(vision: Vision, model) -> dict[str, int]:
     """LoRA factors' parameters on the tower's and the projector's linear maps, by
     lora_target_modules entry (models/lora.py VISION_TARGETS: the modules peft adapts,
     r x (in + out) each); 0 for a part not targeted."""
-    import re
-
     targets = model.lora_target_modules if model.lora else None
     count = dict.fromkeys((LORA_TOWER, LORA_PROJECTOR), 0)
     if not isinstance(targets, list):
@@ -173,9 +175,6 @@ def lora_adapters(vision: Vision, model) -> dict[str, int]:
 def plan_tower(cfg, world_size: int) -> TowerPlan | None:
     """The TowerPlan of a run config (`RunConfig`) at `world_size` ranks, or None when its
     model has no vision tower (no pretrained folder, or one without vision_config)."""
-    from unmask.plan.planner import step_rows
-    from unmask.plan.shards import parallel_of, planned_model_config
-
     folder = cfg.model.pretrained
     source = folder_vision_config(folder) if folder is not None else None
     if source is None:
@@ -239,8 +238,6 @@ def tower_lines(tower: TowerPlan, peak: int, limit: int, compute_s: float,
                 step_flops: float) -> list[str]:  # fmt: skip
     """What `unmask plan` prints for the tower: its share of a rank's memory beside the
     text model's worst peak, and of the step's compute at the plan's MFU."""
-    from unmask.plan.report import human_bytes
-
     if tower.adapters:
         state = (f"LoRA: {tower.adapters / 1e6:.3f} M adapter parameters trained on the frozen "
                  "base, registered and FSDP2-sharded, with backward")  # fmt: skip

@@ -10,9 +10,10 @@ its finished canvases (models/diffusion_gemma.py PromptCache) and its own genera
    through the vision tower and the projector there): once per prompt, never again for
    its later steps or canvases (`CanvasState.cache`);
 2. each turn denoises one canvas for every row of the group with the running decoder's
-   `serve_canvas` (entropy_bound: `denoise_canvas`, the code `unmask generate` runs): the rows' caches are joined, each left-padded to the longest
-   (zeros no query attends to: the cache's padding mask), and each row's canvas sits at
-   its own positions (its tokens so far onward);
+   `serve_canvas` (entropy_bound: `denoise_canvas`, the code `unmask generate` runs): the
+   rows' caches are joined, each left-padded to the longest (zeros no query attends to:
+   the cache's padding mask), and each row's canvas sits at its own positions (its tokens
+   so far onward);
 3. the finished canvas is appended to the rows' joined cache (`model.encode`, the canvas
    after them), which is split back into each row's own cache, its padding dropped.
 

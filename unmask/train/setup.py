@@ -6,6 +6,7 @@ the objective with what it needs beside the model (its registry entry says what)
 import contextlib
 import copy
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
 
@@ -18,6 +19,7 @@ from unmask.data import (
     ensure_special_tokens,
     heldout_examples,
 )
+from unmask.data.images import PictureRows
 from unmask.diffusion import Objective, build_objective, objective_spec
 from unmask.diffusion.registry import head_share, names_that
 from unmask.errors import InputError
@@ -29,8 +31,10 @@ from unmask.models import (
     max_positions,
     resolve_model,
 )
+from unmask.models.diffusion_gemma_vision import NO_TOWER, has_folder_tower, vision_registered
 from unmask.models.families import FAMILIES
 from unmask.models.float8 import check_float8_request, convert_to_float8
+from unmask.models.hf import read_config, tensor_names
 from unmask.models.lora import apply_lora, lora_targets, targets_experts
 from unmask.models.lora import check_request as check_lora_request
 from unmask.models.quant import check_4bit_request, quantize_4bit
@@ -123,11 +127,6 @@ def check_vision_request(model: ResolvedModel) -> None:
     (`model.freeze_vision` not true, vision_tower / embed_vision among the LoRA targets) on
     a folder without one: it must be a diffusion_gemma folder whose config.json has a
     vision_config and whose weights hold the tower's tensors."""
-    from pathlib import Path
-
-    from unmask.models.diffusion_gemma_vision import NO_TOWER, has_folder_tower, vision_registered
-    from unmask.models.hf import read_config, tensor_names
-
     if not vision_registered(model.section):
         return
     folder = model.section.pretrained
@@ -493,8 +492,6 @@ def objective_datasets(cfg: RunConfig, tokenizer, as_loaded) -> Datasets:
     if own is not None:
         return own(cfg, tokenizer, as_loaded)
     datasets = build_datasets(cfg.data, tokenizer, as_loaded, cfg.model.pretrained)
-    from unmask.data.images import PictureRows
-
     if cfg.eval.generate_accuracy and isinstance(datasets.train, PictureRows):
         # its held-out prompts would be decoded without their pictures (or left out)
         raise InputError("eval.generate_accuracy decodes held-out prompts without pictures; "
